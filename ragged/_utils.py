@@ -1,0 +1,111 @@
+"""Small shared helpers: argument checks, host-to-device metadata, warn-once."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Sequence
+
+import numpy as np
+import torch
+
+INT32_MAX = 2**31 - 1
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def offsets_dtype_for(total: int) -> torch.dtype:
+    """int32 offsets unless a token count can pass 2**31 - 1 (then int64)."""
+    return torch.int32 if total <= INT32_MAX else torch.int64
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def describe(x: object) -> str:
+    """Short description of an argument for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_tensor(fn: str, name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}(): expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None = None) -> torch.Tensor:
+    check_tensor(fn, "offsets", offsets)
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"{fn}(): expected offsets of dtype torch.int32 or torch.int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{fn}(): expected offsets to be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
+    if values is not None and offsets.device != values.device:
+        raise ValueError(f"{fn}(): expected values and offsets on the same device, "
+                         f"got values on {values.device} and offsets on {offsets.device}")
+    return offsets
+
+
+def host_offsets_from_lengths(fn: str, lengths: Sequence[int]) -> list[int]:
+    """Validated host lengths -> host offsets (B+1 Python ints).
+
+    Pure Python on purpose: under torch.compile, Python ints fold into constants,
+    while numpy calls would be traced into tensor ops.
+    """
+    offsets = [0]
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            if isinstance(n, (float, np.floating)) and float(n).is_integer():
+                n = int(n)
+            else:
+                raise TypeError(f"{fn}(): expected integer lengths, got lengths[{i}] = {describe(n)}")
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"{fn}(): expected lengths >= 0, got lengths[{i}] = {n}")
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def host_lengths_of(fn: str, lengths: object) -> list[int]:
+    """Lengths as Python ints. A CUDA tensor costs one device-to-host sync."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise TypeError(f"{fn}(): expected integer lengths, got a {lengths.dtype} tensor")
+        if lengths.dim() != 1:
+            raise ValueError(f"{fn}(): expected 1-D lengths, got shape {tuple(lengths.shape)}")
+        return lengths.detach().to("cpu", torch.int64).tolist()
+    if isinstance(lengths, np.ndarray):
+        if lengths.ndim != 1:
+            raise ValueError(f"{fn}(): expected 1-D lengths, got shape {lengths.shape}")
+        return lengths.tolist()
+    if isinstance(lengths, (list, tuple, range)):
+        return list(lengths)
+    raise TypeError(f"{fn}(): expected lengths as a list of ints, a numpy array or a tensor, got {describe(lengths)}")
+
+
+def max_length(host_offsets: Sequence[int]) -> int:
+    return max((host_offsets[i + 1] - host_offsets[i] for i in range(len(host_offsets) - 1)), default=0)
+
+
+def to_device(host: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host metadata -> device tensor without a blocking copy (pinned + non_blocking on CUDA)."""
+    t = torch.tensor(host, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        # A pageable host->device copy blocks the host (and trips sync-debug mode);
+        # a pinned one is queued on the stream, and the caching host allocator keeps
+        # the pinned block alive until the copy has run.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=3)

@@ -1,0 +1,375 @@
+"""pack / unpack: padded ``[B, M, *F]`` <-> packed ``values [T, *F]``.
+
+Two torch.library ops carry the work (``ragged::pack``, ``ragged::unpack``), each with
+a fake implementation for torch.compile and an autograd rule (the gradient of pack is
+unpack with zeros at padding, and the gradient of unpack is pack). Each has three
+implementations, picked by :mod:`ragged.backends`:
+
+* ``"torch"``: :func:`reference_pack` / :func:`reference_unpack`, plain indexing;
+  the CPU path and the oracle of the tests;
+* ``"triton"``: :mod:`ragged.kernels.triton.pack`;
+* ``"cuda"``: ``csrc/pack.cu`` through :mod:`ragged.kernels.cuda`.
+
+All three move the same bytes and are bit-exact against each other.
+
+Padding side: with ``padding_side="right"`` sequence ``b`` occupies positions
+``[0, L_b)`` of its padded row; with ``"left"`` it occupies ``[M - L_b, M)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import backends
+from .._utils import (
+    check_offsets_tensor,
+    check_tensor,
+    describe,
+    host_lengths_of,
+    host_offsets_from_lengths,
+    max_length,
+    offsets_dtype_for,
+    to_device,
+    warn_once,
+)
+from ..tensor import RaggedTensor, _side
+
+# --------------------------------------------------------------------------------------
+# Reference (pure torch; CPU product path and test oracle)
+
+
+def _token_coords(offsets: torch.Tensor, total: int, width: int, left: bool):
+    """For each packed token t: its sequence b and its position in the padded row."""
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    b = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
+                                output_size=total)
+    j = torch.arange(total, device=offsets.device) - offsets[b]
+    if left:
+        j = j + (width - lengths[b])
+    return b, j
+
+
+def reference_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool = False) -> torch.Tensor:
+    """``values[offsets[b] + j] = padded[b, j]`` (``j`` shifted by ``M - L_b`` when ``left``)."""
+    b, j = _token_coords(offsets, total, padded.shape[1], left)
+    return padded[b, j]
+
+
+def reference_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float = 0.0,
+                     left: bool = False) -> torch.Tensor:
+    """Inverse of :func:`reference_pack`; ``padding_value`` everywhere else."""
+    batch = offsets.shape[0] - 1
+    out = values.new_full((batch, width, *values.shape[1:]), padding_value)
+    b, j = _token_coords(offsets, values.shape[0], width, left)
+    out[b, j] = values
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Backends: what each implementation can take
+
+
+def _kernel_dtype_reason(dtype: torch.dtype) -> str | None:
+    if dtype.is_complex:
+        return f"complex dtypes are not supported by the kernels (got {dtype})"
+    return None
+
+
+def _triton_reasons(x: torch.Tensor, offsets: torch.Tensor, *_) -> list[str]:
+    reasons = [r for r in (backends.triton_reason(x.device), _kernel_dtype_reason(x.dtype)) if r]
+    return reasons
+
+
+def _cuda_reasons(x: torch.Tensor, offsets: torch.Tensor, *_) -> list[str]:
+    return [r for r in (backends.cuda_reason(x.device), _kernel_dtype_reason(x.dtype)) if r]
+
+
+def _no_reasons(*_) -> list[str]:
+    return []
+
+
+def _triton_pack(padded, offsets, total, left):
+    from ..kernels.triton.pack import pack as kernel
+
+    return kernel(padded, offsets, total, left)
+
+
+def _triton_unpack(values, offsets, width, padding_value, left):
+    from ..kernels.triton.pack import unpack as kernel
+
+    return kernel(values, offsets, width, padding_value, left)
+
+
+def _cuda_pack(padded, offsets, total, left):
+    from ..kernels.cuda import pack as kernel
+
+    return kernel(padded, offsets, total, left)
+
+
+def _cuda_unpack(values, offsets, width, padding_value, left):
+    from ..kernels.cuda import unpack as kernel
+
+    return kernel(values, offsets, width, padding_value, left)
+
+
+backends.register("pack", "torch", reference_pack, _no_reasons)
+backends.register("pack", "triton", _triton_pack, _triton_reasons)
+backends.register("pack", "cuda", _cuda_pack, _cuda_reasons)
+backends.register("unpack", "torch", reference_unpack, _no_reasons)
+backends.register("unpack", "triton", _triton_unpack, _triton_reasons)
+backends.register("unpack", "cuda", _cuda_unpack, _cuda_reasons)
+# "auto" on CUDA tensors: fastest measured first (bench/results/pack_*.md).
+backends.set_auto_order("pack", ("cuda", "triton", "torch"))
+backends.set_auto_order("unpack", ("cuda", "triton", "torch"))
+
+
+# --------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("ragged::pack", mutates_args=())
+def _pack_op(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool, backend: str) -> torch.Tensor:
+    return backends._OPS["pack"].impls[backend].fn(padded, offsets, total, left)
+
+
+@_pack_op.register_fake
+def _pack_fake(padded, offsets, total, left, backend):
+    return padded.new_empty((total, *padded.shape[2:]))
+
+
+@torch.library.custom_op("ragged::unpack", mutates_args=())
+def _unpack_op(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool,
+               backend: str) -> torch.Tensor:
+    return backends._OPS["unpack"].impls[backend].fn(values, offsets, width, padding_value, left)
+
+
+@_unpack_op.register_fake
+def _unpack_fake(values, offsets, width, padding_value, left, backend):
+    return values.new_empty((offsets.shape[0] - 1, width, *values.shape[1:]))
+
+
+def _pack_setup(ctx, inputs, output):
+    padded, offsets, total, left, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.width, ctx.left, ctx.backend = padded.shape[1], left, backend
+
+
+def _pack_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    grad_padded = _unpack_op(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left,
+                             _backward_backend("unpack", ctx.backend, grad))
+    return grad_padded, None, None, None, None
+
+
+def _unpack_setup(ctx, inputs, output):
+    values, offsets, width, padding_value, left, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.total, ctx.left, ctx.backend = values.shape[0], left, backend
+
+
+def _unpack_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    grad_values = _pack_op(grad, offsets, ctx.total, ctx.left, _backward_backend("pack", ctx.backend, grad))
+    return grad_values, None, None, None, None, None
+
+
+def _backward_backend(op: str, forward_backend: str, grad: torch.Tensor) -> str:
+    # The forward's backend took this device and dtype; keep it unless the gradient differs.
+    impl = backends._OPS[op].impls[forward_backend]
+    if impl.reasons(grad, None):
+        return backends.select(op, "auto", grad.device, grad, None).name
+    return forward_backend
+
+
+_pack_op.register_autograd(_pack_backward, setup_context=_pack_setup)
+_unpack_op.register_autograd(_unpack_backward, setup_context=_unpack_setup)
+
+
+# --------------------------------------------------------------------------------------
+# Functional forms on plain tensors
+
+
+def pack_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, *, padding_side: str = "right",
+                backend: str | None = None) -> torch.Tensor:
+    """Gather the real rows of ``padded [B, M, *F]`` into ``values [total, *F]``.
+
+    ``offsets [B+1]`` (int32/int64, on ``padded.device``) delimit the sequences and
+    ``total == offsets[-1]`` is given by the caller so that nothing reads the GPU.
+    Every length must be ``<= M`` (not checked here: it would need a sync).
+    """
+    fn = "ragged.pack_values"
+    check_tensor(fn, "padded", padded)
+    if padded.dim() < 2:
+        raise ValueError(f"{fn}(): expected padded of shape [B, M, ...], got {tuple(padded.shape)}")
+    check_offsets_tensor(fn, offsets, padded)
+    if offsets.shape[0] != padded.shape[0] + 1:
+        raise ValueError(f"{fn}(): expected offsets of shape [{padded.shape[0] + 1}] (B+1), got {tuple(offsets.shape)}")
+    left = _side(fn, padding_side) == "left"
+    impl = backends.select("pack", backend, padded.device, padded, offsets)
+    return _pack_op(padded, offsets, int(total), left, impl.name)
+
+
+def unpack_values(values: torch.Tensor, offsets: torch.Tensor, width: int, *, padding_value: float = 0.0,
+                  padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+    """Scatter ``values [T, *F]`` into a new ``[B, width, *F]`` filled with ``padding_value``."""
+    fn = "ragged.unpack_values"
+    check_tensor(fn, "values", values)
+    if values.dim() < 1:
+        raise ValueError(f"{fn}(): expected values of shape [T, ...], got a 0-d tensor")
+    check_offsets_tensor(fn, offsets, values)
+    left = _side(fn, padding_side) == "left"
+    impl = backends.select("unpack", backend, values.device, values, offsets)
+    return _unpack_op(values, offsets, int(width), float(padding_value), left, impl.name)
+
+
+# --------------------------------------------------------------------------------------
+# User-facing pack / unpack
+
+
+def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+         padding_side: str | None = None, backend: str | None = None) -> RaggedTensor:
+    """Build a :class:`RaggedTensor`.
+
+    * ``pack([t_0, t_1, ...])``: a list of ``[L_i, *F]`` tensors (same ``F``, dtype and
+      device); no sync.
+    * ``pack(x, lengths=[...])``: ``x`` padded ``[B, M, *F]`` and host lengths (list,
+      tuple, numpy array, CPU tensor): no sync. A CUDA lengths tensor is read back once.
+      ``padding_side="left"`` when the tokens sit at the end of each row.
+    * ``pack(x, mask=key_padding_mask)``: torch convention, ``[B, M]`` bool with True at
+      padding (or float with ``-inf`` at padding). One sync reads the lengths and the
+      padding side.
+    * ``pack(x, attention_mask=hf_mask)``: HuggingFace convention, ``[B, M]`` with 1 at
+      tokens; right or left padding is detected. One sync, as for ``mask``.
+    * ``pack(x)``: every row is full (``L_b = M``).
+
+    Masks whose tokens are not one contiguous run at either end of each row are
+    compressed with a boolean gather (slower; warns once).
+    """
+    fn = "ragged.pack"
+    if isinstance(data, (list, tuple)):
+        if lengths is not None or mask is not None or attention_mask is not None:
+            raise ValueError(f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, "
+                             "not to a list of sequences")
+        return _pack_list(fn, data)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{fn}(): expected a list of tensors or a padded tensor [B, M, ...], got {describe(data)}")
+    x = data
+    if x.dim() < 2:
+        raise ValueError(f"{fn}(): expected a padded tensor of shape [B, M, ...], got {tuple(x.shape)}")
+    given = [name for name, v in (("lengths", lengths), ("mask", mask), ("attention_mask", attention_mask))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{fn}(): expected at most one of lengths, mask, attention_mask, got {', '.join(given)}")
+    batch, width = x.shape[0], x.shape[1]
+    if mask is not None or attention_mask is not None:
+        name = "mask" if mask is not None else "attention_mask"
+        return _pack_masked(fn, x, mask if mask is not None else attention_mask, name, padding_side, backend)
+    side = _side(fn, padding_side or "right")
+    if lengths is None:
+        host_lengths = [width] * batch
+    else:
+        host_lengths = host_lengths_of(fn, lengths)
+        if len(host_lengths) != batch:
+            raise ValueError(f"{fn}(): expected {batch} lengths (x.shape[0]), got {len(host_lengths)}")
+    host = host_offsets_from_lengths(fn, host_lengths)
+    longest = max_length(host)
+    if longest > width:
+        i = max(range(batch), key=lambda k: host[k + 1] - host[k])
+        raise ValueError(f"{fn}(): expected every length <= the padded width x.shape[1] ({width}), "
+                         f"got lengths[{i}] = {longest}")
+    return _pack_host(x, host, longest, side, backend)
+
+
+def _pack_host(x: torch.Tensor, host: Sequence[int], longest: int, side: str, backend) -> RaggedTensor:
+    total = host[-1]
+    offsets = to_device(host, offsets_dtype_for(total), x.device)
+    values = pack_values(x, offsets, total, padding_side=side, backend=backend)
+    return RaggedTensor(values, offsets, longest, tuple(host))
+
+
+def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
+    if len(seqs) == 0:
+        return RaggedTensor(torch.empty(0), torch.zeros(1, dtype=torch.int32), 0, (0,))
+    first = seqs[0]
+    for i, s in enumerate(seqs):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{fn}(): expected every sequence to be a torch.Tensor, got {describe(s)} at index {i}")
+        if s.dim() < 1:
+            raise ValueError(f"{fn}(): expected sequences of shape [L, ...], got a 0-d tensor at index {i}")
+        if s.shape[1:] != first.shape[1:]:
+            raise ValueError(f"{fn}(): expected every sequence to have feature shape {tuple(first.shape[1:])} "
+                             f"(that of sequence 0), got {tuple(s.shape[1:])} at index {i}")
+        if s.dtype != first.dtype:
+            raise TypeError(f"{fn}(): expected every sequence to have dtype {first.dtype} (that of sequence 0), "
+                            f"got {s.dtype} at index {i}")
+        if s.device != first.device:
+            raise ValueError(f"{fn}(): expected every sequence on {first.device} (that of sequence 0), "
+                             f"got {s.device} at index {i}")
+    host = host_offsets_from_lengths(fn, [s.shape[0] for s in seqs])
+    values = torch.cat(list(seqs), dim=0)
+    offsets = to_device(host, offsets_dtype_for(host[-1]), first.device)
+    return RaggedTensor(values, offsets, max_length(host), tuple(host))
+
+
+def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_side, backend) -> RaggedTensor:
+    check_tensor(fn, name, m)
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{fn}(): expected {name} of shape {tuple(x.shape[:2])} (x.shape[:2]), got {tuple(m.shape)}")
+    if m.device != x.device:
+        raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of x), got {m.device}")
+    if padding_side is not None:
+        _side(fn, padding_side)
+    if name == "mask":  # torch convention: True (or -inf) = padding
+        if m.dtype == torch.bool:
+            keep, bad = ~m, None
+        elif m.dtype.is_floating_point:
+            keep = m == 0
+            bad = ~(keep | torch.isneginf(m))
+        else:
+            raise TypeError(f"{fn}(): expected mask of dtype bool (True = padding) or float (-inf = padding), "
+                            f"got {m.dtype}")
+    else:  # HuggingFace convention: 1 = token
+        keep, bad = m != 0, None
+        if m.dtype.is_floating_point:
+            bad = ~((m == 0) | (m == 1))
+    batch, width = keep.shape
+    lengths = keep.sum(1)
+    j = torch.arange(width, device=x.device)
+    right = (keep == (j < lengths.unsqueeze(1))).all()
+    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
+    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
+                                                                                    device=x.device)])
+    # The one sync of a mask-driven pack: lengths and layout flags in a single read.
+    stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
+    host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
+    if is_bad:
+        what = "0 (token) or -inf (padding)" if name == "mask" else "0 (padding) or 1 (token)"
+        raise ValueError(f"{fn}(): expected {name} values to be {what}, got other values")
+    host = host_offsets_from_lengths(fn, host_lengths)
+    longest = max_length(host)
+    if is_right and padding_side != "left":
+        return _pack_host(x, host, longest, "right", backend)
+    if is_left:
+        return _pack_host(x, host, longest, "left", backend)
+    if is_right:  # padding_side="left" asked, but the mask is right-padded
+        raise ValueError(f"{fn}(): padding_side='left' was given but {name} is right-padded")
+    warn_once("pack-scattered-mask",
+              f"{fn}(): {name} has tokens that are not one contiguous run at the start or end of each row; "
+              "compressing them with a boolean gather, which is slower than the pack kernels")
+    values = x[keep]
+    offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
+    return RaggedTensor(values, offsets, longest, tuple(host))
+
+
+def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
+           padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+    """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``."""
+    fn = "ragged.unpack"
+    if not isinstance(rt, RaggedTensor):
+        raise TypeError(f"{fn}(): expected a RaggedTensor, got {describe(rt)}")
+    width = rt._width(fn, total_length)
+    return unpack_values(rt.values, rt.offsets, width, padding_value=padding_value,
+                         padding_side=_side(fn, padding_side), backend=backend)

@@ -1,0 +1,383 @@
+"""RaggedTensor: a batch of variable-length sequences stored without padding.
+
+Coordinates used throughout ragged:
+
+* **packed token index** ``t`` in ``[0, T)``: row ``t`` of ``values``;
+* **sequence index** ``b`` in ``[0, B)``;
+* **position** ``j`` in ``[0, L_b)``: position of a token within its sequence, so that
+  ``t = offsets[b] + j``.
+
+The data contract:
+
+* ``values``: ``[T, *F]`` tensor, contiguous in the token dimension.
+* ``offsets``: ``[B+1]`` int32 (int64 once a token count can pass 2**31 - 1) on
+  ``values.device``; ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``. It is
+  flash-attn's ``cu_seqlens`` and torch.nested's ``offsets``.
+* ``max_len``: Python int, the longest sequence, kept on the host so that no kernel
+  launch needs to read the GPU.
+
+Sequences of length 0 and B = 0 are legal. Autograd flows through ``values``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ._utils import (
+    check_offsets_tensor,
+    check_tensor,
+    describe,
+    host_lengths_of,
+    host_offsets_from_lengths,
+    max_length,
+    offsets_dtype_for,
+    to_device,
+)
+
+
+class RaggedTensor:
+    """``values [T, *F]`` + ``offsets [B+1]`` + host-side ``max_len``.
+
+    Build one with :func:`ragged.pack`, :meth:`from_lengths` or :meth:`from_offsets`;
+    the plain constructor trusts its arguments and checks nothing (it is the cheap
+    path kernels use).
+    """
+
+    __slots__ = ("values", "offsets", "max_len", "_host_offsets")
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                 host_offsets: tuple[int, ...] | None = None):
+        self.values = values
+        self.offsets = offsets
+        self.max_len = int(max_len)
+        # Host copy of the offsets when known without reading the GPU (pack from a
+        # list or from host lengths); used by unbind()/indexing/interop.
+        self._host_offsets = host_offsets
+
+    # ----------------------------------------------------------------------------------
+    # Constructors
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths, *, max_len: int | None = None,
+                     validate: bool = True) -> "RaggedTensor":
+        """Wrap ``values [T, *F]`` split into sequences of ``lengths`` (host or device).
+
+        Host lengths (list, tuple, numpy array, CPU tensor) cost no sync. CUDA lengths
+        are read back once.
+        """
+        fn = "ragged.RaggedTensor.from_lengths"
+        check_tensor(fn, "values", values)
+        if values.dim() < 1:
+            raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
+        host = host_offsets_from_lengths(fn, host_lengths_of(fn, lengths))
+        total = host[-1]
+        if total != values.shape[0]:
+            raise ValueError(f"{fn}(): expected sum(lengths) == values.shape[0] ({values.shape[0]}), got {total}")
+        longest = max_length(host)
+        if max_len is not None:
+            if validate and int(max_len) < longest:
+                raise ValueError(f"{fn}(): expected max_len >= the longest length ({longest}), got {max_len}")
+            longest = int(max_len)
+        offsets = to_device(host, offsets_dtype_for(total), values.device)
+        return cls(values, offsets, longest, tuple(host))
+
+    @classmethod
+    def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, *,
+                     validate: bool = True) -> "RaggedTensor":
+        """Wrap ``values [T, *F]`` with ``offsets [B+1]`` (int32 or int64, same device).
+
+        With ``validate=False`` and ``max_len`` given this reads nothing from the GPU.
+        Otherwise the offsets are read back once (one sync on CUDA) to check them
+        (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``) and to find ``max_len``.
+        """
+        fn = "ragged.RaggedTensor.from_offsets"
+        check_tensor(fn, "values", values)
+        if values.dim() < 1:
+            raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
+        check_offsets_tensor(fn, offsets, values)
+        if not validate and max_len is not None:
+            return cls(values, offsets, int(max_len))
+        host = offsets.detach().to("cpu", torch.int64).tolist()
+        validate_host_offsets(fn, host, values.shape[0])
+        longest = max_length(host)
+        if max_len is not None:
+            if int(max_len) < longest:
+                raise ValueError(f"{fn}(): expected max_len >= the longest length ({longest}), got {max_len}")
+            longest = int(max_len)
+        return cls(values, offsets, longest, tuple(host))
+
+    # ----------------------------------------------------------------------------------
+    # Shape and metadata
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def feature_shape(self) -> torch.Size:
+        return self.values.shape[1:]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` lengths on ``self.device`` (same dtype as offsets); no sync."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def host_offsets(self) -> tuple[int, ...]:
+        """Offsets as Python ints (cached; one device-to-host sync the first time on CUDA)."""
+        if self._host_offsets is None:
+            self._host_offsets = tuple(self.offsets.detach().to("cpu", torch.int64).tolist())
+        return self._host_offsets
+
+    def host_lengths(self) -> list[int]:
+        """Lengths as Python ints (see :meth:`host_offsets` for the cost)."""
+        o = self.host_offsets()
+        return [o[i + 1] - o[i] for i in range(len(o) - 1)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.values.requires_grad
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.values.is_cuda
+
+    def __repr__(self) -> str:
+        if self._host_offsets is not None:
+            lens = self.host_lengths()
+            if len(lens) <= 8:
+                lengths = f"lengths={lens}"
+            else:
+                lengths = (f"lengths=[min {min(lens)}, mean {sum(lens) / len(lens):.1f}, max {max(lens)}]")
+        else:
+            lengths = f"max_len={self.max_len}"
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"RaggedTensor(batch_size={self.batch_size}, num_tokens={self.num_tokens}, {lengths}, "
+                f"feature_shape={tuple(self.feature_shape)}, dtype={self.dtype}, device={self.device}{grad})")
+
+    # ----------------------------------------------------------------------------------
+    # Per-token metadata (no sync)
+
+    def seq_ids(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``[T]`` sequence index ``b`` of every packed token."""
+        b = torch.arange(self.batch_size, device=self.device, dtype=dtype)
+        return torch.repeat_interleave(b, self.lengths, output_size=self.num_tokens)
+
+    def position_ids(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``[T]`` position ``j`` of every packed token within its sequence (0-based)."""
+        t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
+        starts = torch.repeat_interleave(self.offsets[:-1].to(torch.int64), self.lengths,
+                                         output_size=self.num_tokens)
+        return (t - starts).to(dtype)
+
+    def padding_mask(self, total_length: int | None = None, padding_side: str = "right") -> torch.Tensor:
+        """``[B, M]`` bool, torch convention: True at padding. ``M = total_length or max_len``."""
+        m = self._width("ragged.RaggedTensor.padding_mask", total_length)
+        j = torch.arange(m, device=self.device)
+        lengths = self.lengths.unsqueeze(1)
+        if _side("ragged.RaggedTensor.padding_mask", padding_side) == "left":
+            return j.unsqueeze(0) < (m - lengths)
+        return j.unsqueeze(0) >= lengths
+
+    def attention_mask(self, total_length: int | None = None, padding_side: str = "right",
+                       dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``[B, M]`` HuggingFace convention: 1 at tokens, 0 at padding."""
+        return (~self.padding_mask(total_length, padding_side)).to(dtype)
+
+    def _width(self, fn: str, total_length: int | None) -> int:
+        if total_length is None:
+            return self.max_len
+        if not isinstance(total_length, int) or isinstance(total_length, bool):
+            raise TypeError(f"{fn}(): expected total_length to be an int, got {describe(total_length)}")
+        if total_length < self.max_len:
+            raise ValueError(f"{fn}(): expected total_length >= max_len ({self.max_len}), got {total_length}")
+        return total_length
+
+    # ----------------------------------------------------------------------------------
+    # Conversions
+
+    def to_padded(self, padding_value: float = 0.0, total_length: int | None = None,
+                  padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+        """``[B, M, *F]`` with ``padding_value`` at padding; ``M = total_length or max_len``."""
+        from .ops.pack import unpack
+
+        return unpack(self, padding_value=padding_value, total_length=total_length,
+                      padding_side=padding_side, backend=backend)
+
+    def unbind(self) -> tuple[torch.Tensor, ...]:
+        """Views ``values[offsets[b]:offsets[b+1]]``, one per sequence (host offsets needed)."""
+        o = self.host_offsets()
+        return tuple(self.values[o[i]:o[i + 1]] for i in range(len(o) - 1))
+
+    def __getitem__(self, index):
+        """``rt[b]``: the ``[L_b, *F]`` view of sequence ``b``; ``rt[a:b]``: a RaggedTensor."""
+        o = self.host_offsets()
+        batch = self.batch_size
+        if isinstance(index, slice):
+            start, stop, step = index.indices(batch)
+            if step != 1:
+                raise ValueError(f"RaggedTensor.__getitem__(): expected a slice with step 1, got step {step}")
+            stop = max(start, stop)
+            base = o[start]
+            host = tuple(x - base for x in o[start:stop + 1])
+            offsets = self.offsets[start:stop + 1] - self.offsets[start]
+            return RaggedTensor(self.values[o[start]:o[stop]], offsets, max_length(host), host)
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            i = int(index)
+            if not -batch <= i < batch:
+                raise IndexError(f"RaggedTensor.__getitem__(): index {i} is out of range for batch size {batch}")
+            i %= batch
+            return self.values[o[i]:o[i + 1]]
+        raise TypeError(f"RaggedTensor.__getitem__(): expected an int or a slice, got {describe(index)}")
+
+    def with_values(self, values: torch.Tensor) -> "RaggedTensor":
+        """Same sequences, new ``values`` (``[T, *F']`` on the same device)."""
+        fn = "ragged.RaggedTensor.with_values"
+        check_tensor(fn, "values", values)
+        if values.dim() < 1 or values.shape[0] != self.num_tokens:
+            raise ValueError(f"{fn}(): expected values of shape [{self.num_tokens}, ...], got {tuple(values.shape)}")
+        if values.device != self.device:
+            raise ValueError(f"{fn}(): expected values on {self.device}, got {values.device}")
+        return RaggedTensor(values, self.offsets, self.max_len, self._host_offsets)
+
+    def to(self, *args, **kwargs) -> "RaggedTensor":
+        """Like ``Tensor.to``: a dtype applies to ``values``; a device moves both tensors."""
+        values = self.values.to(*args, **kwargs)
+        offsets = self.offsets
+        if values.device != offsets.device:
+            non_blocking = bool(kwargs.get("non_blocking", False))
+            offsets = offsets.to(values.device, non_blocking=non_blocking)
+        return RaggedTensor(values, offsets, self.max_len, self._host_offsets)
+
+    def cuda(self, device=None, non_blocking: bool = False) -> "RaggedTensor":
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device, non_blocking=non_blocking)
+
+    def cpu(self) -> "RaggedTensor":
+        return self.to("cpu")
+
+    def half(self) -> "RaggedTensor":
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> "RaggedTensor":
+        return self.to(torch.bfloat16)
+
+    def float(self) -> "RaggedTensor":
+        return self.to(torch.float32)
+
+    def double(self) -> "RaggedTensor":
+        return self.to(torch.float64)
+
+    def detach(self) -> "RaggedTensor":
+        return self.with_values(self.values.detach())
+
+    def requires_grad_(self, requires_grad: bool = True) -> "RaggedTensor":
+        self.values.requires_grad_(requires_grad)
+        return self
+
+    def clone(self) -> "RaggedTensor":
+        return RaggedTensor(self.values.clone(), self.offsets.clone(), self.max_len, self._host_offsets)
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """flash-attn's ``cu_seqlens``: the offsets as int32 (no copy when already int32)."""
+        if self.offsets.dtype == torch.int32:
+            return self.offsets
+        if self.num_tokens > 2**31 - 1:
+            raise ValueError("RaggedTensor.cu_seqlens(): flash-attn's int32 cu_seqlens cannot hold "
+                             f"{self.num_tokens} tokens")
+        return self.offsets.to(torch.int32)
+
+    def flash_kwargs(self, other: "RaggedTensor | None" = None) -> dict:
+        """Keyword arguments of ``flash_attn_varlen_func`` (``other``: the key/value side)."""
+        k = self if other is None else other
+        return {"cu_seqlens_q": self.cu_seqlens(), "cu_seqlens_k": k.cu_seqlens(),
+                "max_seqlen_q": self.max_len, "max_seqlen_k": k.max_len}
+
+    def to_nested(self) -> torch.Tensor:
+        """A torch.nested jagged-layout tensor sharing ``values`` (see :mod:`ragged.interop`)."""
+        from .interop import to_nested
+
+        return to_nested(self)
+
+    def to_packed_sequence(self, enforce_sorted: bool = False):
+        """A ``torch.nn.utils.rnn.PackedSequence`` (see :mod:`ragged.interop`)."""
+        from .interop import to_packed_sequence
+
+        return to_packed_sequence(self, enforce_sorted=enforce_sorted)
+
+    # ----------------------------------------------------------------------------------
+    # Serialisation: torch.save / torch.load (weights_only too) round-trip.
+
+    def __reduce__(self):
+        return (_rebuild_ragged, (self.values, self.offsets, self.max_len, self._host_offsets))
+
+
+def _rebuild_ragged(values, offsets, max_len, host_offsets):
+    return RaggedTensor(values, offsets, max_len, host_offsets)
+
+
+def _side(fn: str, padding_side: str) -> str:
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"{fn}(): expected padding_side 'right' or 'left', got {padding_side!r}")
+    return padding_side
+
+
+def validate_host_offsets(fn: str, host: Sequence[int], total: int) -> None:
+    if len(host) < 1:
+        raise ValueError(f"{fn}(): expected offsets with B+1 >= 1 entries, got none")
+    if host[0] != 0:
+        raise ValueError(f"{fn}(): expected offsets[0] == 0, got {host[0]}")
+    for i in range(len(host) - 1):
+        if host[i + 1] < host[i]:
+            raise ValueError(f"{fn}(): expected non-decreasing offsets, got offsets[{i}] = {host[i]} > "
+                             f"offsets[{i + 1}] = {host[i + 1]}")
+    if host[-1] != total:
+        raise ValueError(f"{fn}(): expected offsets[-1] == values.shape[0] ({total}), got {host[-1]}")
+
+
+def _flatten(rt: RaggedTensor):
+    return [rt.values, rt.offsets], (rt.max_len, rt._host_offsets)
+
+
+def _unflatten(children, context):
+    values, offsets = children
+    max_len, host = context
+    return RaggedTensor(values, offsets, max_len, host)
+
+
+def _flatten_with_keys(rt: RaggedTensor):
+    from torch.utils._pytree import GetAttrKey
+
+    return [(GetAttrKey("values"), rt.values), (GetAttrKey("offsets"), rt.offsets)], (rt.max_len, rt._host_offsets)
+
+
+def _register() -> None:
+    import torch.utils._pytree as pytree
+
+    try:
+        pytree.register_pytree_node(RaggedTensor, _flatten, _unflatten,
+                                    serialized_type_name="ragged.RaggedTensor",
+                                    flatten_with_keys_fn=_flatten_with_keys)
+    except TypeError:  # older torch without flatten_with_keys_fn
+        pytree.register_pytree_node(RaggedTensor, _flatten, _unflatten)
+    torch.serialization.add_safe_globals([RaggedTensor, _rebuild_ragged])
+
+
+_register()
