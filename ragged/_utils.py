@@ -86,7 +86,10 @@ def host_lengths_of(fn: str, lengths: object) -> list[int]:
 
 
 def max_length(host_offsets: Sequence[int]) -> int:
-    return max((host_offsets[i + 1] - host_offsets[i] for i in range(len(host_offsets) - 1)), default=0)
+    longest = 0  # a plain loop: torch.compile traces it (max(..., default=) it does not)
+    for i in range(len(host_offsets) - 1):
+        longest = max(longest, host_offsets[i + 1] - host_offsets[i])
+    return longest
 
 
 def to_device(host: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
