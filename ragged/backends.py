@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import importlib
 import os
 from typing import Callable, Iterator
 
@@ -72,27 +72,25 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # pragma: no cover - triton is a dependency
-        return f"triton cannot be imported ({exc})"
-    return None
+_import_errors: dict[str, str | None] = {}  # module -> why it cannot be imported (None: it can)
 
 
-@functools.lru_cache(maxsize=None)
-def _cupy_import_error() -> str | None:
-    try:
-        import cupy  # noqa: F401
-    except Exception as exc:
-        return f"cupy cannot be imported ({type(exc).__name__}: {exc}); install ragged[cuda]"
-    return None
+@torch.compiler.assume_constant_result
+def _import_error(module: str) -> str | None:
+    # Under torch.compile this runs eagerly and its answer is a constant of the graph.
+    if module not in _import_errors:
+        try:
+            importlib.import_module(module)
+            _import_errors[module] = None
+        except Exception as exc:
+            hint = "; install ragged[cuda]" if module == "cupy" else ""
+            _import_errors[module] = f"{module} cannot be imported ({type(exc).__name__}: {exc}){hint}"
+    return _import_errors[module]
 
 
 def triton_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""
-    err = _triton_import_error()
+    err = _import_error("triton")
     if err:
         return err
     if device.type == "cuda":
@@ -108,7 +106,7 @@ def cuda_reason(device: torch.device) -> str | None:
         return f"the CUDA kernels need a CUDA tensor, got a {device.type} tensor"
     if torch.version.hip is not None:
         return "the CUDA kernels are not built for ROCm"
-    return _cupy_import_error()
+    return _import_error("cupy")
 
 
 # --------------------------------------------------------------------------------------
