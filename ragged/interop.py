@@ -28,10 +28,6 @@ def to_nested(rt: RaggedTensor) -> torch.Tensor:
     torch.nested keeps int64 offsets; int32 offsets are widened (a small device op).
     The host ``max_len`` is passed along so that NJT ops need not read it back.
     """
-    fn = "ragged.RaggedTensor.to_nested"
-    if rt.values.dim() < 2:
-        raise ValueError(f"{fn}(): torch.nested's jagged layout needs values with a feature dim ([T, F, ...]), "
-                         f"got values of shape {tuple(rt.values.shape)}; use rt.with_values(rt.values.unsqueeze(-1))")
     min_len = None
     if rt._host_offsets is not None:
         o = rt._host_offsets

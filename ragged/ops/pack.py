@@ -249,6 +249,8 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
     compressed with a boolean gather (slower; warns once).
     """
     fn = "ragged.pack"
+    if backend is not None:
+        backends._check_name(fn, backend)
     if isinstance(data, (list, tuple)):
         if lengths is not None or mask is not None or attention_mask is not None:
             raise ValueError(f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, "
@@ -267,7 +269,7 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
     if mask is not None or attention_mask is not None:
         name = "mask" if mask is not None else "attention_mask"
         return _pack_masked(fn, x, mask if mask is not None else attention_mask, name, padding_side, backend)
-    side = _side(fn, padding_side or "right")
+    side = _side(fn, "right" if padding_side is None else padding_side)
     if lengths is None:
         host_lengths = [width] * batch
     else:
@@ -352,10 +354,12 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
     longest = max_length(host)
     if is_right and padding_side != "left":
         return _pack_host(x, host, longest, "right", backend)
-    if is_left:
+    if is_left and padding_side != "right":
         return _pack_host(x, host, longest, "left", backend)
-    if is_right:  # padding_side="left" asked, but the mask is right-padded
-        raise ValueError(f"{fn}(): padding_side='left' was given but {name} is right-padded")
+    if is_right or is_left:
+        found = "right" if is_right else "left"
+        raise ValueError(f"{fn}(): padding_side={padding_side!r} expects a {padding_side}-padded {name}, "
+                         f"got a {found}-padded one")
     warn_once("pack-scattered-mask",
               f"{fn}(): {name} has tokens that are not one contiguous run at the start or end of each row; "
               "compressing them with a boolean gather, which is slower than the pack kernels")
@@ -369,7 +373,7 @@ def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | Non
     """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``."""
     fn = "ragged.unpack"
     if not isinstance(rt, RaggedTensor):
-        raise TypeError(f"{fn}(): expected a RaggedTensor, got {describe(rt)}")
+        raise TypeError(f"{fn}(): expected a RaggedTensor for rt, got {describe(rt)}")
     width = rt._width(fn, total_length)
     return unpack_values(rt.values, rt.offsets, width, padding_value=padding_value,
                          padding_side=_side(fn, padding_side), backend=backend)

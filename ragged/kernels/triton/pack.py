@@ -49,8 +49,8 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, row
 
 
 @triton.jit
-def _unpack_kernel(src, dst, offsets, n_rows, width, row, fill,
-                   LEFT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _unpack_kernel(src, dst, offsets, n_rows, width, row, fill_bits,
+                   LEFT: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     row_ok = r < n_rows
@@ -63,7 +63,10 @@ def _unpack_kernel(src, dst, offsets, n_rows, width, row, fill,
     real = row_ok & (j >= 0) & (j < length)
     col_ok = cols < row
     x = tl.load(src + (start + j)[:, None] * row + cols[None, :], mask=real[:, None] & col_ok[None, :])
-    x = tl.where(real[:, None], x, fill).to(dst.dtype.element_ty)
+    # The fill arrives as the element's bit pattern: exact for every dtype (a float
+    # scalar argument would be rounded through fp32).
+    fill = tl.full([BLOCK_R, BLOCK_F], fill_bits, BITS).to(dst.dtype.element_ty, bitcast=True)
+    x = tl.where(real[:, None], x, fill)
     tl.store(dst + r[:, None] * row + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -129,14 +132,17 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     src, dst = _as_kernel_dtype(values), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, values.element_size())
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(row, block_f))
-    _unpack_kernel[grid](src, dst, offsets, n_rows, width, row, _fill_scalar(padding_value, values.dtype),
-                         LEFT=left, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    bits, bits_type = _fill_bits(padding_value, src.dtype)
+    _unpack_kernel[grid](src, dst, offsets, n_rows, width, row, bits,
+                         LEFT=left, BITS=bits_type, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
     return out
 
 
-def _fill_scalar(value: float, dtype: torch.dtype):
-    if dtype.is_floating_point:
-        return float(value)
-    if dtype == torch.bool:
-        return int(bool(value))
-    return int(value)
+_INT_OF_SIZE = {1: (torch.int8, tl.int8), 2: (torch.int16, tl.int16), 4: (torch.int32, tl.int32),
+               8: (torch.int64, tl.int64)}
+
+
+def _fill_bits(value: float, dtype: torch.dtype):
+    """``value`` rounded to ``dtype`` on the host (torch's rounding), as a signed int bit pattern."""
+    int_dtype, bits_type = _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()]
+    return torch.full((1,), value, dtype=dtype).view(int_dtype).item(), bits_type
