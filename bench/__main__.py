@@ -1,0 +1,136 @@
+"""``python -m bench``: run the benchmark suites and write their results.
+
+    python -m bench [--suite NAME ...] [--list] [--quick] [--out DIR] [--no-plots]
+                    [--dtype DTYPE ...] [--device {auto,cpu,cuda}]
+
+On a CUDA GPU every suite runs its full set of cases; without one, each runs a few
+tiny CPU cases (seconds). Each suite prints a table and writes ``<suite>.json``,
+``<suite>.md`` and ``<suite>.png`` to ``--out`` (default ``results/<timestamp>/``).
+The exit status is 1 when any implementation failed its correctness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None, suite_names: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench",
+                                     description="Run the benchmark suites and write their results.")
+    parser.add_argument("--suite", nargs="+", metavar="NAME", choices=suite_names,
+                        help=f"suites to run (default: all of {', '.join(suite_names)})")
+    parser.add_argument("--list", action="store_true", help="list the suites and their cases, run nothing")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and shorter timing")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="results folder (default: results/<timestamp>)")
+    parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+    parser.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                        help="only cases of these dtypes (e.g. bf16 fp32); on CPU, the tiny cases in these dtypes")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run (default: cuda when available)")
+    return parser.parse_args(argv)
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("python -m bench: --device cuda given but torch.cuda.is_available() is False")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _list(console, suites, config) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"benchmark suites (cases for {config.device}{', quick' if config.quick else ''})")
+    table.add_column("suite")
+    table.add_column("description")
+    table.add_column("cases")
+    for suite in suites:
+        table.add_row(suite.name, suite.description, "\n".join(c.name for c in suite.cases(config)))
+    console.print(table)
+
+
+def _run_with_progress(console, suite, config, ceiling):
+    """``run_suite`` under a progress bar over the suite's cases."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .harness import Hooks, run_suite
+
+    cases = suite.cases(config)
+    columns = (TextColumn("[bold]{task.fields[suite]}[/]"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    # Refreshed by hand, between measurements: a refresh thread would compete with the
+    # timed calls for the interpreter.
+    with Progress(*columns, console=console, transient=True, auto_refresh=False) as progress:
+        task = progress.add_task("", total=len(cases), suite=suite.name)
+        hooks = Hooks(
+            on_impl=lambda case, impl: progress.update(task, description=f"{case.name} · {impl.name}", refresh=True),
+            on_case_done=lambda case: progress.update(task, advance=1, refresh=True),
+            on_problem=lambda row: progress.console.print(
+                f"[bold red]FAILED[/] {row.suite} / {row.case} / {row.impl}: {row.reason}"),
+        )
+        return run_suite(suite, config, ceiling, cases, hooks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from . import env as envmod
+    from . import report
+    from .harness import SUITES, Config, measure_copy_ceiling, parse_dtype
+
+    args = parse_args(argv, list(SUITES))
+    try:
+        dtypes = None if args.dtype is None else tuple(dict.fromkeys(parse_dtype(d) for d in args.dtype))
+    except ValueError as exc:
+        raise SystemExit(f"python -m bench: {exc}") from None
+    config = Config(device=_device(args.device), quick=args.quick, dtypes=dtypes)
+    chosen = [SUITES[name] for name in (args.suite or SUITES)]
+    # Piped to a file or a log, rich would wrap the tables at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    if args.list:
+        _list(console, chosen, config)
+        return 0
+
+    # torch.nested logs a one-time notice about fx tracing that would cut through the progress bar.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+    if not config.on_gpu:
+        # Tiny CPU cases: one thread. On a small shared machine, parallel regions make
+        # medians jump by whole scheduler time slices whenever a core is busy elsewhere.
+        torch.set_num_threads(1)
+    env = envmod.collect(config.device)
+    console.print(f"[bold]device[/]: {env['device_name']} ({config.device})  "
+                  f"torch {env['torch']}  triton {env['triton']}  commit {(env['git_commit'] or 'unknown')[:12]}")
+    if not config.on_gpu:
+        console.print("[yellow]CPU run: tiny cases; timings are not representative of the GPU kernels[/]")
+    ceiling = measure_copy_ceiling(config)
+    console.print(report.ceiling_text(ceiling))
+
+    out = args.out or Path("results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for suite in chosen:
+        rows = _run_with_progress(console, suite, config, ceiling)
+        console.print(report.rich_table(suite, rows, ceiling))
+        failed += sum(r.status == "failed" for r in rows)
+
+        report.write_json(out / f"{suite.name}.json", report.suite_document(suite, rows, config, env, ceiling))
+        (out / f"{suite.name}.md").write_text(report.markdown(suite, rows, env, ceiling))
+        if not args.no_plots:
+            report.plot(out / f"{suite.name}.png", suite, rows, env, ceiling)
+    console.print(f"results written to [bold]{out}[/]")
+    if failed:
+        console.print(f"[bold red]{failed} implementation(s) failed their correctness check or raised[/]")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

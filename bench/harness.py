@@ -1,0 +1,433 @@
+"""The benchmark harness: suite registry, timing, correctness checks, copy ceiling.
+
+A *suite* (a :class:`Suite` subclass decorated with :func:`register`) lists its
+*cases* (one workload each: shapes, dtype, ...) and *builds* each case into a
+:class:`Workload`: the inputs, the reference output, the bytes and/or flops of one
+call, and the :class:`Impl` objects to measure (ragged kernels, baselines, ceilings).
+
+For every implementation of a case the harness
+
+1. skips it when the suite gave a reason it cannot run (``Impl.skip``);
+2. runs it once and compares its output with the reference (``Workload.compare``):
+   a mismatch marks the row ``failed`` and it is never timed;
+3. times it: median milliseconds over repeated calls (:func:`median_ms`);
+4. derives GB/s, TFLOP/s, % of the copy ceiling and speedups over the baselines.
+
+Units everywhere: times in milliseconds, sizes in bytes, bandwidth in GB/s
+(10**9 bytes per second), compute in TFLOP/s (10**12 flops per second).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any, Callable, ClassVar, Iterable
+
+import torch
+
+KINDS = ("ragged", "baseline", "ceiling")
+"""``ragged``: the kernels under test; ``baseline``: what people write without them;
+``ceiling``: a reference point that does no useful work (e.g. a plain copy)."""
+
+STATUSES = ("ok", "failed", "skipped")
+"""``failed``: raised (ragged rows) or gave a wrong output; never timed. ``skipped``: cannot
+run here (reason given). A case that could not be built at all gives one row of kind
+``"case"``."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "long": torch.int64,
+    "int32": torch.int32, "int": torch.int32,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+_SHORT_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name of a dtype: ``bf16``, ``fp32``, ``int64``, ..."""
+    return _SHORT_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16``."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[key]
+
+
+# --------------------------------------------------------------------------------------
+# What a suite declares
+
+
+class Skip(Exception):
+    """Raised by an implementation (or a suite's ``build``) that cannot run this input.
+
+    The message is the reason shown in the results.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One workload of a suite.
+
+    ``name`` is unique within the suite and describes the workload (it is the row's
+    ``case``); ``group`` gathers related cases (one plot panel and table section each,
+    e.g. the op); ``params`` holds the workload parameters as JSON values; ``spec`` is
+    whatever the suite needs to build the case (not serialised).
+    """
+
+    name: str
+    params: dict[str, Any]
+    group: str = ""
+    spec: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass
+class Impl:
+    """One implementation measured on a case.
+
+    ``fn`` takes no argument, runs the operation once and returns its output (what the
+    correctness check compares). ``skip`` is the reason it cannot run here (then ``fn``
+    is never called). ``check=False`` for rows that compute nothing comparable
+    (ceilings).
+    """
+
+    name: str
+    kind: str
+    fn: Callable[[], Any] | None = None
+    skip: str | None = None
+    check: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Impl {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.fn is None and self.skip is None:
+            raise ValueError(f"Impl {self.name!r}: give fn or a skip reason")
+
+
+def exact_match(out: Any, ref: Any) -> str | None:
+    """Bit-exact comparison (``torch.equal``); ``None`` when equal, else what differs."""
+    if not isinstance(out, torch.Tensor):
+        return f"expected a tensor, got {type(out).__name__}"
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    if out.dtype != ref.dtype:
+        return f"dtype {out.dtype} != reference {ref.dtype}"
+    if out.device != ref.device:
+        return f"device {out.device} != reference {ref.device}"
+    if torch.equal(out, ref):
+        return None
+    wrong = int((out != ref).sum())
+    return f"{wrong} of {ref.numel()} elements differ from the reference"
+
+
+@dataclasses.dataclass
+class Workload:
+    """A case built on a device: what to run, what it must produce, what it costs.
+
+    ``bytes_moved``: bytes read + written by one call of an ideal implementation (the
+    GB/s of every row of the case divides this by its time). ``flops``: floating-point
+    operations of one call (``None`` for pure data movement). ``reference``: the
+    expected output; ``compare(out, reference)`` returns ``None`` or a description of
+    the mismatch.
+    """
+
+    impls: list[Impl]
+    reference: Any = None
+    bytes_moved: int | None = None
+    flops: int | None = None
+    compare: Callable[[Any, Any], str | None] = exact_match
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Timing budget of one measurement, in milliseconds (see :func:`median_ms`)."""
+
+    warmup_ms: float
+    rep_ms: float
+    min_reps: int = 5
+
+    @classmethod
+    def default(cls, device: torch.device, quick: bool) -> "Timing":
+        if device.type == "cuda":
+            return cls(10, 40) if quick else cls(25, 100)
+        return cls(5, 20) if quick else cls(10, 50)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a run asks for. ``dtypes=None``: each suite's own choice of dtypes."""
+
+    device: torch.device
+    quick: bool = False
+    dtypes: tuple[torch.dtype, ...] | None = None
+    timing: Timing | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def timer(self) -> Timing:
+        return self.timing or Timing.default(self.device, self.quick)
+
+    def wants(self, dtype: torch.dtype) -> bool:
+        """Whether ``--dtype`` (if given) lets cases of this dtype run."""
+        return self.dtypes is None or dtype in self.dtypes
+
+
+class Suite:
+    """Base class of the benchmark suites; subclass, set ``name``, decorate with :func:`register`.
+
+    ``memory_bound`` suites report GB/s and % of the copy ceiling; the others report
+    TFLOP/s (GB/s too where their workloads give bytes). ``notes`` (Markdown) is
+    appended to the suite's Markdown results: say there what each implementation is.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    memory_bound: ClassVar[bool] = True
+    notes: ClassVar[str] = ""
+
+    def cases(self, config: Config) -> list[Case]:
+        """The cases to run for this config (cheap: no tensors yet)."""
+        raise NotImplementedError
+
+    def build(self, case: Case, config: Config) -> Workload:
+        """Allocate the inputs of ``case`` on ``config.device`` and list its implementations."""
+        raise NotImplementedError
+
+
+SUITES: dict[str, Suite] = {}
+"""Registered suites by name, in registration order."""
+
+
+def register(cls: type[Suite]) -> type[Suite]:
+    """Class decorator: add a suite to :data:`SUITES` under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__}: a suite needs a name")
+    if cls.name in SUITES and type(SUITES[cls.name]) is not cls:
+        raise ValueError(f"two suites are named {cls.name!r}")
+    SUITES[cls.name] = cls()
+    return cls
+
+
+# --------------------------------------------------------------------------------------
+# Timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, timing: Timing) -> float:
+    """Median time of one call of ``fn``, in milliseconds.
+
+    CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls).
+    CPU: ``time.perf_counter`` around each call, after ``timing.warmup_ms`` of warm-up,
+    for ``timing.rep_ms`` and at least ``timing.min_reps`` calls.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median"))
+    fn()
+    deadline = time.perf_counter() + timing.warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + timing.rep_ms / 1e3
+    while len(samples) < timing.min_reps or (time.perf_counter() < deadline and len(samples) < 100_000):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyCeiling:
+    """A large device-to-device ``dst.copy_(src)``: ``bytes`` = read + written."""
+
+    bytes: int
+    median_ms: float
+
+    @property
+    def gbps(self) -> float:
+        return gb_per_s(self.bytes, self.median_ms)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bytes": self.bytes, "median_ms": self.median_ms, "gbps": self.gbps}
+
+
+def measure_copy_ceiling(config: Config) -> CopyCeiling:
+    """Measure the copy ceiling once: 1 GiB copied on a GPU (2 GiB moved; 256 MiB with
+    ``quick``), 32 MiB on CPU."""
+    size = (32 << 20) if not config.on_gpu else (256 << 20) if config.quick else (1 << 30)
+    impl = copy_impl(2 * size, config.device)
+    ms = median_ms(impl.fn, config.device, config.timer)
+    del impl
+    release_memory(config.device)
+    return CopyCeiling(2 * size, ms)
+
+
+def copy_impl(bytes_moved: int, device: torch.device, name: str = "copy (same bytes)") -> Impl:
+    """A ``ceiling`` row: a plain copy of ``bytes_moved / 2`` bytes, so it moves ``bytes_moved``."""
+    n = max(1, bytes_moved // 2)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return Impl(name, "ceiling", lambda: dst.copy_(src), check=False)
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------
+# Running
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured (or skipped / failed) implementation of one case: a JSON row."""
+
+    suite: str
+    case: str
+    group: str
+    params: dict[str, Any]
+    impl: str
+    kind: str
+    status: str
+    reason: str | None = None
+    median_ms: float | None = None
+    bytes: int | None = None
+    flops: int | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_of_copy: float | None = None
+    speedup: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Hooks:
+    """Callbacks of a run (progress display): all optional."""
+
+    on_impl: Callable[[Case, Impl], None] = lambda case, impl: None
+    on_case_done: Callable[[Case], None] = lambda case: None
+    on_problem: Callable[[Row], None] = lambda row: None
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _call(impl: Impl, device: torch.device) -> Any:
+    out = impl.fn()
+    synchronize(device)
+    return out
+
+
+def run_impl(impl: Impl, workload: Workload, row: Row, config: Config) -> Row:
+    """Check then time one implementation, filling ``row``."""
+    if impl.skip is not None:
+        row.status, row.reason = "skipped", impl.skip
+        return row
+    try:
+        out = _call(impl, config.device)
+    except Skip as exc:
+        row.status, row.reason = "skipped", str(exc)
+        return row
+    except torch.OutOfMemoryError:
+        release_memory(config.device)
+        row.status, row.reason = "skipped", "out of memory"
+        return row
+    except Exception as exc:  # a baseline missing in this torch is skipped; a broken ragged kernel fails
+        release_memory(config.device)
+        row.status = "failed" if impl.kind == "ragged" else "skipped"
+        row.reason = _error_text(exc)
+        return row
+    if impl.check:
+        problem = workload.compare(out, workload.reference)
+        if problem is not None:
+            row.status, row.reason = "failed", f"wrong output: {problem}"
+            return row
+    del out
+    try:
+        ms = median_ms(impl.fn, config.device, config.timer)
+    except Exception as exc:
+        release_memory(config.device)
+        row.status, row.reason = "failed", f"while timing: {_error_text(exc)}"
+        return row
+    row.status, row.median_ms = "ok", ms
+    if row.bytes:
+        row.gbps = gb_per_s(row.bytes, ms)
+    if row.flops:
+        row.tflops = row.flops / (ms * 1e-3) / 1e12
+    return row
+
+
+def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: bool) -> None:
+    """% of the copy ceiling (memory-bound suites) and speedups of ragged rows over baselines."""
+    baselines = {r.impl: r.median_ms for r in rows if r.kind == "baseline" and r.status == "ok"}
+    for r in rows:
+        if r.status != "ok":
+            continue
+        if memory_bound and ceiling is not None and r.gbps is not None:
+            r.pct_of_copy = 100.0 * r.gbps / ceiling.gbps
+        if r.kind == "ragged":
+            r.speedup = {name: ms / r.median_ms for name, ms in baselines.items()}
+
+
+def run_suite(suite: Suite, config: Config, ceiling: CopyCeiling | None, cases: Iterable[Case] | None = None,
+              hooks: Hooks | None = None) -> list[Row]:
+    """Run every case of ``suite`` (or the given ``cases``); one :class:`Row` per implementation."""
+    hooks = hooks or Hooks()
+    rows: list[Row] = []
+    for case in (suite.cases(config) if cases is None else cases):
+        case_rows = _run_case(suite, case, config, hooks)
+        _add_derived(case_rows, ceiling, suite.memory_bound)
+        rows.extend(case_rows)
+        hooks.on_case_done(case)
+    return rows
+
+
+def _run_case(suite: Suite, case: Case, config: Config, hooks: Hooks) -> list[Row]:
+    base = dict(suite=suite.name, case=case.name, group=case.group, params=dict(case.params))
+    try:
+        workload = suite.build(case, config)
+    except (Skip, torch.OutOfMemoryError) as exc:
+        release_memory(config.device)
+        reason = str(exc) if isinstance(exc, Skip) else "out of memory"
+        return [Row(**base, impl="(case)", kind="case", status="skipped", reason=f"case not built: {reason}")]
+    case_rows = []
+    for impl in workload.impls:
+        hooks.on_impl(case, impl)
+        row = Row(**base, impl=impl.name, kind=impl.kind, status="skipped",
+                  bytes=workload.bytes_moved, flops=workload.flops)
+        row = run_impl(impl, workload, row, config)
+        if row.status == "failed":
+            hooks.on_problem(row)
+        case_rows.append(row)
+    del workload
+    release_memory(config.device)
+    return case_rows

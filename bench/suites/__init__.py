@@ -1,0 +1,7 @@
+"""Benchmark suites. Importing this package registers every suite with the harness.
+
+To add a suite, write ``bench/suites/<name>.py`` with a :class:`bench.harness.Suite`
+subclass decorated with :func:`bench.harness.register`, and import it below.
+"""
+
+from . import pack  # noqa: F401
