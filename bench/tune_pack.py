@@ -49,6 +49,23 @@ def main():
     c2 = torch.empty_like(c1)
     run("copy of the pack bytes", lambda: c2.copy_(c1), pack_bytes)
 
+    # Host cost of one call (no sync), which bounds small problems in eager mode.
+    import time
+    for name, fn in (("pack cuda", lambda: ragged.pack_values(x, off, total, backend="cuda")),
+                     ("pack triton", lambda: ragged.pack_values(x, off, total, backend="triton")),
+                     ("unpack cuda", lambda: ragged.unpack_values(vals, off, width, backend="cuda")),
+                     ("unpack triton", lambda: ragged.unpack_values(vals, off, width, backend="triton")),
+                     ("index_select", lambda: x.view(-1, feat).index_select(0, off[:1].long()))):
+        small = 200
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(small):
+            fn()
+        host_us = (time.perf_counter() - start) / small * 1e6
+        torch.cuda.synchronize()
+        rows.append({"name": f"host overhead {name}", "us": host_us})
+        print(f"host overhead per call, {name:14s} {host_us:6.1f} us", flush=True)
+
     layout = kc._layout
     for lanes in (8, 16, 32, 64, 128):
         kc._layout = lambda rv, n=lanes: (n, 256 // n)

@@ -10,9 +10,9 @@
 // offsets[b] <= t < offsets[b+1] and sits at position j = t - offsets[b]; its padded row
 // is (b, j) with right padding, (b, j + M - L_b) with left padding.
 //
-// Thread layout: blockDim = (LANES, ROWS). A group of LANES threads moves one row, each
-// thread UNROLL vectors per trip with all loads issued before the stores, so that a
-// 2 KiB row (bf16, F=1024) is one trip of 32 lanes x 4 x 16 B.
+// Thread layout: blockDim = (LANES, ROWS), one block per ROWS consecutive rows. A group of
+// LANES threads moves one row, each thread UNROLL vectors per trip with all loads issued
+// before the stores, so that a 2 KiB row (bf16, F=1024) is one trip of 32 lanes x 4 x 16 B.
 //
 // Index arithmetic is 64-bit (long long): B * M * row passes 2**31 at realistic sizes.
 // Compiles with nvcc (csrc compile check) and NVRTC (CuPy, at first use): no std headers.
@@ -74,10 +74,9 @@ __device__ __forceinline__ Vec fill_vector(unsigned int w0, unsigned int w1, uns
     return u.vec;
 }
 
-// Largest b in [0, batch) with offsets[b] <= t.
+// Largest b in [lo, hi] with offsets[b] <= t (the caller guarantees offsets[lo] <= t).
 template <typename Off>
-__device__ __forceinline__ i64 find_sequence(const Off* __restrict__ offsets, i64 batch, i64 t) {
-    i64 lo = 0, hi = batch - 1;
+__device__ __forceinline__ i64 find_sequence(const Off* __restrict__ offsets, i64 lo, i64 hi, i64 t) {
     while (lo < hi) {
         const i64 mid = (lo + hi + 1) >> 1;
         if ((i64)__ldg(offsets + mid) <= t) lo = mid; else hi = mid - 1;
@@ -85,39 +84,58 @@ __device__ __forceinline__ i64 find_sequence(const Off* __restrict__ offsets, i6
     return lo;
 }
 
-// pack: grid over the T packed rows only.
+// pack: one block per ROWS consecutive packed rows (grid over the T real rows only).
 //   src: padded base; row (b, j) starts at src + b * stride_b + j * stride_m (bytes).
 //   dst: values, contiguous rows of row_vecs vectors.
+// Two threads first find the sequences of the block's first and last rows over all B;
+// every row then searches only between those two (usually 0 to 2 steps), which matters
+// when rows are short and the search, not the copy, is the cost.
 template <typename Vec, typename Off>
 __device__ __forceinline__ void pack_rows(const char* __restrict__ src, Vec* __restrict__ dst,
                                           const Off* __restrict__ offsets, i64 batch, i64 total, i64 width,
                                           i64 stride_b, i64 stride_m, i64 row_vecs, int left) {
-    const i64 step = (i64)gridDim.x * blockDim.y;
-    for (i64 t = (i64)blockIdx.x * blockDim.y + threadIdx.y; t < total; t += step) {
-        const i64 b = find_sequence(offsets, batch, t);
-        const i64 start = __ldg(offsets + b);
-        i64 j = t - start;
-        if (left) j += width - ((i64)__ldg(offsets + b + 1) - start);
-        const Vec* row = reinterpret_cast<const Vec*>(src + b * stride_b + j * stride_m);
-        copy_row(row, dst + t * row_vecs, row_vecs);
-    }
+    __shared__ i64 range[2];
+    const i64 first = (i64)blockIdx.x * blockDim.y;
+    const i64 last = min(first + (i64)blockDim.y, total) - 1;
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    if (tid < 2) range[tid] = find_sequence(offsets, 0, batch - 1, tid == 0 ? first : last);
+    __syncthreads();
+    const i64 t = first + threadIdx.y;
+    if (t > last) return;
+    const i64 b = find_sequence(offsets, range[0], range[1], t);
+    const i64 start = __ldg(offsets + b);
+    i64 j = t - start;
+    if (left) j += width - ((i64)__ldg(offsets + b + 1) - start);
+    const Vec* row = reinterpret_cast<const Vec*>(src + b * stride_b + j * stride_m);
+    copy_row(row, dst + t * row_vecs, row_vecs);
 }
 
-// unpack: grid over the B * M padded rows; rows past a sequence get the fill.
+// unpack: one block per ROWS consecutive padded rows; rows past a sequence get the fill.
+// The block's first row is divided by the width once; rows step from there (no 64-bit
+// division per row).
 template <typename Vec, typename Off>
 __device__ __forceinline__ void unpack_rows(const Vec* __restrict__ src, Vec* __restrict__ dst,
                                             const Off* __restrict__ offsets, i64 n_rows, i64 width, i64 row_vecs,
                                             int left, Vec fill) {
-    const i64 step = (i64)gridDim.x * blockDim.y;
-    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < n_rows; r += step) {
-        const i64 b = r / width;
-        i64 j = r - b * width;
-        const i64 start = __ldg(offsets + b);
-        const i64 length = (i64)__ldg(offsets + b + 1) - start;
-        if (left) j -= width - length;
-        if (j >= 0 && j < length) copy_row(src + (start + j) * row_vecs, dst + r * row_vecs, row_vecs);
-        else fill_row(dst + r * row_vecs, row_vecs, fill);
+    __shared__ i64 base[2];
+    const i64 first = (i64)blockIdx.x * blockDim.y;
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        base[0] = first / width;
+        base[1] = first - base[0] * width;
     }
+    __syncthreads();
+    const i64 r = first + threadIdx.y;
+    if (r >= n_rows) return;
+    i64 b = base[0], j = base[1] + threadIdx.y;
+    while (j >= width) {
+        j -= width;
+        ++b;
+    }
+    const i64 start = __ldg(offsets + b);
+    const i64 length = (i64)__ldg(offsets + b + 1) - start;
+    if (left) j -= width - length;
+    if (j >= 0 && j < length) copy_row(src + (start + j) * row_vecs, dst + r * row_vecs, row_vecs);
+    else fill_row(dst + r * row_vecs, row_vecs, fill);
 }
 
 // extern "C" entry points, one per (vector width, offsets dtype): ragged_{pack,unpack}_v{bytes}_{i32,i64}.

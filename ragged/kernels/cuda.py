@@ -57,9 +57,20 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
     handle = torch.cuda.current_stream(index).cuda_stream
     stream = _streams.get(handle)
     if stream is None:
-        stream = _streams[handle] = cupy.cuda.ExternalStream(handle, index)
+        stream = _streams[handle] = _wrap_stream(cupy, handle, index)
     with cupy.cuda.Device(index), stream:
         fn((grid,), block, args)
+
+
+def _wrap_stream(cupy, handle: int, index: int):
+    """A CuPy view of torch's stream (CuPy >= 14 spells it Stream.from_external)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(handle, index)
+        except TypeError:
+            return from_external(handle)
+    return cupy.cuda.ExternalStream(handle, index)
 
 
 # --------------------------------------------------------------------------------------
@@ -83,7 +94,10 @@ def _layout(row_vecs: int) -> tuple[int, int]:
 
 
 def _grid(n_rows: int, rows_per_block: int) -> int:
-    return max(1, min(-(-n_rows // rows_per_block), 2**31 - 1))
+    blocks = -(-n_rows // rows_per_block)
+    if blocks > 2**31 - 1:
+        raise ValueError(f"ragged (cuda backend): {n_rows} rows exceed one launch's grid; use backend='triton'")
+    return blocks
 
 
 def _offsets_suffix(offsets: torch.Tensor) -> str:

@@ -23,26 +23,47 @@ from ..._utils import warn_once
 
 
 @triton.jit
-def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, row, n_steps,
-                 LEFT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    row_ok = t < total
-    # Largest b in [0, B) with offsets[b] <= t: the sequence of packed row t.
-    lo = tl.zeros([BLOCK_R], dtype=tl.int64)
-    hi = tl.zeros([BLOCK_R], dtype=tl.int64) + (batch - 1)
-    for _ in range(n_steps):
+def _search(offsets, t, lo, hi, steps):
+    """Largest b in [lo, hi] with offsets[b] <= t, elementwise; ``steps`` >= ceil(log2(hi - lo + 1))."""
+    for _ in range(steps):
         mid = (lo + hi + 1) // 2
-        start_mid = tl.load(offsets + mid, mask=row_ok, other=0).to(tl.int64)
-        go_up = start_mid <= t
+        go_up = tl.load(offsets + mid).to(tl.int64) <= t
         lo = tl.where(go_up, mid, lo)
         hi = tl.where(go_up, hi, mid - 1)
-    start = tl.load(offsets + lo, mask=row_ok, other=0).to(tl.int64)
+    return lo
+
+
+@triton.jit
+def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, row, n_steps,
+                 LEFT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCK_R
+    last = tl.minimum(first + BLOCK_R, total) - 1
+    # Sequences of the tile's first and last rows over all B, then each row searches only
+    # between them (0 to 2 steps for typical lengths): the search is the cost of short rows.
+    ends = tl.where(tl.arange(0, 2) == 0, first, last)
+    zero2 = tl.zeros([2], dtype=tl.int64)
+    found = _search(offsets, ends, zero2, zero2 + (batch - 1), n_steps)
+    b_first = tl.min(found, axis=0)
+    b_last = tl.max(found, axis=0)
+    t = first + tl.arange(0, BLOCK_R)
+    row_ok = t <= last
+    zero = tl.zeros([BLOCK_R], dtype=tl.int64)
+    lo = zero + b_first
+    hi = zero + b_last
+    span = b_last - b_first
+    while span > 0:
+        mid = (lo + hi + 1) // 2
+        go_up = tl.load(offsets + mid).to(tl.int64) <= t
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid - 1)
+        span = span // 2
+    start = tl.load(offsets + lo).to(tl.int64)
     j = t - start
     if LEFT:
-        end = tl.load(offsets + lo + 1, mask=row_ok, other=0).to(tl.int64)
+        end = tl.load(offsets + lo + 1).to(tl.int64)
         j += width - (end - start)
     src_row = lo * stride_b + j * stride_m
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     m = row_ok[:, None] & (cols < row)[None, :]
     x = tl.load(src + src_row[:, None] + cols[None, :], mask=m)
     tl.store(dst + t[:, None] * row + cols[None, :], x, mask=m)
@@ -51,16 +72,23 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, row
 @triton.jit
 def _unpack_kernel(src, dst, offsets, n_rows, width, row, fill_bits,
                    LEFT: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    first = tl.program_id(0).to(tl.int64) * BLOCK_R
+    # One 64-bit division per program; rows step from there with 32-bit arithmetic
+    # (the launcher keeps width + BLOCK_R below 2**31).
+    b0 = first // width
+    local = (first - b0 * width).to(tl.int32) + tl.arange(0, BLOCK_R)
+    width32 = width.to(tl.int32)
+    hop = local // width32
+    b = b0 + hop.to(tl.int64)
+    j = (local - hop * width32).to(tl.int64)
+    r = first + tl.arange(0, BLOCK_R)
     row_ok = r < n_rows
-    b = r // width
-    j = r - b * width
     start = tl.load(offsets + b, mask=row_ok, other=0).to(tl.int64)
     length = tl.load(offsets + b + 1, mask=row_ok, other=0).to(tl.int64) - start
     if LEFT:
         j -= width - length
     real = row_ok & (j >= 0) & (j < length)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < row
     x = tl.load(src + (start + j)[:, None] * row + cols[None, :], mask=real[:, None] & col_ok[None, :])
     # The fill arrives as the element's bit pattern: exact for every dtype (a float
@@ -128,6 +156,9 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     n_rows = batch * width
     if n_rows == 0 or row == 0:
         return out
+    if width > 2**31 - 1 - 2 * _TILE_BYTES:
+        raise ValueError(f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
+                         "stepping; use backend='torch'")
     values = _rows_contiguous(values, 1, "unpack").contiguous()
     src, dst = _as_kernel_dtype(values), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, values.element_size())
