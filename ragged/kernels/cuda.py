@@ -62,14 +62,22 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
         fn((grid,), block, args)
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` exposed through the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 def _wrap_stream(cupy, handle: int, index: int):
-    """A CuPy view of torch's stream (CuPy >= 14 spells it Stream.from_external)."""
+    """A CuPy view of torch's stream (``Stream.from_external`` in CuPy >= 14)."""
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
-        try:
-            return from_external(handle, index)
-        except TypeError:
-            return from_external(handle)
+        with cupy.cuda.Device(index):
+            return from_external(_StreamHandle(handle))
     return cupy.cuda.ExternalStream(handle, index)
 
 
