@@ -94,15 +94,33 @@ def max_length(host_offsets: Sequence[int]) -> int:
 
 def to_device(host: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host metadata -> device tensor without a blocking copy (pinned + non_blocking on CUDA)."""
-    t = torch.tensor(host, dtype=dtype)
-    if device.type == "cpu":
-        return t
     if device.type == "cuda" and not torch.compiler.is_compiling():
         # A pageable host->device copy blocks the host (and trips sync-debug mode);
         # a pinned one is queued on the stream, and the caching host allocator keeps
         # the pinned block alive until the copy has run.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+        return torch.tensor(host, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    t = torch.tensor(host, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _dispatch_modes() -> int:
+    try:
+        return torch._C._len_torch_dispatch_stack()
+    except AttributeError:  # pragma: no cover - older torch
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        return int(_get_current_dispatch_mode() is not None)
+
+
+def eager(*tensors: torch.Tensor) -> bool:
+    """True when a call may skip the torch.library dispatcher: plain tensors in eager mode
+    (not compiling, no tensor subclass such as FakeTensor, no dispatch mode active)."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+    return _dispatch_modes() == 0
 
 
 _warned: set[str] = set()

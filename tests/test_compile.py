@@ -61,3 +61,34 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.ragged.pack.default, (x, offsets, 8, False, "torch"))
     v = torch.randn(8, 5, requires_grad=True)
     torch.library.opcheck(torch.ops.ragged.unpack.default, (v, offsets, 6, 0.5, True, "torch"))
+
+
+def test_public_api_under_fake_tensors_uses_the_ops():
+    """Eager calls skip the dispatcher; fake tensors must still reach the fake kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 9, 4)
+        offsets = torch.empty(4, dtype=torch.int32)
+        v = ragged.pack_values(x, offsets, 11, backend="torch")
+        p = ragged.unpack_values(v, offsets, 12, backend="torch")
+    assert v.shape == (11, 4) and p.shape == (3, 12, 4)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_eager_path_and_op_path_agree(backend):
+    x = torch.randn(3, 6, 5, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([0, 2, 2, 8], dtype=torch.int32)
+    eager = ragged.pack_values(x, offsets, 8, backend=backend)
+    via_op = torch.ops.ragged.pack(x, offsets, 8, False, backend)
+    assert torch.equal(eager, via_op)
+    w = torch.randn_like(eager)
+    g1, = torch.autograd.grad((eager * w).sum(), x)
+    g2, = torch.autograd.grad((via_op * w).sum(), x)
+    assert torch.equal(g1, g2)
+    # double backward through the eager Functions
+    v = eager.detach().requires_grad_(True)
+    out = ragged.unpack_values(v, offsets, 6, backend=backend)
+    g, = torch.autograd.grad((out * out).sum(), v, create_graph=True)
+    gg, = torch.autograd.grad(g.sum(), v)
+    assert torch.equal(gg, torch.full_like(v, 2.0))

@@ -32,20 +32,28 @@ def source(name: str) -> str:
 
 
 _modules: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, int], object] = {}
 _streams: dict[int, object] = {}
 
 
-def _module(name: str, device: torch.device):
+def _module(name: str, index: int):
     import cupy
 
-    key = (name, device.index if device.index is not None else torch.cuda.current_device())
+    key = (name, index)
     mod = _modules.get(key)
     if mod is None:
-        with cupy.cuda.Device(key[1]):
+        with cupy.cuda.Device(index):
             mod = cupy.RawModule(code=source(name), options=("-std=c++17",))
             mod.compile()
         _modules[key] = mod
     return mod
+
+
+def _raw_stream(index: int) -> int:
+    try:  # the handle alone, without building a torch.cuda.Stream (about 3 us less per launch)
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:  # pragma: no cover - older torch
+        return torch.cuda.current_stream(index).cuda_stream
 
 
 def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: tuple[int, int], args: tuple) -> None:
@@ -53,13 +61,18 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
     import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _module(src_name, device).get_function(kernel)
-    handle = torch.cuda.current_stream(index).cuda_stream
+    fn = _functions.get((kernel, index))
+    if fn is None:
+        fn = _functions[(kernel, index)] = _module(src_name, index).get_function(kernel).kernel
+    handle = _raw_stream(index)
     stream = _streams.get(handle)
     if stream is None:
         stream = _streams[handle] = _wrap_stream(cupy, handle, index)
-    with cupy.cuda.Device(index), stream:
-        fn((grid,), block, args)
+    if index == torch.cuda.current_device():
+        fn((grid,), block, args, stream=stream)
+    else:
+        with cupy.cuda.Device(index):
+            fn((grid,), block, args, stream=stream)
 
 
 class _StreamHandle:

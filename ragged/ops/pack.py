@@ -27,6 +27,7 @@ from .._utils import (
     check_offsets_tensor,
     check_tensor,
     describe,
+    eager,
     host_lengths_of,
     host_offsets_from_lengths,
     max_length,
@@ -159,9 +160,8 @@ def _pack_setup(ctx, inputs, output):
 
 def _pack_backward(ctx, grad):
     (offsets,) = ctx.saved_tensors
-    grad_padded = _unpack_op(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left,
-                             _backward_backend("unpack", ctx.backend, grad))
-    return grad_padded, None, None, None, None
+    backend = _backward_backend("unpack", ctx.backend, grad)
+    return _call_unpack(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left, backend), None, None, None, None
 
 
 def _unpack_setup(ctx, inputs, output):
@@ -172,8 +172,8 @@ def _unpack_setup(ctx, inputs, output):
 
 def _unpack_backward(ctx, grad):
     (offsets,) = ctx.saved_tensors
-    grad_values = _pack_op(grad, offsets, ctx.total, ctx.left, _backward_backend("pack", ctx.backend, grad))
-    return grad_values, None, None, None, None, None
+    backend = _backward_backend("pack", ctx.backend, grad)
+    return _call_pack(grad.contiguous(), offsets, ctx.total, ctx.left, backend), None, None, None, None, None
 
 
 def _backward_backend(op: str, forward_backend: str, grad: torch.Tensor) -> str:
@@ -186,6 +186,49 @@ def _backward_backend(op: str, forward_backend: str, grad: torch.Tensor) -> str:
 
 _pack_op.register_autograd(_pack_backward, setup_context=_pack_setup)
 _unpack_op.register_autograd(_unpack_backward, setup_context=_unpack_setup)
+
+
+# Eager calls skip the torch.library dispatcher: it costs about 25 us of host time per
+# call on an H200 machine (bench/overhead.py), more than a small pack kernel runs.
+# The same autograd rules then come from these Functions. Under torch.compile, fake
+# tensors, tensor subclasses or dispatch modes, calls go through the ops above.
+
+
+class _PackFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, padded, offsets, total, left, backend):
+        ctx.save_for_backward(offsets)
+        ctx.width, ctx.left, ctx.backend = padded.shape[1], left, backend
+        return backends._OPS["pack"].impls[backend].fn(padded, offsets, total, left)
+
+    backward = staticmethod(_pack_backward)
+
+
+class _UnpackFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, offsets, width, padding_value, left, backend):
+        ctx.save_for_backward(offsets)
+        ctx.total, ctx.left, ctx.backend = values.shape[0], left, backend
+        return backends._OPS["unpack"].impls[backend].fn(values, offsets, width, padding_value, left)
+
+    backward = staticmethod(_unpack_backward)
+
+
+def _call_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool, backend: str) -> torch.Tensor:
+    if eager(padded, offsets):
+        if padded.requires_grad and torch.is_grad_enabled():
+            return _PackFunction.apply(padded, offsets, total, left, backend)
+        return backends._OPS["pack"].impls[backend].fn(padded, offsets, total, left)
+    return _pack_op(padded, offsets, total, left, backend)
+
+
+def _call_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool,
+                 backend: str) -> torch.Tensor:
+    if eager(values, offsets):
+        if values.requires_grad and torch.is_grad_enabled():
+            return _UnpackFunction.apply(values, offsets, width, padding_value, left, backend)
+        return backends._OPS["unpack"].impls[backend].fn(values, offsets, width, padding_value, left)
+    return _unpack_op(values, offsets, width, padding_value, left, backend)
 
 
 # --------------------------------------------------------------------------------------
@@ -209,7 +252,7 @@ def pack_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, *, padd
         raise ValueError(f"{fn}(): expected offsets of shape [{padded.shape[0] + 1}] (B+1), got {tuple(offsets.shape)}")
     left = _side(fn, padding_side) == "left"
     impl = backends.select("pack", backend, padded.device, padded, offsets)
-    return _pack_op(padded, offsets, int(total), left, impl.name)
+    return _call_pack(padded, offsets, int(total), left, impl.name)
 
 
 def unpack_values(values: torch.Tensor, offsets: torch.Tensor, width: int, *, padding_value: float = 0.0,
@@ -222,7 +265,7 @@ def unpack_values(values: torch.Tensor, offsets: torch.Tensor, width: int, *, pa
     check_offsets_tensor(fn, offsets, values)
     left = _side(fn, padding_side) == "left"
     impl = backends.select("unpack", backend, values.device, values, offsets)
-    return _unpack_op(values, offsets, int(width), float(padding_value), left, impl.name)
+    return _call_unpack(values, offsets, int(width), float(padding_value), left, impl.name)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,7 +331,8 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
 def _pack_host(x: torch.Tensor, host: Sequence[int], longest: int, side: str, backend) -> RaggedTensor:
     total = host[-1]
     offsets = to_device(host, offsets_dtype_for(total), x.device)
-    values = pack_values(x, offsets, total, padding_side=side, backend=backend)
+    impl = backends.select("pack", backend, x.device, x, offsets)
+    values = _call_pack(x, offsets, total, side == "left", impl.name)
     return RaggedTensor(values, offsets, longest, tuple(host))
 
 

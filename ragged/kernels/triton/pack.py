@@ -17,6 +17,8 @@ every backend is bit-exact against the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -112,6 +114,7 @@ _TILE_BYTES = 8192
 _ROW_BYTES = 4096
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(row: int, elem: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_F, num_warps) for rows of ``row`` elements of ``elem`` bytes.
 
@@ -128,6 +131,7 @@ def _tile(row: int, elem: int) -> tuple[int, int, int]:
     return block_r, block_f, 4
 
 
+@functools.lru_cache(maxsize=None)
 def _align(*strides: int, elem: int) -> int:
     """Largest power of two (in elements, at most 16 bytes) dividing every stride."""
     a = max(1, 16 // elem)
