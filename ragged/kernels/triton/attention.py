@@ -1,0 +1,402 @@
+"""Triton varlen flash attention: forward, backward (dK/dV and dQ), dropout mask.
+
+Work lists. A forward program handles one (sequence b, query block m) item and one
+query head. The items are numbered through ``block_cum [B+1]`` (built on the device
+from the offsets: ``block_cum[b+1] - block_cum[b] = ceil(L_b / BLOCK_M)``); a program
+finds its sequence with a binary search over it. The grid is ``ceil(Tq / BLOCK_M) + B``
+programs per head, an upper bound known on the host (no sync); programs past the last
+item exit at once. So only real query blocks are scheduled, never B x ceil(max_len /
+BLOCK_M). The backward's dK/dV kernel works the same way over key blocks.
+
+Masks. Within a sequence, key blocks that every query row of the block may see run
+without masks; only the last (ragged or causal-diagonal) blocks are masked. Causal
+masking is aligned to the bottom right: query i sees keys j <= i + Lk - Lq.
+
+Numerics: fp32 accumulation, exp2 with the scale folded in; ``lse`` (natural log) is
+kept for the backward; rows that see no key give 0 (never NaN) and ``lse = -inf``.
+float32 inputs use IEEE fp32 dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
+@triton.jit
+def _find(cum, batch, n_steps, item):
+    """Largest b in [0, batch) with cum[b] <= item (scalar binary search)."""
+    lo = item * 0
+    hi = lo + batch - 1
+    for _ in range(n_steps):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(cum + mid) <= item
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _keep(seed, dropout_p, h, t_global, j_local, total_q, max_k):
+    """Dropout keep mask for query tokens ``t_global`` x keys ``j_local`` of head ``h``."""
+    rows = (h * total_q + t_global).to(tl.int64) * max_k
+    offs = (rows[:, None] + j_local[None, :]).to(tl.uint32)
+    return tl.rand(seed, offs) >= dropout_p
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                seed, dropout_p, total_q, max_k,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    if item >= tl.load(block_cum + batch):
+        return
+    b = _find(block_cum, batch, n_steps, item)
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    m_blk = item - tl.load(block_cum + b)
+    if CAUSAL:  # the heaviest (last) blocks of a sequence first
+        m_blk = tl.load(block_cum + b + 1) - tl.load(block_cum + b) - 1 - m_blk
+    hk = h // GROUP
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
+    qk_scale = sm_scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    shift = k_len - q_len                      # causal: row i sees keys j <= i + shift
+    end = k_len
+    full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
+    if CAUSAL:
+        end = tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift)
+        full = tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N)
+        end = tl.maximum(end, 0)
+        full = tl.maximum(full, 0)
+
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        masked = start_n >= full
+        if masked:
+            col_ok = cols < k_len
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
+                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
+                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if masked:
+            ok = col_ok[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, q_start + offs_m, cols, total_q, max_k)
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + (q_start + offs_m) * tl.num_programs(1) + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                     seed, dropout_p, total_q, max_k, heads,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    hk = tl.program_id(1)
+    if item >= tl.load(block_cum + batch):
+        return
+    b = _find(block_cum, batch, n_steps, item)
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    n_blk = item - tl.load(block_cum + b)
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    col_ok = offs_n < k_len
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    begin = 0
+    if CAUSAL:  # first query row that sees this key block
+        begin = tl.maximum(n_blk * BLOCK_N - shift, 0)
+        begin = (begin // BLOCK_M) * BLOCK_M
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for start_m in range(begin, q_len, BLOCK_M):
+            rows = start_m + offs_m
+            r_ok = rows < q_len
+            tq = q_start + rows
+            q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                         mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows with no key: p = 0
+            delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+            p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
+            ok = col_ok[:, None] & r_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[:, None] <= rows[None, :] + shift)
+            p_t = tl.where(ok, p_t, 0.0)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            if DROPOUT:
+                keep = tl.trans(_keep(seed, dropout_p, h, tq, offs_n, total_q, max_k))
+                scale_keep = 1.0 / (1.0 - dropout_p)
+                dv += tl.dot(tl.where(keep, p_t * scale_keep, 0.0).to(do.dtype), do, input_precision=PRECISION)
+                dp_t = tl.where(keep, dp_t * scale_keep, 0.0)
+            else:
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                   seed, dropout_p, total_q, max_k, heads,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    if item >= tl.load(block_cum + batch):
+        return
+    b = _find(block_cum, batch, n_steps, item)
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    m_blk = item - tl.load(block_cum + b)
+    if CAUSAL:
+        m_blk = tl.load(block_cum + b + 1) - tl.load(block_cum + b) - 1 - m_blk
+    hk = h // GROUP
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    r_ok = offs_m < q_len
+    tq = q_start + offs_m
+    qd_mask = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    end = k_len
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        c_ok = cols < k_len
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
+        ok = c_ok[None, :] & r_ok[:, None]
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+        p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, tq, cols, total_q, max_k)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+
+
+@triton.jit
+def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr):
+    h = tl.program_id(1)
+    t = tl.program_id(0)
+    for start in range(0, max_k, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        keep = _keep(seed, dropout_p, h, t + tl.zeros([1], dtype=tl.int64), j, total_q, max_k)
+        tl.store(OUT + (h * total_q + t).to(tl.int64) * max_k + j[None, :], keep.to(tl.int8),
+                 mask=(j < max_k)[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_config(head_dim: int, max_q: int, causal: bool, dtype: torch.dtype, interpreted: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim (tuned in bench/tune_attention.py)."""
+    if interpreted:
+        return 16, 16, 4, 1
+    block_m = 128 if head_dim <= 128 else 64
+    block_m = max(16, min(block_m, triton.next_power_of_2(max(max_q, 1))))
+    block_n = 64 if head_dim <= 128 else 32
+    if dtype == torch.float32:
+        block_m, block_n = min(block_m, 64), min(block_n, 32)
+    warps = 4 if head_dim <= 64 or block_m <= 64 else 8
+    stages = 3 if head_dim <= 128 else 2
+    return block_m, block_n, warps, stages
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_config(head_dim: int, dtype: torch.dtype, interpreted: bool):
+    if interpreted:
+        return 16, 16, 4, 1
+    if head_dim > 128 or dtype == torch.float32:
+        return 32, 32, 4, 1
+    return 64, 64, 4, 2
+
+
+def _block_cum(cu: torch.Tensor, block: int) -> torch.Tensor:
+    lengths = cu[1:] - cu[:-1]
+    cum = torch.zeros(cu.shape[0], dtype=torch.int32, device=cu.device)
+    torch.cumsum(torch.div(lengths + (block - 1), block, rounding_mode="floor"), 0, out=cum[1:])
+    return cum
+
+
+def _interpreted() -> bool:
+    from ...backends import triton_interpreted
+
+    return triton_interpreted()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    total_q, heads, head_dim = q.shape
+    batch = cu_q.shape[0] - 1
+    out = torch.empty_like(q)
+    lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0:
+        return out, lse
+    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, causal, q.dtype, _interpreted())
+    cum = _block_cum(cu_q, block_m)
+    grid = (triton.cdiv(total_q, block_m) + batch, heads)
+    _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, max(batch - 1, 0).bit_length(), scale,
+                      seed, dropout_p, total_q, max(max_k, 1),
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      out.stride(0), out.stride(1),
+                      GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout_p > 0,
+                      PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    q, k, v, do = _rows(q), _rows(k), _rows(v), _rows(do)
+    total_q, heads, head_dim = q.shape
+    total_k, kv_heads, _ = k.shape
+    batch = cu_q.shape[0] - 1
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if batch == 0 or (total_q == 0 and total_k == 0):
+        return dq, dk, dv
+    if total_q == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = (out.float() * do.float()).sum(-1)                                  # [Tq, H]
+    lse = lse.contiguous()
+    block_m, block_n, warps, stages = _bwd_config(head_dim, q.dtype, _interpreted())
+    group = heads // kv_heads
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+                  BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype),
+                  num_warps=warps, num_stages=stages)
+    n_steps = max(batch - 1, 0).bit_length()
+    if total_k:
+        cum_k = _block_cum(cu_k, block_n)
+        _bwd_dkdv_kernel[(triton.cdiv(total_k, block_n) + batch, kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
+            seed, dropout_p, total_q, max(max_k, 1), heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), **common)
+    cum_q = _block_cum(cu_q, block_m)
+    _bwd_dq_kernel[(triton.cdiv(total_q, block_m) + batch, heads)](
+        q, k, v, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
+        seed, dropout_p, total_q, max(max_k, 1), heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1), **common)
+    return dq, dk, dv
+
+
+def dropout_keep_mask(seed: int, dropout_p: float, cu_q: torch.Tensor, heads: int, total_q: int, max_k: int,
+                      device: torch.device) -> torch.Tensor:
+    """``[H, Tq, max_k]`` bool: the keep mask the kernels draw for ``seed`` (for the reference)."""
+    max_k = max(max_k, 1)
+    out = torch.empty((heads, total_q, max_k), dtype=torch.int8, device=device)
+    if total_q and heads:
+        _keep_mask_kernel[(total_q, heads)](out, seed, dropout_p, total_q, max_k,
+                                            BLOCK=min(triton.next_power_of_2(max_k), 1024))
+    return out.bool()
+
+
+def flops(lengths_q, lengths_k, heads: int, head_dim: int, causal: bool) -> float:
+    """Useful forward FLOPs: 4 * sum(Lq * Lk) * D * H, halved for causal."""
+    total = sum(a * b for a, b in zip(lengths_q, lengths_k))
+    return 4.0 * total * head_dim * heads * (0.5 if causal else 1.0)
+

@@ -1,0 +1,348 @@
+"""Padding-free attention: each query attends only to the keys of its own sequence.
+
+Shapes (packed token index ``t``, see :mod:`ragged.tensor`):
+
+* ``q``: ``[Tq, H, D]``, ``k``: ``[Tk, H_kv, D]``, ``v``: ``[Tk, H_kv, D]`` with
+  ``H % H_kv == 0`` (GQA/MQA: query head ``h`` reads key/value head ``h // (H / H_kv)``);
+* ``cu_seqlens_q [B+1]``, ``cu_seqlens_k [B+1]`` (the offsets; q and k may differ, as in
+  cross-attention, but the batch size is shared);
+* output ``[Tq, H, D]`` in q's dtype and ``lse [Tq, H]`` float32, the natural-log
+  normaliser of each query row (``-inf`` for a query that sees no key).
+
+Causal masking with ``Lq != Lk`` is aligned to the bottom right (flash-attn >= 2.1):
+query ``i`` sees keys ``j <= i + Lk - Lq``. For Lq = 2, Lk = 5 (``x`` = attends)::
+
+        k0 k1 k2 k3 k4
+    q0   x  x  x  x  .
+    q1   x  x  x  x  x
+
+and for Lq = 5, Lk = 2 the first three queries see no key and get zeros::
+
+        k0 k1
+    q0   .  .
+    q1   .  .
+    q2   .  .
+    q3   x  .
+    q4   x  x
+
+Implementations (:mod:`ragged.backends`): ``"torch"`` (:func:`reference_attention`, a
+loop of per-sequence attention in float32; the CPU path and the tests' oracle),
+``"triton"`` (varlen flash attention, forward and backward) and ``"cuda"`` (a fused
+kernel for short sequences, forward only; ``"auto"`` takes it only where it is measured
+faster).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import backends
+from .._utils import check_offsets_tensor, check_tensor, describe, eager
+from ..tensor import RaggedTensor
+
+# --------------------------------------------------------------------------------------
+# Reference
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
+                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence attention in ``compute_dtype`` (float32 by default; float64 for float64 inputs).
+
+    Differentiable through torch autograd. Reads the offsets on the host (one sync on
+    CUDA): this is an oracle and the CPU path, not the GPU hot path. ``dropout_mask``
+    (optional, ``[H, Tq, max_k]`` bool, True = keep) applies attention dropout with
+    probability ``dropout_p`` exactly as the kernels draw it.
+    Returns ``(out [Tq, H, D] in q.dtype, lse [Tq, H] float32)``.
+    """
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    dtype = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)                       # [H, Lq, D]
+        kb = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        vb = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        lq, lk = qb.shape[1], kb.shape[1]
+        s = torch.matmul(qb, kb.transpose(1, 2)) * scale                         # [H, Lq, Lk]
+        if causal:
+            i = torch.arange(lq, device=q.device).unsqueeze(1)
+            j = torch.arange(lk, device=q.device).unsqueeze(0)
+            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                                         # [H, Lq]; -inf if no key
+        p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(dtype).min))
+        p = torch.nan_to_num(p, nan=0.0)
+        if dropout_mask is not None and dropout_p > 0:
+            keep = dropout_mask[:, cq[b]:cq[b + 1], :lk]
+            p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros((), dtype=dtype, device=p.device))
+        outs.append(torch.matmul(p, vb).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+    if not outs:
+        return q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out = torch.cat(outs).to(q.dtype)
+    return out, torch.cat(lses).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Backends
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
+    reasons = []
+    r = backends.triton_reason(q.device)
+    if r:
+        reasons.append(r)
+    if q.dtype not in _KERNEL_DTYPES:
+        reasons.append(f"triton attention takes float16, bfloat16 and float32, got {q.dtype}")
+    from ..kernels.triton.attention import HEAD_DIMS
+
+    if q.shape[-1] not in HEAD_DIMS:
+        reasons.append(f"triton attention takes head dims {HEAD_DIMS}, got {q.shape[-1]}")
+    return reasons
+
+
+def _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
+    try:
+        from ..kernels.cuda_attention import reasons
+    except ImportError as exc:  # the short-sequence kernel is optional
+        return [f"the CUDA short-sequence attention kernel is unavailable ({exc})"]
+    return reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad)
+
+
+def _no_reasons(*_) -> list[str]:
+    return []
+
+
+def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    mask = None
+    if dropout_p > 0:
+        from ..kernels.triton.attention import dropout_keep_mask
+
+        mask = dropout_keep_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
+    with torch.no_grad():
+        return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
+
+
+def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    mask = None
+    if dropout_p > 0:
+        from ..kernels.triton.attention import dropout_keep_mask
+
+        mask = dropout_keep_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
+    with torch.enable_grad():
+        qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = reference_attention(qd, kd, vd, cu_q, cu_k, causal, scale, mask, dropout_p)
+        return torch.autograd.grad(o, (qd, kd, vd), do)
+
+
+def _triton_forward(*args):
+    from ..kernels.triton.attention import forward
+
+    return forward(*args)
+
+
+def _triton_backward(*args):
+    from ..kernels.triton.attention import backward
+
+    return backward(*args)
+
+
+def _cuda_forward(*args):
+    from ..kernels.cuda_attention import forward
+
+    return forward(*args)
+
+
+backends.register("attention", "torch", (_reference_forward, _reference_backward), _no_reasons)
+backends.register("attention", "triton", (_triton_forward, _triton_backward), _triton_reasons)
+backends.register("attention", "cuda", (_cuda_forward, None), _cuda_reasons)
+backends.set_auto_order("attention", ("cuda", "triton", "torch"))
+
+
+def _impl(name: str):
+    return backends._OPS["attention"].impls[name].fn
+
+
+# --------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("ragged::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float, seed: int,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("ragged::attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+                           causal: bool, scale: float, dropout_p: float, seed: int,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _impl(backend)[1](do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
+                             backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, _backward_backend(backend))
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _backward_backend(forward_backend: str) -> str:
+    # The CUDA short-sequence kernel is forward only; its inputs are Triton's too.
+    return "triton" if forward_backend == "cuda" else forward_backend
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Eager path: the same forward/backward without the torch.library dispatcher."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
+        out, lse = _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, _backward_backend(backend))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    backward = staticmethod(_backward)
+
+
+def _call_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
+    if eager(q, k, v, cu_q, cu_k):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _AttentionFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
+                                            backend)
+        return _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+    return _attention_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend)
+
+
+def _call_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
+    if eager(do, q, k, v):
+        return _impl(backend)[1](do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+    return _attention_backward_op(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
+                                  seed, backend)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+
+
+def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(fn, name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{fn}(): expected {name} of shape [T, H, D], got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}(): expected q, k and v of one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"{fn}(): expected floating-point q, k, v, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}(): expected q, k and v on one device, got {q.device}, {k.device} and {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}(): expected k and v of the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}(): expected q and k of the same head dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value "
+                         f"heads ({k.shape[1]})")
+    check_offsets_tensor(fn, cu_q, q)
+    check_offsets_tensor(fn, cu_k, k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"{fn}(): expected cu_seqlens_q and cu_seqlens_k of the same batch size, got "
+                         f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise TypeError(f"{fn}(): expected {name} to be a non-negative int, got {describe(m)}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{fn}(): expected scale to be a float or None, got {describe(scale)}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}(): expected dropout_p in [0, 1), got {describe(dropout_p)}")
+
+
+def _seed(dropout_p: float) -> int:
+    # Drawn from torch's CPU generator (torch.manual_seed makes runs reproducible) so
+    # that no GPU value is read.
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
+                     backend: str | None = None):
+    """Attention in flash-attn's varlen convention (see the module docstring for shapes).
+
+    ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (no sync). ``dropout_p > 0`` drops
+    attention probabilities (reproducible under ``torch.manual_seed``).
+    Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.
+    """
+    fn = "ragged.varlen_attention"
+    _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    impl = backends.select("attention", backend, q.device, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, dropout_p, needs_grad)
+    out, lse = _call_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                             bool(causal), scale, float(dropout_p), _seed(dropout_p), impl.name)
+    return (out, lse) if return_lse else out
+
+
+def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = False, scale: float | None = None,
+              dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None):
+    """Padding-free attention over RaggedTensors (``values [T, H, D]``).
+
+    ``k`` and ``v`` share their sequences; ``q`` may have other lengths (cross-attention)
+    with the same batch size. Returns a RaggedTensor with q's sequences, or
+    ``(out, lse)`` with ``return_lse`` (``lse``: ``[Tq, H]`` float32 tensor).
+    """
+    fn = "ragged.attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, RaggedTensor):
+            raise TypeError(f"{fn}(): expected {name} to be a RaggedTensor, got {describe(t)}; "
+                            "for packed tensors with cu_seqlens use ragged.varlen_attention")
+    if k.offsets is not v.offsets:
+        if k.offsets.shape != v.offsets.shape or k.num_tokens != v.num_tokens or (
+                k._host_offsets is not None and v._host_offsets is not None and k._host_offsets != v._host_offsets):
+            raise ValueError(f"{fn}(): expected k and v with the same sequences, got lengths "
+                             f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)")
+    if q.batch_size != k.batch_size:
+        raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
+    result = varlen_attention(q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len,
+                              causal=causal, scale=scale, dropout_p=dropout_p, return_lse=return_lse,
+                              backend=backend)
+    if return_lse:
+        out, lse = result
+        return q.with_values(out), lse
+    return q.with_values(result)
