@@ -1,0 +1,108 @@
+"""Sweep of Triton attention block shapes on the issue's workloads, beside torch's varlen_attn.
+
+Development tool, run on a GPU: ``python -m bench.tune_attention [--bwd]``. Prints TFLOP/s
+(useful FLOPs: 4 * sum(L^2) * D * H forward, halved for causal; backward 2.5x that) for
+each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
+``ragged/kernels/triton/attention.py``.
+"""
+
+import argparse
+import inspect
+
+import torch
+from triton.testing import do_bench
+
+import ragged
+from ragged.kernels.triton import attention as ka
+
+
+def workloads():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(8, 33, (256,), generator=gen).tolist()
+    b = torch.distributions.LogNormal(4.5, 0.8).sample((64,)).clamp(8, 512).round().int().tolist()
+    c = torch.randint(256, 4097, (16,), generator=gen).tolist()
+    return {"a": (a, 12, 64), "b": (b, 12, 64), "c": (c, 16, 128)}
+
+
+def varlen_attn_fn(q, k, v, cu, max_len, causal):
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": causal} if "is_causal" in params else ({"window_size": (-1, 0)} if causal else {})
+    return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bwd", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    for name, (lengths, heads, dim) in workloads().items():
+        if args.only and name not in args.only:
+            continue
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        max_len = max(lengths)
+        for causal in (False, True):
+            fl = ka.flops(lengths, lengths, heads, dim, causal)
+            tag = f"({name}) B={len(lengths)} mean={total / len(lengths):.0f} max={max_len} H={heads} D={dim} " \
+                  f"causal={causal}"
+            base = varlen_attn_fn(q, k, v, cu, max_len, causal)
+            if base is not None:
+                ms = do_bench(base, return_mode="median")
+                line = f"{tag}  varlen_attn fwd {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s"
+                if args.bwd:
+                    out = base()
+                    ms2 = do_bench(lambda: torch.autograd.grad(base(), (q, k, v), do), return_mode="median")
+                    line += f" | fwd+bwd {ms2:.4f} ms {3.5 * fl / ms2 / 1e9:6.1f} TF/s"
+                    del out
+                print(line, flush=True)
+            default = ka._fwd_config
+            configs = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                       for s in (2, 3, 4) if not (dim > 64 and bn == 128 and bm == 128 and s == 4)]
+            if name == "a":
+                configs = [c for c in configs if c[0] <= 64 and c[1] <= 64]
+            results = []
+            for cfg in configs:
+                ka._fwd_config = lambda *a_, cfg=cfg: cfg
+                fn = lambda: ragged.varlen_attention(q.detach(), k.detach(), v.detach(), cu, cu, max_len, max_len,
+                                                     causal=causal, backend="triton")
+                try:
+                    ms = do_bench(fn, return_mode="median")
+                except Exception as exc:  # out of resources etc.
+                    print(f"  {cfg} failed: {type(exc).__name__}", flush=True)
+                    continue
+                results.append((ms, cfg))
+            ka._fwd_config = default
+            results.sort()
+            for ms, cfg in results[:4]:
+                print(f"  fwd {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
+            if args.bwd:
+                out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
+                default_b = ka._bwd_config
+                bres = []
+                for cfg in [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                            for s in (1, 2, 3) if bm * bn <= 8192]:
+                    ka._bwd_config = lambda *a_, cfg=cfg: cfg
+                    try:
+                        ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                                      return_mode="median")
+                    except Exception as exc:
+                        print(f"  bwd {cfg} failed: {type(exc).__name__}", flush=True)
+                        continue
+                    bres.append((ms, cfg))
+                ka._bwd_config = default_b
+                bres.sort()
+                fwd_ms = results[0][0]
+                for ms, cfg in bres[:3]:
+                    print(f"  bwd {cfg}: {ms:.4f} ms; fwd+bwd {3.5 * fl / (ms + fwd_ms) / 1e9:6.1f} TF/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
