@@ -64,10 +64,9 @@ def main():
                     del out
                 print(line, flush=True)
             default = ka._fwd_config
-            configs = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                       for s in (2, 3, 4) if not (dim > 64 and bn == 128 and bm == 128 and s == 4)]
+            configs = [(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
             if name == "a":
-                configs = [c for c in configs if c[0] <= 64 and c[1] <= 64]
+                configs = [(bm, bn, 4, s) for bm in (16, 32) for bn in (16, 32) for s in (1, 2)]
             results = []
             for cfg in configs:
                 ka._fwd_config = lambda *a_, cfg=cfg: cfg
@@ -88,7 +87,7 @@ def main():
                 default_b = ka._bwd_config
                 bres = []
                 for cfg in [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                            for s in (1, 2, 3) if bm * bn <= 8192]:
+                            for s in (1, 2) if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]:
                     ka._bwd_config = lambda *a_, cfg=cfg: cfg
                     try:
                         ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
