@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for suite in chosen:
         rows = _run_with_progress(console, suite, config, ceiling)
         console.print(report.rich_table(suite, rows, ceiling))
+        if suite.speedup_table and (speedups := report.rich_speedup_table(suite, rows)) is not None:
+            console.print(speedups)
         failed += sum(r.status == "failed" for r in rows)
 
         report.write_json(out / f"{suite.name}.json", report.suite_document(suite, rows, config, env, ceiling))

@@ -189,12 +189,15 @@ class Suite:
     ``memory_bound`` suites report GB/s and % of the copy ceiling; the others report
     TFLOP/s (GB/s too where their workloads give bytes). ``notes`` (Markdown) is
     appended to the suite's Markdown results: say there what each implementation is.
+    ``speedup_table``: also report the speedup of each ragged row over each baseline
+    (a second table), not only over the fastest one.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     memory_bound: ClassVar[bool] = True
     notes: ClassVar[str] = ""
+    speedup_table: ClassVar[bool] = False
 
     def cases(self, config: Config) -> list[Case]:
         """The cases to run for this config (cheap: no tensors yet)."""

@@ -50,6 +50,15 @@ def main():
         ("triton launcher only", lambda: kt.pack(x, off, total, False)),
         ("backends.select", lambda: ragged.backends.select("pack", "cuda", x.device, x, off)),
     ]
+    heads, dim = 12, 64
+    qa = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    from ragged.kernels.triton import attention as ka
+    rows += [
+        ("attention triton: varlen_attention", lambda: ragged.varlen_attention(qa, qa, qa, off, off, 8, 8,
+                                                                             backend="triton")),
+        ("attention triton: kernel launcher", lambda: ka.forward(qa, qa, qa, off, off, 8, 8, False, 0.125, 0.0, 0)),
+        ("attention: block_cum", lambda: ka._block_cum(off, 16)),
+    ]
     for name, fn in rows:
         print(f"{name:42s} {per_call_us(fn):7.1f} us/call", flush=True)
 

@@ -78,6 +78,42 @@ def columns(suite: Suite, rows: list[Row]) -> list[Column]:
     return cols
 
 
+def speedup_table(rows: list[Row]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """The speedup of each measured ragged row over each baseline of its case.
+
+    Returns the baseline names (the columns, in order of appearance) and one
+    ``(case, impl, cells)`` per ragged row that ran; a cell is ``"1.23x"`` or ``""`` where
+    that baseline did not run.
+    """
+    baselines = list(dict.fromkeys(r.impl for r in rows if r.kind == "baseline"))
+    table = []
+    for case, case_rows in _cases_in_order(rows):
+        for r in case_rows:
+            if r.kind == "ragged" and r.status == "ok":
+                cells = [f"{r.speedup[b]:.2f}x" if b in r.speedup else "" for b in baselines]
+                table.append((case, r.impl, cells))
+    return baselines, table
+
+
+def rich_speedup_table(suite: Suite, rows: list[Row]):
+    """:func:`speedup_table` as a ``rich.table.Table`` (``None`` when no ragged row ran)."""
+    from rich.table import Table
+
+    baselines, body = speedup_table(rows)
+    if not body or not baselines:
+        return None
+    table = Table(title=f"{suite.name}: speedup of the ragged rows over each baseline (baseline ms / ragged ms)")
+    table.add_column("case", overflow="fold")
+    table.add_column("implementation")
+    for b in baselines:
+        table.add_column(b, justify="right", overflow="fold")
+    previous = None
+    for case, impl, cells in body:
+        table.add_row(case if case != previous else "", impl, *cells)
+        previous = case
+    return table
+
+
 def _cases_in_order(rows: list[Row]) -> list[tuple[str, list[Row]]]:
     order: dict[str, list[Row]] = {}
     for r in rows:
@@ -180,6 +216,17 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
     notes = reasons(rows)
     if notes:
         lines += ["", *(f"- [{i}] {_md_escape(text)}" for i, text in enumerate(notes, 1))]
+    if suite.speedup_table:
+        baselines, body = speedup_table(rows)
+        if body and baselines:
+            lines += ["", "## Speedup over each baseline", "",
+                      "Baseline median ms / ragged median ms, per case (empty: that baseline did not run).", "",
+                      "| case | implementation | " + " | ".join(f"`{_md_escape(b)}`" for b in baselines) + " |",
+                      "| --- | --- | " + " | ".join("---:" for _ in baselines) + " |"]
+            previous = None
+            for case, impl, cells in body:
+                lines.append(f"| {case if case != previous else ''} | `{_md_escape(impl)}` | " + " | ".join(cells) + " |")
+                previous = case
     if suite.notes:
         lines += ["", suite.notes.strip()]
     return "\n".join(lines) + "\n"

@@ -86,8 +86,8 @@ def main():
                 out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
                 default_b = ka._bwd_config
                 bres = []
-                for cfg in [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                            for s in (1, 2) if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]:
+                for cfg in [(bm, bn, w, 2) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                            if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]:
                     ka._bwd_config = lambda *a_, cfg=cfg: cfg
                     try:
                         ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),

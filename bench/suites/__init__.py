@@ -4,4 +4,5 @@ To add a suite, write ``bench/suites/<name>.py`` with a :class:`bench.harness.Su
 subclass decorated with :func:`bench.harness.register`, and import it below.
 """
 
-from . import pack  # noqa: F401
+from . import pack  # noqa: F401  (first: registration order is the run order)
+from . import attention  # noqa: F401

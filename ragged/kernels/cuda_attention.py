@@ -1,0 +1,113 @@
+"""Launcher of the fused short-sequence attention kernel (``csrc/attention_short.cu``), forward only.
+
+One thread block per (sequence, query head): Q, K, V of the sequence go to shared memory,
+``S = Q K^T`` and ``O = P V`` run on the tensor cores (``mma.sync``), the softmax in fp32
+registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
+128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
+(different q and k offsets) and bottom-right causal masking; no dropout, no backward.
+
+The kernel is compiled at first use through NVRTC (CuPy) and launched on torch's current
+stream by :func:`ragged.kernels.cuda.launch`: no sync, no host reads of the offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import backends
+from .cuda import launch
+
+MAX_LEN = 128
+HEAD_DIMS = (32, 64, 128)
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_SOURCE = "attention_short.cu"
+_LOG2E = 1.4426950408889634
+
+# Head dim -> ((key rows per shared-memory chunk C, warps per block W), ...), smallest C first;
+# the same (D, C, W) list as the RAGGED_ATTENTION_SHORT_TYPES lines of the source. The launcher
+# takes the smallest C >= max_seqlen_k (the largest when none is: several chunks).
+_CONFIGS = {
+    32: ((32, 2), (64, 4), (128, 4)),
+    64: ((32, 2), (64, 4), (128, 4)),
+    128: ((32, 2), (64, 2)),
+}
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+def reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
+    """Every reason the kernel cannot take this input (an empty list when it can)."""
+    out = []
+    r = backends.cuda_reason(q.device)
+    if r:
+        out.append(r)
+    elif _capability(q.device) < (8, 0):
+        major, minor = _capability(q.device)
+        out.append(f"the CUDA short-sequence attention kernel needs compute capability >= 8.0, got {major}.{minor}")
+    if q.dtype not in _DTYPES:
+        out.append(f"the CUDA short-sequence attention kernel takes float16 and bfloat16, got {q.dtype}")
+    if q.dim() == 3 and q.shape[-1] not in HEAD_DIMS:
+        out.append(f"the CUDA short-sequence attention kernel takes head dims {HEAD_DIMS}, got {q.shape[-1]}")
+    if max_q > MAX_LEN or max_k > MAX_LEN:
+        out.append(f"the CUDA short-sequence attention kernel takes sequences of at most {MAX_LEN} tokens, "
+                   f"got max_seqlen_q={max_q}, max_seqlen_k={max_k}")
+    if dropout_p > 0:
+        out.append("the CUDA short-sequence attention kernel has no dropout")
+    if needs_grad:
+        out.append("the CUDA short-sequence attention kernel is forward only (inputs require grad)")
+    if q.dim() == 3 and (cu_q.shape[0] - 1) * q.shape[1] > 2**31 - 1:
+        out.append("the CUDA short-sequence attention kernel launches one block per (sequence, head): "
+                   "more than 2**31 - 1 of them")
+    return out
+
+
+def _config(head_dim: int, max_k: int) -> tuple[int, int]:
+    configs = _CONFIGS[head_dim]
+    for chunk, warps in configs:
+        if max_k <= chunk:
+            return chunk, warps
+    return configs[-1]
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its rows (last dim) are contiguous and every row starts on 16 bytes."""
+    es = x.element_size()
+    if (x.stride(-1) != 1 or x.data_ptr() % 16 or (x.stride(0) * es) % 16 or (x.stride(1) * es) % 16):
+        return x.contiguous()
+    return x
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`."""
+    if dropout_p > 0:
+        raise ValueError("the CUDA short-sequence attention kernel has no dropout")
+    total_q, heads, head_dim = q.shape
+    batch = cu_q.shape[0] - 1
+    out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or heads == 0:
+        return out, lse
+    q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    chunk, warps = _config(head_dim, max_k)
+    kernel = f"ragged_attention_short_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}"
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
+    args = (np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), np.uint64(out.data_ptr()),
+            np.uint64(lse.data_ptr()), np.uint64(cu_q.data_ptr()), np.uint64(cu_k.data_ptr()), np.int32(wide),
+            np.int32(heads), np.int32(heads // k.shape[1]),
+            np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)), np.int64(k.stride(1)),
+            np.int64(v.stride(0)), np.int64(v.stride(1)), np.float32(scale * _LOG2E), np.int32(int(causal)))
+    launch(_SOURCE, kernel, q.device, batch * heads, (warps * 32, 1), args)
+    return out, lse
