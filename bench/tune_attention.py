@@ -68,6 +68,8 @@ def main():
             if name == "a":
                 configs = [(bm, bn, 4, s) for bm in (16, 32) for bn in (16, 32) for s in (1, 2)]
             results = []
+            if args.bwd:
+                configs = [ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)]
             for cfg in configs:
                 ka._fwd_config = lambda *a_, cfg=cfg: cfg
                 fn = lambda: ragged.varlen_attention(q.detach(), k.detach(), v.detach(), cu, cu, max_len, max_len,
@@ -85,22 +87,29 @@ def main():
             if args.bwd:
                 out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
                 default_b = ka._bwd_config
-                bres = []
-                for cfg in [(bm, bn, w, 2) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                            if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]:
-                    ka._bwd_config = lambda *a_, cfg=cfg: cfg
-                    try:
-                        ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-                                      return_mode="median")
-                    except Exception as exc:
-                        print(f"  bwd {cfg} failed: {type(exc).__name__}", flush=True)
-                        continue
-                    bres.append((ms, cfg))
-                ka._bwd_config = default_b
-                bres.sort()
                 fwd_ms = results[0][0]
-                for ms, cfg in bres[:3]:
-                    print(f"  bwd {cfg}: {ms:.4f} ms; fwd+bwd {3.5 * fl / (ms + fwd_ms) / 1e9:6.1f} TF/s", flush=True)
+
+                def time_bwd(pair):
+                    ka._bwd_config = lambda *a_, pair=pair: pair
+                    try:
+                        return do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                                        return_mode="median")
+                    except Exception as exc:
+                        print(f"  bwd {pair} failed: {type(exc).__name__}", flush=True)
+                        return float("inf")
+
+                shapes = [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                          for st in (2, 3) if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]
+                base_dq = (64, 64, 4, 2)
+                kv = sorted((time_bwd((cfg, base_dq)), cfg) for cfg in shapes)
+                best_kv = kv[0][1]
+                qq = sorted((time_bwd((best_kv, cfg)), cfg) for cfg in shapes)
+                ka._bwd_config = default_b
+                for ms, cfg in kv[:3]:
+                    print(f"  bwd dk/dv {cfg} (dq {base_dq}): {ms:.4f} ms", flush=True)
+                for ms, cfg in qq[:3]:
+                    print(f"  bwd dq {cfg} (dk/dv {best_kv}): {ms:.4f} ms; fwd+bwd "
+                          f"{3.5 * fl / (ms + fwd_ms) / 1e9:6.1f} TF/s", flush=True)
 
 
 if __name__ == "__main__":

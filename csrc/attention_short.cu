@@ -317,7 +317,8 @@ __device__ __forceinline__ void attention_short(const u16* __restrict__ q, const
             l1 = quad_sum(l1);
             const float i0 = l0 > 0.f ? 1.f / l0 : 0.f;
             const float i1 = l1 > 0.f ? 1.f / l1 : 0.f;
-            __syncwarp();  // every lane's ldmatrix of the strip is done
+            copy_wait<0>();  // (no key chunk: the strip's Q copy was never waited for)
+            __syncwarp();    // every lane's ldmatrix of the strip is done
 #pragma unroll
             for (int j = 0; j < NO; ++j) {
                 *reinterpret_cast<u32*>(strip_smem + g * RS + j * 8 + 2 * t) = Mma<T>::pack(o[j][0] * i0, o[j][1] * i0);

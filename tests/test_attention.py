@@ -153,7 +153,8 @@ def _grads(fn, q, k, v, upstream):
     """Gradients of ``<fn(q, k, v), upstream>`` with respect to fresh leaves."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out = fn(*leaves)
-    return torch.autograd.grad(out, leaves, upstream.to(out.dtype), allow_unused=False)
+    grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype), allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
 
 
 def _check_lse(lse, expected, blind):
@@ -253,7 +254,7 @@ def test_triton_backward(case, causal):
     for name, g, r, t in zip("qkv", got, ref, (q, k, v)):
         assert g.shape == t.shape and g.dtype == t.dtype, name
         assert not torch.isnan(g).any(), f"d{name} has NaN"
-        torch.testing.assert_close(g.double(), r, **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
+        torch.testing.assert_close(g.double(), r.double(), **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
     blind = _blind_rows(lq, lk, causal)
     assert torch.all(got[0][blind] == 0), "queries that see no key get no gradient"
 
@@ -372,7 +373,7 @@ def test_nan_outside_the_views_never_leaks(backend, causal, dim):
     ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q, k, v, up)
     for name, g, r in zip("qkv", grads, ref):
         assert not torch.isnan(g).any(), f"d{name} has NaN"
-        torch.testing.assert_close(g.double(), r, **BWD_TOL)
+        torch.testing.assert_close(g.double(), r.double(), **BWD_TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -392,6 +393,7 @@ def test_nan_padding_packed_away(backend, causal):
     torch.testing.assert_close(out.values.double(), exp, **FWD_TOL)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("poisoned", [0, 1, 3])
@@ -492,7 +494,7 @@ def test_attention_gradients_flow_to_values(backend):
     (out.values * up).sum().backward()
     ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lq, True)[0], qv, kv, vv, up)
     for t, r in zip((q, k, v), ref):
-        torch.testing.assert_close(t.values.grad.double(), r, **BWD_TOL)
+        torch.testing.assert_close(t.values.grad.double(), r.double(), **BWD_TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -644,7 +646,7 @@ def test_dropout_backward(case, causal):
     for name, g, r, lo, a in zip("qkv", got, ref, loop, again):
         assert torch.equal(g, a), f"d{name} is not reproducible"
         torch.testing.assert_close(r, lo, atol=1e-10, rtol=1e-10)
-        torch.testing.assert_close(g.double(), r, **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
+        torch.testing.assert_close(g.double(), r.double(), **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 @needs_triton
@@ -668,6 +670,59 @@ def test_dropout_reference_backend_without_a_gpu_or_interpreter():
 
 
 # --------------------------------------------------------------------------------------
+# torch.compile and the torch.library ops
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph_forward_backward(backend):
+    torch._dynamo.reset()
+    lq, lk = [3, 0, 9, 5], [6, 2, 9, 0]
+    q, k, v = _qkv(lq, lk, 4, 2, 16, _seed("compile", backend))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+
+    def f(a, b, c, cq, ck):
+        out, lse = ragged.varlen_attention(a, b, c, cq, ck, 9, 9, causal=True, return_lse=True, backend=backend)
+        return out * 2, lse
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves, cu_q, cu_k)
+    exp, exp_lse = _loop_attention(q, k, v, lq, lk, True)
+    torch.testing.assert_close(out.double(), 2 * exp, **FWD_TOL)
+    _check_lse(lse, exp_lse, _blind_rows(lq, lk, True))
+    up = _randn(q.shape, _seed("compile-up"))
+    got = torch.autograd.grad(out, leaves, up)
+    ref = _grads(lambda a, b, c: 2 * _loop_attention(a, b, c, lq, lk, True)[0], q, k, v, up)
+    for name, g, r in zip("qkv", got, ref):
+        torch.testing.assert_close(g.double(), r.double(), **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@needs_triton
+def test_compile_dropout_draws_a_new_mask_per_call():
+    torch._dynamo.reset()
+    lq = [3, 0, 9]
+    q, k, v = _qkv(lq, lq, 2, 1, 16, _seed("compile-drop"))
+
+    def f(a, b, c, cu):
+        return ragged.varlen_attention(a, b, c, cu, cu, 9, 9, dropout_p=0.3, backend="triton")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    first = compiled(q, k, v, _cu(lq))
+    second = compiled(q, k, v, _cu(lq))
+    assert not torch.equal(first, second), "a compiled call reuses the previous call's dropout mask"
+    torch.manual_seed(3)
+    assert torch.equal(first, f(q, k, v, _cu(lq))), "compiled and eager draw different masks for one seed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    lq, lk = [3, 0, 9], [4, 2, 9]
+    q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
+    torch.library.opcheck(torch.ops.ragged.attention.default,
+                          (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, backend))
+
+
+# --------------------------------------------------------------------------------------
 # Property test
 
 
@@ -686,7 +741,11 @@ def test_triton_random_batches(pairs, kv_heads, causal, seed):
 
 
 # --------------------------------------------------------------------------------------
-# Bad input
+# Bad input: a ValueError or TypeError whose message names the function and the argument
+
+
+VARLEN = "ragged.varlen_attention()"
+ATTN = "ragged.attention()"
 
 
 def _varlen_args(**overrides):
@@ -697,6 +756,16 @@ def _varlen_args(**overrides):
     return args
 
 
+def _ragged_args(**overrides):
+    """q, k, v RaggedTensors (lengths [3, 5]); an override is a tensor of values or any object."""
+    lengths = [3, 5]
+    q, k, v = _qkv(lengths, lengths, 4, 2, 32, 0)
+    values = dict(q=q, k=k, v=v)
+    values.update(overrides)
+    return {name: RaggedTensor.from_lengths(t, lengths) if isinstance(t, torch.Tensor) else t
+            for name, t in values.items()}
+
+
 def _raises(exc, fn, *words):
     with pytest.raises(exc) as info:
         fn()
@@ -705,109 +774,78 @@ def _raises(exc, fn, *words):
         assert word in message, f"{word!r} not in {message!r}"
 
 
-VARLEN = "ragged.varlen_attention"
-ATTN = "ragged.attention"
-
-
-def test_bad_batch_sizes():
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(cu_seqlens_k=_cu([8]), max_seqlen_k=8)),
-            VARLEN, "cu_seqlens_q", "cu_seqlens_k")
-    q = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
-    k = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [8])
-    _raises(ValueError, lambda: ragged.attention(q, k, k), ATTN, "batch size")
+def test_varlen_batch_sizes_differ():
+    for cu_q, cu_k in ((_cu([3, 5]), _cu([8])), (_cu([3, 5, 0]), _cu([3, 5]))):
+        _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)),
+                VARLEN, "cu_seqlens_q", "cu_seqlens_k", "batch size")
 
 
 @pytest.mark.parametrize("kv_heads", [3, 0])
-def test_bad_head_counts(kv_heads):
+def test_varlen_bad_head_counts(kv_heads):
     k = torch.randn(8, kv_heads, 32)
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "heads")
-    q = RaggedTensor.from_lengths(torch.randn(8, 4, 32), [3, 5])
-    kr = RaggedTensor.from_lengths(k, [3, 5])
-    _raises(ValueError, lambda: ragged.attention(q, kr, kr), ATTN, "heads")
+    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "heads",
+            f"({kv_heads})")
 
 
 @needs_triton
-def test_head_dim_a_forced_backend_cannot_take():
+def test_varlen_head_dim_a_forced_backend_cannot_take():
     q, k, v = (torch.randn(8, 2, 48) for _ in range(3))
     args = _varlen_args(q=q, k=k, v=v)
     _raises(ValueError, lambda: ragged.varlen_attention(**args, backend="triton"), VARLEN, "triton", "head dim",
             "48")
-    rq = RaggedTensor.from_lengths(q, [3, 5])
-    _raises(ValueError, lambda: ragged.attention(rq, rq, rq, backend="triton"), ATTN, "triton", "head dim", "48")
-    with ragged.use_backend("triton"):
-        _raises(ValueError, lambda: ragged.attention(rq, rq, rq), ATTN, "head dim", "48")
     reasons = ragged.explain("attention", q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], 5, 5, False, 0.0,
                              False)
     assert reasons["torch"] == [] and any("48" in r for r in reasons["triton"])
 
 
-def test_head_dims_of_q_and_k_differ():
-    k = torch.randn(8, 2, 16)
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "head dim")
-
-
-def test_k_and_v_differ():
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(v=torch.randn(8, 2, 16))), VARLEN, "k", "v")
-    q = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
-    k = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
-    v = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [5, 3])
-    _raises(ValueError, lambda: ragged.attention(q, k, v), ATTN, "k and v")
-
-
-@pytest.mark.parametrize("which", ["k", "v"])
-def test_bad_dtypes(which):
-    args = _varlen_args()
-    args[which] = args[which].half()
-    _raises(TypeError, lambda: ragged.varlen_attention(**args), VARLEN, "dtype", "torch.float16")
-    lengths = [3, 5]
-    rt = {name: RaggedTensor.from_lengths(args[name], lengths) for name in "qkv"}
-    _raises(TypeError, lambda: ragged.attention(rt["q"], rt["k"], rt["v"]), ATTN, "dtype")
-    ints = _varlen_args(q=torch.ones(8, 4, 32, dtype=torch.int64), k=torch.ones(8, 2, 32, dtype=torch.int64),
-                        v=torch.ones(8, 2, 32, dtype=torch.int64))
-    _raises(TypeError, lambda: ragged.varlen_attention(**ints), VARLEN, "floating")
-
-
 @needs_triton
-def test_float64_with_triton():
+def test_varlen_float64_with_triton():
     args = _varlen_args()
     args.update({name: args[name].double() for name in "qkv"})
     _raises(ValueError, lambda: ragged.varlen_attention(**args, backend="triton"), VARLEN, "triton", "float64")
 
 
-@pytest.mark.parametrize("which", ["k", "v", "q"])
-def test_device_mismatch(which):
+def test_varlen_cuda_backend_on_cpu_tensors():
+    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(), backend="cuda"), VARLEN, "cuda")
+
+
+def test_varlen_head_dims_of_q_and_k_differ():
+    k = torch.randn(8, 2, 16)
+    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "head dim")
+
+
+def test_varlen_k_and_v_differ():
+    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(v=torch.randn(8, 2, 16))), VARLEN, "k", "v")
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_varlen_bad_dtypes(which):
+    args = _varlen_args()
+    args[which] = args[which].half()
+    _raises(TypeError, lambda: ragged.varlen_attention(**args), VARLEN, "dtype", "torch.float16")
+
+
+def test_varlen_integer_inputs():
+    ints = _varlen_args(q=torch.ones(8, 4, 32, dtype=torch.int64), k=torch.ones(8, 2, 32, dtype=torch.int64),
+                        v=torch.ones(8, 2, 32, dtype=torch.int64))
+    _raises(TypeError, lambda: ragged.varlen_attention(**ints), VARLEN, "floating", "torch.int64")
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_varlen_device_mismatch(which):
     args = _varlen_args()
     args[which] = args[which].to("meta")
     _raises(ValueError, lambda: ragged.varlen_attention(**args), VARLEN, "device", "meta")
-    lengths = [3, 5]
-    rt = {name: RaggedTensor.from_lengths(args[name], lengths) for name in "qkv"}
-    _raises(ValueError, lambda: ragged.attention(rt["q"], rt["k"], rt["v"]), ATTN, "device")
 
 
 @pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
 @pytest.mark.parametrize("bad", ["float", "int16", "empty", "2d", "meta"])
-def test_bad_cu_seqlens(which, bad):
+def test_varlen_bad_cu_seqlens(which, bad):
     cu = _cu([3, 5])
     value = {"float": cu.float(), "int16": cu.to(torch.int16), "empty": cu[:0], "2d": cu.view(1, 3),
              "meta": cu.to("meta")}[bad]
     exc = TypeError if bad in ("float", "int16") else ValueError
     _raises(exc, lambda: ragged.varlen_attention(**_varlen_args(**{which: value})), VARLEN, which)
-
-
-@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
-def test_cu_seqlens_batch_sizes_differ(which):
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(**{which: _cu([3, 5, 0])})), VARLEN,
-            "cu_seqlens_q", "cu_seqlens_k", "2", "3")
-
-
-@pytest.mark.parametrize("which", ["q", "k", "v"])
-@pytest.mark.parametrize("bad", ["tensor", "list", "none"])
-def test_attention_takes_ragged_tensors_only(which, bad):
-    lengths = [3, 5]
-    args = {name: RaggedTensor.from_lengths(t, lengths) for name, t in zip("qkv", _qkv(lengths, lengths, 2, 2,
-                                                                                          16, 0))}
-    args[which] = {"tensor": args[which].values, "list": [1.0], "none": None}[bad]
-    _raises(TypeError, lambda: ragged.attention(**args), ATTN, which, "RaggedTensor")
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -818,39 +856,89 @@ def test_varlen_takes_tensors_only(which):
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_bad_ranks(which):
+def test_varlen_bad_ranks(which):
     args = _varlen_args()
     args[which] = args[which].flatten(1)
     _raises(ValueError, lambda: ragged.varlen_attention(**args), VARLEN, which)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan"), float("inf")])
-def test_bad_dropout_p(p):
+def test_varlen_bad_dropout_p(p):
     _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(), dropout_p=p), VARLEN, "dropout_p")
-    rt = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
-    _raises(ValueError, lambda: ragged.attention(rt, rt, rt, dropout_p=p), ATTN, "dropout_p")
 
 
-def test_dropout_p_not_a_number():
-    with pytest.raises((TypeError, ValueError), match="dropout_p"):
+def test_varlen_dropout_p_not_a_number():
+    with pytest.raises((TypeError, ValueError)) as info:
         ragged.varlen_attention(**_varlen_args(), dropout_p="0.1")
+    assert VARLEN in str(info.value) and "dropout_p" in str(info.value)
 
 
 @pytest.mark.parametrize("which", ["max_seqlen_q", "max_seqlen_k"])
 @pytest.mark.parametrize("bad", [-1, 2.5, None])
-def test_bad_max_seqlen(which, bad):
+def test_varlen_bad_max_seqlen(which, bad):
     with pytest.raises((TypeError, ValueError)) as info:
         ragged.varlen_attention(**_varlen_args(**{which: bad}))
     assert VARLEN in str(info.value) and which in str(info.value)
 
 
-def test_bad_scale():
+def test_varlen_bad_scale():
     _raises(TypeError, lambda: ragged.varlen_attention(**_varlen_args(), scale="0.5"), VARLEN, "scale")
 
 
-def test_bad_backend_name():
+def test_varlen_bad_backend_name():
     _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(), backend="flash"), "backend", "flash")
 
 
-def test_cuda_backend_on_cpu_tensors():
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(), backend="cuda"), VARLEN, "cuda")
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", ["tensor", "list", "none"])
+def test_attention_takes_ragged_tensors_only(which, bad):
+    args = _ragged_args()
+    args[which] = {"tensor": args[which].values, "list": [1.0], "none": None}[bad]
+    _raises(TypeError, lambda: ragged.attention(**args), ATTN, which, "RaggedTensor")
+
+
+def test_attention_batch_sizes_differ():
+    q = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
+    k = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [8])
+    _raises(ValueError, lambda: ragged.attention(q, k, k), ATTN, "batch size", "2", "1")
+
+
+def test_attention_k_and_v_sequences_differ():
+    q = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
+    k = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [3, 5])
+    v = RaggedTensor.from_lengths(torch.randn(8, 2, 16), [5, 3])
+    _raises(ValueError, lambda: ragged.attention(q, k, v), ATTN, "k and v")
+
+
+def _attention_bad_input(kind):
+    """(exception, call, words the message must hold) for bad input to ragged.attention."""
+    if kind == "heads":
+        return ValueError, _ragged_args(k=torch.randn(8, 3, 32), v=torch.randn(8, 3, 32)), {}, ("heads",)
+    if kind == "head_dim_triton":
+        return (ValueError, _ragged_args(**{n: torch.randn(8, 2, 48) for n in "qkv"}), {"backend": "triton"},
+                ("head dim", "48", "triton"))
+    if kind == "dtype":
+        return TypeError, _ragged_args(v=torch.randn(8, 2, 32, dtype=torch.float16)), {}, ("dtype",)
+    if kind == "device":
+        return ValueError, _ragged_args(k=torch.randn(8, 2, 32, device="meta")), {}, ("device", "meta")
+    if kind == "dropout_p":
+        return ValueError, _ragged_args(), {"dropout_p": 1.0}, ("dropout_p",)
+    if kind == "scale":
+        return TypeError, _ragged_args(), {"scale": "0.5"}, ("scale",)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["heads", "head_dim_triton", "dtype", "device", "dropout_p", "scale"])
+def test_attention_bad_input_names_attention(kind):
+    """Errors raised for ragged.attention name ragged.attention, not a function it calls."""
+    if kind == "head_dim_triton" and not TRITON_ON_CPU:
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on CPU")
+    exc, args, kwargs, words = _attention_bad_input(kind)
+    _raises(exc, lambda: ragged.attention(**args, **kwargs), ATTN, *words)
+
+
+@needs_triton
+def test_global_backend_that_cannot_take_the_input():
+    args = _ragged_args(**{n: torch.randn(8, 2, 48) for n in "qkv"})
+    with ragged.use_backend("triton"):
+        _raises(ValueError, lambda: ragged.attention(**args), "head dim", "48", "triton")

@@ -145,6 +145,43 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
 
 
 @triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, h, heads, offs_n, offs_m, offs_d,
+                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dK/dV of one key block over query blocks [lo, hi) of head h.
+
+    Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly
+    0; keys past the sequence are never stored. Only the causal diagonal (MASKED) needs
+    an element mask."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        r_ok = rows < q_len
+        tq = q_start + rows
+        q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows that see no key: p = 0
+        delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+        p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep = tl.trans(_keep(seed, dropout_p, h, tq, offs_n, total_q, max_k))
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv += tl.dot(tl.where(keep, p_t * scale_keep, 0.0).to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.where(keep, dp_t * scale_keep, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                      seed, dropout_p, total_q, max_k, heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -166,8 +203,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    col_ok = offs_n < k_len
-    kv_mask = col_ok[:, None] & d_ok[None, :]
+    kv_mask = (offs_n < k_len)[:, None] & d_ok[None, :]
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask,
                 other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask,
@@ -177,43 +213,56 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
     begin = 0
-    if CAUSAL:  # first query row that sees this key block
-        begin = tl.maximum(n_blk * BLOCK_N - shift, 0)
-        begin = (begin // BLOCK_M) * BLOCK_M
+    full = 0
+    if CAUSAL:
+        # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
+        begin = (tl.maximum(n_blk * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
+        full = tl.minimum(((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M)
+                          * BLOCK_M, ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        full = tl.maximum(full, begin)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for start_m in range(begin, q_len, BLOCK_M):
-            rows = start_m + offs_m
-            r_ok = rows < q_len
-            tq = q_start + rows
-            q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                        mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
-                         mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-            lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows with no key: p = 0
-            delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
-            p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
-            ok = col_ok[:, None] & r_ok[None, :]
-            if CAUSAL:
-                ok = ok & (offs_n[:, None] <= rows[None, :] + shift)
-            p_t = tl.where(ok, p_t, 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            if DROPOUT:
-                keep = tl.trans(_keep(seed, dropout_p, h, tq, offs_n, total_q, max_k))
-                scale_keep = 1.0 / (1.0 - dropout_p)
-                dv += tl.dot(tl.where(keep, p_t * scale_keep, 0.0).to(do.dtype), do, input_precision=PRECISION)
-                dp_t = tl.where(keep, dp_t * scale_keep, 0.0)
-            else:
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, h, heads,
+                                 offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
+                                 seed, dropout_p, total_q, max_k, BLOCK_M, True, DROPOUT, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, h, heads,
+                             offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
+                             seed, dropout_p, total_q, max_k, BLOCK_M, False, DROPOUT, PRECISION)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + (k_start + offs_n)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, offs_m, offs_n,
+              offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """dQ of one query block over key blocks [lo, hi). Keys past the sequence load as 0 and
+    add exactly 0 (dS @ K with K = 0); only the causal diagonal needs an element mask."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
+        if MASKED:
+            if CAUSAL:
+                p = tl.where(cols[None, :] <= offs_m[:, None] + shift, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, tq, cols, total_q, max_k)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
@@ -253,32 +302,35 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
     end = k_len
+    full = (k_len // BLOCK_N) * BLOCK_N
     if CAUSAL:
         end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
+        full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
-    for start_n in range(0, end, BLOCK_N):
-        cols = start_n + offs_n
-        c_ok = cols < k_len
-        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
-        ok = c_ok[None, :] & r_ok[:, None]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
-        p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            keep = _keep(seed, dropout_p, h, tq, cols, total_q, max_k)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, offs_m,
+                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                   BLOCK_N, False, CAUSAL, DROPOUT, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, offs_m,
+                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                   BLOCK_N, True, CAUSAL, DROPOUT, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride_doh, heads,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta[t, h] = sum_d O[t, h, d] * dO[t, h, d] in fp32 (rows r = t * H + h)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    ok = (r < n_rows)[:, None] & (d < HEAD_DIM)[None, :]
+    t = r // heads
+    h = r - t * heads
+    o = tl.load(O + (t * stride_ot + h * stride_oh)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + (t * stride_dot + h * stride_doh)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
 
 
 @triton.jit
@@ -320,11 +372,12 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
 
 @functools.lru_cache(maxsize=None)
 def _bwd_config(head_dim: int, dtype: torch.dtype, interpreted: bool):
+    """((BLOCK_M, BLOCK_N, warps, stages) for dK/dV, the same for dQ); bench/tune_attention.py --bwd."""
     if interpreted:
-        return 16, 16, 4, 1
+        return (16, 16, 4, 1), (16, 16, 4, 1)
     if head_dim > 128 or dtype == torch.float32:
-        return 32, 32, 4, 1
-    return 64, 64, 4, 2
+        return (32, 32, 4, 1), (32, 32, 4, 1)
+    return (64, 64, 4, 2), (64, 64, 4, 2)
 
 
 @triton.jit
@@ -397,27 +450,32 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         return dq, dk, dv
     if total_q == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = (out.float() * do.float()).sum(-1)                                  # [Tq, H]
+    delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
+    out = _rows(out)
+    rows_per = 32
+    _delta_kernel[(triton.cdiv(total_q * heads, rows_per),)](
+        out, do, delta, total_q * heads, out.stride(0), out.stride(1), do.stride(0), do.stride(1), heads,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_R=rows_per)
     lse = lse.contiguous()
-    block_m, block_n, warps, stages = _bwd_config(head_dim, q.dtype, _interpreted())
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, q.dtype, _interpreted())
     group = heads // kv_heads
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
-                  BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype),
-                  num_warps=warps, num_stages=stages)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+                  DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype))
     n_steps = max(batch - 1, 0).bit_length()
     if total_k:
-        cum_k = _block_cum(cu_k, block_n)
-        _bwd_dkdv_kernel[(triton.cdiv(total_k, block_n) + batch, kv_heads)](
+        cum_k = _block_cum(cu_k, kv_n)
+        _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
             seed, dropout_p, total_q, max(max_k, 1), heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), **common)
-    cum_q = _block_cum(cu_q, block_m)
-    _bwd_dq_kernel[(triton.cdiv(total_q, block_m) + batch, heads)](
+            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, **common)
+    cum_q = _block_cum(cu_q, q_m)
+    _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
         q, k, v, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
         seed, dropout_p, total_q, max(max_k, 1), heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), **common)
+        dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w, num_stages=q_s, **common)
     return dq, dk, dv
 
 
