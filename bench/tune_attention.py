@@ -98,8 +98,12 @@ def main():
                         print(f"  bwd {pair} failed: {type(exc).__name__}", flush=True)
                         return float("inf")
 
-                shapes = [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                          for st in (2, 3) if bm * bn <= 8192 and (name != "a" or bm * bn <= 2048)]
+                shapes = [(32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+                          (64, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (32, 64, 4, 2),
+                          (128, 32, 4, 2), (128, 32, 8, 2)]
+                if name == "a":
+                    shapes = [(16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2),
+                              (64, 32, 4, 2)]
                 base_dq = (64, 64, 4, 2)
                 kv = sorted((time_bwd((cfg, base_dq)), cfg) for cfg in shapes)
                 best_kv = kv[0][1]
