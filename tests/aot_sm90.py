@@ -38,7 +38,7 @@ def cases():
         variants = ((False, False, 1, 64), (True, True, 2, 80), (True, False, 1, 128))
         for causal, dropout, group, dim in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
-                     CAUSAL=causal, DROPOUT=dropout, PRECISION=prec)
+                     CAUSAL=causal, DROPOUT=dropout, PRECISION=prec, INLINE=not dropout, CHUNK=256)
             scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32"]
             yield ("attention fwd", ka._fwd_kernel,
                    [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + ["i32"] * 8, c)
