@@ -10,7 +10,7 @@ Public API (see README.md for the table):
 """
 
 from .backends import BACKENDS, explain, get_backend, set_backend, use_backend
-from .ops.attention import attention, reference_attention, varlen_attention
+from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence
 from .ops.pack import pack, pack_values, reference_pack, reference_unpack, unpack, unpack_values
 from .tensor import RaggedTensor
@@ -30,6 +30,7 @@ __all__ = [
     "pack",
     "pack_values",
     "reference_attention",
+    "reference_attention_backward",
     "reference_pack",
     "reference_unpack",
     "set_backend",

@@ -36,15 +36,16 @@ def check_tensor(fn: str, name: str, x: object) -> torch.Tensor:
     return x
 
 
-def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None = None) -> torch.Tensor:
-    check_tensor(fn, "offsets", offsets)
+def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None = None,
+                         name: str = "offsets") -> torch.Tensor:
+    check_tensor(fn, name, offsets)
     if offsets.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"{fn}(): expected offsets of dtype torch.int32 or torch.int64, got {offsets.dtype}")
+        raise TypeError(f"{fn}(): expected {name} of dtype torch.int32 or torch.int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{fn}(): expected offsets to be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
+        raise ValueError(f"{fn}(): expected {name} to be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if values is not None and offsets.device != values.device:
-        raise ValueError(f"{fn}(): expected values and offsets on the same device, "
-                         f"got values on {values.device} and offsets on {offsets.device}")
+        raise ValueError(f"{fn}(): expected values and {name} on the same device, "
+                         f"got values on {values.device} and {name} on {offsets.device}")
     return offsets
 
 

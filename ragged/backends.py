@@ -145,18 +145,22 @@ def explain(op: str, *args, **kwargs) -> dict[str, list[str]]:
     return {name: impl.reasons(*args, **kwargs) for name, impl in _OPS[op].impls.items()}
 
 
-def select(op: str, backend: str | None, device: torch.device, *args, **kwargs) -> Implementation:
-    """Pick the implementation of ``op`` for these arguments (see the module docstring)."""
-    name = get_backend() if backend is None else _check_name(f"ragged.{op}", backend)
+def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,
+           **kwargs) -> Implementation:
+    """Pick the implementation of ``op`` for these arguments (see the module docstring).
+
+    ``fn`` names the public function in error messages (default ``ragged.<op>``)."""
+    fn = fn or f"ragged.{op}"
+    name = get_backend() if backend is None else _check_name(fn, backend)
     entry = _OPS[op]
     if name != "auto":
         impl = entry.impls.get(name)
         if impl is None:
-            raise ValueError(f"ragged.{op}(): backend {name!r} has no implementation of this op "
+            raise ValueError(f"{fn}(): backend {name!r} has no implementation of this op "
                              f"(available: {sorted(entry.impls)})")
         reasons = impl.reasons(*args, **kwargs)
         if reasons:
-            raise ValueError(f"ragged.{op}(): backend {name!r} cannot take this input: " + "; ".join(reasons))
+            raise ValueError(f"{fn}(): backend {name!r} cannot take this input: " + "; ".join(reasons))
         return impl
     order = entry.gpu_order if device.type == "cuda" else ("torch",)
     for candidate in order:

@@ -83,10 +83,79 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
             p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros((), dtype=dtype, device=p.device))
         outs.append(torch.matmul(p, vb).transpose(0, 1))
         lses.append(lse.transpose(0, 1))
-    if not outs:
-        return q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if not outs:  # B = 0 (so T = 0): empty results that stay in the autograd graph
+        return q * 0, torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
     out = torch.cat(outs).to(q.dtype)
     return out, torch.cat(lses).to(torch.float32)
+
+
+def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
+                                 scale: float | None = None, dropout_mask: torch.Tensor | None = None,
+                                 dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`reference_attention` (float32; float64 for float64 inputs), written out.
+
+    With ``P = softmax(S)``, ``Z`` the dropout keep mask scaled by ``1 / (1 - p)`` and
+    ``O = (P * Z) V``: ``dV = (P * Z)^T dO``, ``dP = (dO V^T) * Z``,
+    ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; for
+    GQA the key/value gradients are summed over each group's query heads. Explicit
+    formulas rather than autograd: this also runs inside the ``ragged::attention_backward``
+    op, where autograd is off.
+    """
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        lq, lk = qe - qs, ke - ks
+        if lq == 0 or lk == 0:
+            continue
+        qb = q[qs:qe].to(dtype).transpose(0, 1)                                  # [H, Lq, D]
+        kb = k[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)     # [H, Lk, D]
+        vb = v[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        dob = do[qs:qe].to(dtype).transpose(0, 1)
+        s = torch.matmul(qb, kb.transpose(1, 2)) * scale
+        if causal:
+            i = torch.arange(lq, device=q.device).unsqueeze(1)
+            j = torch.arange(lk, device=q.device).unsqueeze(0)
+            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.nan_to_num(torch.exp(s - lse.clamp_min(torch.finfo(dtype).min)), nan=0.0)
+        zp = p
+        if dropout_mask is not None and dropout_p > 0:
+            keep = dropout_mask[:, qs:qe, :lk].to(dtype) / (1.0 - dropout_p)
+            zp = p * keep
+        out = torch.matmul(zp, vb)
+        dvb = torch.matmul(zp.transpose(1, 2), dob)                              # [H, Lk, D]
+        dp = torch.matmul(dob, vb.transpose(1, 2))
+        if zp is not p:
+            dp = dp * keep
+        ds = p * (dp - (dob * out).sum(-1, keepdim=True))
+        dq[qs:qe] = (torch.matmul(ds, kb) * scale).transpose(0, 1)
+        dkb = torch.matmul(ds.transpose(1, 2), qb) * scale
+        dk[ks:ke] = dkb.view(kv_heads, group, lk, head_dim).sum(1).transpose(0, 1)
+        dv[ks:ke] = dvb.view(kv_heads, group, lk, head_dim).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tensor, heads: int, total_q: int,
+                           max_k: int, device: torch.device) -> torch.Tensor:
+    """``[H, Tq, max_k]`` keep mask for ``seed``: the Triton kernels' own mask wherever Triton
+    can run on ``device`` (so the reference and the kernels drop the same entries), else
+    one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern)."""
+    if backends.triton_reason(device) is None:
+        from ..kernels.triton.attention import dropout_keep_mask
+
+        return dropout_keep_mask(seed, dropout_p, cu_seqlens_q, heads, total_q, max_k, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand((heads, total_q, max(max_k, 1)), generator=gen, device=device) >= dropout_p
 
 
 # --------------------------------------------------------------------------------------
@@ -122,26 +191,21 @@ def _no_reasons(*_) -> list[str]:
     return []
 
 
-def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
-    mask = None
-    if dropout_p > 0:
-        from ..kernels.triton.attention import dropout_keep_mask
+def _reference_mask(q, cu_q, max_k, dropout_p, seed):
+    if dropout_p == 0:
+        return None
+    return reference_dropout_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
 
-        mask = dropout_keep_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
+
+def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+    mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
     with torch.no_grad():
         return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
 
 
 def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
-    mask = None
-    if dropout_p > 0:
-        from ..kernels.triton.attention import dropout_keep_mask
-
-        mask = dropout_keep_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
-    with torch.enable_grad():
-        qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = reference_attention(qd, kd, vd, cu_q, cu_k, causal, scale, mask, dropout_p)
-        return torch.autograd.grad(o, (qd, kd, vd), do)
+    mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
+    return reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
 
 
 def _triton_forward(*args):
@@ -258,7 +322,8 @@ def _call_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
 # Public API
 
 
-def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
+def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p,
+              names=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(fn, name, t)
         if t.dim() != 3:
@@ -276,12 +341,12 @@ def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value "
                          f"heads ({k.shape[1]})")
-    check_offsets_tensor(fn, cu_q, q)
-    check_offsets_tensor(fn, cu_k, k)
+    check_offsets_tensor(fn, cu_q, q, name=names[0])
+    check_offsets_tensor(fn, cu_k, k, name=names[1])
     if cu_q.shape != cu_k.shape:
-        raise ValueError(f"{fn}(): expected cu_seqlens_q and cu_seqlens_k of the same batch size, got "
+        raise ValueError(f"{fn}(): expected {names[0]} and {names[1]} of the same batch size, got "
                          f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences")
-    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+    for name, m in ((names[2], max_q), (names[3], max_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise TypeError(f"{fn}(): expected {name} to be a non-negative int, got {describe(m)}")
     if scale is not None and not isinstance(scale, (int, float)):
@@ -308,12 +373,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     attention probabilities (reproducible under ``torch.manual_seed``).
     Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.
     """
-    fn = "ragged.varlen_attention"
-    _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, dropout_p)
+    return _varlen("ragged.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   causal, scale, dropout_p, return_lse, backend)
+
+
+def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
+            return_lse, backend, names=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")):
+    _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, dropout_p, names)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     impl = backends.select("attention", backend, q.device, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, causal, dropout_p, needs_grad)
+                           max_seqlen_k, causal, dropout_p, needs_grad, fn=fn)
     out, lse = _call_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                              bool(causal), scale, float(dropout_p), _seed(dropout_p), impl.name)
     return (out, lse) if return_lse else out
@@ -339,9 +409,8 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
                              f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)")
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
-    result = varlen_attention(q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len,
-                              causal=causal, scale=scale, dropout_p=dropout_p, return_lse=return_lse,
-                              backend=backend)
+    result = _varlen(fn, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
+                     dropout_p, return_lse, backend, names=("q.offsets", "k.offsets", "q.max_len", "k.max_len"))
     if return_lse:
         out, lse = result
         return q.with_values(out), lse
