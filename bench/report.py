@@ -197,7 +197,8 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
         f"- commit: {commit}",
         f"- {ceiling_text(ceiling)}",
         "- GB/s: the ideal bytes of the case (read + written) over the median time; "
-        "% copy: that over the copy ceiling.",
+        "% copy: that over the copy ceiling." if suite.memory_bound else
+        "- TFLOP/s: the useful flops of the case (see the notes below) over the median time.",
         "",
         "| case | " + " | ".join(c.header for c in cols) + " |",
         "| --- | " + " | ".join("---:" if c.numeric else "---" for c in cols) + " |",

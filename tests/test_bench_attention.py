@@ -114,7 +114,7 @@ def test_nested_baseline_on_cpu():
     """The NJT path (pack/unpack through torch.nested) runs on CPU where SDPA has a backend for it."""
     p = A.Problem.make(TINY, CPU)
     impl = A.baseline_impls(p, causal=False, backward=False, device=CPU, measured=(A.SDPA_NESTED,))
-    nested = [i for i in impl if i.name == A.SDPA_NESTED][0]
+    nested = next(i for i in impl if i.name == A.SDPA_NESTED)
     assert nested.skip is None
     try:
         out = nested.fn()

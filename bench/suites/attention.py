@@ -335,8 +335,11 @@ def _sdpa_no_mask(p: Problem, causal: bool, backward: bool, device: torch.device
 def _sdpa_nested(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
     inputs = _leaves((p.q, p.k, p.v), backward)
 
-    def nested(x):  # [T, H, D] -> NJT [B, H, j, D]
-        return torch.nested.nested_tensor_from_jagged(x, p.offsets64, max_seqlen=p.width).transpose(1, 2)
+    shortest = min(p.lengths)
+
+    def nested(x):  # [T, H, D] -> NJT [B, H, j, D]; both bounds given, else SDPA reads them from the device
+        return torch.nested.nested_tensor_from_jagged(x, p.offsets64, min_seqlen=shortest,
+                                                      max_seqlen=p.width).transpose(1, 2)
 
     def forward(q, k, v):
         out = F.scaled_dot_product_attention(nested(q), nested(k), nested(v), is_causal=causal)
@@ -462,11 +465,11 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   contiguous padded `[B, H, M, D]`; `mask` is bool, True = attend: the key-padding mask
   `[B, 1, 1, M]`, and for causal `key_padding & tril(M, M)` as `[B, 1, M, M]` (built
   outside the timed region). For the backward, `do` is zero at the padding.
-- `SDPA padded, no mask`: a lower bound for padded compute: the same without a mask (`is_causal=True` for
-  causal): the cost of the padded compute alone. It attends to the padding, so its
-  output is not checked.
-- `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, max_seqlen=M)`
-  (jagged layout, `[B, j, H, D]`) for q, k, v, `.transpose(1, 2)`, SDPA
+- `SDPA padded, no mask`: the same without a mask (`is_causal=True` for causal): a lower
+  bound for padded compute. It attends to the padding, so its output is not checked.
+- `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
+  max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
+  SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA
   (`is_causal=True` for causal), `.transpose(1, 2).values()`.
 - `varlen_attn`: `torch.nn.attention.varlen.varlen_attn(q, k, v, cu, cu, M, M)`; causal
   through `is_causal=True` or `window_size=(-1, 0)`, whichever this torch takes.
