@@ -1,8 +1,9 @@
 // Fused attention for short sequences, forward only (fp16 / bf16, head dims 32, 64, 128).
 //
 // The regime: many sequences of a few dozen tokens (B = 256 of 8..32 tokens, H = 12, D = 64),
-// where a flash-attention kernel spends its time on bookkeeping. Here one thread block takes one
-// (sequence b, query head h) pair and does everything in one pass:
+// where a flash-attention kernel spends its time on bookkeeping. Here a thread block takes one
+// sequence b and one query head h (or, in the pipelined kernel, a few heads in turn) and does
+// everything in one pass:
 //
 //   1. cp.async copies the sequence's K and V rows (key/value head h / group) into shared
 //      memory, each warp its own 16-row strip of Q; rows past the sequence are zero-filled by
@@ -23,6 +24,11 @@
 // chunk's length, and the causal diagonal). Shared memory rows are padded by 16 bytes (D + 8
 // elements) so that ldmatrix and the 4-byte output staging stores are free of bank conflicts;
 // all of it is static (at most 46 KB per block, under the 48 KB limit without opt-in).
+//
+// Pipelined kernel (the common case, every sequence within one round and one key chunk): a block
+// takes HPB consecutive heads of a sequence with two shared stages, the copies of head j + 1 in
+// flight while the warps compute head j. A block per head pays the memory latency of its copies
+// with nothing to overlap it; here it is paid about once per block.
 //
 // Inputs: q [Tq, H, D], k / v [Tk, H_kv, D], rows contiguous in D and 16-byte aligned (the
 // launcher copies otherwise); token and head strides in elements. Offsets cu_q / cu_k [B+1] are
@@ -148,39 +154,204 @@ __device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 stride, i
 }
 
 // --------------------------------------------------------------------------------------
-// The kernel body: D head dim, C key rows per chunk, W warps.
+// One warp, one 16-query strip: the pieces shared by both kernels.
+
+// Per-lane ldmatrix offsets (bytes) into a tile of row stride RS elements: Q as the A operand
+// (rows lane % 16, columns 8 (lane / 16)); K as the col-major B operand of two 8-key tiles (keys
+// lane % 8 + 8 (lane / 16), columns 8 ((lane / 8) % 2)); V transposed (keys lane % 8 + 8 ((lane / 8)
+// % 2), columns 8 (lane / 16)).
+template <int RS>
+__device__ __forceinline__ u32 q_lane_offset(int lane) {
+    return (u32)(((lane & 15) * RS + ((lane >> 4) << 3)) * 2);
+}
+template <int RS>
+__device__ __forceinline__ u32 k_lane_offset(int lane) {
+    return (u32)((((lane & 7) + ((lane >> 4) << 3)) * RS + (((lane >> 3) & 1) << 3)) * 2);
+}
+template <int RS>
+__device__ __forceinline__ u32 v_lane_offset(int lane) {
+    return (u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + ((lane >> 4) << 3)) * 2);
+}
+
+// The running state of a strip: O (fp32, the mma C layout: rows g and g + 8 of the strip, columns
+// 8 j + 2 t and + 1), the row max m (log2 units) and the lane's part of the row sum l.
+template <int D>
+struct StripState {
+    float o[D / 8][4];
+    float m0, m1, l0, l1;
+
+    __device__ __forceinline__ void reset() {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+        m0 = m1 = __int_as_float(0xff800000);
+        l0 = l1 = 0.f;
+    }
+};
+
+// S = Q K^T for the first nkt 16-key steps of a key chunk (keys base.. of the sequence), the mask
+// (key < lk; causal: key <= row + shift), and the online-softmax update: on return s holds
+// P = exp2(S - m) (0 where masked) and o, l are rescaled to the new row max.
+template <typename T, int D, int C, int RS>
+__device__ __forceinline__ void strip_scores(StripState<D>& st, float (&s)[C / 8][4], u32 q_frag, u32 k_frag,
+                                             int nkt, int base, int lk, int row0, int shift, int causal,
+                                             float scale_log2, int lane) {
+    const float neg_inf = __int_as_float(0xff800000);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < C / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < C / 16; ++kt) {
+        if (kt < nkt) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 qa[4], bk[4];
+                ldmatrix_x4(qa, q_frag + kk * 32);
+                ldmatrix_x4(bk, k_frag + (u32)((kt * 16 * RS + kk * 16) * 2));
+                Mma<T>::run(s[2 * kt], qa, bk[0], bk[1]);
+                Mma<T>::run(s[2 * kt + 1], qa, bk[2], bk[3]);
+            }
+        }
+    }
+    const int r0 = row0 + g, r1 = r0 + 8;
+    float mx0 = neg_inf, mx1 = neg_inf;
+#pragma unroll
+    for (int j = 0; j < C / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = base + j * 8 + 2 * t + (e & 1);
+            const int row = e < 2 ? r0 : r1;
+            const bool ok = col < lk && (!causal || col <= row + shift);
+            s[j][e] = ok ? s[j][e] * scale_log2 : neg_inf;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+    mx0 = fmaxf(st.m0, quad_max(mx0));
+    mx1 = fmaxf(st.m1, quad_max(mx1));
+    const float u0 = mx0 == neg_inf ? 0.f : mx0;  // a row with no key so far: exp2(-inf) = 0
+    const float u1 = mx1 == neg_inf ? 0.f : mx1;
+    const float a0 = exp2_approx(st.m0 - u0), a1 = exp2_approx(st.m1 - u1);
+    st.m0 = mx0;
+    st.m1 = mx1;
+    st.l0 *= a0;
+    st.l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        st.o[j][0] *= a0;
+        st.o[j][1] *= a0;
+        st.o[j][2] *= a1;
+        st.o[j][3] *= a1;
+    }
+#pragma unroll
+    for (int j = 0; j < C / 8; ++j) {
+        s[j][0] = exp2_approx(s[j][0] - u0);
+        s[j][1] = exp2_approx(s[j][1] - u0);
+        s[j][2] = exp2_approx(s[j][2] - u1);
+        s[j][3] = exp2_approx(s[j][3] - u1);
+        st.l0 += s[j][0] + s[j][1];
+        st.l1 += s[j][2] + s[j][3];
+    }
+}
+
+// O += P V over the first nkt 16-key steps (P from the S accumulators: the C fragments of 8-key
+// tiles 2 kt and 2 kt + 1 are the A fragment of 16-key step kt).
+template <typename T, int D, int C, int RS>
+__device__ __forceinline__ void strip_pv(StripState<D>& st, const float (&s)[C / 8][4], u32 v_frag, int nkt) {
+#pragma unroll
+    for (int kt = 0; kt < C / 16; ++kt) {
+        if (kt < nkt) {
+            u32 pa[4];
+            pa[0] = Mma<T>::pack(s[2 * kt][0], s[2 * kt][1]);
+            pa[1] = Mma<T>::pack(s[2 * kt][2], s[2 * kt][3]);
+            pa[2] = Mma<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+            pa[3] = Mma<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+#pragma unroll
+            for (int dt = 0; dt < D / 16; ++dt) {
+                u32 bv[4];
+                ldmatrix_x4_trans(bv, v_frag + (u32)((kt * 16 * RS + dt * 16) * 2));
+                Mma<T>::run(st.o[2 * dt], pa, bv[0], bv[1]);
+                Mma<T>::run(st.o[2 * dt + 1], pa, bv[2], bv[3]);
+            }
+        }
+    }
+}
+
+// O / l and lse of the strip's rows < lq: O goes through the strip's shared rows (whose Q the
+// warp no longer needs, and whose copy the caller has waited for) and out as 16-byte row pieces.
+template <typename T, int D, int RS>
+__device__ __forceinline__ void strip_store(StripState<D>& st, u16* strip_smem, u16* __restrict__ out,
+                                            float* __restrict__ lse, i64 q_start, int row0, int lq, int heads,
+                                            int h, int lane) {
+    constexpr int NO = D / 8;
+    const int g = lane >> 2, t = lane & 3;
+    const float l0 = quad_sum(st.l0), l1 = quad_sum(st.l1);
+    const float i0 = l0 > 0.f ? 1.f / l0 : 0.f;
+    const float i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    __syncwarp();  // every lane's ldmatrix of the strip is done
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+        *reinterpret_cast<u32*>(strip_smem + g * RS + j * 8 + 2 * t) = Mma<T>::pack(st.o[j][0] * i0, st.o[j][1] * i0);
+        *reinterpret_cast<u32*>(strip_smem + (g + 8) * RS + j * 8 + 2 * t) =
+            Mma<T>::pack(st.o[j][2] * i1, st.o[j][3] * i1);
+    }
+    if (t == 0) {
+        const float neg_inf = __int_as_float(0xff800000);
+        const int r0 = row0 + g, r1 = r0 + 8;
+        if (r0 < lq) lse[(q_start + r0) * heads + h] = l0 > 0.f ? (st.m0 + log2f(l0)) * RAGGED_LN2 : neg_inf;
+        if (r1 < lq) lse[(q_start + r1) * heads + h] = l1 > 0.f ? (st.m1 + log2f(l1)) * RAGGED_LN2 : neg_inf;
+    }
+    __syncwarp();
+    const int rows = min(16, lq - row0);
+    for (int i = lane; i < rows * NO; i += 32) {
+        const int r = i / NO, c = i % NO;
+        *reinterpret_cast<uint4*>(out + ((q_start + row0 + r) * heads + h) * D + c * 8) =
+            *reinterpret_cast<const uint4*>(strip_smem + r * RS + c * 8);
+    }
+}
+
+// Block-wide problem description.
+struct Problem {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    u16* out;
+    float* lse;
+    i64 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h;
+    int heads, group, causal;
+    float scale_log2;
+};
+
+struct Sequence {
+    i64 q_start, k_start;
+    int lq, lk;
+};
+
+__device__ __forceinline__ Sequence load_sequence(const void* cu_q, const void* cu_k, int offsets64, int b) {
+    // All four loads before any use: one memory round trip.
+    const i64 q0 = load_offset(cu_q, offsets64 & 1, b), q1 = load_offset(cu_q, offsets64 & 1, b + 1);
+    const i64 k0 = load_offset(cu_k, offsets64 & 2, b), k1 = load_offset(cu_k, offsets64 & 2, b + 1);
+    Sequence s;
+    s.q_start = q0;
+    s.k_start = k0;
+    s.lq = (int)(q1 - q0);
+    s.lk = (int)(k1 - k0);
+    return s;
+}
+
+// --------------------------------------------------------------------------------------
+// General path: one query head h of one sequence, any lengths. A block of W warps covers 16 W
+// queries per round; keys go through shared memory in chunks of C rows, K and V of a chunk
+// loaded once for all rounds when there is one chunk. s_q: W * 16 rows, s_k / s_v: C rows.
 
 template <typename T, int D, int C, int W>
-__device__ __forceinline__ void attention_short(const u16* __restrict__ q, const u16* __restrict__ k,
-                                                const u16* __restrict__ v, u16* __restrict__ out,
-                                                float* __restrict__ lse, const void* cu_q, const void* cu_k,
-                                                int offsets64, int heads, int group, i64 sq_t, i64 sq_h, i64 sk_t,
-                                                i64 sk_h, i64 sv_t, i64 sv_h, float scale_log2, int causal) {
-    constexpr int RS = D + 8;  // shared row stride (elements): 16 bytes of padding
-    constexpr int KD = D / 16;  // 16-wide steps over the head dim
-    constexpr int NS = C / 8;   // 8-key tiles of S per chunk
-    constexpr int NO = D / 8;   // 8-column tiles of O
-    const float neg_inf = __int_as_float(0xff800000);
-
-    __shared__ __align__(16) u16 s_q[W * 16 * RS];
-    __shared__ __align__(16) u16 s_k[C * RS];
-    __shared__ __align__(16) u16 s_v[C * RS];
-
-    const int b = blockIdx.x / heads;
-    const int h = blockIdx.x - b * heads;
-    const i64 q_start = load_offset(cu_q, offsets64 & 1, b);
-    const int lq = (int)(load_offset(cu_q, offsets64 & 1, b + 1) - q_start);
-    if (lq <= 0) return;
-    const i64 k_start = load_offset(cu_k, offsets64 & 2, b);
-    const int lk = (int)(load_offset(cu_k, offsets64 & 2, b + 1) - k_start);
-
+__device__ __forceinline__ void attend_head(const Problem& p, const Sequence& sq, int h, u16* s_q, u16* s_k,
+                                            u16* s_v) {
+    constexpr int RS = D + 8;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row group, column pair
-    const int hk = h / group;
-    const u16* qh = q + q_start * sq_t + (i64)h * sq_h;
-    const u16* kh = k + k_start * sk_t + (i64)hk * sk_h;
-    const u16* vh = v + k_start * sv_t + (i64)hk * sv_h;
-
+    const int lq = sq.lq, lk = sq.lk;
+    const u16* qh = p.q + sq.q_start * p.sq_t + (i64)h * p.sq_h;
+    const u16* kh = p.k + sq.k_start * p.sk_t + (i64)(h / p.group) * p.sk_h;
+    const u16* vh = p.v + sq.k_start * p.sv_t + (i64)(h / p.group) * p.sv_h;
     const int n_strips = (lq + 15) >> 4;
     const int n_chunks = (lk + C - 1) / C;
     const int shift = lk - lq;  // causal: query i sees keys j <= i + shift
@@ -189,27 +360,22 @@ __device__ __forceinline__ void attention_short(const u16* __restrict__ q, const
     const u32 q_addr = smem_address(strip_smem);
     const u32 k_addr = smem_address(s_k);
     const u32 v_addr = smem_address(s_v);
-    // Per-lane ldmatrix offsets (bytes): Q as the A operand (rows lane % 16, columns 8 (lane / 16));
-    // K as the col-major B operand of two 8-key tiles (keys lane % 8 + 8 (lane / 16), columns
-    // 8 ((lane / 8) % 2)); V transposed (keys lane % 8 + 8 ((lane / 8) % 2), columns 8 (lane / 16)).
-    const u32 q_lane = (u32)(((lane & 15) * RS + ((lane >> 4) << 3)) * 2);
-    const u32 k_lane = (u32)((((lane & 7) + ((lane >> 4) << 3)) * RS + (((lane >> 3) & 1) << 3)) * 2);
-    const u32 v_lane = (u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + ((lane >> 4) << 3)) * 2);
+    const u32 q_frag = q_addr + q_lane_offset<RS>(lane);
+    const u32 k_frag = k_addr + k_lane_offset<RS>(lane);
+    const u32 v_frag = v_addr + v_lane_offset<RS>(lane);
 
     for (int s0 = 0; s0 < n_strips; s0 += W) {
         const int strip = s0 + warp;
         const bool active = strip < n_strips;  // warp-uniform
         const int row0 = strip * 16;
         __syncwarp();  // the strip's shared rows of the last round are read
-        if (active) load_tile<D, RS>(q_addr, qh + (i64)row0 * sq_t, sq_t, min(16, lq - row0), 16, lane, 32);
+        if (active) load_tile<D, RS>(q_addr, qh + (i64)row0 * p.sq_t, p.sq_t, min(16, lq - row0), 16, lane, 32);
         copy_commit();
 
-        float o[NO][4];
-#pragma unroll
-        for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-        float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (log2 units)
+        StripState<D> st;
+        st.reset();
         // Keys [0, seen) may be visible to some row of the strip.
-        const int seen = causal ? min(lk, row0 + 16 + shift) : lk;
+        const int seen = p.causal ? min(lk, row0 + 16 + shift) : lk;
 
         for (int c = 0; c < n_chunks; ++c) {
             const int base = c * C;
@@ -217,9 +383,9 @@ __device__ __forceinline__ void attention_short(const u16* __restrict__ q, const
             if (n_chunks > 1 || s0 == 0) {
                 if (c > 0 || s0 > 0) __syncthreads();  // every warp is done with the last chunk
                 const int rows = (ck + 15) & ~15;
-                load_tile<D, RS>(k_addr, kh + (i64)base * sk_t, sk_t, ck, rows, tid, W * 32);
+                load_tile<D, RS>(k_addr, kh + (i64)base * p.sk_t, p.sk_t, ck, rows, tid, W * 32);
                 copy_commit();
-                load_tile<D, RS>(v_addr, vh + (i64)base * sv_t, sv_t, ck, rows, tid, W * 32);
+                load_tile<D, RS>(v_addr, vh + (i64)base * p.sv_t, p.sv_t, ck, rows, tid, W * 32);
                 copy_commit();
             } else {
                 copy_commit();
@@ -231,140 +397,158 @@ __device__ __forceinline__ void attention_short(const u16* __restrict__ q, const
             const int vis = min(ck, seen - base);  // keys of this chunk the strip may see
             const bool work = active && vis > 0;     // warp-uniform
             const int nkt = (vis + 15) >> 4;         // 16-key steps to compute
-            float s[NS][4];
-            if (work) {
-#pragma unroll
-                for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-                for (int kt = 0; kt < C / 16; ++kt) {
-                    if (kt < nkt) {
-#pragma unroll
-                        for (int kk = 0; kk < KD; ++kk) {
-                            u32 qa[4], bk[4];
-                            ldmatrix_x4(qa, q_addr + q_lane + kk * 32);
-                            ldmatrix_x4(bk, k_addr + k_lane + (u32)((kt * 16 * RS + kk * 16) * 2));
-                            Mma<T>::run(s[2 * kt], qa, bk[0], bk[1]);
-                            Mma<T>::run(s[2 * kt + 1], qa, bk[2], bk[3]);
-                        }
-                    }
-                }
-                // Mask, scale (log2 units), row max over the quad.
-                const int r0 = row0 + g, r1 = r0 + 8;
-                float mx0 = neg_inf, mx1 = neg_inf;
-#pragma unroll
-                for (int j = 0; j < NS; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = base + j * 8 + 2 * t + (e & 1);
-                        const int row = e < 2 ? r0 : r1;
-                        const bool ok = col < lk && (!causal || col <= row + shift);
-                        s[j][e] = ok ? s[j][e] * scale_log2 : neg_inf;
-                    }
-                    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-                    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-                }
-                mx0 = fmaxf(m0, quad_max(mx0));
-                mx1 = fmaxf(m1, quad_max(mx1));
-                const float u0 = mx0 == neg_inf ? 0.f : mx0;  // a row with no key so far: exp2(-inf) = 0
-                const float u1 = mx1 == neg_inf ? 0.f : mx1;
-                const float a0 = exp2_approx(m0 - u0), a1 = exp2_approx(m1 - u1);
-                m0 = mx0;
-                m1 = mx1;
-                l0 *= a0;
-                l1 *= a1;
-#pragma unroll
-                for (int j = 0; j < NO; ++j) {
-                    o[j][0] *= a0;
-                    o[j][1] *= a0;
-                    o[j][2] *= a1;
-                    o[j][3] *= a1;
-                }
-#pragma unroll
-                for (int j = 0; j < NS; ++j) {
-                    s[j][0] = exp2_approx(s[j][0] - u0);
-                    s[j][1] = exp2_approx(s[j][1] - u0);
-                    s[j][2] = exp2_approx(s[j][2] - u1);
-                    s[j][3] = exp2_approx(s[j][3] - u1);
-                    l0 += s[j][0] + s[j][1];
-                    l1 += s[j][2] + s[j][3];
-                }
-            }
+            float s[C / 8][4];
+            if (work) strip_scores<T, D, C, RS>(st, s, q_frag, k_frag, nkt, base, lk, row0, shift, p.causal,
+                                                p.scale_log2, lane);
             copy_wait<0>();  // V has landed
             __syncthreads();
-            if (work) {
-#pragma unroll
-                for (int kt = 0; kt < C / 16; ++kt) {
-                    if (kt < nkt) {
-                        u32 pa[4];
-                        pa[0] = Mma<T>::pack(s[2 * kt][0], s[2 * kt][1]);
-                        pa[1] = Mma<T>::pack(s[2 * kt][2], s[2 * kt][3]);
-                        pa[2] = Mma<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-                        pa[3] = Mma<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
-#pragma unroll
-                        for (int dt = 0; dt < D / 16; ++dt) {
-                            u32 bv[4];
-                            ldmatrix_x4_trans(bv, v_addr + v_lane + (u32)((kt * 16 * RS + dt * 16) * 2));
-                            Mma<T>::run(o[2 * dt], pa, bv[0], bv[1]);
-                            Mma<T>::run(o[2 * dt + 1], pa, bv[2], bv[3]);
-                        }
-                    }
-                }
-            }
+            if (work) strip_pv<T, D, C, RS>(st, s, v_frag, nkt);
         }
+        copy_wait<0>();  // (a strip without keys never waited for its Q copy)
+        if (active) strip_store<T, D, RS>(st, strip_smem, p.out, p.lse, sq.q_start, row0, lq, p.heads, h, lane);
+    }
+}
 
-        if (active) {
-            l0 = quad_sum(l0);
-            l1 = quad_sum(l1);
-            const float i0 = l0 > 0.f ? 1.f / l0 : 0.f;
-            const float i1 = l1 > 0.f ? 1.f / l1 : 0.f;
-            copy_wait<0>();  // (no key chunk: the strip's Q copy was never waited for)
-            __syncwarp();    // every lane's ldmatrix of the strip is done
-#pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                *reinterpret_cast<u32*>(strip_smem + g * RS + j * 8 + 2 * t) = Mma<T>::pack(o[j][0] * i0, o[j][1] * i0);
-                *reinterpret_cast<u32*>(strip_smem + (g + 8) * RS + j * 8 + 2 * t) =
-                    Mma<T>::pack(o[j][2] * i1, o[j][3] * i1);
-            }
-            if (t == 0) {
-                const int r0 = row0 + g, r1 = r0 + 8;
-                if (r0 < lq) lse[(q_start + r0) * heads + h] = l0 > 0.f ? (m0 + log2f(l0)) * RAGGED_LN2 : neg_inf;
-                if (r1 < lq) lse[(q_start + r1) * heads + h] = l1 > 0.f ? (m1 + log2f(l1)) * RAGGED_LN2 : neg_inf;
-            }
-            __syncwarp();
-            const int rows = min(16, lq - row0);
-            for (int i = lane; i < rows * NO; i += 32) {
-                const int r = i / NO, c = i % NO;
-                *reinterpret_cast<uint4*>(out + ((q_start + row0 + r) * heads + h) * D + c * 8) =
-                    *reinterpret_cast<const uint4*>(strip_smem + r * RS + c * 8);
-            }
+// One block per (sequence, query head).
+template <typename T, int D, int C, int W>
+__device__ __forceinline__ void attention_short(const Problem& p, const void* cu_q, const void* cu_k, int offsets64) {
+    constexpr int RS = D + 8;
+    __shared__ __align__(16) u16 s_q[W * 16 * RS];
+    __shared__ __align__(16) u16 s_k[C * RS];
+    __shared__ __align__(16) u16 s_v[C * RS];
+    const int b = blockIdx.x / p.heads;
+    const int h = blockIdx.x - b * p.heads;
+    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b);
+    if (sq.lq <= 0) return;
+    attend_head<T, D, C, W>(p, sq, h, s_q, s_k, s_v);
+}
+
+// --------------------------------------------------------------------------------------
+// Pipelined path for the common case (every query strip in one round: lq <= 16 W, and one key
+// chunk: lk <= C): one block per (sequence, group of HPB consecutive query heads). Two shared
+// stages: while the warps compute head j from one, the copies of head j + 1 land in the other, so
+// the block's memory latency is paid about once instead of once per head. A sequence longer than
+// that (max_seqlen hints that were too small) takes the general path head by head.
+
+template <typename T, int D, int C, int W, int HPB>
+__device__ __forceinline__ void attention_short_pipelined(const Problem& p, const void* cu_q, const void* cu_k,
+                                                          int offsets64) {
+    constexpr int RS = D + 8;
+    constexpr int QROWS = W * 16;
+    __shared__ __align__(16) u16 s_q[2][QROWS * RS];
+    __shared__ __align__(16) u16 s_k[2][C * RS];
+    __shared__ __align__(16) u16 s_v[2][C * RS];
+
+    const int groups = (p.heads + HPB - 1) / HPB;
+    const int b = blockIdx.x / groups;
+    const int h0 = (blockIdx.x - b * groups) * HPB;
+    const int nh = min(HPB, p.heads - h0);
+    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b);
+    const int lq = sq.lq, lk = sq.lk;
+    if (lq <= 0) return;
+    if (lq > QROWS || lk > C) {
+        for (int j = 0; j < nh; ++j) {
+            if (j > 0) __syncthreads();
+            attend_head<T, D, C, W>(p, sq, h0 + j, s_q[0], s_k[0], s_v[0]);
         }
+        return;
+    }
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int row0 = warp * 16;
+    const bool active = row0 < lq;  // warp-uniform
+    const int q_rows = min(16, lq - row0);
+    const int k_rows = (lk + 15) & ~15;
+    const int shift = lk - lq;
+    const int seen = p.causal ? min(lk, row0 + 16 + shift) : lk;
+    const int nkt = seen > 0 ? (seen + 15) >> 4 : 0;  // 16-key steps this strip computes
+    const u16* q_seq = p.q + sq.q_start * p.sq_t;
+    const u16* k_seq = p.k + sq.k_start * p.sk_t;
+    const u16* v_seq = p.v + sq.k_start * p.sv_t;
+
+    // Copies of head h0 + j into stage j % 2 (one commit group).
+    auto issue = [&](int j) {
+        const int h = h0 + j, hk = h / p.group, stage = j & 1;
+        if (active)
+            load_tile<D, RS>(smem_address(&s_q[stage][row0 * RS]), q_seq + (i64)row0 * p.sq_t + (i64)h * p.sq_h,
+                             p.sq_t, q_rows, 16, lane, 32);
+        if (lk > 0) {
+            load_tile<D, RS>(smem_address(s_k[stage]), k_seq + (i64)hk * p.sk_h, p.sk_t, lk, k_rows, tid, W * 32);
+            load_tile<D, RS>(smem_address(s_v[stage]), v_seq + (i64)hk * p.sv_h, p.sv_t, lk, k_rows, tid, W * 32);
+        }
+        copy_commit();
+    };
+
+    issue(0);
+    for (int j = 0; j < nh; ++j) {
+        const int stage = j & 1;
+        if (j + 1 < nh) issue(j + 1);
+        else copy_commit();
+        copy_wait<1>();  // head j's copies have landed (head j + 1's may still be in flight)
+        __syncthreads();
+        if (active) {
+            u16* strip_smem = &s_q[stage][row0 * RS];
+            StripState<D> st;
+            st.reset();
+            if (nkt > 0) {
+                float s[C / 8][4];
+                const u32 q_frag = smem_address(strip_smem) + q_lane_offset<RS>(lane);
+                strip_scores<T, D, C, RS>(st, s, q_frag, smem_address(s_k[stage]) + k_lane_offset<RS>(lane), nkt, 0,
+                                          lk, row0, shift, p.causal, p.scale_log2, lane);
+                strip_pv<T, D, C, RS>(st, s, smem_address(s_v[stage]) + v_lane_offset<RS>(lane), nkt);
+            }
+            strip_store<T, D, RS>(st, strip_smem, p.out, p.lse, sq.q_start, row0, lq, p.heads, h0 + j, lane);
+        }
+        __syncthreads();  // stage j % 2 is free for head j + 2
     }
 }
 
 // --------------------------------------------------------------------------------------
-// extern "C" entry points: ragged_attention_short_{bf16,f16}_d{D}_c{C}, W warps per block, at least
-// MINB blocks per multiprocessor (a register cap: the small tiles of the common case are latency
-// bound, and more resident blocks hide more of it). The launcher (ragged/kernels/cuda_attention.py)
-// keeps the same (D, C, W) table.
+// extern "C" entry points (the launcher, ragged/kernels/cuda_attention.py, keeps the same tables):
+//   ragged_attention_short_{bf16,f16}_d{D}_c{C}: W warps, one block per (sequence, head);
+//   ragged_attention_short_pipe_{bf16,f16}_d{D}_c{C}_h{HPB}: W warps, one block per (sequence,
+//   group of HPB heads), for max_seqlen_q <= 16 W and max_seqlen_k <= C.
+// MINB: at least that many blocks per multiprocessor (a register cap: these small tiles are
+// latency bound, and more resident blocks hide more of it).
+
+#define RAGGED_ATTENTION_PARAMS                                                                               \
+    const u16 *q, const u16 *k, const u16 *v, u16 *out, float *lse, const void *cu_q, const void *cu_k,       \
+        int offsets64, int heads, int group, i64 sq_t, i64 sq_h, i64 sk_t, i64 sk_h, i64 sv_t, i64 sv_h,      \
+        float scale_log2, int causal
+
+#define RAGGED_ATTENTION_PROBLEM \
+    const Problem p = {q, k, v, out, lse, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, heads, group, causal, scale_log2}
 
 #define RAGGED_ATTENTION_SHORT(TYPE, TNAME, D, C, W, MINB)                                                   \
-    extern "C" __global__ void __launch_bounds__(W * 32, MINB) ragged_attention_short_##TNAME##_d##D##_c##C(  \
-        const u16* q, const u16* k, const u16* v, u16* out, float* lse, const void* cu_q, const void* cu_k,   \
-        int offsets64, int heads, int group, i64 sq_t, i64 sq_h, i64 sk_t, i64 sk_h, i64 sv_t, i64 sv_h,      \
-        float scale_log2, int causal) {                                                                       \
-        attention_short<TYPE, D, C, W>(q, k, v, out, lse, cu_q, cu_k, offsets64, heads, group, sq_t, sq_h,    \
-                                       sk_t, sk_h, sv_t, sv_h, scale_log2, causal);                           \
+    extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
+        ragged_attention_short_##TNAME##_d##D##_c##C(RAGGED_ATTENTION_PARAMS) {                               \
+        RAGGED_ATTENTION_PROBLEM;                                                                             \
+        attention_short<TYPE, D, C, W>(p, cu_q, cu_k, offsets64);                                             \
     }
 
-#define RAGGED_ATTENTION_SHORT_TYPES(D, C, W, MINB)      \
-    RAGGED_ATTENTION_SHORT(Bf16, bf16, D, C, W, MINB)    \
+#define RAGGED_ATTENTION_SHORT_PIPELINED(TYPE, TNAME, D, C, W, HPB, MINB)                                    \
+    extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
+        ragged_attention_short_pipe_##TNAME##_d##D##_c##C##_h##HPB(RAGGED_ATTENTION_PARAMS) {                 \
+        RAGGED_ATTENTION_PROBLEM;                                                                             \
+        attention_short_pipelined<TYPE, D, C, W, HPB>(p, cu_q, cu_k, offsets64);                              \
+    }
+
+#define RAGGED_ATTENTION_SHORT_TYPES(D, C, W, MINB)   \
+    RAGGED_ATTENTION_SHORT(Bf16, bf16, D, C, W, MINB) \
     RAGGED_ATTENTION_SHORT(F16, f16, D, C, W, MINB)
 
-RAGGED_ATTENTION_SHORT_TYPES(32, 32, 2, 16)
+#define RAGGED_ATTENTION_SHORT_PIPELINED_TYPES(D, C, W, HPB, MINB)   \
+    RAGGED_ATTENTION_SHORT_PIPELINED(Bf16, bf16, D, C, W, HPB, MINB) \
+    RAGGED_ATTENTION_SHORT_PIPELINED(F16, f16, D, C, W, HPB, MINB)
+
+RAGGED_ATTENTION_SHORT_TYPES(32, 32, 2, 14)
 RAGGED_ATTENTION_SHORT_TYPES(32, 64, 4, 4)
 RAGGED_ATTENTION_SHORT_TYPES(32, 128, 4, 1)
-RAGGED_ATTENTION_SHORT_TYPES(64, 32, 2, 12)
+RAGGED_ATTENTION_SHORT_TYPES(64, 32, 2, 10)
 RAGGED_ATTENTION_SHORT_TYPES(64, 64, 4, 4)
 RAGGED_ATTENTION_SHORT_TYPES(64, 128, 4, 1)
 RAGGED_ATTENTION_SHORT_TYPES(128, 32, 2, 6)
 RAGGED_ATTENTION_SHORT_TYPES(128, 64, 2, 1)
+
+RAGGED_ATTENTION_SHORT_PIPELINED_TYPES(32, 32, 2, 4, 8)
+RAGGED_ATTENTION_SHORT_PIPELINED_TYPES(64, 32, 2, 4, 8)

@@ -123,8 +123,9 @@ class Implementation:
 @dataclasses.dataclass
 class _Op:
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
-    # Preference of "auto" for CUDA inputs, fastest measured first.
-    gpu_order: tuple[str, ...] = ("cuda", "triton", "torch")
+    # Preference of "auto" for CUDA inputs, fastest measured first: a tuple, or a function
+    # of the op's arguments returning one (when the fastest kernel depends on the shapes).
+    gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")
 
 
 _OPS: dict[str, _Op] = {}
@@ -136,8 +137,8 @@ def register(op: str, name: str, fn: Callable, reasons: Callable[..., list[str]]
     _OPS.setdefault(op, _Op()).impls[name] = Implementation(name, fn, reasons)
 
 
-def set_auto_order(op: str, order: tuple[str, ...]) -> None:
-    _OPS.setdefault(op, _Op()).gpu_order = tuple(order)
+def set_auto_order(op: str, order: tuple[str, ...] | Callable[..., tuple[str, ...]]) -> None:
+    _OPS.setdefault(op, _Op()).gpu_order = order if callable(order) else tuple(order)
 
 
 def explain(op: str, *args, **kwargs) -> dict[str, list[str]]:
@@ -162,7 +163,10 @@ def select(op: str, backend: str | None, device: torch.device, *args, fn: str | 
         if reasons:
             raise ValueError(f"{fn}(): backend {name!r} cannot take this input: " + "; ".join(reasons))
         return impl
-    order = entry.gpu_order if device.type == "cuda" else ("torch",)
+    if device.type != "cuda":
+        order = ("torch",)
+    else:
+        order = entry.gpu_order(*args, **kwargs) if callable(entry.gpu_order) else entry.gpu_order
     for candidate in order:
         impl = entry.impls.get(candidate)
         if impl is not None and not impl.reasons(*args, **kwargs):

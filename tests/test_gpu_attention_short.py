@@ -85,11 +85,24 @@ def _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=None):
     assert (out[~seen] == 0).all()
 
 
+@pytest.fixture(params=["pipelined", "per_head"])
+def path(request, monkeypatch):
+    """Both kernels of the common case: the pipelined one (several heads per block) and the
+    one-block-per-head one (which also takes every longer case)."""
+    from ragged.kernels import cuda_attention
+
+    if request.param == "per_head":
+        monkeypatch.setattr(cuda_attention, "PIPELINED_HEADS", 0)
+    else:  # whatever the batch size
+        monkeypatch.setattr(cuda_attention, "PIPELINED_MIN_PAIRS_PER_SM", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
-def test_matches_reference(dtype, dim, causal, heads, kv_heads):
+def test_matches_reference(dtype, dim, causal, heads, kv_heads, path):
     kern = _kernel()
     for i, (name, lengths) in enumerate(LENGTH_SETS.items()):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, heads, kv_heads, dim, dtype, seed=dim * 10 + i)
@@ -112,7 +125,7 @@ CROSS = {
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(CROSS))
-def test_cross_attention_bottom_right_causal(dtype, dim, causal, case):
+def test_cross_attention_bottom_right_causal(dtype, dim, causal, case, path):
     kern = _kernel()
     lengths_q, lengths_k = CROSS[case]
     q, k, v, cu_q, cu_k = _inputs(lengths_q, lengths_k, 4, 2, dim, dtype, seed=7)
@@ -120,14 +133,27 @@ def test_cross_attention_bottom_right_causal(dtype, dim, causal, case):
     _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=0.3)
 
 
-def test_causal_rows_without_keys_are_zero():
+@pytest.mark.parametrize("heads", [1, 3, 5, 12])
+def test_causal_rows_without_keys_are_zero(heads, path):
     kern = _kernel()
-    # Lq = 5, Lk = 2: queries 0..2 see no key (bottom-right alignment).
-    q, k, v, cu_q, cu_k = _inputs([5], [2], 2, 2, 64, torch.bfloat16, seed=3)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k, 5, 2, True, 0.125, 0.0, 0)
+    # Lq = 5, Lk = 2: queries 0..2 see no key (bottom-right alignment); Lq = 20, Lk = 3: the
+    # second strip's first rows see keys, the first strip's 17 rows none.
+    q, k, v, cu_q, cu_k = _inputs([5, 20, 3], [2, 3, 0], heads, 1, 64, torch.bfloat16, seed=3)
+    out, lse = kern.forward(q, k, v, cu_q, cu_k, 20, 3, True, 0.125, 0.0, 0)
     assert (out[:3] == 0).all() and torch.isneginf(lse[:3]).all()
     assert torch.isfinite(lse[3:5]).all()
     _check(out, lse, q, k, v, cu_q, cu_k, True, scale=0.125)
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_max_seqlen_hints_below_the_lengths(dim, causal, path):
+    """Hints smaller than the real lengths pick small tiles; the kernels still cover every token."""
+    kern = _kernel()
+    lengths_q, lengths_k = [40, 5, 33, 128], [35, 70, 3, 128]
+    q, k, v, cu_q, cu_k = _inputs(lengths_q, lengths_k, 6, 3, dim, torch.bfloat16, seed=13)
+    out, lse = kern.forward(q, k, v, cu_q, cu_k, 32, 32, causal, 0.1, 0.0, 0)
+    _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=0.1)
 
 
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=str)
@@ -139,7 +165,7 @@ def test_offsets_dtypes_and_varlen_api(offsets_dtype):
     _check(out, lse, q, k, v, cu_q, cu_k, True)
 
 
-def test_mixed_offsets_dtypes():
+def test_mixed_offsets_dtypes(path):
     kern = _kernel()
     q, k, v, cu_q, cu_k = _inputs([4, 20, 0, 7], [9, 2, 5, 7], 4, 4, 64, torch.float16, seed=5)
     out, lse = kern.forward(q, k, v, cu_q, cu_k.long(), 20, 9, False, 0.125, 0.0, 0)
@@ -148,7 +174,7 @@ def test_mixed_offsets_dtypes():
     _check(out, lse, q, k, v, cu_q, cu_k, True, scale=0.125)
 
 
-def test_misaligned_and_noncontiguous_inputs():
+def test_misaligned_and_noncontiguous_inputs(path):
     kern = _kernel()
     gen = torch.Generator(device="cuda").manual_seed(2)
     lengths = [7, 30, 1]
@@ -163,7 +189,7 @@ def test_misaligned_and_noncontiguous_inputs():
     _check(out, lse, q, k, v, cu, cu, False, scale=0.125)
 
 
-def test_empty_batches():
+def test_empty_batches(path):
     kern = _kernel()
     for lengths in ([], [0], [0, 0, 0]):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 4, 4, 64, torch.bfloat16, seed=1)
@@ -175,7 +201,7 @@ def test_empty_batches():
     assert (out[:5] == 0).all() and torch.isneginf(lse[:5]).all()
 
 
-def test_token_index_past_int32():
+def test_token_index_past_int32(path):
     kern = _kernel()
     free, _ = torch.cuda.mem_get_info()
     stride = 2**24                      # elements between tokens: the last tokens sit past 2**31 elements
@@ -190,12 +216,13 @@ def test_token_index_past_int32():
     k = torch.randn((tokens, 4, 64), generator=gen, device="cuda").to(torch.bfloat16)
     v = torch.randn((tokens, 4, 64), generator=gen, device="cuda").to(torch.bfloat16)
     cu = _offsets(lengths)
-    out, lse = kern.forward(q, k, v, cu, cu, 64, 64, True, 0.125, 0.0, 0)
-    _check(out, lse, q.contiguous(), k, v, cu, cu, True, scale=0.125)
+    for max_len in (64, 32):  # hints of 32: tiles smaller than the 64-token sequence
+        out, lse = kern.forward(q, k, v, cu, cu, max_len, max_len, True, 0.125, 0.0, 0)
+        _check(out, lse, q.contiguous(), k, v, cu, cu, True, scale=0.125)
     del storage, q
 
 
-def test_no_host_sync_after_warmup():
+def test_no_host_sync_after_warmup(path):
     kern = _kernel()
     lengths = [_rng.randint(8, 32) for _ in range(64)]
     q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 12, 12, 64, torch.bfloat16, seed=4)
@@ -209,7 +236,23 @@ def test_no_host_sync_after_warmup():
         kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert torch.equal(out, expected)
+    n = sum(lengths)  # (rows past the last sequence are not written)
+    assert torch.equal(out[:n], expected[:n])
+
+
+def test_kernel_choice(monkeypatch):
+    kern = _kernel()
+    names = []
+    real = kern.launch
+    monkeypatch.setattr(kern, "launch", lambda src, name, *a: (names.append(name), real(src, name, *a)))
+    pairs = kern.PIPELINED_MIN_PAIRS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-pairs // 12)
+    for lengths, expected in (([_rng.randint(8, 32) for _ in range(batch)], "pipe_bf16_d64_c32_h"),
+                              ([3, 9, 32], "short_bf16_d64_c32"), ([3, 33], "short_bf16_d64_c64")):
+        q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 12, 12, 64, torch.bfloat16, seed=6)
+        m = max(lengths)
+        kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
+        assert expected in names[-1], (names[-1], expected)
 
 
 def test_reasons():
@@ -248,3 +291,6 @@ def test_launcher_table_matches_the_source():
     table = {(d, c, w) for d, configs in ca._CONFIGS.items() for c, w in configs}
     assert declared == table
     assert set(ca._CONFIGS) == set(ca.HEAD_DIMS)
+    pipelined = {(int(d), int(c), int(w), int(n)) for d, c, w, n in re.findall(
+        r"^RAGGED_ATTENTION_SHORT_PIPELINED_TYPES\((\d+), (\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE)}
+    assert pipelined == {(d, c, w, ca.PIPELINED_HEADS) for d, (c, w) in ca._PIPELINED.items()}

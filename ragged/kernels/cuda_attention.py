@@ -1,6 +1,8 @@
 """Launcher of the fused short-sequence attention kernel (``csrc/attention_short.cu``), forward only.
 
-One thread block per (sequence, query head): Q, K, V of the sequence go to shared memory,
+One thread block per (sequence, query head), or per (sequence, PIPELINED_HEADS heads) with
+the copies of the next head overlapping the current one's compute when every sequence fits one
+tile (at most 32 queries and 32 keys): Q, K, V of the sequence go to shared memory,
 ``S = Q K^T`` and ``O = P V`` run on the tensor cores (``mma.sync``), the softmax in fp32
 registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
 128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
@@ -34,16 +36,41 @@ _CONFIGS = {
     64: ((32, 2), (64, 4), (128, 4)),
     128: ((32, 2), (64, 2)),
 }
+# Head dim -> (C, W) of the pipelined kernel (RAGGED_ATTENTION_SHORT_PIPELINED_TYPES lines): one
+# block per (sequence, PIPELINED_HEADS heads), the copies of the next head overlapping the
+# compute of the current one; taken when max_seqlen_q <= 16 W and max_seqlen_k <= C.
+_PIPELINED = {
+    32: (32, 2),
+    64: (32, 2),
+}
+PIPELINED_HEADS = 4  # 0: always the one-block-per-head kernel
+# ... and only for batches of at least this many (sequence, head) pairs per multiprocessor: a
+# small batch is better off with its heads spread over more blocks (H200, B=8 of 1..16 tokens,
+# H=12: 7.5 us per head against 11.7 us pipelined; B=256 of 8..32: 19.4 against 17.9 us).
+PIPELINED_MIN_PAIRS_PER_SM = 16
 
 _capabilities: dict[int, tuple[int, int]] = {}
+_multiprocessors: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     cap = _capabilities.get(index)
     if cap is None:
         cap = _capabilities[index] = torch.cuda.get_device_capability(index)
     return cap
+
+
+def _multiprocessor_count(device: torch.device) -> int:
+    index = _index(device)
+    n = _multiprocessors.get(index)
+    if n is None:
+        n = _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
@@ -81,10 +108,11 @@ def _config(head_dim: int, max_k: int) -> tuple[int, int]:
 
 
 def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its rows (last dim) are contiguous and every row starts on 16 bytes."""
+    """x itself when its rows (last dim) are contiguous and every row starts on 16 bytes, else an
+    aligned contiguous copy (``contiguous()`` would return a misaligned contiguous view as is)."""
     es = x.element_size()
-    if (x.stride(-1) != 1 or x.data_ptr() % 16 or (x.stride(0) * es) % 16 or (x.stride(1) * es) % 16):
-        return x.contiguous()
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or (x.stride(0) * es) % 16 or (x.stride(1) * es) % 16:
+        return x.clone(memory_format=torch.contiguous_format)
     return x
 
 
@@ -100,8 +128,14 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
         return out, lse
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    chunk, warps = _config(head_dim, max_k)
-    kernel = f"ragged_attention_short_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}"
+    pipe = _PIPELINED.get(head_dim) if PIPELINED_HEADS else None
+    if (pipe is not None and max_q <= 16 * pipe[1] and max_k <= pipe[0]
+            and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(q.device)):
+        (chunk, warps), per_block = pipe, PIPELINED_HEADS
+        kernel = f"ragged_attention_short_pipe_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}_h{per_block}"
+    else:
+        (chunk, warps), per_block = _config(head_dim, max_k), 1
+        kernel = f"ragged_attention_short_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}"
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
     args = (np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), np.uint64(out.data_ptr()),
@@ -109,5 +143,5 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
             np.int32(heads), np.int32(heads // k.shape[1]),
             np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)), np.int64(k.stride(1)),
             np.int64(v.stride(0)), np.int64(v.stride(1)), np.float32(scale * _LOG2E), np.int32(int(causal)))
-    launch(_SOURCE, kernel, q.device, batch * heads, (warps * 32, 1), args)
+    launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), args)
     return out, lse
