@@ -124,6 +124,18 @@ def eager(*tensors: torch.Tensor) -> bool:
     return _dispatch_modes() == 0
 
 
+def feature_rows_contiguous(x: torch.Tensor, lead: int, fn: str) -> torch.Tensor:
+    """``x`` with its feature dims (after the first ``lead``) one contiguous block per row;
+    copies (and warns once) only when they are not, so kernels can move rows as bytes."""
+    expected = 1
+    for size, stride in reversed(list(zip(x.shape[lead:], x.stride()[lead:]))):
+        if size != 1 and stride != expected:
+            warn_once(f"{fn}-noncontig", f"ragged.{fn}: feature dims are not contiguous; copying them first")
+            return x.contiguous()
+        expected *= size
+    return x
+
+
 _warned: set[str] = set()
 
 

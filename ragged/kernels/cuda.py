@@ -15,7 +15,7 @@ import pathlib
 import numpy as np
 import torch
 
-from .._utils import warn_once
+from .._utils import feature_rows_contiguous
 
 _UNROLL = 4            # vectors per thread per trip (RAGGED_UNROLL in csrc/pack.cu)
 _THREADS = 256         # threads per block (__launch_bounds__ in csrc/pack.cu)
@@ -125,16 +125,6 @@ def _offsets_suffix(offsets: torch.Tensor) -> str:
     return "i32" if offsets.dtype == torch.int32 else "i64"
 
 
-def _feature_rows_contiguous(x: torch.Tensor, lead: int, fn: str) -> torch.Tensor:
-    expected = 1
-    for size, stride in reversed(list(zip(x.shape[lead:], x.stride()[lead:]))):
-        if size != 1 and stride != expected:
-            warn_once(f"cuda-{fn}-noncontig", f"ragged.{fn}: feature dims are not contiguous; copying them first")
-            return x.contiguous()
-        expected *= size
-    return x
-
-
 def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) -> torch.Tensor:
     batch, width = padded.shape[0], padded.shape[1]
     out = torch.empty((total, *padded.shape[2:]), dtype=padded.dtype, device=padded.device)
@@ -142,7 +132,7 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     row_bytes = out[0].numel() * es if total else 0
     if total == 0 or row_bytes == 0:
         return out
-    padded = _feature_rows_contiguous(padded, 2, "pack")
+    padded = feature_rows_contiguous(padded, 2, "pack")
     offsets = offsets.contiguous()
     stride_b, stride_m = padded.stride(0) * es, padded.stride(1) * es
     vec = _vec_bytes(row_bytes, stride_b, stride_m, padded.data_ptr(), out.data_ptr())
@@ -173,7 +163,7 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     n_rows = batch * width
     if n_rows == 0 or row_bytes == 0:
         return out
-    values = _feature_rows_contiguous(values, 1, "unpack").contiguous()
+    values = feature_rows_contiguous(values, 1, "unpack").contiguous()
     offsets = offsets.contiguous()
     vec = _vec_bytes(row_bytes, values.data_ptr(), out.data_ptr())
     row_vecs = row_bytes // vec

@@ -73,6 +73,16 @@ def _locate(cu, block_cum, batch, n_steps, item, BLOCK: tl.constexpr, INLINE: tl
 
 
 @triton.jit
+def _bounds(cu_q, cu_k, b):
+    """First packed token (int64) and length of sequence b on the query and key sides."""
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
 def _keep(seed, dropout_p, h, t_global, j_local, total_q, max_k):
     """Dropout keep mask for query tokens ``t_global`` x keys ``j_local`` of head ``h``."""
     rows = (h * total_q + t_global).to(tl.int64) * max_k
@@ -128,10 +138,7 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start = tl.load(cu_q + b).to(tl.int64)
-    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(cu_k + b).to(tl.int64)
-    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
     hk = h // GROUP
@@ -224,10 +231,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start = tl.load(cu_q + b).to(tl.int64)
-    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(cu_k + b).to(tl.int64)
-    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -307,10 +311,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start = tl.load(cu_q + b).to(tl.int64)
-    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(cu_k + b).to(tl.int64)
-    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
     hk = h // GROUP

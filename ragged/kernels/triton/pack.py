@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import warn_once
+from ..._utils import feature_rows_contiguous
 
 
 @triton.jit
@@ -144,18 +144,6 @@ def _as_kernel_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
-def _rows_contiguous(x: torch.Tensor, lead: int, fn: str) -> torch.Tensor:
-    """Ensure the feature dims (after the first ``lead`` dims) are one contiguous block."""
-    feat = x.shape[lead:]
-    expected = 1
-    for size, stride in reversed(list(zip(feat, x.stride()[lead:]))):
-        if size != 1 and stride != expected:
-            warn_once(f"{fn}-noncontig", f"ragged.{fn}: feature dims are not contiguous; copying them first")
-            return x.contiguous()
-        expected *= size
-    return x
-
-
 def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) -> torch.Tensor:
     batch, width = padded.shape[0], padded.shape[1]
     row = 1
@@ -164,7 +152,7 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     out = torch.empty((total, *padded.shape[2:]), dtype=padded.dtype, device=padded.device)
     if total == 0 or row == 0:
         return out
-    padded = _rows_contiguous(padded, 2, "pack")
+    padded = feature_rows_contiguous(padded, 2, "pack")
     src, dst = _as_kernel_dtype(padded), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, padded.element_size())
     grid = (triton.cdiv(total, block_r), triton.cdiv(row, block_f))
@@ -187,7 +175,7 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     if width > 2**31 - 1 - 2 * _TILE_BYTES:
         raise ValueError(f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
                          "stepping; use backend='torch'")
-    values = _rows_contiguous(values, 1, "unpack").contiguous()
+    values = feature_rows_contiguous(values, 1, "unpack").contiguous()
     src, dst = _as_kernel_dtype(values), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, values.element_size())
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(row, block_f))
