@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 
 import ragged.kernels.triton.attention as ka
 import ragged.kernels.triton.pack as kp
+import ragged.kernels.triton.vocab as kv
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -50,6 +51,18 @@ def cases():
            dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_R=32))
     yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
+    offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]
+    for dt, shared, inline in (("*bf16", False, True), ("*fp32", True, False)):
+        prec = "ieee" if dt == "*fp32" else "tf32"
+        yield ("vocab fwd", kv._fwd_kernel, [dt, dt, dt, "*i64", dt] + offs + ["i32", "i32"],
+               dict(HAS_BIAS=True, SHARED=shared, EVEN_K=inline, PRECISION=prec, BLOCK_M=64, BLOCK_N=128,
+                    BLOCK_K=64, INLINE=inline, CHUNK=64))
+        yield ("vocab d_hidden", kv._dhidden_kernel, [dt, dt, "*i64", dt] + offs + ["i32", "i32"],
+               dict(SHARED=shared, PRECISION=prec, BLOCK_M=64, BLOCK_D=64, BLOCK_K=32, INLINE=inline, CHUNK=64))
+        for atomic in (True, False):
+            yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", "*fp32", "*fp32"] + offs + ["i32", "i32"],
+                   dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
+                        BLOCK_K=32, INLINE=inline, CHUNK=64))
     for left in (False, True):
         yield ("pack", kp._pack_kernel, ["*bf16", "*bf16", "*i32"] + ["i64"] * 6,
                dict(ROW=1000, SRC_ALIGN=8, LEFT=left, BLOCK_R=4, BLOCK_F=1024))

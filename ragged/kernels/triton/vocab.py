@@ -1,0 +1,351 @@
+"""Triton kernels of the varying-vocabulary projection (segmented GEMM through id lists).
+
+Sequence b has T_b tokens (``h_off``) and V_b candidate ids (``ids[v_off[b]:v_off[b+1]]``,
+or the whole of ``ids`` for a shared vocabulary). Its logits are the ``[T_b, V_b]`` block
+``hidden_b @ weight[ids_b].T (+ bias[ids_b])`` stored row-major at ``l_off[b]`` of a flat
+output. Weight rows are read through the id list: no gathered copy of W is made.
+
+Work lists. A forward program computes one (sequence, row tile, column tile) item. Items
+are numbered by the prefix sums of ``ceil(T_b / BLOCK_M) * ceil(V_b / BLOCK_N)``, which
+every program computes from the offsets itself (B <= 4096; no extra launch), or reads from
+a work list built on the device. The grid is an upper bound known on the host
+(``total / (BM*BN) + T / BM + S / BN + B``); programs past the last item exit at once.
+
+Backward: ``d_hidden`` is the segmented GEMM of the logits' gradient with the same weight
+rows (one program per (sequence, row tile) x d tile); ``d_weight`` sums each sequence's
+``g_b.T @ hidden_b`` into the rows ``ids_b`` (one program per (sequence, column tile) x d
+tile), with fp32 atomics into a ``[V, d]`` fp32 buffer, or, with ``deterministic=True``,
+into one row per (sequence, candidate) that are then summed by id in a fixed order.
+Accumulation is fp32; float32 inputs use IEEE dots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_INLINE_MAX_BATCH = 4096
+
+
+@triton.jit
+def _items(h_off, v_off, batch, shared_v, b, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SHARED: tl.constexpr,
+           USE_ROWS: tl.constexpr, USE_COLS: tl.constexpr):
+    """Work items of sequences ``b`` (a vector): row tiles x column tiles (either may be off)."""
+    ok = b < batch
+    n = tl.full(b.shape, 1, tl.int32)
+    if USE_ROWS:
+        t_len = tl.load(h_off + b + 1, mask=ok, other=0) - tl.load(h_off + b, mask=ok, other=0)
+        n = n * ((t_len + (BLOCK_R - 1)) // BLOCK_R).to(tl.int32)
+    if USE_COLS:
+        if SHARED:
+            v_len = tl.zeros(b.shape, tl.int32) + shared_v
+        else:
+            v_len = tl.load(v_off + b + 1, mask=ok, other=0) - tl.load(v_off + b, mask=ok, other=0)
+        n = n * ((v_len + (BLOCK_C - 1)) // BLOCK_C).to(tl.int32)
+    return tl.where(ok, n, 0)
+
+
+@triton.jit
+def _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+            SHARED: tl.constexpr, USE_ROWS: tl.constexpr, USE_COLS: tl.constexpr, INLINE: tl.constexpr,
+            CHUNK: tl.constexpr):
+    """Work item -> (sequence b, item index within b, total items)."""
+    if INLINE:
+        carry = item * 0
+        count = item * 0
+        before = item * 0
+        for start in range(0, batch, CHUNK):
+            idx = start + tl.arange(0, CHUNK)
+            incl = tl.cumsum(_items(h_off, v_off, batch, shared_v, idx, BLOCK_R, BLOCK_C, SHARED, USE_ROWS,
+                                    USE_COLS), 0) + carry
+            done = (idx < batch) & (incl <= item)
+            count += tl.sum(done.to(tl.int32), 0)
+            before = tl.maximum(before, tl.max(tl.where(done, incl, 0), 0))
+            carry = tl.max(tl.where(idx < batch, incl, carry), 0)
+        return count, item - before, carry
+    else:
+        lo = item * 0
+        hi = lo + batch - 1
+        for _ in range(n_steps):
+            mid = (lo + hi + 1) // 2
+            up = tl.load(work + mid) <= item
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid - 1)
+        return lo, item - tl.load(work + lo), tl.load(work + batch)
+
+
+@triton.jit
+def _segment(h_off, v_off, l_off, shared_v, b, SHARED: tl.constexpr):
+    """(first token, T_b, first candidate, V_b, first logit) of sequence b."""
+    t0 = tl.load(h_off + b).to(tl.int64)
+    t_len = (tl.load(h_off + b + 1) - t0).to(tl.int32)
+    if SHARED:
+        v0 = t0 * 0
+        v_len = t_len * 0 + shared_v
+    else:
+        v0 = tl.load(v_off + b).to(tl.int64)
+        v_len = (tl.load(v_off + b + 1) - v0).to(tl.int32)
+    return t0, t_len, v0, v_len, tl.load(l_off + b).to(tl.int64)
+
+
+@triton.jit
+def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                stride_ht, stride_wv,
+                HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    item = tl.program_id(0)
+    b, local, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED,
+                                True, True, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
+    n_col = (v_len + BLOCK_N - 1) // BLOCK_N
+    r_tile = local // n_col
+    c_tile = local - r_tile * n_col
+    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < t_len
+    col_ok = cols < v_len
+    ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
+    w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < dim
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = OUT + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                    stride_wv, stride_dht,
+                    SHARED: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """d_hidden[rows, dd] = sum over candidates c of g[rows, c] * W[ids_c, dd]."""
+    item = tl.program_id(0)
+    b, r_tile, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
+                                 True, False, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
+    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < t_len
+    d_ok = dd < dim
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    g_rows = G + lb + rows.to(tl.int64)[:, None] * v_len
+    for c in range(0, v_len, BLOCK_K):
+        cc = c + offs_k
+        c_ok = cc < v_len
+        g = tl.load(g_rows + cc[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+        ids = tl.load(IDS + v0 + cc, mask=c_ok, other=0).to(tl.int64)
+        w = tl.load(W + ids[:, None] * stride_wv + dd[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.dot(g.to(w.dtype), w, input_precision=PRECISION)
+    tl.store(DH + (t0 + rows)[:, None] * stride_dht + dd[None, :], acc.to(DH.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                    stride_ht, stride_dwv,
+                    SHARED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows ids_b[cols] of d_weight gain g_b[:, cols].T @ hidden_b[:, dd] (and d_bias the column sums).
+
+    ATOMIC: fp32 atomic adds into DW [V, d] / DB [V]. Otherwise DW / DB have one row per
+    (sequence, candidate) (index v0 + col) and are reduced by id afterwards."""
+    item = tl.program_id(0)
+    b, c_tile, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, 1, BLOCK_N, SHARED,
+                                 False, True, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
+    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < v_len
+    d_ok = dd < dim
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    gsum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in range(0, t_len, BLOCK_K):
+        rr = r + offs_k
+        r_ok = rr < t_len
+        g_t = tl.load(G + lb + rr.to(tl.int64)[None, :] * v_len + cols[:, None],
+                      mask=col_ok[:, None] & r_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_K]
+        h = tl.load(H + (t0 + rr)[:, None] * stride_ht + dd[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0)                                                          # [BLOCK_K, BLOCK_D]
+        acc += tl.dot(g_t.to(h.dtype), h, input_precision=PRECISION)
+        if HAS_BIAS:
+            gsum += tl.sum(g_t.to(tl.float32), 1)
+    if ATOMIC:
+        target = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    else:
+        if SHARED:
+            target = b.to(tl.int64) * shared_v + cols
+        else:
+            target = v0 + cols
+    mask = col_ok[:, None] & d_ok[None, :]
+    ptr = DW + target[:, None] * stride_dwv + dd[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptr, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, acc, mask=mask)
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:
+            if ATOMIC:
+                tl.atomic_add(DB + target, gsum, mask=col_ok, sem="relaxed")
+            else:
+                tl.store(DB + target, gsum, mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+
+
+def _interpreted() -> bool:
+    from ...backends import triton_interpreted
+
+    return triton_interpreted()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interpreted: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward. Not yet tuned on a GPU:
+    rows of 16..64 tokens and hundreds of candidates per sequence, K = d in steps of 64."""
+    if interpreted:
+        return 16, 16, 16, 4, 1
+    block_m = max(16, min(64, triton.next_power_of_2(max(max_t, 1))))
+    block_n = 128 if max_v >= 128 else max(16, triton.next_power_of_2(max(max_v, 1)))
+    if dtype == torch.float32:
+        return min(block_m, 32), min(block_n, 64), 32, 4, 2
+    return block_m, block_n, 64, 4, 3
+
+
+def _worklist(h_off, v_off, shared_v, batch, block_r, block_c, use_rows, use_cols):
+    """(work tensor or a placeholder, INLINE, CHUNK, n_steps) for the kernels' _locate."""
+    if batch <= _INLINE_MAX_BATCH:
+        return h_off, True, min(1024, max(16, triton.next_power_of_2(batch))), 0
+    n = torch.ones(batch, dtype=torch.int64, device=h_off.device)
+    if use_rows:
+        n = n * torch.div(h_off[1:] - h_off[:-1] + (block_r - 1), block_r, rounding_mode="floor")
+    if use_cols:
+        v_len = (v_off[1:] - v_off[:-1]) if v_off is not None else torch.full_like(n, shared_v)
+        n = n * torch.div(v_len + (block_c - 1), block_c, rounding_mode="floor")
+    work = torch.zeros(batch + 1, dtype=torch.int32, device=h_off.device)
+    torch.cumsum(n, 0, out=work[1:])
+    return work, False, 16, max(batch - 1, 0).bit_length()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v):
+    hidden, weight = _rows(hidden), _rows(weight)
+    ids = ids.contiguous()
+    out = torch.empty(total, dtype=hidden.dtype, device=hidden.device)
+    batch = h_off.shape[0] - 1
+    if total == 0 or batch == 0:
+        return out
+    shared = v_off is None
+    shared_v = ids.shape[0] if shared else 0
+    dim = hidden.shape[1]
+    bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
+    work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, bn, True, True)
+    n_cand = ids.shape[0] * (batch if shared else 1)
+    grid = (total // (bm * bn) + hidden.shape[0] // bm + n_cand // bn + 2 * batch + 1,)
+    _fwd_kernel[grid](hidden, weight, bias if bias is not None else hidden, ids, out, h_off,
+                      v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
+                      hidden.stride(0), weight.stride(0),
+                      HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0,
+                      PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+    return out
+
+
+def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias,
+             deterministic):
+    hidden, weight, grad = _rows(hidden), _rows(weight), grad.contiguous()
+    ids = ids.contiguous()
+    batch = h_off.shape[0] - 1
+    shared = v_off is None
+    shared_v = ids.shape[0] if shared else 0
+    dim = hidden.shape[1]
+    vocab_size = weight.shape[0]
+    interp = _interpreted()
+    precision = _precision(hidden.dtype)
+    block_d = 16 if interp else 64
+    block_k = 16 if interp else 32
+    n_d = triton.cdiv(dim, block_d)
+    v_arg = v_off if v_off is not None else h_off
+    d_hidden = d_weight = d_bias = None
+    if need_hidden:
+        d_hidden = torch.zeros_like(hidden) if batch == 0 else torch.empty_like(hidden)
+        bm = 16 if interp else max(16, min(64, triton.next_power_of_2(max(max_t, 1))))
+        if batch and hidden.shape[0]:
+            work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
+            _dhidden_kernel[(hidden.shape[0] // bm + batch, n_d)](
+                grad, weight, ids, d_hidden, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
+                weight.stride(0), d_hidden.stride(0), SHARED=shared, PRECISION=precision, BLOCK_M=bm,
+                BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk, num_warps=4)
+    if need_weight or need_bias:
+        atomic = not deterministic
+        n_rows = vocab_size if atomic else ids.shape[0] * (batch if shared else 1)
+        dw = torch.zeros((n_rows, dim), dtype=torch.float32, device=hidden.device)
+        db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
+        bn = 16 if interp else 64
+        n_cand = ids.shape[0] * (batch if shared else 1)
+        if batch and n_cand and hidden.shape[0]:
+            work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, 1, bn, False, True)
+            _dweight_kernel[(n_cand // bn + batch, n_d)](
+                grad, hidden, ids, dw, db, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
+                hidden.stride(0), dw.stride(0), SHARED=shared, HAS_BIAS=need_bias, ATOMIC=atomic,
+                PRECISION=precision, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk,
+                num_warps=4)
+        if not atomic:
+            dw, db = _reduce_by_id(dw, db, ids, batch if shared else 1, vocab_size)
+        if need_weight:
+            d_weight = dw.to(weight.dtype)
+        if need_bias:
+            d_bias = db.to(weight.dtype)
+    return d_hidden, d_weight, d_bias
+
+
+def _reduce_by_id(rows: torch.Tensor, bias_rows: torch.Tensor, ids: torch.Tensor, repeat: int, vocab_size: int):
+    """Sum per-(sequence, candidate) rows into ``[V, d]`` in a fixed order (deterministic).
+
+    Rows are stably sorted by id and each run of equal ids is summed by
+    ``torch.segment_reduce``, so the result does not depend on scheduling. Costs one device
+    read (the number of distinct ids)."""
+    flat_ids = ids.to(torch.int64).repeat(repeat)
+    order = torch.argsort(flat_ids, stable=True)
+    uniq, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+    dw = rows.new_zeros((vocab_size, rows.shape[1]))
+    db = bias_rows.new_zeros(vocab_size)
+    if uniq.numel():
+        dw[uniq] = torch.segment_reduce(rows[order], "sum", lengths=counts)
+        db[uniq] = torch.segment_reduce(bias_rows[order], "sum", lengths=counts)
+    return dw, db
