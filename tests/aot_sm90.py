@@ -60,9 +60,16 @@ def cases():
         yield ("vocab d_hidden", kv._dhidden_kernel, [dt, dt, "*i64", dt] + offs + ["i32", "i32"],
                dict(SHARED=shared, PRECISION=prec, BLOCK_M=64, BLOCK_D=64, BLOCK_K=32, INLINE=inline, CHUNK=64))
         for atomic in (True, False):
-            yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", "*fp32", "*fp32"] + offs + ["i32", "i32"],
+            acc_t = dt if atomic else "*fp32"
+            yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32"],
                    dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
                         BLOCK_K=32, INLINE=inline, CHUNK=64))
+        yield ("vocab ce fwd", kv._ce_fwd_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", "*fp32"] + offs
+               + ["i32", "i32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, BLOCK_M=64,
+                                      BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
+        yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
+               + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,
+                                              BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
     for left in (False, True):
         yield ("pack", kp._pack_kernel, ["*bf16", "*bf16", "*i32"] + ["i64"] * 6,
                dict(ROW=1000, SRC_ALIGN=8, LEFT=left, BLOCK_R=4, BLOCK_F=1024))

@@ -206,13 +206,13 @@ def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_
     mask = col_ok[:, None] & d_ok[None, :]
     ptr = DW + target[:, None] * stride_dwv + dd[None, :]
     if ATOMIC:
-        tl.atomic_add(ptr, acc, mask=mask, sem="relaxed")
+        tl.atomic_add(ptr, acc.to(DW.dtype.element_ty), mask=mask, sem="relaxed")
     else:
         tl.store(ptr, acc, mask=mask)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             if ATOMIC:
-                tl.atomic_add(DB + target, gsum, mask=col_ok, sem="relaxed")
+                tl.atomic_add(DB + target, gsum.to(DB.dtype.element_ty), mask=col_ok, sem="relaxed")
             else:
                 tl.store(DB + target, gsum, mask=col_ok)
 
@@ -287,7 +287,14 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
 
 
 def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias,
-             deterministic):
+             deterministic, dw_out=None, db_out=None):
+    """(d_hidden, d_weight, d_bias) of the projection for the flat logits' gradient ``grad``.
+
+    d_weight is summed straight into a ``[V, d]`` tensor of the weight's dtype with atomic
+    adds (each row receives one add per sequence whose candidates contain it: a few adds in
+    fp16/bf16 precision, no fp32 copy of the weight-sized gradient). ``deterministic=True``
+    writes one fp32 row per (sequence, candidate) and sums them by id in a fixed order.
+    ``dw_out`` / ``db_out``: tensors to accumulate into (returned as d_weight / d_bias)."""
     hidden, weight, grad = _rows(hidden), _rows(weight), grad.contiguous()
     ids = ids.contiguous()
     batch = h_off.shape[0] - 1
@@ -313,9 +320,14 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
                 BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk, num_warps=4)
     if need_weight or need_bias:
         atomic = not deterministic
-        n_rows = vocab_size if atomic else ids.shape[0] * (batch if shared else 1)
-        dw = torch.zeros((n_rows, dim), dtype=torch.float32, device=hidden.device)
-        db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
+        if atomic:
+            dw = dw_out if dw_out is not None else torch.zeros((vocab_size, dim), dtype=weight.dtype,
+                                                               device=hidden.device)
+            db = db_out if db_out is not None else torch.zeros(vocab_size, dtype=weight.dtype, device=hidden.device)
+        else:
+            n_rows = ids.shape[0] * (batch if shared else 1)
+            dw = torch.zeros((n_rows, dim), dtype=torch.float32, device=hidden.device)
+            db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
         bn = 16 if interp else 64
         n_cand = ids.shape[0] * (batch if shared else 1)
         if batch and n_cand and hidden.shape[0]:
@@ -327,10 +339,13 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
                 num_warps=4)
         if not atomic:
             dw, db = _reduce_by_id(dw, db, ids, batch if shared else 1, vocab_size)
-        if need_weight:
-            d_weight = dw.to(weight.dtype)
-        if need_bias:
-            d_bias = db.to(weight.dtype)
+            dw, db = dw.to(weight.dtype), db.to(weight.dtype)
+            if dw_out is not None:
+                dw = dw_out.add_(dw)
+            if db_out is not None:
+                db = db_out.add_(db)
+        d_weight = dw if need_weight else None
+        d_bias = db if need_bias else None
     return d_hidden, d_weight, d_bias
 
 
@@ -349,3 +364,210 @@ def _reduce_by_id(rows: torch.Tensor, bias_rows: torch.Tensor, ids: torch.Tensor
         dw[uniq] = torch.segment_reduce(rows[order], "sum", lengths=counts)
         db[uniq] = torch.segment_reduce(bias_rows[order], "sum", lengths=counts)
     return dw, db
+
+
+# --------------------------------------------------------------------------------------
+# Fused subset cross-entropy
+#
+# Forward: one program per (sequence, row tile) streams over the sequence's candidate
+# tiles, computing each logit tile (GEMM over d) and keeping only an online logsumexp,
+# the target's logit and the sum of logits (for label smoothing) per token: the
+# [sum T_i * V_i] logits are never stored.
+# Backward: the logits' gradient g = w_t * (softmax - (1 - eps) * onehot - eps / V_b) is
+# recomputed tile by tile into a buffer of at most CE_CHUNK elements (sequences are taken
+# in chunks), and fed to the d_hidden / d_weight kernels above.
+
+CE_CHUNK = 1 << 22
+
+
+@triton.jit
+def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
+    w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < dim
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LSE, ZY, ZSUM, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                   stride_ht, stride_wv,
+                   HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """Per token: lse over its sequence's candidates, the target's logit, the sum of logits.
+
+    TGT holds each token's target as a local candidate index (-1: none)."""
+    item = tl.program_id(0)
+    b, r_tile, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
+                                 True, False, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
+    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < t_len
+    tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    zy = tl.zeros([BLOCK_M], dtype=tl.float32)
+    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c in range(0, v_len, BLOCK_N):
+        cols = c + tl.arange(0, BLOCK_N)
+        col_ok = cols < v_len
+        ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+        z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+                        HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+        zsum += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(LSE + t0 + rows, lse, mask=row_ok)
+    tl.store(ZY + t0 + rows, zy, mask=row_ok)
+    tl.store(ZSUM + t0 + rows, zsum, mask=row_ok)
+
+
+@triton.jit
+def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                    stride_ht, stride_wv, smoothing,
+                    HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """g[t, c] = WT[t] * (exp(z - lse) - (1 - eps) * [c == target] - eps / V_b), written flat at l_off."""
+    item = tl.program_id(0)
+    b, local, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED,
+                                True, True, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
+    n_col = (v_len + BLOCK_N - 1) // BLOCK_N
+    r_tile = local // n_col
+    c_tile = local - r_tile * n_col
+    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < t_len
+    col_ok = cols < v_len
+    ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+                    HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    lse = tl.load(LSE + t0 + rows, mask=row_ok, other=0.0)
+    wt = tl.load(WT + t0 + rows, mask=row_ok, other=0.0)
+    tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
+    p = tl.exp(z - lse[:, None])
+    g = p - (1.0 - smoothing) * (cols[None, :] == tgt[:, None]).to(tl.float32) - smoothing / v_len.to(tl.float32)
+    g = g * wt[:, None]
+    out = G + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
+    tl.store(out, g.to(G.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target_local, max_t, max_v):
+    """(lse, target logit, sum of logits), each ``[T]`` float32, without storing logits.
+
+    ``target_local``: int32 ``[T]``, each token's target as an index into its sequence's
+    candidates (-1 when it has none)."""
+    hidden, weight = _rows(hidden), _rows(weight)
+    ids, target_local = ids.contiguous(), target_local.contiguous()
+    total_t = hidden.shape[0]
+    lse = torch.full((total_t,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    zy = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
+    zsum = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
+    batch = h_off.shape[0] - 1
+    if total_t == 0 or batch == 0:
+        return lse, zy, zsum
+    shared = v_off is None
+    shared_v = ids.shape[0] if shared else 0
+    dim = hidden.shape[1]
+    bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
+    work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
+    _ce_fwd_kernel[(total_t // bm + batch,)](
+        hidden, weight, bias if bias is not None else hidden, ids, target_local, lse, zy, zsum, h_off,
+        v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
+        hidden.stride(0), weight.stride(0), HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0,
+        PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk,
+        num_warps=warps, num_stages=stages)
+    return lse, zy, zsum
+
+
+def cross_entropy_backward(token_weight, hidden, host_h_off, weight, bias, ids, host_v_off, target_local, lse,
+                           smoothing, max_t, max_v, need_hidden, need_weight, need_bias, deterministic,
+                           chunk_elems=CE_CHUNK):
+    """Gradients of ``sum_t token_weight[t] * loss_t`` w.r.t. hidden, weight and bias.
+
+    ``host_h_off`` / ``host_v_off`` (``None`` for a shared vocabulary) are the host offsets:
+    they split the batch into chunks of at most ``chunk_elems`` logits (a sequence larger than
+    that forms a chunk alone), the only logits-sized memory the loss ever holds."""
+    device = hidden.device
+    hidden, weight = _rows(hidden), _rows(weight)
+    ids = ids.contiguous()
+    batch = len(host_h_off) - 1
+    shared = host_v_off is None
+    dim = hidden.shape[1]
+    vocab_size = weight.shape[0]
+    d_hidden = torch.zeros_like(hidden) if need_hidden else None
+    dw = torch.zeros((vocab_size, dim), dtype=weight.dtype, device=device) if need_weight or need_bias else None
+    db = torch.zeros(vocab_size, dtype=weight.dtype, device=device) if need_bias else None
+    bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
+
+    def v_len(b):
+        return ids.shape[0] if shared else host_v_off[b + 1] - host_v_off[b]
+
+    start = 0
+    while start < batch:
+        stop, size = start, 0
+        while stop < batch and (stop == start or size + (host_h_off[stop + 1] - host_h_off[stop]) * v_len(stop)
+                                <= chunk_elems):
+            size += (host_h_off[stop + 1] - host_h_off[stop]) * v_len(stop)
+            stop += 1
+        t_lo, t_hi = host_h_off[start], host_h_off[stop]
+        if size and t_hi > t_lo:
+            h_rel = [o - t_lo for o in host_h_off[start:stop + 1]]
+            l_rel = [0]
+            for b in range(start, stop):
+                l_rel.append(l_rel[-1] + (host_h_off[b + 1] - host_h_off[b]) * v_len(b))
+            from ..._utils import to_device
+
+            h_off_c = to_device(h_rel, torch.int32, device)
+            l_off_c = to_device(l_rel, torch.int64, device)
+            if shared:
+                ids_c, v_off_c, shared_v = ids, None, ids.shape[0]
+            else:
+                v_lo = host_v_off[start]
+                ids_c = ids[v_lo:host_v_off[stop]]
+                v_off_c = to_device([o - v_lo for o in host_v_off[start:stop + 1]], torch.int32, device)
+                shared_v = 0
+            hid_c = hidden[t_lo:t_hi]
+            g = torch.empty(size, dtype=hidden.dtype, device=device)
+            n = stop - start
+            work, inline, chunk, n_steps = _worklist(h_off_c, v_off_c, shared_v, n, bm, bn, True, True)
+            n_cand = ids_c.shape[0] * (n if shared else 1)
+            grid = (size // (bm * bn) + (t_hi - t_lo) // bm + n_cand // bn + 2 * n + 1,)
+            _ce_grad_kernel[grid](
+                hid_c, weight, bias if bias is not None else hidden, ids_c, target_local[t_lo:t_hi],
+                lse[t_lo:t_hi], token_weight[t_lo:t_hi], g, h_off_c, v_off_c if v_off_c is not None else h_off_c,
+                l_off_c, work, n, shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), float(smoothing),
+                HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+            dh_c, _, _ = backward(g, hid_c, h_off_c, weight, ids_c, v_off_c, l_off_c, max_t, max_v,
+                                  need_hidden, need_weight, need_bias, deterministic, dw_out=dw, db_out=db)
+            if need_hidden:
+                d_hidden[t_lo:t_hi] = dh_c
+        start = stop
+    return d_hidden, dw if need_weight else None, db

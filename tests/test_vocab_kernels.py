@@ -1,0 +1,118 @@
+"""Triton vocabulary-projection kernels (ragged.kernels.triton.vocab) against float64 loops.
+
+The projection forward/backward and the fused subset cross-entropy are checked at the
+kernel level here (small sizes: the interpreter runs them on CPU); the public API is
+tested in test_vocab.py.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TRITON_ON_CPU, HAS_CUDA
+
+pytestmark = pytest.mark.skipif(not (TRITON_ON_CPU or HAS_CUDA), reason="needs the Triton interpreter or a GPU")
+
+kv = pytest.importorskip("ragged.kernels.triton.vocab")
+DEVICE = "cuda" if HAS_CUDA and not TRITON_ON_CPU else "cpu"
+V, D = 60, 24
+CASES = {
+    "mixed": ([3, 0, 5, 1], [4, 7, 1, 0]),   # a sequence with no tokens, one with no candidates, one with 1
+    "two": ([9, 2], [6, 33]),
+}
+
+
+def _case(name, shared, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t_lens, v_lens = CASES[name]
+    batch = len(t_lens)
+    if shared:
+        lists = [torch.randperm(V, generator=gen)[:7].sort().values] * batch
+        ids, v_off, v_lens = lists[0], None, [7] * batch
+    else:   # overlapping candidate lists across sequences
+        lists = [torch.randperm(V, generator=gen)[:n].sort().values for n in v_lens]
+        ids, v_off = torch.cat(lists), [0, *itertools.accumulate(v_lens)]
+    h_off = [0, *itertools.accumulate(t_lens)]
+    l_off = [0, *itertools.accumulate(t * v for t, v in zip(t_lens, v_lens))]
+    hidden = torch.randn(h_off[-1], D, generator=gen)
+    weight = torch.randn(V, D, generator=gen)
+    bias = torch.randn(V, generator=gen)
+    return dict(t_lens=t_lens, v_lens=v_lens, lists=lists, ids=ids, v_off=v_off, h_off=h_off, l_off=l_off,
+                hidden=hidden, weight=weight, bias=bias, gen=gen)
+
+
+def _i32(x):
+    return None if x is None else torch.tensor(x, dtype=torch.int32, device=DEVICE)
+
+
+def _dev(c):
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+
+
+def _loop_logits(h, w, b, c):
+    blocks = []
+    for i, ids in enumerate(c["lists"]):
+        hb = h[c["h_off"][i]:c["h_off"][i + 1]]
+        blocks.append((hb @ w[ids].T + b[ids]).reshape(-1))
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_projection_forward_backward(shared, name, deterministic):
+    c = _case(name, shared, seed=hash((shared, name)) % 1000)
+    d = _dev(c)
+    l_off = torch.tensor(c["l_off"], device=DEVICE)
+    out = kv.forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off,
+                     c["l_off"][-1], max(c["t_lens"]), max(c["v_lens"]))
+    h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
+    ref = _loop_logits(h64, w64, b64, c)
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    grad = torch.randn(ref.shape, generator=c["gen"])
+    ref.backward(grad.double())
+    dh, dw, db = kv.backward(grad.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"], d["ids"], _i32(c["v_off"]),
+                             l_off, max(c["t_lens"]), max(c["v_lens"]), True, True, True, deterministic)
+    for got, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [kv.CE_CHUNK, 20])
+def test_fused_cross_entropy(shared, smoothing, chunk):
+    c = _case("mixed", shared, seed=7 + int(shared))
+    d = _dev(c)
+    targets = []
+    for b, (t_len, v_len) in enumerate(zip(c["t_lens"], c["v_lens"])):
+        for _ in range(t_len):   # some tokens without a target (-1)
+            keep = v_len and torch.rand((), generator=c["gen"]) > 0.2
+            targets.append(int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1)
+    target = torch.tensor(targets, dtype=torch.int32)
+    lse, zy, zsum = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
+                                             _i32(c["v_off"]), torch.tensor(c["l_off"], device=DEVICE),
+                                             target.to(DEVICE), max(c["t_lens"]), max(c["v_lens"]))
+    h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
+    losses = []
+    for b, ids in enumerate(c["lists"]):
+        z = h64[c["h_off"][b]:c["h_off"][b + 1]] @ w64[ids].T + b64[ids]
+        for t in range(z.shape[0]):
+            y = int(target[c["h_off"][b] + t])
+            losses.append(F.cross_entropy(z[t:t + 1], torch.tensor([y]), label_smoothing=smoothing) if y >= 0
+                          else h64.sum() * 0)
+    ref = torch.stack(losses)
+    v_len = torch.tensor(sum(([v] * t for t, v in zip(c["t_lens"], c["v_lens"])), []), dtype=torch.float32)
+    valid = target >= 0
+    got = torch.where(valid, (1 - smoothing) * (lse.cpu() - zy.cpu())
+                      + smoothing * (lse.cpu() - zsum.cpu() / v_len.clamp_min(1)), torch.zeros(()))
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    weight_t = torch.where(valid, torch.randn(len(targets), generator=c["gen"]), torch.zeros(()))
+    (ref * weight_t.double()).sum().backward()
+    dh, dw, db = kv.cross_entropy_backward(weight_t.to(DEVICE), d["hidden"], c["h_off"], d["weight"], d["bias"],
+                                           d["ids"], c["v_off"], target.to(DEVICE), lse, smoothing,
+                                           max(c["t_lens"]), max(c["v_lens"]), True, True, True, False,
+                                           chunk_elems=chunk)
+    for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
+        torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)
