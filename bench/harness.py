@@ -10,8 +10,11 @@ For every implementation of a case the harness
 1. skips it when the suite gave a reason it cannot run (``Impl.skip``);
 2. runs it once and compares its output with the reference (``Workload.compare``):
    a mismatch marks the row ``failed`` and it is never timed;
-3. times it: median milliseconds over repeated calls (:func:`median_ms`);
-4. derives GB/s, TFLOP/s, % of the copy ceiling and speedups over the baselines.
+3. times it: median milliseconds over repeated calls (:func:`median_ms`), then takes
+   the workload's extra measurements of it, untimed (``Workload.extra``, e.g. peak
+   memory);
+4. derives GB/s, TFLOP/s, % of the copy ceiling and speedups over the baselines, and
+   lets the suite annotate the case's rows (:meth:`Suite.annotate`).
 
 Units everywhere: times in milliseconds, sizes in bytes, bandwidth in GB/s
 (10**9 bytes per second), compute in TFLOP/s (10**12 flops per second).
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -136,7 +141,9 @@ class Workload:
     GB/s of every row of the case divides this by its time). ``flops``: floating-point
     operations of one call (``None`` for pure data movement). ``reference``: the
     expected output; ``compare(out, reference)`` returns ``None`` or a description of
-    the mismatch.
+    the mismatch. ``extra(impl)``: optional measurements of an implementation taken
+    after it was timed (untimed; e.g. :func:`peak_memory_bytes`), as a dict of JSON
+    values stored in the row's ``extra`` (one table column per key).
     """
 
     impls: list[Impl]
@@ -144,6 +151,7 @@ class Workload:
     bytes_moved: int | None = None
     flops: int | None = None
     compare: Callable[[Any, Any], str | None] = exact_match
+    extra: Callable[[Impl], dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +198,8 @@ class Suite:
     TFLOP/s (GB/s too where their workloads give bytes). ``notes`` (Markdown) is
     appended to the suite's Markdown results: say there what each implementation is.
     ``speedup_table``: also report the speedup of each ragged row over each baseline
-    (a second table), not only over the fastest one.
+    (a second table), not only over the fastest one. :meth:`annotate` may add derived
+    values to a case's rows (``Row.extra``) once all of them are measured.
     """
 
     name: ClassVar[str] = ""
@@ -206,6 +215,9 @@ class Suite:
     def build(self, case: Case, config: Config) -> Workload:
         """Allocate the inputs of ``case`` on ``config.device`` and list its implementations."""
         raise NotImplementedError
+
+    def annotate(self, case: Case, rows: list["Row"]) -> None:
+        """Called with the rows of ``case`` after speedups are derived (default: nothing)."""
 
 
 SUITES: dict[str, Suite] = {}
@@ -257,6 +269,63 @@ def median_ms(fn: Callable[[], Any], device: torch.device, timing: Timing) -> fl
 
 def gb_per_s(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
+
+
+def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Peak memory allocated during one call of ``fn`` above what was allocated before it.
+
+    The output of ``fn`` is alive until the call returns, so it counts. CUDA:
+    ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``,
+    minus ``torch.cuda.memory_allocated`` before the call. CPU: the running sum of the
+    allocation and free events recorded by ``torch.profiler`` (``profile_memory=True``)
+    during the call. ``None`` where it cannot be measured (other devices, or a torch
+    whose profiler does not expose its events).
+    """
+    release_memory(device)
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del out
+        return max(0, int(peak))
+    if device.type == "cpu":
+        return _cpu_peak_bytes(fn)
+    return None
+
+
+def _cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    # Some torch builds announce the profiler's start and stop on stderr: silenced for
+    # the profiled call (restored even when it raises).
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+            del out
+        from torch._C._autograd import DeviceType
+
+        events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    except Exception:  # no profiler in this build, or its (private) event API changed
+        return None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    current = peak = 0
+    for _, nbytes in sorted(events, key=lambda e: e[0]):  # stable: ties keep the recorded order
+        current += nbytes
+        peak = max(peak, current)
+    return peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +391,7 @@ class Row:
     tflops: float | None = None
     pct_of_copy: float | None = None
     speedup: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -386,6 +456,12 @@ def run_impl(impl: Impl, workload: Workload, row: Row, config: Config) -> Row:
         row.gbps = gb_per_s(row.bytes, ms)
     if row.flops:
         row.tflops = row.flops / (ms * 1e-3) / 1e12
+    if workload.extra is not None:
+        try:
+            row.extra.update(workload.extra(impl))
+        except Exception as exc:  # the timing stands; say what could not be measured
+            release_memory(config.device)
+            row.extra["extra error"] = _error_text(exc)
     return row
 
 
@@ -409,6 +485,7 @@ def run_suite(suite: Suite, config: Config, ceiling: CopyCeiling | None, cases: 
     for case in (suite.cases(config) if cases is None else cases):
         case_rows = _run_case(suite, case, config, hooks)
         _add_derived(case_rows, ceiling, suite.memory_bound)
+        suite.annotate(case, case_rows)
         rows.extend(case_rows)
         hooks.on_case_done(case)
     return rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +36,11 @@ def _fmt_ms(ms: float) -> str:
     return f"{ms:.4f}" if ms < 10 else f"{ms:.2f}"
 
 
+def _fmt_tflops(tflops: float) -> str:
+    """One decimal; three significant digits below 1 (CPU runs)."""
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
 def _vs_fastest_baseline(row: Row) -> str:
     """Speedup over the fastest baseline of the case (the smallest ratio baseline_ms / ms)."""
     if not row.speedup:
@@ -43,13 +49,33 @@ def _vs_fastest_baseline(row: Row) -> str:
     return f"{ratio:.2f}x vs {name}"
 
 
+def _fmt_extra(value: Any) -> str:
+    """A cell of an ``extra`` column: numbers to a few digits, anything else as text."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "nan"
+    magnitude = abs(value)
+    return f"{value:.0f}" if magnitude >= 100 else f"{value:.1f}" if magnitude >= 10 else f"{value:.2f}"
+
+
+def extra_keys(rows: list[Row]) -> list[str]:
+    """The keys of the rows' ``extra`` dicts, in order of first appearance: one column each."""
+    return list(dict.fromkeys(key for r in rows for key in r.extra))
+
+
 def reasons(rows: list[Row]) -> list[str]:
     """The distinct skip / failure reasons of ``rows``, in order: the table's footnotes."""
     return list(dict.fromkeys(r.reason for r in rows if r.status != "ok" and r.reason))
 
 
 def columns(suite: Suite, rows: list[Row]) -> list[Column]:
-    """Columns of the result table; GB/s, % copy and TFLOP/s only where they apply.
+    """Columns of the result table; GB/s, % copy and TFLOP/s only where they apply, then
+    one column per key of the rows' ``extra`` measurements (:func:`extra_keys`).
 
     The status cell of a skipped or failed row points to its footnote in :func:`reasons`.
     """
@@ -72,8 +98,11 @@ def columns(suite: Suite, rows: list[Row]) -> list[Column]:
     if suite.memory_bound and has("pct_of_copy"):
         cols.append(Column("% copy", lambda r: f"{r.pct_of_copy:.0f}%" if r.pct_of_copy is not None else ""))
     if has("tflops"):
-        cols.append(Column("TFLOP/s", lambda r: f"{r.tflops:.1f}" if r.tflops is not None else ""))
+        cols.append(Column("TFLOP/s", lambda r: _fmt_tflops(r.tflops) if r.tflops is not None else ""))
     cols.append(Column("vs fastest baseline", _vs_fastest_baseline))
+    for key in extra_keys(rows):
+        numeric = all(isinstance(r.extra.get(key), (int, float, type(None))) for r in rows)
+        cols.append(Column(key, lambda r, k=key: _fmt_extra(r.extra.get(k)), numeric=numeric))
     cols.append(Column("status", status, numeric=False))
     return cols
 
@@ -205,7 +234,7 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
     ]
     for case, case_rows in _cases_in_order(rows):
         for i, r in enumerate(case_rows):
-            cells = [case if i == 0 else ""]
+            cells = [_md_escape(case) if i == 0 else ""]
             for c in cols:
                 text = _md_escape(c.cell(r))
                 if c.header == "implementation":
@@ -226,7 +255,8 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
                       "| --- | --- | " + " | ".join("---:" for _ in baselines) + " |"]
             previous = None
             for case, impl, cells in body:
-                lines.append(f"| {case if case != previous else ''} | `{_md_escape(impl)}` | " + " | ".join(cells) + " |")
+                lines.append(f"| {_md_escape(case) if case != previous else ''} | `{_md_escape(impl)}` | "
+                             + " | ".join(cells) + " |")
                 previous = case
     if suite.notes:
         lines += ["", suite.notes.strip()]
