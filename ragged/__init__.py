@@ -6,6 +6,8 @@ Public API (see README.md for the table):
 * :func:`pack` / :func:`unpack` and their tensor forms :func:`pack_values` / :func:`unpack_values`
 * interop: :func:`from_nested`, :func:`from_packed_sequence`, :func:`from_attention_mask`
 * attention: :func:`attention` (RaggedTensors), :func:`varlen_attention` (cu_seqlens form)
+* per-sequence vocabularies: :func:`vocab_projection` -> :class:`RaggedLogits`, :func:`vocab_cross_entropy`,
+  :func:`union_vocab`; the layer ``ragged.nn.VocabProjection``
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
 """
 
@@ -14,11 +16,15 @@ from .ops.attention import attention, reference_attention, reference_attention_b
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence
 from .ops.pack import pack, pack_values, reference_pack, reference_unpack, unpack, unpack_values
 from .tensor import RaggedTensor
+from .logits import RaggedLogits
+from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
+                        vocab_cross_entropy, vocab_projection)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "RaggedLogits",
     "RaggedTensor",
     "attention",
     "explain",
@@ -33,9 +39,23 @@ __all__ = [
     "reference_attention_backward",
     "reference_pack",
     "reference_unpack",
+    "reference_vocab_projection",
+    "reference_vocab_projection_backward",
     "set_backend",
+    "union_vocab",
     "unpack",
     "unpack_values",
     "use_backend",
     "varlen_attention",
+    "vocab_cross_entropy",
+    "vocab_projection",
 ]
+
+
+def __getattr__(name: str):
+    # ``ragged.nn`` (installed from nn/) on first use, without importing it with ragged.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("ragged.nn")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

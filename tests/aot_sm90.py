@@ -64,8 +64,8 @@ def cases():
             yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32"],
                    dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
                         BLOCK_K=32, INLINE=inline, CHUNK=64))
-        yield ("vocab ce fwd", kv._ce_fwd_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", "*fp32"] + offs
-               + ["i32", "i32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, BLOCK_M=64,
+        yield ("vocab ce fwd", kv._ce_fwd_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32"] + offs
+               + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, BLOCK_M=64,
                                       BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
         yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
                + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,

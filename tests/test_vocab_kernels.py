@@ -81,8 +81,8 @@ def test_projection_forward_backward(shared, name, deterministic):
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("chunk", [kv.CE_CHUNK, 20])
-def test_fused_cross_entropy(shared, smoothing, chunk):
+@pytest.mark.parametrize("chunk,use_host", [(kv.CE_CHUNK, True), (20, True), (kv.CE_CHUNK, False)])
+def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     c = _case("mixed", shared, seed=7 + int(shared))
     d = _dev(c)
     targets = []
@@ -91,9 +91,10 @@ def test_fused_cross_entropy(shared, smoothing, chunk):
             keep = v_len and torch.rand((), generator=c["gen"]) > 0.2
             targets.append(int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1)
     target = torch.tensor(targets, dtype=torch.int32)
-    lse, zy, zsum = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
-                                             _i32(c["v_off"]), torch.tensor(c["l_off"], device=DEVICE),
-                                             target.to(DEVICE), max(c["t_lens"]), max(c["v_lens"]))
+    l_off = torch.tensor(c["l_off"], device=DEVICE)
+    loss, lse = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
+                                         _i32(c["v_off"]), l_off, target.to(DEVICE), smoothing,
+                                         max(c["t_lens"]), max(c["v_lens"]))
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     losses = []
     for b, ids in enumerate(c["lists"]):
@@ -103,16 +104,14 @@ def test_fused_cross_entropy(shared, smoothing, chunk):
             losses.append(F.cross_entropy(z[t:t + 1], torch.tensor([y]), label_smoothing=smoothing) if y >= 0
                           else h64.sum() * 0)
     ref = torch.stack(losses)
-    v_len = torch.tensor(sum(([v] * t for t, v in zip(c["t_lens"], c["v_lens"])), []), dtype=torch.float32)
-    valid = target >= 0
-    got = torch.where(valid, (1 - smoothing) * (lse.cpu() - zy.cpu())
-                      + smoothing * (lse.cpu() - zsum.cpu() / v_len.clamp_min(1)), torch.zeros(()))
-    torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
-    weight_t = torch.where(valid, torch.randn(len(targets), generator=c["gen"]), torch.zeros(()))
-    (ref * weight_t.double()).sum().backward()
-    dh, dw, db = kv.cross_entropy_backward(weight_t.to(DEVICE), d["hidden"], c["h_off"], d["weight"], d["bias"],
-                                           d["ids"], c["v_off"], target.to(DEVICE), lse, smoothing,
-                                           max(c["t_lens"]), max(c["v_lens"]), True, True, True, False,
+    torch.testing.assert_close(loss.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    grad_loss = torch.randn(len(targets), generator=c["gen"])
+    (ref * grad_loss.double()).sum().backward()
+    host = (c["h_off"], c["v_off"]) if use_host else (None, None)
+    dh, dw, db = kv.cross_entropy_backward(grad_loss.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"],
+                                           d["bias"], d["ids"], _i32(c["v_off"]), l_off, c["l_off"][-1],
+                                           target.to(DEVICE), lse, smoothing, max(c["t_lens"]), max(c["v_lens"]),
+                                           True, True, True, False, host_h_off=host[0], host_v_off=host[1],
                                            chunk_elems=chunk)
     for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)

@@ -405,12 +405,13 @@ def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, strid
 
 
 @triton.jit
-def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LSE, ZY, ZSUM, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
-                   stride_ht, stride_wv,
+def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+                   stride_ht, stride_wv, smoothing,
                    HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
-    """Per token: lse over its sequence's candidates, the target's logit, the sum of logits.
+    """Per token: the loss (1 - eps) * (lse - z_target) + eps * (lse - mean z) over its
+    sequence's candidates (0 for a token without target) and the lse.
 
     TGT holds each token's target as a local candidate index (-1: none)."""
     item = tl.program_id(0)
@@ -440,9 +441,10 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LSE, ZY, ZSUM, h_off, v_off, l_off, wor
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
         m_i = m_new
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    mean_z = zsum / tl.maximum(v_len, 1).to(tl.float32)
+    loss = (1.0 - smoothing) * (lse - zy) + smoothing * (lse - mean_z)
+    tl.store(LOSS + t0 + rows, tl.where(tgt >= 0, loss, 0.0), mask=row_ok)
     tl.store(LSE + t0 + rows, lse, mask=row_ok)
-    tl.store(ZY + t0 + rows, zy, mask=row_ok)
-    tl.store(ZSUM + t0 + rows, zsum, mask=row_ok)
 
 
 @triton.jit
@@ -478,53 +480,88 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     tl.store(out, g.to(G.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target_local, max_t, max_v):
-    """(lse, target logit, sum of logits), each ``[T]`` float32, without storing logits.
+def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target_local, smoothing, max_t, max_v):
+    """(loss, lse), each ``[T]`` float32, without storing logits.
 
-    ``target_local``: int32 ``[T]``, each token's target as an index into its sequence's
-    candidates (-1 when it has none)."""
+    ``target_local``: ``[T]`` each token's target as an index into its sequence's
+    candidates (-1: no target; its loss is 0)."""
     hidden, weight = _rows(hidden), _rows(weight)
-    ids, target_local = ids.contiguous(), target_local.contiguous()
+    ids, target_local = ids.contiguous(), target_local.to(torch.int32).contiguous()
     total_t = hidden.shape[0]
+    loss = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
     lse = torch.full((total_t,), float("-inf"), dtype=torch.float32, device=hidden.device)
-    zy = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
-    zsum = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
     batch = h_off.shape[0] - 1
     if total_t == 0 or batch == 0:
-        return lse, zy, zsum
+        return loss, lse
     shared = v_off is None
     shared_v = ids.shape[0] if shared else 0
     dim = hidden.shape[1]
     bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
     work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
     _ce_fwd_kernel[(total_t // bm + batch,)](
-        hidden, weight, bias if bias is not None else hidden, ids, target_local, lse, zy, zsum, h_off,
+        hidden, weight, bias if bias is not None else hidden, ids, target_local, loss, lse, h_off,
         v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
-        hidden.stride(0), weight.stride(0), HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0,
-        PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk,
-        num_warps=warps, num_stages=stages)
-    return lse, zy, zsum
+        hidden.stride(0), weight.stride(0), float(smoothing), HAS_BIAS=bias is not None, SHARED=shared,
+        EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+    return loss, lse
 
 
-def cross_entropy_backward(token_weight, hidden, host_h_off, weight, bias, ids, host_v_off, target_local, lse,
+def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l_off, total, target_local, lse,
                            smoothing, max_t, max_v, need_hidden, need_weight, need_bias, deterministic,
-                           chunk_elems=CE_CHUNK):
-    """Gradients of ``sum_t token_weight[t] * loss_t`` w.r.t. hidden, weight and bias.
+                           host_h_off=None, host_v_off=None, chunk_elems=CE_CHUNK):
+    """Gradients of ``sum_t grad_loss[t] * loss_t`` w.r.t. hidden, weight and bias.
 
-    ``host_h_off`` / ``host_v_off`` (``None`` for a shared vocabulary) are the host offsets:
-    they split the batch into chunks of at most ``chunk_elems`` logits (a sequence larger than
-    that forms a chunk alone), the only logits-sized memory the loss ever holds."""
+    With the host offsets (``host_v_off`` ``None`` for a shared vocabulary) the batch is
+    taken in chunks of at most ``chunk_elems`` logits (a sequence larger than that forms a
+    chunk alone): the only logits-sized memory the loss holds. Without them, one chunk."""
     device = hidden.device
     hidden, weight = _rows(hidden), _rows(weight)
     ids = ids.contiguous()
-    batch = len(host_h_off) - 1
-    shared = host_v_off is None
+    target_local = target_local.to(torch.int32).contiguous()
+    token_weight = torch.where(target_local >= 0, grad_loss.float(), torch.zeros((), device=device))
+    batch = h_off.shape[0] - 1
+    shared = v_off is None
     dim = hidden.shape[1]
     vocab_size = weight.shape[0]
     d_hidden = torch.zeros_like(hidden) if need_hidden else None
     dw = torch.zeros((vocab_size, dim), dtype=weight.dtype, device=device) if need_weight or need_bias else None
     db = torch.zeros(vocab_size, dtype=weight.dtype, device=device) if need_bias else None
+    if batch == 0 or hidden.shape[0] == 0:
+        return d_hidden, dw if need_weight else None, db
     bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
+    for chunk in _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device):
+        c_h_off, c_v_off, c_l_off, c_ids, t_lo, t_hi, size, n = chunk
+        t_hi = hidden.shape[0] if t_hi is None else t_hi
+        shared_v = c_ids.shape[0] if shared else 0
+        hid_c = hidden[t_lo:t_hi]
+        g = torch.empty(size, dtype=hidden.dtype, device=device)
+        work, inline, chunk_w, n_steps = _worklist(c_h_off, c_v_off, shared_v, n, bm, bn, True, True)
+        n_cand = c_ids.shape[0] * (n if shared else 1)
+        grid = (size // (bm * bn) + (t_hi - t_lo) // bm + n_cand // bn + 2 * n + 1,)
+        _ce_grad_kernel[grid](
+            hid_c, weight, bias if bias is not None else hidden, c_ids, target_local[t_lo:t_hi], lse[t_lo:t_hi],
+            token_weight[t_lo:t_hi], g, c_h_off, c_v_off if c_v_off is not None else c_h_off, c_l_off, work, n,
+            shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), float(smoothing),
+            HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk_w, num_warps=warps, num_stages=stages)
+        dh_c, _, _ = backward(g, hid_c, c_h_off, weight, c_ids, c_v_off, c_l_off, max_t, max_v,
+                              need_hidden, need_weight, need_bias, deterministic, dw_out=dw, db_out=db)
+        if need_hidden:
+            d_hidden[t_lo:t_hi] = dh_c
+    return d_hidden, dw if need_weight else None, db
+
+
+def _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device):
+    """Yield (h_off, v_off, l_off, ids, first token, end token, logits, sequences) per chunk."""
+    from ..._utils import to_device
+
+    batch = h_off.shape[0] - 1
+    shared = v_off is None
+    if host_h_off is None or (not shared and host_v_off is None):
+        if total:
+            yield h_off, v_off, l_off, ids, 0, None, total, batch
+        return
 
     def v_len(b):
         return ids.shape[0] if shared else host_v_off[b + 1] - host_v_off[b]
@@ -532,42 +569,27 @@ def cross_entropy_backward(token_weight, hidden, host_h_off, weight, bias, ids, 
     start = 0
     while start < batch:
         stop, size = start, 0
-        while stop < batch and (stop == start or size + (host_h_off[stop + 1] - host_h_off[stop]) * v_len(stop)
-                                <= chunk_elems):
-            size += (host_h_off[stop + 1] - host_h_off[stop]) * v_len(stop)
+        while stop < batch:
+            extra = (host_h_off[stop + 1] - host_h_off[stop]) * v_len(stop)
+            if stop > start and size + extra > chunk_elems:
+                break
+            size += extra
             stop += 1
         t_lo, t_hi = host_h_off[start], host_h_off[stop]
         if size and t_hi > t_lo:
-            h_rel = [o - t_lo for o in host_h_off[start:stop + 1]]
-            l_rel = [0]
-            for b in range(start, stop):
-                l_rel.append(l_rel[-1] + (host_h_off[b + 1] - host_h_off[b]) * v_len(b))
-            from ..._utils import to_device
-
-            h_off_c = to_device(h_rel, torch.int32, device)
-            l_off_c = to_device(l_rel, torch.int64, device)
-            if shared:
-                ids_c, v_off_c, shared_v = ids, None, ids.shape[0]
+            if start == 0 and stop == batch:
+                yield h_off, v_off, l_off, ids, t_lo, t_hi, size, batch
             else:
-                v_lo = host_v_off[start]
-                ids_c = ids[v_lo:host_v_off[stop]]
-                v_off_c = to_device([o - v_lo for o in host_v_off[start:stop + 1]], torch.int32, device)
-                shared_v = 0
-            hid_c = hidden[t_lo:t_hi]
-            g = torch.empty(size, dtype=hidden.dtype, device=device)
-            n = stop - start
-            work, inline, chunk, n_steps = _worklist(h_off_c, v_off_c, shared_v, n, bm, bn, True, True)
-            n_cand = ids_c.shape[0] * (n if shared else 1)
-            grid = (size // (bm * bn) + (t_hi - t_lo) // bm + n_cand // bn + 2 * n + 1,)
-            _ce_grad_kernel[grid](
-                hid_c, weight, bias if bias is not None else hidden, ids_c, target_local[t_lo:t_hi],
-                lse[t_lo:t_hi], token_weight[t_lo:t_hi], g, h_off_c, v_off_c if v_off_c is not None else h_off_c,
-                l_off_c, work, n, shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), float(smoothing),
-                HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
-            dh_c, _, _ = backward(g, hid_c, h_off_c, weight, ids_c, v_off_c, l_off_c, max_t, max_v,
-                                  need_hidden, need_weight, need_bias, deterministic, dw_out=dw, db_out=db)
-            if need_hidden:
-                d_hidden[t_lo:t_hi] = dh_c
+                l_rel = [0]
+                for b in range(start, stop):
+                    l_rel.append(l_rel[-1] + (host_h_off[b + 1] - host_h_off[b]) * v_len(b))
+                c_h_off = to_device([o - t_lo for o in host_h_off[start:stop + 1]], torch.int32, device)
+                c_l_off = to_device(l_rel, torch.int64, device)
+                if shared:
+                    c_ids, c_v_off = ids, None
+                else:
+                    v_lo = host_v_off[start]
+                    c_ids = ids[v_lo:host_v_off[stop]]
+                    c_v_off = to_device([o - v_lo for o in host_v_off[start:stop + 1]], torch.int32, device)
+                yield c_h_off, c_v_off, c_l_off, c_ids, t_lo, t_hi, size, stop - start
         start = stop
-    return d_hidden, dw if need_weight else None, db

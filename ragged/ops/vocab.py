@@ -1,0 +1,767 @@
+"""Projection onto per-sequence candidate vocabularies (varying-vocabulary output layer).
+
+Each sequence ``b`` of a batch scores its tokens only against its own candidate ids
+(vocabulary selection, per-request allowed tokens, short-lists): with ``hidden [T, d]``,
+``weight [V, d]`` (``nn.Linear`` / tied-embedding layout) and ``bias [V]``, sequence ``b``
+gets the ``[T_b, V_b]`` block ``hidden_b @ weight[ids_b].T + bias[ids_b]`` and nothing
+else is computed. The blocks are stored flat, row-major per sequence (the layout of
+:mod:`ragged.logits`)::
+
+    l_off[b] = sum_{j<b} T_j * V_j        (int64 [B+1] on the device)
+    logits[l_off[b] + t * V_b + c]      = token t of sequence b against candidate c
+
+``vocab`` is a :class:`RaggedTensor` of int32/int64 ids (sequence ``b``'s sorted, unique
+candidates, offsets ``v_off``) or a 1-D id tensor shared by the whole batch (then every
+``V_b = S`` and ``v_off`` is None).
+
+Implementations (:mod:`ragged.backends`): ``"torch"``
+(:func:`reference_vocab_projection`: one gather of the candidate rows of ``weight`` and
+one GEMM per sequence, float32 accumulation; the CPU path and the tests' oracle) and
+``"triton"`` (:mod:`ragged.kernels.triton.vocab`: a segmented GEMM reading the weight
+rows through the id lists). ``"auto"`` takes Triton on CUDA tensors.
+
+Host syncs: none on the hot path when the RaggedTensors carry host offsets (built from
+host lengths or lists) or the vocabulary is shared; otherwise the offsets are read once
+(and cached on the RaggedTensors) to size the output. ``validate=True`` adds one read
+(ids sorted, unique per sequence, in ``[0, V)``); without it the ids are trusted, and an
+id outside ``[0, V)`` reads outside ``weight``. ``vocab_cross_entropy`` with
+``out_of_vocab="error"`` (the default) reads one flag to raise on a target that is not
+among its sequence's candidates.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import backends
+from .._utils import check_tensor, describe, eager
+from ..logits import RaggedLogits, compute_dtype, layout_coords, segmented_cross_entropy
+from ..tensor import RaggedTensor
+
+ID_DTYPES = (torch.int32, torch.int64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_MODULE = "ragged.kernels.triton.vocab"
+REDUCTIONS = ("mean", "sum", "none")
+OUT_OF_VOCAB = ("error", "ignore")
+
+# --------------------------------------------------------------------------------------
+# Reference
+
+
+def _host(offsets: torch.Tensor) -> list[int]:
+    return offsets.detach().to("cpu", torch.int64).tolist()
+
+
+def _segments(tokens: int, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None):
+    """(first token, end token, first candidate, end candidate, first logit) per block."""
+    if v_off is None:  # one [T, S] block: l_off[b] = h_off[b] * S, so the rows follow each other
+        return [(0, tokens, 0, ids.shape[0], 0)]
+    ho, vo = _host(h_off), _host(v_off)
+    out, start = [], 0
+    for b in range(len(ho) - 1):
+        out.append((ho[b], ho[b + 1], vo[b], vo[b + 1], start))
+        start += (ho[b + 1] - ho[b]) * (vo[b + 1] - vo[b])
+    return out
+
+
+def _rows(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, buf: torch.Tensor | None) -> torch.Tensor:
+    """``src[index]`` in ``dtype``; gathered into ``buf`` (no allocation) when the dtypes allow."""
+    if buf is not None and src.dtype == dtype:
+        return torch.index_select(src, 0, index, out=buf[:index.shape[0]])
+    return src.index_select(0, index).to(dtype)
+
+
+def reference_vocab_projection(hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None, ids: torch.Tensor,
+                               v_off: torch.Tensor | None) -> torch.Tensor:
+    """Flat logits (see the module docstring) in float32 accumulation, returned in hidden's dtype.
+
+    ``hidden [T, d]``, ``h_off [B+1]``, ``weight [V, d]``, ``bias [V]`` or None, ``ids``
+    int32/int64 and ``v_off [B+1]`` (None: ``ids`` is shared by every sequence). Per
+    sequence one gather of ``weight[ids_b]`` (only the candidates' rows are touched)
+    and one GEMM; a shared vocabulary is one gather and one GEMM for the batch.
+    Differentiable through torch autograd. Reads the offsets on the host (one sync on
+    CUDA, none for a shared vocabulary): this is the oracle and the CPU path, not the
+    GPU hot path.
+    """
+    dtype = compute_dtype(hidden.dtype)
+    ids64 = ids.to(torch.int64)
+    segments = _segments(hidden.shape[0], h_off, ids, v_off)
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))
+    if not grads:
+        return _reference_into_buffers(hidden, weight, bias, ids64, segments, dtype)
+    blocks = []
+    for t0, t1, v0, v1, _ in segments:
+        cand = ids64[v0:v1]
+        h = hidden[t0:t1].to(dtype)
+        w = weight.index_select(0, cand).to(dtype)
+        if bias is None:
+            block = torch.mm(h, w.t())
+        else:
+            block = torch.addmm(bias.index_select(0, cand).to(dtype), h, w.t())
+        blocks.append(block.reshape(-1))
+    if not blocks:  # B = 0: an empty result that is still part of the autograd graph
+        return (hidden.reshape(-1)[:0] * 0).to(hidden.dtype)
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return out.to(hidden.dtype)
+
+
+def _reference_into_buffers(hidden, weight, bias, ids64, segments, dtype):
+    """The forward without autograd: one output allocation, the GEMMs write their blocks in
+    place and the candidate rows of every sequence are gathered into one reused buffer
+    (fresh multi-megabyte allocations per sequence cost page faults on CPU)."""
+    total = sum((t1 - t0) * (v1 - v0) for t0, t1, v0, v1, _ in segments)
+    out = torch.empty(total, dtype=dtype, device=hidden.device)
+    width = max((v1 - v0 for _, _, v0, v1, _ in segments), default=0)
+    w_buf = torch.empty((width, weight.shape[1]), dtype=dtype, device=weight.device)
+    b_buf = torch.empty(width, dtype=dtype, device=weight.device) if bias is not None else None
+    for t0, t1, v0, v1, l0 in segments:
+        rows, cols = t1 - t0, v1 - v0
+        if rows == 0 or cols == 0:
+            continue
+        cand = ids64[v0:v1]
+        w = _rows(weight, cand, dtype, w_buf)
+        block = out[l0:l0 + rows * cols].view(rows, cols)
+        h = hidden[t0:t1].to(dtype)
+        if bias is None:
+            torch.mm(h, w.t(), out=block)
+        else:
+            torch.addmm(_rows(bias, cand, dtype, b_buf), h, w.t(), out=block)
+    return out.to(hidden.dtype)
+
+
+def reference_vocab_projection_backward(grad: torch.Tensor, hidden: torch.Tensor, h_off: torch.Tensor,
+                                        weight: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None,
+                                        need_hidden: bool = True, need_weight: bool = True,
+                                        need_bias: bool = True):
+    """Gradients of :func:`reference_vocab_projection` for the flat ``grad``, written out.
+
+    With ``g_b`` sequence b's ``[T_b, V_b]`` block of ``grad``: ``d_hidden_b = g_b @ W[ids_b]``,
+    ``d_weight[ids_b] += g_b.T @ hidden_b``, ``d_bias[ids_b] += g_b.sum(0)`` (rows of ids no
+    sequence lists stay 0; an id listed by several sequences sums their contributions).
+    Accumulated in float32 (float64 for float64), returned in the inputs' dtypes;
+    ``(d_hidden, d_weight, d_bias)`` with None for each one not asked for. Explicit
+    formulas rather than autograd: this also runs inside the
+    ``ragged::vocab_projection_backward`` op, where autograd is off.
+    """
+    dtype = compute_dtype(hidden.dtype)
+    ids64 = ids.to(torch.int64)
+    g = grad.to(dtype)
+    d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
+    d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+    d_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias else None
+    segments = _segments(hidden.shape[0], h_off, ids, v_off)
+    width = max((v1 - v0 for _, _, v0, v1, _ in segments), default=0) if need_hidden else 0
+    w_buf = torch.empty((width, weight.shape[1]), dtype=dtype, device=weight.device)
+    for t0, t1, v0, v1, l0 in segments:
+        rows, cols = t1 - t0, v1 - v0
+        if rows == 0 or cols == 0:
+            continue
+        gb = g[l0:l0 + rows * cols].view(rows, cols)
+        cand = ids64[v0:v1]
+        if need_hidden:
+            torch.mm(gb, _rows(weight, cand, dtype, w_buf), out=d_hidden[t0:t1])
+        if need_weight:
+            d_weight.index_add_(0, cand, gb.t() @ hidden[t0:t1].to(dtype))
+        if need_bias:
+            d_bias.index_add_(0, cand, gb.sum(0))
+    return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None if d_bias is None else d_bias.to(weight.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Backends
+
+
+def _triton_reasons(hidden, h_off, weight, bias, ids, v_off, *_) -> list[str]:
+    reasons = []
+    r = backends.triton_reason(hidden.device)
+    if r:
+        reasons.append(r)
+    if hidden.dtype not in _KERNEL_DTYPES:
+        reasons.append(f"triton vocab_projection takes float16, bfloat16 and float32, got {hidden.dtype}")
+    if backends._import_error("triton") is None:
+        err = backends._import_error(_KERNEL_MODULE)
+        if err:
+            reasons.append(f"the Triton vocab kernels are unavailable ({err})")
+    return reasons
+
+
+def _no_reasons(*_) -> list[str]:
+    return []
+
+
+def _reference_forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v):
+    with torch.no_grad():
+        return reference_vocab_projection(hidden, h_off, weight, bias, ids, v_off)
+
+
+def _reference_backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight,
+                        need_bias, deterministic):
+    return reference_vocab_projection_backward(grad, hidden, h_off, weight, ids, v_off, need_hidden, need_weight,
+                                               need_bias)
+
+
+def _triton_forward(*args):
+    from ..kernels.triton.vocab import forward
+
+    return forward(*args)
+
+
+def _triton_backward(*args):
+    from ..kernels.triton.vocab import backward
+
+    return backward(*args)
+
+
+backends.register("vocab_projection", "torch", (_reference_forward, _reference_backward), _no_reasons)
+backends.register("vocab_projection", "triton", (_triton_forward, _triton_backward), _triton_reasons)
+backends.set_auto_order("vocab_projection", ("triton", "torch"))
+
+
+def _impl(name: str):
+    return backends._OPS["vocab_projection"].impls[name].fn
+
+
+# --------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("ragged::vocab_projection", mutates_args=())
+def _projection_op(hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   ids: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, shared: bool, total: int,
+                   max_t: int, max_v: int, backend: str) -> torch.Tensor:
+    return _impl(backend)[0](hidden, h_off, weight, bias, ids, None if shared else v_off, l_off, total, max_t,
+                             max_v)
+
+
+@_projection_op.register_fake
+def _projection_fake(hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v, backend):
+    return hidden.new_empty((total,))
+
+
+@torch.library.custom_op("ragged::vocab_projection_backward", mutates_args=())
+def _projection_backward_op(grad: torch.Tensor, hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor,
+                            ids: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, shared: bool,
+                            max_t: int, max_v: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                            deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dh, dw, db = _impl(backend)[1](grad, hidden, h_off, weight, ids, None if shared else v_off, l_off, max_t, max_v,
+                                   need_hidden, need_weight, need_bias, deterministic)
+    # An op returns tensors only: a gradient not asked for is an empty tensor.
+    return (hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw,
+            weight.new_empty(0) if db is None else db)
+
+
+@_projection_backward_op.register_fake
+def _projection_backward_fake(grad, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, need_hidden,
+                              need_weight, need_bias, deterministic, backend):
+    return (hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0))
+
+
+def _save(ctx, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, backend):
+    ctx.save_for_backward(hidden, h_off, weight, ids, v_off, l_off)
+    ctx.args = (shared, max_t, max_v, backend)
+
+
+def _setup(ctx, inputs, output):
+    hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v, backend = inputs
+    _save(ctx, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, backend)
+
+
+def _backward(ctx, grad):
+    hidden, h_off, weight, ids, v_off, l_off = ctx.saved_tensors
+    shared, max_t, max_v, backend = ctx.args
+    need = ctx.needs_input_grad
+    dh, dw, db = _call_backward(grad.contiguous(), hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v,
+                                bool(need[0]), bool(need[2]), bool(need[3]),
+                                torch.are_deterministic_algorithms_enabled(), backend)
+    return dh, None, dw, db, None, None, None, None, None, None, None, None
+
+
+_projection_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _ProjectionFunction(torch.autograd.Function):
+    """Eager path: the same forward/backward without the torch.library dispatcher."""
+
+    @staticmethod
+    def forward(ctx, hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v, backend):
+        out = _impl(backend)[0](hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+        _save(ctx, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, backend)
+        return out
+
+    backward = staticmethod(_backward)
+
+
+def _present(*tensors):
+    return [t for t in tensors if t is not None]
+
+
+def _call_forward(hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v, backend):
+    if eager(*_present(hidden, h_off, weight, bias, ids, v_off, l_off)):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _ProjectionFunction.apply(hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t,
+                                             max_v, backend)
+        return _impl(backend)[0](hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+    return _projection_op(hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v, backend)
+
+
+def _call_backward(grad, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, need_hidden, need_weight,
+                   need_bias, deterministic, backend):
+    if eager(*_present(grad, hidden, h_off, weight, ids, v_off, l_off)):
+        return _impl(backend)[1](grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden,
+                                 need_weight, need_bias, deterministic)
+    dh, dw, db = _projection_backward_op(grad, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v,
+                                         need_hidden, need_weight, need_bias, deterministic, backend)
+    return dh if need_hidden else None, dw if need_weight else None, db if need_bias else None
+
+
+# --------------------------------------------------------------------------------------
+# Cross-entropy over each token's candidates: an op of its own, so that a fused kernel
+# (logits never stored) can take the place of an implementation. Each implementation is
+# ``fn(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target,
+# label_smoothing) -> [T]`` per-token losses (float32; float64 for float64 inputs; 0 where
+# ``target < 0``), differentiable in hidden, weight and bias; ``target`` holds each
+# token's *local* candidate index. For now both compute the logits with the projection
+# of the same backend, then a segmented log-softmax in torch.
+
+
+def _cross_entropy_via(projection_backend: str):
+    def run(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, label_smoothing):
+        shared = v_off is None
+        values = _call_forward(hidden, h_off, weight, bias, ids, v_off, l_off, shared, total, max_t, max_v,
+                               projection_backend)
+        coords = None if shared else layout_coords(h_off, v_off, l_off, ids.shape[0], hidden.shape[0], total)
+        return segmented_cross_entropy(values, hidden.shape[0], coords, ids.shape[0] if shared else None, target,
+                                       label_smoothing)
+
+    run.__name__ = f"vocab_cross_entropy_{projection_backend}"
+    return run
+
+
+# The Triton implementation is fused (ragged.kernels.triton.vocab): the forward streams over
+# each token's candidates with an online logsumexp and stores no logits; the backward
+# recomputes the logits' gradient in chunks of at most CE_CHUNK elements.
+
+
+@torch.library.custom_op("ragged::vocab_cross_entropy_fused", mutates_args=())
+def _ce_fused_op(hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 ids: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, target: torch.Tensor,
+                 smoothing: float, total: int, max_t: int, max_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..kernels.triton.vocab import cross_entropy_forward
+
+    return cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v)
+
+
+@_ce_fused_op.register_fake
+def _ce_fused_fake(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, total, max_t, max_v):
+    tokens = hidden.shape[0]
+    return hidden.new_empty((tokens,), dtype=torch.float32), hidden.new_empty((tokens,), dtype=torch.float32)
+
+
+@torch.library.custom_op("ragged::vocab_cross_entropy_fused_backward", mutates_args=())
+def _ce_fused_backward_op(grad: torch.Tensor, hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None, ids: torch.Tensor, v_off: torch.Tensor | None,
+                          l_off: torch.Tensor, total: int, target: torch.Tensor, lse: torch.Tensor, smoothing: float,
+                          max_t: int, max_v: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..kernels.triton.vocab import cross_entropy_backward
+
+    dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target, lse,
+                                        smoothing, max_t, max_v, need_hidden, need_weight, need_bias, deterministic)
+    return (hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw,
+            weight.new_empty(0) if db is None else db)
+
+
+@_ce_fused_backward_op.register_fake
+def _ce_fused_backward_fake(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target, lse, smoothing,
+                            max_t, max_v, need_hidden, need_weight, need_bias, deterministic):
+    return (hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0))
+
+
+def _ce_setup(ctx, inputs, output):
+    hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, total, max_t, max_v = inputs
+    ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, target, output[1])
+    ctx.args = (smoothing, max_t, max_v, None, None, total)
+
+
+def _ce_backward(ctx, grad, _grad_lse):
+    hidden, h_off, weight, bias, ids, v_off, l_off, target, lse = ctx.saved_tensors
+    smoothing, max_t, max_v, host_h, host_v, total = ctx.args
+    need = ctx.needs_input_grad
+    need_h, need_w, need_b = bool(need[0]), bool(need[2]), bool(bias is not None and need[3])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    grad = grad.contiguous()
+    if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, target, lse)):
+        from ..kernels.triton.vocab import cross_entropy_backward
+
+        dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target,
+                                            lse, smoothing, max_t, max_v, need_h, need_w, need_b, deterministic,
+                                            host_h_off=host_h, host_v_off=host_v)
+    else:
+        dh, dw, db = _ce_fused_backward_op(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target, lse,
+                                           smoothing, max_t, max_v, need_h, need_w, need_b, deterministic)
+    return (dh if need_h else None, None, dw if need_w else None, db if need_b else None,
+            None, None, None, None, None, None, None, None)
+
+
+_ce_fused_op.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Eager path of the fused cross-entropy (keeps the host offsets for chunking)."""
+
+    @staticmethod
+    def forward(ctx, hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v, host):
+        from ..kernels.triton.vocab import cross_entropy_forward
+
+        loss, lse = cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t,
+                                          max_v)
+        ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, target, lse)
+        host_h, host_v, total = host
+        ctx.args = (smoothing, max_t, max_v, host_h, host_v, total)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse):
+        return _ce_backward(ctx, grad, grad_lse)[:-1] + (None,)
+
+
+def _fused_cross_entropy(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target,
+                         label_smoothing, host_h=None, host_v=None):
+    target = target.to(torch.int32)
+    if eager(*_present(hidden, h_off, weight, bias, ids, v_off, l_off, target)):
+        loss, _ = _FusedCrossEntropy.apply(hidden, h_off, weight, bias, ids, v_off, l_off, target,
+                                           float(label_smoothing), max_t, max_v, (host_h, host_v, total))
+        return loss
+    return _ce_fused_op(hidden, h_off, weight, bias, ids, v_off, l_off, target, float(label_smoothing), total,
+                        max_t, max_v)[0]
+
+
+backends.register("vocab_cross_entropy", "torch", _cross_entropy_via("torch"), _no_reasons)
+backends.register("vocab_cross_entropy", "triton", _fused_cross_entropy, _triton_reasons)
+backends.set_auto_order("vocab_cross_entropy", ("triton", "torch"))
+
+
+# --------------------------------------------------------------------------------------
+# Argument checks and the layout
+
+
+class _Layout(NamedTuple):
+    hidden: torch.Tensor             # [T, d]
+    h_off: torch.Tensor              # [B+1]
+    weight: torch.Tensor             # [V, d]
+    bias: torch.Tensor | None        # [V]
+    ids: torch.Tensor                # [S]
+    v_off: torch.Tensor | None       # [B+1]; None: shared
+    l_off: torch.Tensor              # int64 [B+1]
+    total: int
+    max_t: int
+    max_v: int
+    host_h: tuple[int, ...] | None
+    host_v: tuple[int, ...] | None
+
+    def args(self) -> tuple:
+        """Arguments of the implementations' forward (and of their reasons functions)."""
+        return (self.hidden, self.h_off, self.weight, self.bias, self.ids, self.v_off, self.l_off, self.total,
+                self.max_t, self.max_v)
+
+
+def _check_ids_dtype(fn: str, name: str, ids: torch.Tensor) -> None:
+    if ids.dtype not in ID_DTYPES:
+        raise TypeError(f"{fn}(): expected {name} of dtype torch.int32 or torch.int64, got {ids.dtype}")
+
+
+def _prepare(fn: str, hidden, weight, vocab, bias, validate) -> _Layout:
+    if not isinstance(hidden, RaggedTensor):
+        raise TypeError(f"{fn}(): expected hidden to be a RaggedTensor with values [T, d], got {describe(hidden)}")
+    h = hidden.values
+    if h.dim() != 2:
+        raise ValueError(f"{fn}(): expected hidden.values of shape [T, d], got {tuple(h.shape)}")
+    if not h.dtype.is_floating_point:
+        raise TypeError(f"{fn}(): expected floating-point hidden.values, got {h.dtype}")
+    check_tensor(fn, "weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"{fn}(): expected weight of shape [V, {h.shape[1]}] (d = hidden.values.shape[1]), "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != h.dtype:
+        raise TypeError(f"{fn}(): expected weight of dtype {h.dtype} (that of hidden), got {weight.dtype}")
+    if weight.device != h.device:
+        raise ValueError(f"{fn}(): expected weight on {h.device} (the device of hidden), got {weight.device}")
+    vocab_size = weight.shape[0]
+    if bias is not None:
+        check_tensor(fn, "bias", bias)
+        if tuple(bias.shape) != (vocab_size,):
+            raise ValueError(f"{fn}(): expected bias of shape [{vocab_size}] (weight.shape[0]) or None, "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != h.dtype:
+            raise TypeError(f"{fn}(): expected bias of dtype {h.dtype} (that of hidden), got {bias.dtype}")
+        if bias.device != h.device:
+            raise ValueError(f"{fn}(): expected bias on {h.device} (the device of hidden), got {bias.device}")
+    if isinstance(vocab, RaggedTensor):
+        ids, v_off, name = vocab.values, vocab.offsets, "vocab.values"
+        if ids.dim() != 1:
+            raise ValueError(f"{fn}(): expected vocab.values to be 1-D ids [sum V_b], got {tuple(ids.shape)}")
+        if vocab.batch_size != hidden.batch_size:
+            raise ValueError(f"{fn}(): expected vocab with the batch size of hidden ({hidden.batch_size}), "
+                             f"got {vocab.batch_size} sequences")
+    elif isinstance(vocab, torch.Tensor):
+        ids, v_off, name = vocab, None, "vocab"
+        if ids.dim() != 1:
+            raise ValueError(f"{fn}(): expected vocab to be a RaggedTensor of ids or a 1-D id tensor shared by the "
+                             f"batch, got a tensor of shape {tuple(ids.shape)}")
+    else:
+        raise TypeError(f"{fn}(): expected vocab to be a RaggedTensor of ids or a 1-D id tensor, "
+                        f"got {describe(vocab)}")
+    _check_ids_dtype(fn, name, ids)
+    if ids.device != h.device:
+        raise ValueError(f"{fn}(): expected {name} on {h.device} (the device of hidden), got {ids.device}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"{fn}(): expected validate to be a bool, got {describe(validate)}")
+    if validate:
+        _validate_ids(fn, name, ids, v_off, vocab_size)
+
+    h_off = hidden.offsets
+    tokens = h.shape[0]
+    if v_off is None:
+        size = ids.shape[0]
+        l_off = h_off.to(torch.int64) * size
+        return _Layout(h, h_off, weight, bias, ids, None, l_off, tokens * size, hidden.max_len, size,
+                       hidden._host_offsets, None)
+    host_h, host_v = _host_offsets(hidden, vocab)
+    total = 0
+    for b in range(len(host_h) - 1):
+        total += (host_h[b + 1] - host_h[b]) * (host_v[b + 1] - host_v[b])
+    counts = (h_off[1:] - h_off[:-1]).to(torch.int64) * (v_off[1:] - v_off[:-1]).to(torch.int64)
+    l_off = torch.cat([torch.zeros(1, dtype=torch.int64, device=h.device), torch.cumsum(counts, 0)])
+    return _Layout(h, h_off, weight, bias, ids, v_off, l_off, total, hidden.max_len, vocab.max_len, host_h, host_v)
+
+
+def _host_offsets(hidden: RaggedTensor, vocab: RaggedTensor):
+    """Both host offsets; when neither RaggedTensor has them, one read fetches both (cached)."""
+    if hidden._host_offsets is None and vocab._host_offsets is None:
+        both = _host(torch.cat([hidden.offsets.to(torch.int64), vocab.offsets.to(torch.int64)]))
+        split = hidden.offsets.shape[0]
+        hidden._host_offsets, vocab._host_offsets = tuple(both[:split]), tuple(both[split:])
+    return hidden.host_offsets(), vocab.host_offsets()
+
+
+def _validate_ids(fn: str, name: str, ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int) -> None:
+    """Ids sorted, unique within each sequence and in ``[0, vocab_size)``: one read."""
+    n = ids.shape[0]
+    if n == 0:
+        return
+    x = ids.to(torch.int64)
+    device = x.device
+    if v_off is None:
+        seq = torch.zeros(n, dtype=torch.int64, device=device)
+    else:
+        v = v_off.to(torch.int64)
+        seq = torch.repeat_interleave(torch.arange(v.shape[0] - 1, device=device), v[1:] - v[:-1], output_size=n)
+    last = torch.zeros(1, dtype=torch.bool, device=device)
+    same = seq[1:] == seq[:-1]
+    step = x[1:] - x[:-1]
+    out_of_range = (x < 0) | (x >= vocab_size)
+    unsorted = torch.cat([same & (step < 0), last])
+    repeated = torch.cat([same & (step == 0), last])
+    firsts = [m.to(torch.int32).argmax().to(torch.int64) for m in (out_of_range, unsorted, repeated)]
+    after = [(i + 1).clamp(max=n - 1) for i in firsts]
+    stats = torch.stack([out_of_range.any().to(torch.int64), unsorted.any().to(torch.int64),
+                         repeated.any().to(torch.int64)]
+                        + [t for i, j in zip(firsts, after) for t in (i, x[i], x[j], seq[i])]).tolist()
+    bad_range, bad_order, bad_repeat = stats[:3]
+    (ri, rx, _, rb), (ui, ux, uy, ub), (di, dx, _, db) = (stats[3 + 4 * k:7 + 4 * k] for k in range(3))
+    where = "" if v_off is None else " of sequence {}"
+    if bad_range:
+        raise ValueError(f"{fn}(): expected {name} in [0, {vocab_size}) (weight.shape[0]), got {rx} at position "
+                         f"{ri}" + where.format(rb))
+    if bad_order:
+        raise ValueError(f"{fn}(): expected {name} sorted in increasing order within each sequence, got {ux} "
+                         f"before {uy} at positions {ui}, {ui + 1}" + where.format(ub))
+    if bad_repeat:
+        raise ValueError(f"{fn}(): expected {name} unique within each sequence, got {dx} twice at positions {di}, "
+                         f"{di + 1}" + where.format(db))
+
+
+def _check_backend_name(fn: str, backend) -> None:
+    if backend is not None:
+        backends._check_name(fn, backend)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+
+
+def vocab_projection(hidden: RaggedTensor, weight: torch.Tensor, vocab, bias: torch.Tensor | None = None, *,
+                     validate: bool = False, backend: str | None = None) -> RaggedLogits:
+    """Logits of every token against its own sequence's candidate ids only.
+
+    * ``hidden``: RaggedTensor, ``values [T, d]`` (float16, bfloat16, float32, float64);
+    * ``weight``: ``[V, d]`` (``nn.Linear`` / tied-embedding layout), hidden's dtype;
+    * ``vocab``: RaggedTensor of int32/int64 ids, sequence ``b``'s sorted unique candidates
+      (batch size of hidden), or a 1-D id tensor shared by the whole batch;
+    * ``bias``: ``[V]`` or None.
+
+    Returns a :class:`ragged.RaggedLogits` (flat ``values [sum_b T_b * V_b]`` in hidden's
+    dtype, accumulated in float32; ``to_padded``, ``to_full``, ``argmax``, ``topk``,
+    ``log_softmax``). Differentiable in hidden, weight and bias; rows of ``weight`` that
+    no sequence lists get a zero gradient.
+
+    ``validate=True`` checks the ids (sorted and unique within each sequence, in
+    ``[0, V)``) at the cost of one device read; the default trusts them, so the hot
+    path never waits for the device (see the module docstring for the other reads).
+    """
+    fn = "ragged.vocab_projection"
+    _check_backend_name(fn, backend)
+    layout = _prepare(fn, hidden, weight, vocab, bias, validate)
+    impl = backends.select("vocab_projection", backend, layout.hidden.device, *layout.args(), fn=fn)
+    values = _call_forward(layout.hidden, layout.h_off, weight, bias, layout.ids, layout.v_off, layout.l_off,
+                           layout.v_off is None, layout.total, layout.max_t, layout.max_v, impl.name)
+    return RaggedLogits(values, layout.h_off, layout.hidden.shape[0], layout.max_t, layout.ids, layout.v_off,
+                        layout.max_v, layout.l_off, weight.shape[0], layout.host_h, layout.host_v)
+
+
+def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index: int,
+                   out_of_vocab: str) -> torch.Tensor:
+    """``[T]`` int64: each token's target as an index into its sequence's candidates, -1 for
+    a token that is ignored (``ignore_index``, or outside the candidates with ``"ignore"``)."""
+    tokens = target.shape[0]
+    device = target.device
+    vocab_size = layout.weight.shape[0]
+    tgt = target.to(torch.int64)
+    ids = layout.ids.to(torch.int64)
+    n = ids.shape[0]
+    h_off = layout.h_off.to(torch.int64)
+    batch = h_off.shape[0] - 1
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), h_off[1:] - h_off[:-1], output_size=tokens)
+    in_range = (tgt >= 0) & (tgt < vocab_size)
+    if n == 0:
+        local = torch.zeros_like(tgt)
+        found = torch.zeros_like(in_range)
+    elif layout.v_off is None:
+        local = torch.searchsorted(ids, tgt)
+        found = in_range & (ids[local.clamp(max=n - 1)] == tgt)
+    else:
+        # Keys b * V + id are sorted when each sequence's ids are: one search for the batch.
+        v = layout.v_off.to(torch.int64)
+        owner = torch.repeat_interleave(torch.arange(batch, device=device), v[1:] - v[:-1], output_size=n)
+        keys = owner * vocab_size + ids
+        query = seq * vocab_size + tgt
+        pos = torch.searchsorted(keys, query)
+        found = in_range & (keys[pos.clamp(max=n - 1)] == query)
+        local = pos - v[:-1][seq]
+    ignored = tgt == ignore_index
+    if out_of_vocab == "error" and tokens > 0:
+        bad = ~(found | ignored)
+        hint = "pass out_of_vocab='ignore' to skip such tokens"
+        if torch.compiler.is_compiling():
+            torch._assert_async(~bad.any(), f"{fn}(): a target is not among its sequence's candidate ids; {hint}")
+        else:
+            first = bad.to(torch.int32).argmax().to(torch.int64)
+            count, t, tid, b = torch.stack([bad.sum(), first, tgt[first], seq[first]]).tolist()
+            if count:
+                raise ValueError(f"{fn}(): expected every target to be one of its sequence's candidate ids (or "
+                                 f"ignore_index = {ignore_index}), got {count} token(s) outside them, the first "
+                                 f"token {t} (sequence {b}) with target {tid}; {hint}")
+    keep = found & ~ignored
+    return torch.where(keep, local, torch.full_like(local, -1))
+
+
+def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, target, bias: torch.Tensor | None = None,
+                        *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                        out_of_vocab: str = "error", validate: bool = False,
+                        backend: str | None = None) -> torch.Tensor:
+    """Cross-entropy of each token's target over its own sequence's candidates.
+
+    Arguments as :func:`vocab_projection`, plus ``target``: ``[T]`` int64/int32 *global*
+    vocabulary ids (a tensor, or a RaggedTensor with hidden's tokens). It equals
+    ``F.cross_entropy`` on each sequence's ``[T_b, V_b]`` logits with the target mapped to
+    its position in the sequence's candidates, with the same ``ignore_index``,
+    ``reduction`` (``"mean"`` over the tokens not ignored, ``"sum"``, ``"none"`` ->
+    ``[T]`` with 0 at ignored tokens) and ``label_smoothing`` (spread over the token's
+    candidates). Returned in hidden's dtype (computed in float32).
+
+    ``out_of_vocab``: what a target outside its sequence's candidates means.
+    ``"error"`` (default) raises ``ValueError`` naming the first such token, which costs one
+    device read (under ``torch.compile`` a device-side assert instead, raising
+    ``RuntimeError``); ``"ignore"`` treats such tokens like ``ignore_index`` (no read).
+    Targets are located with a binary search, so each sequence's ids must be sorted
+    (``validate=True`` checks them).
+    """
+    fn = "ragged.vocab_cross_entropy"
+    _check_backend_name(fn, backend)
+    layout = _prepare(fn, hidden, weight, vocab, bias, validate)
+    tokens = layout.hidden.shape[0]
+    if isinstance(target, RaggedTensor):
+        if target.values.dim() != 1 or target.num_tokens != tokens:
+            raise ValueError(f"{fn}(): expected target with values of shape [{tokens}] (the tokens of hidden), "
+                             f"got {tuple(target.values.shape)}")
+        target = target.values
+    check_tensor(fn, "target", target)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{fn}(): expected target of dtype torch.int64 or torch.int32, got {target.dtype}")
+    if tuple(target.shape) != (tokens,):
+        raise ValueError(f"{fn}(): expected target of shape [{tokens}] (the tokens of hidden), "
+                         f"got {tuple(target.shape)}")
+    if target.device != layout.hidden.device:
+        raise ValueError(f"{fn}(): expected target on {layout.hidden.device} (the device of hidden), "
+                         f"got {target.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{fn}(): expected ignore_index to be an int, got {describe(ignore_index)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}(): expected reduction to be one of {REDUCTIONS}, got {reduction!r}")
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
+            or not 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"{fn}(): expected label_smoothing in [0, 1], got {describe(label_smoothing)}")
+    if out_of_vocab not in OUT_OF_VOCAB:
+        raise ValueError(f"{fn}(): expected out_of_vocab to be one of {OUT_OF_VOCAB}, got {out_of_vocab!r}")
+    local = _local_targets(fn, layout, target, ignore_index, out_of_vocab)
+    impl = backends.select("vocab_cross_entropy", backend, layout.hidden.device, *layout.args(), fn=fn)
+    if impl.name == "triton":
+        losses = impl.fn(*layout.args(), local, float(label_smoothing), layout.host_h, layout.host_v)
+    else:
+        losses = impl.fn(*layout.args(), local, float(label_smoothing))
+    dtype = layout.hidden.dtype
+    if reduction == "none":
+        return losses.to(dtype)
+    if reduction == "sum":
+        return losses.sum().to(dtype)
+    return (losses.sum() / (local >= 0).sum()).to(dtype)
+
+
+def union_vocab(vocab) -> torch.Tensor:
+    """One sorted 1-D tensor of every id any sequence lists (their union).
+
+    ``vocab``: a RaggedTensor of ids, a 1-D id tensor, or a list of 1-D id tensors.
+    Projecting onto the union as a shared vocabulary (every token scored against the
+    batch's candidates, as Marian's vocabulary short-lists do) trades some extra logits
+    for one dense GEMM. ``torch.unique`` sizes its output on the host: one sync on CUDA.
+    """
+    fn = "ragged.union_vocab"
+    if isinstance(vocab, RaggedTensor):
+        ids, name = vocab.values, "vocab.values"
+    elif isinstance(vocab, torch.Tensor):
+        ids, name = vocab, "vocab"
+    elif isinstance(vocab, (list, tuple)) and vocab and all(isinstance(t, torch.Tensor) for t in vocab):
+        for i, t in enumerate(vocab):
+            if t.dim() != 1:
+                raise ValueError(f"{fn}(): expected 1-D id tensors, got shape {tuple(t.shape)} at index {i}")
+            _check_ids_dtype(fn, f"vocab[{i}]", t)
+        ids, name = torch.cat([t.to(torch.int64) for t in vocab]), "vocab"
+    else:
+        raise TypeError(f"{fn}(): expected vocab to be a RaggedTensor of ids, a 1-D id tensor or a list of them, "
+                        f"got {describe(vocab)}")
+    if ids.dim() != 1:
+        raise ValueError(f"{fn}(): expected {name} to be 1-D, got shape {tuple(ids.shape)}")
+    _check_ids_dtype(fn, name, ids)
+    return torch.unique(ids, sorted=True)
