@@ -92,6 +92,30 @@ def _segment(h_off, v_off, l_off, shared_v, b, SHARED: tl.constexpr):
 
 
 @triton.jit
+def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
+    w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < dim
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
                 stride_ht, stride_wv,
                 HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -111,23 +135,8 @@ def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v
     row_ok = rows < t_len
     col_ok = cols < v_len
     ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
-    w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, dim, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = (k + offs_k) < dim
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
-        a_ptr += BLOCK_K
-        w_ptr += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+                      HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     out = OUT + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -378,30 +387,6 @@ def _reduce_by_id(rows: torch.Tensor, bias_rows: torch.Tensor, ids: torch.Tensor
 # in chunks), and fed to the d_hidden / d_weight kernels above.
 
 CE_CHUNK = 1 << 22
-
-
-@triton.jit
-def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
-                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
-    w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, dim, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = (k + offs_k) < dim
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
-        a_ptr += BLOCK_K
-        w_ptr += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return acc
 
 
 @triton.jit
