@@ -967,3 +967,15 @@ def test_global_backend_that_cannot_take_the_input():
     args = _ragged_args(**{n: torch.randn(8, 2, 48) for n in "qkv"})
     with ragged.use_backend("triton"):
         _raises(ValueError, lambda: ragged.attention(**args), "head dim", "48", "triton")
+
+
+def test_reference_under_autocast_computes_in_float32():
+    """Autocast must not push the reference's float32 math into bf16 (it raised before)."""
+    gen = torch.Generator().manual_seed(11)
+    q = ragged.pack([torch.randn(n, 2, 8, generator=gen) for n in (3, 0, 5)])
+    k = ragged.pack([torch.randn(n, 2, 8, generator=gen) for n in (4, 2, 5)])
+    expected = ragged.attention(q, k, k, causal=True, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ragged.attention(q, k, k, causal=True, backend="torch")
+    assert got.values.dtype == torch.float32
+    torch.testing.assert_close(got.values, expected.values)

@@ -46,6 +46,20 @@ from ..tensor import RaggedTensor
 # Reference
 
 
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off on its tensors' device: a reference computes in the
+    precision it names (float32/float64), never in autocast's lower one."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+
+    return wrapper
+
+
+@_no_autocast
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -89,6 +103,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     return out, torch.cat(lses).to(torch.float32)
 
 
+@_no_autocast
 def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
                                  scale: float | None = None, dropout_mask: torch.Tensor | None = None,

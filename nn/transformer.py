@@ -1,0 +1,324 @@
+"""TransformerEncoderLayer / TransformerEncoder with torch.nn's signatures and state_dict keys,
+computed padding-free; :func:`convert` swaps them (and MultiheadAttention) into a model.
+
+A padded input is packed once at the top (from its key padding mask, or with every row
+full), every per-token op (Linear, LayerNorm, activation, dropout, residual) runs on
+``rt.values [T, d]``, attention runs through :func:`ragged.attention`, and the result is
+unpacked once at the end with zeros at padding. A RaggedTensor input is never padded: it
+returns a RaggedTensor.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._utils import describe
+from ..tensor import RaggedTensor
+from .activation import (
+    MultiheadAttention,
+    adopt,
+    causal_flag,
+    check_padding_mask,
+    from_batch_first,
+    pack_padded,
+    to_batch_first,
+)
+
+__all__ = ["TransformerEncoder", "TransformerEncoderLayer", "convert"]
+
+
+def _activation_fn(fn: str, activation) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(activation, str):
+        if activation == "relu":
+            return F.relu
+        if activation == "gelu":
+            return F.gelu
+        raise ValueError(f"{fn}(): expected activation 'relu', 'gelu' or a callable, got {activation!r}")
+    if not callable(activation):
+        raise TypeError(f"{fn}(): expected activation 'relu', 'gelu' or a callable, got {describe(activation)}")
+    return activation
+
+
+def _run(fn: str, src, d_model: int, batch_first: bool, mask, mask_name: str, key_padding_mask, is_causal,
+         body: Callable[[RaggedTensor, bool], RaggedTensor]):
+    """Call ``body(rt, causal)`` on a RaggedTensor input, or pack / body / unpack a padded one."""
+    if isinstance(src, RaggedTensor):
+        if key_padding_mask is not None:
+            raise ValueError(f"{fn}(): src_key_padding_mask applies to padded inputs; a RaggedTensor carries "
+                             "its own lengths")
+        if src.values.dim() != 2 or src.values.shape[1] != d_model:
+            raise ValueError(f"{fn}(): expected src with values of shape [T, {d_model}], got "
+                             f"{tuple(src.values.shape)}")
+        causal = causal_flag(fn, mask_name, mask, is_causal, src.max_len, src.max_len, at_least=True)
+        return body(src, causal)
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"{fn}(): expected src to be a torch.Tensor or a RaggedTensor, got {describe(src)}")
+    if src.dim() not in (2, 3) or src.shape[-1] != d_model:
+        shape = "[B, M, " if batch_first else "[M, B, "
+        raise ValueError(f"{fn}(): expected src of shape {shape}{d_model}] (or unbatched [M, {d_model}]), "
+                         f"got {tuple(src.shape)}")
+    batched = src.dim() == 3
+    x = to_batch_first(src, batch_first) if batched else src.unsqueeze(0)
+    if key_padding_mask is not None:
+        if not batched and isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        check_padding_mask(fn, "src_key_padding_mask", key_padding_mask, x.shape[0], x.shape[1])
+    causal = causal_flag(fn, mask_name, mask, is_causal, x.shape[1], x.shape[1])
+    rt, layout = pack_padded(fn, "src_key_padding_mask", x, key_padding_mask)
+    out = layout.unpack(body(rt, causal))
+    return from_batch_first(out, batch_first) if batched else out.squeeze(0)
+
+
+class TransformerEncoderLayer(nn.Module):
+    """``torch.nn.TransformerEncoderLayer`` computed padding-free.
+
+    Same constructor, submodules and ``state_dict`` keys (``self_attn`` is a
+    :class:`ragged.nn.MultiheadAttention`). ``forward(src, src_mask=None,
+    src_key_padding_mask=None, is_causal=False)`` takes a RaggedTensor (``values [T, d_model]``,
+    returned as a RaggedTensor) or a padded tensor as torch.nn does (zeros come out at
+    padding). ``src_mask`` may only be a causal mask (see :class:`ragged.nn.TransformerEncoder`).
+    """
+
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str | Callable[[torch.Tensor], torch.Tensor] = F.relu, layer_norm_eps: float = 1e-5,
+                 batch_first: bool = False, norm_first: bool = False, bias: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
+                                            **factory)
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.norm_first = norm_first
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        activation = _activation_fn("ragged.nn.TransformerEncoderLayer", activation)
+        if activation is F.relu or isinstance(activation, nn.ReLU):
+            self.activation_relu_or_gelu = 1
+        elif activation is F.gelu or isinstance(activation, nn.GELU):
+            self.activation_relu_or_gelu = 2
+        else:
+            self.activation_relu_or_gelu = 0
+        self.activation = activation
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, *, copy: bool = False,
+                   memo: dict | None = None) -> TransformerEncoderLayer:
+        """The ragged layer for ``layer``: same configuration (dropout rates, eps, activation,
+        training mode) and weights. ``copy=False`` shares its Parameter objects (training
+        either trains both); ``copy=True`` copies them (same device and dtype)."""
+        fn = "ragged.nn.TransformerEncoderLayer.from_torch"
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"{fn}(): expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        attn = layer.self_attn
+        if type(attn) is not nn.MultiheadAttention or attn.bias_k is not None or attn.add_zero_attn:
+            raise NotImplementedError(f"{fn}(): the layer's self_attn is not a plain torch.nn.MultiheadAttention "
+                                      "(or uses add_bias_kv / add_zero_attn)")
+        if copy:
+            memo = {} if memo is None else memo
+            layer = _copy.deepcopy(layer, memo)
+        shell = cls(attn.embed_dim, attn.num_heads, dim_feedforward=layer.linear1.out_features,
+                    dropout=layer.dropout.p, activation=layer.activation, layer_norm_eps=layer.norm1.eps,
+                    batch_first=attn.batch_first, norm_first=layer.norm_first,
+                    bias=layer.linear1.bias is not None, device="meta")
+        shell.self_attn.dropout = attn.dropout
+        shell.dropout1.p, shell.dropout2.p = layer.dropout1.p, layer.dropout2.p
+        shell.norm2.eps = layer.norm2.eps
+        return adopt(fn, shell, layer, False, None)
+
+    def _block(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
+        x = rt.values
+        if self.norm_first:
+            x = x + self._sa_block(rt.with_values(self.norm1(x)), causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(rt, causal))
+            x = self.norm2(x + self._ff_block(x))
+        return rt.with_values(x)
+
+    def _sa_block(self, h: RaggedTensor, causal: bool) -> torch.Tensor:
+        out = self.self_attn(h, h, h, need_weights=False, is_causal=causal)[0]
+        return self.dropout1(out.values)
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+    def forward(self, src, src_mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
+                is_causal: bool = False):
+        return _run("ragged.nn.TransformerEncoderLayer.forward", src, self.self_attn.embed_dim,
+                    self.self_attn.batch_first, src_mask, "src_mask", src_key_padding_mask, is_causal, self._block)
+
+
+class TransformerEncoder(nn.Module):
+    """``torch.nn.TransformerEncoder`` computed padding-free.
+
+    ``TransformerEncoder(encoder_layer, num_layers, norm=None, enable_nested_tensor=True,
+    mask_check=True)``: ``num_layers`` deep copies of ``encoder_layer`` (a
+    :class:`TransformerEncoderLayer`; a ``torch.nn.TransformerEncoderLayer`` is converted
+    first); ``enable_nested_tensor`` and ``mask_check`` are accepted and ignored. Keys are
+    torch.nn's (``layers.N.*``, ``norm.*``).
+
+    ``forward(src, mask=None, src_key_padding_mask=None, is_causal=None)``:
+
+    * ``src`` a RaggedTensor (``values [T, d_model]``): returns a RaggedTensor; nothing is
+      padded and nothing is read from the device.
+    * ``src`` padded (``[B, M, d]`` with ``batch_first``, else ``[M, B, d]``; unbatched
+      ``[M, d]``), with an optional ``src_key_padding_mask [B, M]`` (bool, True = padding,
+      or float, -inf = padding; right, left or scattered): packed once (reading the mask's
+      lengths costs one device-to-host read), returned padded like the input with zeros at
+      padding (torch.nn's nested fast path has zeros there too; its training path leaves
+      unused values).
+    * causal attention through ``is_causal=True`` or a causal ``mask`` (``[M, M]`` bool with
+      True exactly above the diagonal, or float with -inf above the diagonal and 0
+      elsewhere). Unless ``is_causal=True``, a given ``mask`` is checked on the device (one
+      read, and a graph break under torch.compile); any other ``mask`` raises
+      NotImplementedError.
+    """
+
+
+    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None,
+                 enable_nested_tensor: bool = True, mask_check: bool = True) -> None:
+        super().__init__()
+        fn = "ragged.nn.TransformerEncoder"
+        if type(encoder_layer) is nn.TransformerEncoderLayer:
+            encoder_layer = TransformerEncoderLayer.from_torch(encoder_layer, copy=True)
+        elif not isinstance(encoder_layer, TransformerEncoderLayer):
+            raise TypeError(f"{fn}(): expected encoder_layer to be a ragged.nn.TransformerEncoderLayer (or a "
+                            f"torch.nn.TransformerEncoderLayer, converted), got {type(encoder_layer).__name__}")
+        self.layers = nn.ModuleList([_copy.deepcopy(encoder_layer) for _ in range(num_layers)])
+        self.num_layers = num_layers
+        self.norm = norm
+        self.enable_nested_tensor = enable_nested_tensor
+        self.mask_check = mask_check
+
+    @classmethod
+    def from_torch(cls, encoder: nn.TransformerEncoder, *, copy: bool = False,
+                   memo: dict | None = None) -> TransformerEncoder:
+        """The ragged encoder for ``encoder``: every layer converted with its own weights, the
+        final ``norm`` carried over. ``copy=False`` shares the Parameter objects (and the
+        ``norm`` module); ``copy=True`` copies them (same device and dtype)."""
+        fn = "ragged.nn.TransformerEncoder.from_torch"
+        if not isinstance(encoder, nn.TransformerEncoder):
+            raise TypeError(f"{fn}(): expected a torch.nn.TransformerEncoder, got {type(encoder).__name__}")
+        memo = {} if memo is None else memo
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.layers = nn.ModuleList([TransformerEncoderLayer.from_torch(layer, copy=copy, memo=memo)
+                                    for layer in encoder.layers])
+        new.num_layers = len(new.layers)
+        new.norm = _copy.deepcopy(encoder.norm, memo) if copy and encoder.norm is not None else encoder.norm
+        new.enable_nested_tensor = getattr(encoder, "enable_nested_tensor", True)
+        new.mask_check = getattr(encoder, "mask_check", True)
+        new.training = encoder.training
+        return new
+
+    def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
+        for layer in self.layers:
+            rt = layer(rt, is_causal=causal)
+        if self.norm is not None:
+            rt = rt.with_values(self.norm(rt.values))
+        return rt
+
+    def forward(self, src, mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
+                is_causal: bool | None = None):
+        fn = "ragged.nn.TransformerEncoder.forward"
+        if len(self.layers) == 0:
+            raise ValueError(f"{fn}(): the encoder has no layers")
+        attn = self.layers[0].self_attn
+        return _run(fn, src, attn.embed_dim, attn.batch_first, mask, "mask", src_key_padding_mask, is_causal,
+                    self._stack)
+
+
+# --------------------------------------------------------------------------------------
+# convert
+
+_SWAPS: dict[type, type] = {
+    nn.TransformerEncoder: TransformerEncoder,
+    nn.TransformerEncoderLayer: TransformerEncoderLayer,
+    nn.MultiheadAttention: MultiheadAttention,
+}
+_RAGGED = (TransformerEncoder, TransformerEncoderLayer, MultiheadAttention)
+
+
+def _why_not(module: nn.Module) -> str | None:
+    """Why ``module`` (of a swappable type) stays as it is; None when it can be swapped."""
+    if isinstance(module, nn.MultiheadAttention):
+        if module.bias_k is not None or module.add_zero_attn:
+            return "add_bias_kv / add_zero_attn are not supported"
+        return None
+    if isinstance(module, nn.TransformerEncoderLayer):
+        if type(module.self_attn) is not nn.MultiheadAttention:
+            return "its self_attn is not a torch.nn.MultiheadAttention"
+        return _why_not(module.self_attn)
+    for layer in module.layers:
+        if type(layer) is not nn.TransformerEncoderLayer:
+            return f"its layers are {type(layer).__name__}, not torch.nn.TransformerEncoderLayer"
+        why = _why_not(layer)
+        if why:
+            return why
+    return None
+
+
+def convert(model: nn.Module, *, copy: bool = False) -> nn.Module:
+    """Swap every ``torch.nn.TransformerEncoder``, ``TransformerEncoderLayer`` and
+    ``MultiheadAttention`` in ``model`` (in place) for its ragged.nn counterpart; returns
+    ``model`` (or the replacement when ``model`` itself is one of them).
+
+    Only those exact classes are swapped (a subclass may override ``forward``: it is left
+    alone and its children are visited). The children of a swapped module come with it. A
+    module used at several places stays one module. ``copy=False`` (default) keeps the same
+    Parameter objects, so an optimizer built before the swap keeps training the model;
+    ``copy=True`` gives the ragged modules copies (same device and dtype; ties between
+    tensors are kept). Modules the ragged versions cannot take (``add_bias_kv``,
+    ``add_zero_attn``, custom layer classes inside an encoder) stay, with a warning; the
+    children of such an encoder are still visited. Hooks registered on swapped modules are
+    not carried over.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ragged.nn.convert(): expected an nn.Module, got {describe(model)}")
+    swapped: dict[int, nn.Module] = {}
+    memo: dict = {}
+
+    def swap(module: nn.Module) -> nn.Module | None:
+        target = _SWAPS.get(type(module))
+        if target is None:
+            return None
+        if id(module) not in swapped:
+            why = _why_not(module)
+            if why:
+                warnings.warn(f"ragged.nn.convert(): leaving a torch.nn.{type(module).__name__} as it is: {why}",
+                              stacklevel=3)
+                return None
+            swapped[id(module)] = target.from_torch(module, copy=copy, memo=memo)
+        return swapped[id(module)]
+
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            new = swap(child)
+            if new is not None:
+                setattr(module, name, new)
+            elif not isinstance(child, _RAGGED):
+                visit(child)
+
+    top = swap(model)
+    if top is not None:
+        return top
+    visit(model)
+    return model
