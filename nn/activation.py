@@ -19,7 +19,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .._utils import describe
 from ..ops.attention import attention
-from ..ops.pack import pack, unpack
+from ..ops.pack import pack, read_mask_layout, unpack
 from ..tensor import RaggedTensor
 
 # --------------------------------------------------------------------------------------
@@ -77,25 +77,18 @@ def pack_padded(fn: str, name: str, x: torch.Tensor, mask: torch.Tensor | None) 
     runs from host lengths. Masks whose tokens are not one run at either end of each row
     are gathered with a boolean index (slower, still exact).
     """
-    batch, width = x.shape[0], x.shape[1]
+    width = x.shape[1]
     if mask is None:
         return pack(x), PaddedLayout(width)
     if mask.device != x.device:
         raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of the input), got {mask.device}")
     if mask.dtype == torch.bool:
-        keep = ~mask
-        bad = torch.zeros((), dtype=torch.bool, device=mask.device)
+        keep, bad = ~mask, None
     else:
         keep = mask == 0
         bad = ~(keep | torch.isneginf(mask))
-        bad = bad.any()
-    lengths = keep.sum(1)
-    j = torch.arange(width, device=x.device)
-    right = (keep == (j < lengths.unsqueeze(1))).all()
-    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
     # The one read of a padded call: lengths and layout flags together.
-    stats = torch.cat([lengths.to(torch.int64), torch.stack([right, left, bad]).to(torch.int64)]).tolist()
-    host, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
+    host, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         raise NotImplementedError(f"{fn}(): a float {name} must hold 0 (token) or -inf (padding); additive "
                                   "biases of other values are not supported (use a bool mask, True = padding)")

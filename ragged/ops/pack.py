@@ -381,16 +381,7 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
         keep, bad = m != 0, None
         if m.dtype.is_floating_point:
             bad = ~((m == 0) | (m == 1))
-    batch, width = keep.shape
-    lengths = keep.sum(1)
-    j = torch.arange(width, device=x.device)
-    right = (keep == (j < lengths.unsqueeze(1))).all()
-    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
-    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
-                                                                                    device=x.device)])
-    # The one sync of a mask-driven pack: lengths and layout flags in a single read.
-    stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
-    host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
+    host_lengths, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         what = "0 (token) or -inf (padding)" if name == "mask" else "0 (padding) or 1 (token)"
         raise ValueError(f"{fn}(): expected {name} values to be {what}, got other values")
@@ -410,6 +401,25 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
     values = x[keep]
     offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
     return RaggedTensor(values, offsets, longest, tuple(host))
+
+
+def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[list[int], bool, bool, bool]:
+    """The one device read of a mask-driven pack.
+
+    ``keep``: ``[B, M]`` bool, True at tokens. Returns the host lengths, whether every row's
+    tokens are one run at the start (right padding) or at the end (left padding) of the
+    row (full and empty rows are both), and whether ``bad`` (bool, any shape) holds a True.
+    """
+    batch, width = keep.shape
+    lengths = keep.sum(1)
+    j = torch.arange(width, device=keep.device)
+    right = (keep == (j < lengths.unsqueeze(1))).all()
+    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
+    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
+                                                                                    device=keep.device)])
+    stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
+    host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
+    return host_lengths, bool(is_right), bool(is_left), bool(is_bad)
 
 
 def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
