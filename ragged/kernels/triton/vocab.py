@@ -92,6 +92,21 @@ def _segment(h_off, v_off, l_off, shared_v, b, SHARED: tl.constexpr):
 
 
 @triton.jit
+def _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Item ``local`` of a sequence -> its rows, columns, their masks and the columns' ids
+    (items run over column tiles first, then row tiles)."""
+    n_col = (v_len + BLOCK_N - 1) // BLOCK_N
+    r_tile = local // n_col
+    c_tile = local - r_tile * n_col
+    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < t_len
+    col_ok = cols < v_len
+    ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    return rows, cols, row_ok, col_ok, ids
+
+
+@triton.jit
 def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -127,14 +142,7 @@ def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
-    n_col = (v_len + BLOCK_N - 1) // BLOCK_N
-    r_tile = local // n_col
-    c_tile = local - r_tile * n_col
-    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < t_len
-    col_ok = cols < v_len
-    ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    rows, cols, row_ok, col_ok, ids = _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M, BLOCK_N)
     acc = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
                       HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     out = OUT + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
@@ -445,14 +453,7 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
-    n_col = (v_len + BLOCK_N - 1) // BLOCK_N
-    r_tile = local // n_col
-    c_tile = local - r_tile * n_col
-    rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = c_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < t_len
-    col_ok = cols < v_len
-    ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+    rows, cols, row_ok, col_ok, ids = _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M, BLOCK_N)
     z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
                     HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     lse = tl.load(LSE + t0 + rows, mask=row_ok, other=0.0)
