@@ -133,6 +133,41 @@ def exact_match(out: Any, ref: Any) -> str | None:
     return f"{wrong} of {ref.numel()} elements differ from the reference"
 
 
+def max_error_compare(names: tuple[str, ...], flatten: Callable[[Any], torch.Tensor], tol: float,
+                      absolute: tuple[str, ...] = ()) -> Callable[[Any, Any], str | None]:
+    """A ``Workload.compare`` for outputs that are close, not equal, to their references.
+
+    ``out`` is one output or a tuple of them (named ``names``), ``ref`` a tuple of float
+    references. Each output goes through ``flatten`` (layout of the implementation -> the
+    reference's elements) and must have the reference's elements (and shape, when it has
+    more than one dimension); its max abs error must be <= ``tol`` for the names in
+    ``absolute`` and <= ``tol * max(1, max |ref|)`` for the others. NaN always fails.
+    """
+
+    @torch.no_grad()
+    def compare(out: Any, ref: tuple[torch.Tensor, ...]) -> str | None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(outs) != len(ref):
+            return f"expected {len(ref)} outputs, got {len(outs)}"
+        problems = []
+        for name, o, r in zip(names, outs, ref):
+            try:
+                o = flatten(o)
+            except (TypeError, ValueError) as exc:
+                return f"{name}: {exc}"
+            if o.numel() != r.numel() or (o.dim() > 1 and tuple(o.shape) != tuple(r.shape)):
+                return f"{name}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
+            if not r.numel():
+                continue
+            bound = tol if name in absolute else tol * max(1.0, float(r.abs().max()))
+            err = float((o.detach().reshape(r.shape).to(r.dtype) - r).abs().max())
+            if not err <= bound:  # also catches NaN
+                problems.append(f"{name} max abs error {err:.3g} > {bound:.3g}")
+        return "; ".join(problems) or None
+
+    return compare
+
+
 @dataclasses.dataclass
 class Workload:
     """A case built on a device: what to run, what it must produce, what it costs.

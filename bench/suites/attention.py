@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 import ragged
 
-from ..harness import Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, register
+from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, max_error_compare,
+                       register)
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 SEED = 0
@@ -237,29 +238,8 @@ def reference_outputs(p: Problem, causal: bool, backward: bool) -> tuple[torch.T
 
 
 def make_compare(p: Problem, tol: float) -> Callable[[Any, Any], str | None]:
-    """Max abs error at the real tokens against the float32 reference."""
-    names = ("out", "dq", "dk", "dv")
-
-    @torch.no_grad()
-    def compare(out: Any, ref: tuple[torch.Tensor, ...]) -> str | None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if len(outs) != len(ref):
-            return f"expected {len(ref)} outputs, got {len(outs)}"
-        problems = []
-        for name, o, r in zip(names, outs, ref):
-            try:
-                o = p.as_packed(o)
-            except (TypeError, ValueError) as exc:
-                return f"{name}: {exc}"
-            if tuple(o.shape) != tuple(r.shape):
-                return f"{name}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
-            bound = tol if name == "out" else tol * max(1.0, float(r.abs().max()))
-            err = float((o.float() - r).abs().max()) if r.numel() else 0.0
-            if not err <= bound:  # also catches NaN
-                problems.append(f"{name} max abs error {err:.3g} > {bound:.3g}")
-        return "; ".join(problems) or None
-
-    return compare
+    """Max abs error at the real tokens against the float32 reference (gradients scaled by their size)."""
+    return max_error_compare(("out", "dq", "dk", "dv"), p.as_packed, tol, absolute=("out",))
 
 
 # --------------------------------------------------------------------------------------

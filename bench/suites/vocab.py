@@ -51,6 +51,7 @@ from ..harness import (
     Workload,
     _error_text,
     dtype_name,
+    max_error_compare,
     peak_memory_bytes,
     register,
 )
@@ -308,26 +309,7 @@ def make_compare(p: Problem, group: str, tol: float) -> Callable[[Any, Any], str
             raise TypeError(f"expected a tensor, got {type(x).__name__}")
         return x
 
-    @torch.no_grad()
-    def compare(out: Any, ref: tuple[torch.Tensor, ...]) -> str | None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if len(outs) != len(ref):
-            return f"expected {len(ref)} outputs, got {len(outs)}"
-        problems = []
-        for name, o, r in zip(names, outs, ref):
-            try:
-                o = flat(o)
-            except TypeError as exc:
-                return f"{name}: {exc}"
-            if o.numel() != r.numel() or (o.dim() > 1 and tuple(o.shape) != tuple(r.shape)):
-                return f"{name}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
-            bound = tol * max(1.0, float(r.abs().max())) if r.numel() else tol
-            err = float((o.detach().reshape(r.shape).to(r.dtype) - r).abs().max()) if r.numel() else 0.0
-            if not err <= bound:  # also catches NaN
-                problems.append(f"{name} max abs error {err:.3g} > {bound:.3g}")
-        return "; ".join(problems) or None
-
-    return compare
+    return max_error_compare(names, flat, tol)
 
 
 # --------------------------------------------------------------------------------------
