@@ -6,9 +6,16 @@ GPU tests carry ``@pytest.mark.gpu`` and are skipped when CUDA is not available.
 """
 
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
+
+# bench/ is not installed (it runs from the repository root): make it importable here.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

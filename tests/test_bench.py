@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # bench/ is not installed: it runs from the repository root
-    sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
-from bench.__main__ import main  # noqa: E402
-from bench.harness import (  # noqa: E402
+from bench import report
+from bench.__main__ import main
+from bench.harness import (
     SUITES,
     Case,
     Config,
@@ -27,7 +22,7 @@ from bench.harness import (  # noqa: E402
     copy_impl,
     run_suite,
 )
-from conftest import TRITON_ON_CPU  # noqa: E402
+from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))

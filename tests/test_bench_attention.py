@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # bench/ is not installed: it runs from the repository root
-    sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
-from bench.harness import SUITES, Config, CopyCeiling, Timing, run_suite  # noqa: E402
-from bench.suites import attention as A  # noqa: E402
-from conftest import TRITON_ON_CPU  # noqa: E402
+from bench import report
+from bench.harness import SUITES, Config, CopyCeiling, Timing, run_suite
+from bench.suites import attention as A
+from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))

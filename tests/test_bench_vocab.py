@@ -6,20 +6,15 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # bench/ is not installed: it runs from the repository root
-    sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
-from bench.__main__ import main  # noqa: E402
-from bench.harness import (  # noqa: E402
+from bench import report
+from bench.__main__ import main
+from bench.harness import (
     SUITES,
     Case,
     Config,
@@ -32,8 +27,8 @@ from bench.harness import (  # noqa: E402
     peak_memory_bytes,
     run_suite,
 )
-from bench.suites import vocab as V  # noqa: E402
-from conftest import TRITON_ON_CPU  # noqa: E402
+from bench.suites import vocab as V
+from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
