@@ -88,8 +88,10 @@ def test_projection_gradients(dtype, deterministic):
         finally:
             torch.use_deterministic_algorithms(prior)
         for name, a, r, lo in zip(("hidden", "weight", "bias"), got, ref, low):
-            bound = 2 * (lo - r).abs().max().item() + 10 * ATOL[dtype]
-            assert (a - r).abs().max().item() <= bound, (backend, name)
+            # twice the error of the same loop in the low precision, plus the rounding of each
+            # element to the output dtype (a gradient summed over many tokens can be large)
+            bound = 2 * (lo - r).abs().max().item() + 10 * ATOL[dtype] + torch.finfo(dtype).eps * r.abs()
+            assert ((a - r).abs() <= bound).all(), (backend, name, (a - r).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

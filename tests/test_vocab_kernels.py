@@ -92,9 +92,10 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
             targets.append(int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1)
     target = torch.tensor(targets, dtype=torch.int32)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    loss, lse = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
-                                         _i32(c["v_off"]), l_off, target.to(DEVICE), smoothing,
-                                         max(c["t_lens"]), max(c["v_lens"]))
+    loss, lse, local, bad = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"],
+                                                     d["ids"], _i32(c["v_off"]), l_off, target.to(DEVICE), smoothing,
+                                                     max(c["t_lens"]), max(c["v_lens"]))
+    assert bad is None and torch.equal(local.cpu(), target)
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     losses = []
     for b, ids in enumerate(c["lists"]):
@@ -115,3 +116,44 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
                                            chunk_elems=chunk)
     for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_cross_entropy_locates_global_targets(shared):
+    """Global target ids are found by the kernel's binary search: local index, -1 for
+    ignore_index and for ids outside the candidates, and the count / first index of the
+    latter; the losses equal those computed from the local indices."""
+    c = _case("mixed", shared, seed=11 + int(shared))
+    d = _dev(c)
+    ignore = -7
+    global_t, local_t = [], []
+    for b, (t_len, ids) in enumerate(zip(c["t_lens"], c["lists"])):
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        members = set(ids.tolist())
+        for _ in range(t_len):
+            r = float(torch.rand((), generator=c["gen"]))
+            if len(ids) and r < 0.6:
+                k = int(torch.randint(0, len(ids), (), generator=c["gen"]))
+                global_t.append(int(ids[k]))
+                local_t.append(k)
+            elif r < 0.8:
+                global_t.append(ignore)
+                local_t.append(-1)
+            else:  # an id that is not a candidate (or out of range)
+                cand = int(torch.randint(-3, c["weight"].shape[0] + 3, (), generator=c["gen"]))
+                while cand in members or cand == ignore:
+                    cand += 1
+                global_t.append(cand)
+                local_t.append(-2)
+    want_local = torch.tensor([max(x, -1) for x in local_t], dtype=torch.int32)
+    bad_tokens = [i for i, x in enumerate(local_t) if x == -2]
+    l_off = torch.tensor(c["l_off"], device=DEVICE)
+    args = (d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off)
+    sizes = (max(c["t_lens"]), max(c["v_lens"]))
+    loss, lse, local, bad = kv.cross_entropy_forward(*args, torch.tensor(global_t, device=DEVICE), 0.1, *sizes,
+                                                     ignore_index=ignore)
+    assert torch.equal(local.cpu(), want_local)
+    assert bad.cpu().tolist() == [len(bad_tokens), bad_tokens[0] if bad_tokens else 2 ** 31 - 1]
+    loss2, lse2, _, _ = kv.cross_entropy_forward(*args, want_local.to(DEVICE), 0.1, *sizes)
+    torch.testing.assert_close(loss.cpu(), loss2.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(lse.cpu(), lse2.cpu(), rtol=0, atol=0)

@@ -78,6 +78,7 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3, tor
 # Extra columns (``Row.extra`` keys).
 PEAK_MB = "peak MB"
 PEAK_PCT = "% of full logits"
+EXTRA_PCT = "% of full logits, grads excluded"  # backward groups: peak less the dh and dW every row returns
 
 
 # --------------------------------------------------------------------------------------
@@ -386,6 +387,14 @@ def ragged_impls(p: Problem, group: str, device: torch.device) -> list[Impl]:
             return (loss, *torch.autograd.grad(loss, (h, w)))
 
         impls.append(Impl(name, "ragged", {FWD: fwd, FWD_BWD: fwd_bwd, CE: ce}[group]))
+        if group == CE:  # the default out_of_vocab="error" reads one flag from the device; "ignore" reads none
+
+            def ce_ignore(b=backend, hidden=hidden, h=h, w=w, vocab=vocab):
+                loss = _forced(cross_entropy, hidden, w, vocab, p.target, bias=p.bias, reduction="mean", backend=b,
+                               out_of_vocab="ignore")
+                return (loss, *torch.autograd.grad(loss, (h, w)))
+
+            impls.append(Impl(f"{name} (out_of_vocab=ignore)", "ragged", ce_ignore))
     return impls
 
 
@@ -454,14 +463,19 @@ def baseline_impls(p: Problem, group: str) -> list[Impl]:
     ]
 
 
-def memory_extra(device: torch.device, full_bytes: int) -> Callable[[Impl], dict[str, Any]]:
-    """``Workload.extra``: peak memory of one call in MB and as % of the full logits."""
+def memory_extra(device: torch.device, full_bytes: int, grad_bytes: int = 0) -> Callable[[Impl], dict[str, Any]]:
+    """``Workload.extra``: peak memory of one call in MB and as % of the full logits; with
+    ``grad_bytes`` (the gradients of hidden and weight, which every row of a backward group
+    returns), also the peak less those, as % of the full logits."""
 
     def extra(impl: Impl) -> dict[str, Any]:
         peak = peak_memory_bytes(impl.fn, device)
         if peak is None:
             return {}
-        return {PEAK_MB: peak / 1e6, PEAK_PCT: 100.0 * peak / full_bytes}
+        out = {PEAK_MB: peak / 1e6, PEAK_PCT: 100.0 * peak / full_bytes}
+        if grad_bytes:
+            out[EXTRA_PCT] = 100.0 * max(0, peak - grad_bytes) / full_bytes
+        return out
 
     return extra
 
@@ -473,7 +487,9 @@ def build_workload(shape: Shape, group: str, device: torch.device) -> Workload:
     flops = vocab_flops(p.lengths, p.counts, shape.dim, backward=group != FWD)
     return Workload(impls, reference=reference, flops=flops,
                     compare=make_compare(p, group, TOLERANCE.get(shape.dtype, 2e-2)),
-                    extra=memory_extra(device, full_logits_bytes(p.total, shape.vocab, shape.dtype)))
+                    extra=memory_extra(device, full_logits_bytes(p.total, shape.vocab, shape.dtype),
+                                       0 if group == FWD else sum(t.numel() * t.element_size()
+                                                                  for t in (p.hidden, p.weight))))
 
 
 # --------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .. import backends
-from .._utils import check_tensor, describe, eager
+from .._utils import check_tensor, describe, eager, to_device
 from ..logits import RaggedLogits, compute_dtype, layout_coords, segmented_cross_entropy
 from ..tensor import RaggedTensor
 
@@ -354,16 +354,21 @@ def _cross_entropy_via(projection_backend: str):
 @torch.library.custom_op("ragged::vocab_cross_entropy_fused", mutates_args=())
 def _ce_fused_op(hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  ids: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, target: torch.Tensor,
-                 smoothing: float, total: int, max_t: int, max_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 ignore_index: int, smoothing: float, total: int, max_t: int,
+                 max_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, local targets, bad-target record) for global target ids."""
     from ..kernels.triton.vocab import cross_entropy_forward
 
-    return cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v)
+    return cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v,
+                                 ignore_index)
 
 
 @_ce_fused_op.register_fake
-def _ce_fused_fake(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, total, max_t, max_v):
+def _ce_fused_fake(hidden, h_off, weight, bias, ids, v_off, l_off, target, ignore_index, smoothing, total, max_t,
+                   max_v):
     tokens = hidden.shape[0]
-    return hidden.new_empty((tokens,), dtype=torch.float32), hidden.new_empty((tokens,), dtype=torch.float32)
+    return (hidden.new_empty((tokens,), dtype=torch.float32), hidden.new_empty((tokens,), dtype=torch.float32),
+            hidden.new_empty((tokens,), dtype=torch.int32), hidden.new_empty((2,), dtype=torch.int32))
 
 
 @torch.library.custom_op("ragged::vocab_cross_entropy_fused_backward", mutates_args=())
@@ -389,29 +394,29 @@ def _ce_fused_backward_fake(grad, hidden, h_off, weight, bias, ids, v_off, l_off
 
 
 def _ce_setup(ctx, inputs, output):
-    hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, total, max_t, max_v = inputs
-    ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, target, output[1])
+    hidden, h_off, weight, bias, ids, v_off, l_off, target, ignore_index, smoothing, total, max_t, max_v = inputs
+    ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, output[2], output[1])
     ctx.args = (smoothing, max_t, max_v, None, None, total)
 
 
-def _ce_backward(ctx, grad, _grad_lse):
-    hidden, h_off, weight, bias, ids, v_off, l_off, target, lse = ctx.saved_tensors
+def _ce_backward(ctx, grad, *_unused):
+    hidden, h_off, weight, bias, ids, v_off, l_off, local, lse = ctx.saved_tensors
     smoothing, max_t, max_v, host_h, host_v, total = ctx.args
     need = ctx.needs_input_grad
     need_h, need_w, need_b = bool(need[0]), bool(need[2]), bool(bias is not None and need[3])
     deterministic = torch.are_deterministic_algorithms_enabled()
     grad = grad.contiguous()
-    if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, target, lse)):
+    if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, local, lse)):
         from ..kernels.triton.vocab import cross_entropy_backward
 
-        dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target,
+        dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
                                             lse, smoothing, max_t, max_v, need_h, need_w, need_b, deterministic,
                                             host_h_off=host_h, host_v_off=host_v)
     else:
-        dh, dw, db = _ce_fused_backward_op(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, target, lse,
+        dh, dw, db = _ce_fused_backward_op(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse,
                                            smoothing, max_t, max_v, need_h, need_w, need_b, deterministic)
     return (dh if need_h else None, None, dw if need_w else None, db if need_b else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 _ce_fused_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -421,31 +426,34 @@ class _FusedCrossEntropy(torch.autograd.Function):
     """Eager path of the fused cross-entropy (keeps the host offsets for chunking)."""
 
     @staticmethod
-    def forward(ctx, hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v, host):
+    def forward(ctx, hidden, h_off, weight, bias, ids, v_off, l_off, target, ignore_index, smoothing, max_t, max_v,
+                host):
         from ..kernels.triton.vocab import cross_entropy_forward
 
-        loss, lse = cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t,
-                                          max_v)
-        ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, target, lse)
+        loss, lse, local, bad = cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target,
+                                                      smoothing, max_t, max_v, ignore_index)
+        ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, local, lse)
         host_h, host_v, total = host
         ctx.args = (smoothing, max_t, max_v, host_h, host_v, total)
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
+        ctx.mark_non_differentiable(lse, local, bad)
+        return loss, lse, local, bad
 
     @staticmethod
-    def backward(ctx, grad, grad_lse):
-        return _ce_backward(ctx, grad, grad_lse)[:-1] + (None,)
+    def backward(ctx, grad, *_unused):
+        return _ce_backward(ctx, grad)
 
 
-def _fused_cross_entropy(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target,
+def _fused_cross_entropy(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index,
                          label_smoothing, host_h=None, host_v=None):
-    target = target.to(torch.int32)
+    """(per-token losses, local targets, bad-target record) for *global* target ids."""
     if eager(*_present(hidden, h_off, weight, bias, ids, v_off, l_off, target)):
-        loss, _ = _FusedCrossEntropy.apply(hidden, h_off, weight, bias, ids, v_off, l_off, target,
-                                           float(label_smoothing), max_t, max_v, (host_h, host_v, total))
-        return loss
-    return _ce_fused_op(hidden, h_off, weight, bias, ids, v_off, l_off, target, float(label_smoothing), total,
-                        max_t, max_v)[0]
+        loss, _, local, bad = _FusedCrossEntropy.apply(hidden, h_off, weight, bias, ids, v_off, l_off, target,
+                                                       int(ignore_index), float(label_smoothing), max_t, max_v,
+                                                       (host_h, host_v, total))
+    else:
+        loss, _, local, bad = _ce_fused_op(hidden, h_off, weight, bias, ids, v_off, l_off, target, int(ignore_index),
+                                           float(label_smoothing), total, max_t, max_v)
+    return loss, local, bad
 
 
 backends.register("vocab_cross_entropy", "torch", _cross_entropy_via("torch"), _no_reasons)
@@ -539,11 +547,12 @@ def _prepare(fn: str, hidden, weight, vocab, bias, validate) -> _Layout:
         return _Layout(h, h_off, weight, bias, ids, None, l_off, tokens * size, hidden.max_len, size,
                        hidden._host_offsets, None)
     host_h, host_v = _host_offsets(hidden, vocab)
-    total = 0
+    # l_off from the host offsets: one queued copy instead of half a dozen small kernels.
+    host_l = [0] * len(host_h)
     for b in range(len(host_h) - 1):
-        total += (host_h[b + 1] - host_h[b]) * (host_v[b + 1] - host_v[b])
-    counts = (h_off[1:] - h_off[:-1]).to(torch.int64) * (v_off[1:] - v_off[:-1]).to(torch.int64)
-    l_off = torch.cat([torch.zeros(1, dtype=torch.int64, device=h.device), torch.cumsum(counts, 0)])
+        host_l[b + 1] = host_l[b] + (host_h[b + 1] - host_h[b]) * (host_v[b + 1] - host_v[b])
+    total = host_l[-1]
+    l_off = to_device(host_l, torch.int64, h.device)
     return _Layout(h, h_off, weight, bias, ids, v_off, l_off, total, hidden.max_len, vocab.max_len, host_h, host_v)
 
 
@@ -663,18 +672,30 @@ def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index:
     ignored = tgt == ignore_index
     if out_of_vocab == "error" and tokens > 0:
         bad = ~(found | ignored)
-        hint = "pass out_of_vocab='ignore' to skip such tokens"
-        if torch.compiler.is_compiling():
-            torch._assert_async(~bad.any(), f"{fn}(): a target is not among its sequence's candidate ids; {hint}")
-        else:
-            first = bad.to(torch.int32).argmax().to(torch.int64)
-            count, t, tid, b = torch.stack([bad.sum(), first, tgt[first], seq[first]]).tolist()
-            if count:
-                raise ValueError(f"{fn}(): expected every target to be one of its sequence's candidate ids (or "
-                                 f"ignore_index = {ignore_index}), got {count} token(s) outside them, the first "
-                                 f"token {t} (sequence {b}) with target {tid}; {hint}")
+        first = bad.to(torch.int32).argmax()
+        _raise_out_of_vocab(fn, torch.stack([bad.sum().to(torch.int32), first.to(torch.int32)]), target, h_off,
+                            ignore_index)
     keep = found & ~ignored
     return torch.where(keep, local, torch.full_like(local, -1))
+
+
+def _raise_out_of_vocab(fn: str, bad: torch.Tensor, target: torch.Tensor, h_off: torch.Tensor,
+                        ignore_index: int) -> None:
+    """ValueError naming the first token whose target is outside its candidates. ``bad``:
+    device ``[count, first token]``; reading it is the one sync of ``out_of_vocab="error"``
+    (under torch.compile, a device-side assert instead)."""
+    hint = "pass out_of_vocab='ignore' to skip such tokens"
+    if torch.compiler.is_compiling():
+        torch._assert_async(bad[0] == 0, f"{fn}(): a target is not among its sequence's candidate ids; {hint}")
+        return
+    count, first = bad.tolist()
+    if count:
+        tid = int(target[first])
+        b = int(torch.searchsorted(h_off.to(torch.int64), torch.tensor([first], device=h_off.device),
+                                   right=True)[0]) - 1
+        raise ValueError(f"{fn}(): expected every target to be one of its sequence's candidate ids (or "
+                         f"ignore_index = {ignore_index}), got {count} token(s) outside them, the first "
+                         f"token {first} (sequence {b}) with target {tid}; {hint}")
 
 
 def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, target, bias: torch.Tensor | None = None,
@@ -725,11 +746,14 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
         raise ValueError(f"{fn}(): expected label_smoothing in [0, 1], got {describe(label_smoothing)}")
     if out_of_vocab not in OUT_OF_VOCAB:
         raise ValueError(f"{fn}(): expected out_of_vocab to be one of {OUT_OF_VOCAB}, got {out_of_vocab!r}")
-    local = _local_targets(fn, layout, target, ignore_index, out_of_vocab)
     impl = backends.select("vocab_cross_entropy", backend, layout.hidden.device, *layout.args(), fn=fn)
-    if impl.name == "triton":
-        losses = impl.fn(*layout.args(), local, float(label_smoothing), layout.host_h, layout.host_v)
+    if impl.name == "triton":  # targets located inside the kernel
+        losses, local, bad = impl.fn(*layout.args(), target, ignore_index, float(label_smoothing), layout.host_h,
+                                     layout.host_v)
+        if out_of_vocab == "error" and tokens > 0:
+            _raise_out_of_vocab(fn, bad, target, layout.h_off, ignore_index)
     else:
+        local = _local_targets(fn, layout, target, ignore_index, out_of_vocab)
         losses = impl.fn(*layout.args(), local, float(label_smoothing))
     dtype = layout.hidden.dtype
     if reduction == "none":

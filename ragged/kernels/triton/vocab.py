@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._utils import to_device
+
 _INLINE_MAX_BATCH = 4096
 
 
@@ -250,15 +252,51 @@ def _precision(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interpreted: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward. Not yet tuned on a GPU:
-    rows of 16..64 tokens and hundreds of candidates per sequence, K = d in steps of 64."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward and of the cross-entropy
+    gradient tile: rows of 16..64 tokens and hundreds of candidates per sequence, K = d."""
     if interpreted:
         return 16, 16, 16, 4, 1
     block_m = max(16, min(64, triton.next_power_of_2(max(max_t, 1))))
     block_n = 128 if max_v >= 128 else max(16, triton.next_power_of_2(max(max_v, 1)))
     if dtype == torch.float32:
         return min(block_m, 32), min(block_n, 64), 32, 4, 2
-    return block_m, block_n, 64, 4, 3
+    # Swept on an H200 (bench/tune_vocab.py, bf16 d=1024, T_i 16..64, |V_i| 500..2000):
+    # (64, 128, 64, 8 warps, 4 stages) 0.0517 ms, the former (.., 4 warps, 3 stages) 0.0555 ms.
+    return block_m, block_n, 64, (8 if block_m * block_n >= 64 * 128 else 4), 4
+
+
+@functools.lru_cache(maxsize=None)
+def _ce_config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interpreted: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the fused cross-entropy forward (one
+    program per row tile, looping over its candidates). Short row tiles and wide
+    candidate tiles: (32, 256, 64, 8 warps, 3 stages) took 0.113 ms on the sweep's
+    workload against 0.173 ms for the forward projection's tile."""
+    if interpreted or dtype == torch.float32:
+        return _config(dim, max_t, max_v, dtype, interpreted)
+    block_m = max(16, min(32, triton.next_power_of_2(max(max_t, 1))))
+    block_n = 256 if max_v >= 256 else max(16, triton.next_power_of_2(max(max_v, 1)))
+    return block_m, block_n, 64, 8, 3
+
+
+@functools.lru_cache(maxsize=None)
+def _dhidden_config(dim: int, max_t: int, dtype: torch.dtype, interpreted: bool):
+    """(BLOCK_M, BLOCK_D, BLOCK_K, warps, stages) of d_hidden (K runs over candidates)."""
+    if interpreted:
+        return 16, 16, 16, 4, 1
+    block_m = max(16, min(64, triton.next_power_of_2(max(max_t, 1))))
+    if dtype == torch.float32:
+        return min(block_m, 32), 64, 32, 4, 2
+    return block_m, 128, 64, 8, 3  # swept: 0.083 ms against 0.118 ms for (.., 64, 32, 4, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _dweight_config(dim: int, max_t: int, dtype: torch.dtype, interpreted: bool):
+    """(BLOCK_N, BLOCK_D, BLOCK_K, warps, stages) of d_weight (K runs over tokens)."""
+    if interpreted:
+        return 16, 16, 16, 4, 1
+    if dtype == torch.float32:
+        return 64, 64, 32, 4, 2
+    return 64, 128, 32, 4, 2  # swept: 0.121 ms against 0.137 ms for (64, 64, ..)
 
 
 def _worklist(h_off, v_off, shared_v, batch, block_r, block_c, use_rows, use_cols):
@@ -321,20 +359,18 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
     vocab_size = weight.shape[0]
     interp = _interpreted()
     precision = _precision(hidden.dtype)
-    block_d = 16 if interp else 64
-    block_k = 16 if interp else 32
-    n_d = triton.cdiv(dim, block_d)
     v_arg = v_off if v_off is not None else h_off
     d_hidden = d_weight = d_bias = None
     if need_hidden:
         d_hidden = torch.zeros_like(hidden) if batch == 0 else torch.empty_like(hidden)
-        bm = 16 if interp else max(16, min(64, triton.next_power_of_2(max(max_t, 1))))
+        bm, block_d, block_k, warps, stages = _dhidden_config(dim, max_t, hidden.dtype, interp)
         if batch and hidden.shape[0]:
             work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
-            _dhidden_kernel[(hidden.shape[0] // bm + batch, n_d)](
+            _dhidden_kernel[(hidden.shape[0] // bm + batch, triton.cdiv(dim, block_d))](
                 grad, weight, ids, d_hidden, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
                 weight.stride(0), d_hidden.stride(0), SHARED=shared, PRECISION=precision, BLOCK_M=bm,
-                BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk, num_warps=4)
+                BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk, num_warps=warps,
+                num_stages=stages)
     if need_weight or need_bias:
         atomic = not deterministic
         if atomic:
@@ -345,15 +381,15 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
             n_rows = ids.shape[0] * (batch if shared else 1)
             dw = torch.zeros((n_rows, dim), dtype=torch.float32, device=hidden.device)
             db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
-        bn = 16 if interp else 64
+        bn, block_d, block_k, warps, stages = _dweight_config(dim, max_t, hidden.dtype, interp)
         n_cand = ids.shape[0] * (batch if shared else 1)
         if batch and n_cand and hidden.shape[0]:
             work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, 1, bn, False, True)
-            _dweight_kernel[(n_cand // bn + batch, n_d)](
+            _dweight_kernel[(n_cand // bn + batch, triton.cdiv(dim, block_d))](
                 grad, hidden, ids, dw, db, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
                 hidden.stride(0), dw.stride(0), SHARED=shared, HAS_BIAS=need_bias, ATOMIC=atomic,
                 PRECISION=precision, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk,
-                num_warps=4)
+                num_warps=warps, num_stages=stages)
         if not atomic:
             dw, db = _reduce_by_id(dw, db, ids, batch if shared else 1, vocab_size)
             dw, db = dw.to(weight.dtype), db.to(weight.dtype)
@@ -398,15 +434,19 @@ CE_CHUNK = 1 << 22
 
 
 @triton.jit
-def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
-                   stride_ht, stride_wv, smoothing,
+def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v,
+                   n_steps, dim, stride_ht, stride_wv, smoothing, ignore_index, n_search,
                    HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GLOBAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """Per token: the loss (1 - eps) * (lse - z_target) + eps * (lse - mean z) over its
     sequence's candidates (0 for a token without target) and the lse.
 
-    TGT holds each token's target as a local candidate index (-1: none)."""
+    GLOBAL=False: TGT holds each token's target as a local candidate index (-1: none).
+    GLOBAL=True: TGT holds global ids; each is found by a binary search (``n_search``
+    halvings) among its sequence's sorted candidates, its local index (-1: ignore_index
+    or not found) is written to LOCAL, and BAD[0] / BAD[1] gain the count / the smallest
+    index of the tokens whose target is neither found nor ignore_index."""
     item = tl.program_id(0)
     b, r_tile, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
                                  True, False, INLINE, CHUNK)
@@ -415,7 +455,29 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOSS, LSE, h_off, v_off, l_off, work, b
     t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
     rows = r_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < t_len
-    tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
+    if GLOBAL:
+        want = tl.load(TGT + t0 + rows, mask=row_ok, other=0).to(tl.int64)
+        lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_M], dtype=tl.int32) + v_len
+        for _ in range(n_search):
+            live = lo < hi
+            mid = (lo + hi) // 2
+            val = tl.load(IDS + v0 + mid, mask=row_ok & live, other=0).to(tl.int64)
+            lo = tl.where(live & (val < want), mid + 1, lo)
+            hi = tl.where(live & (val >= want), mid, hi)
+        inside = row_ok & (lo < v_len)
+        hit = tl.load(IDS + v0 + lo, mask=inside, other=0).to(tl.int64)
+        found = inside & (hit == want)
+        ignored = want == ignore_index
+        tgt = tl.where(found & (~ignored), lo, -1)
+        tl.store(LOCAL + t0 + rows, tgt, mask=row_ok)
+        bad = row_ok & (~found) & (~ignored)
+        n_bad = tl.sum(bad.to(tl.int32), 0)
+        if n_bad > 0:
+            tl.atomic_add(BAD, n_bad, sem="relaxed")
+            tl.atomic_min(BAD + 1, tl.min(tl.where(bad, t0 + rows, 2147483647), 0), sem="relaxed")
+    else:
+        tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     zy = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -466,31 +528,43 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     tl.store(out, g.to(G.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target_local, smoothing, max_t, max_v):
-    """(loss, lse), each ``[T]`` float32, without storing logits.
+def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, smoothing, max_t, max_v,
+                          ignore_index=None):
+    """(loss, lse, local, bad) without storing logits; loss and lse ``[T]`` float32.
 
-    ``target_local``: ``[T]`` each token's target as an index into its sequence's
-    candidates (-1: no target; its loss is 0)."""
+    ``ignore_index=None``: ``target`` holds each token's target as an index into its
+    sequence's candidates (-1: no target; its loss is 0); ``local`` is that tensor (int32)
+    and ``bad`` is None. Otherwise ``target`` holds global ids, located in the kernel:
+    ``local`` ``[T]`` int32 gets each one's index among its candidates (-1 where it is
+    ``ignore_index`` or not a candidate) and ``bad`` int32 ``[2]`` the number of tokens whose
+    target is neither, and the first such token (2**31 - 1 when none)."""
     hidden, weight = _rows(hidden), _rows(weight)
-    ids, target_local = ids.contiguous(), target_local.to(torch.int32).contiguous()
+    ids, target = ids.contiguous(), target.contiguous()
+    globl = ignore_index is not None
+    if not globl:
+        target = target.to(torch.int32)
     total_t = hidden.shape[0]
-    loss = torch.zeros(total_t, dtype=torch.float32, device=hidden.device)
-    lse = torch.full((total_t,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    device = hidden.device
+    loss = torch.zeros(total_t, dtype=torch.float32, device=device)
+    lse = torch.full((total_t,), float("-inf"), dtype=torch.float32, device=device)
+    local = torch.full((total_t,), -1, dtype=torch.int32, device=device) if globl else target
+    bad = to_device([0, 2 ** 31 - 1], torch.int32, device) if globl else None
     batch = h_off.shape[0] - 1
     if total_t == 0 or batch == 0:
-        return loss, lse
+        return loss, lse, local, bad
     shared = v_off is None
     shared_v = ids.shape[0] if shared else 0
     dim = hidden.shape[1]
-    bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
+    bm, bn, bk, warps, stages = _ce_config(dim, max_t, max_v, hidden.dtype, _interpreted())
     work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
     _ce_fwd_kernel[(total_t // bm + batch,)](
-        hidden, weight, bias if bias is not None else hidden, ids, target_local, loss, lse, h_off,
-        v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
-        hidden.stride(0), weight.stride(0), float(smoothing), HAS_BIAS=bias is not None, SHARED=shared,
-        EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        hidden, weight, bias if bias is not None else hidden, ids, target, local, bad if globl else local, loss, lse,
+        h_off, v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
+        hidden.stride(0), weight.stride(0), float(smoothing), int(ignore_index) if globl else 0,
+        max(int(max_v), 1).bit_length(), HAS_BIAS=bias is not None, SHARED=shared,
+        EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype), GLOBAL=globl, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
-    return loss, lse
+    return loss, lse, local, bad
 
 
 def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l_off, total, target_local, lse,
@@ -540,8 +614,6 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
 
 def _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device):
     """Yield (h_off, v_off, l_off, ids, first token, end token, logits, sequences) per chunk."""
-    from ..._utils import to_device
-
     batch = h_off.shape[0] - 1
     shared = v_off is None
     if host_h_off is None or (not shared and host_v_off is None):

@@ -1,0 +1,121 @@
+"""Sweep of the vocab kernels' block shapes on the issue's workload (bf16, B=64, T_i 16..64,
+d=1024, V=32000, |V_i| 500..2000), beside the full projection.
+
+Development tool, run on a GPU: ``python -m bench.tune_vocab``. For each kernel (forward,
+d_hidden, d_weight, fused cross-entropy forward and gradient tile) it prints the median
+time of every configuration and the best one; the chosen shapes live in
+``ragged/kernels/triton/vocab.py`` (``_config``, ``_ce_config``, ``_dhidden_config``,
+``_dweight_config``).
+"""
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+import ragged
+from ragged.kernels.triton import vocab as kv
+
+from .suites.vocab import GPU_SHAPES, Problem
+
+
+def capture(p: Problem):
+    """The launcher arguments of one projection call (offsets built by the op)."""
+    seen = {}
+    original = kv.forward
+
+    def spy(*args):
+        seen["args"] = args
+        return original(*args)
+
+    kv.forward = spy
+    try:
+        hidden = ragged.RaggedTensor.from_lengths(p.hidden, p.lengths)
+        vocab = ragged.RaggedTensor.from_lengths(p.vocab_values, p.counts)
+        ragged.vocab_projection(hidden, p.weight, vocab, backend="triton")
+    finally:
+        kv.forward = original
+    return seen["args"]
+
+
+def sweep(label, setter, configs, fn, default):
+    results = []
+    for cfg in configs:
+        setter(cfg)
+        try:
+            ms = do_bench(fn, return_mode="median")
+        except Exception as exc:  # out of shared memory / registers
+            print(f"  {label} {cfg} failed: {type(exc).__name__}", flush=True)
+            continue
+        results.append((ms, cfg))
+        print(f"  {label} {cfg}: {ms:.4f} ms", flush=True)
+    setter(default)
+    results.sort()
+    if results:
+        print(f"{label}: best {results[0][1]} {results[0][0]:.4f} ms; default {default} "
+              f"{next((m for m, c in results if c == default), float('nan')):.4f} ms", flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="*", default=None, help="fwd dh dw ce cegrad")
+    args = parser.parse_args()
+    want = lambda k: not args.only or k in args.only  # noqa: E731
+    print(torch.cuda.get_device_name(), flush=True)
+    p = Problem.make(GPU_SHAPES[0], torch.device("cuda"))
+    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v = capture(p)
+    dim, dt = hidden.shape[1], hidden.dtype
+    full = do_bench(lambda: hidden @ weight.T, return_mode="median")
+    print(f"T={hidden.shape[0]} d={dim} V={weight.shape[0]} selected logits={total}; full h@W.T {full:.4f} ms",
+          flush=True)
+    grad = torch.randn(total, device="cuda", dtype=dt)
+
+    if want("fwd"):
+        default = kv._config(dim, max_t, max_v, dt, False)
+        configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
+                   for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
+        configs += [(64, 128, 32, 4, 4), (64, 128, 128, 8, 2), (64, 64, 128, 4, 3)]
+        orig = kv._config
+        sweep("fwd", lambda c: setattr(kv, "_config", (lambda *a, c=c: c) if c != default else orig), configs,
+              lambda: kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v), default)
+        kv._config = orig
+    if want("dh"):
+        default = kv._dhidden_config(dim, max_t, dt, False)
+        configs = [(bm, bd, bk, w, s) for bm in (32, 64) for bd in (64, 128) for bk in (32, 64)
+                   for w in (4, 8) for s in (2, 3)]
+        orig = kv._dhidden_config
+        sweep("d_hidden", lambda c: setattr(kv, "_dhidden_config", lambda *a, c=c: c), configs,
+              lambda: kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, True, False, False,
+                                  False), default)
+        kv._dhidden_config = orig
+    if want("dw"):
+        default = kv._dweight_config(dim, max_t, dt, False)
+        configs = [(bn, bd, bk, w, s) for bn in (64, 128) for bd in (64, 128) for bk in (16, 32, 64)
+                   for w in (4, 8) for s in (2, 3)]
+        orig = kv._dweight_config
+        sweep("d_weight", lambda c: setattr(kv, "_dweight_config", lambda *a, c=c: c), configs,
+              lambda: kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, False, True, False,
+                                  False), default)
+        kv._dweight_config = orig
+    target = p.local_target.to(torch.int32)
+    if want("ce"):
+        default = kv._ce_config(dim, max_t, max_v, dt, False)
+        configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
+                   for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
+        orig = kv._ce_config
+        sweep("ce fwd", lambda c: setattr(kv, "_ce_config", lambda *a, c=c: c), configs,
+              lambda: kv.cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, 0.0,
+                                               max_t, max_v), default)
+        kv._ce_config = orig
+    if want("cegrad"):
+        _, lse = kv.cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, 0.0, max_t, max_v)
+        gl = torch.full((hidden.shape[0],), 1.0 / hidden.shape[0], device="cuda")
+        fn = lambda: kv.cross_entropy_backward(gl, hidden, h_off, weight, bias, ids, v_off, l_off, total,  # noqa
+                                               target, lse, 0.0, max_t, max_v, True, True, False, False)
+        print(f"ce backward (grad tile + d_hidden + d_weight, current configs): "
+              f"{do_bench(fn, return_mode='median'):.4f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
