@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import backends
 from .._utils import describe
+from ..ops.fused import _call_add_layer_norm, _call_bias_act
 from ..tensor import RaggedTensor
 from .activation import (
     MultiheadAttention,
@@ -43,6 +45,28 @@ def _activation_fn(fn: str, activation) -> Callable[[torch.Tensor], torch.Tensor
     if not callable(activation):
         raise TypeError(f"{fn}(): expected activation 'relu', 'gelu' or a callable, got {describe(activation)}")
     return activation
+
+
+def _fused_activation(activation) -> str | None:
+    """The :func:`ragged.bias_act` name of a layer's activation, None for other callables."""
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if isinstance(activation, nn.GELU):
+        return "gelu" if activation.approximate == "none" else "gelu_tanh"
+    return None
+
+
+def _fused_backend(x: torch.Tensor) -> str | None:
+    """Backend of the fused per-token ops (bias + activation, residual + LayerNorm) for the
+    layer's values ``x``, or None to run torch's own ops: off the GPU (there the fused ops
+    would run their float32 reference, slower than torch's kernels) and under autocast
+    (torch runs LayerNorm in float32 there, which the plain ops reproduce exactly)."""
+    if x.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
+        return None
+    impl = backends.select("add_layer_norm", None, x.device, x, None, None, None)
+    return impl.name if impl.name != "torch" else None
 
 
 def _run(fn: str, src, d_model: int, batch_first: bool, mask, mask_name: str, key_padding_mask, is_causal,
@@ -138,20 +162,42 @@ class TransformerEncoderLayer(nn.Module):
 
     def _block(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
         x = rt.values
+        fused = _fused_backend(x)
+        if fused is None:
+            if self.norm_first:
+                x = x + self._sa_block(rt.with_values(self.norm1(x)), causal)
+                x = x + self._ff_block(self.norm2(x), None)
+            else:
+                x = self.norm1(x + self._sa_block(rt, causal))
+                x = self.norm2(x + self._ff_block(x, None))
+            return rt.with_values(x)
+        n1, n2 = self.norm1, self.norm2
         if self.norm_first:
-            x = x + self._sa_block(rt.with_values(self.norm1(x)), causal)
-            x = x + self._ff_block(self.norm2(x))
+            h = _call_add_layer_norm(x, None, n1.weight, n1.bias, n1.eps, False, fused)[0]
+            sa = self._sa_block(rt.with_values(h), causal)
+            # x + sa and norm2 of it in one pass: the sum is the residual stream
+            h, x = _call_add_layer_norm(sa, x, n2.weight, n2.bias, n2.eps, True, fused)[:2]
+            x = x + self._ff_block(h, fused)
         else:
-            x = self.norm1(x + self._sa_block(rt, causal))
-            x = self.norm2(x + self._ff_block(x))
+            x = _call_add_layer_norm(self._sa_block(rt, causal), x, n1.weight, n1.bias, n1.eps, False, fused)[0]
+            x = _call_add_layer_norm(self._ff_block(x, fused), x, n2.weight, n2.bias, n2.eps, False, fused)[0]
         return rt.with_values(x)
 
     def _sa_block(self, h: RaggedTensor, causal: bool) -> torch.Tensor:
-        out = self.self_attn(h, h, h, need_weights=False, is_causal=causal)[0]
-        return self.dropout1(out.values)
+        # the layer has checked its input: straight to the attention's packed computation
+        out = self.self_attn._attend(h, h, h, causal)[0].values
+        return self.dropout1(out) if self.training and self.dropout1.p > 0 else out
 
-    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+    def _ff_block(self, x: torch.Tensor, fused: str | None) -> torch.Tensor:
+        act = _fused_activation(self.activation) if fused is not None else None
+        if act is not None:  # bias + activation in one pass (and in one pass backward, with dbias)
+            h = _call_bias_act(F.linear(x, self.linear1.weight), self.linear1.bias, act, fused)
+        else:
+            h = self.activation(self.linear1(x))
+        if self.training and self.dropout.p > 0:
+            h = self.dropout(h)
+        out = F.linear(h, self.linear2.weight, self.linear2.bias)
+        return self.dropout2(out) if self.training and self.dropout2.p > 0 else out
 
     def forward(self, src, src_mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
                 is_causal: bool = False):

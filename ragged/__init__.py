@@ -6,6 +6,7 @@ Public API (see README.md for the table):
 * :func:`pack` / :func:`unpack` and their tensor forms :func:`pack_values` / :func:`unpack_values`
 * interop: :func:`from_nested`, :func:`from_packed_sequence`, :func:`from_attention_mask`
 * attention: :func:`attention` (RaggedTensors), :func:`varlen_attention` (cu_seqlens form)
+* fused per-token ops: :func:`bias_act` (bias + activation), :func:`add_layer_norm` (residual add + LayerNorm)
 * per-sequence vocabularies: :func:`vocab_projection` -> :class:`RaggedLogits`, :func:`vocab_cross_entropy`,
   :func:`union_vocab`; the layer ``ragged.nn.VocabProjection``
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
@@ -13,6 +14,7 @@ Public API (see README.md for the table):
 
 from .backends import BACKENDS, explain, get_backend, set_backend, use_backend
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
+from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence
 from .ops.pack import pack, pack_values, reference_pack, reference_unpack, unpack, unpack_values
 from .tensor import RaggedTensor
@@ -26,7 +28,9 @@ __all__ = [
     "BACKENDS",
     "RaggedLogits",
     "RaggedTensor",
+    "add_layer_norm",
     "attention",
+    "bias_act",
     "explain",
     "from_attention_mask",
     "from_cu_seqlens",
@@ -35,8 +39,10 @@ __all__ = [
     "get_backend",
     "pack",
     "pack_values",
+    "reference_add_layer_norm",
     "reference_attention",
     "reference_attention_backward",
+    "reference_bias_act",
     "reference_pack",
     "reference_unpack",
     "reference_vocab_projection",

@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import ragged.kernels.triton.attention as ka
+import ragged.kernels.triton.fused as kf
 import ragged.kernels.triton.pack as kp
 import ragged.kernels.triton.vocab as kv
 
@@ -64,12 +65,42 @@ def cases():
             yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32"],
                    dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
                         BLOCK_K=32, INLINE=inline, CHUNK=64))
-        yield ("vocab ce fwd", kv._ce_fwd_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32"] + offs
-               + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, BLOCK_M=64,
-                                      BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
+        for globl in (False, True):
+            yield ("vocab ce fwd", kv._ce_fwd_kernel,
+                   [dt, dt, dt, "*i64", "*i64" if globl else "*i32", "*i32", "*i32", "*fp32", "*fp32"] + offs
+                   + ["i32", "i32", "fp32", "i32", "i32"],
+                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, GLOBAL=globl, BLOCK_M=32,
+                        BLOCK_N=256, BLOCK_K=64, INLINE=inline, CHUNK=64), 8, 3)
         yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
                + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,
                                               BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
+    tl = triton.language
+    for act, bias in ((0, False), (1, True), (2, True), (3, True)):
+        yield ("bias_act fwd", kf._bias_act_fwd_kernel, ["*bf16", "*fp32", "*bf16", "i32", "i32"],
+               dict(N_COLS=768, ACT=act, HAS_BIAS=bias, BLOCK_R=16, BLOCK_F=256))
+        yield ("bias_act bwd", kf._bias_act_bwd_kernel, ["*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "i32", "i32",
+                                                         "i32", "i32"],
+               dict(N_COLS=777, ACT=act, HAS_BIAS=bias, NEED_DBIAS=bias, BLOCK_R=32, BLOCK_F=128))
+    # (F, BLOCK_R, BLOCK_F, N_CHUNKS): rows in registers (several per program, one), chunked rows
+    for n_cols, block_r, block_f, chunks, dt, res_t in ((768, 4, 1024, 1, "*bf16", "*fp32"),
+                                                        (1, 1, 1, 1, "*fp16", "*fp16"),
+                                                        (20000, 1, 4096, 5, "*fp32", "*bf16")):
+        sum_t = {"*bf16": "*fp32", "*fp16": "*fp16", "*fp32": "*fp32"}[dt]
+        sum_dtype = {"*fp16": tl.float16, "*fp32": tl.float32}[sum_t]
+        for extras in (True, False):
+            yield ("layer_norm fwd", kf._ln_fwd_kernel,
+                   [dt, res_t, "*fp32", "*fp32", sum_t, sum_t, "*fp32", "*fp32", "i32", "i32", "i32", "fp32"],
+                   dict(N_COLS=n_cols, HAS_RES=extras, HAS_W=extras, HAS_B=extras, STORE_SUM=extras,
+                        SUM_DTYPE=sum_dtype, BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=chunks))
+            yield ("layer_norm bwd", kf._ln_bwd_kernel,
+                   [sum_t, sum_t, dt, res_t, "*fp32", "*fp32", "*fp32", sum_t, "*fp32", "*fp32"] + ["i32"] * 6,
+                   dict(N_COLS=n_cols, HAS_DS=extras, HAS_BSRC=extras, HAS_W=extras, NEED_DW=extras and chunks == 1,
+                        NEED_DB=extras and chunks == 1, SUM_DTYPE=sum_dtype, BLOCK_R=block_r, BLOCK_F=block_f,
+                        N_CHUNKS=chunks))
+        yield ("layer_norm bwd dw/db", kf._ln_bwd_dwdb_kernel,
+               [sum_t, dt, res_t, "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 5,
+               dict(N_COLS=n_cols, HAS_BSRC=True, NEED_DW=True, NEED_DB=True, SUM_DTYPE=sum_dtype, BLOCK_R=8,
+                    BLOCK_F=min(block_f, 1024)))
     for left in (False, True):
         yield ("pack", kp._pack_kernel, ["*bf16", "*bf16", "*i32"] + ["i64"] * 6,
                dict(ROW=1000, SRC_ALIGN=8, LEFT=left, BLOCK_R=4, BLOCK_F=1024))
@@ -79,9 +110,9 @@ def cases():
 
 def main() -> int:
     failed = 0
-    for name, fn, types, consts in cases():
+    for name, fn, types, consts, *launch in cases():  # launch: optional (num_warps, num_stages)
         try:
-            compile_kernel(fn, types, consts)
+            compile_kernel(fn, types, consts, *launch)
             print(f"ok   {name} {consts}")
         except Exception as exc:  # report every failure, then fail
             failed += 1

@@ -130,6 +130,45 @@ def test_encoder_matches_torch(batch_first, norm_first, activation, bias, causal
             _check(got, expected, lengths)
 
 
+FUSED_GRID = list(itertools.product(["torch", "triton"], [False, True], ["relu", "gelu", "gelu_tanh", "callable"],
+                                     [True, False]))
+
+
+@pytest.mark.parametrize("backend,norm_first,activation,bias", FUSED_GRID,
+                         ids=["-".join(map(str, c)) for c in FUSED_GRID])
+def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, activation, bias):
+    """The GPU layer body (bias + activation and residual + LayerNorm through the fused ops)
+    run here on the CPU with the fused ops' torch reference or the Triton interpreter:
+    values and every gradient against torch.nn in float32."""
+    from ragged.nn import transformer as rt_mod
+
+    if backend == "triton" and ragged.backends.triton_reason(torch.device("cpu")):
+        pytest.skip("Triton cannot run on the CPU here")
+    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+    act = {"callable": lambda t: F.silu(t) * 0.5, "gelu_tanh": nn.GELU(approximate="tanh")}.get(activation,
+                                                                                               activation)
+    seed = zlib.crc32(repr((backend, norm_first, activation, bias)).encode()) % 1000
+    enc = _torch_encoder(norm_first=norm_first, activation=act, bias=bias, norm=bool(seed % 2), seed=seed)
+    ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
+    lengths = LENGTHS["mixed"] if backend == "torch" else [3, 1, 5]
+    x, pad = _padded(lengths, seed=seed)
+    enc.train()
+    ours.train()
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).masked_fill(pad.unsqueeze(-1), 0.0)
+    xt, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    expected = _run_torch(enc, xt, pad, False, True)
+    got = _run_ragged(ours, xr, pad, False, True)
+    _check(got.detach(), expected.detach(), lengths, tol={"rtol": 1e-4, "atol": 1e-4})
+    (expected * w).sum().backward()
+    (got * w).sum().backward()
+    real = ~pad.unsqueeze(-1)
+    torch.testing.assert_close(xr.grad * real, xt.grad * real, rtol=1e-4, atol=1e-4)
+    theirs = dict(enc.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_final_norm_and_ragged_input(norm):
     """A RaggedTensor in gives a RaggedTensor out, equal to the padded path at real positions."""

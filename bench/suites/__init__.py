@@ -7,3 +7,4 @@ subclass decorated with :func:`bench.harness.register`, and import it below.
 from . import pack  # noqa: F401  (first: registration order is the run order)
 from . import attention  # noqa: F401
 from . import vocab  # noqa: F401
+from . import encoder  # noqa: F401

@@ -1,0 +1,512 @@
+"""Triton kernels for the per-token ops of a transformer layer.
+
+* ``bias_act``: ``y = act(x + bias)`` over ``x [N, F]``, and its backward
+  ``dx = g * act'(x + bias)``, ``dbias = sum_rows dx``.
+* ``add_layer_norm``: ``s = x + residual`` then ``y = (s - mean) * rstd * weight + bias``
+  over the ``F`` features of each row, and its backward.
+
+Layout: every 2-D input has unit stride along the features and any row stride
+(``stride(0)``); every output is contiguous. Row offsets are int64 (``N * F`` passes
+2**31 at realistic sizes); column offsets stay int32 (``F < 2**31``). The feature size
+is a compile-time constant (one compilation per size; models have few), so that Triton
+knows the row alignment of every output.
+
+Numerics: fp32 arithmetic whatever the storage dtypes. The sum ``s`` is rounded to its
+storage dtype (that of ``x + residual`` under torch's type promotion) before it is
+normalised, so ``y`` is exactly the layer norm of the returned sum; the backward
+recomputes ``s`` the same way. Parameter gradients are reduced in fp32: each program
+of the backward owns a group of rows and writes its partial sums to a ``[groups, F]``
+fp32 buffer that one ``torch.sum(0)`` reduces. No atomics: results are deterministic.
+
+Layer norm rows up to ``_LN_MAX_BLOCK`` features sit in registers (several rows per
+program for small ``F``); longer rows are streamed in ``BLOCK_F`` chunks, one row
+block per program, with the parameter gradients from a separate column kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends import triton_interpreted
+
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+# --------------------------------------------------------------------------------------
+# Activations (fp32 in, fp32 out)
+
+
+@triton.jit
+def _tanh(u):
+    # tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2|u|) in (0, 1]: no overflow at any u.
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr):
+    if ACT == 1:
+        y = tl.maximum(z, 0.0)
+    elif ACT == 2:  # exact GELU: z * Phi(z)
+        y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif ACT == 3:  # tanh approximation
+        y = 0.5 * z * (1.0 + _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)))
+    else:
+        y = z
+    return y
+
+
+@triton.jit
+def _act_grad(z, ACT: tl.constexpr):
+    """d act / dz at z."""
+    if ACT == 1:
+        d = tl.where(z > 0, 1.0, 0.0)  # 0 at z = 0, as torch's relu
+    elif ACT == 2:  # Phi(z) + z * phi(z)
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+        d = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    elif ACT == 3:
+        z2 = z * z
+        t = _tanh(0.7978845608028654 * (z + 0.044715 * z2 * z))
+        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z2)
+    else:
+        d = z * 0.0 + 1.0
+    return d
+
+
+# --------------------------------------------------------------------------------------
+# bias + activation
+
+
+@triton.jit
+def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
+                         N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < N_COLS
+    m = (rows < n_rows)[:, None] & col_ok[None, :]
+    z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _act(z, ACT)
+    tl.store(Y + rows[:, None] * N_COLS + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, n_rows, rows_per_group, stride_g, stride_x,
+                         N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NEED_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Program (group, column block): rows [group * rows_per_group, +rows_per_group)."""
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < N_COLS
+    if HAS_BIAS:
+        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+    first = group.to(tl.int64) * rows_per_group
+    end = tl.minimum(first + rows_per_group, n_rows)
+    acc = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for start in range(first, end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        m = (rows < end)[:, None] & col_ok[None, :]
+        z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += b[None, :]
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dz = g * _act_grad(z, ACT)  # 0 where masked (g = 0 there)
+        tl.store(DX + rows[:, None] * N_COLS + cols[None, :], dz.to(DX.dtype.element_ty), mask=m)
+        if NEED_DBIAS:
+            acc += tl.sum(dz, 0)
+    if NEED_DBIAS:
+        tl.store(DBIAS_PART + group.to(tl.int64) * N_COLS + cols, acc, mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------
+# residual add + layer norm
+
+
+@triton.jit
+def _load_sum(A, B, rows, cols, m, stride_a, stride_b, HAS_B: tl.constexpr, SUM_DTYPE: tl.constexpr):
+    """``a + b`` rounded to the storage dtype of the sum, as fp32 (0 where masked)."""
+    s = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_B:
+        s += tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        s = s.to(SUM_DTYPE).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps,
+                   N_COLS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                   STORE_SUM: tl.constexpr, SUM_DTYPE: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    if N_CHUNKS == 1:  # the rows sit in registers
+        cols = tl.arange(0, BLOCK_F)
+        col_ok = cols < N_COLS
+        m = row_ok[:, None] & col_ok[None, :]
+        s = _load_sum(X, R, rows, cols, m, stride_x, stride_r, HAS_RES, SUM_DTYPE)
+        if STORE_SUM:
+            tl.store(S + rows[:, None] * N_COLS + cols[None, :], s.to(S.dtype.element_ty), mask=m)
+        mean = tl.sum(s, 1) / N_COLS
+        d = tl.where(m, s - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / N_COLS + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None] * N_COLS + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+    else:  # long rows: three passes over chunks (sum, centred squares, output)
+        acc = tl.zeros([BLOCK_R, BLOCK_F], dtype=tl.float32)
+        for c in range(N_CHUNKS):
+            cols = c * BLOCK_F + tl.arange(0, BLOCK_F)
+            m = row_ok[:, None] & (cols < N_COLS)[None, :]
+            s = _load_sum(X, R, rows, cols, m, stride_x, stride_r, HAS_RES, SUM_DTYPE)
+            if STORE_SUM:
+                tl.store(S + rows[:, None] * N_COLS + cols[None, :], s.to(S.dtype.element_ty), mask=m)
+            acc += s
+        mean = tl.sum(acc, 1) / N_COLS
+        acc = tl.zeros([BLOCK_R, BLOCK_F], dtype=tl.float32)
+        for c in range(N_CHUNKS):
+            cols = c * BLOCK_F + tl.arange(0, BLOCK_F)
+            m = row_ok[:, None] & (cols < N_COLS)[None, :]
+            s = _load_sum(X, R, rows, cols, m, stride_x, stride_r, HAS_RES, SUM_DTYPE)
+            d = tl.where(m, s - mean[:, None], 0.0)
+            acc += d * d
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, 1) / N_COLS + eps)
+        for c in range(N_CHUNKS):
+            cols = c * BLOCK_F + tl.arange(0, BLOCK_F)
+            col_ok = cols < N_COLS
+            m = row_ok[:, None] & col_ok[None, :]
+            s = _load_sum(X, R, rows, cols, m, stride_x, stride_r, HAS_RES, SUM_DTYPE)
+            y = (s - mean[:, None]) * rstd[:, None]
+            if HAS_W:
+                y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_B:
+                y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + rows[:, None] * N_COLS + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_rows, rows_per_group,
+                   stride_dy, stride_ds, stride_a, stride_b,
+                   N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
+                   NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, SUM_DTYPE: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
+    """``ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds`` with ``g = dy * w``,
+    ``xhat = (s - mean) * rstd`` and ``s = a + b`` (b optional) recomputed as in the forward.
+
+    Program ``group`` takes rows [group * rows_per_group, +rows_per_group). With one chunk
+    it also sums ``dy * xhat`` and ``dy`` over its rows into ``DW_PART`` / ``DB_PART``
+    ``[groups, N_COLS]``; with several the launcher runs ``_ln_bwd_dwdb_kernel`` instead."""
+    group = tl.program_id(0)
+    first = group.to(tl.int64) * rows_per_group
+    end = tl.minimum(first + rows_per_group, n_rows)
+    if N_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_F)
+        col_ok = cols < N_COLS
+        if HAS_W:
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_F], dtype=tl.float32)
+        db = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for start in range(first, end, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            row_ok = rows < end
+            m = row_ok[:, None] & col_ok[None, :]
+            s = _load_sum(A, BSRC, rows, cols, m, stride_a, stride_b, HAS_BSRC, SUM_DTYPE)
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(m, (s - mean[:, None]) * rstd[:, None], 0.0)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            g = dy
+            if HAS_W:
+                g = dy * w[None, :]
+            c1 = tl.sum(g * xhat, 1) / N_COLS
+            c2 = tl.sum(g, 1) / N_COLS
+            ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            if HAS_DS:
+                ds += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds.to(DSUM.dtype.element_ty), mask=m)
+            if NEED_DW:
+                dw += tl.sum(dy * xhat, 0)
+            if NEED_DB:
+                db += tl.sum(dy, 0)
+        if NEED_DW:
+            tl.store(DW_PART + group.to(tl.int64) * N_COLS + cols, dw, mask=col_ok)
+        if NEED_DB:
+            tl.store(DB_PART + group.to(tl.int64) * N_COLS + cols, db, mask=col_ok)
+    else:
+        for start in range(first, end, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            row_ok = rows < end
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            acc1 = tl.zeros([BLOCK_R, BLOCK_F], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_R, BLOCK_F], dtype=tl.float32)
+            for c in range(N_CHUNKS):
+                cols = c * BLOCK_F + tl.arange(0, BLOCK_F)
+                col_ok = cols < N_COLS
+                m = row_ok[:, None] & col_ok[None, :]
+                s = _load_sum(A, BSRC, rows, cols, m, stride_a, stride_b, HAS_BSRC, SUM_DTYPE)
+                xhat = tl.where(m, (s - mean[:, None]) * rstd[:, None], 0.0)
+                g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                acc1 += g * xhat
+                acc2 += g
+            c1 = tl.sum(acc1, 1) / N_COLS
+            c2 = tl.sum(acc2, 1) / N_COLS
+            for c in range(N_CHUNKS):
+                cols = c * BLOCK_F + tl.arange(0, BLOCK_F)
+                col_ok = cols < N_COLS
+                m = row_ok[:, None] & col_ok[None, :]
+                s = _load_sum(A, BSRC, rows, cols, m, stride_a, stride_b, HAS_BSRC, SUM_DTYPE)
+                xhat = (s - mean[:, None]) * rstd[:, None]
+                g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                if HAS_DS:
+                    ds += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=m,
+                                  other=0.0).to(tl.float32)
+                tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds.to(DSUM.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ln_bwd_dwdb_kernel(DY, A, BSRC, MEAN, RSTD, DW_PART, DB_PART, n_rows, rows_per_group,
+                        stride_dy, stride_a, stride_b,
+                        N_COLS: tl.constexpr, HAS_BSRC: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                        SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Partial ``sum dy * xhat`` and ``sum dy`` of a row group over one column block (long rows)."""
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < N_COLS
+    first = group.to(tl.int64) * rows_per_group
+    end = tl.minimum(first + rows_per_group, n_rows)
+    dw = tl.zeros([BLOCK_F], dtype=tl.float32)
+    db = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for start in range(first, end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        row_ok = rows < end
+        m = row_ok[:, None] & col_ok[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if NEED_DW:
+            s = _load_sum(A, BSRC, rows, cols, m, stride_a, stride_b, HAS_BSRC, SUM_DTYPE)
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            dw += tl.sum(tl.where(m, (s - mean[:, None]) * rstd[:, None], 0.0) * dy, 0)
+        if NEED_DB:
+            db += tl.sum(dy, 0)
+    if NEED_DW:
+        tl.store(DW_PART + group.to(tl.int64) * N_COLS + cols, dw, mask=col_ok)
+    if NEED_DB:
+        tl.store(DB_PART + group.to(tl.int64) * N_COLS + cols, db, mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Launch configurations (tunable; one place each)
+
+# Widest layer norm row kept in registers, in elements. Past it rows are streamed in
+# chunks of _LN_CHUNK. The backward holds about twice the live values of the forward.
+_LN_MAX_BLOCK = 16384
+_LN_BWD_MAX_BLOCK = 8192
+_LN_CHUNK = 4096
+# Interpreted (CPU tests): small blocks, so that the tests cover several row blocks,
+# several column blocks and the chunked layer norm at small sizes.
+_INTERP_MAX_BLOCK = 256
+_INTERP_TILE = 512
+
+
+def _warps(elements: int) -> int:
+    """One warp per 1024 elements of a program's tile (rounded up to a power of two), 4 to 16."""
+    return max(4, min(16, triton.next_power_of_2(elements) // 1024))
+
+
+def _col_block(n_cols: int, cap: int) -> int:
+    """Column block of the elementwise kernels: the whole row up to 128 elements, else the
+    widest power of two <= cap whose blocks cover the row with at most a quarter of the
+    lanes masked off (768 -> 256: three full blocks rather than 1024 with a quarter idle)."""
+    block = min(triton.next_power_of_2(max(n_cols, 1)), cap)
+    while block > 128 and 4 * (-(-n_cols // block) * block - n_cols) > n_cols:
+        block //= 2
+    return block
+
+
+@functools.lru_cache(maxsize=None)
+def _bias_act_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_F, num_warps) of the elementwise bias + activation kernels:
+    tiles of about 4096 elements (8 KiB of bf16), rows of up to 1024 in one block."""
+    if interpreted:
+        block_f = _col_block(n_cols, _INTERP_MAX_BLOCK // 2)
+        return max(1, _INTERP_TILE // block_f), block_f, 4
+    block_f = _col_block(n_cols, 1024)
+    return max(1, 4096 // block_f), block_f, 4
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_norm_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_F, N_CHUNKS, num_warps) of the layer norm forward: a whole row per
+    block when it fits (several rows per program for small F, about 4096 elements per
+    program), else one row per program streamed in chunks."""
+    cap, chunk, tile = (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else \
+        (_LN_MAX_BLOCK, _LN_CHUNK, 4096)
+    block_f = triton.next_power_of_2(max(n_cols, 1))
+    if block_f <= cap:
+        block_r = max(1, tile // block_f)
+        return block_r, block_f, 1, 4 if interpreted else _warps(block_r * block_f)
+    block_r = 2 if interpreted else 1
+    return block_r, chunk, -(-n_cols // chunk), 4 if interpreted else _warps(chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_norm_backward_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_F, N_CHUNKS, num_warps) of the layer norm backward (row kernel):
+    about 2048 elements per step (it keeps more values live than the forward)."""
+    cap, chunk, tile = (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else \
+        (_LN_BWD_MAX_BLOCK, _LN_CHUNK, 2048)
+    block_f = triton.next_power_of_2(max(n_cols, 1))
+    if block_f <= cap:
+        block_r = max(1, tile // block_f)
+        return block_r, block_f, 1, 4 if interpreted else _warps(block_r * block_f * 2)
+    block_r = 2 if interpreted else 1
+    return block_r, chunk, -(-n_cols // chunk), 4 if interpreted else _warps(chunk * 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _row_groups(n_rows: int, block_r: int, n_col_blocks: int, device: torch.device,
+                interpreted: bool) -> tuple[int, int]:
+    """(groups, rows per group) of a backward with per-group partial sums: about two
+    programs per SM in all (the partial buffer then stays small: [groups, F] fp32), each
+    group a whole number of row blocks."""
+    target = 4 if interpreted or device.type != "cuda" else \
+        max(1, 2 * _multiprocessors(device) // max(n_col_blocks, 1))
+    blocks = -(-n_rows // block_r)
+    per_group = -(-blocks // target) * block_r
+    return -(-n_rows // per_group), per_group
+
+
+# --------------------------------------------------------------------------------------
+# Launchers. 2-D inputs with unit feature stride (the caller ensures it).
+
+
+def _sum_dtype(a: torch.Tensor, b: torch.Tensor | None) -> torch.dtype:
+    return a.dtype if b is None else torch.promote_types(a.dtype, b.dtype)
+
+
+def _reduce(part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if part is None else part.sum(0).to(dtype)
+
+
+def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    n_rows, n_cols = x.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, triton_interpreted())
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_f))
+    _bias_act_fwd_kernel[grid](x, bias if bias is not None else x, y, n_rows, x.stride(0),
+                               N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
+                               BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    return y
+
+
+def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                      need_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx in x.dtype, dbias in bias.dtype or None)``."""
+    n_rows, n_cols = x.shape
+    need_bias = need_bias and bias is not None
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx, (torch.zeros_like(bias) if need_bias else None)
+    interpreted = triton_interpreted()
+    block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, interpreted)
+    n_col_blocks = triton.cdiv(n_cols, block_f)
+    groups, per_group = _row_groups(n_rows, block_r, n_col_blocks, x.device, interpreted)
+    part = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device) if need_bias else None
+    _bias_act_bwd_kernel[(groups, n_col_blocks)](
+        grad, x, bias if bias is not None else x, dx, part if part is not None else dx, n_rows, per_group,
+        grad.stride(0), x.stride(0), N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
+        NEED_DBIAS=need_bias, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    return dx, _reduce(part, bias.dtype if bias is not None else torch.float32)
+
+
+def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                           bias: torch.Tensor | None, eps: float, return_sum: bool):
+    """``(y, s, mean, rstd)``: ``y`` and ``s`` in the dtype of ``x + residual`` (``s`` is an
+    empty tensor unless ``return_sum``), ``mean`` / ``rstd`` ``[N]`` fp32."""
+    n_rows, n_cols = x.shape
+    dtype = _sum_dtype(x, residual)
+    y = torch.empty((n_rows, n_cols), dtype=dtype, device=x.device)
+    s = torch.empty((n_rows, n_cols) if return_sum else (0,), dtype=dtype, device=x.device)
+    mean = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, s, mean, rstd
+    block_r, block_f, n_chunks, warps = _layer_norm_config(n_cols, dtype, triton_interpreted())
+    r = residual if residual is not None else x
+    _ln_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, r, weight if weight is not None else x, bias if bias is not None else x, y, s if return_sum else y,
+        mean, rstd, n_rows, x.stride(0), r.stride(0), float(eps),
+        N_COLS=n_cols, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        STORE_SUM=return_sum, SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks,
+        num_warps=warps)
+    return y, s, mean, rstd
+
+
+def add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
+                            weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
+                            rstd: torch.Tensor, need_weight: bool, need_bias: bool):
+    """``(ds_total, dweight, dbias)``. The normalised sum is ``s = a + b`` (b optional,
+    rounded as in the forward); ``ds_total`` (in s's dtype) is the gradient of both
+    summands; ``dweight`` / ``dbias`` in the parameters' dtypes, None unless asked for."""
+    n_rows, n_cols = a.shape
+    dtype = _sum_dtype(a, b)
+    need_weight = need_weight and weight is not None
+    need_bias = need_bias and bias is not None
+    dsum = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device)
+    if n_rows == 0:
+        return (dsum, torch.zeros_like(weight) if need_weight else None,
+                torch.zeros_like(bias) if need_bias else None)
+    interpreted = triton_interpreted()
+    block_r, block_f, n_chunks, warps = _layer_norm_backward_config(n_cols, dtype, interpreted)
+    fused = n_chunks == 1
+    groups, per_group = _row_groups(n_rows, block_r, 1, a.device, interpreted)
+    src_b = b if b is not None else a
+    tl_dtype = _TL_DTYPES[dtype]
+    dw_part = db_part = None
+    if fused:
+        dw_part = torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if need_weight else None
+        db_part = torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if need_bias else None
+    _ln_bwd_kernel[(groups,)](
+        dy, ds if ds is not None else dy, a, src_b, weight if weight is not None else a, mean, rstd, dsum,
+        dw_part if dw_part is not None else dsum, db_part if db_part is not None else dsum, n_rows, per_group,
+        dy.stride(0), ds.stride(0) if ds is not None else 0, a.stride(0), src_b.stride(0),
+        N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
+        NEED_DW=fused and need_weight, NEED_DB=fused and need_bias, SUM_DTYPE=tl_dtype,
+        BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks, num_warps=warps)
+    if not fused and (need_weight or need_bias):
+        block_r2, block_f2, warps2 = _bias_act_config(n_cols, dtype, interpreted)
+        n_col_blocks = triton.cdiv(n_cols, block_f2)
+        groups2, per_group2 = _row_groups(n_rows, block_r2, n_col_blocks, a.device, interpreted)
+        dw_part = torch.empty((groups2, n_cols), dtype=torch.float32, device=a.device) if need_weight else None
+        db_part = torch.empty((groups2, n_cols), dtype=torch.float32, device=a.device) if need_bias else None
+        _ln_bwd_dwdb_kernel[(groups2, n_col_blocks)](
+            dy, a, src_b, mean, rstd, dw_part if dw_part is not None else dsum,
+            db_part if db_part is not None else dsum, n_rows, per_group2, dy.stride(0), a.stride(0),
+            src_b.stride(0), N_COLS=n_cols, HAS_BSRC=b is not None, NEED_DW=need_weight, NEED_DB=need_bias,
+            SUM_DTYPE=tl_dtype, BLOCK_R=block_r2, BLOCK_F=block_f2, num_warps=warps2)
+    return (dsum, _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
+            _reduce(db_part, bias.dtype if bias is not None else torch.float32))

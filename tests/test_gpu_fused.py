@@ -1,0 +1,302 @@
+"""bias_act and add_layer_norm on the GPU (``pytest -m gpu``): the Triton kernels at real sizes.
+
+Error rule (as flash-attn's tests): the kernel's error against a float64 oracle is at
+most twice the error of the same computation done by torch in the input's precision,
+plus a small atol relative to the largest reference value.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ragged
+from ragged import backends
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
+N_ROWS = 20000
+
+
+def _needs_triton():
+    reason = backends.triton_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _randn(shape, dtype, gen, shift=0.0):
+    return (torch.randn(shape, generator=gen, device="cuda") + shift).to(dtype)
+
+
+def _assert_rule(what: str, out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, dtype: torch.dtype):
+    assert out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    scale = max(1.0, ref.abs().max().item())
+    err = (out.double() - ref).abs().max().item()
+    low_err = (low.double() - ref).abs().max().item()
+    bound = 2 * low_err + ATOL[dtype] * scale
+    assert err <= bound, f"{what}: error {err:.3g} > {bound:.3g} (torch in {dtype}: {low_err:.3g})"
+
+
+def _act(z, activation):
+    if activation == "relu":
+        return F.relu(z)
+    if activation == "gelu":
+        return F.gelu(z)
+    if activation == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    return z
+
+
+def _grads(outs, inputs, gouts):
+    present = [t for t in inputs if t is not None]
+    it = iter(torch.autograd.grad(outs, present, gouts))
+    return [None if t is None else next(it) for t in inputs]
+
+
+def _leaf(t, dtype=None):
+    return None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(True)
+
+
+# --------------------------------------------------------------------------------------
+# Accuracy at real sizes
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [768, 3072])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bias_act_accuracy(dtype, n_cols, activation):
+    _needs_triton()
+    gen = _gen("bias_act", str(dtype), n_cols, activation)
+    x = _randn((N_ROWS, n_cols), dtype, gen).requires_grad_(True)
+    b = _randn((n_cols,), dtype, gen).requires_grad_(True)
+    g = _randn((N_ROWS, n_cols), dtype, gen)
+    y = ragged.bias_act(x, b, activation, backend="triton")
+    dx, db = _grads(y, (x, b), g)
+    outs = {}
+    for name, dt in (("ref", torch.float64), ("low", dtype)):
+        xx, bb = _leaf(x, dt), _leaf(b, dt)
+        out = _act(xx + bb, activation)
+        outs[name] = (out, *_grads(out, (xx, bb), g.to(dt)))
+    for i, what in enumerate(("y", "dx", "dbias")):
+        _assert_rule(f"{what} F={n_cols}", (y, dx, db)[i], outs["ref"][i].detach(), outs["low"][i].detach(), dtype)
+    assert y.dtype == dx.dtype == db.dtype == dtype
+
+
+# (residual, weight, bias, return_sum)
+LN_VARIANTS = {
+    "full_sum": (True, True, True, True),
+    "full": (True, True, True, False),
+    "no_residual": (False, True, True, False),
+    "no_affine_sum": (True, False, False, True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [768, 3072, 16385])
+@pytest.mark.parametrize("variant", list(LN_VARIANTS))
+def test_add_layer_norm_accuracy(dtype, n_cols, variant):
+    """F = 16385 streams rows in chunks (the parameter gradients then come from the column kernel)."""
+    _needs_triton()
+    has_r, has_w, has_b, return_sum = LN_VARIANTS[variant]
+    n_rows = N_ROWS if n_cols <= 3072 else 1000
+    gen = _gen("ln", str(dtype), n_cols, variant)
+    x = _randn((n_rows, n_cols), dtype, gen, shift=1.0).requires_grad_(True)
+    r = _randn((n_rows, n_cols), dtype, gen).requires_grad_(True) if has_r else None
+    w = (1 + 0.5 * _randn((n_cols,), dtype, gen)).requires_grad_(True) if has_w else None
+    b = _randn((n_cols,), dtype, gen).requires_grad_(True) if has_b else None
+    gy = _randn((n_rows, n_cols), dtype, gen)
+    gs = _randn((n_rows, n_cols), dtype, gen) if return_sum else None
+    out = ragged.add_layer_norm(x, r, w, b, return_sum=return_sum, backend="triton")
+    y, s = out if return_sum else (out, None)
+    outs, gouts = ([y, s], [gy, gs]) if return_sum else ([y], [gy])
+    got = _grads(outs, (x, r, w, b), gouts)
+    results = {}
+    for name, dt in (("ref", torch.float64), ("low", dtype)):
+        leaves = [_leaf(t, dt) for t in (x, r, w, b)]
+        s_ref = leaves[0] if leaves[1] is None else leaves[0] + leaves[1]
+        if dt == torch.float64:  # the op normalises the sum as stored in the input dtype
+            s_ref = s_ref + (s_ref.detach().to(dtype).double() - s_ref.detach())
+        y_ref = F.layer_norm(s_ref, (n_cols,), leaves[2], leaves[3])
+        o = [y_ref, s_ref] if return_sum else [y_ref]
+        results[name] = (y_ref.detach(), s_ref.detach(), _grads(o, leaves, [g.to(dt) for g in gouts]))
+    _assert_rule("y", y, results["ref"][0], results["low"][0], dtype)
+    if return_sum:
+        _assert_rule("s", s, results["ref"][1], results["low"][1], dtype)
+    for name, g, g_ref, g_low, t in zip(("x", "residual", "weight", "bias"), got, results["ref"][2],
+                                        results["low"][2], (x, r, w, b)):
+        if t is not None:
+            assert g.dtype == t.dtype
+            _assert_rule(f"d{name}", g, g_ref, g_low, dtype)
+
+
+def test_mixed_dtypes_under_autocast():
+    """A bf16 branch into a float32 residual stream with float32 parameters: nothing is cast,
+    the sum and the output are float32 (torch's promotion), each gradient in its input's dtype."""
+    _needs_triton()
+    lin = torch.nn.Linear(768, 768, device="cuda")
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    stream = torch.randn(4096, 768, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        pre = F.linear(stream, lin.weight)
+        h = ragged.bias_act(pre, lin.bias, "gelu")
+        y, s = ragged.add_layer_norm(h, stream, w, None, return_sum=True)
+    assert pre.dtype == h.dtype == torch.bfloat16 and y.dtype == s.dtype == torch.float32
+    ref_h = F.gelu(pre.detach().float() + lin.bias.detach())
+    torch.testing.assert_close(h.float(), ref_h, atol=1e-2, rtol=1e-2)
+    ref_y = F.layer_norm(h.detach().float() + stream.detach(), (768,), w.detach())
+    torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-4)
+    (y.square().sum() + s.sum()).backward()
+    assert lin.bias.grad.dtype == w.grad.dtype == stream.grad.dtype == torch.float32
+    assert torch.isfinite(stream.grad).all() and torch.isfinite(lin.bias.grad).all()
+
+
+def test_strided_rows_and_leading_dims():
+    _needs_triton()
+    gen = _gen("strided")
+    big = _randn((8, 512, 2 * 768), torch.bfloat16, gen)
+    x = big[..., :768]
+    r = _randn((8, 512, 768), torch.bfloat16, gen)
+    w, b = _randn((768,), torch.float32, gen), _randn((768,), torch.float32, gen)
+    y = ragged.add_layer_norm(x, r, w, b, backend="triton")
+    ref = ragged.add_layer_norm(x.contiguous(), r, w, b, backend="triton")
+    assert torch.equal(y, ref)
+    h = ragged.bias_act(x, b, "gelu_tanh", backend="triton")
+    assert torch.equal(h, ragged.bias_act(x.contiguous(), b, "gelu_tanh", backend="triton"))
+
+
+def test_backward_is_deterministic():
+    _needs_triton()
+    gen = _gen("determinism")
+    x = _randn((N_ROWS, 768), torch.bfloat16, gen).requires_grad_(True)
+    r = _randn((N_ROWS, 768), torch.bfloat16, gen)
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    b = torch.randn(768, device="cuda", requires_grad=True)
+    g = _randn((N_ROWS, 768), torch.bfloat16, gen)
+
+    def grads():
+        y = ragged.add_layer_norm(ragged.bias_act(x, b, "gelu", backend="triton"), r, w, b, backend="triton")
+        return torch.autograd.grad(y, (x, w, b), g)
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, c) for a, c in zip(first, second))
+
+
+# --------------------------------------------------------------------------------------
+# int64 offsets
+
+
+@pytest.mark.slow
+def test_int64_offsets():
+    """N * F past 2**31: the last rows must still be right (int32 offsets would wrap)."""
+    _needs_triton()
+    free, _ = torch.cuda.mem_get_info()
+    n_cols = 768
+    n_rows = 2**31 // n_cols + 4096
+    if free < 6 * n_rows * n_cols * 2:
+        pytest.skip("needs about 20 GB of free GPU memory")
+    x = torch.empty((n_rows, n_cols), dtype=torch.bfloat16, device="cuda").normal_().requires_grad_(True)
+    b = torch.randn(n_cols, device="cuda", requires_grad=True)
+    tail = slice(n_rows - 2048, n_rows)
+    y = ragged.bias_act(x, b, "gelu", backend="triton")
+    torch.testing.assert_close(y[tail], ragged.bias_act(x[tail].detach(), b.detach(), "gelu", backend="torch"))
+    g = torch.ones_like(y)
+    dx, db = torch.autograd.grad(y, (x, b), g)
+    del y
+    xt, bt = x[tail].detach().float().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    ref_dx, _ = torch.autograd.grad(F.gelu(xt + bt), (xt, bt), torch.ones_like(xt))
+    torch.testing.assert_close(dx[tail].float(), ref_dx, atol=1e-2, rtol=1e-2)
+    db_ref = torch.zeros(n_cols, dtype=torch.float64, device="cuda")
+    for i in range(0, n_rows, 1 << 20):
+        z = x[i:i + (1 << 20)].detach().float() + b.detach()
+        db_ref += torch.ops.aten.gelu_backward(torch.ones_like(z), z).sum(0).double()
+    torch.testing.assert_close(db.double(), db_ref, atol=1e-3 * db_ref.abs().max().item(), rtol=1e-4)
+    del dx, g
+    w = torch.randn(n_cols, device="cuda", requires_grad=True)
+    y = ragged.add_layer_norm(x, None, w, b, backend="triton")
+    torch.testing.assert_close(y[tail], ragged.add_layer_norm(x[tail].detach(), None, w.detach(), b.detach(),
+                                                              backend="torch"))
+    dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    xt, wt = x[tail].detach().float().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    ref_dx, = torch.autograd.grad(F.layer_norm(xt, (n_cols,), wt, b.detach()), xt, torch.ones_like(xt))
+    torch.testing.assert_close(dx[tail].float(), ref_dx, atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(dw).all()
+
+
+# --------------------------------------------------------------------------------------
+# No host sync, torch.compile, auto
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_host_sync(backend):
+    if backend == "triton":
+        _needs_triton()
+    gen = _gen("sync", backend)
+    x = _randn((3000, 768), torch.bfloat16, gen).requires_grad_(True)
+    stream = _randn((3000, 768), torch.bfloat16, gen).requires_grad_(True)
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    b = torch.randn(768, device="cuda", requires_grad=True)
+
+    def step():
+        h = ragged.bias_act(x, b, "gelu", backend=backend)
+        y, s = ragged.add_layer_norm(h, stream, w, b, return_sum=True, backend=backend)
+        z = ragged.add_layer_norm(y, None, None, None, backend=backend)
+        (z.float().square().sum() + s.float().sum()).backward()
+
+    step()                       # warm up: compile the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all() and torch.isfinite(x.grad.float()).all()
+
+
+def test_compile_fullgraph():
+    _needs_triton()
+    torch._dynamo.reset()
+    lin1 = torch.nn.Linear(768, 3072, device="cuda", dtype=torch.bfloat16)
+    lin2 = torch.nn.Linear(3072, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    b = torch.randn(768, device="cuda", requires_grad=True)
+
+    def block(x, stream):
+        h, stream = ragged.add_layer_norm(x, stream, w, b, return_sum=True)
+        h = ragged.bias_act(F.linear(h, lin1.weight), lin1.bias, "gelu_tanh")
+        return ragged.add_layer_norm(F.linear(h, lin2.weight), stream, None, lin2.bias)
+
+    gen = _gen("compile")
+    x = _randn((2048, 768), torch.bfloat16, gen).requires_grad_(True)
+    stream = _randn((2048, 768), torch.bfloat16, gen).requires_grad_(True)
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x, stream)
+    ref = block(x, stream)
+    torch.testing.assert_close(out, ref)
+    params = (x, stream, w, b, lin1.weight, lin1.bias, lin2.weight, lin2.bias)
+    g_out = torch.autograd.grad(out.float().square().sum(), params)
+    g_ref = torch.autograd.grad(ref.float().square().sum(), params)
+    for a, c in zip(g_out, g_ref):  # inductor may order the surrounding sums differently
+        assert a.dtype == c.dtype
+        assert (a.float() - c.float()).abs().max() <= 2e-2 * c.float().abs().max()
+
+
+def test_auto_takes_triton_on_cuda():
+    _needs_triton()
+    x = torch.randn(4, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, device="cuda")
+    assert backends.select("bias_act", None, x.device, x, w, "gelu").name == "triton"
+    assert backends.select("add_layer_norm", None, x.device, x, x, w, None).name == "triton"
+    x64 = x.double()
+    assert backends.select("add_layer_norm", None, x.device, x64, None, None, None).name == "torch"
