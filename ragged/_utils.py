@@ -113,13 +113,17 @@ def _dispatch_modes() -> int:
         return int(_get_current_dispatch_mode() is not None)
 
 
+_Parameter = torch.nn.Parameter
+
+
 def eager(*tensors: torch.Tensor) -> bool:
     """True when a call may skip the torch.library dispatcher: plain tensors in eager mode
-    (not compiling, no tensor subclass such as FakeTensor, no dispatch mode active)."""
+    (not compiling, no tensor subclass such as FakeTensor, no dispatch mode active;
+    ``nn.Parameter`` is a plain tensor here: it dispatches like one)."""
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor and type(t) is not _Parameter:
             return False
     return _dispatch_modes() == 0
 

@@ -72,7 +72,7 @@ def cases():
                    dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, GLOBAL=globl, BLOCK_M=32,
                         BLOCK_N=256, BLOCK_K=64, INLINE=inline, CHUNK=64), 8, 3)
         yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
-               + ["i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,
+               + ["i32", "i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,
                                               BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
     tl = triton.language
     for act, bias in ((0, False), (1, True), (2, True), (3, True)):

@@ -405,7 +405,7 @@ def _ce_backward(ctx, grad, *_unused):
     need = ctx.needs_input_grad
     need_h, need_w, need_b = bool(need[0]), bool(need[2]), bool(bias is not None and need[3])
     deterministic = torch.are_deterministic_algorithms_enabled()
-    grad = grad.contiguous()
+    # the loss gradient may be a broadcast scalar (mean, sum): the kernel reads it with its stride
     if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, local, lse)):
         from ..kernels.triton.vocab import cross_entropy_backward
 
@@ -673,8 +673,8 @@ def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index:
     if out_of_vocab == "error" and tokens > 0:
         bad = ~(found | ignored)
         first = bad.to(torch.int32).argmax()
-        _raise_out_of_vocab(fn, torch.stack([bad.sum().to(torch.int32), first.to(torch.int32)]), target, h_off,
-                            ignore_index)
+        _raise_out_of_vocab(fn, torch.stack([bad.sum().to(torch.int32), (2 ** 31 - 1) - first.to(torch.int32)]),
+                            target, h_off, ignore_index)
     keep = found & ~ignored
     return torch.where(keep, local, torch.full_like(local, -1))
 
@@ -682,13 +682,14 @@ def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index:
 def _raise_out_of_vocab(fn: str, bad: torch.Tensor, target: torch.Tensor, h_off: torch.Tensor,
                         ignore_index: int) -> None:
     """ValueError naming the first token whose target is outside its candidates. ``bad``:
-    device ``[count, first token]``; reading it is the one sync of ``out_of_vocab="error"``
+    device ``[count, 2**31 - 1 - first token]``; reading it is the one sync of ``out_of_vocab="error"``
     (under torch.compile, a device-side assert instead)."""
     hint = "pass out_of_vocab='ignore' to skip such tokens"
     if torch.compiler.is_compiling():
         torch._assert_async(bad[0] == 0, f"{fn}(): a target is not among its sequence's candidate ids; {hint}")
         return
     count, first = bad.tolist()
+    first = 2 ** 31 - 1 - first
     if count:
         tid = int(target[first])
         b = int(torch.searchsorted(h_off.to(torch.int64), torch.tensor([first], device=h_off.device),

@@ -342,14 +342,15 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
 
 
 def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias,
-             deterministic, dw_out=None, db_out=None):
+             deterministic, dw_out=None, db_out=None, dh_out=None):
     """(d_hidden, d_weight, d_bias) of the projection for the flat logits' gradient ``grad``.
 
     d_weight is summed straight into a ``[V, d]`` tensor of the weight's dtype with atomic
     adds (each row receives one add per sequence whose candidates contain it: a few adds in
     fp16/bf16 precision, no fp32 copy of the weight-sized gradient). ``deterministic=True``
     writes one fp32 row per (sequence, candidate) and sums them by id in a fixed order.
-    ``dw_out`` / ``db_out``: tensors to accumulate into (returned as d_weight / d_bias)."""
+    ``dw_out`` / ``db_out``: tensors to accumulate into (returned as d_weight / d_bias);
+    ``dh_out``: rows to write d_hidden into (unit feature stride)."""
     hidden, weight, grad = _rows(hidden), _rows(weight), grad.contiguous()
     ids = ids.contiguous()
     batch = h_off.shape[0] - 1
@@ -362,7 +363,10 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
     v_arg = v_off if v_off is not None else h_off
     d_hidden = d_weight = d_bias = None
     if need_hidden:
-        d_hidden = torch.zeros_like(hidden) if batch == 0 else torch.empty_like(hidden)
+        if dh_out is not None:
+            d_hidden = dh_out.zero_() if batch == 0 else dh_out
+        else:
+            d_hidden = torch.zeros_like(hidden) if batch == 0 else torch.empty_like(hidden)
         bm, block_d, block_k, warps, stages = _dhidden_config(dim, max_t, hidden.dtype, interp)
         if batch and hidden.shape[0]:
             work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
@@ -475,7 +479,8 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
         n_bad = tl.sum(bad.to(tl.int32), 0)
         if n_bad > 0:
             tl.atomic_add(BAD, n_bad, sem="relaxed")
-            tl.atomic_min(BAD + 1, tl.min(tl.where(bad, t0 + rows, 2147483647), 0), sem="relaxed")
+            # BAD[1] keeps 2**31 - 1 - (first bad token): a max over a zeroed tensor
+            tl.atomic_max(BAD + 1, 2147483647 - tl.min(tl.where(bad, t0 + rows, 2147483647), 0), sem="relaxed")
     else:
         tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -504,11 +509,13 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
 
 @triton.jit
 def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
-                    stride_ht, stride_wv, smoothing,
+                    stride_ht, stride_wv, stride_wt, smoothing,
                     HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INLINE: tl.constexpr, CHUNK: tl.constexpr):
-    """g[t, c] = WT[t] * (exp(z - lse) - (1 - eps) * [c == target] - eps / V_b), written flat at l_off."""
+    """g[t, c] = WT[t] * (exp(z - lse) - (1 - eps) * [c == target] - eps / V_b), written flat at l_off
+    (0 for a token without target). WT: the loss gradient, read with stride ``stride_wt``
+    (0 for the broadcast gradient of a mean or a sum)."""
     item = tl.program_id(0)
     b, local, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED,
                                 True, True, INLINE, CHUNK)
@@ -519,8 +526,8 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
                     HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     lse = tl.load(LSE + t0 + rows, mask=row_ok, other=0.0)
-    wt = tl.load(WT + t0 + rows, mask=row_ok, other=0.0)
     tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
+    wt = tl.load(WT + (t0 + rows).to(tl.int64) * stride_wt, mask=row_ok & (tgt >= 0), other=0.0).to(tl.float32)
     p = tl.exp(z - lse[:, None])
     g = p - (1.0 - smoothing) * (cols[None, :] == tgt[:, None]).to(tl.float32) - smoothing / v_len.to(tl.float32)
     g = g * wt[:, None]
@@ -537,7 +544,7 @@ def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target
     and ``bad`` is None. Otherwise ``target`` holds global ids, located in the kernel:
     ``local`` ``[T]`` int32 gets each one's index among its candidates (-1 where it is
     ``ignore_index`` or not a candidate) and ``bad`` int32 ``[2]`` the number of tokens whose
-    target is neither, and the first such token (2**31 - 1 when none)."""
+    target is neither, and ``2**31 - 1`` minus the first such token (0 when none)."""
     hidden, weight = _rows(hidden), _rows(weight)
     ids, target = ids.contiguous(), target.contiguous()
     globl = ignore_index is not None
@@ -545,10 +552,11 @@ def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target
         target = target.to(torch.int32)
     total_t = hidden.shape[0]
     device = hidden.device
-    loss = torch.zeros(total_t, dtype=torch.float32, device=device)
-    lse = torch.full((total_t,), float("-inf"), dtype=torch.float32, device=device)
-    local = torch.full((total_t,), -1, dtype=torch.int32, device=device) if globl else target
-    bad = to_device([0, 2 ** 31 - 1], torch.int32, device) if globl else None
+    # every token belongs to a row tile of its sequence: the kernel writes each row
+    loss = torch.empty(total_t, dtype=torch.float32, device=device)
+    lse = torch.empty(total_t, dtype=torch.float32, device=device)
+    local = torch.empty(total_t, dtype=torch.int32, device=device) if globl else target
+    bad = torch.zeros(2, dtype=torch.int32, device=device) if globl else None
     batch = h_off.shape[0] - 1
     if total_t == 0 or batch == 0:
         return loss, lse, local, bad
@@ -579,20 +587,24 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
     hidden, weight = _rows(hidden), _rows(weight)
     ids = ids.contiguous()
     target_local = target_local.to(torch.int32).contiguous()
-    token_weight = torch.where(target_local >= 0, grad_loss.float(), torch.zeros((), device=device))
+    if grad_loss.dim() != 1 or grad_loss.shape[0] != hidden.shape[0]:
+        grad_loss = grad_loss.expand(hidden.shape[0])
     batch = h_off.shape[0] - 1
     shared = v_off is None
     dim = hidden.shape[1]
     vocab_size = weight.shape[0]
-    d_hidden = torch.zeros_like(hidden) if need_hidden else None
     dw = torch.zeros((vocab_size, dim), dtype=weight.dtype, device=device) if need_weight or need_bias else None
     db = torch.zeros(vocab_size, dtype=weight.dtype, device=device) if need_bias else None
-    if batch == 0 or hidden.shape[0] == 0:
-        return d_hidden, dw if need_weight else None, db
+    single = host_h_off is None or (not shared and host_v_off is None) or total <= chunk_elems
+    if batch == 0 or hidden.shape[0] == 0 or total == 0:
+        return torch.zeros_like(hidden) if need_hidden else None, dw if need_weight else None, db
+    # one chunk: d_hidden written by its kernel for every token; several: rows of sequences
+    # without logits belong to no chunk and stay zero
+    d_hidden = (torch.empty_like(hidden) if single else torch.zeros_like(hidden)) if need_hidden else None
+    chunks = ([(h_off, v_off, l_off, ids, 0, hidden.shape[0], total, batch)] if single else
+              _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device))
     bm, bn, bk, warps, stages = _config(dim, max_t, max_v, hidden.dtype, _interpreted())
-    for chunk in _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device):
-        c_h_off, c_v_off, c_l_off, c_ids, t_lo, t_hi, size, n = chunk
-        t_hi = hidden.shape[0] if t_hi is None else t_hi
+    for c_h_off, c_v_off, c_l_off, c_ids, t_lo, t_hi, size, n in chunks:
         shared_v = c_ids.shape[0] if shared else 0
         hid_c = hidden[t_lo:t_hi]
         g = torch.empty(size, dtype=hidden.dtype, device=device)
@@ -601,14 +613,13 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
         grid = (size // (bm * bn) + (t_hi - t_lo) // bm + n_cand // bn + 2 * n + 1,)
         _ce_grad_kernel[grid](
             hid_c, weight, bias if bias is not None else hidden, c_ids, target_local[t_lo:t_hi], lse[t_lo:t_hi],
-            token_weight[t_lo:t_hi], g, c_h_off, c_v_off if c_v_off is not None else c_h_off, c_l_off, work, n,
-            shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), float(smoothing),
+            grad_loss[t_lo:t_hi], g, c_h_off, c_v_off if c_v_off is not None else c_h_off, c_l_off, work, n,
+            shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), grad_loss.stride(0), float(smoothing),
             HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk_w, num_warps=warps, num_stages=stages)
-        dh_c, _, _ = backward(g, hid_c, c_h_off, weight, c_ids, c_v_off, c_l_off, max_t, max_v,
-                              need_hidden, need_weight, need_bias, deterministic, dw_out=dw, db_out=db)
-        if need_hidden:
-            d_hidden[t_lo:t_hi] = dh_c
+        backward(g, hid_c, c_h_off, weight, c_ids, c_v_off, c_l_off, max_t, max_v, need_hidden, need_weight,
+                 need_bias, deterministic, dw_out=dw, db_out=db,
+                 dh_out=d_hidden[t_lo:t_hi] if need_hidden else None)
     return d_hidden, dw if need_weight else None, db
 
 
