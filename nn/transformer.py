@@ -191,7 +191,9 @@ class TransformerEncoderLayer(nn.Module):
     def _ff_block(self, x: torch.Tensor, fused: str | None) -> torch.Tensor:
         act = _fused_activation(self.activation) if fused is not None else None
         if act is not None:  # bias + activation in one pass (and in one pass backward, with dbias)
-            h = _call_bias_act(F.linear(x, self.linear1.weight), self.linear1.bias, act, fused)
+            h = F.linear(x, self.linear1.weight)
+            backend = backends.select("bias_act", None, h.device, h, self.linear1.bias, act).name
+            h = _call_bias_act(h, self.linear1.bias, act, backend)
         else:
             h = self.activation(self.linear1(x))
         if self.training and self.dropout.p > 0:

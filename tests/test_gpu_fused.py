@@ -72,25 +72,34 @@ def _leaf(t, dtype=None):
 # Accuracy at real sizes
 
 
+def _check_bias_act(backend, dtype, n_rows, n_cols, activation, has_bias=True):
+    """Forward and gradients of ``backend`` against the float64 oracle (the error rule); returns
+    (x, bias, y) for further comparisons."""
+    gen = _gen("bias_act", str(dtype), n_cols, activation, *(() if has_bias else ("no_bias",)))
+    x = _randn((n_rows, n_cols), dtype, gen).requires_grad_(True)
+    b = _randn((n_cols,), dtype, gen).requires_grad_(True) if has_bias else None
+    g = _randn((n_rows, n_cols), dtype, gen)
+    y = ragged.bias_act(x, b, activation, backend=backend)
+    dx, db = _grads(y, (x, b), g)
+    outs = {}
+    for name, dt in (("ref", torch.float64), ("low", dtype)):
+        xx, bb = _leaf(x, dt), _leaf(b, dt)
+        out = _act(xx if bb is None else xx + bb, activation)
+        outs[name] = (out, *_grads(out, (xx, bb), g.to(dt)))
+    for i, what in enumerate(("y", "dx", "dbias")):
+        if i < 2 or has_bias:
+            _assert_rule(f"{what} F={n_cols}", (y, dx, db)[i], outs["ref"][i].detach(), outs["low"][i].detach(),
+                         dtype)
+    assert y.dtype == dx.dtype == dtype and (db is None or db.dtype == dtype)
+    return x, b, y
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_cols", [768, 3072])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_bias_act_accuracy(dtype, n_cols, activation):
     _needs_triton()
-    gen = _gen("bias_act", str(dtype), n_cols, activation)
-    x = _randn((N_ROWS, n_cols), dtype, gen).requires_grad_(True)
-    b = _randn((n_cols,), dtype, gen).requires_grad_(True)
-    g = _randn((N_ROWS, n_cols), dtype, gen)
-    y = ragged.bias_act(x, b, activation, backend="triton")
-    dx, db = _grads(y, (x, b), g)
-    outs = {}
-    for name, dt in (("ref", torch.float64), ("low", dtype)):
-        xx, bb = _leaf(x, dt), _leaf(b, dt)
-        out = _act(xx + bb, activation)
-        outs[name] = (out, *_grads(out, (xx, bb), g.to(dt)))
-    for i, what in enumerate(("y", "dx", "dbias")):
-        _assert_rule(f"{what} F={n_cols}", (y, dx, db)[i], outs["ref"][i].detach(), outs["low"][i].detach(), dtype)
-    assert y.dtype == dx.dtype == db.dtype == dtype
+    _check_bias_act("triton", dtype, N_ROWS, n_cols, activation)
 
 
 # (residual, weight, bias, return_sum)
@@ -100,16 +109,19 @@ LN_VARIANTS = {
     "no_residual": (False, True, True, False),
     "no_affine_sum": (True, False, False, True),
 }
+# ... and the other combinations the CUDA kernel distinguishes (null pointers for absent tensors)
+CUDA_LN_VARIANTS = {
+    **LN_VARIANTS,
+    "bare": (False, False, False, False),
+    "weight_only": (True, True, False, False),
+    "bias_only_sum": (False, False, True, True),
+}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n_cols", [768, 3072, 16385])
-@pytest.mark.parametrize("variant", list(LN_VARIANTS))
-def test_add_layer_norm_accuracy(dtype, n_cols, variant):
-    """F = 16385 streams rows in chunks (the parameter gradients then come from the column kernel)."""
-    _needs_triton()
-    has_r, has_w, has_b, return_sum = LN_VARIANTS[variant]
-    n_rows = N_ROWS if n_cols <= 3072 else 1000
+def _check_add_layer_norm(backend, dtype, n_rows, n_cols, variant):
+    """Forward and gradients of ``backend`` against the float64 oracle (the error rule); returns
+    ((x, residual, weight, bias), y, s or None) for further comparisons."""
+    has_r, has_w, has_b, return_sum = CUDA_LN_VARIANTS[variant]
     gen = _gen("ln", str(dtype), n_cols, variant)
     x = _randn((n_rows, n_cols), dtype, gen, shift=1.0).requires_grad_(True)
     r = _randn((n_rows, n_cols), dtype, gen).requires_grad_(True) if has_r else None
@@ -117,7 +129,7 @@ def test_add_layer_norm_accuracy(dtype, n_cols, variant):
     b = _randn((n_cols,), dtype, gen).requires_grad_(True) if has_b else None
     gy = _randn((n_rows, n_cols), dtype, gen)
     gs = _randn((n_rows, n_cols), dtype, gen) if return_sum else None
-    out = ragged.add_layer_norm(x, r, w, b, return_sum=return_sum, backend="triton")
+    out = ragged.add_layer_norm(x, r, w, b, return_sum=return_sum, backend=backend)
     y, s = out if return_sum else (out, None)
     outs, gouts = ([y, s], [gy, gs]) if return_sum else ([y], [gy])
     got = _grads(outs, (x, r, w, b), gouts)
@@ -138,6 +150,16 @@ def test_add_layer_norm_accuracy(dtype, n_cols, variant):
         if t is not None:
             assert g.dtype == t.dtype
             _assert_rule(f"d{name}", g, g_ref, g_low, dtype)
+    return (x, r, w, b), y, s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [768, 3072, 16385])
+@pytest.mark.parametrize("variant", list(LN_VARIANTS))
+def test_add_layer_norm_accuracy(dtype, n_cols, variant):
+    """F = 16385 streams rows in chunks (the parameter gradients then come from the column kernel)."""
+    _needs_triton()
+    _check_add_layer_norm("triton", dtype, N_ROWS if n_cols <= 3072 else 1000, n_cols, variant)
 
 
 def test_mixed_dtypes_under_autocast():
@@ -293,6 +315,8 @@ def test_compile_fullgraph():
 
 
 def test_auto_takes_triton_on_cuda():
+    """Triton where the CUDA kernels cannot go: a float32 parameter with bfloat16 activations
+    (the CUDA kernels take one dtype), or CuPy missing."""
     _needs_triton()
     x = torch.randn(4, 768, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(768, device="cuda")
@@ -300,3 +324,215 @@ def test_auto_takes_triton_on_cuda():
     assert backends.select("add_layer_norm", None, x.device, x, x, w, None).name == "triton"
     x64 = x.double()
     assert backends.select("add_layer_norm", None, x.device, x64, None, None, None).name == "torch"
+
+
+# --------------------------------------------------------------------------------------
+# The "cuda" backend: CUDA C++ forward (csrc/fused.cu), Triton backward
+
+
+def _needs_cuda_kernels():
+    _needs_triton()
+    reason = backends.cuda_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+def _cuda_fused():
+    from ragged.kernels import cuda_fused
+
+    return cuda_fused
+
+
+def _triton_fused():
+    from ragged.kernels.triton import fused
+
+    return fused
+
+
+def _assert_within_one_ulp(what: str, out: torch.Tensor, other: torch.Tensor, dtype: torch.dtype):
+    """``out`` within one ulp (of ``dtype``, at ``other``'s magnitude) of ``other``, plus some
+    float32 roundings: the two kernels sum a row in different orders (a row mean differs by up to
+    about 4e-7 at F = 4096, times rstd * |weight|) and take tanh / rsqrt from different formulas,
+    so their fp32 values may differ in the last few bits before the final rounding. For 16-bit
+    outputs that slack is far below an ulp."""
+    assert out.shape == other.shape and out.dtype == other.dtype, what
+    a, b = out.double(), other.double()
+    mag = b.abs().clamp_min(torch.finfo(dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(mag))) * torch.finfo(dtype).eps
+    tol = ulp + 32 * torch.finfo(torch.float32).eps * b.abs().clamp_min(1.0)
+    excess = ((a - b).abs() - tol).max().item()
+    assert excess <= 0, f"{what}: {excess:.3g} past one ulp of {dtype} (max diff {(a - b).abs().max().item():.3g})"
+
+
+def _forward_only(backend, fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [768, 1024, 3072])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+def test_cuda_bias_act_accuracy(dtype, n_cols, activation, has_bias):
+    """The error rule against float64 (forward CUDA, gradients from the Triton backward), and y
+    within one ulp of the Triton kernel's."""
+    _needs_cuda_kernels()
+    x, b, y = _check_bias_act("cuda", dtype, N_ROWS, n_cols, activation, has_bias)
+    assert ragged.explain("bias_act", x.detach(), None if b is None else b.detach(), activation)["cuda"] == []
+    y_triton = _forward_only("triton", ragged.bias_act, x.detach(), None if b is None else b.detach(), activation)
+    _assert_within_one_ulp(f"y vs triton, {activation}", y.detach(), y_triton, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [768, 1024, 4096])
+@pytest.mark.parametrize("variant", list(CUDA_LN_VARIANTS))
+def test_cuda_add_layer_norm_accuracy(dtype, n_cols, variant):
+    """The error rule against float64 (forward CUDA, gradients from the Triton backward); y within
+    one ulp of the Triton kernel's, s bit-identical, mean / rstd to float32 rounding."""
+    _needs_cuda_kernels()
+    if n_cols > _cuda_fused().max_layer_norm_features(dtype):  # float32 past 2048 features: Triton's
+        x = torch.zeros((4, n_cols), dtype=dtype, device="cuda")
+        reasons = ragged.explain("add_layer_norm", x, x, None, None)["cuda"]
+        assert any(f"at most {_cuda_fused().max_layer_norm_features(dtype)} features" in r for r in reasons), reasons
+        assert backends.select("add_layer_norm", None, x.device, x, x, None, None).name == "triton"
+        return
+    (x, r, w, b), y, s = _check_add_layer_norm("cuda", dtype, N_ROWS, n_cols, variant)
+    inputs = [None if t is None else t.detach() for t in (x, r, w, b)]
+    assert ragged.explain("add_layer_norm", *inputs)["cuda"] == []
+    return_sum = s is not None
+    out = _forward_only("triton", ragged.add_layer_norm, *inputs, return_sum=return_sum)
+    y_triton, s_triton = out if return_sum else (out, None)
+    _assert_within_one_ulp(f"y vs triton, {variant}", y.detach(), y_triton, dtype)
+    if return_sum:
+        assert torch.equal(s.detach(), s_triton)
+    x2, r2, w2, b2 = inputs
+    ours = _cuda_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
+    theirs = _triton_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
+    torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)   # mean
+    torch.testing.assert_close(ours[3], theirs[3], rtol=1e-5, atol=0)      # rstd
+
+
+def _nan_padded(n_rows, n_cols, dtype, gen, pad=64, shift=0.0):
+    """An [n_rows, n_cols] view with row stride n_cols + pad whose padding columns are NaN:
+    a kernel that reads past a row poisons its output."""
+    buf = torch.full((n_rows, n_cols + pad), float("nan"), dtype=dtype, device="cuda")
+    buf[:, :n_cols] = _randn((n_rows, n_cols), dtype, gen, shift)
+    return buf[:, :n_cols]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_rows", [1, 7, 20001])
+@pytest.mark.parametrize("n_cols", [768, 1024])
+def test_cuda_odd_rows_and_strided_inputs(dtype, n_rows, n_cols):
+    """Row counts that leave warps of the last block idle, strided x / residual rows with NaN in
+    the gaps: the CUDA forward equals the Triton one (within one ulp; the sum bit for bit)."""
+    _needs_cuda_kernels()
+    gen = _gen("cuda_odd", str(dtype), n_rows, n_cols)
+    x = _nan_padded(n_rows, n_cols, dtype, gen, shift=1.0)
+    r = _nan_padded(n_rows, n_cols, dtype, gen, pad=32)
+    w = 1 + 0.5 * _randn((n_cols,), dtype, gen)
+    b = _randn((n_cols,), dtype, gen)
+    assert ragged.explain("add_layer_norm", x, r, w, b)["cuda"] == []
+    y, s = _forward_only("cuda", ragged.add_layer_norm, x, r, w, b, return_sum=True)
+    y_t, s_t = _forward_only("triton", ragged.add_layer_norm, x, r, w, b, return_sum=True)
+    assert torch.isfinite(y).all() and torch.equal(s, s_t)
+    _assert_within_one_ulp("y", y, y_t, dtype)
+    xc = x.contiguous()
+    for activation in ACTIVATIONS:
+        h = _forward_only("cuda", ragged.bias_act, xc, b, activation)
+        _assert_within_one_ulp(f"bias_act {activation}", h, _forward_only("triton", ragged.bias_act, xc, b,
+                                                                           activation), dtype)
+    if n_rows == 1:
+        return
+    # strided x goes to Triton for bias_act (the CUDA kernel walks x as one contiguous run)
+    assert any("contiguous x" in m for m in ragged.explain("bias_act", x, b, "gelu")["cuda"])
+    assert backends.select("bias_act", None, x.device, x, b, "gelu").name == "triton"
+
+
+def test_cuda_inference_statistics_are_optional():
+    _needs_cuda_kernels()
+    gen = _gen("cuda_stats")
+    x = _randn((3000, 768), torch.bfloat16, gen)
+    r = _randn((3000, 768), torch.bfloat16, gen)
+    y, s, mean, rstd = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, True)
+    y2, s2, mean2, rstd2 = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, True, stats=False)
+    assert torch.equal(y, y2) and torch.equal(s, s2)
+    assert mean.shape == rstd.shape == (3000,) and mean2.numel() == rstd2.numel() == 0
+    y3, s3, _, _ = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, False)
+    assert torch.equal(y3, y) and s3.shape == (0,)
+
+
+def test_cuda_misaligned_inputs_go_to_triton():
+    _needs_cuda_kernels()
+    gen = _gen("cuda_misaligned")
+    buf = _randn((64, 776), torch.float16, gen)
+    x = buf[:, 1:769]                      # 2 bytes past a 16-byte boundary
+    reasons = ragged.explain("add_layer_norm", x, None, None, None)["cuda"]
+    assert any("16-byte aligned" in r for r in reasons), reasons
+    assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "triton"
+    with pytest.raises(ValueError, match=r"backend 'cuda' cannot take this input: .*16-byte aligned"):
+        ragged.add_layer_norm(x, None, None, None, backend="cuda")
+    # the launcher itself (reached with fake tensors under torch.compile) hands it to Triton
+    y = _cuda_fused().add_layer_norm_forward(x, None, None, None, 1e-5, False)[0]
+    ref = _triton_fused().add_layer_norm_forward(x, None, None, None, 1e-5, False)[0]
+    assert torch.equal(y, ref)
+
+
+def test_cuda_no_host_sync():
+    _needs_cuda_kernels()
+    gen = _gen("cuda_sync")
+    x = _randn((3000, 768), torch.bfloat16, gen).requires_grad_(True)
+    stream = _randn((3000, 768), torch.bfloat16, gen).requires_grad_(True)
+    w = _randn((768,), torch.bfloat16, gen).requires_grad_(True)
+    b = _randn((768,), torch.bfloat16, gen).requires_grad_(True)
+
+    def step():
+        h = ragged.bias_act(x, b, "gelu", backend="cuda")
+        y, s = ragged.add_layer_norm(h, stream, w, b, return_sum=True, backend="cuda")
+        z = ragged.add_layer_norm(y, None, None, None, backend="cuda")
+        (z.float().square().sum() + s.float().sum()).backward()
+        with torch.no_grad():
+            _cuda_fused().add_layer_norm_forward(y, None, w, b, 1e-5, False, stats=False)
+
+    step()                       # warm up: compile the kernels (NVRTC and Triton)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad.float()).all() and torch.isfinite(x.grad.float()).all()
+
+
+def test_auto_takes_cuda():
+    _needs_cuda_kernels()
+    x = torch.randn(N_ROWS, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    assert backends.select("bias_act", None, x.device, x, w, "gelu").name == "cuda"
+    assert backends.select("add_layer_norm", None, x.device, x, x, w, w).name == "cuda"
+    assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "cuda"
+    # what it declines: float32 parameters with bfloat16 activations, F not a multiple of 8
+    assert backends.select("add_layer_norm", None, x.device, x, x, w.float(), None).name == "triton"
+    x770 = torch.randn(16, 770, device="cuda", dtype=torch.bfloat16)
+    assert backends.select("bias_act", None, x.device, x770, None, "relu").name == "triton"
+
+
+@pytest.mark.slow
+def test_cuda_int64_offsets():
+    """N * F past 2**31 elements: the last rows of the CUDA forward must still be right."""
+    _needs_cuda_kernels()
+    free, _ = torch.cuda.mem_get_info()
+    n_cols = 768
+    n_rows = 2**31 // n_cols + 4096
+    if free < 4 * n_rows * n_cols * 2:
+        pytest.skip("needs about 18 GB of free GPU memory")
+    x = torch.empty((n_rows, n_cols), dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.randn(n_cols, device="cuda", dtype=torch.bfloat16)
+    tail = slice(n_rows - 2048, n_rows)
+    with torch.no_grad():
+        y = ragged.bias_act(x, b, "gelu", backend="cuda")
+        torch.testing.assert_close(y[tail], ragged.bias_act(x[tail], b, "gelu", backend="torch"))
+        del y
+        y = ragged.add_layer_norm(x, None, b, b, backend="cuda")
+        torch.testing.assert_close(y[tail], ragged.add_layer_norm(x[tail], None, b, b, backend="torch"))

@@ -24,7 +24,8 @@ in that input's dtype.
 Implementations (:mod:`ragged.backends`): ``"torch"`` (:func:`reference_bias_act`,
 :func:`reference_add_layer_norm` and written-out backward formulas; the CPU path and
 the tests' oracle) and ``"triton"`` (:mod:`ragged.kernels.triton.fused`; float16,
-bfloat16 and float32). ``"auto"`` takes Triton on CUDA tensors. No op reads the GPU
+bfloat16 and float32). ``"auto"`` takes the CUDA C++ forward (``csrc/fused.cu``, with the Triton backward) where
+it can, then Triton, on CUDA tensors. No op reads the GPU
 from the host.
 """
 
@@ -243,6 +244,43 @@ def _add_layer_norm_triton_backward(*args):
     return add_layer_norm_backward(*args)
 
 
+def _bias_act_cuda_forward(*args):
+    from ..kernels.cuda_fused import bias_act_forward
+
+    return bias_act_forward(*args)
+
+
+def _add_layer_norm_cuda_forward(*args):
+    from ..kernels.cuda_fused import add_layer_norm_forward
+
+    return add_layer_norm_forward(*args)
+
+
+# The "cuda" implementations run the CUDA C++ forward (csrc/fused.cu: about 5 us of host time
+# per launch against 25-40 us for Triton on the H200 machine) and the Triton backward, which
+# reads the same saved tensors; so they need what both need. An input the CUDA kernel takes
+# (CUDA tensor, float16/bfloat16/float32) passes the Triton dtype checks too: only Triton's
+# import is left to ask about.
+def _with_triton_reasons(cuda_reasons: list[str], triton_reasons, x, *args) -> list[str]:
+    if not cuda_reasons:
+        r = backends.triton_reason(x.device)
+        return [r] if r else []
+    return cuda_reasons + triton_reasons(x, *args)
+
+
+def _bias_act_cuda_reasons(x, bias, activation) -> list[str]:
+    from ..kernels.cuda_fused import bias_act_reasons
+
+    return _with_triton_reasons(bias_act_reasons(x, bias, activation), _bias_act_triton_reasons, x, bias, activation)
+
+
+def _add_layer_norm_cuda_reasons(x, residual, weight, bias) -> list[str]:
+    from ..kernels.cuda_fused import add_layer_norm_reasons
+
+    return _with_triton_reasons(add_layer_norm_reasons(x, residual, weight, bias), _add_layer_norm_triton_reasons,
+                                x, residual, weight, bias)
+
+
 backends.register("bias_act", "torch", (_bias_act_torch_forward, _bias_act_torch_backward), _no_reasons)
 backends.register("bias_act", "triton", (_bias_act_triton_forward, _bias_act_triton_backward),
                   _bias_act_triton_reasons)
@@ -250,8 +288,11 @@ backends.register("add_layer_norm", "torch", (_add_layer_norm_torch_forward, _ad
                   _no_reasons)
 backends.register("add_layer_norm", "triton", (_add_layer_norm_triton_forward, _add_layer_norm_triton_backward),
                   _add_layer_norm_triton_reasons)
-backends.set_auto_order("bias_act", ("triton", "torch"))
-backends.set_auto_order("add_layer_norm", ("triton", "torch"))
+backends.register("bias_act", "cuda", (_bias_act_cuda_forward, _bias_act_triton_backward), _bias_act_cuda_reasons)
+backends.register("add_layer_norm", "cuda", (_add_layer_norm_cuda_forward, _add_layer_norm_triton_backward),
+                  _add_layer_norm_cuda_reasons)
+backends.set_auto_order("bias_act", ("cuda", "triton", "torch"))
+backends.set_auto_order("add_layer_norm", ("cuda", "triton", "torch"))
 
 
 def _impl(op: str, name: str):
