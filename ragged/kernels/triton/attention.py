@@ -84,10 +84,22 @@ def _bounds(cu_q, cu_k, b):
 
 @triton.jit
 def _keep(seed, dropout_p, h, t_global, j_local, total_q, max_k):
-    """Dropout keep mask for query tokens ``t_global`` x keys ``j_local`` of head ``h``."""
-    rows = (h * total_q + t_global).to(tl.int64) * max_k
-    offs = (rows[:, None] + j_local[None, :]).to(tl.uint32)
-    return tl.rand(seed, offs) >= dropout_p
+    """Dropout keep mask for query tokens ``t_global`` x keys ``j_local`` of head ``h``.
+
+    ``j_local``: consecutive key indices starting at a multiple of 4, a multiple of 4 of
+    them. One Philox call gives four 32-bit draws, used for four neighbouring keys: key j
+    of row (h, t) takes draw ``j % 4`` of counter ``(h * total_q + t) * ceil(max_k / 4) +
+    j // 4``; kept when its top 24 bits, as a fraction of 2**24, are >= dropout_p."""
+    M: tl.constexpr = t_global.shape[0]
+    N: tl.constexpr = j_local.shape[0]
+    rows = (h * total_q + t_global).to(tl.int64) * ((max_k + 3) // 4)
+    quads = tl.min(j_local, 0) // 4 + tl.arange(0, N // 4)
+    offs = (rows[:, None] + quads[None, :]).to(tl.uint32)
+    r0, r1, r2, r3 = tl.randint4x(seed, offs)
+    # column 4 q + c takes r_c: join (r0, r2) and (r1, r3), then flatten [M, N/4, 2, 2]
+    u = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))
+    u = (u.to(tl.uint32, bitcast=True) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return u >= dropout_p
 
 
 @triton.jit
@@ -539,7 +551,7 @@ def dropout_keep_mask(seed: int, dropout_p: float, cu_q: torch.Tensor, heads: in
     out = torch.empty((heads, total_q, max_k), dtype=torch.int8, device=device)
     if total_q and heads:
         _keep_mask_kernel[(total_q, heads)](out, seed, dropout_p, total_q, max_k,
-                                            BLOCK=min(triton.next_power_of_2(max_k), 1024))
+                                            BLOCK=max(4, min(triton.next_power_of_2(max_k), 1024)))
     return out.bool()
 
 
