@@ -58,6 +58,34 @@ def _fused_activation(activation) -> str | None:
     return None
 
 
+_UNSET = object()
+_BIAS_ACT_BACKENDS: dict[tuple, str] = {}
+
+
+def _bias_act_backend(h: torch.Tensor, bias: torch.Tensor | None, act: str) -> str:
+    """Backend of bias + activation for a Linear's output ``h`` (contiguous and aligned, as
+    every F.linear output is): chosen once per (device, dtypes, width, activation, global
+    backend choice), since its reasons depend on nothing else for such inputs."""
+    key = (h.device, h.dtype, None if bias is None else bias.dtype, h.shape[-1], act, backends.get_backend(),
+           h.is_contiguous())
+    name = _BIAS_ACT_BACKENDS.get(key)
+    if name is None:
+        name = backends.select("bias_act", None, h.device, h, bias, act).name
+        if h.data_ptr() % 16 == 0 and not torch.compiler.is_compiling():
+            _BIAS_ACT_BACKENDS[key] = name
+    return name
+
+
+def _plain_call(module: nn.Module) -> bool:
+    """True when calling ``module`` would only run its forward: no hooks on it, no global
+    module hooks (then the encoder may call the layer's body directly)."""
+    from torch.nn.modules import module as m
+
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
 def _fused_backend(x: torch.Tensor) -> str | None:
     """Backend of the fused per-token ops (bias + activation, residual + LayerNorm) for the
     layer's values ``x``, or None to run torch's own ops: off the GPU (there the fused ops
@@ -160,9 +188,10 @@ class TransformerEncoderLayer(nn.Module):
         shell.norm2.eps = layer.norm2.eps
         return adopt(fn, shell, layer, False, None)
 
-    def _block(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
+    def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET) -> RaggedTensor:
         x = rt.values
-        fused = _fused_backend(x)
+        if fused is _UNSET:
+            fused = _fused_backend(x)
         if fused is None:
             if self.norm_first:
                 x = x + self._sa_block(rt.with_values(self.norm1(x)), causal)
@@ -192,8 +221,7 @@ class TransformerEncoderLayer(nn.Module):
         act = _fused_activation(self.activation) if fused is not None else None
         if act is not None:  # bias + activation in one pass (and in one pass backward, with dbias)
             h = F.linear(x, self.linear1.weight)
-            backend = backends.select("bias_act", None, h.device, h, self.linear1.bias, act).name
-            h = _call_bias_act(h, self.linear1.bias, act, backend)
+            h = _call_bias_act(h, self.linear1.bias, act, _bias_act_backend(h, self.linear1.bias, act))
         else:
             h = self.activation(self.linear1(x))
         if self.training and self.dropout.p > 0:
@@ -271,8 +299,10 @@ class TransformerEncoder(nn.Module):
         return new
 
     def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
+        fused = _fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
         for layer in self.layers:
-            rt = layer(rt, is_causal=causal)
+            # the input was checked once above; a layer without hooks runs its body directly
+            rt = layer._block(rt, causal, fused) if _plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

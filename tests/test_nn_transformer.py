@@ -795,3 +795,20 @@ def test_gpu_compile_and_autocast():
         expected = enc.train()(x, src_key_padding_mask=pad)
     assert got.dtype == expected.dtype
     _check(got.float(), expected.float(), GPU_LENGTHS, tol={"rtol": 0.05, "atol": 0.05})
+
+
+def test_layer_hooks_fire_inside_the_encoder():
+    """The encoder calls a layer's body directly only when the layer has no hooks."""
+    enc = _torch_encoder(seed=31)
+    ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True).eval()
+    x, pad = _padded([3, 5], seed=31)
+    seen = []
+    handle = ours.layers[1].register_forward_hook(lambda mod, args, out: seen.append(out.values.shape))
+    try:
+        with torch.no_grad():
+            hooked = ours(x, src_key_padding_mask=pad)
+    finally:
+        handle.remove()
+    assert seen == [(8, D)]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, src_key_padding_mask=pad), hooked, rtol=0, atol=0)
