@@ -259,6 +259,20 @@ SUITES: dict[str, Suite] = {}
 """Registered suites by name, in registration order."""
 
 
+def workload_shapes(config: Config, gpu_shapes, cpu_shapes, quick_index: int) -> list:
+    """The shapes a suite runs: on a GPU every one of ``gpu_shapes`` (only
+    ``gpu_shapes[quick_index]`` with --quick), on CPU ``cpu_shapes``; --dtype swaps their
+    ``dtype`` field for each requested floating dtype (shapes are dataclasses)."""
+    if config.on_gpu:
+        shapes = [gpu_shapes[quick_index]] if config.quick else list(gpu_shapes)
+    else:
+        shapes = list(cpu_shapes)
+    if config.dtypes is None:
+        return shapes
+    floats = [d for d in config.dtypes if d.is_floating_point]
+    return [dataclasses.replace(s, dtype=d) for s in shapes for d in floats]
+
+
 def register(cls: type[Suite]) -> type[Suite]:
     """Class decorator: add a suite to :data:`SUITES` under ``cls.name``."""
     if not cls.name:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import ragged
 
 from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, max_error_compare,
-                       register)
+                       register, workload_shapes)
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 SEED = 0
@@ -466,14 +466,7 @@ sequences at a time); max abs error <= 2e-2 for bf16 (gradients: 2e-2 x max(1, m
     def shapes(self, config: Config) -> list[Shape]:
         """GPU: the three workloads (the long-tailed one with --quick); --dtype swaps their
         dtype. CPU: the tiny case, in each requested floating dtype."""
-        float_dtypes = [d for d in (config.dtypes or ()) if d.is_floating_point]
-        if config.on_gpu:
-            shapes = [GPU_SHAPES[QUICK_SHAPE]] if config.quick else list(GPU_SHAPES)
-        else:
-            shapes = list(CPU_SHAPES)
-        if config.dtypes is None:
-            return shapes
-        return [dataclasses.replace(s, dtype=d) for s in shapes for d in float_dtypes]
+        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE)
 
     def cases(self, config: Config) -> list[Case]:
         cases = []

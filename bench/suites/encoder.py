@@ -44,7 +44,7 @@ from torch import nn
 import ragged
 import ragged.nn as rnn
 
-from ..harness import Case, Config, Impl, Row, Suite, Workload, dtype_name, register
+from ..harness import Case, Config, Impl, Row, Suite, Workload, dtype_name, register, workload_shapes
 from . import attention
 
 SEED = 0
@@ -580,14 +580,7 @@ tol = 2e-2 for bf16, 1e-4 for fp32.
     def shapes(self, config: Config) -> list[Shape]:
         """GPU: the three workloads (the long-tailed one with --quick); --dtype swaps their
         dtype. CPU: the tiny case, in each requested floating dtype."""
-        float_dtypes = [d for d in (config.dtypes or ()) if d.is_floating_point]
-        if config.on_gpu:
-            shapes = [GPU_SHAPES[QUICK_SHAPE]] if config.quick else list(GPU_SHAPES)
-        else:
-            shapes = list(CPU_SHAPES)
-        if config.dtypes is None:
-            return shapes
-        return [dataclasses.replace(s, dtype=d) for s in shapes for d in float_dtypes]
+        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE)
 
     def cases(self, config: Config) -> list[Case]:
         cases = []
