@@ -624,13 +624,11 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
 
 
 def _ce_chunks(h_off, v_off, l_off, ids, total, host_h_off, host_v_off, chunk_elems, device):
-    """Yield (h_off, v_off, l_off, ids, first token, end token, logits, sequences) per chunk."""
+    """Yield (h_off, v_off, l_off, ids, first token, end token, logits, sequences) per chunk
+    of at most ``chunk_elems`` logits; needs the host offsets (the caller takes the batch
+    as one chunk without them)."""
     batch = h_off.shape[0] - 1
     shared = v_off is None
-    if host_h_off is None or (not shared and host_v_off is None):
-        if total:
-            yield h_off, v_off, l_off, ids, 0, None, total, batch
-        return
 
     def v_len(b):
         return ids.shape[0] if shared else host_v_off[b + 1] - host_v_off[b]
