@@ -651,6 +651,32 @@ def test_dropout_backward(case, causal):
 
 
 @needs_triton
+def test_dropout_mask_statistics():
+    """The kernels' keep mask looks independent: at p = 0.5 the kept fraction, and the agreement
+    between neighbouring keys, neighbouring queries, two heads and two seeds, are all 1/2
+    within 4 standard deviations of a fair coin (a hash with a weak mix fails these)."""
+    from ragged.kernels.triton.attention import dropout_keep_mask
+
+    lengths, heads, p = [96, 1, 37, 128], 2, 0.5
+    cu, total, max_k = _cu(lengths), sum(lengths), max(lengths)
+    a = dropout_keep_mask(_drawn_seed(5), p, cu, heads, total, max_k, torch.device("cpu"))
+    b = dropout_keep_mask(_drawn_seed(6), p, cu, heads, total, max_k, torch.device("cpu"))
+    valid = torch.cat([torch.arange(max_k) < n for n in lengths for _ in range(n)]).view(total, max_k)
+
+    def fair(x: torch.Tensor, what: str) -> None:
+        x = x.float()
+        assert abs(x.mean().item() - 0.5) < 4 * (0.25 / x.numel()) ** 0.5, f"{what}: {x.mean().item():.4f}"
+
+    fair(a[:, valid], "kept fraction")
+    both = valid[:, 1:] & valid[:, :-1]
+    fair((a[:, :, 1:] == a[:, :, :-1])[:, both], "neighbouring keys agree")
+    rows = valid[1:] & valid[:-1]
+    fair((a[:, 1:] == a[:, :-1])[:, rows], "neighbouring queries agree")
+    fair((a[0] == a[1])[valid], "two heads agree")
+    fair((a == b)[:, valid], "two seeds agree")
+
+
+@needs_triton
 def test_dropout_reference_backend_without_a_gpu_or_interpreter():
     """The CPU path takes dropout on a machine with neither a GPU nor TRITON_INTERPRET."""
     code = textwrap.dedent("""
