@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
-from .._utils import describe
+from .._utils import describe, eager
 from ..ops.fused import _call_add_layer_norm, _call_bias_act
 from ..tensor import RaggedTensor
 from .activation import (
@@ -31,6 +31,7 @@ from .activation import (
     pack_padded,
     to_batch_first,
 )
+from .fused_layer import layer_forward
 
 __all__ = ["TransformerEncoder", "TransformerEncoderLayer", "convert"]
 
@@ -74,6 +75,44 @@ def _bias_act_backend(h: torch.Tensor, bias: torch.Tensor | None, act: str) -> s
         if h.data_ptr() % 16 == 0 and not torch.compiler.is_compiling():
             _BIAS_ACT_BACKENDS[key] = name
     return name
+
+
+def _linear_output_act_backend(x: torch.Tensor, width: int, bias: torch.Tensor | None, act: str) -> str:
+    """:func:`_bias_act_backend` for the ``[T, width]`` output of a Linear applied to ``x``,
+    before it exists (a one-row probe of it on a cache miss)."""
+    key = (x.device, x.dtype, None if bias is None else bias.dtype, width, act, backends.get_backend(), True)
+    name = _BIAS_ACT_BACKENDS.get(key)
+    return name if name is not None else _bias_act_backend(x.new_empty((1, width)), bias, act)
+
+
+def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causal: bool, fused: str):
+    """``(activation, attention backend, add_layer_norm backend, bias_act backend)`` when the
+    layer's training step can run as one autograd node (:mod:`ragged.nn.fused_layer`), else
+    None: grad enabled and something requiring it, an activation bias_act fuses, the packed
+    input projection, every parameter a plain tensor of the input's dtype, tokens present."""
+    if not torch.is_grad_enabled():
+        return None
+    act = _fused_activation(layer.activation)
+    attn = layer.self_attn
+    if act is None or not attn._qkv_same_embed_dim or attn.bias_k is not None:
+        return None
+    x = rt.values
+    params = (attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias, layer.norm1.weight,
+              layer.norm1.bias, layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
+              layer.norm2.weight, layer.norm2.bias)
+    present = [p for p in params if p is not None]
+    if x.shape[0] == 0 or not eager(x, rt.offsets, *present) or not x.is_contiguous():
+        return None
+    if any(p.dtype != x.dtype or p.device != x.device for p in present):
+        return None
+    if not (x.requires_grad or any(p.requires_grad for p in present)):
+        return None
+    heads = x.view(x.shape[0], attn.num_heads, attn.head_dim)
+    attn_backend = backends.select("attention", None, x.device, heads, heads, heads, rt.offsets, rt.offsets,
+                                   rt.max_len, rt.max_len, causal, attn.dropout if layer.training else 0.0,
+                                   True).name
+    act_backend = _linear_output_act_backend(x, layer.linear1.out_features, layer.linear1.bias, act)
+    return act, attn_backend, fused, act_backend
 
 
 def _plain_call(module: nn.Module) -> bool:
@@ -200,6 +239,9 @@ class TransformerEncoderLayer(nn.Module):
                 x = self.norm1(x + self._sa_block(rt, causal))
                 x = self.norm2(x + self._ff_block(x, None))
             return rt.with_values(x)
+        one_node = _one_node_backends(self, rt, causal, fused)
+        if one_node is not None:
+            return rt.with_values(layer_forward(self, x, rt.offsets, rt.max_len, causal, *one_node))
         n1, n2 = self.norm1, self.norm2
         if self.norm_first:
             h = _call_add_layer_norm(x, None, n1.weight, n1.bias, n1.eps, False, fused)[0]

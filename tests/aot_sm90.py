@@ -22,6 +22,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 def compile_kernel(fn, types, consts, num_warps=4, num_stages=2):
     """``types``: one Triton type string per non-constexpr argument, in order."""
+    fn = getattr(fn, "jit", fn)  # a cached-launch wrapper: its @triton.jit function
     names = fn.arg_names
     signature, constexprs, it = {}, {}, iter(types)
     for i, name in enumerate(names):

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
+
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
@@ -160,6 +162,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
     return acc, l_i, m_i
 
 
+@cached_launch
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                 seed, dropout_p, total_q, max_k,
@@ -252,6 +255,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
     return dk, dv
 
 
+@cached_launch
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                      seed, dropout_p, total_q, max_k, heads,
@@ -332,6 +336,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
     return dq
 
 
+@cached_launch
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                    seed, dropout_p, total_q, max_k, heads,
@@ -382,6 +387,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_
              mask=qd_mask)
 
 
+@cached_launch
 @triton.jit
 def _delta_kernel(O, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride_doh, heads,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -396,6 +402,7 @@ def _delta_kernel(O, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride
     tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
 
 
+@cached_launch
 @triton.jit
 def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr):
     h = tl.program_id(1)
@@ -465,6 +472,7 @@ def _worklist(cu: torch.Tensor, block: int):
     return _block_cum(cu, block), False, 16, max(batch - 1, 0).bit_length()
 
 
+@cached_launch
 @triton.jit
 def _block_cum_kernel(CU, OUT, batch, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """OUT[b+1] = sum over b' <= b of ceil(L_b' / BLOCK_M); OUT[0] = 0 (one program)."""
@@ -524,14 +532,17 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
     return out, lse
 
 
-def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, grads=None):
+    """``(dq, dk, dv)``; ``grads``: optional preallocated ``(dq, dk, dv)`` with unit feature
+    stride (any token / head strides, e.g. views of one packed ``[T, 3, H, D]`` buffer)."""
     q, k, v, do = _rows(q), _rows(k), _rows(v), _rows(do)
     total_q, heads, head_dim = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_q.shape[0] - 1
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if grads is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = grads
     if batch == 0 or (total_q == 0 and total_k == 0):
         return dq, dk, dv
     if total_q == 0:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...backends import triton_interpreted
+from .launch import cached_launch
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 
@@ -83,6 +84,7 @@ def _act_grad(z, ACT: tl.constexpr):
 # bias + activation
 
 
+@cached_launch
 @triton.jit
 def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
                          N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -98,6 +100,7 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
     tl.store(Y + rows[:, None] * N_COLS + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
 
 
+@cached_launch
 @triton.jit
 def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, n_rows, rows_per_group, stride_g, stride_x,
                          N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -140,6 +143,7 @@ def _load_sum(A, B, rows, cols, m, stride_a, stride_b, HAS_B: tl.constexpr, SUM_
     return s
 
 
+@cached_launch
 @triton.jit
 def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps,
                    N_COLS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -196,6 +200,7 @@ def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
+@cached_launch
 @triton.jit
 def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_rows, rows_per_group,
                    stride_dy, stride_ds, stride_a, stride_b,
@@ -281,6 +286,7 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_row
                 tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds.to(DSUM.dtype.element_ty), mask=m)
 
 
+@cached_launch
 @triton.jit
 def _ln_bwd_dwdb_kernel(DY, A, BSRC, MEAN, RSTD, DW_PART, DB_PART, n_rows, rows_per_group,
                         stride_dy, stride_a, stride_b,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..._utils import feature_rows_contiguous
+from .launch import cached_launch
 
 
 @triton.jit
@@ -37,6 +38,7 @@ def _search(offsets, t, lo, hi, steps):
     return lo
 
 
+@cached_launch
 @triton.jit
 def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_steps,
                  ROW: tl.constexpr, SRC_ALIGN: tl.constexpr, LEFT: tl.constexpr,
@@ -76,6 +78,7 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_s
     tl.store(dst + t[:, None] * ROW + cols[None, :], x, mask=m)
 
 
+@cached_launch
 @triton.jit
 def _unpack_kernel(src, dst, offsets, n_rows, width, fill_bits,
                    ROW: tl.constexpr, LEFT: tl.constexpr, BITS: tl.constexpr,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..._utils import to_device
+from .launch import cached_launch
 
 _INLINE_MAX_BATCH = 4096
 
@@ -132,6 +133,7 @@ def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, strid
     return acc
 
 
+@cached_launch
 @triton.jit
 def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
                 stride_ht, stride_wv,
@@ -151,6 +153,7 @@ def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@cached_launch
 @triton.jit
 def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
                     stride_wv, stride_dht,
@@ -182,6 +185,7 @@ def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n
              mask=row_ok[:, None] & d_ok[None, :])
 
 
+@cached_launch
 @triton.jit
 def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
                     stride_ht, stride_dwv,
@@ -437,6 +441,7 @@ def _reduce_by_id(rows: torch.Tensor, bias_rows: torch.Tensor, ids: torch.Tensor
 CE_CHUNK = 1 << 22
 
 
+@cached_launch
 @triton.jit
 def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v,
                    n_steps, dim, stride_ht, stride_wv, smoothing, ignore_index, n_search,
@@ -507,6 +512,7 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
     tl.store(LSE + t0 + rows, lse, mask=row_ok)
 
 
+@cached_launch
 @triton.jit
 def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
                     stride_ht, stride_wv, stride_wt, smoothing,

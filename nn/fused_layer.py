@@ -1,0 +1,171 @@
+"""A training step of one encoder layer as one autograd node.
+
+In eager training a ``TransformerEncoderLayer`` records about thirty autograd nodes
+(linears and their transposes, views, the attention, three dropouts, two residual
+LayerNorms, bias + activation) and the engine spends host time on each of them, forward
+and backward. :class:`_LayerFunction` runs the same computation with the same kernels,
+saves what the backward needs, and computes every gradient in a hand-written backward:
+
+* forward, post-norm: ``qkv = x W_in^T + b_in``; attention; ``sa = o W_out^T + b_out``;
+  ``y1 = LN1(drop1(sa) + x)``; ``g = act(y1 W_1^T + b_1)`` (one fused pass); ``f = drop(g)
+  W_2^T + b_2``; ``y = LN2(drop2(f) + y1)``;
+* pre-norm: ``h1 = LN1(x)``, the attention block on ``h1``, ``(h2, x1) = (LN2(s), s)`` with
+  ``s = drop1(sa) + x`` (one pass returns both), ``y = x1 + drop2(FF(h2))``;
+* backward: the residual gradients enter the GEMMs as their accumulators (``addmm``), the
+  LayerNorm backward returns the gradient of both summands of its sum, and the attention
+  backward writes dq, dk, dv into one ``[T, 3, H, D]`` buffer, so the input projection's
+  gradient needs no stacking copy.
+
+Dropout masks come from ``torch.native_dropout`` (torch's generator), the attention's from
+its kernels' seed. The backends are chosen by the caller (the same choices the per-op path
+makes), so on a CPU with the torch backends the function computes exactly what the per-op
+path computes (the tests compare them in float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ops.attention import _backward_backend
+from ..ops.attention import _impl as _attention_impl
+from ..ops.attention import _seed as _attention_seed
+from ..ops.fused import _impl as _fused_impl
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+
+
+def _dropout(x: torch.Tensor, p: float):
+    if p == 0.0:
+        return x, None
+    return torch.native_dropout(x, p, True)
+
+
+def _dropout_backward(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
+    return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p))
+
+
+def _bias_grad(g: torch.Tensor, b: torch.Tensor | None, need: bool) -> torch.Tensor | None:
+    return g.sum(0).to(b.dtype) if need and b is not None else None
+
+
+class _LayerFunction(torch.autograd.Function):
+    """``forward(ctx, x, cu, config, *params) -> y``; ``config``: see :func:`layer_forward`."""
+
+    @staticmethod
+    def forward(ctx, x, cu, config, in_w, in_b, out_w, out_b, n1w, n1b, w1, b1, w2, b2, n2w, n2b):
+        (norm_first, heads, max_len, causal, scale, p_attn, p1, p_ff, p2, eps1, eps2, act, attn_backend,
+         ln_backend, act_backend) = config
+        n_tok, d = x.shape
+        ln_fwd = _fused_impl("add_layer_norm", ln_backend)[0]
+        ba_fwd = _fused_impl("bias_act", act_backend)[0]
+        if norm_first:
+            h1, _, mean1, rstd1 = ln_fwd(x, None, n1w, n1b, eps1, False)
+        else:
+            h1, mean1, rstd1 = x, None, None
+        qkv = _linear(h1, in_w, in_b)
+        q, k, v = qkv.view(n_tok, 3, heads, d // heads).unbind(1)
+        seed = _attention_seed(p_attn)
+        o, lse = _attention_impl(attn_backend)[0](q, k, v, cu, cu, max_len, max_len, causal, scale, p_attn, seed)
+        a = o.reshape(n_tok, d)
+        sa, m1 = _dropout(_linear(a, out_w, out_b), p1)
+        if norm_first:
+            h2, x1, mean2, rstd2 = ln_fwd(sa, x, n2w, n2b, eps2, True)
+        else:
+            x1, _, mean2, rstd2 = ln_fwd(sa, x, n1w, n1b, eps1, False)
+            h2 = x1
+        hid = torch.mm(h2, w1.t())
+        g, m2 = _dropout(ba_fwd(hid, b1, act), p_ff)
+        f, m3 = _dropout(_linear(g, w2, b2), p2)
+        if norm_first:
+            y = x1 + f
+            mean3 = rstd3 = None
+        else:
+            y, _, mean3, rstd3 = ln_fwd(f, x1, n2w, n2b, eps2, False)
+        ctx.config = config
+        ctx.seed = seed
+        ctx.save_for_backward(x, cu, h1, mean1, rstd1, q, k, v, o, lse, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2,
+                              f, m3, mean3, rstd3, in_w, in_b, out_w, out_b, n1w, n1b, w1, b1, w2, b2, n2w, n2b)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (norm_first, heads, max_len, causal, scale, p_attn, p1, p_ff, p2, eps1, eps2, act, attn_backend,
+         ln_backend, act_backend) = ctx.config
+        (x, cu, h1, mean1, rstd1, q, k, v, o, lse, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2, f, m3, mean3, rstd3,
+         in_w, in_b, out_w, out_b, n1w, n1b, w1, b1, w2, b2, n2w, n2b) = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        (need_x, _, _, need_in_w, need_in_b, need_out_w, need_out_b, need_n1w, need_n1b, need_w1, need_b1, need_w2,
+         need_b2, need_n2w, need_n2b) = need
+        ln_bwd = _fused_impl("add_layer_norm", ln_backend)[1]
+        ba_bwd = _fused_impl("bias_act", act_backend)[1]
+        dy = dy.contiguous()
+        n_tok, d = x.shape
+        dn1w = dn1b = dn2w = dn2b = None
+        # feed-forward block; d_res: the gradient of the block's residual input (x1)
+        if norm_first:
+            df, d_res = dy, dy
+        else:
+            df, dn2w, dn2b = ln_bwd(dy, None, f, x1, n2w, n2b, mean3, rstd3, need_n2w, need_n2b)
+            d_res = df
+        df = _dropout_backward(df, m3, p2)
+        dw2 = torch.mm(df.t(), g) if need_w2 else None
+        db2 = _bias_grad(df, b2, need_b2)
+        dg = _dropout_backward(torch.mm(df, w2), m2, p_ff)
+        dhid, db1 = ba_bwd(dg, hid, b1, act, need_b1)
+        dw1 = torch.mm(dhid.t(), h2) if need_w1 else None
+        if norm_first:
+            # h2 = LN2(s), x1 = s: the LayerNorm backward adds the returned sum's gradient
+            dh2 = torch.mm(dhid, w1)
+            ds, dn2w, dn2b = ln_bwd(dh2, d_res, x1, None, n2w, n2b, mean2, rstd2, need_n2w, need_n2b)
+        else:
+            dx1 = torch.addmm(d_res, dhid, w1)
+            ds, dn1w, dn1b = ln_bwd(dx1, None, sa, x, n1w, n1b, mean2, rstd2, need_n1w, need_n1b)
+        # attention block; ds: the gradient of both summands of s = drop1(sa) + x
+        dsa = _dropout_backward(ds, m1, p1)
+        dw_out = torch.mm(dsa.t(), a) if need_out_w else None
+        db_out = _bias_grad(dsa, out_b, need_out_b)
+        da = torch.mm(dsa, out_w).view(n_tok, heads, d // heads)
+        dqkv = torch.empty((n_tok, 3, heads, d // heads), dtype=q.dtype, device=q.device)
+        grads = dqkv.unbind(1)
+        bwd = _attention_impl(_backward_backend(attn_backend))[1]
+        if attn_backend in ("cuda", "triton"):
+            bwd(da, q, k, v, o, lse, cu, cu, max_len, max_len, causal, scale, p_attn, ctx.seed, grads)
+        else:
+            for buf, grad in zip(grads, bwd(da, q, k, v, o, lse, cu, cu, max_len, max_len, causal, scale, p_attn,
+                                            ctx.seed)):
+                buf.copy_(grad)
+        dqkv = dqkv.view(n_tok, 3 * d)
+        dw_in = torch.mm(dqkv.t(), h1) if need_in_w else None
+        db_in = _bias_grad(dqkv, in_b, need_in_b)
+        dx = None
+        if need_x:
+            if norm_first:
+                dh1 = torch.mm(dqkv, in_w)
+                dx_ln, dn1w, dn1b = ln_bwd(dh1, None, x, None, n1w, n1b, mean1, rstd1, need_n1w, need_n1b)
+                dx = ds + dx_ln
+            else:
+                dx = torch.addmm(ds, dqkv, in_w)
+        elif norm_first and (need_n1w or need_n1b):
+            _, dn1w, dn1b = ln_bwd(torch.mm(dqkv, in_w), None, x, None, n1w, n1b, mean1, rstd1, need_n1w,
+                                   need_n1b)
+        return (dx, None, None, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b)
+
+
+def layer_forward(layer, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, act: str,
+                  attn_backend: str, ln_backend: str, act_backend: str) -> torch.Tensor:
+    """``layer``'s training forward on ``values x [T, d]`` as one autograd node (see the module
+    docstring); ``act``: a :func:`ragged.bias_act` activation name."""
+    attn = layer.self_attn
+    training = layer.training
+    config = (layer.norm_first, attn.num_heads, max_len, causal, 1.0 / math.sqrt(attn.head_dim),
+              attn.dropout if training else 0.0, layer.dropout1.p if training else 0.0,
+              layer.dropout.p if training else 0.0, layer.dropout2.p if training else 0.0,
+              layer.norm1.eps, layer.norm2.eps, act, attn_backend, ln_backend, act_backend)
+    return _LayerFunction.apply(x, cu, config, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                                attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.linear1.weight,
+                                layer.linear1.bias, layer.linear2.weight, layer.linear2.bias, layer.norm2.weight,
+                                layer.norm2.bias)

@@ -1,0 +1,198 @@
+"""The one-autograd-node training step of ragged.nn.TransformerEncoderLayer (ragged.nn.fused_layer).
+
+Oracle: the per-op path of the same layer (every op recorded by autograd), in float64 on
+the CPU with the fused ops' torch backends: values and every gradient. With dropout the
+two paths draw their masks in another order, so there the backward is checked by
+``torch.autograd.gradcheck`` on a function that reseeds torch before each call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import ragged
+from ragged import RaggedTensor
+from ragged.nn import fused_layer
+from ragged.nn import transformer as tmod
+
+D, HEADS, FF = 8, 2, 16
+GRID = list(itertools.product([False, True], ["relu", "gelu", "gelu_tanh"], [True, False], [False, True]))
+LENGTHS = [3, 0, 5, 1, 4]
+
+
+def _layer(norm_first, activation, bias, dropout=0.0, seed=0):
+    act = nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
+    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=dropout, activation=act, batch_first=True,
+                                              norm_first=norm_first, bias=bias, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.1 * noise if name.startswith("norm") and name.endswith("weight") else 0.4 * noise)
+    return layer.train()
+
+
+def _input(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), D, generator=g, dtype=torch.float64, requires_grad=True)
+    return x, RaggedTensor.from_lengths(x, lengths)
+
+
+def _grads(layer, x, out, up):
+    params = [p for p in layer.parameters()]
+    return torch.autograd.grad(out, [x, *params], up, allow_unused=True)
+
+
+@pytest.fixture
+def torch_backends(monkeypatch):
+    """The layer's GPU path (fused ops and the one-node step) on the CPU, through the torch backends."""
+    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "torch")
+    monkeypatch.setattr(tmod, "_linear_output_act_backend", lambda *a: "torch")
+    real = tmod._one_node_backends
+
+    def pick(*args):
+        found = real(*args)
+        return None if found is None else (found[0], "torch", "torch", "torch")
+
+    monkeypatch.setattr(tmod, "_one_node_backends", pick)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("norm_first,activation,bias,causal", GRID, ids=["-".join(map(str, c)) for c in GRID])
+def test_one_node_matches_per_op_path(torch_backends, norm_first, activation, bias, causal):
+    seed = zlib.crc32(repr((norm_first, activation, bias, causal)).encode()) % 1000
+    layer = _layer(norm_first, activation, bias, seed=seed)
+    x, rt = _input(LENGTHS, seed)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+
+    got = layer(rt, is_causal=causal).values
+    assert type(got.grad_fn).__name__ == "_LayerFunctionBackward", "the one-node step was not taken"
+    got_grads = _grads(layer, x, got, up)
+
+    torch_backends.setattr(tmod, "_one_node_backends", lambda *a: None)
+    expected = layer(rt, is_causal=causal).values
+    assert type(expected.grad_fn).__name__ != "_LayerFunctionBackward"
+    want_grads = _grads(layer, x, expected, up)
+
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, g, w in zip(names, got_grads, want_grads):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_one_node_with_dropout_passes_gradcheck(torch_backends, norm_first):
+    layer = _layer(norm_first, "gelu", True, dropout=0.25, seed=3)
+    x, rt = _input([3, 1, 4], 4)
+    names = [n for n, _ in layer.named_parameters()]
+
+    def reseeded(x_, *ps):
+        # the same dropout masks (attention's included) on every call
+        torch.manual_seed(0)
+        out = torch.func.functional_call(layer, dict(zip(names, ps)), (rt.with_values(x_),)).values
+        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward", "the one-node step was not taken"
+        return out
+
+    inputs = [x.detach().clone().requires_grad_(True)]
+    inputs += [p.detach().clone().requires_grad_(True) for p in layer.parameters()]
+    base = reseeded(*inputs)
+    torch.testing.assert_close(base, reseeded(*inputs), rtol=0, atol=0)
+    torch.manual_seed(1)
+    assert not torch.equal(base, layer(rt).values), "dropout 0.25 drew the same masks for another seed"
+    with torch.no_grad():
+        layer.eval()
+        plain = layer(rt).values
+        layer.train()
+    assert not torch.allclose(base, plain), "dropout 0.25 changed nothing"
+    assert torch.autograd.gradcheck(reseeded, inputs, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def test_one_node_only_where_it_applies(torch_backends):
+    layer = _layer(False, "relu", True)
+    x, rt = _input([2, 3], 0)
+    with torch.no_grad():
+        assert layer(rt).values.grad_fn is None
+    callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
+                                                     batch_first=True, dtype=torch.float64).train()
+    out = callable_act(rt).values
+    assert type(out.grad_fn).__name__ != "_LayerFunctionBackward"
+    frozen = _layer(False, "relu", True)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    plain = RaggedTensor.from_lengths(x.detach(), [2, 3])
+    assert frozen(plain).values.grad_fn is None
+    empty = RaggedTensor.from_lengths(torch.zeros(0, D, dtype=torch.float64, requires_grad=True), [0, 0])
+    assert type(layer(empty).values.grad_fn).__name__ != "_LayerFunctionBackward"
+
+
+def test_one_node_leaves_frozen_parameters_without_grad(torch_backends):
+    layer = _layer(True, "gelu", True)
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name.startswith("linear"))
+    x, rt = _input(LENGTHS, 7)
+    out = layer(rt).values
+    assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+    out.sum().backward()
+    for name, p in layer.named_parameters():
+        assert (p.grad is not None) == name.startswith("linear"), name
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# --------------------------------------------------------------------------------------
+# GPU (pytest -m gpu): the one-node step on the CUDA / Triton kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_one_node_matches_per_op_path(monkeypatch, norm_first, dtype):
+    """Same kernels, one autograd node against the per-op path: values and every gradient
+    (dropout 0), then with dropout: reproducible, finite, no host sync."""
+    d, heads = 128, 2
+    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                              norm_first=norm_first, device="cuda", dtype=dtype).train()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            noise = torch.randn(p.shape, generator=g).to("cuda", dtype)
+            p.copy_(1.0 + 0.1 * noise if name.startswith("norm") and name.endswith("weight") else d ** -0.5 * noise)
+    lengths = [37, 0, 130, 1, 64]
+    x = torch.randn(sum(lengths), d, generator=g).to("cuda", dtype).requires_grad_(True)
+    rt = RaggedTensor.from_lengths(x, lengths)
+    up = torch.randn(x.shape, generator=g).to("cuda", dtype)
+    got = layer(rt).values
+    assert type(got.grad_fn).__name__ == "_LayerFunctionBackward"
+    got_grads = _grads(layer, x, got, up)
+    with monkeypatch.context() as m:
+        m.setattr(tmod, "_one_node_backends", lambda *a: None)
+        expected = layer(rt).values
+        want_grads = _grads(layer, x, expected, up)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, expected, **tol)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, got_grads, want_grads):
+        scale = b.abs().max().clamp_min(1e-3)
+        torch.testing.assert_close(a / scale, b / scale, **tol, msg=lambda msg, n=name: f"{n}: {msg}")
+
+    for module in layer.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.1
+    layer.self_attn.dropout = 0.1
+    torch.manual_seed(5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(rt).values
+        grads = _grads(layer, x, out, up)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.manual_seed(5)
+    again = layer(rt).values
+    assert torch.equal(out, again)
+    assert all(torch.isfinite(t).all() for t in grads)
