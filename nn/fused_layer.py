@@ -85,6 +85,8 @@ class _LayerFunction(torch.autograd.Function):
             mean3 = rstd3 = None
         else:
             y, _, mean3, rstd3 = ln_fwd(f, x1, n2w, n2b, eps2, False)
+        if isinstance(ctx, _NoSave):
+            return y
         ctx.config = config
         ctx.seed = seed
         ctx.save_for_backward(x, cu, h1, mean1, rstd1, q, k, v, o, lse, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2,
@@ -155,16 +157,30 @@ class _LayerFunction(torch.autograd.Function):
         return (dx, None, None, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b)
 
 
+class _NoSave:
+    """Stands in for the autograd context when nothing needs a gradient (inference)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
 def layer_forward(layer, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, act: str,
-                  attn_backend: str, ln_backend: str, act_backend: str) -> torch.Tensor:
-    """``layer``'s training forward on ``values x [T, d]`` as one autograd node (see the module
-    docstring); ``act``: a :func:`ragged.bias_act` activation name."""
+                  attn_backend: str, ln_backend: str, act_backend: str, needs_grad: bool = True) -> torch.Tensor:
+    """``layer``'s forward on ``values x [T, d]``: one autograd node (see the module
+    docstring) when ``needs_grad``, else the same kernels called straight, with nothing
+    saved (inference: no per-op wrappers, checks or RaggedTensors between the kernels);
+    ``act``: a :func:`ragged.bias_act` activation name."""
     attn = layer.self_attn
     training = layer.training
     config = (layer.norm_first, attn.num_heads, max_len, causal, 1.0 / math.sqrt(attn.head_dim),
               attn.dropout if training else 0.0, layer.dropout1.p if training else 0.0,
               layer.dropout.p if training else 0.0, layer.dropout2.p if training else 0.0,
               layer.norm1.eps, layer.norm2.eps, act, attn_backend, ln_backend, act_backend)
+    if not needs_grad:
+        return _LayerFunction.forward(_NoSave(), x, cu, config, attn.in_proj_weight, attn.in_proj_bias,
+                                      attn.out_proj.weight, attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias,
+                                      layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
+                                      layer.linear2.bias, layer.norm2.weight, layer.norm2.bias)
     return _LayerFunction.apply(x, cu, config, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
                                 attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.linear1.weight,
                                 layer.linear1.bias, layer.linear2.weight, layer.linear2.bias, layer.norm2.weight,

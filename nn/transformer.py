@@ -86,12 +86,11 @@ def _linear_output_act_backend(x: torch.Tensor, width: int, bias: torch.Tensor |
 
 
 def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causal: bool, fused: str):
-    """``(activation, attention backend, add_layer_norm backend, bias_act backend)`` when the
-    layer's training step can run as one autograd node (:mod:`ragged.nn.fused_layer`), else
-    None: grad enabled and something requiring it, an activation bias_act fuses, the packed
-    input projection, every parameter a plain tensor of the input's dtype, tokens present."""
-    if not torch.is_grad_enabled():
-        return None
+    """``(activation, attention backend, add_layer_norm backend, bias_act backend, needs
+    grad)`` when the layer can run through :func:`ragged.nn.fused_layer.layer_forward` (one
+    autograd node in training, the kernels called straight in inference), else None: an
+    activation bias_act fuses, the packed input projection, every parameter a plain tensor
+    of the input's dtype, tokens present."""
     act = _fused_activation(layer.activation)
     attn = layer.self_attn
     if act is None or not attn._qkv_same_embed_dim or attn.bias_k is not None:
@@ -105,14 +104,13 @@ def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causa
         return None
     if any(p.dtype != x.dtype or p.device != x.device for p in present):
         return None
-    if not (x.requires_grad or any(p.requires_grad for p in present)):
-        return None
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in present))
     heads = x.view(x.shape[0], attn.num_heads, attn.head_dim)
     attn_backend = backends.select("attention", None, x.device, heads, heads, heads, rt.offsets, rt.offsets,
                                    rt.max_len, rt.max_len, causal, attn.dropout if layer.training else 0.0,
-                                   True).name
+                                   needs_grad).name
     act_backend = _linear_output_act_backend(x, layer.linear1.out_features, layer.linear1.bias, act)
-    return act, attn_backend, fused, act_backend
+    return act, attn_backend, fused, act_backend, needs_grad
 
 
 def _plain_call(module: nn.Module) -> bool:

@@ -57,7 +57,7 @@ def torch_backends(monkeypatch):
 
     def pick(*args):
         found = real(*args)
-        return None if found is None else (found[0], "torch", "torch", "torch")
+        return None if found is None else (found[0], "torch", "torch", "torch", found[4])
 
     monkeypatch.setattr(tmod, "_one_node_backends", pick)
     return monkeypatch
@@ -85,6 +85,29 @@ def test_one_node_matches_per_op_path(torch_backends, norm_first, activation, bi
         assert (g is None) == (w is None), name
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("norm_first,activation,bias,causal", GRID[::3], ids=["-".join(map(str, c)) for c in GRID[::3]])
+def test_direct_inference_matches_per_op_path(torch_backends, norm_first, activation, bias, causal):
+    """Without autograd (no_grad, eval) the layer calls the kernels straight: same values."""
+    seed = zlib.crc32(repr(("inference", norm_first, activation, bias, causal)).encode()) % 1000
+    layer = _layer(norm_first, activation, bias, seed=seed).eval()
+    x, rt = _input(LENGTHS, seed)
+    calls = []
+    real = tmod.layer_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1] if len(args) > 9 else kwargs.get("needs_grad", True))
+        return real(*args, **kwargs)
+
+    torch_backends.setattr(tmod, "layer_forward", spy)
+    with torch.no_grad():
+        got = layer(rt, is_causal=causal).values
+        assert calls == [False], "the direct inference path was not taken"
+        torch_backends.setattr(tmod, "_one_node_backends", lambda *a: None)
+        expected = layer(rt, is_causal=causal).values
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
