@@ -33,7 +33,7 @@
 // Inputs: q [Tq, H, D], k / v [Tk, H_kv, D], rows contiguous in D and 16-byte aligned (the
 // launcher copies otherwise); token and head strides in elements. Offsets cu_q / cu_k [B+1] are
 // int32 or int64 (bit 0 / bit 1 of `offsets64`). Output out [Tq, H, D] contiguous, lse [Tq, H]
-// float32. Index arithmetic on tokens is 64-bit (T * H * D can pass 2**31).
+// float32 (or nullptr: not written). Index arithmetic on tokens is 64-bit (T * H * D can pass 2**31).
 //
 // Needs sm_80+ (bf16 mma.sync, cp.async, ldmatrix). Compiles with nvcc (csrc compile check) and
 // NVRTC (CuPy, at first use): no headers, elements handled as raw 16-bit words.
@@ -294,7 +294,7 @@ __device__ __forceinline__ void strip_store(StripState<D>& st, u16* strip_smem, 
         *reinterpret_cast<u32*>(strip_smem + (g + 8) * RS + j * 8 + 2 * t) =
             Mma<T>::pack(st.o[j][2] * i1, st.o[j][3] * i1);
     }
-    if (t == 0) {
+    if (t == 0 && lse != nullptr) {  // inference callers may skip lse
         const float neg_inf = __int_as_float(0xff800000);
         const int r0 = row0 + g, r1 = r0 + 8;
         if (r0 < lq) lse[(q_start + r0) * heads + h] = l0 > 0.f ? (st.m0 + log2f(l0)) * RAGGED_LN2 : neg_inf;

@@ -185,3 +185,111 @@ def layer_forward(layer, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal
                                 attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.linear1.weight,
                                 layer.linear1.bias, layer.linear2.weight, layer.linear2.bias, layer.norm2.weight,
                                 layer.norm2.bias)
+
+
+# --------------------------------------------------------------------------------------
+# Inference: the kernels called straight, with as little host work between them as possible
+#
+# At small batch an encoder forward is bound by the host (a 12-layer BERT-base forward on 256
+# short sequences is about 2 ms of GPU work and, through the general path, about 2.8 ms of
+# host time on the H200 machine). The direct path below runs a layer as its eight launches
+# (four GEMMs, attention, two residual LayerNorms, bias + activation) with the choices made
+# once per stack: the attention reads q, k, v in place from the input projection's output and
+# writes no lse, the LayerNorms write no statistics, no views or RaggedTensors are built.
+
+_MISSING = object()
+
+
+def _param(module, name: str):
+    # The module's own dict first (Module.__getattr__ costs about 0.3 us a read); a name that
+    # is not a plain parameter there (a parametrization, say) goes through getattr.
+    value = module._parameters.get(name, _MISSING)
+    return getattr(module, name) if value is _MISSING else value
+
+
+def _child(module, name: str):
+    value = module._modules.get(name, _MISSING)
+    return getattr(module, name) if value is _MISSING else value
+
+
+def layer_params(layer) -> tuple:
+    """``(in_w, in_b, out_w, out_b, n1w, n1b, w1, b1, w2, b2, n2w, n2b)`` of a layer (None
+    where it has no bias), in :class:`_LayerFunction`'s order."""
+    attn = _child(layer, "self_attn")
+    out_proj = _child(attn, "out_proj")
+    norm1, norm2 = _child(layer, "norm1"), _child(layer, "norm2")
+    linear1, linear2 = _child(layer, "linear1"), _child(layer, "linear2")
+    return (_param(attn, "in_proj_weight"), _param(attn, "in_proj_bias"), _param(out_proj, "weight"),
+            _param(out_proj, "bias"), _param(norm1, "weight"), _param(norm1, "bias"), _param(linear1, "weight"),
+            _param(linear1, "bias"), _param(linear2, "weight"), _param(linear2, "bias"), _param(norm2, "weight"),
+            _param(norm2, "bias"))
+
+
+class InferenceKernels:
+    """The attention, add + LayerNorm and bias + activation of an inference stack, chosen once:
+    ``attention(qkv, cu, max_len, heads, causal, scale) -> [T, d]``, ``layer_norm(x, residual,
+    weight, bias, eps, return_sum) -> (y, s or None)``, ``bias_act(h, bias, act) -> g``.
+
+    ``direct_layer_norm``: the CUDA LayerNorm without statistics, for layers whose LayerNorm
+    parameters it takes (:func:`direct_layer_norm_takes`); other layers use ``layer_norm``."""
+
+    def __init__(self, attn_backend: str, ln_backend: str, act_backend: str) -> None:
+        self.attn_backend = attn_backend
+        self.ln_backend = ln_backend
+        self.bias_act = _fused_impl("bias_act", act_backend)[0]
+        self._attention = _attention_impl(attn_backend)[0]
+        self._ln = _fused_impl("add_layer_norm", ln_backend)[0]
+        if attn_backend == "cuda":
+            from ragged.kernels.cuda_attention import packed_self_attention
+
+            self.attention = packed_self_attention
+        else:
+            self.attention = self._views_attention
+        if ln_backend == "cuda":
+            from ragged.kernels.cuda_fused import add_layer_norm_inference
+
+            self.direct_layer_norm = add_layer_norm_inference
+        else:
+            self.direct_layer_norm = self.layer_norm
+
+    def _views_attention(self, qkv, cu, max_len, heads, causal, scale):
+        n_tok, width = qkv.shape
+        q, k, v = qkv.view(n_tok, 3, heads, width // (3 * heads)).unbind(1)
+        o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, scale, 0.0, 0)[0]
+        return o.reshape(n_tok, width // 3)
+
+    def layer_norm(self, x, residual, weight, bias, eps, return_sum):
+        y, s = self._ln(x, residual, weight, bias, eps, return_sum)[:2]
+        return y, (s if return_sum else None)
+
+
+def direct_layer_norm_takes(dtype: torch.dtype, *params) -> bool:
+    """Whether the direct CUDA LayerNorm takes these LayerNorm parameters (None: absent): 1-D,
+    contiguous, x's dtype, 16-byte aligned."""
+    ptrs = 0
+    for p in params:
+        if p is not None:
+            if p.dtype != dtype or p.dim() != 1 or p.stride(0) != 1:
+                return False
+            ptrs |= p.data_ptr()
+    return not ptrs & 15
+
+
+def infer_layer(x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, config: tuple, params: tuple,
+                kernels: InferenceKernels) -> torch.Tensor:
+    """One layer's inference forward on ``values x [T, d]`` (contiguous, 16-byte aligned when
+    the direct LayerNorm runs): ``config = (norm_first, heads, scale, eps1, eps2, act,
+    direct_ln)``, ``params`` as :func:`layer_params`; no dropout."""
+    norm_first, heads, scale, eps1, eps2, act, direct_ln = config
+    in_w, in_b, out_w, out_b, n1w, n1b, w1, b1, w2, b2, n2w, n2b = params
+    ln = kernels.direct_layer_norm if direct_ln else kernels.layer_norm
+    linear = torch.nn.functional.linear
+    if norm_first:
+        h1 = ln(x, None, n1w, n1b, eps1, False)[0]
+        a = kernels.attention(linear(h1, in_w, in_b), cu, max_len, heads, causal, scale)
+        h2, s = ln(linear(a, out_w, out_b), x, n2w, n2b, eps2, True)
+        return s.add_(linear(kernels.bias_act(linear(h2, w1), b1, act), w2, b2))
+    a = kernels.attention(linear(x, in_w, in_b), cu, max_len, heads, causal, scale)
+    x1 = ln(linear(a, out_w, out_b), x, n1w, n1b, eps1, False)[0]
+    f = linear(kernels.bias_act(linear(x1, w1), b1, act), w2, b2)
+    return ln(f, x1, n2w, n2b, eps2, False)[0]

@@ -11,6 +11,7 @@ returns a RaggedTensor.
 from __future__ import annotations
 
 import copy as _copy
+import math
 import warnings
 from collections.abc import Callable
 
@@ -31,7 +32,13 @@ from .activation import (
     pack_padded,
     to_batch_first,
 )
-from .fused_layer import layer_forward
+from .fused_layer import (
+    InferenceKernels,
+    direct_layer_norm_takes,
+    infer_layer,
+    layer_forward,
+    layer_params,
+)
 
 __all__ = ["TransformerEncoder", "TransformerEncoderLayer", "convert"]
 
@@ -111,6 +118,56 @@ def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causa
                                    needs_grad).name
     act_backend = _linear_output_act_backend(x, layer.linear1.out_features, layer.linear1.bias, act)
     return act, attn_backend, fused, act_backend, needs_grad
+
+
+def _direct_inference(layers, rt: RaggedTensor, causal: bool, fused: str) -> torch.Tensor | None:
+    """The values after ``layers`` through :func:`ragged.nn.fused_layer.infer_layer` (the
+    kernels called straight, choices made once for the stack), or None when that path does not
+    apply and the layers run one by one: a gradient is needed, a layer has hooks, dropout is
+    active, an activation bias_act does not fuse, the input projection is not packed, a
+    parameter is not a plain tensor of the input's dtype and device, or no tokens."""
+    x = rt.values
+    n_tok = x.shape[0]
+    grad = torch.is_grad_enabled()
+    if n_tok == 0 or not x.is_contiguous() or (grad and x.requires_grad) or not eager(x, rt.offsets):
+        return None
+    dtype, index = x.dtype, x.get_device()
+    parameter = nn.Parameter
+    max_len, cu = rt.max_len, rt.offsets
+    kernels: dict[tuple, InferenceKernels] = {}
+    steps = []
+    direct_ln = fused == "cuda" and x.data_ptr() % 16 == 0  # later layers' inputs are fresh tensors
+    for layer in layers:
+        if not _plain_call(layer):
+            return None
+        attn = layer.self_attn
+        act = _fused_activation(layer.activation)
+        if act is None or not attn._qkv_same_embed_dim or attn.bias_k is not None:
+            return None
+        if layer.training and (attn.dropout or layer.dropout1.p or layer.dropout.p or layer.dropout2.p):
+            return None
+        params = layer_params(layer)
+        for p in params:
+            if p is not None and ((type(p) is not torch.Tensor and type(p) is not parameter) or p.dtype != dtype
+                                  or p.get_device() != index or (grad and p.requires_grad)):
+                return None
+        heads, head_dim = attn.num_heads, attn.head_dim
+        act_backend = _linear_output_act_backend(x, params[6].shape[0], params[7], act)
+        key = (heads, head_dim, act_backend)
+        kern = kernels.get(key)
+        if kern is None:
+            view = x.view(n_tok, heads, head_dim)
+            attn_backend = backends.select("attention", None, x.device, view, view, view, cu, cu, max_len, max_len,
+                                           causal, 0.0, False).name
+            kern = kernels[key] = InferenceKernels(attn_backend, fused, act_backend)
+        n1, n2 = layer.norm1, layer.norm2
+        config = (layer.norm_first, heads, 1.0 / math.sqrt(head_dim), n1.eps, n2.eps, act,
+                  direct_ln and direct_layer_norm_takes(dtype, params[4], params[5], params[10], params[11]))
+        steps.append((config, params, kern))
+        direct_ln = fused == "cuda"
+    for config, params, kern in steps:
+        x = infer_layer(x, cu, max_len, causal, config, params, kern)
+    return x
 
 
 def _plain_call(module: nn.Module) -> bool:
@@ -225,7 +282,7 @@ class TransformerEncoderLayer(nn.Module):
         shell.norm2.eps = layer.norm2.eps
         return adopt(fn, shell, layer, False, None)
 
-    def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET) -> RaggedTensor:
+    def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET, direct: bool = True) -> RaggedTensor:
         x = rt.values
         if fused is _UNSET:
             fused = _fused_backend(x)
@@ -237,6 +294,10 @@ class TransformerEncoderLayer(nn.Module):
                 x = self.norm1(x + self._sa_block(rt, causal))
                 x = self.norm2(x + self._ff_block(x, None))
             return rt.with_values(x)
+        if direct:
+            values = _direct_inference((self,), rt, causal, fused)
+            if values is not None:
+                return rt.with_values(values)
         one_node = _one_node_backends(self, rt, causal, fused)
         if one_node is not None:
             return rt.with_values(layer_forward(self, x, rt.offsets, rt.max_len, causal, *one_node))
@@ -340,9 +401,13 @@ class TransformerEncoder(nn.Module):
 
     def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
         fused = _fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
-        for layer in self.layers:
-            # the input was checked once above; a layer without hooks runs its body directly
-            rt = layer._block(rt, causal, fused) if _plain_call(layer) else layer(rt, is_causal=causal)
+        values = _direct_inference(self.layers, rt, causal, fused) if fused is not None else None
+        if values is not None:
+            rt = rt.with_values(values)
+        else:
+            for layer in self.layers:
+                # the input was checked once above; a layer without hooks runs its body directly
+                rt = layer._block(rt, causal, fused, False) if _plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

@@ -192,9 +192,11 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, src, kernel, device, grid, block, args):
+    def __call__(self, src, kernel, device, grid, block, params, args):
+        assert len(args) == len(params.codes)
+        params.pack(args)  # every value fits its C type
         self.calls.append({"src": src, "kernel": kernel, "grid": grid, "block": block,
-                           "args": [a.item() for a in args]})
+                           "args": [a.item() for a in params.scalars(args)]})
 
 
 @pytest.fixture
@@ -225,6 +227,24 @@ def test_layer_norm_arguments(recorder, return_sum, stats):
     assert (pmean, prstd) == ((mean.data_ptr(), rstd.data_ptr()) if stats else (0, 0))
     assert (n_rows, n_cols, stride_x, stride_r) == (7, 768, 1024, 768)
     assert eps == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize("return_sum", [False, True])
+def test_layer_norm_inference_arguments(recorder, return_sum):
+    x, r = torch.zeros(5, 768, dtype=torch.bfloat16), torch.zeros(5, 768, dtype=torch.bfloat16)
+    w, b = torch.zeros(768, dtype=torch.bfloat16), torch.zeros(768, dtype=torch.bfloat16)
+    y, s = cf.add_layer_norm_inference(x, r, w, b, 1e-6, return_sum)
+    assert y.shape == (5, 768) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    assert (s is not None) == return_sum and (s is None or (s.shape == (5, 768) and s.is_contiguous()))
+    (call,) = recorder.calls
+    assert call["kernel"] == "ragged_add_layer_norm_bf16_i3" and call["grid"] == 2
+    px, pr, pw, pb, py, ps, pmean, prstd, n_rows, n_cols, stride_x, stride_r, eps = call["args"]
+    assert (px, pr, pw, pb, py) == (x.data_ptr(), r.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr())
+    assert ps == (s.data_ptr() if return_sum else 0) and (pmean, prstd) == (0, 0)
+    assert (n_rows, n_cols, stride_x, stride_r) == (5, 768, 768, 768) and eps == pytest.approx(1e-6)
+    recorder.calls.clear()
+    cf.add_layer_norm_inference(x, None, None, None, 1e-5, False)
+    assert recorder.calls[0]["args"][1:4] == [0, 0, 0]
 
 
 def test_layer_norm_empty_and_misaligned(recorder, monkeypatch):

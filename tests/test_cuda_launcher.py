@@ -1,5 +1,6 @@
 """Host-side logic of the CUDA launcher (runs without a GPU)."""
 
+import ctypes
 import re
 
 import numpy as np
@@ -44,3 +45,77 @@ def test_fill_words_repeat_the_element_bit_pattern(dtype, value):
     raw = torch.from_numpy(np.array(words, dtype=np.uint32).view(np.int32).copy()).view(dtype)
     expected = torch.full_like(raw, value)
     assert torch.equal(raw.view(torch.uint8), expected.view(torch.uint8))
+
+
+# --------------------------------------------------------------------------------------
+# Parameter lists: the packed buffer against the C layout, the codes against the sources
+
+
+_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "I": ctypes.c_uint32,
+           "f": ctypes.c_float}
+
+
+@pytest.mark.parametrize("codes", ["PPPqi", "PPPPPPPPqiqqf", "PPPPPPPiiiqqqqqqfi", "PPPqqqiIIII", "iqifP", "fIqq", "i"])
+def test_params_pack_as_a_c_struct_of_the_parameters(codes):
+    rng = np.random.default_rng(len(codes))
+    values = []
+    for c in codes:
+        if c == "f":
+            values.append(float(np.float32(rng.standard_normal())))
+        elif c in "PI":
+            values.append(int(rng.integers(0, 2**32 if c == "I" else 2**63)))
+        else:
+            bits = 31 if c == "i" else 63
+            values.append(int(rng.integers(-2**bits, 2**bits)))
+
+    class Struct(ctypes.Structure):
+        _fields_ = [(f"a{i}", _CTYPES[c]) for i, c in enumerate(codes)]
+
+    expected = bytes(Struct(*values))
+    params = kc.Params(codes)
+    packed = params.pack(values)
+    assert packed == expected[:len(packed)] and params.size.value == len(packed)
+    assert len(expected) - len(packed) < 8  # at most the struct's tail padding
+    scalars = params.scalars(values)
+    assert [type(s) for s in scalars] == [kc._NUMPY_TYPES[c] for c in codes]
+    assert [s.item() for s in scalars] == values
+
+
+def test_params_reject_unknown_codes():
+    with pytest.raises(ValueError, match="unknown parameter codes"):
+        kc.Params("Pd")
+
+
+_C_CODES = {"i64": "q", "long long": "q", "int": "i", "unsigned int": "I", "float": "f"}
+
+
+def _codes_of(declaration: str) -> str:
+    out = []
+    for param in declaration.replace("\\", " ").split(","):
+        param = " ".join(param.split())
+        if "*" in param:
+            out.append("P")
+        else:
+            ctype = param.rsplit(" ", 1)[0].replace("const ", "")
+            out.append(_C_CODES[ctype])
+    return "".join(out)
+
+
+def _signature(src: str, kernel_prefix: str) -> str:
+    m = re.search(re.escape(kernel_prefix) + r"[\w#]*\(([^)]*)\)", src)
+    assert m, kernel_prefix
+    return m.group(1)
+
+
+def test_every_launcher_param_list_matches_its_kernel():
+    from ragged.kernels import cuda_attention, cuda_fused
+
+    fused = kc.source("fused.cu")
+    assert _codes_of(_signature(fused, "ragged_add_layer_norm_")) == cuda_fused.LN_PARAMS.codes
+    assert _codes_of(_signature(fused, "ragged_bias_act_")) == cuda_fused.BA_PARAMS.codes
+    pack = kc.source("pack.cu")
+    assert _codes_of(_signature(pack, "ragged_pack_")) == kc._PACK_PARAMS.codes
+    assert _codes_of(_signature(pack, "ragged_unpack_")) == kc._UNPACK_PARAMS.codes
+    attention = kc.source("attention_short.cu")
+    m = re.search(r"#define RAGGED_ATTENTION_PARAMS\s*\\\n(.*?)\n\n", attention, re.S)
+    assert _codes_of(m.group(1)) == cuda_attention.PARAMS.codes

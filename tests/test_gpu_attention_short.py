@@ -294,3 +294,29 @@ def test_launcher_table_matches_the_source():
     pipelined = {(int(d), int(c), int(w), int(n)) for d, c, w, n in re.findall(
         r"^RAGGED_ATTENTION_SHORT_PIPELINED_TYPES\((\d+), (\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE)}
     assert pipelined == {(d, c, w, ca.PIPELINED_HEADS) for d, (c, w) in ca._PIPELINED.items()}
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_packed_self_attention_reads_the_input_projection_in_place(path, dim, causal, offsets_dtype):
+    """The inference entry point: q, k, v side by side per token in one [T, 3 H D] tensor, no
+    lse written; against the float64 reference on the same q, k, v."""
+    kernel = _kernel()
+    heads, dtype = 4, torch.bfloat16
+    lengths = LENGTH_SETS["mixed"] + LENGTH_SETS["regime"][:6]
+    total = sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(dim + causal)
+    buf = torch.full((total + 2, 3 * heads * dim), float("nan"), dtype=dtype, device="cuda")
+    qkv = buf[:total]  # the rows after it are NaN
+    qkv.copy_(torch.randn((total, 3 * heads * dim), generator=gen, device="cuda").to(dtype))
+    cu = _offsets(lengths, offsets_dtype)
+    out = kernel.packed_self_attention(qkv, cu, max(lengths), heads, causal, dim ** -0.5)
+    assert out.shape == (total, heads * dim) and out.dtype == dtype
+    q, k, v = qkv.view(total, 3, heads, dim).unbind(1)
+    ref64, _ = ragged.reference_attention(q.double(), k.double(), v.double(), cu, cu, causal, dim ** -0.5)
+    ref_lp, _ = ragged.reference_attention(q, k, v, cu, cu, causal, dim ** -0.5, compute_dtype=dtype)
+    assert not torch.isnan(out).any()
+    err = (out.view(total, heads, dim).double() - ref64).abs().max().item()
+    tol = 2 * (ref_lp.double() - ref64).abs().max().item() + 1e-3
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"

@@ -87,27 +87,96 @@ def test_one_node_matches_per_op_path(torch_backends, norm_first, activation, bi
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(tmod, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tmod, name, spy)
+    return calls
+
+
+def _per_op(monkeypatch):
+    monkeypatch.setattr(tmod, "_direct_inference", lambda *a: None)
+    monkeypatch.setattr(tmod, "_one_node_backends", lambda *a: None)
+
+
 @pytest.mark.parametrize("norm_first,activation,bias,causal", GRID[::3], ids=["-".join(map(str, c)) for c in GRID[::3]])
 def test_direct_inference_matches_per_op_path(torch_backends, norm_first, activation, bias, causal):
     """Without autograd (no_grad, eval) the layer calls the kernels straight: same values."""
     seed = zlib.crc32(repr(("inference", norm_first, activation, bias, causal)).encode()) % 1000
     layer = _layer(norm_first, activation, bias, seed=seed).eval()
     x, rt = _input(LENGTHS, seed)
-    calls = []
-    real = tmod.layer_forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[-1] if len(args) > 9 else kwargs.get("needs_grad", True))
-        return real(*args, **kwargs)
-
-    torch_backends.setattr(tmod, "layer_forward", spy)
+    calls = _spy(torch_backends, "infer_layer")
     with torch.no_grad():
         got = layer(rt, is_causal=causal).values
-        assert calls == [False], "the direct inference path was not taken"
-        torch_backends.setattr(tmod, "_one_node_backends", lambda *a: None)
+        assert len(calls) == 1, "the direct inference path was not taken"
+        _per_op(torch_backends)
         expected = layer(rt, is_causal=causal).values
     assert got.grad_fn is None
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_direct_inference_of_a_stack(torch_backends, norm_first):
+    """An encoder runs every layer through the direct path (choices made once) with each
+    layer's own weights and eps, and a final norm: same values as the per-op path; with
+    parameters that require grad, grad mode off is what makes it inference."""
+    layer = _layer(norm_first, "gelu", True, seed=5)
+    enc = ragged.nn.TransformerEncoder(layer, 3, norm=nn.LayerNorm(D, dtype=torch.float64)).eval()
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    enc.layers[1].norm2.eps = 1e-2
+    x, rt = _input([7, 1, 0, 4, 2], 8)
+    calls = _spy(torch_backends, "infer_layer")
+    with torch.no_grad():
+        got = enc(rt).values
+    assert len(calls) == 3
+    assert enc(rt).values.grad_fn is not None, "with grad enabled the step keeps its graph"
+    assert len(calls) == 3
+    with torch.no_grad():
+        _per_op(torch_backends)
+        expected = enc(rt).values
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_direct_inference_only_where_it_applies(torch_backends):
+    layer = _layer(False, "relu", True, dropout=0.25, seed=2)
+    x, rt = _input([3, 2], 1)
+    calls = _spy(torch_backends, "infer_layer")
+    with torch.no_grad():
+        layer(rt)  # training mode with dropout: the no-autograd forward of the one-node step, masks drawn
+    callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
+                                                     batch_first=True, dtype=torch.float64).eval()
+    hooked = _layer(False, "relu", True).eval()
+    hooked.register_forward_hook(lambda *a: None)
+    with torch.no_grad():
+        callable_act(rt)
+        hooked(rt)
+        layer.eval()(RaggedTensor.from_lengths(torch.zeros(0, D, dtype=torch.float64), [0, 0]))
+    assert calls == []
+    with torch.no_grad():
+        layer(rt)
+    assert len(calls) == 1
+
+
+def test_no_grad_training_forward_draws_the_masks_of_the_one_node_step(torch_backends):
+    """Training mode with dropout under no_grad: the one-node forward without saving, so the
+    same seed gives the same values as with autograd."""
+    layer = _layer(True, "gelu", True, dropout=0.25, seed=9)
+    x, rt = _input(LENGTHS, 9)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        got = layer(rt).values
+    torch.manual_seed(3)
+    expected = layer(rt).values
+    assert type(expected.grad_fn).__name__ == "_LayerFunctionBackward"
+    torch.testing.assert_close(got, expected.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
@@ -219,3 +288,45 @@ def test_gpu_one_node_matches_per_op_path(monkeypatch, norm_first, dtype):
     again = layer(rt).values
     assert torch.equal(out, again)
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("lengths", [[37, 0, 1, 20, 64], [37, 0, 300, 1, 64]], ids=["short", "long"])
+def test_gpu_direct_inference_matches_per_op_path(monkeypatch, norm_first, dtype, lengths):
+    """An eval encoder under no_grad: every layer through the direct path (CUDA short attention
+    reading the input projection in place, LayerNorms without statistics; Triton attention for
+    the long batch and for float32), no host sync, against the per-op path; the first layer's
+    input misaligned (its LayerNorm then takes the general kernel)."""
+    d, heads = 128, 2
+    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.1, activation="gelu", batch_first=True,
+                                              norm_first=norm_first, device="cuda", dtype=dtype)
+    enc = ragged.nn.TransformerEncoder(layer, 2).eval()
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            noise = torch.randn(p.shape, generator=g).to("cuda", dtype)
+            p.copy_(1.0 + 0.1 * noise if ".norm" in name and name.endswith("weight") else d ** -0.5 * noise)
+    total = sum(lengths)
+    for misaligned in (False, True):
+        buf = torch.full((total * d + 8,), float("nan"), dtype=dtype, device="cuda")
+        x = buf[1:1 + total * d].view(total, d) if misaligned else buf[:total * d].view(total, d)
+        x.copy_(torch.randn((total, d), generator=g).to("cuda", dtype))
+        assert (x.data_ptr() % 16 != 0) == misaligned
+        rt = RaggedTensor.from_lengths(x, lengths)
+        calls = _spy(monkeypatch, "infer_layer")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                got = enc(rt).values
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(calls) == 2, "the direct inference path was not taken"
+        with monkeypatch.context() as m, torch.no_grad():
+            _per_op(m)
+            expected = enc(rt).values
+        monkeypatch.undo()
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, **tol)

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from .. import backends
-from .cuda import launch
+from .cuda import Params, launch
 
 MAX_LEN = 128
 HEAD_DIMS = (32, 64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SOURCE = "attention_short.cu"
 _LOG2E = 1.4426950408889634
+# (q, k, v, out, lse, cu_q, cu_k, offsets64, heads, group, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scale_log2,
+#  causal): RAGGED_ATTENTION_PARAMS of the source
+PARAMS = Params("PPPPPPPiiiqqqqqqfi")
 
 # Head dim -> ((key rows per shared-memory chunk C, warps per block W), ...), smallest C first;
 # the same (D, C, W) list as the RAGGED_ATTENTION_SHORT_TYPES lines of the source. The launcher
@@ -116,6 +118,40 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _kernel(dtype: torch.dtype, head_dim: int, heads: int, batch: int, max_q: int, max_k: int,
+            device: torch.device) -> tuple[str, int, int]:
+    """(kernel name, heads per block, warps per block)."""
+    pipe = _PIPELINED.get(head_dim) if PIPELINED_HEADS else None
+    if (pipe is not None and max_q <= 16 * pipe[1] and max_k <= pipe[0]
+            and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(device)):
+        (chunk, warps), per_block = pipe, PIPELINED_HEADS
+        return f"ragged_attention_short_pipe_{_DTYPES[dtype]}_d{head_dim}_c{chunk}_h{per_block}", per_block, warps
+    chunk, warps = _config(head_dim, max_k)
+    return f"ragged_attention_short_{_DTYPES[dtype]}_d{head_dim}_c{chunk}", 1, warps
+
+
+def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, heads: int, causal: bool,
+                          scale: float) -> torch.Tensor:
+    """Inference self-attention on a packed input projection: ``qkv [T, 3 * heads * D]`` (per
+    token q, k, v side by side, as ``x @ in_proj_weight.T`` gives them), contiguous and
+    16-byte aligned, ``T > 0``, a dtype and head dim the kernel takes, ``max_len`` at most
+    :data:`MAX_LEN` (the caller has checked: :func:`reasons`); returns ``out [T, heads * D]``
+    and writes no lse. No views, copies or checks: one allocation and the launch."""
+    total, width = qkv.shape
+    d = width // 3
+    head_dim = d // heads
+    batch = cu.shape[0] - 1
+    out = torch.empty((total, d), dtype=qkv.dtype, device=qkv.device)
+    kernel, per_block, warps = _kernel(qkv.dtype, head_dim, heads, batch, max_len, max_len, qkv.device)
+    p = qkv.data_ptr()
+    step = d * qkv.element_size()
+    wide = 3 if cu.dtype == torch.int64 else 0
+    args = (p, p + step, p + 2 * step, out.data_ptr(), 0, cu.data_ptr(), cu.data_ptr(), wide, heads, 1, width,
+            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal))
+    launch(_SOURCE, kernel, qkv.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
+    return out
+
+
 def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
     """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`."""
     if dropout_p > 0:
@@ -128,20 +164,11 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
         return out, lse
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    pipe = _PIPELINED.get(head_dim) if PIPELINED_HEADS else None
-    if (pipe is not None and max_q <= 16 * pipe[1] and max_k <= pipe[0]
-            and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(q.device)):
-        (chunk, warps), per_block = pipe, PIPELINED_HEADS
-        kernel = f"ragged_attention_short_pipe_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}_h{per_block}"
-    else:
-        (chunk, warps), per_block = _config(head_dim, max_k), 1
-        kernel = f"ragged_attention_short_{_DTYPES[q.dtype]}_d{head_dim}_c{chunk}"
+    kernel, per_block, warps = _kernel(q.dtype, head_dim, heads, batch, max_q, max_k, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
-    args = (np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), np.uint64(out.data_ptr()),
-            np.uint64(lse.data_ptr()), np.uint64(cu_q.data_ptr()), np.uint64(cu_k.data_ptr()), np.int32(wide),
-            np.int32(heads), np.int32(heads // k.shape[1]),
-            np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)), np.int64(k.stride(1)),
-            np.int64(v.stride(0)), np.int64(v.stride(1)), np.float32(scale * _LOG2E), np.int32(int(causal)))
-    launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), args)
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(),
+            cu_k.data_ptr(), wide, heads, heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), scale * _LOG2E, int(causal))
+    launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out, lse

@@ -24,12 +24,11 @@ then check them on the real tensors and hand a misaligned input to the Triton ke
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import backends
 from .._utils import eager
-from .cuda import launch
+from .cuda import Params, launch
 
 _SOURCE = "fused.cu"
 # dtype -> (kernel name part, elements per 16-byte vector)
@@ -47,6 +46,10 @@ BA_BLOCKS_PER_SM = 8
 ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "none": "none"}
 
 _MAX_GRID = 2**31 - 1
+# (x, residual, weight, bias, y, sum, mean, rstd, n_rows, n_cols, stride_x, stride_r, eps)
+LN_PARAMS = Params("PPPPPPPPqiqqf")
+# (x, bias, y, n_vecs, row_vecs)
+BA_PARAMS = Params("PPPqi")
 
 
 def max_layer_norm_features(dtype: torch.dtype) -> int:
@@ -283,12 +286,27 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
         # Only reachable when the reasons could not look at the pointers (torch.compile).
         return _triton_add_layer_norm(x, residual, weight, bias, eps, return_sum)
     kernel = layer_norm_config(dtype, n_cols)[0]
-    args = (np.uint64(px), np.uint64(pr), np.uint64(pw), np.uint64(pb), np.uint64(y.data_ptr()),
-            np.uint64(s.data_ptr() if return_sum else 0), np.uint64(mean.data_ptr() if stats else 0),
-            np.uint64(rstd.data_ptr() if stats else 0), np.int64(n_rows), np.int32(n_cols),
-            np.int64(stride_x), np.int64(stride_r), np.float32(eps))
-    launch(_SOURCE, kernel, device, -(-n_rows // LN_ROWS_PER_BLOCK), (LN_ROWS_PER_BLOCK * 32, 1), args)
+    args = (px, pr, pw, pb, y.data_ptr(), s.data_ptr() if return_sum else 0, mean.data_ptr() if stats else 0,
+            rstd.data_ptr() if stats else 0, n_rows, n_cols, stride_x, stride_r, eps)
+    launch(_SOURCE, kernel, device, -(-n_rows // LN_ROWS_PER_BLOCK), (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, args)
     return y, s, mean, rstd
+
+
+def add_layer_norm_inference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                             bias: torch.Tensor | None, eps: float, return_sum: bool):
+    """``(y, s or None)``: :func:`add_layer_norm_forward` without statistics, for inputs the
+    kernel takes as the caller has checked (``x`` and ``residual`` ``[N, F]`` contiguous,
+    ``N > 0``, every tensor x's dtype, 16-byte aligned, weight and bias contiguous): one or
+    two allocations and the launch, nothing else."""
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if return_sum else None
+    args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
+            0 if bias is None else bias.data_ptr(), y.data_ptr(), 0 if s is None else s.data_ptr(), 0, 0, n_rows,
+            n_cols, n_cols, n_cols, eps)
+    launch(_SOURCE, layer_norm_config(x.dtype, n_cols)[0], x.device, -(-n_rows // LN_ROWS_PER_BLOCK),
+           (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, args)
+    return y, s
 
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -308,6 +326,6 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         return triton_forward(x, bias, activation)
     kernel, vec = bias_act_kernel(x.dtype, activation)
     n_vecs = n // vec
-    args = (np.uint64(px), np.uint64(pb), np.uint64(y.data_ptr()), np.int64(n_vecs), np.int32(n_cols // vec))
-    launch(_SOURCE, kernel, x.device, bias_act_grid(n_vecs, x.device), (BA_THREADS, 1), args)
+    launch(_SOURCE, kernel, x.device, bias_act_grid(n_vecs, x.device), (BA_THREADS, 1), BA_PARAMS,
+           (px, pb, y.data_ptr(), n_vecs, n_cols // vec))
     return y
