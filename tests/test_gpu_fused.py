@@ -543,7 +543,9 @@ def test_cuda_gelu_against_torch(dtype):
     """The CUDA bias_act's gelu over a dense grid of z (both tails, zero, signed zeros, inf, NaN)
     against torch's own (fp32 erf, rounded to ``dtype``): within one ulp plus the fp32 noise of
     ``1 + erf`` (about |z| * 6e-8 absolute, which both formulas carry in the negative tail), and
-    for 16-bit outputs (a rational erf) equal to torch's for all but a small fraction of |z| <= 4."""
+    for 16-bit outputs (a rational erf) equal to torch's for all but a small fraction of |z| <= 4
+    (about 2e-3 of this uniform grid, where the negative half's fp32 noise weighs more; about 4e-5
+    of normally distributed z)."""
     _needs_cuda_kernels()
     z = torch.linspace(-12.0, 12.0, 8 * 200_001, dtype=torch.float64)
     z = torch.cat([z, torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), 2.5, float("nan"), -0.75],
@@ -563,4 +565,9 @@ def test_cuda_gelu_against_torch(dtype):
     assert excess <= 0, f"{excess:.3g} past one ulp (max diff {(a - b).abs().max().item():.3g})"
     core = zf.abs() <= 4
     mismatched = (a[core] != b[core]).double().mean().item()
-    assert mismatched <= 1e-3, f"{mismatched:.2e} of outputs differ from torch's"
+    assert mismatched <= 5e-3, f"{mismatched:.2e} of outputs differ from torch's"
+    normal = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)).to("cuda", dtype).view(-1, 8)
+    with torch.no_grad():
+        got = ragged.bias_act(normal, None, "gelu", backend="cuda")
+    normal_mismatched = (got != F.gelu(normal.float()).to(dtype)).double().mean().item()
+    assert normal_mismatched <= 5e-4, f"{normal_mismatched:.2e} of N(0, 1) outputs differ from torch's"

@@ -419,12 +419,15 @@ def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr)
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool):
+def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
+                dropout: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), from bench/tune_attention.py on an H200 (bf16):
 
     * D=128, lengths 256..4096: (128, 64, 8, 3) 438 TFLOP/s, causal (128, 128, 8, 3) 387;
     * D=64, long-tailed to 512: (64, 64, 4, 3) 47.7 us against 58.1 for (128, 64, 8, 2) (B=64,
-      lognormal lengths, mean 131; Triton 3.6), so up to 512 queries; causal (128, 64, 8, 2);
+      lognormal lengths, mean 131; Triton 3.6), so up to 512 queries; causal and with dropout
+      (128, 64, 8, 2) (with dropout the smaller tile made a 12-layer training step 1.5-5 ms
+      slower);
     * D=64, lengths 8..32: (16, 32, 4, 2), causal (32, 32, 4, 2) (host-bound: within 10%).
     """
     if interpreted:
@@ -438,7 +441,7 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         return block_m, max(16, min(64, triton.next_power_of_2(max(max_k, 1)))), 4, 2
     if head_dim > 64:
         return (128, 128, 8, 3) if causal else (128, 64, 8, 3)
-    if max_q <= 512 and not causal:
+    if max_q <= 512 and not causal and not dropout:
         return 64, 64, 4, 3
     return 128, 64, 8, 2
 
@@ -521,7 +524,8 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
     lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted())
+    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
+                                                  dropout_p > 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
