@@ -292,7 +292,7 @@ def _entry_points(src: str) -> set[str]:
     ln_types = re.findall(r"^\s+RAGGED_ADD_LAYER_NORM\((\w+), (\w+), ITERS\)", src, re.MULTILINE)
     for iters in re.findall(r"^RAGGED_ADD_LAYER_NORM_ITERS\((\d+)\)$", src, re.MULTILINE):
         names |= {f"ragged_add_layer_norm_{tname}_i{iters}" for _, tname in ln_types}
-    ba_types = re.findall(r"^\s+RAGGED_BIAS_ACT\((\w+), (\w+), ACT(?:16|32), ANAME\)", src, re.MULTILINE)
+    ba_types = re.findall(r"^\s+RAGGED_BIAS_ACT\((\w+), (\w+), ACT(?:_BF16)?, ANAME\)", src, re.MULTILINE)
     for *_, aname in re.findall(r"^RAGGED_BIAS_ACT_TYPES\((\w+), (\w+), (\w+)\)$", src, re.MULTILINE):
         names |= {f"ragged_bias_act_{tname}_{aname}" for _, tname in ba_types}
     return names

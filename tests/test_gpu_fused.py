@@ -542,10 +542,10 @@ def test_cuda_int64_offsets():
 def test_cuda_gelu_against_torch(dtype):
     """The CUDA bias_act's gelu over a dense grid of z (both tails, zero, signed zeros, inf, NaN)
     against torch's own (fp32 erf, rounded to ``dtype``): within one ulp plus the fp32 noise of
-    ``1 + erf`` (about |z| * 6e-8 absolute, which both formulas carry in the negative tail), and
-    for 16-bit outputs (a rational erf) equal to torch's for all but a small fraction of |z| <= 4
-    (about 2e-3 of this uniform grid, where the negative half's fp32 noise weighs more; about 4e-5
-    of normally distributed z)."""
+    ``1 + erf`` (about |z| * 6e-8 absolute, which both formulas carry in the negative tail). bf16
+    (a rational erf) equals torch's for all but a small fraction of |z| <= 4 (about 2e-3 of this
+    uniform grid, where the negative half's fp32 noise weighs more; about 4e-5 of normally
+    distributed z); fp16 and fp32 take erff, torch's formula."""
     _needs_cuda_kernels()
     z = torch.linspace(-12.0, 12.0, 8 * 200_001, dtype=torch.float64)
     z = torch.cat([z, torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), 2.5, float("nan"), -0.75],
