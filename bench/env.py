@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,31 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def gpu_clocks(device: torch.device) -> dict[str, float]:
+    """The GPU's SM clock (MHz) and power draw (W) at this moment, from ``nvidia-smi``; empty
+    where they cannot be read (no CUDA device, no nvidia-smi, an unexpected answer). A
+    diagnostic: rows of a GEMM-heavy case that ran slow with a low clock ran throttled."""
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return {}
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except (RuntimeError, AttributeError, AssertionError):  # AssertionError: a CPU-only torch
+        return {}
+    # the device by UUID (CUDA_VISIBLE_DEVICES may renumber), else by index
+    for target in (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", str(index)):
+        try:
+            done = subprocess.run(["nvidia-smi", f"--id={target}", "--query-gpu=clocks.sm,power.draw",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+            sm, power = (float(v) for v in done.stdout.strip().splitlines()[0].split(","))
+            break
+        except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+            continue
+    else:
+        return {}
+    return {"SM MHz": sm, "W": power}
 
 
 def _version(module: str) -> str | None:

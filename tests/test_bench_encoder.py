@@ -240,3 +240,32 @@ def test_dropout_is_a_suite_parameter(monkeypatch):
     wl = suite.build(training[0], FAST)
     step = next(i for i in wl.impls if i.name == E.RAGGED).fn
     assert step.module.layers[0].dropout.p == 0.25 and step.module.training
+
+
+def test_gpu_clocks_reads_nvidia_smi_and_gives_up_quietly(monkeypatch):
+    import subprocess
+    import types
+
+    from bench import env
+
+    assert env.gpu_clocks(torch.device("cpu")) == {}
+    monkeypatch.setattr(env.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="abc-123"))
+    calls = []
+
+    def answer(text):
+        def run(cmd, **kwargs):
+            calls.append(cmd[1])
+            return subprocess.CompletedProcess(cmd, 0, stdout=text(cmd[1]), stderr="")
+        return run
+
+    monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "1755, 412.37\n"))
+    assert env.gpu_clocks(torch.device("cuda", 0)) == {"SM MHz": 1755.0, "W": 412.37}
+    assert calls == ["--id=GPU-abc-123"]
+    calls.clear()
+    # the UUID not known to nvidia-smi: the index next; nothing readable: no values
+    monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "" if "GPU-" in target else "990, 700.1\n"))
+    assert env.gpu_clocks(torch.device("cuda", 0)) == {"SM MHz": 990.0, "W": 700.1}
+    assert calls == ["--id=GPU-abc-123", "--id=0"]
+    monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "[N/A], [N/A]\n"))
+    assert env.gpu_clocks(torch.device("cuda", 0)) == {}

@@ -44,6 +44,7 @@ from torch import nn
 import ragged
 import ragged.nn as rnn
 
+from ..env import gpu_clocks
 from ..harness import Case, Config, Impl, Row, Suite, Workload, dtype_name, register, workload_shapes
 from . import attention
 
@@ -516,8 +517,11 @@ def build_workload(shape: Shape, group: str, device: torch.device, dropout: floa
     impls = training_impls(m, p) if backward else inference_impls(m, p)
     m.train(backward)
     impls.append(gemm_ceiling_impl(ceiling_size(device), shape.dtype, device))
+    # the SM clock and power right after each row's timing: the long-tailed training rows have
+    # moved by up to 30% between runs on one host, with padded rows unchanged
     return Workload(impls, reference=reference, flops=encoder_flops(p.lengths, shape.model, backward),
-                    compare=make_compare(names, p, TOLERANCE.get(shape.dtype, 2e-2), torch_error))
+                    compare=make_compare(names, p, TOLERANCE.get(shape.dtype, 2e-2), torch_error),
+                    extra=lambda impl: gpu_clocks(device))
 
 
 # --------------------------------------------------------------------------------------
@@ -540,7 +544,8 @@ count useful flops only: per layer `2*T*(4*d^2 + 2*d*ff) + 4*sum(L_i^2)*d`, time
 layers; training 3x that. `% of GEMM ceiling`: TFLOP/s over those of the ceiling row,
 one `torch.mm` of two `[n, n]` matrices in the case's dtype (`n` = 8192 on a GPU, 256 on
 CPU), timed in the same case. `speedup vs padded` / `speedup vs dense`: the `padded` /
-`dense equal tokens` row's ms over this row's.
+`dense equal tokens` row's ms over this row's. `SM MHz` / `W` (GPU runs with `nvidia-smi`):
+the SM clock and power draw read right after the row's timing, to tell a throttled row.
 
 Inference rows (eval mode, `torch.no_grad()`):
 
