@@ -24,11 +24,15 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+_SMI_BROKEN: list[bool] = []  # [True] once nvidia-smi failed: not asked again in this process
+
+
 def gpu_clocks(device: torch.device) -> dict[str, float]:
     """The GPU's SM clock (MHz) and power draw (W) at this moment, from ``nvidia-smi``; empty
-    where they cannot be read (no CUDA device, no nvidia-smi, an unexpected answer). A
-    diagnostic: rows of a GEMM-heavy case that ran slow with a low clock ran throttled."""
-    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+    where they cannot be read (no CUDA device, no nvidia-smi, an unexpected answer: then not
+    asked again). A diagnostic: rows of a GEMM-heavy case that ran slow with a low clock ran
+    throttled."""
+    if device.type != "cuda" or _SMI_BROKEN or shutil.which("nvidia-smi") is None:
         return {}
     try:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -39,12 +43,13 @@ def gpu_clocks(device: torch.device) -> dict[str, float]:
     for target in (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", str(index)):
         try:
             done = subprocess.run(["nvidia-smi", f"--id={target}", "--query-gpu=clocks.sm,power.draw",
-                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
             sm, power = (float(v) for v in done.stdout.strip().splitlines()[0].split(","))
             break
         except (OSError, subprocess.SubprocessError, IndexError, ValueError):
             continue
     else:
+        _SMI_BROKEN.append(True)
         return {}
     return {"SM MHz": sm, "W": power}
 

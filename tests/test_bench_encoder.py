@@ -249,6 +249,7 @@ def test_gpu_clocks_reads_nvidia_smi_and_gives_up_quietly(monkeypatch):
     from bench import env
 
     assert env.gpu_clocks(torch.device("cpu")) == {}
+    monkeypatch.setattr(env, "_SMI_BROKEN", [])
     monkeypatch.setattr(env.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="abc-123"))
     calls = []
@@ -267,5 +268,9 @@ def test_gpu_clocks_reads_nvidia_smi_and_gives_up_quietly(monkeypatch):
     monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "" if "GPU-" in target else "990, 700.1\n"))
     assert env.gpu_clocks(torch.device("cuda", 0)) == {"SM MHz": 990.0, "W": 700.1}
     assert calls == ["--id=GPU-abc-123", "--id=0"]
+    monkeypatch.setattr(env, "_SMI_BROKEN", [])
     monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "[N/A], [N/A]\n"))
     assert env.gpu_clocks(torch.device("cuda", 0)) == {}
+    calls.clear()
+    monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "1755, 412.37\n"))
+    assert env.gpu_clocks(torch.device("cuda", 0)) == {} and calls == []  # not asked again
