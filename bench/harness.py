@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, Callable, ClassVar, Iterable
 
 import torch
@@ -343,6 +344,38 @@ def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int | None
     if device.type == "cpu":
         return _cpu_peak_bytes(fn)
     return None
+
+
+def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, calls: int = 3) -> float | None:
+    """GPU time of one call of ``fn`` with the host taken out: the union of the intervals of
+    the kernels (and memsets / copies) ``torch.profiler`` records over ``calls`` calls, over
+    ``calls``. Next to the timed median it tells a host-bound row (median well above this)
+    from a GPU-bound one. ``None`` off CUDA or where the profiler records no device activity."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                out = fn()
+                del out
+            synchronize(device)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return None
+    busy, (start, end) = 0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy / calls / 1e3  # profiler times are in us
 
 
 def _cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:

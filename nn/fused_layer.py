@@ -31,7 +31,20 @@ import torch
 from ..ops.attention import _backward_backend
 from ..ops.attention import _impl as _attention_impl
 from ..ops.attention import _seed as _attention_seed
+from ..ops.fused import _add_layer_norm_triton_backward, _bias_act_triton_backward
 from ..ops.fused import _impl as _fused_impl
+
+
+def _ln_dropout_backward_triton(*args):
+    from ..kernels.triton.fused import add_layer_norm_dropout_backward
+
+    return add_layer_norm_dropout_backward(*args)
+
+
+def _bias_act_dropout_backward_triton(*args, **kwargs):
+    from ..kernels.triton.fused import bias_act_backward
+
+    return bias_act_backward(*args, **kwargs)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -50,6 +63,29 @@ def _dropout_backward(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> t
 
 def _bias_grad(g: torch.Tensor, b: torch.Tensor | None, need: bool) -> torch.Tensor | None:
     return g.sum(0).to(b.dtype) if need and b is not None else None
+
+
+def _ln_dropout_backward(ln_bwd, dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
+                         linear_bias, need_linear_bias):
+    """Backward of ``LN(dropout(z) + ...)``: ``(ds_total, dz, dweight, dbias, dlinear_bias)``
+    with ``dlinear_bias`` the sum of ``dz`` over the tokens (the bias of the Linear that made
+    ``z``). The Triton backward does it in one pass; any other backend: its LayerNorm
+    backward, then torch's dropout backward and sum."""
+    colsum = linear_bias.dtype if need_linear_bias and linear_bias is not None else None
+    if ln_bwd is _add_layer_norm_triton_backward:
+        return _ln_dropout_backward_triton(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
+                                           colsum)
+    dsum, dweight, dbias = ln_bwd(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
+    dz = _dropout_backward(dsum, mask, p)
+    return dsum, dz, dweight, dbias, _bias_grad(dz, linear_bias, colsum is not None)
+
+
+def _act_dropout_backward(ba_bwd, g, mask, p, hid, b1, act, need_b1):
+    """Backward of ``dropout(act(hid + b1))`` for the gradient ``g`` of its output: ``(dhid,
+    db1)``; the Triton backward takes the dropout back in the same pass."""
+    if ba_bwd is _bias_act_triton_backward and mask is not None:
+        return _bias_act_dropout_backward_triton(g, hid, b1, act, need_b1, mask=mask, p=p)
+    return ba_bwd(_dropout_backward(g, mask, p), hid, b1, act, need_b1)
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -107,29 +143,32 @@ class _LayerFunction(torch.autograd.Function):
         dy = dy.contiguous()
         n_tok, d = x.shape
         dn1w = dn1b = dn2w = dn2b = None
-        # feed-forward block; d_res: the gradient of the block's residual input (x1)
+        # feed-forward block; d_res: the gradient of the block's residual input (x1). Each
+        # LayerNorm backward also takes its input's dropout back and sums the result into the
+        # bias gradient of the Linear before that dropout (one pass with the Triton kernels).
         if norm_first:
-            df, d_res = dy, dy
+            d_res = dy
+            df = _dropout_backward(dy, m3, p2)
+            db2 = _bias_grad(df, b2, need_b2)
         else:
-            df, dn2w, dn2b = ln_bwd(dy, None, f, x1, n2w, n2b, mean3, rstd3, need_n2w, need_n2b)
-            d_res = df
-        df = _dropout_backward(df, m3, p2)
+            d_res, df, dn2w, dn2b, db2 = _ln_dropout_backward(ln_bwd, dy, None, f, x1, n2w, n2b, mean3, rstd3,
+                                                              need_n2w, need_n2b, m3, p2, b2, need_b2)
         dw2 = torch.mm(df.t(), g) if need_w2 else None
-        db2 = _bias_grad(df, b2, need_b2)
-        dg = _dropout_backward(torch.mm(df, w2), m2, p_ff)
-        dhid, db1 = ba_bwd(dg, hid, b1, act, need_b1)
+        dhid, db1 = _act_dropout_backward(ba_bwd, torch.mm(df, w2), m2, p_ff, hid, b1, act, need_b1)
         dw1 = torch.mm(dhid.t(), h2) if need_w1 else None
+        # attention block; ds: the gradient of both summands of s = drop1(sa) + x, dsa: of the
+        # output projection (through drop1)
         if norm_first:
             # h2 = LN2(s), x1 = s: the LayerNorm backward adds the returned sum's gradient
             dh2 = torch.mm(dhid, w1)
-            ds, dn2w, dn2b = ln_bwd(dh2, d_res, x1, None, n2w, n2b, mean2, rstd2, need_n2w, need_n2b)
+            ds, dsa, dn2w, dn2b, db_out = _ln_dropout_backward(ln_bwd, dh2, d_res, x1, None, n2w, n2b, mean2,
+                                                               rstd2, need_n2w, need_n2b, m1, p1, out_b,
+                                                               need_out_b)
         else:
             dx1 = torch.addmm(d_res, dhid, w1)
-            ds, dn1w, dn1b = ln_bwd(dx1, None, sa, x, n1w, n1b, mean2, rstd2, need_n1w, need_n1b)
-        # attention block; ds: the gradient of both summands of s = drop1(sa) + x
-        dsa = _dropout_backward(ds, m1, p1)
+            ds, dsa, dn1w, dn1b, db_out = _ln_dropout_backward(ln_bwd, dx1, None, sa, x, n1w, n1b, mean2, rstd2,
+                                                               need_n1w, need_n1b, m1, p1, out_b, need_out_b)
         dw_out = torch.mm(dsa.t(), a) if need_out_w else None
-        db_out = _bias_grad(dsa, out_b, need_out_b)
         da = torch.mm(dsa, out_w).view(n_tok, heads, d // heads)
         dqkv = torch.empty((n_tok, 3, heads, d // heads), dtype=q.dtype, device=q.device)
         grads = dqkv.unbind(1)

@@ -274,3 +274,31 @@ def test_gpu_clocks_reads_nvidia_smi_and_gives_up_quietly(monkeypatch):
     calls.clear()
     monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "1755, 412.37\n"))
     assert env.gpu_clocks(torch.device("cuda", 0)) == {} and calls == []  # not asked again
+
+
+def test_gpu_busy_ms_is_none_off_cuda():
+    from bench import harness
+
+    assert harness.gpu_busy_ms(lambda: torch.ones(3), torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_gpu_busy_ms_is_the_kernel_time_without_host_gaps():
+    import time
+
+    from bench import harness
+
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+    timing = harness.Timing(10, 50)
+    gemm = harness.median_ms(lambda: a @ a, dev, timing)
+    busy = harness.gpu_busy_ms(lambda: a @ a, dev)
+    assert 0.5 * gemm <= busy <= 1.2 * gemm, (busy, gemm)
+
+    def gappy():  # two GEMMs with 20 ms of host time between them
+        b = a @ a
+        torch.cuda.synchronize()
+        time.sleep(0.02)
+        return b @ a
+
+    assert harness.gpu_busy_ms(gappy, dev) <= 3 * gemm

@@ -9,6 +9,7 @@ two paths draw their masks in another order, so there the backward is checked by
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import pytest
@@ -204,6 +205,37 @@ def test_one_node_with_dropout_passes_gradcheck(torch_backends, norm_first):
         layer.train()
     assert not torch.allclose(base, plain), "dropout 0.25 changed nothing"
     assert torch.autograd.gradcheck(reseeded, inputs, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_one_node_triton_backward_takes_dropout_back(monkeypatch, norm_first):
+    """With dropout, the Triton backward passes that also take the dropout back (LayerNorm +
+    dropout + the Linear's bias sum; bias_act + dropout) against the torch backends'
+    LayerNorm backward, dropout backward and sum: the same masks (reseeded), float32 on CPU."""
+    layer = _layer(norm_first, "gelu", True, dropout=0.25, seed=5).float()
+    layer.self_attn.dropout = 0.0  # the attention stays on the torch backend; its masks are tested elsewhere
+    x, rt = _input([3, 1, 6, 2], 6)
+    x = x.detach().float().requires_grad_(True)
+    rt = rt.with_values(x)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    real = tmod._one_node_backends
+    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "triton")
+
+    def run(ln, act):
+        monkeypatch.setattr(tmod, "_one_node_backends",
+                            lambda *a: (lambda f: None if f is None else (f[0], "torch", ln, act, f[4]))(real(*a)))
+        torch.manual_seed(0)
+        out = layer(rt).values
+        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+        return out, _grads(layer, x, out, up)
+
+    got, got_grads = run("triton", "triton")
+    want, want_grads = run("torch", "torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, g, w in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_one_node_only_where_it_applies(torch_backends):

@@ -45,7 +45,8 @@ import ragged
 import ragged.nn as rnn
 
 from ..env import gpu_clocks
-from ..harness import Case, Config, Impl, Row, Suite, Workload, dtype_name, register, workload_shapes
+from ..harness import (Case, Config, Impl, Row, Suite, Workload, dtype_name, gpu_busy_ms, register,
+                       workload_shapes)
 from . import attention
 
 SEED = 0
@@ -66,6 +67,7 @@ RAGGED_PADDED = "ragged (padded in/out)"
 VS_PADDED = "speedup vs padded"
 VS_DENSE = "speedup vs dense"
 PCT_GEMM = "% of GEMM ceiling"
+GPU_BUSY = "GPU busy ms"
 
 # Gate: a row's max abs error against the float32 reference may be SLACK times that of
 # torch.nn's padded plain-ops row in the same dtype, and never less than
@@ -517,11 +519,22 @@ def build_workload(shape: Shape, group: str, device: torch.device, dropout: floa
     impls = training_impls(m, p) if backward else inference_impls(m, p)
     m.train(backward)
     impls.append(gemm_ceiling_impl(ceiling_size(device), shape.dtype, device))
-    # the SM clock and power right after each row's timing: the long-tailed training rows have
-    # moved by up to 30% between runs on one host, with padded rows unchanged
     return Workload(impls, reference=reference, flops=encoder_flops(p.lengths, shape.model, backward),
                     compare=make_compare(names, p, TOLERANCE.get(shape.dtype, 2e-2), torch_error),
-                    extra=lambda impl: gpu_clocks(device))
+                    extra=lambda impl: row_diagnostics(impl, device))
+
+
+def row_diagnostics(impl: Impl, device: torch.device) -> dict[str, Any]:
+    """Untimed columns after a row's timing: the SM clock and power (a throttled row), and the
+    GPU busy time of one call (a row whose median is well above it waited on the host: the
+    long-tailed training rows moved by up to 50% between runs on one host, with the GPU work
+    of each call unchanged)."""
+    out: dict[str, Any] = dict(gpu_clocks(device))
+    if not impl.name.startswith("GEMM ceiling"):
+        busy = gpu_busy_ms(impl.fn, device)
+        if busy is not None:
+            out[GPU_BUSY] = busy
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -546,6 +559,9 @@ one `torch.mm` of two `[n, n]` matrices in the case's dtype (`n` = 8192 on a GPU
 CPU), timed in the same case. `speedup vs padded` / `speedup vs dense`: the `padded` /
 `dense equal tokens` row's ms over this row's. `SM MHz` / `W` (GPU runs with `nvidia-smi`):
 the SM clock and power draw read right after the row's timing, to tell a throttled row.
+`GPU busy ms`: the GPU time of one call with the host taken out (the union of the kernel
+intervals `torch.profiler` records over three calls, divided by three): a median well above
+it means the GPU waited for the host, whose speed varies from run to run.
 
 Inference rows (eval mode, `torch.no_grad()`):
 

@@ -102,10 +102,14 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 
 @cached_launch
 @triton.jit
-def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, n_rows, rows_per_group, stride_g, stride_x,
-                         N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NEED_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    """Program (group, column block): rows [group * rows_per_group, +rows_per_group)."""
+def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
+                         drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_F: tl.constexpr):
+    """Program (group, column block): rows [group * rows_per_group, +rows_per_group).
+
+    ``HAS_MASK``: ``G`` is the gradient of a dropout's output, taken back through it first
+    (``g * keep * drop_scale``, rounded to G's dtype: what ``native_dropout_backward`` gives)."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < N_COLS
@@ -121,6 +125,9 @@ def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, n_rows, rows_per_group, str
         if HAS_BIAS:
             z += b[None, :]
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            keep = tl.load(MASK + rows[:, None] * stride_mask + cols[None, :], mask=m, other=0).to(tl.float32)
+            g = (g * keep * drop_scale).to(G.dtype.element_ty).to(tl.float32)
         dz = g * _act_grad(z, ACT)  # 0 where masked (g = 0 there)
         tl.store(DX + rows[:, None] * N_COLS + cols[None, :], dz.to(DX.dtype.element_ty), mask=m)
         if NEED_DBIAS:
@@ -202,17 +209,22 @@ def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps
 
 @cached_launch
 @triton.jit
-def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_rows, rows_per_group,
-                   stride_dy, stride_ds, stride_a, stride_b,
+def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK, DROP, DC_PART, n_rows,
+                   rows_per_group, stride_dy, stride_ds, stride_a, stride_b, stride_mask, drop_scale,
                    N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
-                   NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, SUM_DTYPE: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
+                   NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DC: tl.constexpr,
+                   SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
     """``ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds`` with ``g = dy * w``,
     ``xhat = (s - mean) * rstd`` and ``s = a + b`` (b optional) recomputed as in the forward.
 
     Program ``group`` takes rows [group * rows_per_group, +rows_per_group). With one chunk
     it also sums ``dy * xhat`` and ``dy`` over its rows into ``DW_PART`` / ``DB_PART``
-    ``[groups, N_COLS]``; with several the launcher runs ``_ln_bwd_dwdb_kernel`` instead."""
+    ``[groups, N_COLS]``; with several the launcher runs ``_ln_bwd_dwdb_kernel`` instead.
+
+    One chunk only: ``HAS_MASK`` also writes ``DROP = ds_total * keep * drop_scale`` (the
+    gradient through the dropout whose output fed ``a``, from ``ds_total`` rounded to its
+    dtype, as ``native_dropout_backward`` computes it), ``NEED_DC`` sums that gradient
+    (``ds_total`` without a mask) over the rows into ``DC_PART`` (a Linear's bias gradient)."""
     group = tl.program_id(0)
     first = group.to(tl.int64) * rows_per_group
     end = tl.minimum(first + rows_per_group, n_rows)
@@ -223,6 +235,7 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_row
             w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_F], dtype=tl.float32)
         db = tl.zeros([BLOCK_F], dtype=tl.float32)
+        dc = tl.zeros([BLOCK_F], dtype=tl.float32)
         for start in range(first, end, BLOCK_R):
             rows = start + tl.arange(0, BLOCK_R)
             row_ok = rows < end
@@ -240,15 +253,27 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, n_row
             ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             if HAS_DS:
                 ds += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds.to(DSUM.dtype.element_ty), mask=m)
+            ds = ds.to(DSUM.dtype.element_ty)
+            tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds, mask=m)
             if NEED_DW:
                 dw += tl.sum(dy * xhat, 0)
             if NEED_DB:
                 db += tl.sum(dy, 0)
+            if HAS_MASK or NEED_DC:
+                d = ds.to(tl.float32)
+                if HAS_MASK:
+                    keep = tl.load(MASK + rows[:, None] * stride_mask + cols[None, :], mask=m, other=0)
+                    d = (d * keep.to(tl.float32) * drop_scale).to(DROP.dtype.element_ty)
+                    tl.store(DROP + rows[:, None] * N_COLS + cols[None, :], d, mask=m)
+                    d = d.to(tl.float32)
+                if NEED_DC:
+                    dc += tl.sum(tl.where(m, d, 0.0), 0)
         if NEED_DW:
             tl.store(DW_PART + group.to(tl.int64) * N_COLS + cols, dw, mask=col_ok)
         if NEED_DB:
             tl.store(DB_PART + group.to(tl.int64) * N_COLS + cols, db, mask=col_ok)
+        if NEED_DC:
+            tl.store(DC_PART + group.to(tl.int64) * N_COLS + cols, dc, mask=col_ok)
     else:
         for start in range(first, end, BLOCK_R):
             rows = start + tl.arange(0, BLOCK_R)
@@ -430,8 +455,11 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
 
 
 def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                      need_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dx in x.dtype, dbias in bias.dtype or None)``."""
+                      need_bias: bool, mask: torch.Tensor | None = None,
+                      p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx in x.dtype, dbias in bias.dtype or None)``. ``mask`` (bool, ``x``'s shape, unit
+    feature stride): ``grad`` is that of ``dropout(act(x + bias))`` with this keep mask and
+    rate ``p``; it is taken back through the dropout in the same pass."""
     n_rows, n_cols = x.shape
     need_bias = need_bias and bias is not None
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
@@ -443,10 +471,16 @@ def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     groups, per_group = _row_groups(n_rows, block_r, n_col_blocks, x.device, interpreted)
     part = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device) if need_bias else None
     _bias_act_bwd_kernel[(groups, n_col_blocks)](
-        grad, x, bias if bias is not None else x, dx, part if part is not None else dx, n_rows, per_group,
-        grad.stride(0), x.stride(0), N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
-        NEED_DBIAS=need_bias, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+        grad, x, bias if bias is not None else x, dx, part if part is not None else dx,
+        mask if mask is not None else x, n_rows, per_group, grad.stride(0), x.stride(0),
+        mask.stride(0) if mask is not None else 0, _drop_scale(p), N_COLS=n_cols, ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None, NEED_DBIAS=need_bias, HAS_MASK=mask is not None, BLOCK_R=block_r,
+        BLOCK_F=block_f, num_warps=warps)
     return dx, _reduce(part, bias.dtype if bias is not None else torch.float32)
+
+
+def _drop_scale(p: float) -> float:
+    return 1.0 / (1.0 - p) if p > 0.0 else 1.0
 
 
 def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
@@ -478,30 +512,69 @@ def add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.
     """``(ds_total, dweight, dbias)``. The normalised sum is ``s = a + b`` (b optional,
     rounded as in the forward); ``ds_total`` (in s's dtype) is the gradient of both
     summands; ``dweight`` / ``dbias`` in the parameters' dtypes, None unless asked for."""
+    dsum, _, dweight, dbias, _ = _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
+                                                      need_bias, None, 0.0, None, False)
+    return dsum, dweight, dbias
+
+
+def add_layer_norm_dropout_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor,
+                                    b: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                    mean: torch.Tensor, rstd: torch.Tensor, need_weight: bool, need_bias: bool,
+                                    mask: torch.Tensor | None, p: float, colsum_dtype: torch.dtype | None):
+    """The backward of ``add_layer_norm(dropout(z) + b, ...)`` where ``a = dropout(z)`` was drawn
+    with the bool keep ``mask`` (``a``'s shape, unit feature stride; None: no dropout) at rate
+    ``p``: ``(ds_total, dz, dweight, dbias, dz_colsum)``. ``dz = ds_total * keep / (1 - p)``
+    (``ds_total`` itself without a mask), in one pass with the layer norm's backward, as is
+    ``dz_colsum`` (``dz`` summed over the rows in fp32, in ``colsum_dtype``; None when that is
+    None): the gradient of the bias of the Linear that produced ``z``. The parameter gradients
+    may be views of one buffer (one reduction launch for all of them)."""
+    return _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
+                                colsum_dtype, True)
+
+
+def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum_dtype,
+                         shared: bool):
+    """Both backward launchers; ``shared``: the partial sums in one buffer, reduced by one sum
+    (the results are then views of one tensor, which torch.library ops may not return)."""
     n_rows, n_cols = a.shape
     dtype = _sum_dtype(a, b)
     need_weight = need_weight and weight is not None
     need_bias = need_bias and bias is not None
+    need_colsum = colsum_dtype is not None
     dsum = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device)
     if n_rows == 0:
-        return (dsum, torch.zeros_like(weight) if need_weight else None,
-                torch.zeros_like(bias) if need_bias else None)
+        return (dsum, dsum if mask is None else torch.empty_like(dsum),
+                torch.zeros_like(weight) if need_weight else None, torch.zeros_like(bias) if need_bias else None,
+                torch.zeros((n_cols,), dtype=colsum_dtype, device=a.device) if need_colsum else None)
     interpreted = triton_interpreted()
     block_r, block_f, n_chunks, warps = _layer_norm_backward_config(n_cols, dtype, interpreted)
+    if n_chunks > 1 and (mask is not None or need_colsum):  # long rows: the dropout and the sum on their own
+        dsum, dweight, dbias = add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
+                                                       need_bias)
+        dz = dsum if mask is None else torch.ops.aten.native_dropout_backward(dsum, mask, _drop_scale(p))
+        return dsum, dz, dweight, dbias, dz.sum(0, dtype=torch.float32).to(colsum_dtype) if need_colsum else None
     fused = n_chunks == 1
     groups, per_group = _row_groups(n_rows, block_r, 1, a.device, interpreted)
     src_b = b if b is not None else a
-    tl_dtype = _TL_DTYPES[dtype]
-    dw_part = db_part = None
-    if fused:
-        dw_part = torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if need_weight else None
-        db_part = torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if need_bias else None
+    drop = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device) if mask is not None else dsum
+    # the partial column sums, fp32 [groups, F] each (in one buffer when shared)
+    slots = (fused and need_weight, fused and need_bias, need_colsum)
+    shared = shared and sum(slots) > 1
+    if shared:
+        part = torch.empty((sum(slots), groups, n_cols), dtype=torch.float32, device=a.device)
+        views = iter(part.unbind(0))
+        parts = [next(views) if wanted else None for wanted in slots]
+    else:
+        parts = [torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if wanted else None
+                 for wanted in slots]
+    dw_part, db_part, dc_part = (t if t is not None else dsum for t in parts)
     _ln_bwd_kernel[(groups,)](
         dy, ds if ds is not None else dy, a, src_b, weight if weight is not None else a, mean, rstd, dsum,
-        dw_part if dw_part is not None else dsum, db_part if db_part is not None else dsum, n_rows, per_group,
+        dw_part, db_part, mask if mask is not None else a, drop, dc_part, n_rows, per_group,
         dy.stride(0), ds.stride(0) if ds is not None else 0, a.stride(0), src_b.stride(0),
+        mask.stride(0) if mask is not None else 0, _drop_scale(p),
         N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
-        NEED_DW=fused and need_weight, NEED_DB=fused and need_bias, SUM_DTYPE=tl_dtype,
+        NEED_DW=slots[0], NEED_DB=slots[1], HAS_MASK=mask is not None, NEED_DC=need_colsum, SUM_DTYPE=_TL_DTYPES[dtype],
         BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks, num_warps=warps)
     if not fused and (need_weight or need_bias):
         block_r2, block_f2, warps2 = _bias_act_config(n_cols, dtype, interpreted)
@@ -513,6 +586,15 @@ def add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.
             dy, a, src_b, mean, rstd, dw_part if dw_part is not None else dsum,
             db_part if db_part is not None else dsum, n_rows, per_group2, dy.stride(0), a.stride(0),
             src_b.stride(0), N_COLS=n_cols, HAS_BSRC=b is not None, NEED_DW=need_weight, NEED_DB=need_bias,
-            SUM_DTYPE=tl_dtype, BLOCK_R=block_r2, BLOCK_F=block_f2, num_warps=warps2)
-    return (dsum, _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
-            _reduce(db_part, bias.dtype if bias is not None else torch.float32))
+            SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r2, BLOCK_F=block_f2, num_warps=warps2)
+        return (dsum, drop, _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
+                _reduce(db_part, bias.dtype if bias is not None else torch.float32), None)
+    dtypes = (weight.dtype if weight is not None else None, bias.dtype if bias is not None else None, colsum_dtype)
+    if not shared:
+        return (dsum, drop, *(_reduce(t, dt) for t, dt in zip(parts, dtypes)))
+    wanted = [dt for dt, want in zip(dtypes, slots) if want]
+    sums = part.sum(1)
+    rows = iter(sums.to(wanted[0]).unbind(0) if len(set(wanted)) == 1 else
+                [row.to(dt) for row, dt in zip(sums.unbind(0), wanted)])
+    dweight, dbias, dcolsum = (next(rows) if want else None for want in slots)
+    return dsum, drop, dweight, dbias, dcolsum

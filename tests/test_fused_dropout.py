@@ -1,0 +1,161 @@
+"""The Triton backward passes that take a dropout back in the same pass (what the one-node
+training step of ragged.nn uses): ``add_layer_norm_dropout_backward`` and ``bias_act_backward``
+with a keep mask.
+
+Oracles: float64 (the layer norm gradient written out by ``reference_add_layer_norm_backward``,
+then ``* keep / (1 - p)`` and the column sum), and, bit for bit, the unfused composition (the
+plain Triton backward, then ``torch.ops.aten.native_dropout_backward``): the fused pass rounds
+exactly where that composition does. CPU: the Triton interpreter at small sizes; GPU: larger.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from conftest import TRITON_ON_CPU
+from ragged.ops.fused import reference_add_layer_norm_backward, reference_bias_act_backward
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _devices():
+    cpu = pytest.param("cpu", marks=pytest.mark.skipif(not TRITON_ON_CPU, reason="needs TRITON_INTERPRET=1"))
+    return [cpu, pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _randn(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+
+def _mask(shape, p, device, gen):
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) >= p).to(device)
+
+
+def _sizes(device):
+    # CPU: interpreted blocks are small (F = 300 already spans several column blocks of
+    # bias_act, and takes the chunked layer norm: the unfused fallback); GPU: BERT widths
+    if device == "cpu":
+        return [(0, 64), (1, 1), (7, 100), (33, 64), (9, 300)]
+    return [(0, 768), (1, 1), (7, 100), (4099, 768), (513, 3072), (65, 9000)]
+
+
+def _close(out, ref, dtype, what):
+    scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    err = (out.double().cpu() - ref.double().cpu()).abs().max().item() if ref.numel() else 0.0
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+def _same(out, want, device, what):
+    """Bit for bit; but the Triton interpreter truncates fp32 -> bf16 where the GPU (and
+    torch) round to nearest: there within two bf16 ulps (two roundings in a row)."""
+    if device == "cpu" and out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out, want, rtol=2 ** -6, atol=0, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(out, want), what
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", ["post", "pre", "nomask", "plain"])
+def test_layer_norm_dropout_backward(device, dtype, variant):
+    from ragged.kernels.triton import fused as kf
+
+    p = 0.3
+    for n, f in _sizes(device):
+        gen = _gen("ln", device, str(dtype), variant, n, f)
+        a = _randn((n, f), dtype, device, gen)
+        # post: LN(drop(z) + x) (b given); pre: LN of the stored sum, ds given; nomask: no dropout
+        b = _randn((n, f), dtype, device, gen) if variant in ("post", "nomask") else None
+        ds = _randn((n, f), dtype, device, gen) if variant == "pre" else None
+        w = (1 + 0.1 * _randn((f,), dtype, device, gen)) if variant != "plain" else None
+        bias = _randn((f,), dtype, device, gen) if variant != "plain" else None
+        dy = _randn((n, f), dtype, device, gen)
+        keep = _mask((n, f), p, device, gen) if variant in ("post", "pre", "plain") else None
+        # the statistics and the stored sum from the kernels' own forward, as in use
+        _, s, mean, rstd = kf.add_layer_norm_forward(a, b, w, bias, 1e-5, True)
+        colsum = dtype if variant != "plain" else None
+        dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(dy, ds, a, b, w, bias, mean, rstd, True, True,
+                                                                  keep, p, colsum)
+        # float64 oracle
+        ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(
+            dy.double(), None if ds is None else ds.double(), s.double(), None if w is None else w.double(),
+            None if bias is None else bias.double(), mean.double(), rstd.double())
+        ref_dz = ref_sum if keep is None else ref_sum * keep.double() / (1 - p)
+        what = f"{variant} {dtype} [{n}, {f}]"
+        _close(dsum, ref_sum, dtype, f"{what} ds_total")
+        _close(dz, ref_dz, dtype, f"{what} dz")
+        if w is not None:
+            assert dw.dtype == w.dtype and db.dtype == bias.dtype
+            _close(dw, ref_dw, dtype, f"{what} dweight")
+            _close(db, ref_db, dtype, f"{what} dbias")
+        if colsum is None:
+            assert dc is None
+        else:
+            assert dc.dtype == colsum and dc.shape == (f,)
+            _close(dc, ref_dz.sum(0), dtype, f"{what} dz column sum")
+        # bit for bit: the unfused composition from the same ds_total
+        plain_sum, plain_dw, plain_db = kf.add_layer_norm_backward(dy, ds, a, b, w, bias, mean, rstd, True, True)
+        assert torch.equal(dsum, plain_sum), what
+        want = plain_sum if keep is None else torch.ops.aten.native_dropout_backward(plain_sum, keep, 1 / (1 - p))
+        _same(dz, want, device, f"{what}: dz is not the dropout backward of ds_total")
+        if w is not None:
+            torch.testing.assert_close(dw, plain_dw, rtol=0, atol=0)
+            torch.testing.assert_close(db, plain_db, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_layer_norm_dropout_backward_strided_mask_and_inputs(device):
+    """Row strides of the inputs and of the mask (views into wider buffers) are honoured."""
+    from ragged.kernels.triton import fused as kf
+
+    gen = _gen("ln strided", device)
+    n, f, p = 21, 48, 0.5
+    wide = _randn((n, 2 * f), torch.float32, device, gen)
+    a, dy = wide[:, :f], _randn((n, 3 * f), torch.float32, device, gen)[:, f:2 * f]
+    keep = _mask((n, 2 * f), p, device, gen)[:, f:]
+    w, bias = _randn((f,), torch.float32, device, gen), _randn((f,), torch.float32, device, gen)
+    mean = a.double().mean(1).float()
+    rstd = (a.double().var(1, unbiased=False) + 1e-5).rsqrt().float()
+    dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(dy, None, a, None, w, bias, mean, rstd, True, True,
+                                                              keep, p, torch.float32)
+    ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(dy.double(), None, a.double(), w.double(),
+                                                                bias.double(), mean.double(), rstd.double())
+    ref_dz = ref_sum * keep.double() / (1 - p)
+    for got, ref, what in ((dsum, ref_sum, "ds"), (dz, ref_dz, "dz"), (dw, ref_dw, "dw"), (db, ref_db, "db"),
+                           (dc, ref_dz.sum(0), "colsum")):
+        _close(got, ref, torch.float32, what)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", ["gelu", "relu", "gelu_tanh"])
+def test_bias_act_dropout_backward(device, dtype, activation):
+    from ragged.kernels.triton import fused as kf
+
+    p = 0.25
+    for n, f in _sizes(device):
+        gen = _gen("ba", device, str(dtype), activation, n, f)
+        x = _randn((n, f), dtype, device, gen)
+        bias = _randn((f,), dtype, device, gen)
+        g = _randn((n, f), dtype, device, gen)
+        keep = _mask((n, f), p, device, gen)
+        dx, db = kf.bias_act_backward(g, x, bias, activation, True, mask=keep, p=p)
+        g_in = torch.ops.aten.native_dropout_backward(g, keep, 1 / (1 - p))
+        plain_dx, plain_db = kf.bias_act_backward(g_in, x, bias, activation, True)
+        what = f"{activation} {dtype} [{n}, {f}]"
+        _same(dx, plain_dx, device, f"{what}: not the composition with native_dropout_backward")
+        if not (device == "cpu" and dtype == torch.bfloat16):  # there dx may differ, so may its sum
+            torch.testing.assert_close(db, plain_db, rtol=0, atol=0)
+        ref_dx, ref_db = reference_bias_act_backward(g.double() * keep.double() / (1 - p), x.double(),
+                                                     bias.double(), activation)
+        _close(dx, ref_dx, dtype, f"{what} dx")
+        _close(db, ref_db, dtype, f"{what} dbias")
