@@ -81,7 +81,8 @@ def cases():
                dict(N_COLS=768, ACT=act, HAS_BIAS=bias, BLOCK_R=16, BLOCK_F=256))
         yield ("bias_act bwd", kf._bias_act_bwd_kernel, ["*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i1", "i32",
                                                          "i32", "i32", "i32", "i32", "fp32"],
-               dict(N_COLS=777, ACT=act, HAS_BIAS=bias, NEED_DBIAS=bias, HAS_MASK=bias, BLOCK_R=32, BLOCK_F=128))
+               dict(N_COLS=777, ACT=act, HAS_BIAS=bias, NEED_DBIAS=bias, HAS_MASK=bias, BLOCK_R=32, BLOCK_F=128,
+                    MASK_VEC=8))
     # (F, BLOCK_R, BLOCK_F, N_CHUNKS): rows in registers (several per program, one), chunked rows
     for n_cols, block_r, block_f, chunks, dt, res_t in ((768, 4, 1024, 1, "*bf16", "*fp32"),
                                                         (1, 1, 1, 1, "*fp16", "*fp16"),
@@ -98,7 +99,8 @@ def cases():
                     "*fp32"] + ["i32"] * 7 + ["fp32"],
                    dict(N_COLS=n_cols, HAS_DS=extras, HAS_BSRC=extras, HAS_W=extras, NEED_DW=extras and chunks == 1,
                         NEED_DB=extras and chunks == 1, HAS_MASK=extras and chunks == 1,
-                        NEED_DC=extras and chunks == 1, SUM_DTYPE=sum_dtype, BLOCK_R=block_r, BLOCK_F=block_f,
+                        NEED_DC=extras and chunks == 1, MASK_VEC=8,
+                        SUM_DTYPE=sum_dtype, BLOCK_R=block_r, BLOCK_F=block_f,
                         N_CHUNKS=chunks))
         yield ("layer_norm bwd dw/db", kf._ln_bwd_dwdb_kernel,
                [sum_t, dt, res_t, "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 5,

@@ -105,7 +105,7 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
                          drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_F: tl.constexpr):
+                         BLOCK_F: tl.constexpr, MASK_VEC: tl.constexpr = 8):
     """Program (group, column block): rows [group * rows_per_group, +rows_per_group).
 
     ``HAS_MASK``: ``G`` is the gradient of a dropout's output, taken back through it first
@@ -126,7 +126,8 @@ def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_grou
             z += b[None, :]
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_MASK:
-            keep = tl.load(MASK + rows[:, None] * stride_mask + cols[None, :], mask=m, other=0).to(tl.float32)
+            mcols = tl.max_contiguous(cols, MASK_VEC)  # see _ln_bwd_kernel
+            keep = tl.load(MASK + rows[:, None] * stride_mask + mcols[None, :], mask=m, other=0).to(tl.float32)
             g = (g * keep * drop_scale).to(G.dtype.element_ty).to(tl.float32)
         dz = g * _act_grad(z, ACT)  # 0 where masked (g = 0 there)
         tl.store(DX + rows[:, None] * N_COLS + cols[None, :], dz.to(DX.dtype.element_ty), mask=m)
@@ -213,7 +214,8 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK,
                    rows_per_group, stride_dy, stride_ds, stride_a, stride_b, stride_mask, drop_scale,
                    N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
                    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DC: tl.constexpr,
-                   SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
+                   SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr,
+                   MASK_VEC: tl.constexpr = 8):
     """``ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds`` with ``g = dy * w``,
     ``xhat = (s - mean) * rstd`` and ``s = a + b`` (b optional) recomputed as in the forward.
 
@@ -262,7 +264,10 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK,
             if HAS_MASK or NEED_DC:
                 d = ds.to(tl.float32)
                 if HAS_MASK:
-                    keep = tl.load(MASK + rows[:, None] * stride_mask + cols[None, :], mask=m, other=0)
+                    # the mask's columns announced contiguous in runs of the data's vector width only,
+                    # so that its bytes load in the data's layout (no shuffle through shared memory)
+                    mcols = tl.max_contiguous(cols, MASK_VEC)
+                    keep = tl.load(MASK + rows[:, None] * stride_mask + mcols[None, :], mask=m, other=0)
                     d = (d * keep.to(tl.float32) * drop_scale).to(DROP.dtype.element_ty)
                     tl.store(DROP + rows[:, None] * N_COLS + cols[None, :], d, mask=m)
                     d = d.to(tl.float32)
@@ -475,7 +480,7 @@ def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
         mask if mask is not None else x, n_rows, per_group, grad.stride(0), x.stride(0),
         mask.stride(0) if mask is not None else 0, _drop_scale(p), N_COLS=n_cols, ACT=ACTIVATIONS[activation],
         HAS_BIAS=bias is not None, NEED_DBIAS=need_bias, HAS_MASK=mask is not None, BLOCK_R=block_r,
-        BLOCK_F=block_f, num_warps=warps)
+        BLOCK_F=block_f, MASK_VEC=16 // dx.element_size(), num_warps=warps)
     return dx, _reduce(part, bias.dtype if bias is not None else torch.float32)
 
 
@@ -575,7 +580,7 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
         mask.stride(0) if mask is not None else 0, _drop_scale(p),
         N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
         NEED_DW=slots[0], NEED_DB=slots[1], HAS_MASK=mask is not None, NEED_DC=need_colsum, SUM_DTYPE=_TL_DTYPES[dtype],
-        BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks, num_warps=warps)
+        BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks, MASK_VEC=16 // dsum.element_size(), num_warps=warps)
     if not fused and (need_weight or need_bias):
         block_r2, block_f2, warps2 = _bias_act_config(n_cols, dtype, interpreted)
         n_col_blocks = triton.cdiv(n_cols, block_f2)
