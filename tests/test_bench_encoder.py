@@ -302,3 +302,15 @@ def test_gpu_busy_ms_is_the_kernel_time_without_host_gaps():
         return b @ a
 
     assert harness.gpu_busy_ms(gappy, dev) <= 3 * gemm
+
+
+def test_gpu_busy_is_opt_in(monkeypatch):
+    """The profiler slows every later launch of the process: never in a timed run by default."""
+    calls = []
+    monkeypatch.setattr(E, "gpu_clocks", lambda device: {})
+    monkeypatch.setattr(E, "gpu_busy_ms", lambda fn, device: calls.append(fn) or 1.5)
+    impl = E.Impl("ragged", "ragged", lambda: None)
+    monkeypatch.delenv("BENCH_GPU_BUSY", raising=False)
+    assert E.row_diagnostics(impl, torch.device("cuda")) == {} and calls == []
+    monkeypatch.setenv("BENCH_GPU_BUSY", "1")
+    assert E.row_diagnostics(impl, torch.device("cuda")) == {E.GPU_BUSY: 1.5} and len(calls) == 1
