@@ -240,6 +240,10 @@ class Suite:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    rounds: ClassVar[int] = 1
+    """GPU runs without --quick: each case's rows are timed this many times, round-robin (all
+    rows, then all rows again, ...), and each row reports the median of its rounds (with their
+    spread): a drift of the machine during the case then reaches every row alike."""
     memory_bound: ClassVar[bool] = True
     notes: ClassVar[str] = ""
     speedup_table: ClassVar[bool] = False
@@ -547,6 +551,35 @@ def run_impl(impl: Impl, workload: Workload, row: Row, config: Config) -> Row:
     return row
 
 
+ROUND_SPREAD = "rounds spread %"
+
+
+def _more_rounds(impls: list[Impl], rows: list[Row], rounds: int, config: Config) -> None:
+    """Time every measured row ``rounds - 1`` more times, round-robin; each row then reports
+    the median of its rounds and their spread ((max - min) / median, in %)."""
+    timed = [(impl, row) for impl, row in zip(impls, rows) if row.status == "ok"]
+    samples = {id(row): [row.median_ms] for _, row in timed}
+    for _ in range(rounds - 1):
+        for impl, row in timed:
+            if row.status != "ok":
+                continue
+            try:
+                samples[id(row)].append(median_ms(impl.fn, config.device, config.timer))
+            except Exception as exc:
+                release_memory(config.device)
+                row.status, row.reason = "failed", f"while timing: {_error_text(exc)}"
+    for _, row in timed:
+        if row.status != "ok":
+            continue
+        ms = samples[id(row)]
+        row.median_ms = statistics.median(ms)
+        row.extra[ROUND_SPREAD] = 100.0 * (max(ms) - min(ms)) / row.median_ms
+        if row.bytes:
+            row.gbps = gb_per_s(row.bytes, row.median_ms)
+        if row.flops:
+            row.tflops = row.flops / (row.median_ms * 1e-3) / 1e12
+
+
 def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: bool) -> None:
     """% of the copy ceiling (memory-bound suites) and speedups of ragged rows over baselines."""
     baselines = {r.impl: r.median_ms for r in rows if r.kind == "baseline" and r.status == "ok"}
@@ -590,6 +623,9 @@ def _run_case(suite: Suite, case: Case, config: Config, hooks: Hooks) -> list[Ro
         if row.status == "failed":
             hooks.on_problem(row)
         case_rows.append(row)
+    rounds = suite.rounds if config.on_gpu and not config.quick else 1
+    if rounds > 1:
+        _more_rounds(workload.impls, case_rows, rounds, config)
     del workload
     release_memory(config.device)
     return case_rows

@@ -106,3 +106,28 @@ def test_cli(capsys):
     assert "pack" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--dtype", "nonsense", "--list"])
+
+
+def test_more_rounds_report_the_median_and_spread_round_robin(monkeypatch):
+    import bench.harness as H
+
+    order = []
+    times = {"a": iter([4.0, 2.0]), "b": iter([1.0, 9.0])}
+
+    def fake_median(fn, device, timing):
+        name = fn()
+        order.append(name)
+        return next(times[name])
+
+    monkeypatch.setattr(H, "median_ms", fake_median)
+    impls = [H.Impl("a", "baseline", lambda: "a"), H.Impl("b", "ragged", lambda: "b"),
+             H.Impl("c", "ragged", lambda: "c")]
+    rows = [H.Row("s", "case", "g", {}, i.name, i.kind, "ok", median_ms=m, flops=10**9)
+            for i, m in zip(impls, (3.0, 2.0, 1.0))]
+    rows[2].status = "failed"  # not timed again
+    H._more_rounds(impls, rows, 3, H.Config(torch.device("cpu")))
+    assert order == ["a", "b", "a", "b"]  # round-robin
+    assert rows[0].median_ms == 3.0 and rows[0].extra[H.ROUND_SPREAD] == pytest.approx(100 * 2 / 3)
+    assert rows[1].median_ms == 2.0 and rows[1].extra[H.ROUND_SPREAD] == pytest.approx(100 * 8 / 2)
+    assert rows[1].tflops == pytest.approx(1e9 / 2e-3 / 1e12)
+    assert rows[2].median_ms == 1.0 and H.ROUND_SPREAD not in rows[2].extra

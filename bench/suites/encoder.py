@@ -550,6 +550,7 @@ class EncoderSuite(Suite):
     description = "BERT-base encoder: torch.nn padded / fast path / nested vs ragged.nn, inference and training"
     memory_bound = False
     speedup_table = True
+    rounds = 3
     notes = """\
 `torch.nn.TransformerEncoder` of `TransformerEncoderLayer(d, h, ff, dropout, activation="gelu",
 batch_first=True, norm_first=False)`: on a GPU BERT-base (`d=768, h=12, ff=3072`, 12
@@ -562,6 +563,12 @@ one `torch.mm` of two `[n, n]` matrices in the case's dtype (`n` = 8192 on a GPU
 CPU), timed in the same case. `speedup vs padded` / `speedup vs dense`: the `padded` /
 `dense equal tokens` row's ms over this row's. `SM MHz` / `W` (GPU runs with `nvidia-smi`):
 the SM clock and power draw read right after the row's timing, to tell a throttled row.
+Timing (GPU, without --quick): each case's rows are timed three times round-robin (every row,
+then every row again, twice), each round a `do_bench` median; a row reports the median of
+its three, and `rounds spread %` = (max - min) / median. The host of the GPU machine
+changes speed from minute to minute, and the rows that wait on it (ragged and dense
+equal tokens in training, the short-batch rows) move with it: round-robin rounds spread
+such a drift over every row of the case.
 `GPU busy ms` (only with `BENCH_GPU_BUSY=1`: the profiler slows every later launch of the
 process, so a table with it is for diagnosis, not for timings): the GPU time of one call
 with the host taken out (the union of the kernel intervals `torch.profiler` records over
