@@ -529,9 +529,10 @@ def row_diagnostics(impl: Impl, device: torch.device) -> dict[str, Any]:
     """Untimed columns after a row's timing: the SM clock and power (a throttled row), and, with
     ``BENCH_GPU_BUSY=1``, the GPU busy time of one call (a row whose median is well above it
     waited on the host: the long-tailed training rows moved by up to 50% between runs on one
-    host, with the GPU work of each call unchanged). Opt-in: once torch.profiler has run, every
-    later launch in the process costs more host time (measured on the H200 machine: the
-    host-bound rows of later cases up to 2x slower), so it must not run in a timed table."""
+    host, with the GPU work of each call unchanged). Opt-in: torch.profiler can leave its
+    tracing attached to the process and add host time to every later launch (in the one H200
+    run with it on, the host-bound rows of later cases ran up to 2x slower than in runs
+    without it; that host's speed also varies between runs), so it stays out of timed tables."""
     out: dict[str, Any] = dict(gpu_clocks(device))
     if os.environ.get("BENCH_GPU_BUSY") == "1" and not impl.name.startswith("GEMM ceiling"):
         busy = gpu_busy_ms(impl.fn, device)
