@@ -12,7 +12,10 @@ saves what the backward needs, and computes every gradient in a hand-written bac
 * pre-norm: ``h1 = LN1(x)``, the attention block on ``h1``, ``(h2, x1) = (LN2(s), s)`` with
   ``s = drop1(sa) + x`` (one pass returns both), ``y = x1 + drop2(FF(h2))``;
 * backward: the residual gradients enter the GEMMs as their accumulators (``addmm``), the
-  LayerNorm backward returns the gradient of both summands of its sum, and the attention
+  LayerNorm backward returns the gradient of both summands of its sum (with the Triton
+  kernels also the gradient through the dropout in front of it, and that gradient's sum, the
+  bias gradient of the Linear before the dropout, in the same pass; the bias + activation
+  backward takes the feed-forward dropout back the same way), and the attention
   backward writes dq, dk, dv into one ``[T, 3, H, D]`` buffer, so the input projection's
   gradient needs no stacking copy.
 
