@@ -48,9 +48,7 @@ def cases():
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel,
                    [dt] * 4 + ["*fp32", "*fp32", dt, dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
             yield ("attention bwd dq", ka._bwd_dq_kernel,
-                   [dt] * 4 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 10, c)
-    yield ("attention delta", ka._delta_kernel, ["*bf16", "*bf16", "*fp32", "i32", "i32", "i32", "i32", "i32", "i32"],
-           dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_R=32))
+                   [dt] * 5 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
     yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]

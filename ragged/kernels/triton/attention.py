@@ -338,13 +338,15 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 
 @cached_launch
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                    seed, dropout_p, total_q, max_k, heads,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                   stride_dqt, stride_dqh,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
                    PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
+    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -365,7 +367,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_
     do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+    o = tl.load(O + tq[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=qd_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + tq * heads + h, delta, mask=r_ok)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
@@ -385,21 +389,6 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
-
-
-@cached_launch
-@triton.jit
-def _delta_kernel(O, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride_doh, heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """delta[t, h] = sum_d O[t, h, d] * dO[t, h, d] in fp32 (rows r = t * H + h)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
-    ok = (r < n_rows)[:, None] & (d < HEAD_DIM)[None, :]
-    t = r // heads
-    h = r - t * heads
-    o = tl.load(O + (t * stride_ot + h * stride_oh)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + (t * stride_dot + h * stride_doh)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
 
 
 @cached_launch
@@ -554,18 +543,21 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         return dq, dk, dv
     if total_q == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
+    delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     out = _rows(out)
-    rows_per = 32
-    _delta_kernel[(triton.cdiv(total_q * heads, rows_per),)](
-        out, do, delta, total_q * heads, out.stride(0), out.stride(1), do.stride(0), do.stride(1), heads,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_R=rows_per)
     lse = lse.contiguous()
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
                                                                  _interpreted())
     group = heads // kv_heads
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
                   DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype))
+    cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
+    _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
+        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
+        seed, dropout_p, total_q, max(max_k, 1), heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
+        num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
     if total_k:
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
@@ -574,13 +566,6 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)
-    cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
-    _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
-        q, k, v, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
-        seed, dropout_p, total_q, max(max_k, 1), heads,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w, num_stages=q_s, INLINE=inline,
-        CHUNK=chunk, **common)
     return dq, dk, dv
 
 
