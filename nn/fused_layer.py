@@ -15,9 +15,11 @@ saves what the backward needs, and computes every gradient in a hand-written bac
   LayerNorm backward returns the gradient of both summands of its sum (with the Triton
   kernels also the gradient through the dropout in front of it, and that gradient's sum, the
   bias gradient of the Linear before the dropout, in the same pass; the bias + activation
-  backward takes the feed-forward dropout back the same way), and the attention
-  backward writes dq, dk, dv into one ``[T, 3, H, D]`` buffer, so the input projection's
-  gradient needs no stacking copy.
+  backward takes the feed-forward dropout back the same way), the per-group partial column
+  sums of those launches (LayerNorm weights and biases, the Linear biases) go to one fp32
+  buffer reduced by one ``sum`` at the end (:class:`_Sums`), and the attention backward
+  writes dq, dk, dv into one ``[T, 3, H, D]`` buffer, so the input projection's gradient
+  needs no stacking copy.
 
 Dropout masks come from ``torch.native_dropout`` (torch's generator), the attention's from
 its kernels' seed. The backends are chosen by the caller (the same choices the per-op path
@@ -69,12 +71,17 @@ def _bias_grad(g: torch.Tensor, b: torch.Tensor | None, need: bool) -> torch.Ten
 
 
 def _ln_dropout_backward(ln_bwd, dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
-                         linear_bias, need_linear_bias):
+                         linear_bias, need_linear_bias, sums=None):
     """Backward of ``LN(dropout(z) + ...)``: ``(ds_total, dz, dweight, dbias, dlinear_bias)``
     with ``dlinear_bias`` the sum of ``dz`` over the tokens (the bias of the Linear that made
     ``z``). The Triton backward does it in one pass; any other backend: its LayerNorm
-    backward, then torch's dropout backward and sum."""
+    backward, then torch's dropout backward and sum. ``sums`` (a :class:`_Sums`, Triton
+    only): the three column sums are left in its buffer and come back as None."""
     colsum = linear_bias.dtype if need_linear_bias and linear_bias is not None else None
+    if sums is not None:
+        col = sums.take(need_weight and weight is not None, need_bias and bias is not None, colsum is not None)
+        return _ln_dropout_backward_triton(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
+                                           colsum, sums.part, col)
     if ln_bwd is _add_layer_norm_triton_backward:
         return _ln_dropout_backward_triton(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
                                            colsum)
@@ -83,12 +90,58 @@ def _ln_dropout_backward(ln_bwd, dy, ds, a, b, weight, bias, mean, rstd, need_we
     return dsum, dz, dweight, dbias, _bias_grad(dz, linear_bias, colsum is not None)
 
 
-def _act_dropout_backward(ba_bwd, g, mask, p, hid, b1, act, need_b1):
+def _act_dropout_backward(ba_bwd, g, mask, p, hid, b1, act, need_b1, sums=None):
     """Backward of ``dropout(act(hid + b1))`` for the gradient ``g`` of its output: ``(dhid,
-    db1)``; the Triton backward takes the dropout back in the same pass."""
+    db1)``; the Triton backward takes the dropout back in the same pass. ``sums``: as for
+    :func:`_ln_dropout_backward` (``db1`` left in its buffer)."""
+    if sums is not None:
+        if need_b1 and b1 is not None:
+            return _bias_act_dropout_backward_triton(g, hid, b1, act, True, mask=mask, p=p, part=sums.part,
+                                                     part_col=sums.take(True))
+        return _bias_act_dropout_backward_triton(g, hid, b1, act, False, mask=mask, p=p)
     if ba_bwd is _bias_act_triton_backward and mask is not None:
         return _bias_act_dropout_backward_triton(g, hid, b1, act, need_b1, mask=mask, p=p)
     return ba_bwd(_dropout_backward(g, mask, p), hid, b1, act, need_b1)
+
+
+class _Sums:
+    """One fp32 buffer ``[groups, W]`` for the per-group partial column sums of a layer's
+    backward launches (LayerNorm weight and bias, the bias of each Linear before a dropout,
+    the feed-forward bias), reduced by one ``sum`` at the end: three reductions, their casts
+    and buffers become one of each. ``take(*wanted)`` hands out the next columns, F per
+    wanted sum (F: the width of the call that takes them)."""
+
+    def __init__(self, n_tok: int, widths: list[int], device: torch.device) -> None:
+        from ..kernels.triton.fused import partial_groups
+
+        self.widths = widths  # one per sum, in the order the launches write them
+        self.part = torch.empty((partial_groups(device), sum(widths)), dtype=torch.float32, device=device)
+        self._col = 0
+        self._next = 0
+
+    def take(self, *wanted: bool) -> int:
+        col = self._col
+        for flag in wanted:
+            if flag:
+                self._col += self.widths[self._next]
+                self._next += 1
+        return col
+
+    def reduce(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        return list(self.part.sum(0).to(dtype).split(self.widths))
+
+
+def _shared_sums(ln_bwd, ba_bwd, x: torch.Tensor, widths: list[int]) -> _Sums | None:
+    """A :class:`_Sums` with these widths (one per wanted sum, in launch order) when the
+    layer's LayerNorm and bias + activation backwards are the Triton kernels and its rows fit
+    one pass; None otherwise (each launch then reduces its own sums)."""
+    if ln_bwd is not _add_layer_norm_triton_backward or ba_bwd is not _bias_act_triton_backward or not widths:
+        return None
+    from ..kernels.triton.fused import layer_norm_backward_fuses
+
+    if not layer_norm_backward_fuses(x.shape[1], x.dtype):
+        return None
+    return _Sums(x.shape[0], widths, x.device)
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -146,6 +199,18 @@ class _LayerFunction(torch.autograd.Function):
         dy = dy.contiguous()
         n_tok, d = x.shape
         dn1w = dn1b = dn2w = dn2b = None
+        # the column sums (LayerNorm weights and biases, Linear biases) of the Triton launches
+        # go to one buffer, reduced once at the end (see _Sums); wanted: in launch order
+        want_n1 = (need_n1w and n1w is not None, need_n1b and n1b is not None)
+        want_n2 = (need_n2w and n2w is not None, need_n2b and n2b is not None)
+        want_b1, want_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+        want_out_b = need_out_b and out_b is not None
+        if norm_first:
+            wanted = [want_b1, *want_n2, want_out_b, *want_n1]
+        else:
+            wanted = [*want_n2, want_b2, want_b1, *want_n1, want_out_b]
+        widths = [w1.shape[0] if i == (0 if norm_first else 3) else d for i, f in enumerate(wanted) if f]
+        sums = _shared_sums(ln_bwd, ba_bwd, x, widths)
         # feed-forward block; d_res: the gradient of the block's residual input (x1). Each
         # LayerNorm backward also takes its input's dropout back and sums the result into the
         # bias gradient of the Linear before that dropout (one pass with the Triton kernels).
@@ -155,9 +220,9 @@ class _LayerFunction(torch.autograd.Function):
             db2 = _bias_grad(df, b2, need_b2)
         else:
             d_res, df, dn2w, dn2b, db2 = _ln_dropout_backward(ln_bwd, dy, None, f, x1, n2w, n2b, mean3, rstd3,
-                                                              need_n2w, need_n2b, m3, p2, b2, need_b2)
+                                                              need_n2w, need_n2b, m3, p2, b2, need_b2, sums)
         dw2 = torch.mm(df.t(), g) if need_w2 else None
-        dhid, db1 = _act_dropout_backward(ba_bwd, torch.mm(df, w2), m2, p_ff, hid, b1, act, need_b1)
+        dhid, db1 = _act_dropout_backward(ba_bwd, torch.mm(df, w2), m2, p_ff, hid, b1, act, need_b1, sums)
         dw1 = torch.mm(dhid.t(), h2) if need_w1 else None
         # attention block; ds: the gradient of both summands of s = drop1(sa) + x, dsa: of the
         # output projection (through drop1)
@@ -166,11 +231,11 @@ class _LayerFunction(torch.autograd.Function):
             dh2 = torch.mm(dhid, w1)
             ds, dsa, dn2w, dn2b, db_out = _ln_dropout_backward(ln_bwd, dh2, d_res, x1, None, n2w, n2b, mean2,
                                                                rstd2, need_n2w, need_n2b, m1, p1, out_b,
-                                                               need_out_b)
+                                                               need_out_b, sums)
         else:
             dx1 = torch.addmm(d_res, dhid, w1)
             ds, dsa, dn1w, dn1b, db_out = _ln_dropout_backward(ln_bwd, dx1, None, sa, x, n1w, n1b, mean2, rstd2,
-                                                               need_n1w, need_n1b, m1, p1, out_b, need_out_b)
+                                                               need_n1w, need_n1b, m1, p1, out_b, need_out_b, sums)
         dw_out = torch.mm(dsa.t(), a) if need_out_w else None
         da = torch.mm(dsa, out_w).view(n_tok, heads, d // heads)
         dqkv = torch.empty((n_tok, 3, heads, d // heads), dtype=q.dtype, device=q.device)
@@ -186,16 +251,28 @@ class _LayerFunction(torch.autograd.Function):
         dw_in = torch.mm(dqkv.t(), h1) if need_in_w else None
         db_in = _bias_grad(dqkv, in_b, need_in_b)
         dx = None
-        if need_x:
+        if need_x or (norm_first and any(want_n1)):
             if norm_first:
                 dh1 = torch.mm(dqkv, in_w)
-                dx_ln, dn1w, dn1b = ln_bwd(dh1, None, x, None, n1w, n1b, mean1, rstd1, need_n1w, need_n1b)
-                dx = ds + dx_ln
+                if sums is not None:
+                    dx_ln = _ln_dropout_backward(ln_bwd, dh1, None, x, None, n1w, n1b, mean1, rstd1, need_n1w,
+                                                 need_n1b, None, 0.0, None, False, sums)[0]
+                else:
+                    dx_ln, dn1w, dn1b = ln_bwd(dh1, None, x, None, n1w, n1b, mean1, rstd1, need_n1w, need_n1b)
+                dx = ds + dx_ln if need_x else None
             else:
                 dx = torch.addmm(ds, dqkv, in_w)
-        elif norm_first and (need_n1w or need_n1b):
-            _, dn1w, dn1b = ln_bwd(torch.mm(dqkv, in_w), None, x, None, n1w, n1b, mean1, rstd1, need_n1w,
-                                   need_n1b)
+        if sums is not None:  # one reduction for every column sum above
+            reduced = iter(sums.reduce(x.dtype))
+            if norm_first:
+                names = ["b1", "n2w", "n2b", "out_b", "n1w", "n1b"]
+            else:
+                names = ["n2w", "n2b", "b2", "b1", "n1w", "n1b", "out_b"]
+            got = {name: next(reduced) for name, flag in zip(names, wanted) if flag}
+            db1, db_out = got.get("b1"), got.get("out_b")
+            dn1w, dn1b, dn2w, dn2b = got.get("n1w"), got.get("n1b"), got.get("n2w"), got.get("n2b")
+            if not norm_first:
+                db2 = got.get("b2")
         return (dx, None, None, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b)
 
 

@@ -77,8 +77,8 @@ def cases():
     for act, bias in ((0, False), (1, True), (2, True), (3, True)):
         yield ("bias_act fwd", kf._bias_act_fwd_kernel, ["*bf16", "*fp32", "*bf16", "i32", "i32"],
                dict(N_COLS=768, ACT=act, HAS_BIAS=bias, BLOCK_R=16, BLOCK_F=256))
-        yield ("bias_act bwd", kf._bias_act_bwd_kernel, ["*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i1", "i32",
-                                                         "i32", "i32", "i32", "i32", "fp32"],
+        yield ("bias_act bwd", kf._bias_act_bwd_kernel, ["*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i1"]
+               + ["i32"] * 7 + ["fp32"],
                dict(N_COLS=777, ACT=act, HAS_BIAS=bias, NEED_DBIAS=bias, HAS_MASK=bias, BLOCK_R=32, BLOCK_F=128,
                     MASK_VEC=8))
     # (F, BLOCK_R, BLOCK_F, N_CHUNKS): rows in registers (several per program, one), chunked rows
@@ -93,8 +93,8 @@ def cases():
                    dict(N_COLS=n_cols, HAS_RES=extras, HAS_W=extras, HAS_B=extras, STORE_SUM=extras,
                         SUM_DTYPE=sum_dtype, BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=chunks))
             yield ("layer_norm bwd", kf._ln_bwd_kernel,
-                   [sum_t, sum_t, dt, res_t, "*fp32", "*fp32", "*fp32", sum_t, "*fp32", "*fp32", "*i1", sum_t,
-                    "*fp32"] + ["i32"] * 7 + ["fp32"],
+                   [sum_t, sum_t, dt, res_t, "*fp32", "*fp32", "*fp32", sum_t, "*fp32", "*i1", sum_t]
+                   + ["i32"] * 9 + ["fp32"],
                    dict(N_COLS=n_cols, HAS_DS=extras, HAS_BSRC=extras, HAS_W=extras, NEED_DW=extras and chunks == 1,
                         NEED_DB=extras and chunks == 1, HAS_MASK=extras and chunks == 1,
                         NEED_DC=extras and chunks == 1, MASK_VEC=8,

@@ -158,3 +158,63 @@ def test_bias_act_dropout_backward(device, dtype, activation):
                                                      bias.double(), activation)
         _close(dx, ref_dx, dtype, f"{what} dx")
         _close(db, ref_db, dtype, f"{what} dbias")
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_partial_sums_into_a_shared_buffer(device, dtype):
+    """``part=``: the LayerNorm and bias + activation backwards leave their per-group column
+    sums in the caller's buffer, at the given column, in the order (dweight, dbias, dz sum),
+    only the wanted ones, every group row written (zeros for groups with no rows); summed over
+    the rows they are the sums the functions return on their own. The columns around them
+    (NaN) are not touched; gradients are the same bit for bit."""
+    from ragged.kernels.triton import fused as kf
+
+    p = 0.3
+    groups = kf.partial_groups(torch.device(device))
+    for n, f in [(0, 64), (1, 1), (7, 100), (33, 64)] + ([(4099, 768)] if device == "cuda" else []):
+        assert kf.layer_norm_backward_fuses(f, dtype)
+        gen = _gen("part", device, str(dtype), n, f)
+        a, b, dy = (_randn((n, f), dtype, device, gen) for _ in range(3))
+        w, bias = 1 + 0.1 * _randn((f,), dtype, device, gen), _randn((f,), dtype, device, gen)
+        keep = _mask((n, f), p, device, gen)
+        _, _, mean, rstd = kf.add_layer_norm_forward(a, b, w, bias, 1e-5, False)
+        for need_w, need_b, colsum in ((True, True, dtype), (False, True, dtype), (True, False, None)):
+            k = need_w + need_b + (colsum is not None)
+            col = 3
+            part = torch.full((groups, col + k * f + 5), float("nan"), dtype=torch.float32, device=device)
+            got = kf.add_layer_norm_dropout_backward(dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p,
+                                                     colsum, part=part, part_col=col)
+            want = kf.add_layer_norm_dropout_backward(dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p,
+                                                      colsum)
+            what = f"{dtype} [{n}, {f}] w={need_w} b={need_b} colsum={colsum is not None}"
+            assert got[2:] == (None, None, None), what
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+            assert part[:, :col].isnan().all() and part[:, col + k * f:].isnan().all(), f"{what}: wrote outside"
+            sums = part[:, col:col + k * f].sum(0).split(f)
+            for s, ref in zip(sums, [t for t in want[2:] if t is not None]):
+                _close(s.to(dtype), ref, dtype, f"{what}: a partial sum")
+        # bias + activation, with and without the dropout
+        h, g = _randn((n, 2 * f), dtype, device, gen), _randn((n, 2 * f), dtype, device, gen)
+        b1 = _randn((2 * f,), dtype, device, gen)
+        for mask in (None, _mask((n, 2 * f), p, device, gen)):
+            part = torch.full((groups, 2 * f + 9), float("nan"), dtype=torch.float32, device=device)
+            dx, none = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p, part=part, part_col=7)
+            want_dx, want_db = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p)
+            assert none is None and torch.equal(dx, want_dx)
+            assert part[:, :7].isnan().all() and part[:, 7 + 2 * f:].isnan().all()
+            _close(part[:, 7:7 + 2 * f].sum(0).to(dtype), want_db, dtype, f"bias_act [{n}, {2 * f}] dbias")
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_partial_sums_buffer_checked(device):
+    from ragged.kernels.triton import fused as kf
+
+    x = torch.zeros(4, 8, device=device)
+    bias = torch.zeros(8, device=device)
+    for bad in (torch.zeros(4, 8, dtype=torch.float64, device=device), torch.zeros(4, 7, device=device),
+                torch.zeros(8, 4, device=device).t()):
+        with pytest.raises(ValueError, match=r"bias_act_backward\(\): expected part"):
+            kf.bias_act_backward(x, x, bias, "relu", True, part=bad)
+    with pytest.raises(ValueError, match=r"part_col=2"):
+        kf.bias_act_backward(x, x, bias, "relu", True, part=torch.zeros(4, 9, device=device), part_col=2)

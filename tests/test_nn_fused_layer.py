@@ -238,6 +238,46 @@ def test_one_node_triton_backward_takes_dropout_back(monkeypatch, norm_first):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+@pytest.mark.parametrize("frozen", ["none", "some", "input"])
+def test_one_node_triton_backward_shared_sums(monkeypatch, norm_first, dropout, frozen):
+    """The Triton backward leaves every column sum (LayerNorm weights and biases, Linear
+    biases) in one buffer reduced at the end: against the torch backends with some parameters
+    frozen (their sums skipped, the others in the right columns) and with the input not
+    needing a gradient (the pre-norm first LayerNorm's backward then runs for its weights
+    only); float32 on CPU, the same masks."""
+    layer = _layer(norm_first, "gelu", True, dropout=dropout, seed=6).float()
+    layer.self_attn.dropout = 0.0
+    if frozen == "some":
+        for name in ("norm1.weight", "linear1.bias", "self_attn.out_proj.bias", "norm2.bias"):
+            layer.get_parameter(name).requires_grad_(False)
+    x, rt = _input([4, 1, 5, 3], 9)
+    x = x.detach().float().requires_grad_(frozen != "input")
+    rt = rt.with_values(x)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(10))
+    real = tmod._one_node_backends
+    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "triton")
+    params = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+
+    def run(backend):
+        monkeypatch.setattr(tmod, "_one_node_backends", lambda *a: (lambda f: None if f is None else
+                                                                    (f[0], "torch", backend, backend, f[4]))(real(*a)))
+        torch.manual_seed(0)
+        out = layer(rt).values
+        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+        inputs = ([x] if x.requires_grad else []) + [p for _, p in params]
+        return out, torch.autograd.grad(out, inputs, up)
+
+    got, got_grads = run("triton")
+    want, want_grads = run("torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    names = (["x"] if x.requires_grad else []) + [n for n, _ in params]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_one_node_only_where_it_applies(torch_backends):
     layer = _layer(False, "relu", True)
     x, rt = _input([2, 3], 0)

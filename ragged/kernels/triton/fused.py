@@ -103,10 +103,12 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 @cached_launch
 @triton.jit
 def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
-                         drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         stride_part, part_off, drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_F: tl.constexpr, MASK_VEC: tl.constexpr = 8):
-    """Program (group, column block): rows [group * rows_per_group, +rows_per_group).
+    """Program (group, column block): rows [group * rows_per_group, +rows_per_group); its
+    partial bias sum goes to row ``group`` of ``DBIAS_PART`` (row stride ``stride_part``), from
+    column ``part_off`` on.
 
     ``HAS_MASK``: ``G`` is the gradient of a dropout's output, taken back through it first
     (``g * keep * drop_scale``, rounded to G's dtype: what ``native_dropout_backward`` gives)."""
@@ -134,7 +136,7 @@ def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_grou
         if NEED_DBIAS:
             acc += tl.sum(dz, 0)
     if NEED_DBIAS:
-        tl.store(DBIAS_PART + group.to(tl.int64) * N_COLS + cols, acc, mask=col_ok)
+        tl.store(DBIAS_PART + part_off + group.to(tl.int64) * stride_part + cols, acc, mask=col_ok)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,8 +212,8 @@ def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps
 
 @cached_launch
 @triton.jit
-def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK, DROP, DC_PART, n_rows,
-                   rows_per_group, stride_dy, stride_ds, stride_a, stride_b, stride_mask, drop_scale,
+def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, PART, MASK, DROP, n_rows, rows_per_group,
+                   stride_dy, stride_ds, stride_a, stride_b, stride_mask, stride_part, part_off, drop_scale,
                    N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
                    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DC: tl.constexpr,
                    SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr,
@@ -220,13 +222,16 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK,
     ``xhat = (s - mean) * rstd`` and ``s = a + b`` (b optional) recomputed as in the forward.
 
     Program ``group`` takes rows [group * rows_per_group, +rows_per_group). With one chunk
-    it also sums ``dy * xhat`` and ``dy`` over its rows into ``DW_PART`` / ``DB_PART``
-    ``[groups, N_COLS]``; with several the launcher runs ``_ln_bwd_dwdb_kernel`` instead.
+    it also sums ``dy * xhat`` (``NEED_DW``) and ``dy`` (``NEED_DB``) over its rows into row
+    ``group`` of ``PART`` (row stride ``stride_part``), from column ``part_off`` on, F
+    columns each in that order; with several the launcher runs ``_ln_bwd_dwdb_kernel``
+    instead.
 
     One chunk only: ``HAS_MASK`` also writes ``DROP = ds_total * keep * drop_scale`` (the
     gradient through the dropout whose output fed ``a``, from ``ds_total`` rounded to its
     dtype, as ``native_dropout_backward`` computes it), ``NEED_DC`` sums that gradient
-    (``ds_total`` without a mask) over the rows into ``DC_PART`` (a Linear's bias gradient)."""
+    (``ds_total`` without a mask) over the rows into the next F columns of ``PART`` (a
+    Linear's bias gradient)."""
     group = tl.program_id(0)
     first = group.to(tl.int64) * rows_per_group
     end = tl.minimum(first + rows_per_group, n_rows)
@@ -273,12 +278,15 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, DW_PART, DB_PART, MASK,
                     d = d.to(tl.float32)
                 if NEED_DC:
                     dc += tl.sum(tl.where(m, d, 0.0), 0)
+        out = PART + part_off + group.to(tl.int64) * stride_part + cols
         if NEED_DW:
-            tl.store(DW_PART + group.to(tl.int64) * N_COLS + cols, dw, mask=col_ok)
+            tl.store(out, dw, mask=col_ok)
+            out += N_COLS
         if NEED_DB:
-            tl.store(DB_PART + group.to(tl.int64) * N_COLS + cols, db, mask=col_ok)
+            tl.store(out, db, mask=col_ok)
+            out += N_COLS
         if NEED_DC:
-            tl.store(DC_PART + group.to(tl.int64) * N_COLS + cols, dc, mask=col_ok)
+            tl.store(out, dc, mask=col_ok)
     else:
         for start in range(first, end, BLOCK_R):
             rows = start + tl.arange(0, BLOCK_R)
@@ -423,15 +431,38 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _row_groups(n_rows: int, block_r: int, n_col_blocks: int, device: torch.device,
-                interpreted: bool) -> tuple[int, int]:
+                interpreted: bool, groups: int | None = None) -> tuple[int, int]:
     """(groups, rows per group) of a backward with per-group partial sums: about two
     programs per SM in all (the partial buffer then stays small: [groups, F] fp32), each
-    group a whole number of row blocks."""
+    group a whole number of row blocks. ``groups`` given: exactly that many (the last ones
+    may have no rows; their partial sums are zeros)."""
+    blocks = -(-n_rows // block_r)
+    if groups is not None:
+        return groups, max(1, -(-blocks // groups)) * block_r
     target = 4 if interpreted or device.type != "cuda" else \
         max(1, 2 * _multiprocessors(device) // max(n_col_blocks, 1))
-    blocks = -(-n_rows // block_r)
     per_group = -(-blocks // target) * block_r
     return -(-n_rows // per_group), per_group
+
+
+def partial_groups(device: torch.device) -> int:
+    """Rows of a partial-sum buffer shared by several backward launches (``part=`` of
+    :func:`bias_act_backward` and :func:`add_layer_norm_dropout_backward`): two per SM."""
+    return 4 if triton_interpreted() or device.type != "cuda" else 2 * _multiprocessors(device)
+
+
+def layer_norm_backward_fuses(n_cols: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`add_layer_norm_dropout_backward` takes rows this wide in one pass
+    (then it can write its partial sums into a shared buffer)."""
+    return _layer_norm_backward_config(n_cols, dtype, triton_interpreted())[2] == 1
+
+
+def _check_part(fn: str, part: torch.Tensor, col: int, width: int, device: torch.device) -> None:
+    if (part.dtype != torch.float32 or part.dim() != 2 or part.device != device or not part.is_contiguous()
+            or col < 0 or part.shape[1] < col + width or part.shape[0] < 1):
+        raise ValueError(f"{fn}(): expected part to be a contiguous float32 [groups, >= {col + width}] tensor on "
+                         f"{device} (part_col={col}, {width} columns written), got {part.dtype} "
+                         f"{tuple(part.shape)} (contiguous: {part.is_contiguous()}) on {part.device}")
 
 
 # --------------------------------------------------------------------------------------
@@ -460,28 +491,44 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
 
 
 def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                      need_bias: bool, mask: torch.Tensor | None = None,
-                      p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      need_bias: bool, mask: torch.Tensor | None = None, p: float = 0.0,
+                      part: torch.Tensor | None = None, part_col: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx in x.dtype, dbias in bias.dtype or None)``. ``mask`` (bool, ``x``'s shape, unit
     feature stride): ``grad`` is that of ``dropout(act(x + bias))`` with this keep mask and
-    rate ``p``; it is taken back through the dropout in the same pass."""
+    rate ``p``; it is taken back through the dropout in the same pass.
+
+    ``part`` (float32 ``[groups, W]``, contiguous, a buffer shared with other backward
+    launches): the per-group partial sums of ``dbias`` are written to its columns
+    ``[part_col, part_col + F)`` instead, one row per group (see :func:`partial_groups`), and
+    ``dbias`` is returned as None: the caller sums the rows."""
     n_rows, n_cols = x.shape
     need_bias = need_bias and bias is not None
+    if part is not None:
+        _check_part("ragged.kernels.triton.fused.bias_act_backward", part, part_col, n_cols, x.device)
+        need_bias = True
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
+        if part is not None:
+            part[:, part_col:part_col + n_cols].zero_()
+            return dx, None
         return dx, (torch.zeros_like(bias) if need_bias else None)
     interpreted = triton_interpreted()
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, interpreted)
     n_col_blocks = triton.cdiv(n_cols, block_f)
-    groups, per_group = _row_groups(n_rows, block_r, n_col_blocks, x.device, interpreted)
-    part = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device) if need_bias else None
+    groups, per_group = _row_groups(n_rows, block_r, n_col_blocks, x.device, interpreted,
+                                    part.shape[0] if part is not None else None)
+    own = part is None and need_bias
+    if own:
+        part = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)
     _bias_act_bwd_kernel[(groups, n_col_blocks)](
         grad, x, bias if bias is not None else x, dx, part if part is not None else dx,
         mask if mask is not None else x, n_rows, per_group, grad.stride(0), x.stride(0),
-        mask.stride(0) if mask is not None else 0, _drop_scale(p), N_COLS=n_cols, ACT=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None, NEED_DBIAS=need_bias, HAS_MASK=mask is not None, BLOCK_R=block_r,
-        BLOCK_F=block_f, MASK_VEC=16 // dx.element_size(), num_warps=warps)
-    return dx, _reduce(part, bias.dtype if bias is not None else torch.float32)
+        mask.stride(0) if mask is not None else 0, part.stride(0) if part is not None else 0, part_col,
+        _drop_scale(p),
+        N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None, NEED_DBIAS=need_bias,
+        HAS_MASK=mask is not None, BLOCK_R=block_r, BLOCK_F=block_f, MASK_VEC=16 // dx.element_size(),
+        num_warps=warps)
+    return dx, (_reduce(part, bias.dtype if bias is not None else torch.float32) if own else None)
 
 
 def _drop_scale(p: float) -> float:
@@ -525,20 +572,27 @@ def add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.
 def add_layer_norm_dropout_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor,
                                     b: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
                                     mean: torch.Tensor, rstd: torch.Tensor, need_weight: bool, need_bias: bool,
-                                    mask: torch.Tensor | None, p: float, colsum_dtype: torch.dtype | None):
+                                    mask: torch.Tensor | None, p: float, colsum_dtype: torch.dtype | None,
+                                    part: torch.Tensor | None = None, part_col: int = 0):
     """The backward of ``add_layer_norm(dropout(z) + b, ...)`` where ``a = dropout(z)`` was drawn
     with the bool keep ``mask`` (``a``'s shape, unit feature stride; None: no dropout) at rate
     ``p``: ``(ds_total, dz, dweight, dbias, dz_colsum)``. ``dz = ds_total * keep / (1 - p)``
     (``ds_total`` itself without a mask), in one pass with the layer norm's backward, as is
     ``dz_colsum`` (``dz`` summed over the rows in fp32, in ``colsum_dtype``; None when that is
     None): the gradient of the bias of the Linear that produced ``z``. The parameter gradients
-    may be views of one buffer (one reduction launch for all of them)."""
+    may be views of one buffer (one reduction launch for all of them).
+
+    ``part`` (float32 ``[groups, W]``, contiguous; rows that fit one pass,
+    :func:`layer_norm_backward_fuses`): the per-group partial sums of the k wanted ones of
+    ``dweight``, ``dbias``, ``dz_colsum`` (in that order, F columns each, from column
+    ``part_col`` on) go there instead, one row per group, and those three come back as None:
+    the caller sums the rows."""
     return _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
-                                colsum_dtype, True)
+                                colsum_dtype, True, part, part_col)
 
 
 def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum_dtype,
-                         shared: bool):
+                         shared: bool, part=None, part_col: int = 0):
     """Both backward launchers; ``shared``: the partial sums in one buffer, reduced by one sum
     (the results are then views of one tensor, which torch.library ops may not return)."""
     n_rows, n_cols = a.shape
@@ -547,6 +601,15 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
     need_bias = need_bias and bias is not None
     need_colsum = colsum_dtype is not None
     dsum = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device)
+    slots = (need_weight, need_bias, need_colsum)
+    if part is not None:
+        fn = "ragged.kernels.triton.fused.add_layer_norm_dropout_backward"
+        _check_part(fn, part, part_col, sum(slots) * n_cols, a.device)
+        if not layer_norm_backward_fuses(n_cols, dtype):
+            raise ValueError(f"{fn}(): part= takes rows of at most {_LN_BWD_MAX_BLOCK} elements, got {n_cols}")
+        if n_rows == 0:
+            part[:, part_col:part_col + sum(slots) * n_cols].zero_()
+            return dsum, dsum if mask is None else torch.empty_like(dsum), None, None, None
     if n_rows == 0:
         return (dsum, dsum if mask is None else torch.empty_like(dsum),
                 torch.zeros_like(weight) if need_weight else None, torch.zeros_like(bias) if need_bias else None,
@@ -559,28 +622,25 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
         dz = dsum if mask is None else torch.ops.aten.native_dropout_backward(dsum, mask, _drop_scale(p))
         return dsum, dz, dweight, dbias, dz.sum(0, dtype=torch.float32).to(colsum_dtype) if need_colsum else None
     fused = n_chunks == 1
-    groups, per_group = _row_groups(n_rows, block_r, 1, a.device, interpreted)
+    groups, per_group = _row_groups(n_rows, block_r, 1, a.device, interpreted,
+                                    part.shape[0] if part is not None else None)
     src_b = b if b is not None else a
     drop = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device) if mask is not None else dsum
-    # the partial column sums, fp32 [groups, F] each (in one buffer when shared)
+    # the partial column sums: fp32 [groups, k * F], F columns per wanted sum, in one buffer
     slots = (fused and need_weight, fused and need_bias, need_colsum)
-    shared = shared and sum(slots) > 1
-    if shared:
-        part = torch.empty((sum(slots), groups, n_cols), dtype=torch.float32, device=a.device)
-        views = iter(part.unbind(0))
-        parts = [next(views) if wanted else None for wanted in slots]
-    else:
-        parts = [torch.empty((groups, n_cols), dtype=torch.float32, device=a.device) if wanted else None
-                 for wanted in slots]
-    dw_part, db_part, dc_part = (t if t is not None else dsum for t in parts)
+    k = sum(slots)
+    own = part is None and k > 0
+    if own:
+        part, part_col = torch.empty((groups, k * n_cols), dtype=torch.float32, device=a.device), 0
     _ln_bwd_kernel[(groups,)](
         dy, ds if ds is not None else dy, a, src_b, weight if weight is not None else a, mean, rstd, dsum,
-        dw_part, db_part, mask if mask is not None else a, drop, dc_part, n_rows, per_group,
+        part if part is not None else dsum, mask if mask is not None else a, drop, n_rows, per_group,
         dy.stride(0), ds.stride(0) if ds is not None else 0, a.stride(0), src_b.stride(0),
-        mask.stride(0) if mask is not None else 0, _drop_scale(p),
-        N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
-        NEED_DW=slots[0], NEED_DB=slots[1], HAS_MASK=mask is not None, NEED_DC=need_colsum, SUM_DTYPE=_TL_DTYPES[dtype],
-        BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks, MASK_VEC=16 // dsum.element_size(), num_warps=warps)
+        mask.stride(0) if mask is not None else 0, part.stride(0) if part is not None else 0, part_col,
+        _drop_scale(p), N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
+        NEED_DW=slots[0], NEED_DB=slots[1], HAS_MASK=mask is not None, NEED_DC=need_colsum,
+        SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks,
+        MASK_VEC=16 // dsum.element_size(), num_warps=warps)
     if not fused and (need_weight or need_bias):
         block_r2, block_f2, warps2 = _bias_act_config(n_cols, dtype, interpreted)
         n_col_blocks = triton.cdiv(n_cols, block_f2)
@@ -594,12 +654,13 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
             SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r2, BLOCK_F=block_f2, num_warps=warps2)
         return (dsum, drop, _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
                 _reduce(db_part, bias.dtype if bias is not None else torch.float32), None)
+    if not own:
+        return dsum, drop, None, None, None
     dtypes = (weight.dtype if weight is not None else None, bias.dtype if bias is not None else None, colsum_dtype)
-    if not shared:
-        return (dsum, drop, *(_reduce(t, dt) for t, dt in zip(parts, dtypes)))
     wanted = [dt for dt, want in zip(dtypes, slots) if want]
-    sums = part.sum(1)
-    rows = iter(sums.to(wanted[0]).unbind(0) if len(set(wanted)) == 1 else
-                [row.to(dt) for row, dt in zip(sums.unbind(0), wanted)])
+    if shared and k > 1 and len(set(wanted)) == 1:  # one reduction; the results are views of one tensor
+        rows = iter(part.sum(0).to(wanted[0]).split(n_cols))
+    else:
+        rows = iter(part[:, i * n_cols:(i + 1) * n_cols].sum(0).to(dt) for i, dt in enumerate(wanted))
     dweight, dbias, dcolsum = (next(rows) if want else None for want in slots)
     return dsum, drop, dweight, dbias, dcolsum
