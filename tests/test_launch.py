@@ -61,3 +61,25 @@ def test_hook_detection_follows_triton_knobs():
 
 def _noop(*args, **kwargs):
     return None
+
+
+def test_inline_key_is_the_per_argument_spec():
+    """The generated key function gives exactly what ``_spec`` gives per argument (one
+    table for both), distinguishes what Triton specialises on, and refuses other types."""
+    from ragged.kernels.triton import launch
+
+    base = torch.zeros(64)
+    ints = [0, 1, 2, 15, 16, 17, 48, -16, -1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**63 - 1, 2**63,
+            2**64 - 16]
+    args = [base, base[1:], base[4:], torch.nn.Parameter(base), *ints, 0.5, 1.0, None, True, False]
+    key = launch._key_function(len(args))
+    got = key(*args)
+    assert got == tuple(launch._spec(a) for a in args)
+    assert len(set(got[:2])) == 2 and got[0] == got[2] == got[3], "alignment"  # base[4:] is 16-byte aligned
+    codes = dict(zip(ints, got[4:4 + len(ints)]))
+    assert codes[1] != codes[2] and codes[16] != codes[17] and codes[0] == codes[16] == codes[48] == codes[-16]
+    assert codes[2**31 - 1] != codes[2**31] and codes[-(2**31)] != codes[-(2**31) - 1]
+    assert codes[2**63 - 1] != codes[2**63]
+    assert got[-2] != got[-1] and got[-2] != codes[1], "bools are not ints"
+    with pytest.raises(launch._Unsupported):
+        launch._key_function(2)(base, "text")

@@ -33,19 +33,48 @@ _FAST = True  # cleared for good if a direct launch is refused (another launcher
 
 
 def _spec(a):
-    """What Triton specialises a positional argument on, or ``NotImplemented``."""
+    """What Triton specialises a positional argument on, as one hashable value (raises
+    :class:`_Unsupported` for another type of argument): a tensor's dtype (a 1-tuple of it when its data is not 16-byte
+    aligned); an integer's code ``8 | (== 1) | (% 16 == 0) << 1 | (fits int32) << 2 | (past
+    int64) << 4``; ``float``; ``(bool, value)``; None. :func:`_key_function` computes the
+    same values inline."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
+        return a.dtype if not a.data_ptr() & 15 else (a.dtype,)
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX, a <= _I64_MAX)
+        return 8 | (a == 1) | ((a & 15 == 0) << 1) | ((_I32_MIN <= a <= _I32_MAX) << 2) | ((a > _I64_MAX) << 4)
     if t is float:
         return float
     if t is bool:
         return (bool, a)
     if a is None:
         return None
-    return NotImplemented
+    raise _Unsupported
+
+
+class _Unsupported(Exception):
+    """An argument the cached path does not key (the normal launch path takes it)."""
+
+
+_KEY_FUNCTIONS: dict[int, object] = {}
+
+
+def _key_function(n: int):
+    """``f(*args) -> tuple`` of :func:`_spec` over ``n`` positional arguments, with the two
+    common cases (a plain tensor, an int) inlined: a launch's key costs about half as much
+    as calling ``_spec`` per argument."""
+    fn = _KEY_FUNCTIONS.get(n)
+    if fn is None:
+        names = [f"a{i}" for i in range(n)]
+        items = "".join(
+            f"\n        ({a}.dtype if not {a}.data_ptr() & 15 else ({a}.dtype,)) if type({a}) is _Tensor else "
+            f"(8 | ({a} == 1) | (({a} & 15 == 0) << 1) | ((-2147483648 <= {a} <= 2147483647) << 2) | "
+            f"(({a} > {_I64_MAX}) << 4)) if type({a}) is int else _spec({a}),"
+            for a in names)
+        namespace = {"_Tensor": torch.Tensor, "_spec": _spec}
+        exec(f"def key({', '.join(names)}):\n    return ({items}\n    )\n", namespace)
+        fn = _KEY_FUNCTIONS[n] = namespace["key"]
+    return fn
 
 
 def _hook_set(hook) -> bool:
@@ -76,6 +105,7 @@ class CachedLaunch:
             self._names = [p.name for p in params]
             self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self._table: dict = {}
+        self._keys: dict = {}  # number of positional arguments -> its key function
 
     def __getattr__(self, name):
         return getattr(self.jit, name)
@@ -86,8 +116,14 @@ class CachedLaunch:
     def launch(self, grid, args: tuple, meta: dict):
         if not (self._direct and _FAST) or callable(grid):
             return self.jit[grid](*args, **meta)
-        spec = tuple(_spec(a) for a in args)
-        if NotImplemented in spec or _hooks_installed():
+        key_fn = self._keys.get(len(args))
+        if key_fn is None:
+            key_fn = self._keys[len(args)] = _key_function(len(args))
+        try:
+            spec = key_fn(*args)
+        except _Unsupported:
+            return self.jit[grid](*args, **meta)
+        if _hooks_installed():
             return self.jit[grid](*args, **meta)
         device = torch._C._cuda_getDevice()
         key = (device, spec, tuple(meta.items()))
