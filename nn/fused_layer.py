@@ -289,21 +289,17 @@ def layer_forward(layer, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal
     docstring) when ``needs_grad``, else the same kernels called straight, with nothing
     saved (inference: no per-op wrappers, checks or RaggedTensors between the kernels);
     ``act``: a :func:`ragged.bias_act` activation name."""
-    attn = layer.self_attn
+    attn = _child(layer, "self_attn")
     training = layer.training
-    config = (layer.norm_first, attn.num_heads, max_len, causal, 1.0 / math.sqrt(attn.head_dim),
-              attn.dropout if training else 0.0, layer.dropout1.p if training else 0.0,
-              layer.dropout.p if training else 0.0, layer.dropout2.p if training else 0.0,
-              layer.norm1.eps, layer.norm2.eps, act, attn_backend, ln_backend, act_backend)
+    norm1, norm2 = _child(layer, "norm1"), _child(layer, "norm2")
+    p = (attn.dropout, _child(layer, "dropout1").p, _child(layer, "dropout").p, _child(layer, "dropout2").p) \
+        if training else (0.0, 0.0, 0.0, 0.0)
+    config = (layer.norm_first, attn.num_heads, max_len, causal, 1.0 / math.sqrt(attn.head_dim), *p, norm1.eps,
+              norm2.eps, act, attn_backend, ln_backend, act_backend)
+    params = layer_params(layer)
     if not needs_grad:
-        return _LayerFunction.forward(_NoSave(), x, cu, config, attn.in_proj_weight, attn.in_proj_bias,
-                                      attn.out_proj.weight, attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias,
-                                      layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
-                                      layer.linear2.bias, layer.norm2.weight, layer.norm2.bias)
-    return _LayerFunction.apply(x, cu, config, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
-                                attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.linear1.weight,
-                                layer.linear1.bias, layer.linear2.weight, layer.linear2.bias, layer.norm2.weight,
-                                layer.norm2.bias)
+        return _LayerFunction.forward(_NoSave(), x, cu, config, *params)
+    return _LayerFunction.apply(x, cu, config, *params)
 
 
 # --------------------------------------------------------------------------------------

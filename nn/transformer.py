@@ -34,6 +34,8 @@ from .activation import (
 )
 from .fused_layer import (
     InferenceKernels,
+    _child,
+    _param,
     direct_layer_norm_takes,
     infer_layer,
     layer_forward,
@@ -97,26 +99,30 @@ def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causa
     grad)`` when the layer can run through :func:`ragged.nn.fused_layer.layer_forward` (one
     autograd node in training, the kernels called straight in inference), else None: an
     activation bias_act fuses, the packed input projection, every parameter a plain tensor
-    of the input's dtype, tokens present."""
-    act = _fused_activation(layer.activation)
-    attn = layer.self_attn
-    if act is None or not attn._qkv_same_embed_dim or attn.bias_k is not None:
+    of the input's dtype, tokens present. Called once per layer and step: the module reads
+    go through the modules' dicts (``Module.__getattr__`` costs about a microsecond each)."""
+    act = _fused_activation(layer.__dict__["activation"] if "activation" in layer.__dict__ else layer.activation)
+    attn = _child(layer, "self_attn")
+    if act is None or not attn._qkv_same_embed_dim or _param(attn, "bias_k") is not None:
         return None
     x = rt.values
-    params = (attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias, layer.norm1.weight,
-              layer.norm1.bias, layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
-              layer.norm2.weight, layer.norm2.bias)
-    present = [p for p in params if p is not None]
-    if x.shape[0] == 0 or not eager(x, rt.offsets, *present) or not x.is_contiguous():
+    if x.shape[0] == 0 or not x.is_contiguous():
         return None
-    if any(p.dtype != x.dtype or p.device != x.device for p in present):
+    params = layer_params(layer)
+    if not eager(x, rt.offsets, *[p for p in params if p is not None]):
         return None
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in present))
+    dtype, index = x.dtype, x.get_device()
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    for p in params:
+        if p is not None:
+            if p.dtype != dtype or p.get_device() != index:
+                return None
+            needs_grad = needs_grad or (p.requires_grad and torch.is_grad_enabled())
     heads = x.view(x.shape[0], attn.num_heads, attn.head_dim)
     attn_backend = backends.select("attention", None, x.device, heads, heads, heads, rt.offsets, rt.offsets,
                                    rt.max_len, rt.max_len, causal, attn.dropout if layer.training else 0.0,
                                    needs_grad).name
-    act_backend = _linear_output_act_backend(x, layer.linear1.out_features, layer.linear1.bias, act)
+    act_backend = _linear_output_act_backend(x, params[6].shape[0], params[7], act)
     return act, attn_backend, fused, act_backend, needs_grad
 
 
