@@ -52,8 +52,7 @@ def _bias_act_dropout_backward_triton(*args, **kwargs):
     return bias_act_backward(*args, **kwargs)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+_linear = torch.nn.functional.linear  # 2-D: addmm(b, x, w^T) or mm(x, w^T), the transpose taken in C++
 
 
 def _dropout(x: torch.Tensor, p: float):
@@ -169,7 +168,7 @@ class _LayerFunction(torch.autograd.Function):
         else:
             x1, _, mean2, rstd2 = ln_fwd(sa, x, n1w, n1b, eps1, False)
             h2 = x1
-        hid = torch.mm(h2, w1.t())
+        hid = _linear(h2, w1, None)
         g, m2 = _dropout(ba_fwd(hid, b1, act), p_ff)
         f, m3 = _dropout(_linear(g, w2, b2), p2)
         if norm_first:
