@@ -110,7 +110,7 @@ class _Sums:
     and buffers become one of each. ``take(*wanted)`` hands out the next columns, F per
     wanted sum (F: the width of the call that takes them)."""
 
-    def __init__(self, n_tok: int, widths: list[int], device: torch.device) -> None:
+    def __init__(self, widths: list[int], device: torch.device) -> None:
         from ..kernels.triton.fused import partial_groups
 
         self.widths = widths  # one per sum, in the order the launches write them
@@ -140,7 +140,7 @@ def _shared_sums(ln_bwd, ba_bwd, x: torch.Tensor, widths: list[int]) -> _Sums | 
 
     if not layer_norm_backward_fuses(x.shape[1], x.dtype):
         return None
-    return _Sums(x.shape[0], widths, x.device)
+    return _Sums(widths, x.device)
 
 
 class _LayerFunction(torch.autograd.Function):
