@@ -103,8 +103,8 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 @cached_launch
 @triton.jit
 def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
-                         stride_part, part_off, drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
+                         stride_part, part_off, drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_F: tl.constexpr, MASK_VEC: tl.constexpr = 8):
     """Program (group, column block): rows [group * rows_per_group, +rows_per_group); its
     partial bias sum goes to row ``group`` of ``DBIAS_PART`` (row stride ``stride_part``), from

@@ -34,10 +34,10 @@ _FAST = True  # cleared for good if a direct launch is refused (another launcher
 
 def _spec(a):
     """What Triton specialises a positional argument on, as one hashable value (raises
-    :class:`_Unsupported` for another type of argument): a tensor's dtype (a 1-tuple of it when its data is not 16-byte
-    aligned); an integer's code ``8 | (== 1) | (% 16 == 0) << 1 | (fits int32) << 2 | (past
-    int64) << 4``; ``float``; ``(bool, value)``; None. :func:`_key_function` computes the
-    same values inline."""
+    :class:`_Unsupported` for another type of argument): a tensor's dtype (a 1-tuple of it
+    when its data is not 16-byte aligned); an integer's code ``8 | (== 1) | (% 16 == 0) << 1
+    | (fits int32) << 2 | (past int64) << 4``; ``float``; ``(bool, value)``; None.
+    :func:`_key_function` computes the same values inline."""
     if isinstance(a, torch.Tensor):
         return a.dtype if not a.data_ptr() & 15 else (a.dtype,)
     t = type(a)
