@@ -81,7 +81,7 @@ def _bias_act_backend(h: torch.Tensor, bias: torch.Tensor | None, act: str) -> s
     name = _BIAS_ACT_BACKENDS.get(key)
     if name is None:
         name = backends.select("bias_act", None, h.device, h, bias, act).name
-        if h.data_ptr() % 16 == 0 and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and h.data_ptr() % 16 == 0:
             _BIAS_ACT_BACKENDS[key] = name
     return name
 

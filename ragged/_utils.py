@@ -36,8 +36,27 @@ def check_tensor(fn: str, name: str, x: object) -> torch.Tensor:
     return x
 
 
+def check_int(fn: str, name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int: ints, numpy integers and 0-d integer tensors are taken;
+    bools, floats and everything else raise ``TypeError``; below ``minimum`` raises ``ValueError``."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}(): expected {name} to be an int, got {describe(value)}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{fn}(): expected {name} >= {minimum}, got {value}")
+    return value
+
+
 def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None = None,
                          name: str = "offsets") -> torch.Tensor:
+    """Checks ``offsets`` (``[B+1]`` int32/int64, on values' device) and returns it contiguous.
+
+    Every kernel reads offsets (cu_seqlens, ids, lengths) with unit stride: this is the one
+    place where a strided view (``offsets[::2]``) becomes a contiguous copy, so callers must
+    use the returned tensor."""
     check_tensor(fn, name, offsets)
     if offsets.dtype not in OFFSET_DTYPES:
         raise TypeError(f"{fn}(): expected {name} of dtype torch.int32 or torch.int64, got {offsets.dtype}")
@@ -46,7 +65,20 @@ def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None =
     if values is not None and offsets.device != values.device:
         raise ValueError(f"{fn}(): expected values and {name} on the same device, "
                          f"got values on {values.device} and {name} on {offsets.device}")
-    return offsets
+    return offsets if offsets.is_contiguous() else offsets.contiguous()
+
+
+def check_vector(fn: str, name: str, t: object, size: int, device: torch.device,
+                 what: str = "") -> torch.Tensor:
+    """A 1-D parameter of ``size`` entries on ``device`` (a bias, a LayerNorm weight),
+    returned with unit stride: Triton kernels index such vectors as ``ptr + i``, so a
+    strided or expanded view (``b[::2]``, ``b.expand(n)``) becomes a contiguous copy here."""
+    check_tensor(fn, name, t)
+    if tuple(t.shape) != (size,):
+        raise ValueError(f"{fn}(): expected {name} of shape ({size},){what}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{fn}(): expected {name} on {device}, got {t.device}")
+    return t if t.stride(0) == 1 or size <= 1 else t.contiguous()
 
 
 def host_offsets_from_lengths(fn: str, lengths: Sequence[int]) -> list[int]:
