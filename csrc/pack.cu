@@ -106,6 +106,12 @@ __device__ __forceinline__ void pack_rows(const char* __restrict__ src, Vec* __r
     const i64 start = __ldg(offsets + b);
     i64 j = t - start;
     if (left) j += width - ((i64)__ldg(offsets + b + 1) - start);
+    if (j < 0 || j >= width) {
+        // A length past the width (offsets unchecked on the GPU) would read outside the
+        // padded tensor: the row is written as zeros instead.
+        fill_row(dst + t * row_vecs, row_vecs, fill_vector<Vec>(0u, 0u, 0u, 0u));
+        return;
+    }
     const Vec* row = reinterpret_cast<const Vec*>(src + b * stride_b + j * stride_m);
     copy_row(row, dst + t * row_vecs, row_vecs);
 }

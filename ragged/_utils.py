@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Sequence
 
@@ -108,6 +109,10 @@ def host_lengths_of(fn: str, lengths: object) -> list[int]:
             raise TypeError(f"{fn}(): expected integer lengths, got a {lengths.dtype} tensor")
         if lengths.dim() != 1:
             raise ValueError(f"{fn}(): expected 1-D lengths, got shape {tuple(lengths.shape)}")
+        if lengths.device.type == "meta":
+            # A meta tensor has a shape but no values to read back.
+            raise ValueError(f"{fn}(): expected lengths with values (host ints, or a CPU or CUDA tensor), "
+                             f"got a tensor on the meta device")
         return lengths.detach().to("cpu", torch.int64).tolist()
     if isinstance(lengths, np.ndarray):
         if lengths.ndim != 1:
@@ -170,6 +175,17 @@ def feature_rows_contiguous(x: torch.Tensor, lead: int, fn: str) -> torch.Tensor
             return x.contiguous()
         expected *= size
     return x
+
+
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at import
+    time (about 1.7 s of ``import ragged``): the decorator only marks the function, with the
+    attribute below, and dynamo reads the mark when it traces a call (tests/test_imports.py
+    checks that the mark is the one torch sets)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 _warned: set[str] = set()

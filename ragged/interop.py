@@ -14,12 +14,29 @@ HuggingFace attention mask     ``rt.attention_mask()``,          ``from_attentio
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from ._utils import check_tensor, describe, max_length, offsets_dtype_for, to_device
-from .tensor import RaggedTensor
+from ._utils import check_offsets_tensor, check_tensor, describe, max_length, offsets_dtype_for, to_device
+from .tensor import RaggedTensor, exact_ragged
+
+# nested_tensor_from_jagged asks torch.fx whether it is tracing, and that query reports a
+# deprecation notice addressed to fx users (through logging in torch 2.13, as a
+# UserWarning in some other releases), once per process: to a ragged user it is noise.
+_FX_TRACING_NOTICE = "is_fx_tracing will return true"
+_FX_LOGGER = "torch.fx._symbolic_trace"
+
+
+class _DropFxTracingNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _FX_TRACING_NOTICE not in record.getMessage()
+
+
+_DROP_FX_TRACING_NOTICE = _DropFxTracingNotice()
 
 
 def to_nested(rt: RaggedTensor) -> torch.Tensor:
@@ -32,8 +49,19 @@ def to_nested(rt: RaggedTensor) -> torch.Tensor:
     if rt._host_offsets is not None:
         o = rt._host_offsets
         min_len = min((o[i + 1] - o[i] for i in range(len(o) - 1)), default=0)
-    return torch.nested.nested_tensor_from_jagged(rt.values, rt.offsets.to(torch.int64), max_seqlen=rt.max_len,
-                                                  min_seqlen=min_len)
+    offsets = rt.offsets.to(torch.int64)
+    if torch.compiler.is_compiling():  # filters are host state; a traced call builds the tensor only
+        return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len, min_seqlen=min_len)
+    # The notice is filtered for this one call only, by its text, on the logger that emits it.
+    logger = logging.getLogger(_FX_LOGGER)
+    logger.addFilter(_DROP_FX_TRACING_NOTICE)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_FX_TRACING_NOTICE)
+            return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len,
+                                                          min_seqlen=min_len)
+    finally:
+        logger.removeFilter(_DROP_FX_TRACING_NOTICE)
 
 
 def from_nested(nt: torch.Tensor) -> RaggedTensor:
@@ -56,10 +84,10 @@ def from_nested(nt: torch.Tensor) -> RaggedTensor:
         nt = nt.contiguous()
     values, offsets = nt.values(), nt.offsets()
     total = values.shape[0]
-    offsets = offsets.to(offsets_dtype_for(total))
+    offsets = check_offsets_tensor(fn, offsets.to(offsets_dtype_for(total)), values)
     max_len = getattr(nt, "_maybe_max_seqlen", None)
     if max_len is None:
-        return RaggedTensor.from_offsets(values, offsets)
+        return RaggedTensor._from_offsets(fn, values, offsets, None, True, "nt.offsets()", "max_seqlen")
     return RaggedTensor(values, offsets, int(max_len))
 
 
@@ -120,17 +148,32 @@ def from_packed_sequence(ps: PackedSequence) -> RaggedTensor:
     host = [0, *np.cumsum(lengths).tolist()]
     values = ps.data.index_select(0, to_device(index.tolist(), torch.int64, ps.data.device))
     offsets = to_device(host, offsets_dtype_for(host[-1]), ps.data.device)
-    return RaggedTensor(values, offsets, max_length(host), tuple(host))
+    return exact_ragged(values, offsets, host, max_length(host))
 
 
 def from_cu_seqlens(values: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, *,
                     validate: bool = True) -> RaggedTensor:
-    """RaggedTensor from flash-attn's varlen form (``values [T, ...]``, ``cu_seqlens [B+1]``)."""
-    return RaggedTensor.from_offsets(values, cu_seqlens, max_seqlen, validate=validate)
+    """RaggedTensor from flash-attn's varlen form (``values [T, ...]``, ``cu_seqlens [B+1]``).
+
+    As :meth:`RaggedTensor.from_offsets`: ``cu_seqlens`` of any stride is stored contiguous,
+    and ``validate=False`` with ``max_seqlen`` given reads nothing from the GPU.
+    """
+    return RaggedTensor._from_offsets("ragged.from_cu_seqlens", values, cu_seqlens, max_seqlen, validate,
+                                      "cu_seqlens", "max_seqlen")
 
 
 def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: str | None = None) -> RaggedTensor:
-    """RaggedTensor from a padded batch and a HuggingFace mask (1 = token; right or left padded)."""
-    from .ops.pack import pack
+    """RaggedTensor from a padded batch and a HuggingFace mask (right or left padded).
 
-    return pack(x, attention_mask=attention_mask, backend=backend)
+    ``attention_mask [B, M]`` of any dtype holds 1 at tokens and 0 at padding, nothing else
+    (checked within the one read of the mask: ``ValueError`` otherwise)."""
+    from . import backends
+    from .ops.pack import _pack_masked
+
+    fn = "ragged.from_attention_mask"
+    if backend is not None:
+        backends._check_name(fn, backend)
+    check_tensor(fn, "x", x)
+    if x.dim() < 2:
+        raise ValueError(f"{fn}(): expected x of shape [B, M, ...], got {tuple(x.shape)}")
+    return _pack_masked(fn, x, attention_mask, "attention_mask", None, backend)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ._utils import (
+    check_int,
     check_offsets_tensor,
     check_tensor,
     describe,
@@ -46,7 +47,7 @@ class RaggedTensor:
     path kernels use).
     """
 
-    __slots__ = ("values", "offsets", "max_len", "_host_offsets")
+    __slots__ = ("values", "offsets", "max_len", "_host_offsets", "_longest")
 
     def __init__(self, values: torch.Tensor, offsets: torch.Tensor, max_len: int,
                  host_offsets: tuple[int, ...] | None = None):
@@ -56,6 +57,9 @@ class RaggedTensor:
         # Host copy of the offsets when known without reading the GPU (pack from a
         # list or from host lengths); used by unbind()/indexing/interop.
         self._host_offsets = host_offsets
+        # The longest length of _host_offsets once computed (None: not yet). max_len is
+        # trusted from the caller here, so unpack checks its width against this instead.
+        self._longest = None
 
     # ----------------------------------------------------------------------------------
     # Constructors
@@ -77,12 +81,15 @@ class RaggedTensor:
         if total != values.shape[0]:
             raise ValueError(f"{fn}(): expected sum(lengths) == values.shape[0] ({values.shape[0]}), got {total}")
         longest = max_length(host)
+        width = longest
         if max_len is not None:
-            if validate and int(max_len) < longest:
-                raise ValueError(f"{fn}(): expected max_len >= the longest length ({longest}), got {max_len}")
-            longest = int(max_len)
+            width = check_int(fn, "max_len", max_len, minimum=0)
+            if validate and width < longest:
+                raise ValueError(f"{fn}(): expected max_len >= the longest length ({longest}), got {width}")
         offsets = to_device(host, offsets_dtype_for(total), values.device)
-        return cls(values, offsets, longest, tuple(host))
+        rt = cls(values, offsets, width, tuple(host))
+        rt._longest = longest
+        return rt
 
     @classmethod
     def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, *,
@@ -93,21 +100,37 @@ class RaggedTensor:
         Otherwise the offsets are read back once (one sync on CUDA) to check them
         (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``) and to find ``max_len``.
         """
-        fn = "ragged.RaggedTensor.from_offsets"
+        return cls._from_offsets("ragged.RaggedTensor.from_offsets", values, offsets, max_len, validate,
+                                 "offsets", "max_len")
+
+    @classmethod
+    def _from_offsets(cls, fn: str, values: torch.Tensor, offsets: torch.Tensor, max_len, validate: bool,
+                      offsets_name: str, max_len_name: str) -> "RaggedTensor":
+        """:meth:`from_offsets` with the public function's name and argument names in its errors."""
         check_tensor(fn, "values", values)
         if values.dim() < 1:
             raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
-        check_offsets_tensor(fn, offsets, values)
-        if not validate and max_len is not None:
-            return cls(values, offsets, int(max_len))
-        host = offsets.detach().to("cpu", torch.int64).tolist()
-        validate_host_offsets(fn, host, values.shape[0])
-        longest = max_length(host)
+        # Stored as returned: kernels read offsets with unit stride.
+        offsets = check_offsets_tensor(fn, offsets, values, name=offsets_name)
         if max_len is not None:
-            if int(max_len) < longest:
-                raise ValueError(f"{fn}(): expected max_len >= the longest length ({longest}), got {max_len}")
-            longest = int(max_len)
-        return cls(values, offsets, longest, tuple(host))
+            max_len = check_int(fn, max_len_name, max_len, minimum=0)
+        if not validate and max_len is not None:
+            return cls(values, offsets, max_len)
+        if offsets.device.type == "meta":
+            raise ValueError(f"{fn}(): expected {offsets_name} with values to read (validate=True or no "
+                             f"{max_len_name}), got a tensor on the meta device; pass {max_len_name} with "
+                             "validate=False")
+        host = offsets.detach().to("cpu", torch.int64).tolist()
+        validate_host_offsets(fn, host, values.shape[0], offsets_name)
+        longest = max_length(host)
+        width = longest
+        if max_len is not None:
+            if max_len < longest:
+                raise ValueError(f"{fn}(): expected {max_len_name} >= the longest length ({longest}), got {max_len}")
+            width = max_len
+        rt = cls(values, offsets, width, tuple(host))
+        rt._longest = longest
+        return rt
 
     # ----------------------------------------------------------------------------------
     # Shape and metadata
@@ -135,6 +158,9 @@ class RaggedTensor:
     def host_offsets(self) -> tuple[int, ...]:
         """Offsets as Python ints (cached; one device-to-host sync the first time on CUDA)."""
         if self._host_offsets is None:
+            if self.offsets.device.type == "meta":
+                raise ValueError("ragged.RaggedTensor.host_offsets(): expected offsets with values to read, "
+                                 "got a tensor on the meta device")
             self._host_offsets = tuple(self.offsets.detach().to("cpu", torch.int64).tolist())
         return self._host_offsets
 
@@ -202,13 +228,39 @@ class RaggedTensor:
         return (~self.padding_mask(total_length, padding_side)).to(dtype)
 
     def _width(self, fn: str, total_length: int | None) -> int:
+        """The padded width ``M``: ``total_length`` (an int >= max_len) or ``max_len``.
+
+        With host offsets it is also checked against the longest sequence (max_len given to
+        a constructor with ``validate=False`` is not): on the host, no sync.
+        """
         if total_length is None:
-            return self.max_len
-        if not isinstance(total_length, int) or isinstance(total_length, bool):
-            raise TypeError(f"{fn}(): expected total_length to be an int, got {describe(total_length)}")
-        if total_length < self.max_len:
-            raise ValueError(f"{fn}(): expected total_length >= max_len ({self.max_len}), got {total_length}")
-        return total_length
+            width = self.max_len
+            if width < 0:
+                raise ValueError(f"{fn}(): expected max_len >= 0, got {width}")
+        else:
+            width = check_int(fn, "total_length", total_length)
+            if width < self.max_len:
+                raise ValueError(f"{fn}(): expected total_length >= max_len ({self.max_len}), got {width}")
+        longest = self._host_longest()
+        if longest is not None and width < longest:
+            name = "max_len" if total_length is None else "total_length"
+            raise ValueError(f"{fn}(): expected {name} >= the longest sequence ({longest}), got {width}")
+        return width
+
+    def _host_longest(self) -> int | None:
+        """The longest length when the host offsets are known (cached), else None; no sync."""
+        if self._longest is not None or self._host_offsets is None:
+            return self._longest
+        longest = max_length(self._host_offsets)
+        if not torch.compiler.is_compiling():  # a traced function leaves the object as it was
+            self._longest = longest
+        return longest
+
+    def _derived(self, values: torch.Tensor, offsets: torch.Tensor) -> "RaggedTensor":
+        """Same sequences over new ``values``/``offsets`` tensors: host metadata carried over."""
+        out = RaggedTensor(values, offsets, self.max_len, self._host_offsets)
+        out._longest = self._longest
+        return out
 
     # ----------------------------------------------------------------------------------
     # Conversions
@@ -238,7 +290,7 @@ class RaggedTensor:
             base = o[start]
             host = tuple(x - base for x in o[start:stop + 1])
             offsets = self.offsets[start:stop + 1] - self.offsets[start]
-            return RaggedTensor(self.values[o[start]:o[stop]], offsets, max_length(host), host)
+            return exact_ragged(self.values[o[start]:o[stop]], offsets, host, max_length(host))
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
             i = int(index)
             if not -batch <= i < batch:
@@ -255,7 +307,7 @@ class RaggedTensor:
             raise ValueError(f"{fn}(): expected values of shape [{self.num_tokens}, ...], got {tuple(values.shape)}")
         if values.device != self.device:
             raise ValueError(f"{fn}(): expected values on {self.device}, got {values.device}")
-        return RaggedTensor(values, self.offsets, self.max_len, self._host_offsets)
+        return self._derived(values, self.offsets)
 
     def to(self, *args, **kwargs) -> "RaggedTensor":
         """Like ``Tensor.to``: a dtype applies to ``values``; a device moves both tensors."""
@@ -264,7 +316,7 @@ class RaggedTensor:
         if values.device != offsets.device:
             non_blocking = bool(kwargs.get("non_blocking", False))
             offsets = offsets.to(values.device, non_blocking=non_blocking)
-        return RaggedTensor(values, offsets, self.max_len, self._host_offsets)
+        return self._derived(values, offsets)
 
     def cuda(self, device=None, non_blocking: bool = False) -> "RaggedTensor":
         return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
@@ -293,7 +345,7 @@ class RaggedTensor:
         return self
 
     def clone(self) -> "RaggedTensor":
-        return RaggedTensor(self.values.clone(), self.offsets.clone(), self.max_len, self._host_offsets)
+        return self._derived(self.values.clone(), self.offsets.clone())
 
     def cu_seqlens(self) -> torch.Tensor:
         """flash-attn's ``cu_seqlens``: the offsets as int32 (no copy when already int32)."""
@@ -329,6 +381,14 @@ class RaggedTensor:
         return (_rebuild_ragged, (self.values, self.offsets, self.max_len, self._host_offsets))
 
 
+def exact_ragged(values: torch.Tensor, offsets: torch.Tensor, host: Sequence[int], longest: int) -> RaggedTensor:
+    """A RaggedTensor built from host offsets whose ``max_len`` is their longest length
+    (``longest``, computed by the caller), so that no later check recomputes it."""
+    rt = RaggedTensor(values, offsets, longest, tuple(host))
+    rt._longest = longest
+    return rt
+
+
 def _rebuild_ragged(values, offsets, max_len, host_offsets):
     return RaggedTensor(values, offsets, max_len, host_offsets)
 
@@ -339,17 +399,17 @@ def _side(fn: str, padding_side: str) -> str:
     return padding_side
 
 
-def validate_host_offsets(fn: str, host: Sequence[int], total: int) -> None:
+def validate_host_offsets(fn: str, host: Sequence[int], total: int, name: str = "offsets") -> None:
     if len(host) < 1:
-        raise ValueError(f"{fn}(): expected offsets with B+1 >= 1 entries, got none")
+        raise ValueError(f"{fn}(): expected {name} with B+1 >= 1 entries, got none")
     if host[0] != 0:
-        raise ValueError(f"{fn}(): expected offsets[0] == 0, got {host[0]}")
+        raise ValueError(f"{fn}(): expected {name}[0] == 0, got {host[0]}")
     for i in range(len(host) - 1):
         if host[i + 1] < host[i]:
-            raise ValueError(f"{fn}(): expected non-decreasing offsets, got offsets[{i}] = {host[i]} > "
-                             f"offsets[{i + 1}] = {host[i + 1]}")
+            raise ValueError(f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > "
+                             f"{name}[{i + 1}] = {host[i + 1]}")
     if host[-1] != total:
-        raise ValueError(f"{fn}(): expected offsets[-1] == values.shape[0] ({total}), got {host[-1]}")
+        raise ValueError(f"{fn}(): expected {name}[-1] == values.shape[0] ({total}), got {host[-1]}")
 
 
 def _flatten(rt: RaggedTensor):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ragged
-from ragged import backends
+from ragged import RaggedTensor, backends
 
 pytestmark = pytest.mark.gpu
 
@@ -202,3 +202,197 @@ def test_int64_indexing(backend):
     out = rt.to_padded(padding_value=-1.0, backend=backend)
     assert torch.all(out[0, :5] == 1) and torch.all(out[0, 5:] == -1)
     assert torch.all(out[1, -1] == 3) and torch.all(out[1, :-1] == 2)
+
+
+# --------------------------------------------------------------------------------------
+# Regressions: strided offsets, widths below a length, the padding value, mask checks
+
+
+ALL_BACKENDS = ["torch", "triton", "cuda", "auto"]
+
+
+def _needs_backend(backend: str):
+    if backend in KERNELS:
+        _needs(backend)
+
+
+def _host_offsets(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _strided_cuda(host, dtype):
+    """``host`` as a CUDA view of stride 2 over a buffer holding garbage in between."""
+    buf = torch.full((2 * len(host),), 99, dtype=dtype, device="cuda")
+    buf[::2] = torch.tensor(host, dtype=dtype, device="cuda")
+    return buf[::2]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("odtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_strided_offsets_every_entry_point(backend, odtype, side):
+    _needs_backend(backend)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lengths = [5, 0, 1, 97, 7]
+    width = max(lengths) + 2
+    left = side == "left"
+    x = _padded_with_poison(lengths, (33,), torch.float32, gen, side, width=width)
+    host = _host_offsets(lengths)
+    total = host[-1]
+    dense = torch.tensor(host, dtype=odtype, device="cuda")
+    offsets = _strided_cuda(host, odtype)
+    ref = ragged.reference_pack(x, dense, total, left)
+    ref_padded = ragged.reference_unpack(ref, dense, width, -3.0, left)
+    assert torch.equal(ragged.pack_values(x, offsets, total, padding_side=side, backend=backend), ref)
+    got = ragged.unpack_values(ref, offsets, width, padding_value=-3.0, padding_side=side, backend=backend)
+    assert torch.equal(got, ref_padded)
+    for rt in (RaggedTensor.from_offsets(ref, offsets),
+               RaggedTensor.from_offsets(ref, offsets, max(lengths), validate=False),
+               ragged.from_cu_seqlens(ref, offsets, max(lengths), validate=False)):
+        assert rt.offsets.is_contiguous()
+        got = rt.to_padded(padding_value=-3.0, total_length=width, padding_side=side, backend=backend)
+        assert torch.equal(got, ref_padded)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("left", [False, True])
+def test_kernel_launchers_take_strided_offsets(backend, left):
+    """The launchers make offsets contiguous themselves, whoever calls them."""
+    _needs(backend)
+    if backend == "cuda":
+        from ragged.kernels import cuda as kernels
+    else:
+        from ragged.kernels.triton import pack as kernels
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    lengths = [3, 0, 64, 1]
+    width = 70
+    x = torch.randn(len(lengths), width, 16, generator=gen, device="cuda")
+    host = _host_offsets(lengths)
+    dense = torch.tensor(host, dtype=torch.int64, device="cuda")
+    offsets = _strided_cuda(host, torch.int64)
+    values = kernels.pack(x, offsets, host[-1], left)
+    assert torch.equal(values, ragged.reference_pack(x, dense, host[-1], left))
+    out = kernels.unpack(values, offsets, width, 1.5, left)
+    assert torch.equal(out, ragged.reference_unpack(values, dense, width, 1.5, left))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_width_checks_on_cuda(backend):
+    """Host-side checks raise with no sync; validate=True checks CUDA offsets with one read."""
+    _needs_backend(backend)
+    lengths = [2, 5, 0, 1]
+    values = torch.randn(8, 3, device="cuda")
+    offsets = torch.tensor(_host_offsets(lengths), dtype=torch.int32, device="cuda")
+    rt = RaggedTensor.from_lengths(values, lengths, max_len=2, validate=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(ValueError, match=r"ragged\.unpack_values\(\): expected width >= 0, got -1"):
+            ragged.unpack_values(values, offsets, -1, backend=backend)
+        with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected max_len >= the longest sequence \(5\)"):
+            rt.to_padded(backend=backend)
+        with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected padding_value representable"):
+            ragged.unpack(RaggedTensor.from_lengths(values.to(torch.uint8), lengths), padding_value=-1.0,
+                          backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with pytest.raises(ValueError, match=r"ragged\.unpack_values\(\): expected every length <= width \(4\), "
+                                         r"got a length of 5"):
+        ragged.unpack_values(values, offsets, 4, backend=backend, validate=True)
+    padded = torch.randn(4, 4, 3, device="cuda")
+    with pytest.raises(ValueError, match=r"ragged\.pack_values\(\): expected every length <= the padded width"):
+        ragged.pack_values(padded, offsets, 8, backend=backend, validate=True)
+    with pytest.raises(ValueError, match=r"ragged\.pack_values\(\): expected offsets\[-1\] == total \(7\), got 8"):
+        ragged.pack_values(torch.randn(4, 5, 3, device="cuda"), offsets, 7, backend=backend, validate=True)
+    got = ragged.unpack_values(values, offsets, 5, backend=backend, validate=True)
+    assert torch.equal(got, ragged.reference_unpack(values, offsets, 5))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_unchecked_length_past_width_stays_in_bounds(backend, side):
+    """CUDA offsets unchecked (validate=False) with a length past the width: the kernels
+    read and write only inside their tensors (pack writes zeros for rows it cannot read)."""
+    _needs(backend)
+    lengths = [2, 5, 0, 1]
+    width = 4
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    host = _host_offsets(lengths)
+    offsets = torch.tensor(host, dtype=torch.int32, device="cuda")
+    values = torch.randn(host[-1], 3, generator=gen, device="cuda")
+    out = ragged.unpack_values(values, offsets, width, padding_value=-1.0, padding_side=side, backend=backend)
+    padded = torch.randn(len(lengths), width, 3, generator=gen, device="cuda")
+    packed = ragged.pack_values(padded, offsets, host[-1], padding_side=side, backend=backend)
+    torch.cuda.synchronize()
+    exp_out = torch.full((len(lengths), width, 3), -1.0)
+    exp_packed = torch.zeros(host[-1], 3)
+    for b, n in enumerate(lengths):
+        for k in range(n):
+            j = k if side == "right" else k + width - n
+            if 0 <= j < width:
+                exp_out[b, j] = values[host[b] + k].cpu()
+                exp_packed[host[b] + k] = padded[b, j].cpu()
+    assert torch.equal(out.cpu(), exp_out)
+    assert torch.equal(packed.cpu(), exp_packed)
+
+
+FILL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+               torch.float16, torch.bfloat16, torch.float32, torch.float64]
+FILL_VALUES = [0.5, -1.0, -1, 1e10, float("nan"), float("inf"), -0.0, True, 300, 2**62 + 1, 1e300, -0.7]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", FILL_DTYPES, ids=str)
+@pytest.mark.parametrize("feat", [(), (8,), (3,)], ids=str)
+def test_padding_value_is_torchs_cast(backend, dtype, feat):
+    _needs_backend(backend)
+    lengths = [2, 0, 3]
+    width = 5
+    values = _random((sum(lengths), *feat), dtype, torch.Generator(device="cuda").manual_seed(14))
+    rt = ragged.RaggedTensor.from_lengths(values, lengths)
+    pad = torch.tensor([[j >= n for j in range(width)] for n in lengths], device="cuda")
+    for value in FILL_VALUES:
+        try:
+            want = torch.full((), value, dtype=dtype)
+        except (RuntimeError, OverflowError):
+            with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected padding_value representable"):
+                rt.to_padded(padding_value=value, total_length=width, backend=backend)
+            continue
+        got = rt.to_padded(padding_value=value, total_length=width, backend=backend)
+        fill = got[pad].reshape(-1).view(torch.uint8).view(-1, want.element_size()).cpu()
+        assert torch.equal(fill, want.reshape(1).view(torch.uint8).expand(fill.shape[0], -1)), value
+        assert torch.equal(got[~pad], values), value
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_mask_value_check_adds_no_sync(backend):
+    """An HF mask's 0/1 check rides on the one read of the mask."""
+    _needs_backend(backend)
+    lengths = [3, 0, 5]
+    x = torch.randn(3, 5, 4, device="cuda")
+    good = torch.tensor([[j < n for j in range(5)] for n in lengths], device="cuda")
+    with pytest.raises(ValueError, match=r"ragged\.pack\(\): expected attention_mask values"):
+        ragged.pack(x, attention_mask=torch.where(good, 2, 0), backend=backend)
+    with pytest.raises(TypeError, match=r"use attention_mask="):
+        ragged.pack(x, mask=good.long(), backend=backend)
+
+    def syncs(mask):
+        ragged.pack(x, attention_mask=mask, backend=backend)     # warm up (kernels compiled)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rt = ragged.pack(x, attention_mask=mask, backend=backend)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert rt.host_lengths() == lengths
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    bool_syncs = syncs(good)
+    assert bool_syncs >= 1
+    assert syncs(good.long()) == bool_syncs
+    assert syncs(good.float()) == bool_syncs

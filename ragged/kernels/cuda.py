@@ -255,10 +255,14 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     return out
 
 
-def _fill_words(value: float, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """The fill value's bit pattern repeated over 16 bytes, as four 32-bit words."""
-    pattern = torch.full((16 // torch.empty(0, dtype=dtype).element_size(),), value, dtype=dtype)
-    words = pattern.view(torch.int32).tolist()
+def _fill_words(value, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The fill value's bit pattern (:func:`ragged.ops.pack.fill_element`, the rule every
+    backend shares) repeated over 16 bytes, as four 32-bit words."""
+    from ..ops.pack import fill_element
+
+    element = fill_element("ragged.unpack", value, dtype)
+    pattern = element.reshape(1).expand(16 // element.element_size()).contiguous()
+    words = pattern.view(torch.uint8).view(torch.int32).tolist()
     return tuple(w & 0xFFFFFFFF for w in words)
 
 

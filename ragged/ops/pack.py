@@ -14,16 +14,36 @@ All three move the same bytes and are bit-exact against each other.
 
 Padding side: with ``padding_side="right"`` sequence ``b`` occupies positions
 ``[0, L_b)`` of its padded row; with ``"left"`` it occupies ``[M - L_b, M)``.
+
+Padding value: every backend writes :func:`fill_element` of it, torch's own cast of the
+number to the dtype (``torch.full((), padding_value, dtype=dtype)``): for bool any
+nonzero number (NaN included) is True, integer dtypes truncate floats toward zero, and a
+number the dtype cannot hold (``-1.0`` or ``nan`` for uint8, ``1e10`` for int32) raises
+``ValueError`` on every backend.
+
+Lengths against the padded width: every length must be ``<= M`` (and the offsets valid).
+Where the lengths are on the host (a RaggedTensor's host offsets, ``pack(lengths=)``) this
+is checked there; otherwise the check reads the offsets, so it always runs when they are
+on the CPU (no sync to pay) and on CUDA only with ``validate=True`` (one sync), because a
+check on the hot path would stall the stream. Unchecked on CUDA, a length past ``M`` is a
+broken contract that no kernel can report without a sync: the kernels still touch memory
+only inside their tensors (unpack leaves the tokens past the width out, pack writes zero
+rows for tokens it has no padded row for), and the torch backend raises a device-side
+index error. So a caller that cannot vouch for CUDA offsets passes ``validate=True``.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
+import numpy as np
 import torch
+import torch.types
 
 from .. import backends
 from .._utils import (
+    check_int,
     check_offsets_tensor,
     check_tensor,
     describe,
@@ -35,7 +55,7 @@ from .._utils import (
     to_device,
     warn_once,
 )
-from ..tensor import RaggedTensor, _side
+from ..tensor import RaggedTensor, _side, exact_ragged
 
 # --------------------------------------------------------------------------------------
 # Reference (pure torch; CPU product path and test oracle)
@@ -59,11 +79,62 @@ def reference_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left
     return padded[b, j]
 
 
+def fill_element(fn: str, padding_value: object, dtype: torch.dtype) -> torch.Tensor:
+    """``padding_value`` as one element of ``dtype``: a 0-d CPU tensor.
+
+    The one definition of the padding every backend writes: torch's cast of the number,
+    what ``torch.full((), padding_value, dtype=dtype)`` (and ``Tensor.new_full``) holds.
+    So bool is True for any nonzero number (``0.5``, ``-1.0``, ``nan``), integer dtypes
+    truncate toward zero (``0.5`` -> 0), a Python int wraps where torch wraps it
+    (``-1`` -> 255 in uint8) while a float out of range does not (``-1.0`` in uint8), and
+    float16 rounds ``1e10`` to inf. What torch refuses to cast raises ``ValueError``;
+    anything but a number (bool, int, float, complex, numpy scalar, one-element tensor)
+    raises ``TypeError``.
+    """
+    value = _padding_number(fn, padding_value)
+    try:
+        return torch.full((), value, dtype=dtype)
+    except (RuntimeError, OverflowError):
+        raise ValueError(f"{fn}(): expected padding_value representable in {dtype} (torch cannot cast it "
+                         f"without overflow), got {describe(padding_value)}") from None
+
+
+def padding_scalar(fn: str, padding_value: object, dtype: torch.dtype) -> bool | int | float | complex:
+    """:func:`fill_element` as a Python scalar: passing it to ``torch.full`` again gives the
+    same element, bit for bit (a Python float holds every float16/bfloat16/float32 value)."""
+    return fill_element(fn, padding_value, dtype).item()
+
+
+def _padding_number(fn: str, padding_value: object) -> bool | int | float | complex:
+    """``padding_value`` as a Python number (numpy scalars and one-element tensors taken)."""
+    value = padding_value
+    if isinstance(value, np.generic):
+        value = value.item()
+    elif isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
+        value = value.item()
+    if not isinstance(value, numbers.Number):
+        raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
+    return value
+
+
+def _fill_argument(fn: str, padding_value: object, values: torch.Tensor, offsets: torch.Tensor):
+    """The padding value handed to the unpack op: cast here in eager calls, so that a value
+    the dtype cannot hold raises before any work; while tracing (torch.compile, fake
+    tensors) the number as given, cast by the backend when the op runs (a cast here would
+    be a traced tensor op whose value cannot be read)."""
+    if eager(values, offsets):
+        return padding_scalar(fn, padding_value, values.dtype)
+    return _padding_number(fn, padding_value)
+
+
 def reference_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float = 0.0,
                      left: bool = False) -> torch.Tensor:
-    """Inverse of :func:`reference_pack`; ``padding_value`` everywhere else."""
+    """Inverse of :func:`reference_pack`; ``padding_value`` (see :func:`fill_element`) everywhere else."""
     batch = offsets.shape[0] - 1
-    out = values.new_full((batch, width, *values.shape[1:]), padding_value)
+    fill = padding_scalar("ragged.reference_unpack", padding_value, values.dtype)
+    out = values.new_full((batch, width, *values.shape[1:]), fill)
     b, j = _token_coords(offsets, values.shape[0], width, left)
     out[b, j] = values
     return out
@@ -141,9 +212,10 @@ def _pack_fake(padded, offsets, total, left, backend):
     return padded.new_empty((total, *padded.shape[2:]))
 
 
+# padding_value is a Scalar, not a float: an int64 fill such as 2**62 + 1 stays exact.
 @torch.library.custom_op("ragged::unpack", mutates_args=())
-def _unpack_op(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool,
-               backend: str) -> torch.Tensor:
+def _unpack_op(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: torch.types.Number,
+               left: bool, backend: str) -> torch.Tensor:
     return backends._OPS["unpack"].impls[backend].fn(values, offsets, width, padding_value, left)
 
 
@@ -222,8 +294,8 @@ def _call_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bo
     return _pack_op(padded, offsets, total, left, backend)
 
 
-def _call_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool,
-                 backend: str) -> torch.Tensor:
+def _call_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: torch.types.Number,
+                 left: bool, backend: str) -> torch.Tensor:
     if eager(values, offsets):
         if values.requires_grad and torch.is_grad_enabled():
             return _UnpackFunction.apply(values, offsets, width, padding_value, left, backend)
@@ -236,36 +308,81 @@ def _call_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, paddin
 
 
 def pack_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, *, padding_side: str = "right",
-                backend: str | None = None) -> torch.Tensor:
+                backend: str | None = None, validate: bool = False) -> torch.Tensor:
     """Gather the real rows of ``padded [B, M, *F]`` into ``values [total, *F]``.
 
-    ``offsets [B+1]`` (int32/int64, on ``padded.device``) delimit the sequences and
-    ``total == offsets[-1]`` is given by the caller so that nothing reads the GPU.
-    Every length must be ``<= M`` (not checked here: it would need a sync).
+    ``offsets [B+1]`` (int32/int64, on ``padded.device``, any stride) delimit the sequences
+    and ``total == offsets[-1]`` is given by the caller so that nothing reads the GPU.
+    The offsets must be valid (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == total``)
+    with every length ``<= M``: checked when the offsets are on the CPU (free) or with
+    ``validate=True`` (one sync on CUDA); on CUDA otherwise they are the caller's contract.
     """
     fn = "ragged.pack_values"
     check_tensor(fn, "padded", padded)
     if padded.dim() < 2:
         raise ValueError(f"{fn}(): expected padded of shape [B, M, ...], got {tuple(padded.shape)}")
-    check_offsets_tensor(fn, offsets, padded)
+    offsets = check_offsets_tensor(fn, offsets, padded)
     if offsets.shape[0] != padded.shape[0] + 1:
         raise ValueError(f"{fn}(): expected offsets of shape [{padded.shape[0] + 1}] (B+1), got {tuple(offsets.shape)}")
+    total = check_int(fn, "total", total, minimum=0)
     left = _side(fn, padding_side) == "left"
     impl = backends.select("pack", backend, padded.device, padded, offsets)
-    return _call_pack(padded, offsets, int(total), left, impl.name)
+    if _reads_offsets(validate, padded, offsets):
+        _check_offsets(fn, offsets, total, "total", padded.shape[1], "the padded width padded.shape[1]")
+    return _call_pack(padded, offsets, total, left, impl.name)
 
 
 def unpack_values(values: torch.Tensor, offsets: torch.Tensor, width: int, *, padding_value: float = 0.0,
-                  padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
-    """Scatter ``values [T, *F]`` into a new ``[B, width, *F]`` filled with ``padding_value``."""
+                  padding_side: str = "right", backend: str | None = None, validate: bool = False) -> torch.Tensor:
+    """Scatter ``values [T, *F]`` into a new ``[B, width, *F]`` filled with ``padding_value``.
+
+    ``offsets [B+1]`` (int32/int64, on ``values.device``, any stride) must be valid
+    (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``) with every length
+    ``<= width``: checked when the offsets are on the CPU (free) or with ``validate=True``
+    (one sync on CUDA). Unchecked on CUDA, a longer sequence is the caller's broken
+    contract (see the module docstring). ``padding_value`` is cast as torch casts it
+    (:func:`fill_element`), the same on every backend.
+    """
     fn = "ragged.unpack_values"
     check_tensor(fn, "values", values)
     if values.dim() < 1:
         raise ValueError(f"{fn}(): expected values of shape [T, ...], got a 0-d tensor")
-    check_offsets_tensor(fn, offsets, values)
+    offsets = check_offsets_tensor(fn, offsets, values)
+    width = check_int(fn, "width", width, minimum=0)
     left = _side(fn, padding_side) == "left"
+    fill = _fill_argument(fn, padding_value, values, offsets)
     impl = backends.select("unpack", backend, values.device, values, offsets)
-    return _call_unpack(values, offsets, int(width), float(padding_value), left, impl.name)
+    if _reads_offsets(validate, values, offsets):
+        _check_offsets(fn, offsets, values.shape[0], "values.shape[0]", width, "width")
+    return _call_unpack(values, offsets, width, fill, left, impl.name)
+
+
+def _reads_offsets(validate: bool, x: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether to read the offsets to check them: CPU offsets always (no sync to pay), CUDA
+    ones when asked; never while tracing (fake tensors, torch.compile: no data to read)."""
+    if not (validate or offsets.device.type == "cpu"):
+        return False
+    return offsets.device.type != "meta" and eager(x, offsets)
+
+
+def _check_offsets(fn: str, offsets: torch.Tensor, total: int, total_name: str, width: int, width_name: str) -> None:
+    """Offsets valid for ``total`` rows with every length ``<= width``, in one read."""
+    o = offsets.detach().to(torch.int64)
+    lengths = o[1:] - o[:-1]
+    if lengths.numel():
+        stats = torch.stack([o[0], o[-1], lengths.min(), lengths.max(), lengths.argmax()])
+    else:
+        stats = torch.cat([o[:1], o[:1], o.new_zeros(3)])
+    first, last, shortest, longest, where = stats.tolist()
+    if first != 0:
+        raise ValueError(f"{fn}(): expected offsets[0] == 0, got {first}")
+    if shortest < 0:
+        raise ValueError(f"{fn}(): expected non-decreasing offsets, got a decrease of {-shortest}")
+    if last != total:
+        raise ValueError(f"{fn}(): expected offsets[-1] == {total_name} ({total}), got {last}")
+    if longest > width:
+        raise ValueError(f"{fn}(): expected every length <= {width_name} ({width}), "
+                         f"got a length of {longest} (sequence {where})")
 
 
 # --------------------------------------------------------------------------------------
@@ -284,8 +401,9 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
     * ``pack(x, mask=key_padding_mask)``: torch convention, ``[B, M]`` bool with True at
       padding (or float with ``-inf`` at padding). One sync reads the lengths and the
       padding side.
-    * ``pack(x, attention_mask=hf_mask)``: HuggingFace convention, ``[B, M]`` with 1 at
-      tokens; right or left padding is detected. One sync, as for ``mask``.
+    * ``pack(x, attention_mask=hf_mask)``: HuggingFace convention, ``[B, M]`` of any dtype
+      holding only 0 (padding) and 1 (token); right or left padding is detected. One sync,
+      as for ``mask``. An integer mask given as ``mask=`` raises ``TypeError``.
     * ``pack(x)``: every row is full (``L_b = M``).
 
     Masks whose tokens are not one contiguous run at either end of each row are
@@ -333,7 +451,7 @@ def _pack_host(x: torch.Tensor, host: Sequence[int], longest: int, side: str, ba
     offsets = to_device(host, offsets_dtype_for(total), x.device)
     impl = backends.select("pack", backend, x.device, x, offsets)
     values = _call_pack(x, offsets, total, side == "left", impl.name)
-    return RaggedTensor(values, offsets, longest, tuple(host))
+    return exact_ragged(values, offsets, host, longest)
 
 
 def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
@@ -357,7 +475,7 @@ def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
     host = host_offsets_from_lengths(fn, [s.shape[0] for s in seqs])
     values = torch.cat(list(seqs), dim=0)
     offsets = to_device(host, offsets_dtype_for(host[-1]), first.device)
-    return RaggedTensor(values, offsets, max_length(host), tuple(host))
+    return exact_ragged(values, offsets, host, max_length(host))
 
 
 def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_side, backend) -> RaggedTensor:
@@ -375,12 +493,14 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
             keep = m == 0
             bad = ~(keep | torch.isneginf(m))
         else:
+            # An integer mask is almost always a HuggingFace 0/1 mask (1 = token): read with
+            # the torch convention its lengths would come out inverted.
             raise TypeError(f"{fn}(): expected mask of dtype bool (True = padding) or float (-inf = padding), "
-                            f"got {m.dtype}")
-    else:  # HuggingFace convention: 1 = token
-        keep, bad = m != 0, None
-        if m.dtype.is_floating_point:
-            bad = ~((m == 0) | (m == 1))
+                            f"got {m.dtype}; for a 0/1 mask with 1 at tokens (HuggingFace convention) "
+                            "use attention_mask= instead")
+    else:  # HuggingFace convention: 1 = token, 0 = padding, nothing else (bool is 0/1 already)
+        keep = m != 0
+        bad = None if m.dtype == torch.bool else ~(keep == (m == 1))
     host_lengths, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         what = "0 (token) or -inf (padding)" if name == "mask" else "0 (padding) or 1 (token)"
@@ -400,7 +520,7 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
               "compressing them with a boolean gather, which is slower than the pack kernels")
     values = x[keep]
     offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
-    return RaggedTensor(values, offsets, longest, tuple(host))
+    return exact_ragged(values, offsets, host, longest)
 
 
 def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[list[int], bool, bool, bool]:
@@ -424,10 +544,21 @@ def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tup
 
 def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
            padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
-    """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``."""
+    """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``.
+
+    ``M`` is checked against the longest sequence on the host when the host offsets are
+    known (no sync), and otherwise from CPU offsets; CUDA offsets without host offsets are
+    trusted to fit ``max_len``.
+    """
     fn = "ragged.unpack"
     if not isinstance(rt, RaggedTensor):
         raise TypeError(f"{fn}(): expected a RaggedTensor for rt, got {describe(rt)}")
     width = rt._width(fn, total_length)
-    return unpack_values(rt.values, rt.offsets, width, padding_value=padding_value,
-                         padding_side=_side(fn, padding_side), backend=backend)
+    left = _side(fn, padding_side) == "left"
+    values, offsets = rt.values, rt.offsets
+    fill = _fill_argument(fn, padding_value, values, offsets)
+    impl = backends.select("unpack", backend, values.device, values, offsets)
+    if rt._host_offsets is None and _reads_offsets(False, values, offsets):
+        _check_offsets(fn, offsets, values.shape[0], "values.shape[0]", width,
+                       "max_len" if total_length is None else "total_length")
+    return _call_unpack(values, offsets, width, fill, left, impl.name)

@@ -12,7 +12,12 @@ The row size is a compile-time constant (one compilation per feature size: model
 few), so that Triton can prove 16-byte alignment and vectorise. Index arithmetic is
 int64: ``B * M * row`` passes 2**31 at realistic sizes.
 Dtypes are moved as they are (bool as uint8); the kernels never convert values, so
-every backend is bit-exact against the reference.
+every backend is bit-exact against the reference. The fill of unpack is
+:func:`ragged.ops.pack.fill_element` of the padding value in the tensor's own dtype (bool
+included), the rule every backend shares.
+
+``offsets`` are read as ``offsets + b``: the launchers make them contiguous (no copy
+when they already are), whoever calls them.
 """
 
 from __future__ import annotations
@@ -73,9 +78,12 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_s
     # the strides, capped at 16 bytes): with ROW a constexpr, loads and stores vectorise.
     src_row = tl.multiple_of(lo * stride_b + j * stride_m, SRC_ALIGN)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    m = row_ok[:, None] & (cols < ROW)[None, :]
-    x = tl.load(src + src_row[:, None] + cols[None, :], mask=m)
-    tl.store(dst + t[:, None] * ROW + cols[None, :], x, mask=m)
+    col_ok = (cols < ROW)[None, :]
+    # A length past the width (offsets unchecked on CUDA) would read outside padded: such
+    # rows are written as zeros instead. One compare per row; valid offsets never hit it.
+    in_row = (j >= 0) & (j < width)
+    x = tl.load(src + src_row[:, None] + cols[None, :], mask=(row_ok & in_row)[:, None] & col_ok, other=0)
+    tl.store(dst + t[:, None] * ROW + cols[None, :], x, mask=row_ok[:, None] & col_ok)
 
 
 @cached_launch
@@ -156,6 +164,7 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     if total == 0 or row == 0:
         return out
     padded = feature_rows_contiguous(padded, 2, "pack")
+    offsets = offsets.contiguous()
     src, dst = _as_kernel_dtype(padded), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, padded.element_size())
     grid = (triton.cdiv(total, block_r), triton.cdiv(row, block_f))
@@ -179,10 +188,13 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
         raise ValueError(f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
                          "stepping; use backend='torch'")
     values = feature_rows_contiguous(values, 1, "unpack").contiguous()
+    offsets = offsets.contiguous()
     src, dst = _as_kernel_dtype(values), _as_kernel_dtype(out)
     block_r, block_f, warps = _tile(row, values.element_size())
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(row, block_f))
-    bits, bits_type = _fill_bits(padding_value, src.dtype)
+    # From the tensor's own dtype, not the uint8 view of a bool tensor: 0.5 is True in bool
+    # but 0 in uint8, and -1.0 is True in bool but no uint8 at all.
+    bits, bits_type = _fill_bits(padding_value, values.dtype)
     _unpack_kernel[grid](src, dst, offsets, n_rows, width, bits,
                          ROW=row, LEFT=left, BITS=bits_type, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
     return out
@@ -192,7 +204,10 @@ _INT_OF_SIZE = {1: (torch.int8, tl.int8), 2: (torch.int16, tl.int16), 4: (torch.
                8: (torch.int64, tl.int64)}
 
 
-def _fill_bits(value: float, dtype: torch.dtype):
-    """``value`` rounded to ``dtype`` on the host (torch's rounding), as a signed int bit pattern."""
-    int_dtype, bits_type = _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()]
-    return torch.full((1,), value, dtype=dtype).view(int_dtype).item(), bits_type
+def _fill_bits(value, dtype: torch.dtype):
+    """``value`` as ``dtype`` holds it (:func:`ragged.ops.pack.fill_element`), as a signed int bit pattern."""
+    from ...ops.pack import fill_element
+
+    element = fill_element("ragged.unpack", value, dtype)
+    int_dtype, bits_type = _INT_OF_SIZE[element.element_size()]
+    return element.view(int_dtype).item(), bits_type
