@@ -3,9 +3,15 @@
 The choice is made, in this order, from
 
 1. the ``backend=`` argument of the op,
-2. :func:`set_backend` (or the :func:`use_backend` context manager),
-3. the ``RAGGED_BACKEND`` environment variable,
-4. ``"auto"``.
+2. the innermost active :func:`use_backend` context of the calling thread or asyncio task,
+3. :func:`set_backend`, the process-wide default,
+4. the ``RAGGED_BACKEND`` environment variable,
+5. ``"auto"``.
+
+:func:`use_backend` lives in a :class:`contextvars.ContextVar`: each thread and each
+asyncio task sees its own, so one thread's ``with ragged.use_backend("triton"):`` never
+changes what another thread runs, and contexts entered and left in any order restore
+their own previous value. :func:`set_backend` changes the default of every thread.
 
 Every implementation of an op registers a ``reasons(*args)`` function that returns
 the reasons it cannot take a given input (an empty list when it can). ``"auto"``
@@ -13,21 +19,49 @@ walks the op's preference order (measured; see ``bench/results/``) and takes the
 first implementation with no reasons; the pure-torch reference takes everything, so
 auto never fails. A forced backend that cannot take an input raises ``ValueError``
 with its reasons. :func:`explain` reports every implementation's reasons for an input.
+
+Under ``torch.compile`` the selection is read when a function is traced, and a
+``use_backend`` block inside the compiled function works as in eager mode. A change of
+:func:`set_backend` makes a compiled function retrace; the :func:`use_backend` block
+around the call does not (torch.compile cannot guard on a ContextVar), so a compiled
+function keeps the backend of the block it was first traced in: pass ``backend=`` to the
+op, or call ``torch._dynamo.reset()``, to choose again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import importlib
+import inspect
 import os
+import pkgutil
 from typing import Callable, Iterator
 
 import torch
 
+from ._utils import assume_constant_result
+
 BACKENDS = ("auto", "torch", "triton", "cuda")
 
-_selected: str | None = None
+_selected: str | None = None  # set_backend(): the process-wide default
+
+# use_backend(): the choice of the calling thread / asyncio task, None where no block is open
+# (read on every op, so kept apart from the stack below).
+_active: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragged_backend", default=None)
+
+# The use_backend() blocks open in this context, innermost last, each a fresh 1-tuple
+# (name,) found by identity on exit. A ContextVar token would restore the value from before
+# its own block, which is wrong when blocks close out of order (two async generators each
+# inside a block, an ExitStack closed by hand); removing the block from an immutable stack
+# is right in any order, and the stack a child task inherits never changes with its
+# parent's exits.
+_stack: contextvars.ContextVar[tuple[tuple[str | None], ...]] = contextvars.ContextVar("ragged_backend_stack",
+                                                                                       default=())
+
+# The innermost use_backend() block of a function that torch.compile is tracing, as (name,).
+_traced: tuple[str | None] | None = None
 
 
 def _check_name(fn: str, name: object) -> str:
@@ -36,14 +70,26 @@ def _check_name(fn: str, name: object) -> str:
     return name
 
 
+@assume_constant_result
+def _active_backend() -> str | None:
+    # torch.compile cannot trace ContextVar.get: marked constant, the value is read when a
+    # function is traced and becomes a constant of its graph (unguarded).
+    return _active.get()
+
+
 def set_backend(name: str | None) -> None:
-    """Select the backend for every op (``None`` returns to the environment / ``"auto"``)."""
+    """Select the backend for every op in every thread (``None`` returns to the environment /
+    ``"auto"``). Where a :func:`use_backend` block is open, the block still decides."""
     global _selected
     _selected = None if name is None else _check_name("ragged.set_backend", name)
 
 
 def get_backend() -> str:
-    """The backend ops use when no ``backend=`` argument is given."""
+    """The backend ops use when no ``backend=`` argument is given (see the module docstring)."""
+    traced = _traced
+    name = _active_backend() if traced is None else traced[0]
+    if name is not None:
+        return name
     if _selected is not None:
         return _selected
     env = os.environ.get("RAGGED_BACKEND")
@@ -54,14 +100,46 @@ def get_backend() -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Context manager form of :func:`set_backend`."""
-    global _selected
-    previous = _selected
-    set_backend(name)
+    """Select the backend for the calling thread / asyncio task inside the ``with`` block.
+
+    ``None`` steps out of any enclosing block: the process default applies inside
+    (:func:`set_backend`, then ``RAGGED_BACKEND``, then ``"auto"``). Asyncio tasks created
+    inside the block inherit the selection (a task copies its creator's context); a new
+    thread starts without it, unless run through ``contextvars.copy_context().run``.
+    On exit the selection of this thread / task is what it would be had the block never
+    been entered, also when blocks are left in another order than they were entered.
+    Usable as a decorator.
+    """
+    global _traced
+    name = None if name is None else _check_name("ragged.use_backend", name)
+    entry = (name,)
+    if torch.compiler.is_compiling():
+        # Traced code cannot set a ContextVar. A global set and restored inside the traced
+        # frame is seen by the ops traced in the block and leaves nothing behind.
+        previous, _traced = _traced, entry
+        try:
+            yield
+        finally:
+            _traced = previous
+        return
+    _stack.set(_stack.get() + (entry,))
+    _active.set(name)
     try:
         yield
     finally:
-        _selected = previous
+        _leave(entry)
+
+
+def _leave(entry: tuple[str | None]) -> None:
+    stack = _stack.get()
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is entry:
+            stack = stack[:i] + stack[i + 1:]
+            _stack.set(stack)
+            _active.set(stack[-1][0] if stack else None)
+            return
+    # Not in this context's stack: the block is left in another context than the one it was
+    # entered in (a generator finalized elsewhere); this context has nothing of it to undo.
 
 
 # --------------------------------------------------------------------------------------
@@ -75,7 +153,7 @@ def triton_interpreted() -> bool:
 _import_errors: dict[str, str | None] = {}  # module -> why it cannot be imported (None: it can)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _import_error(module: str) -> str | None:
     # Under torch.compile this runs eagerly and its answer is a constant of the graph.
     if module not in _import_errors:
@@ -141,9 +219,192 @@ def set_auto_order(op: str, order: tuple[str, ...] | Callable[..., tuple[str, ..
     _OPS.setdefault(op, _Op()).gpu_order = order if callable(order) else tuple(order)
 
 
-def explain(op: str, *args, **kwargs) -> dict[str, list[str]]:
-    """For each implementation of ``op``, the reasons it cannot take these arguments."""
-    return {name: impl.reasons(*args, **kwargs) for name, impl in _OPS[op].impls.items()}
+def _import_ops() -> None:
+    # Ops register when their module is imported; ``import ragged`` imports them all, so
+    # this only matters if an op module is ever made lazy.
+    ops = importlib.import_module("ragged.ops")
+    for info in pkgutil.iter_modules(ops.__path__):
+        importlib.import_module(f"ragged.ops.{info.name}")
+
+
+def _entry(fn: str, op: object) -> _Op:
+    if not isinstance(op, str):
+        raise TypeError(f"{fn}(): expected op to be an op name (one of {sorted(_OPS)}) or a public function "
+                        f"of ragged, got {type(op).__name__}")
+    if op not in _OPS:
+        _import_ops()
+    if op not in _OPS:
+        raise ValueError(f"{fn}(): expected op to be one of {sorted(_OPS)}, got {op!r}")
+    return _OPS[op]
+
+
+def _public_name(fn: Callable) -> str:
+    ragged = importlib.import_module("ragged")
+    name = getattr(fn, "__name__", None)
+    if name and getattr(ragged, name, None) is fn:
+        return f"ragged.{name}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _parameter_list(fn: Callable, skip: tuple[str, ...] = ()) -> str:
+    """``"q, k, v, causal=False"``: the parameters of ``fn`` (``...`` for ``*args``)."""
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in skip:
+            continue
+        if p.kind is p.VAR_POSITIONAL:
+            out.append("...")
+        elif p.kind is not p.VAR_KEYWORD:
+            out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return ", ".join(out)
+
+
+def _describe_call(args: tuple, kwargs: dict) -> str:
+    if not args and not kwargs:
+        return "no arguments"
+    parts = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"] if args else []
+    if kwargs:
+        parts.append("keywords " + ", ".join(sorted(kwargs)))
+    return " and ".join(parts)
+
+
+def _bad_arguments(op: str, entry: _Op, args: tuple, kwargs: dict, why: str) -> TypeError:
+    """The TypeError of ``explain(op, ...)`` called with arguments its reasons cannot take."""
+    # Every implementation's reasons take the same leading arguments; the one naming the
+    # most of them describes the call.
+    reasons = max((impl.reasons for impl in entry.impls.values()),
+                  key=lambda r: sum(p.kind is not p.VAR_POSITIONAL for p in inspect.signature(r).parameters.values()))
+    msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
+           f"({_parameter_list(reasons)}), got {_describe_call(args, kwargs)} ({why})")
+    public = getattr(importlib.import_module("ragged"), op, None)
+    if callable(public):
+        msg += (f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
+                f"{_parameter_list(public, skip=('backend',))})")
+    return TypeError(msg)
+
+
+class _Captured(BaseException):
+    # BaseException: no ``except Exception`` on the way up from select() may swallow it.
+    def __init__(self, op: str, args: tuple, kwargs: dict):
+        super().__init__(op)
+        self.op, self.args_, self.kwargs = op, args, kwargs
+
+
+_EXPLAIN = "<explain>"  # the value of _active while explain() calls a public function
+
+
+def _explain_call(public: Callable, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+    """explain() of a public function: run it until it asks select() for a backend."""
+    name = _public_name(public)
+    try:
+        bound = inspect.signature(public).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"ragged.explain(): expected the arguments of {name} "
+                        f"({_parameter_list(public, skip=('backend',))}), got {_describe_call(args, kwargs)} "
+                        f"({exc})") from None
+    except ValueError:  # no signature (a builtin): pass the arguments as they are
+        bound = None
+    if bound is not None:
+        # A backend= argument would skip the choice that explain() reports on: every backend
+        # is reported anyway.
+        bound.arguments.pop("backend", None)
+        args, kwargs = bound.args, bound.kwargs
+    stack_token = _stack.set(())
+    token = _active.set(_EXPLAIN)
+    try:
+        public(*args, **kwargs)
+    except _Captured as captured:
+        return _reasons(captured.op, _OPS[captured.op], captured.args_, captured.kwargs)
+    finally:
+        _active.reset(token)
+        _stack.reset(stack_token)
+    raise ValueError(f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
+                     "none (no op with backends runs for these arguments)")
+
+
+def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+    for impl in entry.impls.values():
+        try:
+            inspect.signature(impl.reasons).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise _bad_arguments(op, entry, args, kwargs, str(exc)) from None
+    out = {}
+    for name, impl in entry.impls.items():
+        try:
+            out[name] = impl.reasons(*args, **kwargs)
+        except (AttributeError, TypeError, IndexError) as exc:
+            raise _bad_arguments(op, entry, args, kwargs, f"{type(exc).__name__}: {exc}") from exc
+    return out
+
+
+def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
+    """For each implementation of an op, the reasons it cannot take these arguments.
+
+    Returns ``{backend name: [reason, ...]}``, an empty list for a backend that can take
+    the input. ``op`` is either
+
+    * a public function of ragged, followed by that function's own arguments: it is run
+      up to the point where it picks a backend (its argument checks included, no kernel),
+      and its op's reasons for the inputs it would pass are returned. A ``backend=``
+      argument is ignored: every backend is reported.
+    * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``,
+      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``), followed
+      by the arguments the op's reasons functions take, which are the op's internal
+      operands, not the public function's:
+
+      ==========================  ====================================================
+      op                          arguments
+      ==========================  ====================================================
+      ``pack``                    ``padded [B, M, *F], offsets [B+1]``
+      ``unpack``                  ``values [T, *F], offsets [B+1]``
+      ``attention``               ``q, k, v [T, H, D], cu_q, cu_k [B+1], max_q, max_k,
+                                  causal, dropout_p, needs_grad``
+      ``bias_act``                ``x [N, F], bias [F] or None, activation``
+      ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
+      ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,
+      ``vocab_cross_entropy``     ids [N], v_off [B+1] or None``
+      ==========================  ====================================================
+
+    An unknown op name raises ``ValueError`` listing the ops; arguments the reasons cannot
+    take raise ``TypeError`` naming the ones they need.
+
+    >>> import torch, ragged
+    >>> x = torch.randn(2, 4, 8)
+    >>> rt = ragged.pack(x, lengths=[1, 3])
+    >>> ragged.explain(ragged.pack, x, lengths=[1, 3])["torch"]
+    []
+    >>> ragged.explain("pack", x, rt.offsets)["cuda"]
+    ['the CUDA kernels need a CUDA tensor, got a cpu tensor']
+    >>> ragged.explain(ragged.unpack, rt)["torch"], ragged.explain("unpack", rt.values, rt.offsets)["torch"]
+    ([], [])
+    >>> q = ragged.pack([torch.randn(n, 2, 16) for n in (3, 5)])
+    >>> ragged.explain(ragged.attention, q, q, q, causal=True)["torch"]
+    []
+    >>> ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len,
+    ...                True, 0.0, False)["torch"]
+    []
+    >>> h, b = torch.randn(5, 8), torch.zeros(8)
+    >>> ragged.explain(ragged.bias_act, h, b, "gelu")["torch"], ragged.explain("bias_act", h, b, "gelu")["torch"]
+    ([], [])
+    >>> ragged.explain(ragged.add_layer_norm, h, h, None, None)["torch"]
+    []
+    >>> ragged.explain("add_layer_norm", h, h, None, None)["torch"]
+    []
+    >>> hidden = ragged.pack([torch.randn(n, 8) for n in (2, 3)])
+    >>> vocab = ragged.pack([torch.tensor([1, 4, 7]), torch.tensor([0, 2])])
+    >>> w = torch.randn(10, 8)
+    >>> ragged.explain(ragged.vocab_projection, hidden, w, vocab)["torch"]
+    []
+    >>> ragged.explain("vocab_projection", hidden.values, hidden.offsets, w, None, vocab.values,
+    ...                vocab.offsets)["torch"]
+    []
+    >>> target = torch.tensor([4, 1, 2, 0, 2])
+    >>> ragged.explain(ragged.vocab_cross_entropy, hidden, w, vocab, target)["torch"]
+    []
+    """
+    if callable(op):
+        return _explain_call(op, args, kwargs)
+    return _reasons(op, _entry("ragged.explain", op), args, kwargs)
 
 
 def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,
@@ -157,6 +418,8 @@ def select(op: str, backend: str | None, device: torch.device, *args, fn: str | 
     if name != "auto":
         impl = entry.impls.get(name)
         if impl is None:
+            if name is _EXPLAIN:
+                raise _Captured(op, args, kwargs)
             raise ValueError(f"{fn}(): backend {name!r} has no implementation of this op "
                              f"(available: {sorted(entry.impls)})")
         reasons = impl.reasons(*args, **kwargs)
