@@ -5,14 +5,21 @@
 objects; the model's own code (here: a padded batch and a key padding mask) does not change.
 
 On a GPU: BERT-base (12 layers, d=768, 12 heads, feed-forward 3072) in bfloat16 on a
-long-tailed batch. On CPU: a small encoder, in seconds (ragged's CPU attention is the
-pure-torch reference, so CPU timings say little). ``python examples/swap_encoder.py --help``.
+long-tailed batch. On CPU: a small encoder on one thread, in seconds (ragged's CPU attention
+is the pure-torch reference, so CPU timings say little). ``python examples/swap_encoder.py --help``.
+
+Timing: first calls cost far more than later ones (torch's nested-tensor fast path, Triton's
+compilation), so each path is called until its times settle (the median of a round of calls
+within 5% of the previous round's, or a time cap), then the paths of a workload are called in
+turn for a fixed time and their medians compared. The output says which paths did not settle.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import statistics
 import time
 import warnings
 
@@ -44,20 +51,65 @@ def long_tailed_lengths(batch: int, max_len: int, generator: torch.Generator) ->
     return lengths
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median milliseconds per call (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _call_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def warm_up(fn, device: torch.device, budget_s: float, tol: float = 0.05, per_round: int = 5) -> bool:
+    """Call ``fn`` in rounds of ``per_round`` calls until the median of a round is within
+    ``tol`` of the previous round's, or ``budget_s`` runs out. True when the times settled.
+
+    First calls cost far more than later ones (torch's nested-tensor fast path spends about
+    300 ms on its first calls in a fresh process; Triton compiles its kernels; allocators
+    grow): timing before they settle measures start-up, not the model."""
+    start = time.perf_counter()
+    previous = None
+    while True:
+        times = []
+        for _ in range(per_round):
+            times.append(_call_ms(fn, device))
+            if time.perf_counter() - start > budget_s:
+                return False
+        current = statistics.median(times)
+        if previous is not None and abs(current - previous) <= tol * previous:
+            return True
+        previous = current
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    spread_ms: float  # half the interquartile range
+    calls: int
+    settled: bool
+
+    def cell(self) -> str:
+        return f"{self.median_ms:.2f} ±{self.spread_ms:.2f}{'' if self.settled else ' *'}"
+
+
+def compare(fns: dict, device: torch.device, min_calls: int, budget_s: float, warmup_s: float) -> dict:
+    """A :class:`Timing` per function: each warmed up until its times settle, then called in
+    turn (interleaved, so a change in the machine's load hits every path alike) for at least
+    ``min_calls`` rounds and until ``budget_s`` seconds have passed."""
+    settled = {name: warm_up(fn, device, warmup_s) for name, fn in fns.items()}
+    times: dict = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < max(min_calls, 2) or (time.perf_counter() - start < budget_s and rounds < 10_000):
+        for name, fn in fns.items():
+            times[name].append(_call_ms(fn, device))
+        rounds += 1
+    out = {}
+    for name, ts in times.items():
+        q1, _, q3 = statistics.quantiles(ts, n=4)
+        out[name] = Timing(statistics.median(ts), (q3 - q1) / 2, len(ts), settled[name])
+    return out
 
 
 def main() -> None:
@@ -65,9 +117,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64 if gpu else 8)
     parser.add_argument("--max-len", type=int, default=512 if gpu else 48)
-    parser.add_argument("--repeats", type=int, default=10 if gpu else 3)
+    parser.add_argument("--repeats", type=int, default=20 if gpu else 5,
+                        help="at least this many timed calls of each path, after its warm-up")
+    parser.add_argument("--time-budget", type=float, default=5.0 if gpu else 1.5,
+                        help="seconds of timed calls per workload (more calls when they are short)")
+    parser.add_argument("--warmup-budget", type=float, default=60.0 if gpu else 2.0,
+                        help="seconds each path may spend warming up before it is timed anyway")
+    parser.add_argument("--threads", type=int, default=None if gpu else 1,
+                        help="torch's CPU threads (default on CPU: 1; at the small size threads buy little, and on "
+                             "a shared machine their spin-waits make times erratic)")
     parser.add_argument("--small", action="store_true", help="the small CPU configuration on any device")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")  # torch's fast path
     device = torch.device("cuda" if gpu else "cpu")
@@ -120,24 +182,41 @@ def main() -> None:
             m(x, pad)[keep].float().sum().backward()
         return run
 
-    rows = []
+    threads = torch.get_num_threads()
+    where = f"{threads} thread{'s' * (threads != 1)}" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"\ntiming on {device} ({where}, torch {torch.__version__}): each path is warmed up until the median "
+          f"of 5 calls moves by less than 5% between rounds (at most {args.warmup_budget:g} s), then the paths "
+          f"of a workload are called in turn, at least {args.repeats} times each and for {args.time_budget:g} s")
     model.eval()
     swapped.eval()
-    rows.append(("inference, padded input + mask", timed(infer(model), args.repeats, device),
-                 timed(infer(swapped), args.repeats, device)))
-    rows.append(("inference, RaggedTensor input", rows[0][1], timed(infer_packed, args.repeats, device)))
+    inference = compare({"torch": infer(model), "ragged": infer(swapped), "packed": infer_packed}, device,
+                        args.repeats, args.time_budget, args.warmup_budget)
     model.train()
     swapped.train()
-    rows.append(("training step (forward + backward)", timed(train(model), args.repeats, device),
-                 timed(train(swapped), args.repeats, device)))
+    training = compare({"torch": train(model), "ragged": train(swapped)}, device, args.repeats, args.time_budget,
+                       args.warmup_budget)
+    rows = [("inference, padded input + mask", inference["torch"], inference["ragged"]),
+            ("inference, RaggedTensor input", inference["torch"], inference["packed"]),
+            ("training step (forward + backward)", training["torch"], training["ragged"])]
 
     print()
-    print(f"| {'workload':38s} | torch.nn (ms) | ragged.nn (ms) | speed-up |")
-    print(f"|{'-' * 40}|--------------:|---------------:|---------:|")
-    for name, t_torch, t_ragged in rows:
-        print(f"| {name:38s} | {t_torch:13.2f} | {t_ragged:14.2f} | {t_torch / t_ragged:7.2f}x |")
+    print(f"| {'workload':38s} | {'calls':>5s} | {'torch.nn (ms)':>17s} | {'ragged.nn (ms)':>17s} | speed-up |")
+    print(f"|{'-' * 40}|------:|{'-' * 18}:|{'-' * 18}:|---------:|")
+    for name, theirs, ours in rows:
+        print(f"| {name:38s} | {ours.calls:5d} | {theirs.cell():>17s} | {ours.cell():>17s} | "
+              f"{theirs.median_ms / ours.median_ms:7.2f}x |")
+    print("\n(median ± half the interquartile range of the timed calls)")
+    paths = {"torch.nn inference": inference["torch"], "ragged.nn inference": inference["ragged"],
+             "ragged.nn inference on a RaggedTensor": inference["packed"], "torch.nn training": training["torch"],
+             "ragged.nn training": training["ragged"]}
+    unsettled = [name for name, timing in paths.items() if not timing.settled]
+    if unsettled:
+        print(f"* did not settle within the warm-up budget: {', '.join(unsettled)} (a busy machine? raise "
+              "--warmup-budget); those times are less reliable")
+    else:
+        print("every path settled before it was timed")
     if device.type == "cpu":
-        print("\n(CPU: ragged's attention is the per-sequence pure-torch reference; run on a GPU for kernels)")
+        print("(CPU: ragged's attention is the per-sequence pure-torch reference; run on a GPU for kernels)")
 
 
 if __name__ == "__main__":

@@ -163,8 +163,12 @@ def causal_flag(fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: 
 def adopt(fn: str, shell: nn.Module, source: nn.Module, copy: bool, memo: dict | None) -> nn.Module:
     """Give ``shell`` (built on the meta device with ``source``'s configuration) the
     Parameters and buffers of ``source`` at the same names: the same objects, or with
-    ``copy`` deep copies (``memo`` keeps tied tensors tied across a conversion). Takes
-    ``source``'s training mode."""
+    ``copy`` deep copies (``memo`` keeps tied tensors tied across a conversion). Every
+    submodule takes the training mode of its counterpart in ``source``.
+
+    ``source`` is never modified, also when this raises (a submodule ``shell`` shares with
+    ``source``, such as a custom activation module, already holds the right tensors and
+    modes and is left as it is)."""
     if copy:
         source = _copy.deepcopy(source, memo if memo is not None else {})
     for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
@@ -173,14 +177,21 @@ def adopt(fn: str, shell: nn.Module, source: nn.Module, copy: bool, memo: dict |
         if set(ours) != set(theirs):
             raise TypeError(f"{fn}(): {type(source).__name__} has {kind}s {sorted(theirs)}, expected "
                             f"{sorted(ours)}")
-        for name, tensor in theirs.items():
+    for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
+        ours = dict(getattr(shell, named)(remove_duplicate=False))
+        for name, tensor in getattr(source, named)(remove_duplicate=False):
+            if ours[name] is tensor:
+                continue
             owner, _, leaf = name.rpartition(".")
             target = shell.get_submodule(owner) if owner else shell
             if kind == "parameter":
                 setattr(target, leaf, tensor)
             else:
                 target.register_buffer(leaf, tensor, persistent=leaf not in target._non_persistent_buffers_set)
-    shell.train(source.training)
+    theirs = dict(source.named_modules(remove_duplicate=False))
+    for name, module in shell.named_modules(remove_duplicate=False):
+        if name in theirs:
+            module.training = theirs[name].training
     return shell
 
 

@@ -169,6 +169,46 @@ def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, ac
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+class _TanhReLU(nn.ReLU):
+    """A ReLU subclass whose forward is something else: the layer must call it."""
+
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+def _hooked_gelu() -> nn.GELU:
+    """A GELU module with a forward hook (torch.nn calls the activation as a module, so it runs)."""
+    act = nn.GELU()
+    act.register_forward_hook(lambda module, args, out: out * 0.5)
+    return act
+
+
+ACTIVATION_MODULES = {"relu_subclass": _TanhReLU, "hooked_gelu": _hooked_gelu}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("activation", list(ACTIVATION_MODULES))
+def test_fused_path_calls_custom_activation_modules(monkeypatch, backend, activation):
+    """The fused bias + activation takes exact nn.ReLU / nn.GELU modules without hooks only;
+    a subclass (its own forward) or a hooked module is called as torch.nn calls it."""
+    from ragged.nn import transformer as rt_mod
+
+    if backend == "triton" and ragged.backends.triton_reason(torch.device("cpu")):
+        pytest.skip("Triton cannot run on the CPU here")
+    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+    enc = _torch_encoder(activation=ACTIVATION_MODULES[activation](), seed=37)
+    ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
+    lengths = [3, 1, 5]
+    x, pad = _padded(lengths, seed=37)
+    enc.train()  # torch.nn's plain path (dropout 0) calls the activation module
+    for training in (True, False):
+        ours.train(training)
+        with torch.no_grad():
+            expected = _run_torch(enc, x, pad, False, True)
+            got = _run_ragged(ours, x, pad, False, True)
+        _check(got, expected, lengths, tol={"rtol": 1e-4, "atol": 1e-4})
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_final_norm_and_ragged_input(norm):
     """A RaggedTensor in gives a RaggedTensor out, equal to the padded path at real positions."""
@@ -594,6 +634,34 @@ def test_compile_fullgraph_on_ragged_input(causal):
     torch.testing.assert_close(out_rt.values, ref.detach(), **TOL)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "infer"])
+def test_compile_fullgraph_fused_path(monkeypatch, training):
+    """The GPU layer body (fused per-token ops and their backend choices) traced by dynamo
+    with no graph break, here with the fused ops' torch reference: nothing on that path
+    (pointer checks, cached choices) may need a value dynamo cannot see."""
+    from ragged.nn import transformer as rt_mod
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: "torch")
+    enc = _torch_encoder(activation="gelu", norm=True, seed=73)
+    ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True).train(training)
+    lengths = [3, 0, 6, 1]
+    x, _ = _padded(lengths, seed=73)
+    rt = ragged.pack(x, lengths=lengths)
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    v1 = rt.values.clone().requires_grad_(training)
+    v2 = rt.values.clone().requires_grad_(training)
+    with torch.set_grad_enabled(training):
+        out = compiled(rt.with_values(v1), is_causal=True).values
+        ref = ours(rt.with_values(v2), is_causal=True).values
+    torch.testing.assert_close(out, ref, **TOL)
+    if training:
+        up = torch.randn_like(out)
+        (g1,) = torch.autograd.grad(out, v1, up)
+        (g2,) = torch.autograd.grad(ref, v2, up)
+        torch.testing.assert_close(g1, g2, **GRAD_TOL)
+
+
 def test_autocast_cpu_bfloat16():
     enc = _torch_encoder(seed=71).train()
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
@@ -795,6 +863,66 @@ def test_gpu_compile_and_autocast():
         expected = enc.train()(x, src_key_padding_mask=pad)
     assert got.dtype == expected.dtype
     _check(got.float(), expected.float(), GPU_LENGTHS, tol={"rtol": 0.05, "atol": 0.05})
+
+
+FUSED_BACKENDS = ["torch", "triton", "cuda", "auto"]
+
+
+def _force_fused(monkeypatch, backend: str) -> None:
+    """The per-token ops (residual + LayerNorm; bias + activation where it fuses) on
+    ``backend``; "auto" keeps the layer's own choice. Attention stays on "auto"."""
+    from ragged.nn import transformer as rt_mod
+
+    if backend != "auto":
+        monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("activation", list(ACTIVATION_MODULES))
+def test_gpu_fused_path_calls_custom_activation_modules(monkeypatch, backend, activation):
+    """A ReLU subclass or a hooked GELU module is called, never replaced by the fused op:
+    values against torch.nn (plain path) in float32, training and inference."""
+    _force_fused(monkeypatch, backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = nn.TransformerEncoderLayer(GPU_D, GPU_HEADS, 2 * GPU_D, dropout=0.0,
+                                           activation=ACTIVATION_MODULES[activation](), batch_first=True,
+                                           device="cuda")
+        enc = nn.TransformerEncoder(layer, 2)
+    _randomise(enc, 89, scale=GPU_D ** -0.5)
+    ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
+    x, pad = _gpu_input(torch.float32)
+    enc.train()
+    for training in (True, False):
+        ours.train(training)
+        with torch.no_grad():
+            expected = enc(x, src_key_padding_mask=pad)
+            got = ours(x, src_key_padding_mask=pad)
+        _check(got, expected, GPU_LENGTHS, tol={"rtol": 1e-3, "atol": 1e-3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_gpu_compile_inference_every_backend(monkeypatch, backend):
+    """torch.compile(fullgraph=True) of inference (eval, no grad: the path that calls the
+    kernels directly in eager mode) and of training, per fused-op backend, against eager."""
+    torch._dynamo.reset()
+    _force_fused(monkeypatch, backend)
+    _, ours = _gpu_pair(torch.float32)
+    rt = ragged.pack([torch.randn(n, GPU_D, device="cuda") for n in GPU_LENGTHS])
+    compiled = torch.compile(ours, fullgraph=True)
+    ours.eval()
+    with torch.no_grad():
+        out = compiled(rt, is_causal=True)
+        ref = ours(rt, is_causal=True)
+    torch.testing.assert_close(out.values, ref.values, rtol=2e-4, atol=2e-4)
+    ours.train()
+    v = rt.values.clone().requires_grad_(True)
+    out = compiled(rt.with_values(v), is_causal=True)
+    torch.testing.assert_close(out.values, ours(rt, is_causal=True).values, rtol=2e-4, atol=2e-4)
+    out.values.sum().backward()
+    assert torch.isfinite(v.grad).all()
 
 
 def test_layer_hooks_fire_inside_the_encoder():
