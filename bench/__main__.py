@@ -3,8 +3,9 @@
     python -m bench [--suite NAME ...] [--list] [--quick] [--out DIR] [--no-plots]
                     [--dtype DTYPE ...] [--device {auto,cpu,cuda}]
 
-On a CUDA GPU every suite runs its full set of cases; without one, each runs a few
-tiny CPU cases (seconds). Each suite prints a table and writes ``<suite>.json``,
+On a CUDA GPU every suite runs its full set of cases; without one, each runs a few CPU
+cases sized past the per-call overhead, on one thread (well under a minute in all;
+--quick: tiny smoke cases, seconds). Each suite prints a table and writes ``<suite>.json``,
 ``<suite>.md`` and ``<suite>.png`` to ``--out`` (default ``results/<timestamp>/``).
 The exit status is 1 when any implementation failed its correctness check.
 """
@@ -53,7 +54,8 @@ def _list(console, suites, config) -> None:
     table.add_column("description")
     table.add_column("cases")
     for suite in suites:
-        table.add_row(suite.name, suite.description, "\n".join(c.name for c in suite.cases(config)))
+        cases = suite.cases(config)
+        table.add_row(suite.name, suite.describe([c.params for c in cases]), "\n".join(c.name for c in cases))
     console.print(table)
 
 
@@ -107,25 +109,31 @@ def main(argv: list[str] | None = None) -> int:
         # medians jump by whole scheduler time slices whenever a core is busy elsewhere.
         torch.set_num_threads(1)
     env = envmod.collect(config.device)
-    console.print(f"[bold]device[/]: {env['device_name']} ({config.device})  "
-                  f"torch {env['torch']}  triton {env['triton']}  commit {(env['git_commit'] or 'unknown')[:12]}")
+    source = " (BENCH_GIT_COMMIT)" if env["git_commit_source"] == envmod.COMMIT_VARIABLE else ""
+    console.print(f"[bold]device[/]: {envmod.device_label(env)} ({config.device})  "
+                  f"torch {env['torch']}  triton {env['triton']}  "
+                  f"commit {(env['git_commit'] or 'unknown')[:12]}{source}", highlight=False)
     if not config.on_gpu:
-        console.print("[yellow]CPU run: tiny cases; timings are not representative of the GPU kernels[/]")
+        console.print(f"[yellow]{report.cpu_run_note(env)}"
+                      + (f" --quick: {report.QUICK_CPU}" if config.quick else "") + "[/]", highlight=False)
+        if env["triton_interpret"] and not config.quick:
+            console.print("[yellow]TRITON_INTERPRET=1: the Triton rows are skipped outside --quick, but ragged.nn "
+                          "(encoder suite) may still pick interpreted kernels: slow[/]", highlight=False)
     ceiling = measure_copy_ceiling(config)
-    console.print(report.ceiling_text(ceiling))
+    console.print(report.ceiling_text(ceiling), highlight=False)
 
     out = args.out or Path("results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for suite in chosen:
         rows = _run_with_progress(console, suite, config, ceiling)
-        console.print(report.rich_table(suite, rows, ceiling))
-        if suite.speedup_table and (speedups := report.rich_speedup_table(suite, rows)) is not None:
+        console.print(report.rich_table(suite, rows, ceiling, env))
+        if suite.speedup_table and (speedups := report.rich_speedup_table(suite, rows, env)) is not None:
             console.print(speedups)
         failed += sum(r.status == "failed" for r in rows)
 
         report.write_json(out / f"{suite.name}.json", report.suite_document(suite, rows, config, env, ceiling))
-        (out / f"{suite.name}.md").write_text(report.markdown(suite, rows, env, ceiling))
+        (out / f"{suite.name}.md").write_text(report.markdown(suite, rows, env, ceiling, config))
         if not args.no_plots:
             report.plot(out / f"{suite.name}.png", suite, rows, env, ceiling)
     console.print(f"results written to [bold]{out}[/]")

@@ -14,14 +14,59 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The project's root: the directory that holds the ``bench`` package."""
+
+COMMIT_VARIABLE = "BENCH_GIT_COMMIT"
+"""Names the commit of the tree being run; wins over git (a copy of the tree without
+``.git``, or a checkout whose metadata is stale, e.g. on a GPU machine)."""
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: Path | None = None) -> str | None:
+    """``git -C <root> <args>`` (default root: :data:`REPO_ROOT`), its stdout stripped;
+    ``None`` when git is missing or fails. ``GIT_*`` variables that would point git at
+    another repository (``GIT_DIR``, ``GIT_WORK_TREE``, ...) are dropped."""
+    root = REPO_ROOT if root is None else root
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     try:
-        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _is_checkout(root: Path) -> bool:
+    """Whether ``root`` is the top of its own git work tree. git looks for ``.git`` in the
+    parent folders too: a copy of the project unpacked inside another repository would
+    otherwise report that repository's commit."""
+    top = _git("rev-parse", "--show-toplevel", root=root)
+    if not top:
+        return False
+    try:
+        return Path(top).resolve() == root.resolve()
+    except OSError:
+        return False
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    """``git_commit``, ``git_dirty`` and ``git_commit_source`` of the project at ``root``
+    (default :data:`REPO_ROOT`).
+
+    ``BENCH_GIT_COMMIT``, when set, is the commit (source ``"BENCH_GIT_COMMIT"``); ``dirty``
+    is then known only when ``root`` is a checkout at that very commit. Otherwise git is
+    asked about ``root`` alone (source ``"git"``), never about a repository enclosing it:
+    when ``root`` is not the top of a git work tree the commit is ``None`` (shown as
+    "unknown").
+    """
+    root = REPO_ROOT if root is None else root
+    named = os.environ.get(COMMIT_VARIABLE, "").strip() or None
+    head = _git("rev-parse", "HEAD", root=root) if _is_checkout(root) else None
+    commit, source = (named, COMMIT_VARIABLE) if named else (head, "git" if head else None)
+    dirty = None
+    if head is not None and commit is not None and len(commit) >= 7 and head.startswith(commit.lower()):
+        status = _git("status", "--porcelain", "--untracked-files=no", root=root)
+        dirty = None if status is None else bool(status)
+    return {"git_commit": commit, "git_dirty": dirty, "git_commit_source": source}
 
 
 _SMI_BROKEN: list[bool] = []  # [True] once nvidia-smi failed: not asked again in this process
@@ -61,21 +106,41 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The host CPU's model name: ``/proc/cpuinfo`` (``model name``; ``Model`` / ``Hardware``
+    / ``cpu model`` on some ARM and MIPS kernels), else ``lscpu``, else what ``platform``
+    knows (the architecture at worst)."""
+    keys = ("model name", "cpu model", "model", "hardware")
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if sep and value.strip():
+                fields.setdefault(key.strip().lower(), value.strip())
+        for key in keys:
+            # "model" is a number on x86 (the family's model id): only a name will do
+            if key in fields and not fields[key].isdigit():
+                return fields[key]
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    if shutil.which("lscpu"):
+        try:
+            done = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5,
+                                  env={**os.environ, "LC_ALL": "C"})
+            for line in done.stdout.splitlines():
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "Model name" and value.strip() not in ("", "-"):
+                    return value.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def device_name(device: torch.device) -> str:
     """``NVIDIA H200``, or the CPU model."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return _cpu_name()
+    return cpu_name()
 
 
 def device_slug(device: torch.device) -> str:
@@ -87,16 +152,19 @@ def device_slug(device: torch.device) -> str:
 
 
 def collect(device: torch.device) -> dict[str, Any]:
-    """Date, device, library versions and git state, as JSON values."""
-    commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no") if commit else None
-    if commit is None:  # a copy of the tree without .git (e.g. sent to a GPU machine)
-        commit = os.environ.get("BENCH_GIT_COMMIT") or None
+    """Date, device, host CPU, library versions and git state, as JSON values.
+
+    ``cpu_name`` / ``cpu_count``: the host's CPU model and logical cores, in every result
+    (on a GPU run too: host-bound rows move with the host's speed); ``torch_threads``:
+    the intra-op threads of the run's CPU work.
+    """
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,
         "device_name": device_name(device),
         "device_slug": device_slug(device),
+        "cpu_name": cpu_name(),
+        "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "cupy": _version("cupy") if device.type == "cuda" else None,
@@ -104,8 +172,7 @@ def collect(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": commit,
-        "git_dirty": bool(dirty) if commit is not None and dirty is not None else None,
+        **git_state(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "torch_threads": torch.get_num_threads(),
     }
@@ -114,3 +181,14 @@ def collect(device: torch.device) -> dict[str, Any]:
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["gpu_sm_count"] = props.multi_processor_count
     return info
+
+
+def device_label(env: dict[str, Any]) -> str:
+    """The device of a result, for titles: ``NVIDIA H200 (host CPU: AMD EPYC 9654)``, or
+    ``CPU: AMD EPYC 9654``. Takes the ``env`` of a result file (older files have no
+    ``cpu_name``: then the device name alone)."""
+    host = env.get("cpu_name")
+    if env.get("device") == "cpu":
+        return f"CPU: {host or env.get('device_name') or 'unknown model'}"
+    name = env.get("device_name") or env.get("device") or "unknown device"
+    return f"{name} (host CPU: {host})" if host else name

@@ -16,7 +16,7 @@ from conftest import TRITON_ON_CPU
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 CEILING = CopyCeiling(bytes=2 << 20, median_ms=0.1)
-TINY = A.CPU_SHAPES[0]
+TINY = A.CPU_QUICK_SHAPES[0]  # the cases of FAST (--quick): tiny
 
 
 def test_registered_after_pack():
@@ -54,7 +54,7 @@ def test_flops():
 
 
 def test_lengths():
-    for shape in (*A.GPU_SHAPES, *A.CPU_SHAPES):
+    for shape in (*A.GPU_SHAPES, *A.CPU_SHAPES, *A.CPU_QUICK_SHAPES):
         lengths = A.draw_lengths(shape)
         assert lengths == A.draw_lengths(shape)  # seeded
         assert len(lengths) == shape.batch and max(lengths) == shape.max_len and min(lengths) >= shape.min_len

@@ -15,7 +15,7 @@ from bench.suites import encoder as E
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 CEILING = CopyCeiling(bytes=2 << 20, median_ms=0.1)
-TINY = E.CPU_SHAPES[0]
+TINY = E.CPU_QUICK_SHAPES[0]  # the case of FAST (--quick): tiny
 SMALL = E.Shape("small", torch.float32, E.Model(8, 2, 16, 2), 3, 2, 5)
 ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
        "cupy": None, "git_commit": None}

@@ -20,6 +20,7 @@ from bench.harness import (
     Config,
     CopyCeiling,
     Impl,
+    Row,
     Skip,
     Suite,
     Timing,
@@ -33,7 +34,7 @@ from conftest import TRITON_ON_CPU
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 CEILING = CopyCeiling(bytes=2 << 20, median_ms=0.1)
-SMALL, CLAIM = V.CPU_SHAPES
+SMALL, CLAIM = V.CPU_QUICK_SHAPES  # the cases of FAST (--quick)
 TINY = V.Shape("tiny", torch.float32, 3, 2, 5, 32, 300, 10, 40, bias=True)
 ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
        "cupy": None, "git_commit": None}
@@ -88,12 +89,13 @@ def test_gpu_cases_and_dtype_filter():
         == {"fp16"}
     only_bf16 = SUITES["vocab"].cases(Config(CPU, dtypes=(torch.bfloat16,)))
     assert only_bf16 and all(c.params["dtype"] == "bf16" and c.params["claim"] is None for c in only_bf16)
-    assert len(SUITES["vocab"].cases(Config(CPU, dtypes=(torch.float32,)))) == 4
+    assert len(SUITES["vocab"].cases(Config(CPU, quick=True, dtypes=(torch.float32,)))) == 4
+    assert len(SUITES["vocab"].cases(Config(CPU, dtypes=(torch.float32,)))) == 3
     assert SUITES["vocab"].cases(Config(CPU, dtypes=(torch.int64,))) == []
 
 
 def test_draw_is_seeded_and_in_range():
-    for shape in (*V.GPU_SHAPES, *V.CPU_SHAPES):
+    for shape in (*V.GPU_SHAPES, *V.CPU_SHAPES, *V.CPU_QUICK_SHAPES):
         lengths, cands = V.draw(shape)
         again = V.draw.__wrapped__(shape)
         assert lengths == again[0] and all(torch.equal(a, b) for a, b in zip(cands, again[1]))
@@ -222,17 +224,42 @@ def test_vocab_suite_on_cpu(cpu_rows):
 
 
 def test_claim_annotation(cpu_rows):
+    """The claim is ragged's: its row says whether it holds; the loop baseline's row gives
+    its ratio alone (a "FAILS" on a baseline row whose status is ok read as a failure)."""
     case = next(c for c in SUITES["vocab"].cases(FAST) if c.params["claim"])
     rows = {r.impl: r for r in cpu_rows if r.case == case.name}
     key = V.claim_key(case.params["claim"])
     full = rows[V.FULL_ONLY].median_ms
-    for name in ("ragged torch", V.LOOP):
-        ratio = full / rows[name].median_ms
-        verdict = "holds" if ratio >= 8 else "FAILS"
-        assert rows[name].extra[key] == f"{ratio:.1f}x, {verdict}"
+    ratio = full / rows["ragged torch"].median_ms
+    verdict = "holds" if ratio >= 8 else "FAILS"
+    assert rows["ragged torch"].extra[key] == f"{ratio:.1f}x, {verdict}"
+    assert rows[V.LOOP].extra[key] == f"{full / rows[V.LOOP].median_ms:.1f}x"
     assert key not in rows[V.FULL_GATHER].extra
     others = [r for r in cpu_rows if r.case != case.name]
     assert all(key not in r.extra for r in others)
+
+
+def test_no_verdict_on_a_baseline_row():
+    """Whatever the times, a baseline row carries no holds / FAILS."""
+    case = next(c for c in SUITES["vocab"].cases(FAST) if c.params["claim"])
+    base = dict(suite="vocab", case=case.name, group=case.group, params=case.params, status="ok")
+    rows = [Row(**base, impl=V.FULL_ONLY, kind="baseline", median_ms=10.0),
+            Row(**base, impl="ragged torch", kind="ragged", median_ms=5.0),
+            Row(**base, impl=V.LOOP, kind="baseline", median_ms=5.0)]
+    SUITES["vocab"].annotate(case, rows)
+    key = V.claim_key(case.params["claim"])
+    assert rows[1].extra[key] == "2.0x, FAILS" and rows[2].extra[key] == "2.0x"
+
+
+def test_default_cpu_cases_claim_and_size():
+    """The CPU run without --quick: one shortlist workload in every group, sized so that
+    the full-vocabulary rows are not all overhead, the claim on its fwd case."""
+    cases = SUITES["vocab"].cases(Config(CPU))
+    assert [c.group for c in cases] == list(V.GROUPS)
+    assert all(c.params["selected_fraction"] < 0.1 and c.params["T"] >= 100 for c in cases)
+    assert cases[0].params["claim"] == 8.0
+    assert all(c.params["dtype"] == "bf16" and c.params["claim"] is None
+               for c in SUITES["vocab"].cases(Config(CPU, dtypes=(torch.bfloat16,))))
 
 
 def test_markdown_and_json_carry_the_extra_columns(cpu_rows, tmp_path):
@@ -345,4 +372,6 @@ def test_cli_lists_vocab(capsys):
     pytest.importorskip("rich")
     assert main(["--suite", "vocab", "--list"]) == 0
     out = capsys.readouterr().out
-    assert "vocab" in out and "cands=2000" in out
+    assert "vocab" in out and "cands=250..1000" in out  # the CPU run's shortlist case
+    assert main(["--suite", "vocab", "--list", "--quick"]) == 0
+    assert "cands=2000" in capsys.readouterr().out  # --quick: the small and claim cases

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 import ragged
 
-from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, max_error_compare,
-                       register, workload_shapes)
+from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, interpreter_skip,
+                       max_error_compare, register, workload_shapes)
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 SEED = 0
@@ -99,7 +99,12 @@ GPU_SHAPES = (
     Shape("long", torch.bfloat16, 16, 16, 128, 256, 4096, note="long sequences"),
 )
 QUICK_SHAPE = 1  # --quick on a GPU: the long-tailed workload only
-CPU_SHAPES = (Shape("tiny", torch.float32, 4, 2, 32, 3, 17, note="tiny CPU case"),)
+# CPU: long-tailed lengths, where skipping the padding pays (ragged's torch backend loops
+# over the sequences: sum(L^2) work against SDPA's B * M^2 on the padded batch); a few
+# seconds for the four groups on one thread.
+CPU_SHAPES = (Shape("long-tailed", torch.float32, 16, 4, 32, 1, 256, dist="lognormal", median=75 * math.exp(-0.5),
+                    sigma=1.0, note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 256), mean about 58"),)
+CPU_QUICK_SHAPES = (Shape("tiny", torch.float32, 4, 2, 32, 3, 17, note="tiny CPU smoke case: per-call overhead only"),)
 PASSES = ((False, False), (True, False), (False, True), (True, True))  # (causal, backward)
 
 
@@ -265,8 +270,10 @@ def _leaves(tensors: tuple[torch.Tensor, ...], backward: bool) -> tuple[torch.Te
     return tuple(t.detach().requires_grad_(True) for t in tensors) if backward else tensors
 
 
-def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device) -> list[Impl]:
-    """``ragged <backend>``: ``ragged.varlen_attention(..., backend=b)``."""
+def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
+                 triton_skip: str | None = None) -> list[Impl]:
+    """``ragged <backend>``: ``ragged.varlen_attention(..., backend=b)``; the triton row
+    skipped with ``triton_skip`` when given."""
     M = p.width
     inputs = _leaves((p.q, p.k, p.v), backward)
     reasons = ragged.explain("attention", *inputs, p.offsets, p.offsets, M, M, causal, 0.0, backward)
@@ -275,6 +282,8 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device)
         why = reasons.get(backend, [f"no {backend!r} attention is registered"])
         if not why and backend == "torch" and device.type == "cuda":
             why = ["the torch reference loops over the sequences on the host; measured on the CPU cases only"]
+        if not why and backend == "triton" and triton_skip:
+            why = [triton_skip]
 
         def forward(q, k, v, b=backend):
             return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, M, M, causal=causal, backend=b)
@@ -412,10 +421,11 @@ def baseline_impls(p: Problem, causal: bool, backward: bool, device: torch.devic
 
 
 def build_workload(shape: Shape, causal: bool, backward: bool, device: torch.device,
-                   measured: tuple[str, ...] = BASELINES) -> Workload:
+                   measured: tuple[str, ...] = BASELINES, triton_skip: str | None = None) -> Workload:
     p = Problem.make(shape, device)
     reference = reference_outputs(p, causal, backward)
-    impls = ragged_impls(p, causal, backward, device) + baseline_impls(p, causal, backward, device, measured)
+    impls = (ragged_impls(p, causal, backward, device, triton_skip)
+             + baseline_impls(p, causal, backward, device, measured))
     tol = TOLERANCE.get(shape.dtype, 2e-2)
     flops = attention_flops(p.lengths, shape.heads, shape.head_dim, causal, backward)
     return Workload(impls, reference=reference, flops=flops, compare=make_compare(p, tol))
@@ -440,7 +450,8 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
 
 - `ragged <backend>`: `ragged.varlen_attention(q, k, v, cu, cu, M, M, causal=..., backend=...)`;
   `cuda` is the short-sequence kernel (forward only), `torch` the float32 reference
-  (a loop over the sequences; timed on the CPU cases only).
+  (a loop over the sequences; timed on the CPU cases only, where it is ragged's CPU path:
+  `sum(L_i^2)` work against `B * M^2` for padded SDPA).
 - `SDPA padded + mask`: `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` on
   contiguous padded `[B, H, M, D]`; `mask` is bool, True = attend: the key-padding mask
   `[B, 1, 1, M]`, and for causal `key_padding & tril(M, M)` as `[B, 1, M, M]` (built
@@ -465,8 +476,9 @@ sequences at a time); max abs error <= 2e-2 for bf16 (gradients: 2e-2 x max(1, m
 
     def shapes(self, config: Config) -> list[Shape]:
         """GPU: the three workloads (the long-tailed one with --quick); --dtype swaps their
-        dtype. CPU: the tiny case, in each requested floating dtype."""
-        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE)
+        dtype. CPU: the long-tailed CPU case (the tiny one with --quick), in each requested
+        floating dtype."""
+        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE, CPU_QUICK_SHAPES)
 
     def cases(self, config: Config) -> list[Case]:
         cases = []
@@ -489,4 +501,4 @@ sequences at a time); max abs error <= 2e-2 for bf16 (gradients: 2e-2 x max(1, m
     def build(self, case: Case, config: Config) -> Workload:
         shape, causal, backward = case.spec
         measured = BASELINES if config.on_gpu else CPU_BASELINES
-        return build_workload(shape, causal, backward, config.device, measured)
+        return build_workload(shape, causal, backward, config.device, measured, interpreter_skip(config))

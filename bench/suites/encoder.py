@@ -1,9 +1,10 @@
-"""encoder: a BERT-base encoder on ragged batches, torch.nn padded / nested vs ragged.nn.
+"""encoder: a Transformer encoder on ragged batches, torch.nn padded / nested vs ragged.nn.
 
 The model is ``torch.nn.TransformerEncoder`` (post-norm, GELU, ``batch_first``): on a
 GPU BERT-base (``d = 768``, 12 heads, ``ff = 3072``, 12 layers) in bfloat16, on CPU a
-tiny one. ``ragged.nn.TransformerEncoder.from_torch`` of it shares its Parameter
-objects, so every row runs the same weights. A batch is ``B`` sequences of lengths
+small one in float32 (``d = 128``, 4 heads, ``ff = 512``, 2 layers) on a long-tailed
+batch (a tiny one with --quick). ``ragged.nn.TransformerEncoder.from_torch`` of it
+shares its Parameter objects, so every row runs the same weights. A batch is ``B`` sequences of lengths
 ``L_i`` (``T = sum L_i`` real tokens, padded width ``M = max L_i``); its token
 features are one fixed random ``[T, d]``. Two groups:
 
@@ -35,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from typing import Any, Callable, Iterator
@@ -103,6 +105,7 @@ class Model:
 
 
 BERT_BASE = Model(768, 12, 3072, 12)
+SMALL = Model(128, 4, 512, 2)
 TINY = Model(32, 2, 64, 2)
 
 
@@ -142,7 +145,11 @@ GPU_SHAPES = (
           note="long-tailed lengths up to 512 (the attention suite's: lognormal, sigma=1, clipped)"),
 )
 QUICK_SHAPE = 2  # --quick on a GPU: the long-tailed workload only
-CPU_SHAPES = (Shape("tiny", torch.float32, TINY, 6, 3, 17, note="tiny CPU case"),)
+# CPU: long-tailed lengths (the attention suite's distribution, scaled to a longest of 128)
+# through a small model, where skipping the padding pays; about 5 s on one thread.
+CPU_SHAPES = (Shape("long-tailed", torch.float32, SMALL, 16, 1, 128, dist="lognormal", median=40 * math.exp(-0.5),
+                    sigma=1.0, note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 128), mean about 30"),)
+CPU_QUICK_SHAPES = (Shape("tiny", torch.float32, TINY, 6, 3, 17, note="tiny CPU smoke case: per-call overhead only"),)
 CEILING_N = {"cuda": 8192, "cpu": 256}  # square GEMM of the ceiling row, per device type
 
 
@@ -548,28 +555,31 @@ def row_diagnostics(impl: Impl, device: torch.device) -> dict[str, Any]:
 @register
 class EncoderSuite(Suite):
     name = "encoder"
-    description = "BERT-base encoder: torch.nn padded / fast path / nested vs ragged.nn, inference and training"
+    description = "Transformer encoder: torch.nn padded / fast path / nested vs ragged.nn, inference and training"
     memory_bound = False
     speedup_table = True
     rounds = 3
     notes = """\
-`torch.nn.TransformerEncoder` of `TransformerEncoderLayer(d, h, ff, dropout, activation="gelu",
-batch_first=True, norm_first=False)`: on a GPU BERT-base (`d=768, h=12, ff=3072`, 12
-layers) in bf16; on CPU a tiny model in fp32. `ragged.nn.TransformerEncoder.from_torch`
-of it shares its parameters. `B` sequences of lengths `L_i`, `T = sum L_i`, padded to
-`M = max L_i` (right padding, `mask` = `src_key_padding_mask`, True at padding). TFLOP/s
-count useful flops only: per layer `2*T*(4*d^2 + 2*d*ff) + 4*sum(L_i^2)*d`, times the
-layers; training 3x that. `% of GEMM ceiling`: TFLOP/s over those of the ceiling row,
-one `torch.mm` of two `[n, n]` matrices in the case's dtype (`n` = 8192 on a GPU, 256 on
-CPU), timed in the same case. `speedup vs padded` / `speedup vs dense`: the `padded` /
-`dense equal tokens` row's ms over this row's. `SM MHz` / `W` (GPU runs with `nvidia-smi`):
-the SM clock and power draw read right after the row's timing, to tell a throttled row.
-Timing (GPU, without --quick): each case's rows are timed three times round-robin (every row,
-then every row again, twice), each round a `do_bench` median; a row reports the median of
-its three, and `rounds spread %` = (max - min) / median. The host of the GPU machine
-changes speed from minute to minute, and the rows that wait on it (ragged and dense
-equal tokens in training, the short-batch rows) move with it: round-robin rounds spread
-such a drift over every row of the case.
+`torch.nn.TransformerEncoder` of `TransformerEncoderLayer(d, h, ff, dropout,
+activation="gelu", batch_first=True, norm_first=False)`: on a GPU BERT-base (`d=768, h=12,
+ff=3072`, 12 layers) in bf16; on CPU a small model in fp32 (`d=128, h=4, ff=512`, 2
+layers; with --quick a tiny one) on one long-tailed batch, run by ragged.nn's pure-torch
+paths. `ragged.nn.TransformerEncoder.from_torch` of it shares its parameters. `B`
+sequences of lengths `L_i`, `T = sum L_i`, padded to `M = max L_i` (right padding, `mask`
+= `src_key_padding_mask`, True at padding). TFLOP/s count useful flops only: per layer
+`2*T*(4*d^2 + 2*d*ff) + 4*sum(L_i^2)*d`, times the layers; training 3x that. `% of GEMM
+ceiling`: TFLOP/s over those of the ceiling row, one `torch.mm` of two `[n, n]` matrices
+in the case's dtype (`n` = 8192 on a GPU, 256 on CPU), timed in the same case. `speedup vs
+padded` / `speedup vs dense`: the `padded` / `dense equal tokens` row's ms over this
+row's. `SM MHz` / `W` (GPU runs with `nvidia-smi`): the SM clock and power draw read right
+after the row's timing, to tell a throttled row. Timing (GPU, without --quick): each row
+is first warmed up until two short timings agree within 3% (a few seconds at most), then
+each case's rows are timed three times round-robin (every row, then every row again,
+twice), each round a `do_bench` median; a row reports the median of its three, and `rounds
+spread %` = (max - min) / median. The host of the GPU machine changes speed from minute to
+minute, and the rows that wait on it (ragged and dense equal tokens in training, the
+short-batch rows) move with it: round-robin rounds spread such a drift over every row of
+the case.
 `GPU busy ms` (only with `BENCH_GPU_BUSY=1`: the profiler slows every later launch of the
 process, so a table with it is for diagnosis, not for timings): the GPU time of one call
 with the host taken out (the union of the kernel intervals `torch.profiler` records over
@@ -612,8 +622,23 @@ tol = 2e-2 for bf16, 1e-4 for fp32.
 
     def shapes(self, config: Config) -> list[Shape]:
         """GPU: the three workloads (the long-tailed one with --quick); --dtype swaps their
-        dtype. CPU: the tiny case, in each requested floating dtype."""
-        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE)
+        dtype. CPU: the long-tailed CPU case (the tiny one with --quick), in each requested
+        floating dtype."""
+        return workload_shapes(config, GPU_SHAPES, CPU_SHAPES, QUICK_SHAPE, CPU_QUICK_SHAPES)
+
+    def describe(self, params) -> str:
+        """``BERT-base encoder: ...`` when every case ran BERT-base, else the models the cases
+        ran (``Transformer encoder (d=128 h=4 ff=512 x2, fp32): ...``); ``description``
+        when the params name no model."""
+        models = list(dict.fromkeys(
+            (Model(p["d_model"], p["nhead"], p["dim_feedforward"], p["layers"]), p.get("dtype", "")) for p in params
+            if "d_model" in p))
+        what = self.description.split(": ", 1)[1]
+        if not models:
+            return self.description
+        if all(m == BERT_BASE for m, _ in models):
+            return f"BERT-base encoder: {what}"
+        return "Transformer encoder (" + "; ".join(f"{m.name()}, {dtype}" for m, dtype in models) + "): " + what
 
     def cases(self, config: Config) -> list[Case]:
         cases = []

@@ -10,6 +10,10 @@ output is compared with :func:`ragged.reference_pack` / :func:`ragged.reference_
 by ``torch.equal``. Sequences are right-padded; the longest one is exactly ``M`` long
 (``M`` is the batch's pad-to-longest width), the others are drawn uniformly in
 ``[min_len, M]`` with a fixed seed.
+
+On CPU the cases are sized past the per-call overhead (17 MB padded; the tiny ones are
+the --quick smoke cases), and each case's % copy is over its own ``copy (same
+bytes)`` row: a CPU copy's rate depends on its size through the caches.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 import ragged
 
-from ..harness import Case, Config, Impl, Suite, Workload, copy_impl, dtype_name, register
+from ..harness import Case, Config, Impl, Suite, Workload, copy_impl, dtype_name, interpreter_skip, register
 
 RAGGED_BACKENDS = ("cuda", "triton", "torch")
 SEED = 0
@@ -51,8 +55,14 @@ GPU_SHAPES = (
     Shape(torch.int64, 1024, 1024, 1, 1, "token ids"),
 )
 CPU_SHAPES = (
-    Shape(torch.float32, 16, 64, 64, 1, "tiny"),
-    Shape(torch.int64, 16, 64, 1, 1, "tiny token ids"),
+    # 17 MB padded, about 8 MB real: past the per-call overhead (a B=16 M=64 F=64 case
+    # took 2-40 us per call, all of it overhead) and the L2 cache.
+    Shape(torch.float32, 64, 256, 256, 1, "CPU: about half the tokens real, 17 MB padded"),
+    Shape(torch.int64, 256, 512, 1, 1, "CPU: token ids"),
+)
+CPU_QUICK_SHAPES = (
+    Shape(torch.float32, 16, 64, 64, 1, "tiny (smoke case: per-call overhead only)"),
+    Shape(torch.int64, 16, 64, 1, 1, "tiny token ids (smoke case)"),
 )
 OPS = ("pack", "unpack")
 
@@ -106,18 +116,21 @@ class Batch:
         return cls(lengths, sum(lengths), offsets, mask, flat_index)
 
 
-def _ragged_impls(op: str, call, *explain_args) -> list[Impl]:
-    """``ragged <backend>`` rows, skipped with ``ragged.explain``'s reasons where they cannot run."""
+def _ragged_impls(op: str, call, *explain_args, triton_skip: str | None = None) -> list[Impl]:
+    """``ragged <backend>`` rows, skipped with ``ragged.explain``'s reasons where they cannot
+    run (and the triton row with ``triton_skip`` when given)."""
     reasons = ragged.explain(op, *explain_args)
     impls = []
     for backend in RAGGED_BACKENDS:
         why = reasons.get(backend, [f"no {backend!r} implementation is registered for {op}"])
+        if backend == "triton" and triton_skip and not why:
+            why = [triton_skip]
         impls.append(Impl(f"ragged {backend}", "ragged", fn=lambda b=backend: call(b),
                           skip="; ".join(why) if why else None))
     return impls
 
 
-def pack_workload(shape: Shape, batch: Batch, device: torch.device) -> Workload:
+def pack_workload(shape: Shape, batch: Batch, device: torch.device, triton_skip: str | None = None) -> Workload:
     """pack: ragged backends, boolean gather, index_select, torch.nested narrow, copy."""
     B, M, F, T = shape.batch, shape.width, shape.features, batch.total
     padded = random_tensor((B, M, F), shape.dtype, device, SEED + 1)
@@ -130,7 +143,8 @@ def pack_workload(shape: Shape, batch: Batch, device: torch.device) -> Workload:
         return nt.contiguous().values()
 
     nbytes = pack_bytes(T, shape)
-    impls = _ragged_impls("pack", lambda b: ragged.pack_values(padded, offsets, T, backend=b), padded, offsets)
+    impls = _ragged_impls("pack", lambda b: ragged.pack_values(padded, offsets, T, backend=b), padded, offsets,
+                          triton_skip=triton_skip)
     impls += [
         Impl("x[~mask]", "baseline", lambda: padded[~mask]),
         Impl("index_select", "baseline", lambda: padded.view(B * M, F).index_select(0, idx)),
@@ -140,7 +154,7 @@ def pack_workload(shape: Shape, batch: Batch, device: torch.device) -> Workload:
     return Workload(impls, reference=ragged.reference_pack(padded, offsets, T), bytes_moved=nbytes)
 
 
-def unpack_workload(shape: Shape, batch: Batch, device: torch.device) -> Workload:
+def unpack_workload(shape: Shape, batch: Batch, device: torch.device, triton_skip: str | None = None) -> Workload:
     """unpack: ragged backends, index_put, index_copy_, torch.nested to_padded_tensor, pad_sequence, copy."""
     B, M, F, T = shape.batch, shape.width, shape.features, batch.total
     values = random_tensor((T, F), shape.dtype, device, SEED + 2)
@@ -165,7 +179,8 @@ def unpack_workload(shape: Shape, batch: Batch, device: torch.device) -> Workloa
         return torch.nn.utils.rnn.pad_sequence(values.split(lengths), batch_first=True)
 
     nbytes = unpack_bytes(T, shape)
-    impls = _ragged_impls("unpack", lambda b: ragged.unpack_values(values, offsets, M, backend=b), values, offsets)
+    impls = _ragged_impls("unpack", lambda b: ragged.unpack_values(values, offsets, M, backend=b), values, offsets,
+                          triton_skip=triton_skip)
     impls += [
         Impl("out[~mask] = values", "baseline", index_put),
         Impl("index_copy_", "baseline", index_copy),
@@ -194,18 +209,23 @@ index of the real tokens, precomputed outside the timed region):
   `nested_tensor_from_jagged(values, offsets, max_seqlen=M).to_padded_tensor(0.0, output_size=(B, M, F))`;
   `pad_sequence`: `pad_sequence(values.split(lengths), batch_first=True)`.
 - `copy (same bytes)`: `dst.copy_(src)` of (bytes read + bytes written) / 2 bytes: the
-  time of an ideal kernel moving the case's bytes at copy speed.
+  time of an ideal kernel moving the case's bytes at copy speed. On CPU it is also what
+  `% copy` divides by (a CPU copy's rate depends on its size), timed before and after the
+  case's other rows for the faster median; on a GPU `% copy` is over the device's copy
+  ceiling, one 1 GiB copy.
 """
 
     def shapes(self, config: Config) -> list[Shape]:
         """GPU: the fixed list (only the target case with --quick), filtered by --dtype.
-        CPU: tiny shapes; with --dtype, the first tiny shape in each requested dtype."""
+        CPU: ``CPU_SHAPES`` (``CPU_QUICK_SHAPES``, tiny, with --quick); with --dtype, the
+        first of them in each requested dtype."""
         if config.on_gpu:
             shapes = [s for s in GPU_SHAPES if config.wants(s.dtype)]
             return shapes[:1] if config.quick else shapes
+        cpu = CPU_QUICK_SHAPES if config.quick else CPU_SHAPES
         if config.dtypes is None:
-            return list(CPU_SHAPES)
-        return [dataclasses.replace(CPU_SHAPES[0], dtype=d) for d in config.dtypes]
+            return list(cpu)
+        return [dataclasses.replace(cpu[0], dtype=d) for d in config.dtypes]
 
     def cases(self, config: Config) -> list[Case]:
         cases = []
@@ -222,4 +242,4 @@ index of the real tokens, precomputed outside the timed region):
         op, shape = case.spec
         batch = Batch.make(shape, config.device)
         make = pack_workload if op == "pack" else unpack_workload
-        return make(shape, batch, config.device)
+        return make(shape, batch, config.device, interpreter_skip(config))
