@@ -54,25 +54,28 @@ def cases():
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]
     for dt, shared, inline in (("*bf16", False, True), ("*fp32", True, False)):
         prec = "ieee" if dt == "*fp32" else "tf32"
-        yield ("vocab fwd", kv._fwd_kernel, [dt, dt, dt, "*i64", dt] + offs + ["i32", "i32"],
+        yield ("vocab fwd", kv._fwd_kernel, [dt, dt, dt, "*i64", dt] + offs + ["i32", "i32", "i32"],
                dict(HAS_BIAS=True, SHARED=shared, EVEN_K=inline, PRECISION=prec, BLOCK_M=64, BLOCK_N=128,
                     BLOCK_K=64, INLINE=inline, CHUNK=64))
-        yield ("vocab d_hidden", kv._dhidden_kernel, [dt, dt, "*i64", dt] + offs + ["i32", "i32"],
+        yield ("vocab d_hidden", kv._dhidden_kernel, [dt, dt, "*i64", dt] + offs + ["i32", "i32", "i32"],
                dict(SHARED=shared, PRECISION=prec, BLOCK_M=64, BLOCK_D=64, BLOCK_K=32, INLINE=inline, CHUNK=64))
         for atomic in (True, False):
             acc_t = dt if atomic else "*fp32"
-            yield ("vocab d_weight", kv._dweight_kernel, [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32"],
+            yield ("vocab d_weight", kv._dweight_kernel,
+                   [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32", "i32"],
                    dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
                         BLOCK_K=32, INLINE=inline, CHUNK=64))
-        for globl in (False, True):
+        for globl, smooth in ((False, True), (True, False)):
             yield ("vocab ce fwd", kv._ce_fwd_kernel,
                    [dt, dt, dt, "*i64", "*i64" if globl else "*i32", "*i32", "*i32", "*fp32", "*fp32"] + offs
-                   + ["i32", "i32", "fp32", "i32", "i32"],
-                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, GLOBAL=globl, BLOCK_M=32,
-                        BLOCK_N=256, BLOCK_K=64, INLINE=inline, CHUNK=64), 8, 3)
-        yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
-               + ["i32", "i32", "i32", "fp32"], dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec,
-                                              BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
+                   + ["i32", "i32", "i32", "fp32", "i32", "i32"],
+                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, GLOBAL=globl, SMOOTH=smooth,
+                        BLOCK_M=32, BLOCK_N=256, BLOCK_K=64, INLINE=inline, CHUNK=64), 8, 3)
+        for smooth in (False, True):
+            yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
+                   + ["i32", "i32", "i32", "i32", "fp32"],
+                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, SMOOTH=smooth, BLOCK_M=64,
+                        BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))
     tl = triton.language
     for act, bias in ((0, False), (1, True), (2, True), (3, True)):
         yield ("bias_act fwd", kf._bias_act_fwd_kernel, ["*bf16", "*fp32", "*bf16", "i32", "i32"],

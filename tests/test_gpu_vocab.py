@@ -7,6 +7,8 @@ at most twice the error of the same computation done by torch in the input's pre
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,3 +199,253 @@ def test_compile_fullgraph():
     ref.backward()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-1)
     torch.testing.assert_close(w.grad.float(), w_ref.grad.float(), rtol=5e-2, atol=1e-1)
+
+
+# --------------------------------------------------------------------------------------
+# Regressions (their CPU versions: tests/test_vocab_regressions.py), on every backend and "auto"
+
+REG_LENS, REG_COUNTS, REG_V, REG_D = [17, 0, 33, 1, 5], [40, 7, 0, 1, 129], 700, 64
+
+
+def _every_backend(hidden, weight, bias, vocab):
+    return _backends(hidden, weight, bias, vocab) + ["auto"]
+
+
+def _every_other(t):
+    """``t`` as a view of stride 2 into a zero-padded buffer of twice its length."""
+    buf = t.new_zeros((2 * t.shape[0], *t.shape[1:]))
+    buf[::2] = t
+    return buf[::2]
+
+
+def _cuda_offsets(lengths, dtype=torch.int32):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device="cuda")
+
+
+def _reg_cands(seed, shared):
+    gen = torch.Generator().manual_seed(seed)
+    if shared:
+        return [torch.randperm(REG_V, generator=gen)[:90].sort().values.cuda()] * len(REG_LENS)
+    return [torch.randperm(REG_V, generator=gen)[:n].sort().values.cuda() for n in REG_COUNTS]
+
+
+def _reg_loop(h, w, b, cands, lens=REG_LENS):
+    blocks, t = [], 0
+    for n, c in zip(lens, cands):
+        blocks.append(h[t:t + n].double() @ w[c].double().T + b[c].double())
+        t += n
+    return blocks
+
+
+def _reg_ce(h, w, b, cands, target, smoothing=0.0, lens=REG_LENS):
+    total, kept, t = h.sum().double() * 0, 0, 0
+    for block, n, c in zip(_reg_loop(h, w, b, cands, lens), lens, cands):
+        y = target[t:t + n]
+        t += n
+        if n and len(c):
+            local = torch.searchsorted(c, y)
+            total = total + F.cross_entropy(block, local, reduction="sum", label_smoothing=smoothing)
+            kept += n
+    return total / kept
+
+
+def _reg_targets(cands, seed, lens=REG_LENS):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n, c in zip(lens, cands):
+        out += [int(c[torch.randint(0, len(c), (), generator=gen)]) if len(c) else -100 for _ in range(n)]
+    return torch.tensor(out, device="cuda")
+
+
+def _assert_grads_close(got, want, what):
+    for k, (a, r) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a.double(), r, atol=2e-3, rtol=2e-3, msg=lambda m, k=k: f"{what} [{k}]: {m}")
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_offsets", "device_offsets"])
+@pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
+def test_strided_offsets_ids_bias_target_every_backend(shared, host):
+    """Strided views of the offsets, ids, bias, weight and targets: the values and the
+    gradients of the leaves they are views of match the loop on every backend."""
+    gen = torch.Generator().manual_seed(21)
+    cands = _reg_cands(22, shared)
+    h_full = torch.randn(sum(REG_LENS), 2 * REG_D, generator=gen).cuda()
+    w_full = (torch.randn(REG_V, 2 * REG_D, generator=gen) / REG_D ** 0.5).cuda()
+    b_full = torch.randn(2 * REG_V, generator=gen).cuda()
+    h_off = _cuda_offsets(REG_LENS)
+    target = _reg_targets(cands, 23)
+
+    def build(hf, wf, bf):
+        hidden = RaggedTensor(hf[:, ::2], _every_other(h_off), max(REG_LENS),
+                              tuple(h_off.tolist()) if host else None)
+        if shared:
+            vocab = _every_other(cands[0])
+        else:
+            v_off = _cuda_offsets(REG_COUNTS)
+            vocab = RaggedTensor(_every_other(torch.cat(cands).to(torch.int32)), _every_other(v_off),
+                                 max(REG_COUNTS), tuple(v_off.tolist()) if host else None)
+        return hidden, wf[:, ::2], vocab, bf[::2]
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (h_full, w_full, b_full)]
+        out = fn(*leaves)
+        out_sum = out.double().square().sum() if out.dim() else out.double()
+        return out.detach(), torch.autograd.grad(out_sum, leaves)
+
+    def oracle_projection(hf, wf, bf):
+        return torch.cat([b.reshape(-1) for b in _reg_loop(hf[:, ::2], wf[:, ::2], bf[::2], cands)])
+
+    def oracle_ce(hf, wf, bf):
+        return _reg_ce(hf[:, ::2], wf[:, ::2], bf[::2], cands, target, 0.1)
+
+    ref_p, ref_pg = grads(oracle_projection)
+    ref_c, ref_cg = grads(oracle_ce)
+    for backend in _every_backend(*build(h_full, w_full, b_full)):
+        got_p, got_pg = grads(lambda hf, wf, bf: ragged.vocab_projection(*build(hf, wf, bf), backend=backend).values)
+        torch.testing.assert_close(got_p.double(), ref_p, atol=1e-3, rtol=1e-3, msg=lambda m: f"{backend}: {m}")
+        _assert_grads_close(got_pg, ref_pg, f"{backend} projection")
+        assert torch.all(got_pg[2][1::2] == 0)      # the bias buffer's other entries get no gradient
+
+        def ce(hf, wf, bf):
+            hidden, weight, vocab, bias = build(hf, wf, bf)
+            return ragged.vocab_cross_entropy(hidden, weight, vocab, _every_other(target), bias, label_smoothing=0.1,
+                                              backend=backend)
+
+        got_c, got_cg = grads(ce)
+        torch.testing.assert_close(got_c.double(), ref_c, atol=1e-4, rtol=1e-4, msg=lambda m: f"{backend}: {m}")
+        _assert_grads_close(got_cg, ref_cg, f"{backend} cross-entropy")
+        # union_vocab of strided ids, projected onto as a shared vocabulary
+        hidden, weight, vocab, bias = build(h_full, w_full, b_full)
+        union = ragged.union_vocab(vocab)
+        assert union.tolist() == sorted(set(torch.cat(cands).tolist()))
+        got_u = ragged.vocab_projection(hidden, weight, _every_other(union), bias, backend=backend).values
+        want_u = torch.cat([b.reshape(-1) for b in _reg_loop(hidden.values, weight, bias, [union] * len(REG_LENS))])
+        torch.testing.assert_close(got_u.double(), want_u, atol=1e-3, rtol=1e-3)
+
+
+def _reg_bad_ids(shared, bad_id):
+    """(cands with bad_id in sequence 3, or in the shared list; vocab with host offsets)."""
+    cands = _reg_cands(31, shared)
+    if shared:
+        ids = torch.cat([cands[0][:-1], torch.tensor([bad_id], device="cuda")]).sort().values
+        return [ids] * len(REG_LENS), ids, "vocab"
+    cands = [c.clone() for c in cands]
+    cands[3] = torch.tensor([bad_id], device="cuda")
+    return cands, RaggedTensor.from_lengths(torch.cat(cands), REG_COUNTS), "vocab.values"
+
+
+@pytest.mark.parametrize("bad_id", [REG_V, -1], ids=["V", "negative"])
+@pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
+def test_out_of_range_ids_every_backend(shared, bad_id):
+    """CUDA ids with an id outside [0, V), host offsets known (the hot path):
+    ValueError under validate=True and in the read of out_of_vocab="error" on every backend,
+    and from the "torch" backend (which reads anyway); the kernels' projection reads no
+    device value and never follows the id (it scores 0: weight is a view into a larger
+    buffer whose other rows hold data)."""
+    gen = torch.Generator().manual_seed(32)
+    cands, vocab, name = _reg_bad_ids(shared, bad_id)
+    hidden = RaggedTensor.from_lengths(torch.randn(sum(REG_LENS), REG_D, generator=gen).cuda(), REG_LENS)
+    w_buf = torch.randn(REG_V + 8, REG_D, generator=gen).cuda()
+    b_buf = torch.randn(REG_V + 8, generator=gen).cuda()
+    weight, bias = w_buf[4:4 + REG_V], b_buf[4:4 + REG_V]
+    target = torch.full((sum(REG_LENS),), -100, device="cuda")
+    pattern = rf"expected {name.replace('.', '[.]')} in \[0, {REG_V}\)"
+    # the contract: an outside id reads as a zero row with no bias
+    w_ext = torch.cat([weight, weight.new_zeros(1, REG_D)])
+    b_ext = torch.cat([bias, bias.new_zeros(1)])
+    mapped = [torch.where((c >= 0) & (c < REG_V), c, REG_V) for c in cands]
+    want = torch.cat([b.reshape(-1) for b in _reg_loop(hidden.values, w_ext, b_ext, mapped)])
+    for backend in _every_backend(hidden, weight, bias, vocab):
+        with pytest.raises(ValueError, match=r"ragged\.vocab_projection\(\): " + pattern):
+            ragged.vocab_projection(hidden, weight, vocab, bias, validate=True, backend=backend)
+        with pytest.raises(ValueError, match=r"ragged\.vocab_cross_entropy\(\): " + pattern):
+            ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend)
+        if backend == "torch":
+            with pytest.raises(ValueError, match=r"ragged\.vocab_projection\(\): " + pattern):
+                ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend).values
+            loss = ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore",
+                                              reduction="sum", backend=backend)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-3)
+        assert loss.item() == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
+def test_unsorted_ids_cross_entropy_every_backend(shared):
+    """Unsorted CUDA ids: the read of out_of_vocab="error" says they are unsorted (rather than
+    reporting targets outside their candidates) on every backend; so does "ignore" on the
+    "torch" backend, which reads anyway."""
+    gen = torch.Generator().manual_seed(41)
+    cands = _reg_cands(42, shared)
+    target = _reg_targets(cands, 43)
+    hidden = RaggedTensor.from_lengths(torch.randn(sum(REG_LENS), REG_D, generator=gen).cuda(), REG_LENS)
+    weight, bias = torch.randn(REG_V, REG_D, generator=gen).cuda(), torch.randn(REG_V, generator=gen).cuda()
+    if shared:
+        vocab, name = cands[0].flip(0), "vocab"
+    else:
+        vocab, name = RaggedTensor.from_lengths(torch.cat([c.flip(0) for c in cands]), REG_COUNTS), "vocab.values"
+    pattern = rf"ragged\.vocab_cross_entropy\(\): expected {name.replace('.', '[.]')} sorted"
+    for backend in _every_backend(hidden, weight, bias, vocab):
+        with pytest.raises(ValueError, match=pattern):
+            ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend)
+        with pytest.raises(ValueError, match=pattern):
+            ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, validate=True, backend=backend)
+        if backend == "torch":
+            with pytest.raises(ValueError, match=pattern):
+                ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore",
+                                           backend=backend)
+
+
+@pytest.mark.parametrize("what", ["projection", "cross_entropy"])
+def test_double_backward_raises_every_backend(what):
+    gen = torch.Generator().manual_seed(51)
+    cands = _reg_cands(52, False)
+    target = _reg_targets(cands, 53)
+    hidden = RaggedTensor.from_lengths(torch.randn(sum(REG_LENS), REG_D, generator=gen).cuda(), REG_LENS)
+    weight, bias = torch.randn(REG_V, REG_D, generator=gen).cuda(), torch.randn(REG_V, generator=gen).cuda()
+    vocab = RaggedTensor.from_lengths(torch.cat(cands), REG_COUNTS)
+    name = "ragged.vocab_cross_entropy()" if what == "cross_entropy" else "ragged.vocab_projection()"
+    for backend in _every_backend(hidden, weight, bias, vocab):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden.values, weight, bias)]
+        if what == "projection":
+            out = ragged.vocab_projection(hidden.with_values(leaves[0]), leaves[1], vocab, leaves[2],
+                                          backend=backend).values.square().sum()
+        else:
+            out = ragged.vocab_cross_entropy(hidden.with_values(leaves[0]), leaves[1], vocab, target, leaves[2],
+                                             backend=backend)
+        grads = torch.autograd.grad(out, leaves, create_graph=True)
+        with pytest.raises(NotImplementedError, match="double backward") as info:
+            sum(g.square().sum() for g in grads).backward()
+        assert name in str(info.value), backend
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 1.0])
+def test_label_smoothing_edges_with_an_empty_candidate_list_every_backend(smoothing):
+    """eps = 0 and eps = 1 with a sequence that has tokens but no candidates (lse = -inf
+    there): finite losses and gradients equal to the loop's."""
+    gen = torch.Generator().manual_seed(61)
+    lens, counts = [9, 4, 30], [50, 0, 7]
+    cands = [torch.randperm(REG_V, generator=gen)[:n].sort().values.cuda() for n in counts]
+    target = _reg_targets(cands, 62, lens)
+    values = torch.randn(sum(lens), REG_D, generator=gen).cuda()
+    weight = (torch.randn(REG_V, REG_D, generator=gen) / REG_D ** 0.5).cuda()
+    bias = torch.randn(REG_V, generator=gen).cuda()
+    hidden = RaggedTensor.from_lengths(values, lens)
+    vocab = RaggedTensor.from_lengths(torch.cat(cands), counts)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (values, weight, bias)]
+    ref = _reg_ce(*ref_leaves, cands, target, smoothing, lens)
+    ref.backward()
+    for backend in _every_backend(hidden, weight, bias, vocab):
+        leaves = [t.clone().requires_grad_(True) for t in (values, weight, bias)]
+        loss = ragged.vocab_cross_entropy(hidden.with_values(leaves[0]), leaves[1], vocab, target, leaves[2],
+                                          label_smoothing=smoothing, backend=backend)
+        loss.backward()
+        assert torch.isfinite(loss), backend
+        torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-4, rtol=1e-4)
+        _assert_grads_close([t.grad for t in leaves], [t.grad for t in ref_leaves], f"{backend} eps={smoothing}")

@@ -22,11 +22,23 @@ rows through the id lists). ``"auto"`` takes Triton on CUDA tensors.
 
 Host syncs: none on the hot path when the RaggedTensors carry host offsets (built from
 host lengths or lists) or the vocabulary is shared; otherwise the offsets are read once
-(and cached on the RaggedTensors) to size the output. ``validate=True`` adds one read
-(ids sorted, unique per sequence, in ``[0, V)``); without it the ids are trusted, and an
-id outside ``[0, V)`` reads outside ``weight``. ``vocab_cross_entropy`` with
+(and cached on the RaggedTensors) to size the output. ``vocab_cross_entropy`` with
 ``out_of_vocab="error"`` (the default) reads one flag to raise on a target that is not
 among its sequence's candidates.
+
+Candidate ids. ``validate=True`` checks them (sorted, unique per sequence, in ``[0, V)``)
+with one read. Without it they are checked only where that costs no wait for the device:
+ids on the host (range; for the cross-entropy also order), ids of a call that reads the
+device anyway (the offsets' read above, the ``out_of_vocab="error"`` flag, the ``"torch"``
+backend, which reads the offsets itself) get the same checks folded into that read. An id
+outside ``[0, V)`` then raises ``ValueError`` naming the function and the argument.
+Elsewhere (CUDA ids on the hot path) the ids are trusted, and the kernels still never
+read outside ``weight`` / ``bias``: a candidate id outside ``[0, V)`` scores 0 (no weight
+row, no bias) and passes no gradient on; unsorted ids make the cross-entropy miss targets
+that are among them (``out_of_vocab="ignore"`` then ignores those tokens).
+
+Gradients are first order: a backward through the gradient (``create_graph=True`` then
+a second backward, ``gradgradcheck``) raises ``NotImplementedError`` naming the function.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from .. import backends
-from .._utils import check_tensor, describe, eager, to_device
+from .._utils import check_offsets_tensor, check_tensor, check_vector, describe, eager, to_device
 from ..logits import RaggedLogits, compute_dtype, layout_coords, segmented_cross_entropy
 from ..tensor import RaggedTensor
 
@@ -274,13 +286,55 @@ def _setup(ctx, inputs, output):
     _save(ctx, hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v, backend)
 
 
+# --------------------------------------------------------------------------------------
+# First-order gradients only. The backward kernels (and the reference backward, which
+# writes into preallocated buffers) are not differentiable: under create_graph=True their
+# results pass through _FirstOrderOnly, whose own backward raises with the function's name,
+# instead of an unrelated error from deep inside (or a silently missing second-order term).
+
+_PROJECTION_FNS = "ragged.vocab_projection() (and ragged.vocab_cross_entropy() through its logits)"
+_CROSS_ENTROPY_FN = "ragged.vocab_cross_entropy()"
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on gradients; differentiating them raises (``anchor``: an input that requires
+    grad, so that the outputs belong to the graph being recorded)."""
+
+    @staticmethod
+    def forward(ctx, fn, anchor, *grads):
+        ctx.fn = fn
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            f"{ctx.fn}: double backward is not supported (expected one backward through the op, got a backward "
+            f"through its gradient: create_graph=True followed by a backward, or gradgradcheck); its gradient is "
+            f"computed by kernels that are not differentiable")
+
+
+def _first_order(fn: str, grads: tuple, *inputs) -> tuple:
+    """``grads`` as they are, or, while the backward is recorded (``create_graph=True``) and an
+    input requires grad, through :class:`_FirstOrderOnly`."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchor = next((t for t in inputs if t is not None and t.requires_grad), None)
+    present = [g for g in grads if g is not None]
+    if anchor is None or not present:
+        return grads
+    wrapped = iter(_FirstOrderOnly.apply(fn, anchor, *present))
+    return tuple(None if g is None else next(wrapped) for g in grads)
+
+
 def _backward(ctx, grad):
     hidden, h_off, weight, ids, v_off, l_off = ctx.saved_tensors
     shared, max_t, max_v, backend = ctx.args
     need = ctx.needs_input_grad
-    dh, dw, db = _call_backward(grad.contiguous(), hidden, h_off, weight, ids, v_off, l_off, shared, max_t, max_v,
-                                bool(need[0]), bool(need[2]), bool(need[3]),
-                                torch.are_deterministic_algorithms_enabled(), backend)
+    with torch.no_grad():
+        dh, dw, db = _call_backward(grad.contiguous(), hidden, h_off, weight, ids, v_off, l_off, shared, max_t,
+                                    max_v, bool(need[0]), bool(need[2]), bool(need[3]),
+                                    torch.are_deterministic_algorithms_enabled(), backend)
+    dh, dw, db = _first_order(_PROJECTION_FNS, (dh, dw, db), grad, hidden, weight)
     return dh, None, dw, db, None, None, None, None, None, None, None, None
 
 
@@ -406,16 +460,19 @@ def _ce_backward(ctx, grad, *_unused):
     need_h, need_w, need_b = bool(need[0]), bool(need[2]), bool(bias is not None and need[3])
     deterministic = torch.are_deterministic_algorithms_enabled()
     # the loss gradient may be a broadcast scalar (mean, sum): the kernel reads it with its stride
-    if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, local, lse)):
-        from ..kernels.triton.vocab import cross_entropy_backward
+    with torch.no_grad():
+        if eager(*_present(grad, hidden, h_off, weight, bias, ids, v_off, l_off, local, lse)):
+            from ..kernels.triton.vocab import cross_entropy_backward
 
-        dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
-                                            lse, smoothing, max_t, max_v, need_h, need_w, need_b, deterministic,
-                                            host_h_off=host_h, host_v_off=host_v)
-    else:
-        dh, dw, db = _ce_fused_backward_op(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse,
-                                           smoothing, max_t, max_v, need_h, need_w, need_b, deterministic)
-    return (dh if need_h else None, None, dw if need_w else None, db if need_b else None,
+            dh, dw, db = cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
+                                                lse, smoothing, max_t, max_v, need_h, need_w, need_b, deterministic,
+                                                host_h_off=host_h, host_v_off=host_v)
+        else:
+            dh, dw, db = _ce_fused_backward_op(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
+                                               lse, smoothing, max_t, max_v, need_h, need_w, need_b, deterministic)
+    dh, dw, db = _first_order(_CROSS_ENTROPY_FN, (dh if need_h else None, dw if need_w else None,
+                                                  db if need_b else None), grad, hidden, weight, bias)
+    return (dh, None, dw, db,
             None, None, None, None, None, None, None, None, None)
 
 
@@ -478,6 +535,8 @@ class _Layout(NamedTuple):
     max_v: int
     host_h: tuple[int, ...] | None
     host_v: tuple[int, ...] | None
+    name: str                        # the ids' argument name, for messages
+    ids_checked: bool                # the ids' range (and order, when asked) already read and checked
 
     def args(self) -> tuple:
         """Arguments of the implementations' forward (and of their reasons functions)."""
@@ -490,7 +549,7 @@ def _check_ids_dtype(fn: str, name: str, ids: torch.Tensor) -> None:
         raise TypeError(f"{fn}(): expected {name} of dtype torch.int32 or torch.int64, got {ids.dtype}")
 
 
-def _prepare(fn: str, hidden, weight, vocab, bias, validate) -> _Layout:
+def _prepare(fn: str, hidden, weight, vocab, bias, validate, sorted_ids: bool = False) -> _Layout:
     if not isinstance(hidden, RaggedTensor):
         raise TypeError(f"{fn}(): expected hidden to be a RaggedTensor with values [T, d], got {describe(hidden)}")
     h = hidden.values
@@ -516,6 +575,9 @@ def _prepare(fn: str, hidden, weight, vocab, bias, validate) -> _Layout:
             raise TypeError(f"{fn}(): expected bias of dtype {h.dtype} (that of hidden), got {bias.dtype}")
         if bias.device != h.device:
             raise ValueError(f"{fn}(): expected bias on {h.device} (the device of hidden), got {bias.device}")
+        # kernels index the bias as ptr + id: a strided view becomes a (differentiable) copy
+        bias = check_vector(fn, "bias", bias, vocab_size, h.device)
+    h_off = check_offsets_tensor(fn, hidden.offsets, h, name="hidden.offsets")
     if isinstance(vocab, RaggedTensor):
         ids, v_off, name = vocab.values, vocab.offsets, "vocab.values"
         if ids.dim() != 1:
@@ -534,72 +596,145 @@ def _prepare(fn: str, hidden, weight, vocab, bias, validate) -> _Layout:
     _check_ids_dtype(fn, name, ids)
     if ids.device != h.device:
         raise ValueError(f"{fn}(): expected {name} on {h.device} (the device of hidden), got {ids.device}")
+    ids = check_vector(fn, name, ids, ids.shape[0], h.device)
+    if v_off is not None:
+        v_off = check_offsets_tensor(fn, v_off, ids, name="vocab.offsets")
     if not isinstance(validate, bool):
         raise TypeError(f"{fn}(): expected validate to be a bool, got {describe(validate)}")
-    if validate:
-        _validate_ids(fn, name, ids, v_off, vocab_size)
 
-    h_off = hidden.offsets
+    # The ids are checked where that costs no wait: on the host, or folded into a read of the
+    # device that happens anyway (the offsets' read below); validate=True always reads.
+    read_offsets = v_off is not None and (hidden._host_offsets is None or vocab._host_offsets is None)
+    checks = _ID_CHECKS if validate else (("range", "sorted") if sorted_ids else ("range",))
+    check_now = validate or _id_check_is_free(ids, read_offsets)
+    flags = _id_flags(ids, v_off, vocab_size, checks) if check_now else None
     tokens = h.shape[0]
     if v_off is None:
+        if flags is not None:
+            _raise_id_errors(fn, name, _host(flags), ids, None, vocab_size, checks)
         size = ids.shape[0]
         l_off = h_off.to(torch.int64) * size
         return _Layout(h, h_off, weight, bias, ids, None, l_off, tokens * size, hidden.max_len, size,
-                       hidden._host_offsets, None)
-    host_h, host_v = _host_offsets(hidden, vocab)
+                       hidden._host_offsets, None, name, check_now)
+    host_h, host_v, host_flags = _host_offsets(hidden, vocab, flags)
+    if flags is not None:
+        _raise_id_errors(fn, name, host_flags, ids, v_off, vocab_size, checks)
     # l_off from the host offsets: one queued copy instead of half a dozen small kernels.
     host_l = [0] * len(host_h)
     for b in range(len(host_h) - 1):
         host_l[b + 1] = host_l[b] + (host_h[b + 1] - host_h[b]) * (host_v[b + 1] - host_v[b])
     total = host_l[-1]
     l_off = to_device(host_l, torch.int64, h.device)
-    return _Layout(h, h_off, weight, bias, ids, v_off, l_off, total, hidden.max_len, vocab.max_len, host_h, host_v)
+    return _Layout(h, h_off, weight, bias, ids, v_off, l_off, total, hidden.max_len, vocab.max_len, host_h, host_v,
+                   name, check_now)
 
 
-def _host_offsets(hidden: RaggedTensor, vocab: RaggedTensor):
-    """Both host offsets; when neither RaggedTensor has them, one read fetches both (cached)."""
-    if hidden._host_offsets is None and vocab._host_offsets is None:
-        both = _host(torch.cat([hidden.offsets.to(torch.int64), vocab.offsets.to(torch.int64)]))
-        split = hidden.offsets.shape[0]
-        hidden._host_offsets, vocab._host_offsets = tuple(both[:split]), tuple(both[split:])
-    return hidden.host_offsets(), vocab.host_offsets()
+def _id_check_is_free(ids: torch.Tensor, read_offsets: bool) -> bool:
+    """True when checking the ids costs no wait for the device: host ids, or a read of the
+    offsets that happens anyway (never while traced or on fake tensors)."""
+    return eager(ids) and (ids.device.type == "cpu" or read_offsets)
 
 
-def _validate_ids(fn: str, name: str, ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int) -> None:
-    """Ids sorted, unique within each sequence and in ``[0, vocab_size)``: one read."""
+def _host_offsets(hidden: RaggedTensor, vocab: RaggedTensor, extra: torch.Tensor | None = None):
+    """Both host offsets (and ``extra``'s values, an int64 device tensor, or None): the ones
+    the RaggedTensors lack and ``extra`` come back in one read (the offsets are cached)."""
+    missing = [rt for rt in (hidden, vocab) if rt._host_offsets is None]
+    host_extra = None
+    if missing or extra is not None:
+        parts = [rt.offsets.to(torch.int64) for rt in missing] + ([] if extra is None else [extra])
+        host = _host(torch.cat(parts))
+        start = 0
+        for rt in missing:
+            rt._host_offsets = tuple(host[start:start + rt.offsets.shape[0]])
+            start += rt.offsets.shape[0]
+        host_extra = None if extra is None else host[start:]
+    return hidden.host_offsets(), vocab.host_offsets(), host_extra
+
+
+_ID_CHECKS = ("range", "sorted", "unique")
+
+
+def _id_failures(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
+                 checks: tuple[str, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Per check in ``checks`` the ``[n]`` bool mask of the ids that fail it ("range": outside
+    ``[0, vocab_size)``; "sorted": followed by a smaller id of the same sequence; "unique":
+    followed by the same id in the same sequence), and the ``[n]`` sequence of each id (None
+    when no check needed it). Device ops only: no sync."""
     n = ids.shape[0]
-    if n == 0:
-        return
+    device = ids.device
     x = ids.to(torch.int64)
-    device = x.device
+    seq = None
+    if any(c != "range" for c in checks):
+        if v_off is None:
+            seq = torch.zeros(n, dtype=torch.int64, device=device)
+        else:
+            v = v_off.to(torch.int64)
+            seq = torch.repeat_interleave(torch.arange(v.shape[0] - 1, device=device), v[1:] - v[:-1],
+                                          output_size=n)
+    masks = []
+    for check in checks:
+        if check == "range":
+            masks.append((x < 0) | (x >= vocab_size))
+            continue
+        step = x[1:] - x[:-1]
+        same = seq[1:] == seq[:-1]
+        last = torch.zeros(1, dtype=torch.bool, device=device)
+        masks.append(torch.cat([same & ((step < 0) if check == "sorted" else (step == 0)), last]))
+    return masks, seq
+
+
+def _id_flags(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
+              checks: tuple[str, ...]) -> torch.Tensor:
+    """int64 ``[len(checks)]`` on the ids' device, 1 where a check fails: the few values a
+    read of the hot path carries (no sync here; :func:`_raise_id_errors` reads the details
+    only once a flag is set)."""
+    if ids.shape[0] == 0:
+        return torch.zeros(len(checks), dtype=torch.int64, device=ids.device)
+    masks, _ = _id_failures(ids, v_off, vocab_size, checks)
+    return torch.stack([m.any() for m in masks]).to(torch.int64)
+
+
+def _raise_id_errors(fn: str, name: str, flags: list[int], ids: torch.Tensor, v_off: torch.Tensor | None,
+                     vocab_size: int, checks: tuple[str, ...]) -> None:
+    """ValueError for the first failed check among the host ``flags`` of :func:`_id_flags`;
+    the position and values it names cost one more read (on the error path only)."""
+    failed = [c for c, f in zip(checks, flags) if f]
+    if not failed:
+        return
+    check = failed[0]
+    masks, seq = _id_failures(ids, v_off, vocab_size, (check,))
+    n = ids.shape[0]
+    i = masks[0].to(torch.int32).argmax().to(torch.int64)
+    j = (i + 1).clamp(max=n - 1)
+    x = ids.to(torch.int64)
     if v_off is None:
-        seq = torch.zeros(n, dtype=torch.int64, device=device)
+        owner = torch.zeros_like(i)
+    elif seq is None:
+        owner = torch.searchsorted(v_off.to(torch.int64), i.reshape(1), right=True)[0] - 1
     else:
-        v = v_off.to(torch.int64)
-        seq = torch.repeat_interleave(torch.arange(v.shape[0] - 1, device=device), v[1:] - v[:-1], output_size=n)
-    last = torch.zeros(1, dtype=torch.bool, device=device)
-    same = seq[1:] == seq[:-1]
-    step = x[1:] - x[:-1]
-    out_of_range = (x < 0) | (x >= vocab_size)
-    unsorted = torch.cat([same & (step < 0), last])
-    repeated = torch.cat([same & (step == 0), last])
-    firsts = [m.to(torch.int32).argmax().to(torch.int64) for m in (out_of_range, unsorted, repeated)]
-    after = [(i + 1).clamp(max=n - 1) for i in firsts]
-    stats = torch.stack([out_of_range.any().to(torch.int64), unsorted.any().to(torch.int64),
-                         repeated.any().to(torch.int64)]
-                        + [t for i, j in zip(firsts, after) for t in (i, x[i], x[j], seq[i])]).tolist()
-    bad_range, bad_order, bad_repeat = stats[:3]
-    (ri, rx, _, rb), (ui, ux, uy, ub), (di, dx, _, db) = (stats[3 + 4 * k:7 + 4 * k] for k in range(3))
-    where = "" if v_off is None else " of sequence {}"
-    if bad_range:
-        raise ValueError(f"{fn}(): expected {name} in [0, {vocab_size}) (weight.shape[0]), got {rx} at position "
-                         f"{ri}" + where.format(rb))
-    if bad_order:
-        raise ValueError(f"{fn}(): expected {name} sorted in increasing order within each sequence, got {ux} "
-                         f"before {uy} at positions {ui}, {ui + 1}" + where.format(ub))
-    if bad_repeat:
-        raise ValueError(f"{fn}(): expected {name} unique within each sequence, got {dx} twice at positions {di}, "
-                         f"{di + 1}" + where.format(db))
+        owner = seq[i]
+    i, xi, xj, b = torch.stack([i, x[i], x[j], owner]).tolist()
+    where = "" if v_off is None else f" of sequence {b}"
+    if check == "range":
+        raise ValueError(f"{fn}(): expected {name} in [0, {vocab_size}) (weight.shape[0]), got {xi} at "
+                         f"position {i}{where}")
+    if check == "sorted":
+        raise ValueError(f"{fn}(): expected {name} sorted in increasing order within each sequence, got {xi} "
+                         f"before {xj} at positions {i}, {i + 1}{where}")
+    raise ValueError(f"{fn}(): expected {name} unique within each sequence, got {xi} twice at positions {i}, "
+                     f"{i + 1}{where}")
+
+
+def _check_ids_late(layout: _Layout, checks: tuple[str, ...]) -> torch.Tensor | None:
+    """Device flags of the ids' checks when ``_prepare`` left them unread (None otherwise, or
+    when the ids cannot be read: traced, fake)."""
+    if layout.ids_checked or not eager(layout.ids):
+        return None
+    return _id_flags(layout.ids, layout.v_off, layout.weight.shape[0], checks)
+
+
+def _raise_layout_id_errors(fn: str, layout: _Layout, flags: list[int], checks: tuple[str, ...]) -> None:
+    _raise_id_errors(fn, layout.name, flags, layout.ids, layout.v_off, layout.weight.shape[0], checks)
 
 
 def _check_backend_name(fn: str, backend) -> None:
@@ -627,21 +762,28 @@ def vocab_projection(hidden: RaggedTensor, weight: torch.Tensor, vocab, bias: to
     no sequence lists get a zero gradient.
 
     ``validate=True`` checks the ids (sorted and unique within each sequence, in
-    ``[0, V)``) at the cost of one device read; the default trusts them, so the hot
-    path never waits for the device (see the module docstring for the other reads).
+    ``[0, V)``) at the cost of one device read. Without it an id outside ``[0, V)`` still
+    raises ``ValueError`` where the ids are read at no cost (host ids, a call that reads the
+    offsets or runs the ``"torch"`` backend); CUDA ids on the hot path are trusted, and
+    an id outside ``[0, V)`` scores 0 there (no weight row or bias is read for it; see
+    the module docstring). Any tensor argument may be a strided view.
     """
     fn = "ragged.vocab_projection"
     _check_backend_name(fn, backend)
     layout = _prepare(fn, hidden, weight, vocab, bias, validate)
     impl = backends.select("vocab_projection", backend, layout.hidden.device, *layout.args(), fn=fn)
-    values = _call_forward(layout.hidden, layout.h_off, weight, bias, layout.ids, layout.v_off, layout.l_off,
-                           layout.v_off is None, layout.total, layout.max_t, layout.max_v, impl.name)
+    if impl.name == "torch":  # the reference reads the offsets itself: the range check costs no wait
+        flags = _check_ids_late(layout, ("range",))
+        if flags is not None:
+            _raise_layout_id_errors(fn, layout, _host(flags), ("range",))
+    values = _call_forward(layout.hidden, layout.h_off, layout.weight, layout.bias, layout.ids, layout.v_off,
+                           layout.l_off, layout.v_off is None, layout.total, layout.max_t, layout.max_v, impl.name)
     return RaggedLogits(values, layout.h_off, layout.hidden.shape[0], layout.max_t, layout.ids, layout.v_off,
                         layout.max_v, layout.l_off, weight.shape[0], layout.host_h, layout.host_v)
 
 
 def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index: int,
-                   out_of_vocab: str) -> torch.Tensor:
+                   out_of_vocab: str, id_flags: torch.Tensor | None = None) -> torch.Tensor:
     """``[T]`` int64: each token's target as an index into its sequence's candidates, -1 for
     a token that is ignored (``ignore_index``, or outside the candidates with ``"ignore"``)."""
     tokens = target.shape[0]
@@ -674,21 +816,32 @@ def _local_targets(fn: str, layout: _Layout, target: torch.Tensor, ignore_index:
         bad = ~(found | ignored)
         first = bad.to(torch.int32).argmax()
         _raise_out_of_vocab(fn, torch.stack([bad.sum().to(torch.int32), (2 ** 31 - 1) - first.to(torch.int32)]),
-                            target, h_off, ignore_index)
+                            target, h_off, ignore_index, layout, id_flags)
     keep = found & ~ignored
     return torch.where(keep, local, torch.full_like(local, -1))
 
 
+_CE_ID_CHECKS = ("range", "sorted")
+
+
 def _raise_out_of_vocab(fn: str, bad: torch.Tensor, target: torch.Tensor, h_off: torch.Tensor,
-                        ignore_index: int) -> None:
+                        ignore_index: int, layout: _Layout, id_flags: torch.Tensor | None = None) -> None:
     """ValueError naming the first token whose target is outside its candidates. ``bad``:
     device ``[count, 2**31 - 1 - first token]``; reading it is the one sync of ``out_of_vocab="error"``
-    (under torch.compile, a device-side assert instead)."""
+    (under torch.compile, a device-side assert instead). ``id_flags``: the ids' checks
+    (:func:`_id_flags` of ``_CE_ID_CHECKS``) not yet read, read in the same copy and raised first:
+    an id outside ``[0, V)`` or unsorted ids (the targets' binary search misses) explain
+    "missing" targets better than the targets do."""
     hint = "pass out_of_vocab='ignore' to skip such tokens"
     if torch.compiler.is_compiling():
         torch._assert_async(bad[0] == 0, f"{fn}(): a target is not among its sequence's candidate ids; {hint}")
         return
-    count, first = bad.tolist()
+    if id_flags is None:
+        count, first = bad.tolist()
+    else:
+        host = torch.cat([bad.to(torch.int64), id_flags]).tolist()
+        count, first = host[:2]
+        _raise_layout_id_errors(fn, layout, host[2:], _CE_ID_CHECKS)
     first = 2 ** 31 - 1 - first
     if count:
         tid = int(target[first])
@@ -717,12 +870,19 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
     ``"error"`` (default) raises ``ValueError`` naming the first such token, which costs one
     device read (under ``torch.compile`` a device-side assert instead, raising
     ``RuntimeError``); ``"ignore"`` treats such tokens like ``ignore_index`` (no read).
-    Targets are located with a binary search, so each sequence's ids must be sorted
-    (``validate=True`` checks them).
+
+    Targets are located with a binary search, so each sequence's ids must be sorted.
+    ``validate=True`` checks them; so does every call on host ids, and the read of
+    ``out_of_vocab="error"`` (the same copy, no extra sync): unsorted ids raise
+    ``ValueError`` there rather than a report of targets outside their candidates. With
+    ``out_of_vocab="ignore"`` on CUDA ids and no read (the hot path), unsorted ids are
+    trusted: targets the search misses count as ignored, and if that is every token the
+    ``"mean"`` is NaN (as ``F.cross_entropy`` with every target ignored) -- pass
+    ``validate=True`` once to check the ids.
     """
     fn = "ragged.vocab_cross_entropy"
     _check_backend_name(fn, backend)
-    layout = _prepare(fn, hidden, weight, vocab, bias, validate)
+    layout = _prepare(fn, hidden, weight, vocab, bias, validate, sorted_ids=True)
     tokens = layout.hidden.shape[0]
     if isinstance(target, RaggedTensor):
         if target.values.dim() != 1 or target.num_tokens != tokens:
@@ -738,6 +898,7 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
     if target.device != layout.hidden.device:
         raise ValueError(f"{fn}(): expected target on {layout.hidden.device} (the device of hidden), "
                          f"got {target.device}")
+    target = check_vector(fn, "target", target, tokens, layout.hidden.device)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{fn}(): expected ignore_index to be an int, got {describe(ignore_index)}")
     if reduction not in REDUCTIONS:
@@ -748,13 +909,20 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
     if out_of_vocab not in OUT_OF_VOCAB:
         raise ValueError(f"{fn}(): expected out_of_vocab to be one of {OUT_OF_VOCAB}, got {out_of_vocab!r}")
     impl = backends.select("vocab_cross_entropy", backend, layout.hidden.device, *layout.args(), fn=fn)
+    # ids not checked yet (CUDA ids): folded into the read of out_of_vocab="error"; the
+    # "torch" backend reads the offsets itself, so it checks them before it runs
+    fold = out_of_vocab == "error" and tokens > 0
+    id_flags = _check_ids_late(layout, _CE_ID_CHECKS) if fold or impl.name == "torch" else None
+    if id_flags is not None and not fold:
+        _raise_layout_id_errors(fn, layout, _host(id_flags), _CE_ID_CHECKS)
+        id_flags = None
     if impl.name == "triton":  # targets located inside the kernel
         losses, local, bad = impl.fn(*layout.args(), target, ignore_index, float(label_smoothing), layout.host_h,
                                      layout.host_v)
         if out_of_vocab == "error" and tokens > 0:
-            _raise_out_of_vocab(fn, bad, target, layout.h_off, ignore_index)
+            _raise_out_of_vocab(fn, bad, target, layout.h_off, ignore_index, layout, id_flags)
     else:
-        local = _local_targets(fn, layout, target, ignore_index, out_of_vocab)
+        local = _local_targets(fn, layout, target, ignore_index, out_of_vocab, id_flags)
         losses = impl.fn(*layout.args(), local, float(label_smoothing))
     dtype = layout.hidden.dtype
     if reduction == "none":

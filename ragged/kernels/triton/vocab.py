@@ -17,6 +17,13 @@ rows (one program per (sequence, row tile) x d tile); ``d_weight`` sums each seq
 tile), with fp32 atomics into a ``[V, d]`` fp32 buffer, or, with ``deterministic=True``,
 into one row per (sequence, candidate) that are then summed by id in a fixed order.
 Accumulation is fp32; float32 inputs use IEEE dots.
+
+Trusted ids. The ids are not checked here (the ops check them where that costs no wait,
+see :mod:`ragged.ops.vocab`), so every read and write through an id is masked to
+``0 <= id < V``: a candidate outside the vocabulary scores 0 (no weight row, no bias), its
+logit's gradient reaches no row of ``d_weight`` / ``d_bias`` and contributes nothing to
+``d_hidden``. Offsets, ids, targets and the bias are read with unit stride: the launchers
+make them contiguous (a copy only for a strided view).
 """
 
 from __future__ import annotations
@@ -95,9 +102,10 @@ def _segment(h_off, v_off, l_off, shared_v, b, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Item ``local`` of a sequence -> its rows, columns, their masks and the columns' ids
-    (items run over column tiles first, then row tiles)."""
+def _tile_of(IDS, local, t_len, v0, v_len, vocab_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Item ``local`` of a sequence -> its rows, columns, their masks, the columns' ids and
+    the mask of the columns whose id lies in ``[0, vocab_size)`` (items run over column
+    tiles first, then row tiles)."""
     n_col = (v_len + BLOCK_N - 1) // BLOCK_N
     r_tile = local // n_col
     c_tile = local - r_tile * n_col
@@ -106,11 +114,17 @@ def _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     row_ok = rows < t_len
     col_ok = cols < v_len
     ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
-    return rows, cols, row_ok, col_ok, ids
+    return rows, cols, row_ok, col_ok, ids, _id_ok(ids, col_ok, vocab_size)
 
 
 @triton.jit
-def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+def _id_ok(ids, ok, vocab_size):
+    """``ok`` where the id can be read: trusted ids are never followed outside ``[0, V)``."""
+    return ok & (ids >= 0) & (ids < vocab_size)
+
+
+@triton.jit
+def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = tl.arange(0, BLOCK_K)
@@ -120,22 +134,22 @@ def _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, strid
     for k in range(0, dim, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=id_ok[None, :], other=0.0)
         else:
             k_ok = (k + offs_k) < dim
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            w = tl.load(w_ptr, mask=id_ok[None, :] & k_ok[:, None], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     if HAS_BIAS:
-        acc += tl.load(BIAS + ids, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + ids, mask=id_ok, other=0.0).to(tl.float32)[None, :]
     return acc
 
 
 @cached_launch
 @triton.jit
-def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
                 stride_ht, stride_wv,
                 HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,8 +160,8 @@ def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
-    rows, cols, row_ok, col_ok, ids = _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M, BLOCK_N)
-    acc = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+    rows, cols, row_ok, col_ok, ids, id_ok = _tile_of(IDS, local, t_len, v0, v_len, vocab_size, BLOCK_M, BLOCK_N)
+    acc = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
                       HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     out = OUT + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -155,7 +169,7 @@ def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v
 
 @cached_launch
 @triton.jit
-def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
                     stride_wv, stride_dht,
                     SHARED: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -179,7 +193,8 @@ def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n
         c_ok = cc < v_len
         g = tl.load(g_rows + cc[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
         ids = tl.load(IDS + v0 + cc, mask=c_ok, other=0).to(tl.int64)
-        w = tl.load(W + ids[:, None] * stride_wv + dd[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(W + ids[:, None] * stride_wv + dd[None, :],
+                    mask=_id_ok(ids, c_ok, vocab_size)[:, None] & d_ok[None, :], other=0.0)
         acc += tl.dot(g.to(w.dtype), w, input_precision=PRECISION)
     tl.store(DH + (t0 + rows)[:, None] * stride_dht + dd[None, :], acc.to(DH.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -187,7 +202,7 @@ def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n
 
 @cached_launch
 @triton.jit
-def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
+def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
                     stride_ht, stride_dwv,
                     SHARED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -221,6 +236,7 @@ def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_
             gsum += tl.sum(g_t.to(tl.float32), 1)
     if ATOMIC:
         target = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
+        col_ok = _id_ok(target, col_ok, vocab_size)   # no row outside d_weight is written
     else:
         if SHARED:
             target = b.to(tl.int64) * shared_v + cols
@@ -322,9 +338,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _unit(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D tensor the kernels index as ``ptr + i`` (offsets, ids, targets, bias), with unit
+    stride: a strided or expanded view becomes a copy (None stays None)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v):
     hidden, weight = _rows(hidden), _rows(weight)
-    ids = ids.contiguous()
+    h_off, v_off, l_off, ids, bias = _unit(h_off), _unit(v_off), _unit(l_off), _unit(ids), _unit(bias)
     out = torch.empty(total, dtype=hidden.dtype, device=hidden.device)
     batch = h_off.shape[0] - 1
     if total == 0 or batch == 0:
@@ -338,7 +360,7 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
     grid = (total // (bm * bn) + hidden.shape[0] // bm + n_cand // bn + 2 * batch + 1,)
     _fwd_kernel[grid](hidden, weight, bias if bias is not None else hidden, ids, out, h_off,
                       v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
-                      hidden.stride(0), weight.stride(0),
+                      weight.shape[0], hidden.stride(0), weight.stride(0),
                       HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0,
                       PRECISION=_precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
@@ -356,7 +378,7 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
     ``dw_out`` / ``db_out``: tensors to accumulate into (returned as d_weight / d_bias);
     ``dh_out``: rows to write d_hidden into (unit feature stride)."""
     hidden, weight, grad = _rows(hidden), _rows(weight), grad.contiguous()
-    ids = ids.contiguous()
+    h_off, v_off, l_off, ids = _unit(h_off), _unit(v_off), _unit(l_off), _unit(ids)
     batch = h_off.shape[0] - 1
     shared = v_off is None
     shared_v = ids.shape[0] if shared else 0
@@ -375,7 +397,7 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
         if batch and hidden.shape[0]:
             work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
             _dhidden_kernel[(hidden.shape[0] // bm + batch, triton.cdiv(dim, block_d))](
-                grad, weight, ids, d_hidden, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
+                grad, weight, ids, d_hidden, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
                 weight.stride(0), d_hidden.stride(0), SHARED=shared, PRECISION=precision, BLOCK_M=bm,
                 BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk, num_warps=warps,
                 num_stages=stages)
@@ -394,7 +416,7 @@ def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_
         if batch and n_cand and hidden.shape[0]:
             work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, 1, bn, False, True)
             _dweight_kernel[(n_cand // bn + batch, triton.cdiv(dim, block_d))](
-                grad, hidden, ids, dw, db, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim,
+                grad, hidden, ids, dw, db, h_off, v_arg, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
                 hidden.stride(0), dw.stride(0), SHARED=shared, HAS_BIAS=need_bias, ATOMIC=atomic,
                 PRECISION=precision, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline, CHUNK=chunk,
                 num_warps=warps, num_stages=stages)
@@ -415,16 +437,18 @@ def _reduce_by_id(rows: torch.Tensor, bias_rows: torch.Tensor, ids: torch.Tensor
 
     Rows are stably sorted by id and each run of equal ids is summed by
     ``torch.segment_reduce``, so the result does not depend on scheduling. Costs one device
-    read (the number of distinct ids)."""
+    read (the number of distinct ids). Rows of ids outside ``[0, V)`` land in a spare row
+    ``V`` that is dropped (no write outside the result)."""
     flat_ids = ids.to(torch.int64).repeat(repeat)
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < vocab_size), flat_ids, vocab_size)
     order = torch.argsort(flat_ids, stable=True)
     uniq, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
-    dw = rows.new_zeros((vocab_size, rows.shape[1]))
-    db = bias_rows.new_zeros(vocab_size)
+    dw = rows.new_zeros((vocab_size + 1, rows.shape[1]))
+    db = bias_rows.new_zeros(vocab_size + 1)
     if uniq.numel():
         dw[uniq] = torch.segment_reduce(rows[order], "sum", lengths=counts)
         db[uniq] = torch.segment_reduce(bias_rows[order], "sum", lengths=counts)
-    return dw, db
+    return dw[:vocab_size], db[:vocab_size]
 
 
 # --------------------------------------------------------------------------------------
@@ -444,10 +468,10 @@ CE_CHUNK = 1 << 22
 @cached_launch
 @triton.jit
 def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v,
-                   n_steps, dim, stride_ht, stride_wv, smoothing, ignore_index, n_search,
+                   n_steps, dim, vocab_size, stride_ht, stride_wv, smoothing, ignore_index, n_search,
                    HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                   GLOBAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   GLOBAL: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """Per token: the loss (1 - eps) * (lse - z_target) + eps * (lse - mean z) over its
     sequence's candidates (0 for a token without target) and the lse.
 
@@ -455,7 +479,10 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
     GLOBAL=True: TGT holds global ids; each is found by a binary search (``n_search``
     halvings) among its sequence's sorted candidates, its local index (-1: ignore_index
     or not found) is written to LOCAL, and BAD[0] / BAD[1] gain the count / the smallest
-    index of the tokens whose target is neither found nor ignore_index."""
+    index of the tokens whose target is neither found nor ignore_index.
+
+    SMOOTH=False (``smoothing == 0``): the loss is lse - z_target, and the smoothing term
+    is not computed at all (0 * (lse - mean z) would be NaN for a row without candidates)."""
     item = tl.program_id(0)
     b, r_tile, n_items = _locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
                                  True, False, INLINE, CHUNK)
@@ -496,18 +523,22 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
         cols = c + tl.arange(0, BLOCK_N)
         col_ok = cols < v_len
         ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
-        z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
-                        HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, _id_ok(ids, col_ok, vocab_size), dim, stride_ht,
+                        stride_wv, HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
-        zsum += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
+        if SMOOTH:
+            zsum += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
         m_i = m_new
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    mean_z = zsum / tl.maximum(v_len, 1).to(tl.float32)
-    loss = (1.0 - smoothing) * (lse - zy) + smoothing * (lse - mean_z)
+    loss = lse - zy
+    if SMOOTH:
+        # (1 - eps) * (lse - zy) + eps * (lse - mean z), written so that no factor multiplies
+        # lse (-inf for a row without candidates): no 0 * inf at eps = 1 either
+        loss += smoothing * (zy - zsum / tl.maximum(v_len, 1).to(tl.float32))
     tl.store(LOSS + t0 + rows, tl.where(tgt >= 0, loss, 0.0), mask=row_ok)
     tl.store(LSE + t0 + rows, lse, mask=row_ok)
 
@@ -515,8 +546,9 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, BAD, LOSS, LSE, h_off, v_off, l_
 @cached_launch
 @triton.jit
 def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
-                    stride_ht, stride_wv, stride_wt, smoothing,
+                    vocab_size, stride_ht, stride_wv, stride_wt, smoothing,
                     HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                    SMOOTH: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """g[t, c] = WT[t] * (exp(z - lse) - (1 - eps) * [c == target] - eps / V_b), written flat at l_off
@@ -528,14 +560,18 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = _segment(h_off, v_off, l_off, shared_v, b, SHARED)
-    rows, cols, row_ok, col_ok, ids = _tile_of(IDS, local, t_len, v0, v_len, BLOCK_M, BLOCK_N)
-    z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, col_ok, dim, stride_ht, stride_wv,
+    rows, cols, row_ok, col_ok, ids, id_ok = _tile_of(IDS, local, t_len, v0, v_len, vocab_size, BLOCK_M, BLOCK_N)
+    z = _logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
                     HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     lse = tl.load(LSE + t0 + rows, mask=row_ok, other=0.0)
     tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
     wt = tl.load(WT + (t0 + rows).to(tl.int64) * stride_wt, mask=row_ok & (tgt >= 0), other=0.0).to(tl.float32)
     p = tl.exp(z - lse[:, None])
-    g = p - (1.0 - smoothing) * (cols[None, :] == tgt[:, None]).to(tl.float32) - smoothing / v_len.to(tl.float32)
+    hit = (cols[None, :] == tgt[:, None]).to(tl.float32)
+    if SMOOTH:
+        g = p - (1.0 - smoothing) * hit - smoothing / v_len.to(tl.float32)
+    else:
+        g = p - hit
     g = g * wt[:, None]
     out = G + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
     tl.store(out, g.to(G.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -552,7 +588,8 @@ def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target
     ``ignore_index`` or not a candidate) and ``bad`` int32 ``[2]`` the number of tokens whose
     target is neither, and ``2**31 - 1`` minus the first such token (0 when none)."""
     hidden, weight = _rows(hidden), _rows(weight)
-    ids, target = ids.contiguous(), target.contiguous()
+    h_off, v_off, l_off, ids, bias = _unit(h_off), _unit(v_off), _unit(l_off), _unit(ids), _unit(bias)
+    target = _unit(target)
     globl = ignore_index is not None
     if not globl:
         target = target.to(torch.int32)
@@ -573,11 +610,11 @@ def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target
     work, inline, chunk, n_steps = _worklist(h_off, v_off, shared_v, batch, bm, 1, True, False)
     _ce_fwd_kernel[(total_t // bm + batch,)](
         hidden, weight, bias if bias is not None else hidden, ids, target, local, bad if globl else local, loss, lse,
-        h_off, v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim,
+        h_off, v_off if v_off is not None else h_off, l_off, work, batch, shared_v, n_steps, dim, weight.shape[0],
         hidden.stride(0), weight.stride(0), float(smoothing), int(ignore_index) if globl else 0,
         max(int(max_v), 1).bit_length(), HAS_BIAS=bias is not None, SHARED=shared,
-        EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype), GLOBAL=globl, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+        EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype), GLOBAL=globl, SMOOTH=float(smoothing) != 0.0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
     return loss, lse, local, bad
 
 
@@ -591,7 +628,8 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
     chunk alone): the only logits-sized memory the loss holds. Without them, one chunk."""
     device = hidden.device
     hidden, weight = _rows(hidden), _rows(weight)
-    ids = ids.contiguous()
+    h_off, v_off, l_off, ids, bias = _unit(h_off), _unit(v_off), _unit(l_off), _unit(ids), _unit(bias)
+    lse = _unit(lse)
     target_local = target_local.to(torch.int32).contiguous()
     if grad_loss.dim() != 1 or grad_loss.shape[0] != hidden.shape[0]:
         grad_loss = grad_loss.expand(hidden.shape[0])
@@ -620,8 +658,9 @@ def cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l
         _ce_grad_kernel[grid](
             hid_c, weight, bias if bias is not None else hidden, c_ids, target_local[t_lo:t_hi], lse[t_lo:t_hi],
             grad_loss[t_lo:t_hi], g, c_h_off, c_v_off if c_v_off is not None else c_h_off, c_l_off, work, n,
-            shared_v, n_steps, dim, hid_c.stride(0), weight.stride(0), grad_loss.stride(0), float(smoothing),
-            HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=_precision(hidden.dtype),
+            shared_v, n_steps, dim, vocab_size, hid_c.stride(0), weight.stride(0), grad_loss.stride(0),
+            float(smoothing), HAS_BIAS=bias is not None, SHARED=shared, EVEN_K=dim % bk == 0,
+            PRECISION=_precision(hidden.dtype), SMOOTH=float(smoothing) != 0.0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk_w, num_warps=warps, num_stages=stages)
         backward(g, hid_c, c_h_off, weight, c_ids, c_v_off, c_l_off, max_t, max_v, need_hidden, need_weight,
                  need_bias, deterministic, dw_out=dw, db_out=db,
