@@ -275,6 +275,31 @@ def test_bias_act_arguments(recorder, dtype, activation):
     assert recorder.calls[0]["args"][1] == 0
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_launchers_hand_unit_stride_layouts_they_cannot_read_to_triton(recorder, layout):
+    """A direct call with a strided or expanded parameter (16-byte aligned, so the pointer check
+    passes): the CUDA kernels read parameters as ``ptr + i``, so the Triton launcher takes it
+    (under the interpreter here) and gives the right result; nothing is launched."""
+    if backends.triton_reason(torch.device("cpu")):
+        pytest.skip("the Triton interpreter is off")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 768, generator=gen)
+    if layout == "strided":
+        w, b = torch.randn(2 * 768, generator=gen)[::2], torch.randn(3 * 768, generator=gen)[::3]
+    else:
+        w, b = torch.tensor([1.5]).expand(768), torch.tensor([0.25]).expand(768)
+    assert w.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    y, _, mean, rstd = cf.add_layer_norm_forward(x, x, w, b, 1e-5, False)
+    ref = torch.nn.functional.layer_norm(2 * x.double(), (768,), w.double(), b.double())
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    assert mean.shape == rstd.shape == (3,)
+    torch.testing.assert_close(cf.bias_act_forward(x, b, "none"), x + b)
+    xt = torch.randn(768, 3, generator=gen).t()   # features not contiguous
+    torch.testing.assert_close(cf.add_layer_norm_forward(xt, None, None, None, 1e-5, False)[0],
+                               torch.nn.functional.layer_norm(xt, (768,)), atol=1e-5, rtol=1e-5)
+    assert not recorder.calls
+
+
 def test_bias_act_grid_is_capped_by_the_multiprocessors(recorder):
     per_block = cf.BA_THREADS * cf.BA_UNROLL
     assert cf.bias_act_grid(1, None) == 1

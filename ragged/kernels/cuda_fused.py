@@ -249,7 +249,17 @@ def bias_act_grid(n_vecs: int, device: torch.device) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Launchers. 2-D inputs with unit feature stride (ragged.ops.fused ensures it).
+# Launchers. 2-D inputs with unit feature stride and unit-stride parameters (ragged.ops.fused
+# ensures both; a direct call with another layout goes to the Triton launcher).
+
+
+def _unit_strides(x: torch.Tensor | None, residual: torch.Tensor | None, *params: torch.Tensor | None) -> bool:
+    """Whether the kernels can read these tensors: ``x`` / ``residual`` with unit feature
+    stride, the 1-D parameters with unit stride (they are read as ``ptr + i``)."""
+    for t in (x, residual):
+        if t is not None and t.shape[1] > 1 and t.stride(1) != 1:
+            return False
+    return all(p is None or p.shape[0] <= 1 or p.stride(0) == 1 for p in params)
 
 
 def _triton_add_layer_norm(*args):
@@ -282,8 +292,10 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
     es = x.element_size()
     stride_x = x.stride(0)
     stride_r = residual.stride(0) if residual is not None else 0
-    if (px | pr | pw | pb) & 15 or (n_rows > 1 and ((stride_x * es) & 15 or (stride_r * es) & 15)):
-        # Only reachable when the reasons could not look at the pointers (torch.compile).
+    if (px | pr | pw | pb) & 15 or (n_rows > 1 and ((stride_x * es) & 15 or (stride_r * es) & 15)) \
+            or not _unit_strides(x, residual, weight, bias):
+        # Only reachable when the reasons could not look at the pointers (torch.compile), or
+        # from a direct call with a layout the kernel does not read: Triton takes any.
         return _triton_add_layer_norm(x, residual, weight, bias, eps, return_sum)
     kernel = layer_norm_config(dtype, n_cols)[0]
     args = (px, pr, pw, pb, y.data_ptr(), s.data_ptr() if return_sum else 0, mean.data_ptr() if stats else 0,
@@ -319,8 +331,9 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         return y
     px = x.data_ptr()
     pb = bias.data_ptr() if bias is not None else 0
-    if (px | pb) & 15 or not x.is_contiguous():
-        # Only reachable when the reasons could not look at the pointers (torch.compile).
+    if (px | pb) & 15 or not x.is_contiguous() or not _unit_strides(None, None, bias):
+        # Only reachable when the reasons could not look at the pointers (torch.compile), or
+        # from a direct call with a layout the kernel does not read: Triton takes any.
         from .triton.fused import bias_act_forward as triton_forward
 
         return triton_forward(x, bias, activation)

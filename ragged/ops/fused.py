@@ -21,6 +21,17 @@ float32 parameter with bfloat16 activations is read as float32, and its gradient
 reduced in float32 and returned in the parameter's dtype. Each input's gradient comes
 in that input's dtype.
 
+Layouts: ``x`` and ``residual`` may have any strides (rows with a unit feature stride are
+read in place, other layouts are copied first). A parameter may be any 1-D view (``w[::2]``,
+``b.expand(F)``): the op's validation hands every backend a unit-stride copy, and autograd
+takes its gradient back to the view's base.
+
+Second derivatives: both ops are twice differentiable on every backend. Under
+``create_graph=True`` the backward runs as torch ops (the reference's written-out formulas,
+the layer norm's row statistics recomputed from the sum), which autograd records; otherwise
+it runs the chosen backend's kernels. The eager ``autograd.Function`` and the
+``torch.library`` op's registered autograd share one rule.
+
 Implementations (:mod:`ragged.backends`): ``"torch"`` (:func:`reference_bias_act`,
 :func:`reference_add_layer_norm` and written-out backward formulas; the CPU path and
 the tests' oracle) and ``"triton"`` (:mod:`ragged.kernels.triton.fused`; float16,
@@ -38,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends
-from .._utils import check_tensor, describe, eager
+from .._utils import check_tensor, check_vector, describe, eager
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -200,7 +211,8 @@ def _bias_act_torch_forward(x, bias, activation):
 
 def _bias_act_torch_backward(grad, x, bias, activation, need_bias):
     dx, dbias = reference_bias_act_backward(grad, x, bias, activation)
-    return dx.contiguous(), dbias if need_bias else None
+    # "none" passes grad through: still a new tensor (the backward op may not alias its input)
+    return _fresh(dx, grad), dbias if need_bias else None
 
 
 @_no_autocast
@@ -344,6 +356,13 @@ def _bias_act_setup(ctx, inputs, output):
 def _bias_act_backward(ctx, grad):
     x, bias = ctx.saved_tensors
     need_bias = bias is not None and bool(ctx.needs_input_grad[1])
+    if torch.is_grad_enabled():
+        # create_graph=True: the gradient must be differentiable itself. The reference's
+        # written-out formulas are torch ops that autograd records (gelu_backward has its own
+        # derivative); a kernel's output would be a constant to autograd, and a second
+        # derivative through it silently zero.
+        dx, dbias = reference_bias_act_backward(grad, x, bias, ctx.activation)
+        return dx, dbias if need_bias else None, None, None
     dx, dbias = _call_bias_act_backward(grad, x, bias, ctx.activation, need_bias, ctx.backend)
     return dx, dbias, None, None
 
@@ -420,15 +439,29 @@ def _add_layer_norm_backward_fake(dy, ds, a, b, weight, bias, mean, rstd, need_w
 
 
 def _add_layer_norm_setup(ctx, inputs, output):
-    x, residual, weight, bias, _eps, return_sum, backend = inputs
+    x, residual, weight, bias, eps, return_sum, backend = inputs
     _y, s, mean, rstd = output
     # The backward recomputes the sum from what is saved: s itself when it is an output
     # anyway, else x and residual (no extra write in the forward).
     a, b = (s, None) if return_sum else (x, residual)
     ctx.save_for_backward(a, b, weight, bias, mean, rstd)
     ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
-    ctx.backend, ctx.return_sum = backend, return_sum
+    ctx.backend, ctx.return_sum, ctx.eps = backend, return_sum, eps
     ctx.set_materialize_grads(False)
+
+
+def _differentiable_add_layer_norm_backward(dy, ds, a, b, weight, bias, eps, need_weight, need_bias):
+    """The backward under ``create_graph=True``, on every backend: the written-out formulas of
+    :func:`reference_add_layer_norm_backward`, with the row statistics recomputed from the sum
+    by torch ops. The saved ``mean`` / ``rstd`` are constants to autograd, so a second
+    derivative through them would miss how they depend on the sum (and a kernel's gradient
+    is a constant altogether)."""
+    dtype = _compute_dtype(a.dtype, *[t.dtype for t in (b, weight, bias) if t is not None])
+    s = a if b is None else (a.to(dtype) + b.to(dtype)).to(_sum_dtype(a, b))
+    sc = s.to(dtype)
+    mean = sc.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((sc - mean).square().mean(-1, keepdim=True) + eps)
+    return reference_add_layer_norm_backward(dy, ds, s, weight, bias, mean, rstd, need_weight, need_bias)
 
 
 def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
@@ -444,6 +477,9 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
             dweight = torch.zeros_like(weight)
         if need_bias:
             dbias = torch.zeros_like(bias)
+    elif torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
+        dsum, dweight, dbias = _differentiable_add_layer_norm_backward(dy, ds, a, b, weight, bias, ctx.eps,
+                                                                       need_weight, need_bias)
     else:
         dsum, dweight, dbias = _call_add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
                                                              need_bias, ctx.backend)
@@ -507,17 +543,18 @@ def _check_float(fn: str, name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{fn}(): expected {name} of a floating-point dtype, got {t.dtype}")
 
 
-def _check_param(fn: str, name: str, t: object, x: torch.Tensor) -> None:
-    """A ``[F]`` parameter of x's last dim (or None)."""
+def _check_param(fn: str, name: str, t: object, x: torch.Tensor) -> torch.Tensor | None:
+    """A ``[F]`` parameter of x's last dim (or None), returned with unit stride.
+
+    Every backend goes through here, and every kernel reads a parameter as ``ptr + i``: a
+    strided view (``w[::2]``) or an expanded one (``b.expand(F)``, stride 0) becomes a
+    contiguous copy, whose gradient autograd takes back to the view's base. Callers must use
+    the returned tensor."""
     if t is None:
-        return
-    check_tensor(fn, name, t)
-    if tuple(t.shape) != (x.shape[-1],):
-        raise ValueError(f"{fn}(): expected {name} of shape ({x.shape[-1]},) (the last dim of x), "
-                         f"got {tuple(t.shape)}")
+        return None
+    t = check_vector(fn, name, t, x.shape[-1], x.device, what=" (the last dim of x)")
     _check_float(fn, name, t)
-    if t.device != x.device:
-        raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of x), got {t.device}")
+    return t
 
 
 def _check_x(fn: str, x: object) -> None:
@@ -527,14 +564,18 @@ def _check_x(fn: str, x: object) -> None:
     _check_float(fn, "x", x)
 
 
-def _validate_bias_act(fn, x, bias, activation) -> None:
+def _validate_bias_act(fn, x, bias, activation) -> torch.Tensor | None:
+    """Checks the arguments; returns the bias to use (unit stride, see :func:`_check_param`)."""
     _check_x(fn, x)
-    _check_param(fn, "bias", bias, x)
+    bias = _check_param(fn, "bias", bias, x)
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"{fn}(): expected activation to be one of {ACTIVATIONS}, got {describe(activation)}")
+    return bias
 
 
-def _validate_add_layer_norm(fn, x, residual, weight, bias, eps, return_sum) -> None:
+def _validate_add_layer_norm(fn, x, residual, weight, bias, eps,
+                             return_sum) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checks the arguments; returns ``(weight, bias)`` to use (unit stride, see :func:`_check_param`)."""
     _check_x(fn, x)
     if x.shape[-1] == 0:
         raise ValueError(f"{fn}(): expected x with at least one feature (last dim), got shape {tuple(x.shape)}")
@@ -545,14 +586,15 @@ def _validate_add_layer_norm(fn, x, residual, weight, bias, eps, return_sum) -> 
         _check_float(fn, "residual", residual)
         if residual.device != x.device:
             raise ValueError(f"{fn}(): expected residual on {x.device} (the device of x), got {residual.device}")
-    _check_param(fn, "weight", weight, x)
-    _check_param(fn, "bias", bias, x)
+    weight = _check_param(fn, "weight", weight, x)
+    bias = _check_param(fn, "bias", bias, x)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{fn}(): expected eps to be a float, got {describe(eps)}")
     if not (eps > 0 and math.isfinite(eps)):
         raise ValueError(f"{fn}(): expected eps > 0 (and finite), got {eps!r}")
     if not isinstance(return_sum, bool):
         raise TypeError(f"{fn}(): expected return_sum to be a bool, got {describe(return_sum)}")
+    return weight, bias
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu", *,
@@ -561,13 +603,14 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu
 
     ``x``: ``[..., F]`` floating point (rows may be strided; the features should be
     contiguous, else they are copied first). ``bias``: ``[F]`` or None (any floating
-    dtype, read as it is). ``activation``: ``"relu"``, ``"gelu"`` (exact erf form, as
+    dtype, read as it is; any stride). ``activation``: ``"relu"``, ``"gelu"`` (exact erf form, as
     ``F.gelu``), ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``) or ``"none"``.
     Returns a contiguous tensor of x's shape and dtype, computed in float32 (float64 for
-    float64). Differentiable in ``x`` and ``bias`` (``dbias`` reduced in float32).
+    float64). Differentiable in ``x`` and ``bias`` (``dbias`` reduced in float32), twice
+    too (see the module docstring).
     """
     fn = "ragged.bias_act"
-    _validate_bias_act(fn, x, bias, activation)
+    bias = _validate_bias_act(fn, x, bias, activation)
     x2 = _unit_feature_stride(x)
     impl = backends.select("bias_act", backend, x.device, x2, bias, activation, fn=fn)
     y = _call_bias_act(x2, bias, activation, impl.name)
@@ -581,17 +624,17 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
     ``x``: ``[..., F]`` floating point; ``residual``: x's shape or None; ``weight``,
     ``bias``: ``[F]`` or None (``nn.LayerNorm(elementwise_affine=False)`` / ``bias=False``),
-    any floating dtype, read as they are. Statistics in float32 (float64 if an input is
-    float64), ``eps`` added to the biased variance, as ``F.layer_norm``.
+    any floating dtype, read as they are, any stride. Statistics in float32 (float64 if an
+    input is float64), ``eps`` added to the biased variance, as ``F.layer_norm``.
 
     Returns ``y``, or ``(y, s)`` with ``return_sum=True`` where ``s = x + residual`` (the
     residual stream of a pre-norm layer; ``x`` itself when ``residual`` is None). ``s``
     and ``y`` have the dtype of ``x + residual`` (torch's promotion) and ``y`` normalises
-    ``s`` as stored in it. Differentiable in every tensor input; ``x`` and ``residual``
-    receive the same gradient (each in its own dtype).
+    ``s`` as stored in it. Differentiable in every tensor input, twice too (see the module
+    docstring); ``x`` and ``residual`` receive the same gradient (each in its own dtype).
     """
     fn = "ragged.add_layer_norm"
-    _validate_add_layer_norm(fn, x, residual, weight, bias, eps, return_sum)
+    weight, bias = _validate_add_layer_norm(fn, x, residual, weight, bias, eps, return_sum)
     x2 = _unit_feature_stride(x)
     r2 = None if residual is None else _unit_feature_stride(residual)
     impl = backends.select("add_layer_norm", backend, x.device, x2, r2, weight, bias, fn=fn)

@@ -5,11 +5,13 @@
 * ``add_layer_norm``: ``s = x + residual`` then ``y = (s - mean) * rstd * weight + bias``
   over the ``F`` features of each row, and its backward.
 
-Layout: every 2-D input has unit stride along the features and any row stride
-(``stride(0)``); every output is contiguous. Row offsets are int64 (``N * F`` passes
-2**31 at realistic sizes); column offsets stay int32 (``F < 2**31``). The feature size
-is a compile-time constant (one compilation per size; models have few), so that Triton
-knows the row alignment of every output.
+Layout: the kernels read every 2-D input with unit stride along the features and any row
+stride (``stride(0)``), every 1-D input (parameters, row statistics) with unit stride; the
+launchers copy any other layout first (a strided or expanded parameter included). Every
+output is contiguous. Row offsets are int64 (``N * F`` passes 2**31 at realistic sizes);
+column offsets stay int32 (``F < 2**31``). The feature size is a compile-time constant
+(one compilation per size; models have few), so that Triton knows the row alignment of
+every output.
 
 Numerics: fp32 arithmetic whatever the storage dtypes. The sum ``s`` is rounded to its
 storage dtype (that of ``x + residual`` under torch's type promotion) before it is
@@ -466,7 +468,20 @@ def _check_part(fn: str, part: torch.Tensor, col: int, width: int, device: torch
 
 
 # --------------------------------------------------------------------------------------
-# Launchers. 2-D inputs with unit feature stride (the caller ensures it).
+# Launchers. The kernels index 2-D inputs as ``ptr + row * stride(0) + col`` and 1-D ones
+# (parameters, statistics) as ``ptr + i``. ragged.ops.fused hands them over in that layout;
+# these two guards make a launcher called directly take any layout too (a copy only when the
+# layout is not one the kernels can read), so that no other stride is ever read as 1.
+
+
+def _unit_cols(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 2-D tensor with unit stride along its columns (any row stride)."""
+    return t if t is None or t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
+def _unit_vec(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D tensor with unit stride (a strided or expanded view becomes a copy)."""
+    return t if t is None or t.shape[0] <= 1 or t.stride(0) == 1 else t.contiguous()
 
 
 def _sum_dtype(a: torch.Tensor, b: torch.Tensor | None) -> torch.dtype:
@@ -479,6 +494,7 @@ def _reduce(part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     n_rows, n_cols = x.shape
+    x, bias = _unit_cols(x), _unit_vec(bias)
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
@@ -502,6 +518,7 @@ def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     ``[part_col, part_col + F)`` instead, one row per group (see :func:`partial_groups`), and
     ``dbias`` is returned as None: the caller sums the rows."""
     n_rows, n_cols = x.shape
+    grad, x, mask, bias = _unit_cols(grad), _unit_cols(x), _unit_cols(mask), _unit_vec(bias)
     need_bias = need_bias and bias is not None
     if part is not None:
         _check_part("ragged.kernels.triton.fused.bias_act_backward", part, part_col, n_cols, x.device)
@@ -540,6 +557,7 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
     """``(y, s, mean, rstd)``: ``y`` and ``s`` in the dtype of ``x + residual`` (``s`` is an
     empty tensor unless ``return_sum``), ``mean`` / ``rstd`` ``[N]`` fp32."""
     n_rows, n_cols = x.shape
+    x, residual, weight, bias = _unit_cols(x), _unit_cols(residual), _unit_vec(weight), _unit_vec(bias)
     dtype = _sum_dtype(x, residual)
     y = torch.empty((n_rows, n_cols), dtype=dtype, device=x.device)
     s = torch.empty((n_rows, n_cols) if return_sum else (0,), dtype=dtype, device=x.device)
@@ -596,6 +614,8 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
     """Both backward launchers; ``shared``: the partial sums in one buffer, reduced by one sum
     (the results are then views of one tensor, which torch.library ops may not return)."""
     n_rows, n_cols = a.shape
+    dy, ds, a, b, mask = _unit_cols(dy), _unit_cols(ds), _unit_cols(a), _unit_cols(b), _unit_cols(mask)
+    weight, mean, rstd = _unit_vec(weight), _unit_vec(mean), _unit_vec(rstd)
     dtype = _sum_dtype(a, b)
     need_weight = need_weight and weight is not None
     need_bias = need_bias and bias is not None
