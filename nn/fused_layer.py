@@ -185,6 +185,7 @@ class _LayerFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a second backward raises instead of a constant
     def backward(ctx, dy):
         (norm_first, heads, max_len, causal, scale, p_attn, p1, p_ff, p2, eps1, eps2, act, attn_backend,
          ln_backend, act_backend) = ctx.config

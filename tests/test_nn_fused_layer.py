@@ -402,3 +402,15 @@ def test_gpu_direct_inference_matches_per_op_path(monkeypatch, norm_first, dtype
         tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, **tol)
+
+
+def test_one_node_second_backward_raises(torch_backends):
+    """The hand-written layer backward is first order: a second backward raises rather than
+    returning gradients that treat the saved statistics as constants."""
+    layer = _layer(False, "gelu", True, seed=3)
+    x, rt = _input(LENGTHS, 3)
+    out = layer(rt).values
+    assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+    (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
