@@ -319,6 +319,7 @@ struct Problem {
     i64 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h;
     int heads, group, causal;
     float scale_log2;
+    i64 total_q, total_k;  // rows of q and k: every offset is clipped to [0, total]
 };
 
 struct Sequence {
@@ -326,15 +327,21 @@ struct Sequence {
     int lq, lk;
 };
 
-__device__ __forceinline__ Sequence load_sequence(const void* cu_q, const void* cu_k, int offsets64, int b) {
+// An offset clipped to [0, total]: offsets are not checked before a launch (that costs a sync),
+// so a sequence past T (or a negative, decreasing offset) must not take a block outside q, k, out.
+__device__ __forceinline__ i64 clip_offset(i64 x, i64 total) { return x < 0 ? 0 : (x > total ? total : x); }
+
+__device__ __forceinline__ Sequence load_sequence(const void* cu_q, const void* cu_k, int offsets64, int b,
+                                                  i64 total_q, i64 total_k) {
     // All four loads before any use: one memory round trip.
     const i64 q0 = load_offset(cu_q, offsets64 & 1, b), q1 = load_offset(cu_q, offsets64 & 1, b + 1);
     const i64 k0 = load_offset(cu_k, offsets64 & 2, b), k1 = load_offset(cu_k, offsets64 & 2, b + 1);
     Sequence s;
-    s.q_start = q0;
-    s.k_start = k0;
-    s.lq = (int)(q1 - q0);
-    s.lk = (int)(k1 - k0);
+    s.q_start = clip_offset(q0, total_q);
+    s.k_start = clip_offset(k0, total_k);
+    const i64 lq = clip_offset(q1, total_q) - s.q_start, lk = clip_offset(k1, total_k) - s.k_start;
+    s.lq = (int)(lq > 0 ? lq : 0);
+    s.lk = (int)(lk > 0 ? lk : 0);
     return s;
 }
 
@@ -418,7 +425,7 @@ __device__ __forceinline__ void attention_short(const Problem& p, const void* cu
     __shared__ __align__(16) u16 s_v[C * RS];
     const int b = blockIdx.x / p.heads;
     const int h = blockIdx.x - b * p.heads;
-    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b);
+    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b, p.total_q, p.total_k);
     if (sq.lq <= 0) return;
     attend_head<T, D, C, W>(p, sq, h, s_q, s_k, s_v);
 }
@@ -443,7 +450,7 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
     const int b = blockIdx.x / groups;
     const int h0 = (blockIdx.x - b * groups) * HPB;
     const int nh = min(HPB, p.heads - h0);
-    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b);
+    const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b, p.total_q, p.total_k);
     const int lq = sq.lq, lk = sq.lk;
     if (lq <= 0) return;
     if (lq > QROWS || lk > C) {
@@ -514,10 +521,11 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
 #define RAGGED_ATTENTION_PARAMS                                                                               \
     const u16 *q, const u16 *k, const u16 *v, u16 *out, float *lse, const void *cu_q, const void *cu_k,       \
         int offsets64, int heads, int group, i64 sq_t, i64 sq_h, i64 sk_t, i64 sk_h, i64 sv_t, i64 sv_h,      \
-        float scale_log2, int causal
+        float scale_log2, int causal, i64 total_q, i64 total_k
 
 #define RAGGED_ATTENTION_PROBLEM \
-    const Problem p = {q, k, v, out, lse, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, heads, group, causal, scale_log2}
+    const Problem p = {q, k, v, out, lse, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, heads, group, causal, scale_log2, \
+                       total_q, total_k}
 
 #define RAGGED_ATTENTION_SHORT(TYPE, TNAME, D, C, W, MINB)                                                   \
     extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \

@@ -27,8 +27,8 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SOURCE = "attention_short.cu"
 _LOG2E = 1.4426950408889634
 # (q, k, v, out, lse, cu_q, cu_k, offsets64, heads, group, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scale_log2,
-#  causal): RAGGED_ATTENTION_PARAMS of the source
-PARAMS = Params("PPPPPPPiiiqqqqqqfi")
+#  causal, total_q, total_k): RAGGED_ATTENTION_PARAMS of the source
+PARAMS = Params("PPPPPPPiiiqqqqqqfiqq")
 
 # Head dim -> ((key rows per shared-memory chunk C, warps per block W), ...), smallest C first;
 # the same (D, C, W) list as the RAGGED_ATTENTION_SHORT_TYPES lines of the source. The launcher
@@ -141,13 +141,14 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     d = width // 3
     head_dim = d // heads
     batch = cu.shape[0] - 1
+    cu = cu.contiguous()  # the kernel reads cu[b] at cu + b (free when it already is)
     out = torch.empty((total, d), dtype=qkv.dtype, device=qkv.device)
     kernel, per_block, warps = _kernel(qkv.dtype, head_dim, heads, batch, max_len, max_len, qkv.device)
     p = qkv.data_ptr()
     step = d * qkv.element_size()
     wide = 3 if cu.dtype == torch.int64 else 0
     args = (p, p + step, p + 2 * step, out.data_ptr(), 0, cu.data_ptr(), cu.data_ptr(), wide, heads, 1, width,
-            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal))
+            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal), total, total)
     launch(_SOURCE, kernel, qkv.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out
 
@@ -163,12 +164,12 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
     if total_q == 0 or batch == 0 or heads == 0:
         return out, lse
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
-    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernel reads cu[b] at cu + b
     kernel, per_block, warps = _kernel(q.dtype, head_dim, heads, batch, max_q, max_k, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(),
             cu_k.data_ptr(), wide, heads, heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale * _LOG2E, int(causal))
+            v.stride(0), v.stride(1), scale * _LOG2E, int(causal), total_q, k.shape[0])
     launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out, lse

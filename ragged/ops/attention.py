@@ -39,7 +39,7 @@ import math
 import torch
 
 from .. import backends
-from .._utils import check_offsets_tensor, check_tensor, describe, eager
+from .._utils import check_int, check_offsets_tensor, check_tensor, describe, eager
 from ..tensor import RaggedTensor
 
 # --------------------------------------------------------------------------------------
@@ -347,8 +347,15 @@ def _call_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
 # Public API
 
 
-def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p,
-              names=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")):
+_VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "q.shape[0]", "k.shape[0]")
+_RAGGED_NAMES = ("q.offsets", "k.offsets", "q.max_len", "k.max_len", "q.num_tokens", "k.num_tokens")
+
+
+def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p, names=_VARLEN_NAMES):
+    """Checks every argument every backend takes; returns ``(cu_q, cu_k, max_q, max_k)`` as the
+    backends must get them: offsets contiguous (every kernel reads them with unit stride, and a
+    RaggedTensor from the plain constructor may hold a strided view), maxima as Python ints.
+    Reads no tensor's values (see :func:`_check_offset_values` for those)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(fn, name, t)
         if t.dim() != 3:
@@ -366,18 +373,57 @@ def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p,
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value "
                          f"heads ({k.shape[1]})")
-    check_offsets_tensor(fn, cu_q, q, name=names[0])
-    check_offsets_tensor(fn, cu_k, k, name=names[1])
+    cu_q = check_offsets_tensor(fn, cu_q, q, name=names[0])
+    cu_k = check_offsets_tensor(fn, cu_k, k, name=names[1])
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"{fn}(): expected {names[0]} and {names[1]} of the same batch size, got "
                          f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences")
-    for name, m in ((names[2], max_q), (names[3], max_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise TypeError(f"{fn}(): expected {name} to be a non-negative int, got {describe(m)}")
+    max_q = check_int(fn, names[2], max_q, minimum=0)
+    max_k = check_int(fn, names[3], max_k, minimum=0)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"{fn}(): expected scale to be a float or None, got {describe(scale)}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{fn}(): expected dropout_p in [0, 1), got {describe(dropout_p)}")
+    return cu_q, cu_k, max_q, max_k
+
+
+def _check_host_ends(fn, host, total, name, total_name):
+    """O(1) checks of offsets already on the host (a RaggedTensor's): first 0, last T. The rest
+    (non-decreasing, max_len) the RaggedTensor constructors have checked, and a per-call loop over
+    B would cost the host 13 us at B = 256."""
+    if host[0] != 0:
+        raise ValueError(f"{fn}(): expected {name}[0] == 0, got {host[0]}")
+    if host[-1] != total:
+        raise ValueError(f"{fn}(): expected {name}[-1] == {total_name} ({total}), got {host[-1]}")
+
+
+def _summary(cu: torch.Tensor) -> torch.Tensor:
+    """``[4]`` int64 on cu's device: first offset, last offset, shortest and longest length (0 for
+    B = 0), so that checking a batch reads four numbers, whatever B."""
+    cu = cu.to(torch.int64)
+    lengths = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])
+    return torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()])
+
+
+def _check_offset_values(fn, cu_q, cu_k, total_q, total_k, max_q, max_k, names=_VARLEN_NAMES):
+    """The offsets against the data contract: ``[0] == 0``, non-decreasing, ``[-1] == T`` and no
+    sequence longer than its max. One device-to-host read of 8 numbers (a sync on CUDA)."""
+    first_q, last_q, low_q, high_q, first_k, last_k, low_k, high_k = torch.cat(
+        [_summary(cu_q), _summary(cu_k)]).tolist()
+    for cu, (first, last, low, high), total, longest, (name, max_name, total_name) in (
+            (cu_q, (first_q, last_q, low_q, high_q), total_q, max_q, names[0::2]),
+            (cu_k, (first_k, last_k, low_k, high_k), total_k, max_k, names[1::2])):
+        if first != 0:
+            raise ValueError(f"{fn}(): expected {name}[0] == 0, got {first}")
+        if low < 0:  # the error path: reading all of them to name the first decrease is fine here
+            host = cu.tolist()
+            i = next(i for i in range(len(host) - 1) if host[i + 1] < host[i])
+            raise ValueError(f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > "
+                             f"{name}[{i + 1}] = {host[i + 1]}")
+        if last != total:
+            raise ValueError(f"{fn}(): expected {name}[-1] == {total_name} ({total}), got {last}")
+        if high > longest:
+            raise ValueError(f"{fn}(): expected {max_name} >= the longest sequence ({high}), got {longest}")
 
 
 def _seed(dropout_p: float) -> int:
@@ -391,36 +437,69 @@ def _seed(dropout_p: float) -> int:
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
                      scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                     backend: str | None = None):
+                     backend: str | None = None, *, validate: bool = False):
     """Attention in flash-attn's varlen convention (see the module docstring for shapes).
 
-    ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (no sync). ``dropout_p > 0`` drops
-    attention probabilities (reproducible under ``torch.manual_seed``).
+    ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (Python or numpy; no sync). ``dropout_p > 0``
+    drops attention probabilities (reproducible under ``torch.manual_seed``).
     Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.
+
+    Contract on the offsets: ``cu_seqlens_*[0] == 0``, non-decreasing, ``cu_seqlens_q[-1] ==
+    q.shape[0]``, ``cu_seqlens_k[-1] == k.shape[0]``, and no sequence longer than its
+    ``max_seqlen_*``. It is checked (``ValueError``, the same on every backend) wherever that reads
+    no GPU memory: offsets on the CPU, and the ``"torch"`` backend (which reads them anyway).
+    CUDA offsets are not read by default, since that would cost a host sync per call;
+    ``validate=True`` checks them with one device-to-host read (a sync; a graph break under
+    ``torch.compile``). Unchecked offsets that break the contract never make the Triton kernels
+    read or write out of bounds (each sequence is clipped to the rows of q and k), but the result
+    is then unspecified: rows no sequence covers are left unwritten. The CUDA short-sequence
+    kernel clips them the same way. Pass ``validate=True`` (or host offsets through
+    :func:`attention`) where they may be wrong.
     """
     return _varlen("ragged.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   causal, scale, dropout_p, return_lse, backend)
+                   causal, scale, dropout_p, return_lse, backend, validate)
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
-            return_lse, backend, names=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")):
-    _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, dropout_p, names)
+            return_lse, backend, validate, names=_VARLEN_NAMES, host_q=None, host_k=None):
+    """``host_q`` / ``host_k``: the offsets as host ints when known (a RaggedTensor's), else None."""
+    cu_q, cu_k, max_q, max_k = _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         scale, dropout_p, names)
+    # Offsets on the CPU cost nothing to read (and cannot be read while tracing: eager() is False).
+    checked = bool(validate) or (cu_q.device.type == "cpu" and eager(cu_q, cu_k))
+    if checked:
+        _check_offset_values(fn, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, names)
+    else:
+        if host_q is not None:
+            _check_host_ends(fn, host_q, q.shape[0], names[0], names[4])
+        if host_k is not None:
+            _check_host_ends(fn, host_k, k.shape[0], names[1], names[5])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    impl = backends.select("attention", backend, q.device, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, causal, dropout_p, needs_grad, fn=fn)
-    out, lse = _call_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                             bool(causal), scale, float(dropout_p), _seed(dropout_p), impl.name)
+    impl = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
+                           needs_grad, fn=fn)
+    if not checked and impl.name == "torch" and eager(cu_q, cu_k):
+        # The reference reads the offsets on the host anyway: check them rather than return
+        # a wrong number of rows.
+        _check_offset_values(fn, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, names)
+    out, lse = _call_forward(q, k, v, cu_q, cu_k, max_q, max_k, bool(causal), scale, float(dropout_p),
+                             _seed(dropout_p), impl.name)
     return (out, lse) if return_lse else out
 
 
 def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = False, scale: float | None = None,
-              dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None):
+              dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None, *,
+              validate: bool = False):
     """Padding-free attention over RaggedTensors (``values [T, H, D]``).
 
     ``k`` and ``v`` share their sequences; ``q`` may have other lengths (cross-attention)
     with the same batch size. Returns a RaggedTensor with q's sequences, or
     ``(out, lse)`` with ``return_lse`` (``lse``: ``[Tq, H]`` float32 tensor).
+
+    The offsets are checked as in :func:`varlen_attention`; in addition, offsets the
+    RaggedTensors hold on the host (from :func:`ragged.pack`, ``from_lengths``, ...) are checked
+    against ``values.shape[0]`` at no cost. ``validate=True`` checks all of the data contract
+    with one device-to-host read.
     """
     fn = "ragged.attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -435,7 +514,8 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
     result = _varlen(fn, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, names=("q.offsets", "k.offsets", "q.max_len", "k.max_len"))
+                     dropout_p, return_lse, backend, validate, names=_RAGGED_NAMES, host_q=q._host_offsets,
+                     host_k=k._host_offsets)
     if return_lse:
         out, lse = result
         return q.with_values(out), lse
