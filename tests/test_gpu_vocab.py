@@ -259,7 +259,8 @@ def _reg_targets(cands, seed, lens=REG_LENS):
 
 def _assert_grads_close(got, want, what):
     for k, (a, r) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a.double(), r, atol=2e-3, rtol=2e-3, msg=lambda m, k=k: f"{what} [{k}]: {m}")
+        torch.testing.assert_close(a.double(), r.double(), atol=2e-3, rtol=2e-3,
+                                   msg=lambda m, k=k: f"{what} [{k}]: {m}")
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host_offsets", "device_offsets"])
