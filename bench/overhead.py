@@ -57,7 +57,7 @@ def main():
         ("attention triton: varlen_attention", lambda: ragged.varlen_attention(qa, qa, qa, off, off, 8, 8,
                                                                              backend="triton")),
         ("attention triton: kernel launcher", lambda: ka.forward(qa, qa, qa, off, off, 8, 8, False, 0.125, 0.0, 0)),
-        ("attention: block_cum", lambda: ka._block_cum(off, 16, total)),
+        ("attention: block_cum", lambda: ka._block_cum(off, 16)),
     ]
     for name, fn in rows:
         print(f"{name:42s} {per_call_us(fn):7.1f} us/call", flush=True)

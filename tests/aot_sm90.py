@@ -42,14 +42,14 @@ def cases():
         for causal, dropout, group, dim in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
                      CAUSAL=causal, DROPOUT=dropout, PRECISION=prec, INLINE=not dropout, CHUNK=256)
-            scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32", "i32"]
+            scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32"]
             yield ("attention fwd", ka._fwd_kernel,
                    [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + ["i32"] * 8, c)
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel,
                    [dt] * 4 + ["*fp32", "*fp32", dt, dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
             yield ("attention bwd dq", ka._bwd_dq_kernel,
                    [dt] * 5 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
-    yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
+    yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]
     for dt, shared, inline in (("*bf16", False, True), ("*fp32", True, False)):

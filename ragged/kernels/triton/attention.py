@@ -8,10 +8,12 @@ programs per head, an upper bound known on the host (no sync); programs past the
 item exit at once. So only real query blocks are scheduled, never B x ceil(max_len /
 BLOCK_M). The backward's dK/dV kernel works the same way over key blocks.
 
-Offsets. Nothing reads them on the host before a launch (that would cost a sync;
-``validate=True`` in :mod:`ragged.ops.attention` does it on request), so the kernels clip
-every offset to ``[0, T]`` of its side: offsets past T, negative or decreasing never make
-them read or write outside q, k, v and their outputs (the result is then unspecified).
+Offsets. The kernels trust them (``offsets[-1] == T``, non-decreasing, no length above
+``max_seqlen``): nothing reads them on the host before a launch (that would cost a sync), and
+clipping every offset to ``[0, T]`` inside the kernels measured 80 us against 55 us for the
+causal forward, B=64 long-tailed to 512, H=12, D=64, bf16, on an H200.
+:mod:`ragged.ops.attention` checks them where that reads no GPU memory, and on request
+(``validate=True``).
 
 Masks. Within a sequence, key blocks that every query row of the block may see run
 without masks; only the last (ragged or causal-diagonal) blocks are masked. Causal
@@ -49,15 +51,12 @@ def _find(cum, batch, n_steps, item):
 
 
 @triton.jit
-def _locate(cu, block_cum, batch, n_steps, item, total, BLOCK: tl.constexpr, INLINE: tl.constexpr,
-            CHUNK: tl.constexpr):
+def _locate(cu, block_cum, batch, n_steps, item, BLOCK: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """Work item -> (sequence b, block index within b, blocks of b, total items).
 
     INLINE (moderate B): each program sums ceil(L / BLOCK) over the offsets itself (vector
     prefix sums, a few loads per sequence from L2), which saves the host a kernel launch
     per call. Otherwise ``block_cum`` (built by _block_cum_kernel) is binary-searched.
-    Lengths are those of the sequences clipped to ``[0, total)`` (see :func:`_clip`), so the
-    items never outnumber the grid's ``ceil(total / BLOCK) + B`` programs.
     """
     if INLINE:
         carry = item * 0
@@ -67,9 +66,7 @@ def _locate(cu, block_cum, batch, n_steps, item, total, BLOCK: tl.constexpr, INL
         for start in range(0, batch, CHUNK):
             idx = start + tl.arange(0, CHUNK)
             ok = idx < batch
-            length = _clip(tl.load(cu + idx + 1, mask=ok, other=0), total) - \
-                _clip(tl.load(cu + idx, mask=ok, other=0), total)
-            length = tl.maximum(length, 0)
+            length = tl.load(cu + idx + 1, mask=ok, other=0) - tl.load(cu + idx, mask=ok, other=0)
             incl = tl.cumsum(((length + (BLOCK - 1)) // BLOCK).to(tl.int32), 0) + carry
             done = ok & (incl <= item)
             count += tl.sum(done.to(tl.int32), 0)
@@ -85,21 +82,12 @@ def _locate(cu, block_cum, batch, n_steps, item, total, BLOCK: tl.constexpr, INL
 
 
 @triton.jit
-def _clip(offset, total):
-    """An offset clipped to [0, total]: offsets that break the contract (past T, negative) are
-    not checked on the GPU (that needs a sync), so every index the kernels form stays inside
-    the tensors whatever they hold. Two integer ops per load."""
-    return tl.minimum(tl.maximum(offset, 0), total)
-
-
-@triton.jit
-def _bounds(cu_q, cu_k, b, total_q, total_k):
-    """First packed token (int64) and length of sequence b on the query and key sides, clipped to
-    the tensors: rows ``[start, start + len)`` lie in ``[0, total)`` whatever the offsets hold."""
-    q_start = _clip(tl.load(cu_q + b).to(tl.int64), total_q)
-    k_start = _clip(tl.load(cu_k + b).to(tl.int64), total_k)
-    q_len = tl.maximum(_clip(tl.load(cu_q + b + 1).to(tl.int64), total_q) - q_start, 0).to(tl.int32)
-    k_len = tl.maximum(_clip(tl.load(cu_k + b + 1).to(tl.int64), total_k) - k_start, 0).to(tl.int32)
+def _bounds(cu_q, cu_k, b):
+    """First packed token (int64) and length of sequence b on the query and key sides."""
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
     return q_start, q_len, k_start, k_len
 
 
@@ -184,17 +172,17 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 @cached_launch
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                seed, dropout_p, total_q, total_k, max_k,
+                seed, dropout_p, total_q, max_k,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
                 PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
-    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, total_q, BLOCK_M, INLINE, CHUNK)
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b, total_q, total_k)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
     hk = h // GROUP
@@ -277,7 +265,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 @cached_launch
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, dropout_p, total_q, total_k, max_k, heads,
+                     seed, dropout_p, total_q, max_k, heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -285,10 +273,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
                      PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     hk = tl.program_id(1)
-    b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, total_k, BLOCK_N, INLINE, CHUNK)
+    b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b, total_q, total_k)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -358,7 +346,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 @cached_launch
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                   seed, dropout_p, total_q, total_k, max_k, heads,
+                   seed, dropout_p, total_q, max_k, heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -368,10 +356,10 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
     item = tl.program_id(0)
     h = tl.program_id(1)
-    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, total_q, BLOCK_M, INLINE, CHUNK)
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
-    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b, total_q, total_k)
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
     hk = h // GROUP
@@ -478,38 +466,35 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
 _INLINE_MAX_BATCH = 4096  # beyond this, programs binary-search a launched work list instead
 
 
-def _worklist(cu: torch.Tensor, block: int, total: int):
-    """(block_cum or a placeholder, INLINE, CHUNK, n_steps) for the kernels' _locate; ``total``:
-    the rows of the side ``cu`` indexes (Tq or Tk)."""
+def _worklist(cu: torch.Tensor, block: int):
+    """(block_cum or a placeholder, INLINE, CHUNK, n_steps) for the kernels' _locate."""
     batch = cu.shape[0] - 1
     if batch <= _INLINE_MAX_BATCH:
         return cu, True, min(1024, max(16, triton.next_power_of_2(batch))), 0
-    return _block_cum(cu, block, total), False, 16, max(batch - 1, 0).bit_length()
+    return _block_cum(cu, block), False, 16, max(batch - 1, 0).bit_length()
 
 
 @cached_launch
 @triton.jit
-def _block_cum_kernel(CU, OUT, batch, total, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """OUT[b+1] = sum over b' <= b of ceil(L_b' / BLOCK_M); OUT[0] = 0 (one program); lengths of
-    the sequences clipped to [0, total), as in _locate."""
+def _block_cum_kernel(CU, OUT, batch, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """OUT[b+1] = sum over b' <= b of ceil(L_b' / BLOCK_M); OUT[0] = 0 (one program)."""
     carry = tl.load(CU) * 0
     tl.store(OUT, carry)
     for start in range(0, batch, CHUNK):
         b = start + tl.arange(0, CHUNK)
         ok = b < batch
-        length = tl.maximum(_clip(tl.load(CU + b + 1, mask=ok, other=0), total) -
-                            _clip(tl.load(CU + b, mask=ok, other=0), total), 0)
+        length = tl.load(CU + b + 1, mask=ok, other=0) - tl.load(CU + b, mask=ok, other=0)
         blocks = (length + (BLOCK_M - 1)) // BLOCK_M
         cum = tl.cumsum(blocks, 0) + carry
         tl.store(OUT + b + 1, cum.to(tl.int32), mask=ok)
         carry = tl.max(tl.where(ok, cum, 0), 0)
 
 
-def _block_cum(cu: torch.Tensor, block: int, total: int) -> torch.Tensor:
+def _block_cum(cu: torch.Tensor, block: int) -> torch.Tensor:
     """``[B+1]`` int32 on cu's device: the work list of query (or key) blocks, one launch."""
     batch = cu.shape[0] - 1
     out = torch.empty(batch + 1, dtype=torch.int32, device=cu.device)
-    _block_cum_kernel[(1,)](cu, out, batch, total, BLOCK_M=block,
+    _block_cum_kernel[(1,)](cu, out, batch, BLOCK_M=block,
                             CHUNK=min(1024, max(16, triton.next_power_of_2(batch))))
     return out
 
@@ -529,8 +514,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
-    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. The offsets are
-    not read on the host: each sequence is clipped to the rows of q and k (see :func:`_clip`)."""
+    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention` (the offsets are
+    trusted: see the module docstring)."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
     total_q, heads, head_dim = q.shape
@@ -541,10 +526,10 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
         return out, lse
     block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
                                                   dropout_p > 0)
-    cum, inline, chunk, n_steps = _worklist(cu_q, block_m, total_q)
+    cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
-                      seed, dropout_p, total_q, k.shape[0], max(max_k, 1),
+                      seed, dropout_p, total_q, max(max_k, 1),
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1),
                       GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -596,18 +581,18 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     group = heads // kv_heads
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
                   DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype))
-    cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m, total_q)
+    cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
     _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
         q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
-        seed, dropout_p, total_q, total_k, max(max_k, 1), heads,
+        seed, dropout_p, total_q, max(max_k, 1), heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
         num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
     if total_k:
-        cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n, total_k)
+        cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
-            seed, dropout_p, total_q, total_k, max(max_k, 1), heads,
+            seed, dropout_p, total_q, max(max_k, 1), heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)
