@@ -10,7 +10,7 @@ import time
 import torch
 
 import ragged
-from ragged.kernels import cuda as kc
+from ragged.kernels.cuda import launch as kc, pack as kp
 from ragged.kernels.triton import pack as kt
 from ragged.ops import pack as ops
 
@@ -42,11 +42,11 @@ def main():
         rows += [
             (f"{be}: ragged.pack(x, lengths=...)", lambda be=be: ragged.pack(x, lengths=lengths, backend=be)),
             (f"{be}: pack_values", lambda be=be: ragged.pack_values(x, off, total, backend=be)),
-            (f"{be}: torch.ops.ragged.pack", lambda be=be: ops._pack_op(x, off, total, False, be)),
+            (f"{be}: torch.ops.ragged.pack", lambda be=be: ops.PACK.forward_op(x, off, total, False, be)),
             (f"{be}: unpack_values", lambda be=be: ragged.unpack_values(vals, off, 8, backend=be)),
         ]
     rows += [
-        ("cuda launcher only", lambda: kc.pack(x, off, total, False)),
+        ("cuda launcher only", lambda: kp.pack(x, off, total, False)),
         ("triton launcher only", lambda: kt.pack(x, off, total, False)),
         ("backends.select", lambda: ragged.backends.select("pack", "cuda", x.device, x, off)),
     ]

@@ -13,7 +13,7 @@ import triton
 from triton.testing import do_bench
 
 import ragged
-from ragged.kernels import cuda as kc
+from ragged.kernels.cuda import launch as kc, pack as kp
 from ragged.kernels.triton import pack as kt
 
 
@@ -66,12 +66,12 @@ def main():
         rows.append({"name": f"host overhead {name}", "us": host_us})
         print(f"host overhead per call, {name:14s} {host_us:6.1f} us", flush=True)
 
-    layout = kc._layout
+    layout = kp._layout
     for lanes in (8, 16, 32, 64, 128):
-        kc._layout = lambda rv, n=lanes: (n, 256 // n)
+        kp._layout = lambda rv, n=lanes: (n, 256 // n)
         run(f"pack cuda lanes={lanes}", lambda: ragged.pack_values(x, off, total, backend="cuda"), pack_bytes)
         run(f"unpack cuda lanes={lanes}", lambda: ragged.unpack_values(vals, off, width, backend="cuda"), unpack_bytes)
-    kc._layout = layout
+    kp._layout = layout
 
     tile = kt._tile
     for tile_bytes in (8192, 16384, 32768):

@@ -19,7 +19,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .._utils import describe
 from ..ops.attention import attention
-from ..ops.pack import pack, read_mask_layout, unpack
+from ..interop import pack, read_mask_layout, unpack
 from ..tensor import RaggedTensor
 
 # --------------------------------------------------------------------------------------

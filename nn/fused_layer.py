@@ -355,13 +355,13 @@ class InferenceKernels:
         self._attention = _attention_impl(attn_backend)[0]
         self._ln = _fused_impl("add_layer_norm", ln_backend)[0]
         if attn_backend == "cuda":
-            from ragged.kernels.cuda_attention import packed_self_attention
+            from ragged.kernels.cuda.attention import packed_self_attention
 
             self.attention = packed_self_attention
         else:
             self.attention = self._views_attention
         if ln_backend == "cuda":
-            from ragged.kernels.cuda_fused import add_layer_norm_inference
+            from ragged.kernels.cuda.fused import add_layer_norm_inference
 
             self.direct_layer_norm = add_layer_norm_inference
         else:

@@ -15,12 +15,14 @@ Public API (see README.md for the table):
 from .backends import BACKENDS, explain, get_backend, set_backend, use_backend
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
-from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence
-from .ops.pack import pack, pack_values, reference_pack, reference_unpack, unpack, unpack_values
+from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
+from .ops.pack import pack_values, reference_pack, reference_unpack, unpack_values
 from .tensor import RaggedTensor
 from .logits import RaggedLogits
 from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
                         vocab_cross_entropy, vocab_projection)
+
+from .kernels import cuda as _cuda_backend, triton as _triton_backend  # noqa: F401  (they register)
 
 __version__ = "0.1.0"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import warnings
 from typing import Sequence
@@ -195,3 +196,54 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, category, stacklevel=3)
+
+
+def check_side(fn: str, padding_side: object) -> str:
+    """``padding_side``: ``"right"`` (tokens at the start of each padded row) or ``"left"``."""
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"{fn}(): expected padding_side 'right' or 'left', got {padding_side!r}")
+    return padding_side
+
+
+# --------------------------------------------------------------------------------------
+# The padding value: one rule for every backend of pack / unpack
+
+
+def fill_element(fn: str, padding_value: object, dtype: torch.dtype) -> torch.Tensor:
+    """``padding_value`` as one element of ``dtype``: a 0-d CPU tensor.
+
+    The one definition of the padding every backend writes: torch's cast of the number,
+    what ``torch.full((), padding_value, dtype=dtype)`` (and ``Tensor.new_full``) holds.
+    So bool is True for any nonzero number (``0.5``, ``-1.0``, ``nan``), integer dtypes
+    truncate toward zero (``0.5`` -> 0), a Python int wraps where torch wraps it
+    (``-1`` -> 255 in uint8) while a float out of range does not (``-1.0`` in uint8), and
+    float16 rounds ``1e10`` to inf. What torch refuses to cast raises ``ValueError``;
+    anything but a number (bool, int, float, complex, numpy scalar, one-element tensor)
+    raises ``TypeError``.
+    """
+    value = padding_number(fn, padding_value)
+    try:
+        return torch.full((), value, dtype=dtype)
+    except (RuntimeError, OverflowError):
+        raise ValueError(f"{fn}(): expected padding_value representable in {dtype} (torch cannot cast it "
+                         f"without overflow), got {describe(padding_value)}") from None
+
+
+def padding_scalar(fn: str, padding_value: object, dtype: torch.dtype) -> bool | int | float | complex:
+    """:func:`fill_element` as a Python scalar: passing it to ``torch.full`` again gives the
+    same element, bit for bit (a Python float holds every float16/bfloat16/float32 value)."""
+    return fill_element(fn, padding_value, dtype).item()
+
+
+def padding_number(fn: str, padding_value: object) -> bool | int | float | complex:
+    """``padding_value`` as a Python number (numpy scalars and one-element tensors taken)."""
+    value = padding_value
+    if isinstance(value, np.generic):
+        value = value.item()
+    elif isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
+        value = value.item()
+    if not isinstance(value, numbers.Number):
+        raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
+    return value

@@ -33,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
 import pkgutil
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -188,35 +189,179 @@ def cuda_reason(device: torch.device) -> str | None:
 
 
 # --------------------------------------------------------------------------------------
-# Per-op registry.
+# Backends and their implementations.
+#
+# A backend is a name and the reason it cannot run on a device (its toolchain); an
+# implementation is one backend's kernels for one op, declared beside them as data: the
+# dtypes, values and maxima of the op's spec fields it takes, plus a ``check`` for the rest.
+# Each op declares (ragged._opdef.define) the function that turns its operands into its
+# frozen spec; every reason reads that spec, so the choice is made here and nowhere else.
+
+_BACKEND_REASONS: dict[str, Callable[[torch.device], str | None]] = {}
+
+
+def register_backend(name: str, device_reason: Callable[[torch.device], str | None]) -> None:
+    """Make ``name`` a backend: ``device_reason(device)`` says why it cannot run on a device
+    (None when it can). Its implementations are then registered with :func:`register`."""
+    global BACKENDS
+    if not isinstance(name, str) or not name.isidentifier() or name == "auto":
+        raise ValueError(f"ragged.backends.register_backend(): expected a backend name (an identifier other than "
+                         f"'auto'), got {name!r}")
+    _BACKEND_REASONS[name] = device_reason
+    if name not in BACKENDS:
+        BACKENDS = (*BACKENDS, name)
+
+
+def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    name: str
-    fn: Callable
-    reasons: Callable[..., list[str]]
+    """One backend's implementation of one op.
+
+    ``forward`` / ``backward``: the functions (or ``"module:function"``, imported on first use,
+    so that declaring a backend imports none of its toolchain). What the implementation takes
+    is data read from the op's spec: ``dtypes`` (of ``spec.dtype``), ``limits`` (spec field ->
+    the values taken), ``maxima`` (spec field -> the largest value taken); ``check(spec)``
+    returns the reasons the data cannot express. ``backward_backend``: the backend whose
+    backward runs after this forward (a forward-only kernel). ``extras``: further entry points
+    by name (e.g. a fused dropout backward) that callers such as the layer core look up rather
+    than test a backend's name."""
+
+    op: str
+    backend: str
+    forward: Callable | str
+    backward: Callable | str | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    limits: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    maxima: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    check: Callable[[Any], list[str]] | None = None
+    backward_backend: str | None = None
+    extras: Mapping[str, Callable | str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.backend
+
+    @functools.cached_property
+    def forward_fn(self) -> Callable:
+        return _resolve(self.forward)
+
+    @functools.cached_property
+    def backward_fn(self) -> Callable:
+        if self.backward_backend is not None:
+            return implementation(self.op, self.backward_backend).backward_fn
+        if self.backward is None:
+            raise NotImplementedError(f"the {self.backend} implementation of {self.op} has no backward")
+        return _resolve(self.backward)
+
+    def extra(self, key: str) -> Callable | None:
+        """The entry point ``key`` of :attr:`extras` (imported on first use), None if not declared."""
+        fn = self.extras.get(key)
+        return None if fn is None else _resolve(fn)
+
+    def reasons(self, spec) -> list[str]:
+        """Why this implementation cannot take an input of this spec (empty when it can)."""
+        out = []
+        reason = _BACKEND_REASONS[self.backend](spec.device)
+        if reason:
+            out.append(reason)
+        what = f"{self.backend} {self.op}"
+        if self.dtypes is not None and spec.dtype not in self.dtypes:
+            out.append(f"{what} takes {_dtype_names(self.dtypes)}, got {spec.dtype}")
+        for field, allowed in self.limits.items():
+            value = getattr(spec, field)
+            if value not in allowed:
+                out.append(f"{what} takes {field.replace('_', ' ')}s {allowed}, got {value!r}")
+        for field, top in self.maxima.items():
+            value = getattr(spec, field)
+            if value > top:
+                out.append(f"{what} takes {field.replace('_', ' ')} <= {top}, got {value}")
+        if self.check is not None and not out:
+            out.extend(self.check(spec))
+        return out
+
+
+_RESOLVED: dict[str, Callable] = {}
+
+
+def _resolve(fn: Callable | str) -> Callable:
+    if callable(fn):
+        return fn
+    found = _RESOLVED.get(fn)
+    if found is None:
+        module, _, attr = fn.partition(":")
+        found = _RESOLVED[fn] = getattr(importlib.import_module(module), attr)
+    return found
 
 
 @dataclasses.dataclass
 class _Op:
+    spec: Callable[..., Any]  # operands -> the op's frozen spec
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
-    # Preference of "auto" for CUDA inputs, fastest measured first: a tuple, or a function
-    # of the op's arguments returning one (when the fastest kernel depends on the shapes).
+    # Preference of "auto" for CUDA inputs, fastest measured first: a tuple, or a function of
+    # the spec returning one (when the fastest kernel depends on the shapes).
     gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")
 
 
 _OPS: dict[str, _Op] = {}
+_PENDING: dict[str, list[Implementation]] = {}  # implementations declared before their op
 
 
-def register(op: str, name: str, fn: Callable, reasons: Callable[..., list[str]]) -> None:
-    if name not in BACKENDS or name == "auto":
-        raise ValueError(f"register(): backend name must be one of {BACKENDS[1:]}, got {name!r}")
-    _OPS.setdefault(op, _Op()).impls[name] = Implementation(name, fn, reasons)
+def declare_op(op: str, spec: Callable[..., Any], gpu_order) -> None:
+    """Called by :func:`ragged._opdef.define`: the op, its spec function and its auto order."""
+    entry = _OPS[op] = _Op(spec, gpu_order=gpu_order if callable(gpu_order) else tuple(gpu_order))
+    for impl in _PENDING.pop(op, ()):
+        entry.impls[impl.backend] = impl
 
 
-def set_auto_order(op: str, order: tuple[str, ...] | Callable[..., tuple[str, ...]]) -> None:
-    _OPS.setdefault(op, _Op()).gpu_order = order if callable(order) else tuple(order)
+# ---- transitional: ops not yet defined through ragged._opdef (removed once all are) ----
+@dataclasses.dataclass(frozen=True)
+class _LegacySpec:
+    device: torch.device
+    args: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _LegacyImplementation(Implementation):
+    fn: Any = None
+    legacy_reasons: Any = None
+
+    def reasons(self, spec) -> list[str]:
+        return self.legacy_reasons(*spec.args)
+
+
+def _legacy_register(op, name, fn, reasons):
+    fwd, bwd = fn if isinstance(fn, tuple) else (fn, None)
+    entry = _OPS.setdefault(op, _Op(lambda *a: _LegacySpec(a[0].device, a)))
+    entry.legacy = True
+    entry.impls[name] = _LegacyImplementation(op, name, fwd, bwd, fn=fn, legacy_reasons=reasons)
+
+
+def set_auto_order(op, order):
+    _OPS[op].gpu_order = order if callable(order) else tuple(order)
+
+
+def register(*impls: Implementation) -> None:
+    """Register implementations (of ops defined now or later)."""
+    if impls and isinstance(impls[0], str):
+        return _legacy_register(*impls)
+    for impl in impls:
+        if impl.backend not in _BACKEND_REASONS:
+            raise ValueError(f"ragged.backends.register(): unknown backend {impl.backend!r} (register_backend() "
+                             f"first; known: {sorted(_BACKEND_REASONS)})")
+        entry = _OPS.get(impl.op)
+        if entry is None:
+            _PENDING.setdefault(impl.op, []).append(impl)
+        else:
+            entry.impls[impl.backend] = impl
+
+
+def implementation(op: str, backend: str) -> Implementation:
+    """The registered implementation of ``op`` by ``backend`` (KeyError when there is none)."""
+    return _OPS[op].impls[backend]
 
 
 def _import_ops() -> None:
@@ -269,13 +414,9 @@ def _describe_call(args: tuple, kwargs: dict) -> str:
 
 
 def _bad_arguments(op: str, entry: _Op, args: tuple, kwargs: dict, why: str) -> TypeError:
-    """The TypeError of ``explain(op, ...)`` called with arguments its reasons cannot take."""
-    # Every implementation's reasons take the same leading arguments; the one naming the
-    # most of them describes the call.
-    reasons = max((impl.reasons for impl in entry.impls.values()),
-                  key=lambda r: sum(p.kind is not p.VAR_POSITIONAL for p in inspect.signature(r).parameters.values()))
+    """The TypeError of ``explain(op, ...)`` called with operands its spec cannot take."""
     msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
-           f"({_parameter_list(reasons)}), got {_describe_call(args, kwargs)} ({why})")
+           f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})")
     public = getattr(importlib.import_module("ragged"), op, None)
     if callable(public):
         msg += (f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
@@ -285,9 +426,9 @@ def _bad_arguments(op: str, entry: _Op, args: tuple, kwargs: dict, why: str) -> 
 
 class _Captured(BaseException):
     # BaseException: no ``except Exception`` on the way up from select() may swallow it.
-    def __init__(self, op: str, args: tuple, kwargs: dict):
+    def __init__(self, op: str, spec):
         super().__init__(op)
-        self.op, self.args_, self.kwargs = op, args, kwargs
+        self.op, self.spec = op, spec
 
 
 _EXPLAIN = "<explain>"  # the value of _active while explain() calls a public function
@@ -314,7 +455,7 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> dict[str, list
     try:
         public(*args, **kwargs)
     except _Captured as captured:
-        return _reasons(captured.op, _OPS[captured.op], captured.args_, captured.kwargs)
+        return _spec_reasons(_OPS[captured.op], captured.spec)
     finally:
         _active.reset(token)
         _stack.reset(stack_token)
@@ -323,18 +464,19 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> dict[str, list
 
 
 def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> dict[str, list[str]]:
-    for impl in entry.impls.values():
-        try:
-            inspect.signature(impl.reasons).bind(*args, **kwargs)
-        except TypeError as exc:
-            raise _bad_arguments(op, entry, args, kwargs, str(exc)) from None
-    out = {}
-    for name, impl in entry.impls.items():
-        try:
-            out[name] = impl.reasons(*args, **kwargs)
-        except (AttributeError, TypeError, IndexError) as exc:
-            raise _bad_arguments(op, entry, args, kwargs, f"{type(exc).__name__}: {exc}") from exc
-    return out
+    try:
+        inspect.signature(entry.spec).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise _bad_arguments(op, entry, args, kwargs, str(exc)) from None
+    try:
+        spec = entry.spec(*args, **kwargs)
+    except (AttributeError, TypeError, IndexError) as exc:
+        raise _bad_arguments(op, entry, args, kwargs, f"{type(exc).__name__}: {exc}") from exc
+    return _spec_reasons(entry, spec)
+
+
+def _spec_reasons(entry: _Op, spec) -> dict[str, list[str]]:
+    return {name: impl.reasons(spec) for name, impl in entry.impls.items()}
 
 
 def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
@@ -409,29 +551,44 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
 
 def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,
            **kwargs) -> Implementation:
-    """Pick the implementation of ``op`` for these arguments (see the module docstring).
+    """Pick the implementation of ``op`` for these operands (see the module docstring): the
+    op's spec function makes them its spec, and :func:`select_spec` chooses."""
+    entry = _OPS[op]
+    if getattr(entry, "legacy", False):
+        return select_spec(op, backend, _LegacySpec(device, args), fn=fn)
+    return select_spec(op, backend, entry.spec(*args, **kwargs), fn=fn)
 
-    ``fn`` names the public function in error messages (default ``ragged.<op>``)."""
-    fn = fn or f"ragged.{op}"
-    name = get_backend() if backend is None else _check_name(fn, backend)
+
+def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) -> Implementation:
+    """Pick the implementation of ``op`` for an input of this spec: the one place a backend is
+    chosen. ``fn`` names the public function in error messages (default ``ragged.<op>``)."""
+    name = get_backend() if backend is None else _check_name(fn or f"ragged.{op}", backend)
     entry = _OPS[op]
     if name != "auto":
         impl = entry.impls.get(name)
         if impl is None:
             if name is _EXPLAIN:
-                raise _Captured(op, args, kwargs)
-            raise ValueError(f"{fn}(): backend {name!r} has no implementation of this op "
+                raise _Captured(op, spec)
+            raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} has no implementation of this op "
                              f"(available: {sorted(entry.impls)})")
-        reasons = impl.reasons(*args, **kwargs)
+        reasons = impl.reasons(spec)
         if reasons:
-            raise ValueError(f"{fn}(): backend {name!r} cannot take this input: " + "; ".join(reasons))
+            raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: "
+                             + "; ".join(reasons))
         return impl
-    if device.type != "cuda":
+    if spec.device.type != "cuda":
         order = ("torch",)
+    elif getattr(entry, "legacy", False) and callable(entry.gpu_order):
+        order = entry.gpu_order(*spec.args)
     else:
-        order = entry.gpu_order(*args, **kwargs) if callable(entry.gpu_order) else entry.gpu_order
+        order = entry.gpu_order(spec) if callable(entry.gpu_order) else entry.gpu_order
     for candidate in order:
         impl = entry.impls.get(candidate)
-        if impl is not None and not impl.reasons(*args, **kwargs):
+        if impl is not None and not impl.reasons(spec):
             return impl
     return entry.impls["torch"]
+
+
+register_backend("torch", lambda device: None)
+register_backend("triton", triton_reason)
+register_backend("cuda", cuda_reason)

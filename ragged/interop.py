@@ -1,4 +1,6 @@
-"""Conversions between RaggedTensor and the other variable-length formats.
+"""Conversions between RaggedTensor and the other variable-length formats: padded batches
+(:func:`pack` / :func:`unpack`, with lengths or masks), torch.nested, PackedSequence,
+flash-attn's cu_seqlens and HuggingFace attention masks.
 
 =============================  ================================  ===============================
 format                         to                                from
@@ -14,55 +16,27 @@ HuggingFace attention mask     ``rt.attention_mask()``,          ``from_attentio
 
 from __future__ import annotations
 
-import logging
-import warnings
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from ._utils import check_offsets_tensor, check_tensor, describe, max_length, offsets_dtype_for, to_device
+from . import backends
+from ._utils import (
+    check_offsets_tensor,
+    check_side,
+    check_tensor,
+    describe,
+    host_lengths_of,
+    host_offsets_from_lengths,
+    max_length,
+    offsets_dtype_for,
+    to_device,
+    warn_once,
+)
+from .ops.pack import PACK, PackSpec
 from .tensor import RaggedTensor, exact_ragged
-
-# nested_tensor_from_jagged asks torch.fx whether it is tracing, and that query reports a
-# deprecation notice addressed to fx users (through logging in torch 2.13, as a
-# UserWarning in some other releases), once per process: to a ragged user it is noise.
-_FX_TRACING_NOTICE = "is_fx_tracing will return true"
-_FX_LOGGER = "torch.fx._symbolic_trace"
-
-
-class _DropFxTracingNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _FX_TRACING_NOTICE not in record.getMessage()
-
-
-_DROP_FX_TRACING_NOTICE = _DropFxTracingNotice()
-
-
-def to_nested(rt: RaggedTensor) -> torch.Tensor:
-    """A jagged-layout nested tensor ``[B, j, *F]`` that shares ``rt.values`` (no copy).
-
-    torch.nested keeps int64 offsets; int32 offsets are widened (a small device op).
-    The host ``max_len`` is passed along so that NJT ops need not read it back.
-    """
-    min_len = None
-    if rt._host_offsets is not None:
-        o = rt._host_offsets
-        min_len = min((o[i + 1] - o[i] for i in range(len(o) - 1)), default=0)
-    offsets = rt.offsets.to(torch.int64)
-    if torch.compiler.is_compiling():  # filters are host state; a traced call builds the tensor only
-        return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len, min_seqlen=min_len)
-    # The notice is filtered for this one call only, by its text, on the logger that emits it.
-    logger = logging.getLogger(_FX_LOGGER)
-    logger.addFilter(_DROP_FX_TRACING_NOTICE)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_FX_TRACING_NOTICE)
-            return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len,
-                                                          min_seqlen=min_len)
-    finally:
-        logger.removeFilter(_DROP_FX_TRACING_NOTICE)
-
 
 def from_nested(nt: torch.Tensor) -> RaggedTensor:
     """RaggedTensor from a nested tensor (jagged layout shares values; strided layout is packed).
@@ -75,8 +49,6 @@ def from_nested(nt: torch.Tensor) -> RaggedTensor:
     if not nt.is_nested:
         raise TypeError(f"{fn}(): expected a nested tensor, got {describe(nt)}")
     if nt.layout == torch.strided:
-        from .ops.pack import pack
-
         return pack(list(nt.unbind()))
     if getattr(nt, "_ragged_idx", 1) != 1:
         raise ValueError(f"{fn}(): expected the ragged dimension to be dim 1, got dim {nt._ragged_idx}")
@@ -89,39 +61,6 @@ def from_nested(nt: torch.Tensor) -> RaggedTensor:
     if max_len is None:
         return RaggedTensor._from_offsets(fn, values, offsets, None, True, "nt.offsets()", "max_seqlen")
     return RaggedTensor(values, offsets, int(max_len))
-
-
-def to_packed_sequence(rt: RaggedTensor, enforce_sorted: bool = False) -> PackedSequence:
-    """A ``PackedSequence`` (time-major, sequences sorted by decreasing length).
-
-    Needs the host lengths (one sync the first time when they are not known). Sequences
-    of length 0 cannot be represented in a PackedSequence and raise ValueError.
-    """
-    fn = "ragged.RaggedTensor.to_packed_sequence"
-    lengths = np.asarray(rt.host_lengths(), dtype=np.int64)
-    if lengths.size and lengths.min() == 0:
-        raise ValueError(f"{fn}(): PackedSequence cannot hold sequences of length 0, got length 0 at index "
-                         f"{int(np.argmin(lengths))}")
-    if lengths.size == 0:
-        raise ValueError(f"{fn}(): PackedSequence cannot hold an empty batch (B = 0)")
-    if enforce_sorted:
-        if np.any(np.diff(lengths) > 0):
-            raise ValueError(f"{fn}(): enforce_sorted=True needs lengths sorted in decreasing order, got {lengths.tolist()}")
-        order = np.arange(lengths.size)
-    else:
-        order = np.argsort(-lengths, kind="stable")
-    starts = np.asarray(rt.host_offsets()[:-1], dtype=np.int64)[order]
-    sorted_lengths = lengths[order]
-    steps = np.arange(int(sorted_lengths[0]))
-    present = steps[:, None] < sorted_lengths[None, :]          # [max_len, B], time-major
-    index = (starts[None, :] + steps[:, None])[present]
-    batch_sizes = torch.from_numpy(present.sum(1).astype(np.int64))
-    data = rt.values.index_select(0, to_device(index.tolist(), torch.int64, rt.device))
-    if enforce_sorted:
-        return PackedSequence(data, batch_sizes, None, None)
-    sorted_indices = to_device(order.tolist(), torch.int64, rt.device)
-    unsorted_indices = to_device(np.argsort(order).tolist(), torch.int64, rt.device)
-    return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)
 
 
 def from_packed_sequence(ps: PackedSequence) -> RaggedTensor:
@@ -167,9 +106,6 @@ def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: 
 
     ``attention_mask [B, M]`` of any dtype holds 1 at tokens and 0 at padding, nothing else
     (checked within the one read of the mask: ``ValueError`` otherwise)."""
-    from . import backends
-    from .ops.pack import _pack_masked
-
     fn = "ragged.from_attention_mask"
     if backend is not None:
         backends._check_name(fn, backend)
@@ -177,3 +113,175 @@ def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: 
     if x.dim() < 2:
         raise ValueError(f"{fn}(): expected x of shape [B, M, ...], got {tuple(x.shape)}")
     return _pack_masked(fn, x, attention_mask, "attention_mask", None, backend)
+
+
+# --------------------------------------------------------------------------------------
+# Padded batches
+
+
+def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+         padding_side: str | None = None, backend: str | None = None) -> RaggedTensor:
+    """Build a :class:`RaggedTensor`.
+
+    * ``pack([t_0, t_1, ...])``: a list of ``[L_i, *F]`` tensors (same ``F``, dtype and
+      device); no sync.
+    * ``pack(x, lengths=[...])``: ``x`` padded ``[B, M, *F]`` and host lengths (list,
+      tuple, numpy array, CPU tensor): no sync. A CUDA lengths tensor is read back once.
+      ``padding_side="left"`` when the tokens sit at the end of each row.
+    * ``pack(x, mask=key_padding_mask)``: torch convention, ``[B, M]`` bool with True at
+      padding (or float with ``-inf`` at padding). One sync reads the lengths and the
+      padding side.
+    * ``pack(x, attention_mask=hf_mask)``: HuggingFace convention, ``[B, M]`` of any dtype
+      holding only 0 (padding) and 1 (token); right or left padding is detected. One sync,
+      as for ``mask``. An integer mask given as ``mask=`` raises ``TypeError``.
+    * ``pack(x)``: every row is full (``L_b = M``).
+
+    Masks whose tokens are not one contiguous run at either end of each row are
+    compressed with a boolean gather (slower; warns once).
+    """
+    fn = "ragged.pack"
+    if backend is not None:
+        backends._check_name(fn, backend)
+    if isinstance(data, (list, tuple)):
+        if lengths is not None or mask is not None or attention_mask is not None:
+            raise ValueError(f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, "
+                             "not to a list of sequences")
+        return _pack_list(fn, data)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{fn}(): expected a list of tensors or a padded tensor [B, M, ...], got {describe(data)}")
+    x = data
+    if x.dim() < 2:
+        raise ValueError(f"{fn}(): expected a padded tensor of shape [B, M, ...], got {tuple(x.shape)}")
+    given = [name for name, v in (("lengths", lengths), ("mask", mask), ("attention_mask", attention_mask))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{fn}(): expected at most one of lengths, mask, attention_mask, got {', '.join(given)}")
+    batch, width = x.shape[0], x.shape[1]
+    if mask is not None or attention_mask is not None:
+        name = "mask" if mask is not None else "attention_mask"
+        return _pack_masked(fn, x, mask if mask is not None else attention_mask, name, padding_side, backend)
+    side = check_side(fn, "right" if padding_side is None else padding_side)
+    if lengths is None:
+        host_lengths = [width] * batch
+    else:
+        host_lengths = host_lengths_of(fn, lengths)
+        if len(host_lengths) != batch:
+            raise ValueError(f"{fn}(): expected {batch} lengths (x.shape[0]), got {len(host_lengths)}")
+    host = host_offsets_from_lengths(fn, host_lengths)
+    longest = max_length(host)
+    if longest > width:
+        i = max(range(batch), key=lambda k: host[k + 1] - host[k])
+        raise ValueError(f"{fn}(): expected every length <= the padded width x.shape[1] ({width}), "
+                         f"got lengths[{i}] = {longest}")
+    return _pack_host(x, host, longest, side, backend)
+
+
+def _pack_host(x: torch.Tensor, host: Sequence[int], longest: int, side: str, backend) -> RaggedTensor:
+    total = host[-1]
+    offsets = to_device(host, offsets_dtype_for(total), x.device)
+    impl = backends.select_spec("pack", backend, PackSpec(x.device, x.dtype))
+    values = PACK(x, offsets, total, side == "left", impl.backend)
+    return exact_ragged(values, offsets, host, longest)
+
+
+def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
+    if len(seqs) == 0:
+        return RaggedTensor(torch.empty(0), torch.zeros(1, dtype=torch.int32), 0, (0,))
+    first = seqs[0]
+    for i, s in enumerate(seqs):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{fn}(): expected every sequence to be a torch.Tensor, got {describe(s)} at index {i}")
+        if s.dim() < 1:
+            raise ValueError(f"{fn}(): expected sequences of shape [L, ...], got a 0-d tensor at index {i}")
+        if s.shape[1:] != first.shape[1:]:
+            raise ValueError(f"{fn}(): expected every sequence to have feature shape {tuple(first.shape[1:])} "
+                             f"(that of sequence 0), got {tuple(s.shape[1:])} at index {i}")
+        if s.dtype != first.dtype:
+            raise TypeError(f"{fn}(): expected every sequence to have dtype {first.dtype} (that of sequence 0), "
+                            f"got {s.dtype} at index {i}")
+        if s.device != first.device:
+            raise ValueError(f"{fn}(): expected every sequence on {first.device} (that of sequence 0), "
+                             f"got {s.device} at index {i}")
+    host = host_offsets_from_lengths(fn, [s.shape[0] for s in seqs])
+    values = torch.cat(list(seqs), dim=0)
+    offsets = to_device(host, offsets_dtype_for(host[-1]), first.device)
+    return exact_ragged(values, offsets, host, max_length(host))
+
+
+def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_side, backend) -> RaggedTensor:
+    check_tensor(fn, name, m)
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{fn}(): expected {name} of shape {tuple(x.shape[:2])} (x.shape[:2]), got {tuple(m.shape)}")
+    if m.device != x.device:
+        raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of x), got {m.device}")
+    if padding_side is not None:
+        check_side(fn, padding_side)
+    if name == "mask":  # torch convention: True (or -inf) = padding
+        if m.dtype == torch.bool:
+            keep, bad = ~m, None
+        elif m.dtype.is_floating_point:
+            keep = m == 0
+            bad = ~(keep | torch.isneginf(m))
+        else:
+            # An integer mask is almost always a HuggingFace 0/1 mask (1 = token): read with
+            # the torch convention its lengths would come out inverted.
+            raise TypeError(f"{fn}(): expected mask of dtype bool (True = padding) or float (-inf = padding), "
+                            f"got {m.dtype}; for a 0/1 mask with 1 at tokens (HuggingFace convention) "
+                            "use attention_mask= instead")
+    else:  # HuggingFace convention: 1 = token, 0 = padding, nothing else (bool is 0/1 already)
+        keep = m != 0
+        bad = None if m.dtype == torch.bool else ~(keep == (m == 1))
+    host_lengths, is_right, is_left, is_bad = read_mask_layout(keep, bad)
+    if is_bad:
+        what = "0 (token) or -inf (padding)" if name == "mask" else "0 (padding) or 1 (token)"
+        raise ValueError(f"{fn}(): expected {name} values to be {what}, got other values")
+    host = host_offsets_from_lengths(fn, host_lengths)
+    longest = max_length(host)
+    if is_right and padding_side != "left":
+        return _pack_host(x, host, longest, "right", backend)
+    if is_left and padding_side != "right":
+        return _pack_host(x, host, longest, "left", backend)
+    if is_right or is_left:
+        found = "right" if is_right else "left"
+        raise ValueError(f"{fn}(): padding_side={padding_side!r} expects a {padding_side}-padded {name}, "
+                         f"got a {found}-padded one")
+    warn_once("pack-scattered-mask",
+              f"{fn}(): {name} has tokens that are not one contiguous run at the start or end of each row; "
+              "compressing them with a boolean gather, which is slower than the pack kernels")
+    values = x[keep]
+    offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
+    return exact_ragged(values, offsets, host, longest)
+
+
+def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[list[int], bool, bool, bool]:
+    """The one device read of a mask-driven pack.
+
+    ``keep``: ``[B, M]`` bool, True at tokens. Returns the host lengths, whether every row's
+    tokens are one run at the start (right padding) or at the end (left padding) of the
+    row (full and empty rows are both), and whether ``bad`` (bool, any shape) holds a True.
+    """
+    batch, width = keep.shape
+    lengths = keep.sum(1)
+    j = torch.arange(width, device=keep.device)
+    right = (keep == (j < lengths.unsqueeze(1))).all()
+    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
+    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
+                                                                                    device=keep.device)])
+    stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
+    host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
+    return host_lengths, bool(is_right), bool(is_left), bool(is_bad)
+
+
+def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
+           padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+    """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``
+    (the function form of :meth:`RaggedTensor.to_padded`).
+
+    ``M`` is checked against the longest sequence on the host when the host offsets are
+    known (no sync), and otherwise from CPU offsets; CUDA offsets without host offsets are
+    trusted to fit ``max_len``.
+    """
+    fn = "ragged.unpack"
+    if not isinstance(rt, RaggedTensor):
+        raise TypeError(f"{fn}(): expected a RaggedTensor for rt, got {describe(rt)}")
+    return rt._to_padded(fn, padding_value, total_length, padding_side, backend)

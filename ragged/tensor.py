@@ -21,13 +21,18 @@ Sequences of length 0 and B = 0 are legal. Autograd flows through ``values``.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
+from . import backends
 from ._utils import (
     check_int,
+    check_side,
     check_offsets_tensor,
     check_tensor,
     describe,
@@ -37,6 +42,7 @@ from ._utils import (
     offsets_dtype_for,
     to_device,
 )
+from .ops.pack import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
 
 
 class RaggedTensor:
@@ -218,7 +224,7 @@ class RaggedTensor:
         m = self._width("ragged.RaggedTensor.padding_mask", total_length)
         j = torch.arange(m, device=self.device)
         lengths = self.lengths.unsqueeze(1)
-        if _side("ragged.RaggedTensor.padding_mask", padding_side) == "left":
+        if check_side("ragged.RaggedTensor.padding_mask", padding_side) == "left":
             return j.unsqueeze(0) < (m - lengths)
         return j.unsqueeze(0) >= lengths
 
@@ -267,11 +273,20 @@ class RaggedTensor:
 
     def to_padded(self, padding_value: float = 0.0, total_length: int | None = None,
                   padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
-        """``[B, M, *F]`` with ``padding_value`` at padding; ``M = total_length or max_len``."""
-        from .ops.pack import unpack
+        """``[B, M, *F]`` with ``padding_value`` at padding; ``M = total_length or max_len``
+        (see :func:`ragged.unpack`)."""
+        return self._to_padded("ragged.unpack", padding_value, total_length, padding_side, backend)
 
-        return unpack(self, padding_value=padding_value, total_length=total_length,
-                      padding_side=padding_side, backend=backend)
+    def _to_padded(self, fn: str, padding_value, total_length, padding_side, backend) -> torch.Tensor:
+        width = self._width(fn, total_length)
+        left = check_side(fn, padding_side) == "left"
+        values, offsets = self.values, self.offsets
+        fill = unpack_fill(fn, padding_value, values, offsets)
+        impl = backends.select_spec("unpack", backend, PackSpec(values.device, values.dtype), fn=fn)
+        if self._host_offsets is None and reads_offsets(False, values, offsets):
+            check_offsets(fn, offsets, values.shape[0], "values.shape[0]", width,
+                          "max_len" if total_length is None else "total_length")
+        return UNPACK(values, offsets, width, fill, left, impl.backend)
 
     def unbind(self) -> tuple[torch.Tensor, ...]:
         """Views ``values[offsets[b]:offsets[b+1]]``, one per sequence (host offsets needed)."""
@@ -363,16 +378,20 @@ class RaggedTensor:
                 "max_seqlen_q": self.max_len, "max_seqlen_k": k.max_len}
 
     def to_nested(self) -> torch.Tensor:
-        """A torch.nested jagged-layout tensor sharing ``values`` (see :mod:`ragged.interop`)."""
-        from .interop import to_nested
+        """A jagged-layout nested tensor ``[B, j, *F]`` that shares ``values`` (no copy).
 
-        return to_nested(self)
+        torch.nested keeps int64 offsets; int32 offsets are widened (a small device op).
+        The host ``max_len`` is passed along so that NJT ops need not read it back.
+        """
+        return _to_nested(self)
 
     def to_packed_sequence(self, enforce_sorted: bool = False):
-        """A ``torch.nn.utils.rnn.PackedSequence`` (see :mod:`ragged.interop`)."""
-        from .interop import to_packed_sequence
+        """A ``torch.nn.utils.rnn.PackedSequence`` (time-major, sequences sorted by decreasing length).
 
-        return to_packed_sequence(self, enforce_sorted=enforce_sorted)
+        Needs the host lengths (one sync the first time when they are not known). Sequences
+        of length 0 cannot be represented in a PackedSequence and raise ValueError.
+        """
+        return _to_packed_sequence(self, enforce_sorted)
 
     # ----------------------------------------------------------------------------------
     # Serialisation: torch.save / torch.load (weights_only too) round-trip.
@@ -391,12 +410,6 @@ def exact_ragged(values: torch.Tensor, offsets: torch.Tensor, host: Sequence[int
 
 def _rebuild_ragged(values, offsets, max_len, host_offsets):
     return RaggedTensor(values, offsets, max_len, host_offsets)
-
-
-def _side(fn: str, padding_side: str) -> str:
-    if padding_side not in ("right", "left"):
-        raise ValueError(f"{fn}(): expected padding_side 'right' or 'left', got {padding_side!r}")
-    return padding_side
 
 
 def validate_host_offsets(fn: str, host: Sequence[int], total: int, name: str = "offsets") -> None:
@@ -441,3 +454,82 @@ def _register() -> None:
 
 
 _register()
+
+
+# --------------------------------------------------------------------------------------
+# torch.nested and PackedSequence
+
+
+# nested_tensor_from_jagged asks torch.fx whether it is tracing, and that query reports a
+# deprecation notice addressed to fx users (through logging in torch 2.13, as a
+# UserWarning in some other releases), once per process: to a ragged user it is noise.
+_FX_TRACING_NOTICE = "is_fx_tracing will return true"
+_FX_LOGGER = "torch.fx._symbolic_trace"
+
+
+class _DropFxTracingNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _FX_TRACING_NOTICE not in record.getMessage()
+
+
+_DROP_FX_TRACING_NOTICE = _DropFxTracingNotice()
+
+
+def _to_nested(rt: RaggedTensor) -> torch.Tensor:
+    """A jagged-layout nested tensor ``[B, j, *F]`` that shares ``rt.values`` (no copy).
+
+    torch.nested keeps int64 offsets; int32 offsets are widened (a small device op).
+    The host ``max_len`` is passed along so that NJT ops need not read it back.
+    """
+    min_len = None
+    if rt._host_offsets is not None:
+        o = rt._host_offsets
+        min_len = min((o[i + 1] - o[i] for i in range(len(o) - 1)), default=0)
+    offsets = rt.offsets.to(torch.int64)
+    if torch.compiler.is_compiling():  # filters are host state; a traced call builds the tensor only
+        return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len, min_seqlen=min_len)
+    # The notice is filtered for this one call only, by its text, on the logger that emits it.
+    logger = logging.getLogger(_FX_LOGGER)
+    logger.addFilter(_DROP_FX_TRACING_NOTICE)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_FX_TRACING_NOTICE)
+            return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len,
+                                                          min_seqlen=min_len)
+    finally:
+        logger.removeFilter(_DROP_FX_TRACING_NOTICE)
+
+
+
+
+def _to_packed_sequence(rt: RaggedTensor, enforce_sorted: bool = False) -> PackedSequence:
+    """A ``PackedSequence`` (time-major, sequences sorted by decreasing length).
+
+    Needs the host lengths (one sync the first time when they are not known). Sequences
+    of length 0 cannot be represented in a PackedSequence and raise ValueError.
+    """
+    fn = "ragged.RaggedTensor.to_packed_sequence"
+    lengths = np.asarray(rt.host_lengths(), dtype=np.int64)
+    if lengths.size and lengths.min() == 0:
+        raise ValueError(f"{fn}(): PackedSequence cannot hold sequences of length 0, got length 0 at index "
+                         f"{int(np.argmin(lengths))}")
+    if lengths.size == 0:
+        raise ValueError(f"{fn}(): PackedSequence cannot hold an empty batch (B = 0)")
+    if enforce_sorted:
+        if np.any(np.diff(lengths) > 0):
+            raise ValueError(f"{fn}(): enforce_sorted=True needs lengths sorted in decreasing order, got {lengths.tolist()}")
+        order = np.arange(lengths.size)
+    else:
+        order = np.argsort(-lengths, kind="stable")
+    starts = np.asarray(rt.host_offsets()[:-1], dtype=np.int64)[order]
+    sorted_lengths = lengths[order]
+    steps = np.arange(int(sorted_lengths[0]))
+    present = steps[:, None] < sorted_lengths[None, :]          # [max_len, B], time-major
+    index = (starts[None, :] + steps[:, None])[present]
+    batch_sizes = torch.from_numpy(present.sum(1).astype(np.int64))
+    data = rt.values.index_select(0, to_device(index.tolist(), torch.int64, rt.device))
+    if enforce_sorted:
+        return PackedSequence(data, batch_sizes, None, None)
+    sorted_indices = to_device(order.tolist(), torch.int64, rt.device)
+    unsorted_indices = to_device(np.argsort(order).tolist(), torch.int64, rt.device)
+    return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)

@@ -256,10 +256,10 @@ def _spy_on(monkeypatch, op):
     ran = []
     entry = backends._OPS[op]
     for name, impl in list(entry.impls.items()):
-        def fn(*args, _fn=impl.fn, _name=name):
+        def fn(*args, _fn=impl.forward_fn, _name=name):
             ran.append(_name)
             return _fn(*args)
-        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, fn=fn))
+        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=fn))
     return ran
 
 
@@ -303,11 +303,11 @@ def test_gpu_threads_run_their_own_backend(monkeypatch):
     lock = threading.Lock()
     entry = backends._OPS["pack"]
     for name, impl in list(entry.impls.items()):
-        def fn(*args, _fn=impl.fn, _name=name):
+        def fn(*args, _fn=impl.forward_fn, _name=name):
             with lock:
                 ran.setdefault(threading.current_thread().name, []).append(_name)
             return _fn(*args)
-        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, fn=fn))
+        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=fn))
     lengths = [5, 0, 1, 97, 12]
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(len(lengths), 97, 33, generator=gen, device="cuda")

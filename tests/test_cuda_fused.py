@@ -14,8 +14,8 @@ import torch
 
 import ragged
 from ragged import backends
-from ragged.kernels import cuda as kc
-from ragged.kernels import cuda_fused as cf
+from ragged.kernels.cuda import launch as kc, pack as kp
+from ragged.kernels.cuda import fused as cf
 from ragged.ops import fused as ops_fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

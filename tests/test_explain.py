@@ -84,7 +84,7 @@ def test_explain_runs_no_kernel_and_leaves_the_selection(op, monkeypatch):
     for name, impl in list(entry.impls.items()):
         def refuse(*_, _name=name):
             raise AssertionError(f"explain ran the {_name} implementation")
-        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, fn=refuse))
+        monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=refuse, backward=refuse))
     ragged.set_backend("torch")
     with ragged.use_backend("cuda"):
         ragged.explain(public, *args, backend="triton", **kwargs)  # backend= is ignored

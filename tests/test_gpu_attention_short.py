@@ -35,7 +35,7 @@ def _kernel():
     reason = backends.cuda_reason(torch.device("cuda"))
     if reason:
         pytest.skip(reason)
-    from ragged.kernels import cuda_attention
+    from ragged.kernels.cuda import attention as cuda_attention
 
     return cuda_attention
 
@@ -89,7 +89,7 @@ def _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=None):
 def path(request, monkeypatch):
     """Both kernels of the common case: the pipelined one (several heads per block) and the
     one-block-per-head one (which also takes every longer case)."""
-    from ragged.kernels import cuda_attention
+    from ragged.kernels.cuda import attention as cuda_attention
 
     if request.param == "per_head":
         monkeypatch.setattr(cuda_attention, "PIPELINED_HEADS", 0)
@@ -282,8 +282,8 @@ def test_reasons():
 
 
 def test_launcher_table_matches_the_source():
-    from ragged.kernels import cuda as kc
-    from ragged.kernels import cuda_attention as ca
+    from ragged.kernels.cuda import launch as kc, pack as kp
+    from ragged.kernels.cuda import attention as ca
 
     src = kc.source("attention_short.cu")
     declared = {(int(d), int(c), int(w))

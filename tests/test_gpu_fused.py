@@ -338,7 +338,7 @@ def _needs_cuda_kernels():
 
 
 def _cuda_fused():
-    from ragged.kernels import cuda_fused
+    from ragged.kernels.cuda import fused as cuda_fused
 
     return cuda_fused
 

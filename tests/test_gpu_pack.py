@@ -263,7 +263,7 @@ def test_kernel_launchers_take_strided_offsets(backend, left):
     """The launchers make offsets contiguous themselves, whoever calls them."""
     _needs(backend)
     if backend == "cuda":
-        from ragged.kernels import cuda as kernels
+        from ragged.kernels.cuda import pack as kernels
     else:
         from ragged.kernels.triton import pack as kernels
     gen = torch.Generator(device="cuda").manual_seed(12)

@@ -269,15 +269,15 @@ def test_padding_value_not_a_number():
 @pytest.mark.parametrize("dtype", FILL_DTYPES, ids=str)
 def test_kernel_fill_patterns_are_torchs_cast(dtype):
     """The bits the Triton and CUDA launchers hand their kernels, checked without running them."""
-    from ragged.kernels import cuda as kc
+    from ragged.kernels.cuda import launch as kc, pack as kp
 
     for value in FILL_VALUES:
         want = _torch_cast(value, dtype)
         if want is None:
             with pytest.raises(ValueError, match=r"padding_value"):
-                kc._fill_words(value, dtype)
+                kp._fill_words(value, dtype)
             continue
-        words = np.array(kc._fill_words(value, dtype), dtype=np.uint32)
+        words = np.array(kp._fill_words(value, dtype), dtype=np.uint32)
         raw = torch.from_numpy(words.view(np.uint8).copy())
         assert torch.equal(raw, want.reshape(1).view(torch.uint8).repeat(16 // want.element_size())), value
         if TRITON_ON_CPU:
@@ -339,7 +339,7 @@ def test_integer_key_padding_mask_is_refused(dtype):
 
 def test_mask_layout_is_read_once(monkeypatch):
     """The 0/1 check shares the one read of the mask (read_mask_layout)."""
-    import ragged.ops.pack as pack_ops
+    import ragged.interop as pack_ops
 
     calls = []
     original = pack_ops.read_mask_layout

@@ -196,7 +196,7 @@ def _triton_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_
 
 def _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
     try:
-        from ..kernels.cuda_attention import reasons
+        from ..kernels.cuda.attention import reasons
     except ImportError as exc:  # the short-sequence kernel is optional
         return [f"the CUDA short-sequence attention kernel is unavailable ({exc})"]
     return reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad)
@@ -236,7 +236,7 @@ def _triton_backward(*args):
 
 
 def _cuda_forward(*args):
-    from ..kernels.cuda_attention import forward
+    from ..kernels.cuda.attention import forward
 
     return forward(*args)
 

@@ -257,13 +257,13 @@ def _add_layer_norm_triton_backward(*args):
 
 
 def _bias_act_cuda_forward(*args):
-    from ..kernels.cuda_fused import bias_act_forward
+    from ..kernels.cuda.fused import bias_act_forward
 
     return bias_act_forward(*args)
 
 
 def _add_layer_norm_cuda_forward(*args):
-    from ..kernels.cuda_fused import add_layer_norm_forward
+    from ..kernels.cuda.fused import add_layer_norm_forward
 
     return add_layer_norm_forward(*args)
 
@@ -281,13 +281,13 @@ def _with_triton_reasons(cuda_reasons: list[str], triton_reasons, x, *args) -> l
 
 
 def _bias_act_cuda_reasons(x, bias, activation) -> list[str]:
-    from ..kernels.cuda_fused import bias_act_reasons
+    from ..kernels.cuda.fused import bias_act_reasons
 
     return _with_triton_reasons(bias_act_reasons(x, bias, activation), _bias_act_triton_reasons, x, bias, activation)
 
 
 def _add_layer_norm_cuda_reasons(x, residual, weight, bias) -> list[str]:
-    from ..kernels.cuda_fused import add_layer_norm_reasons
+    from ..kernels.cuda.fused import add_layer_norm_reasons
 
     return _with_triton_reasons(add_layer_norm_reasons(x, residual, weight, bias), _add_layer_norm_triton_reasons,
                                 x, residual, weight, bias)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import backends
-from .._utils import eager
-from .cuda import Params, launch
+from ... import backends
+from ..._utils import eager
+from .launch import Params, launch
 
 _SOURCE = "fused.cu"
 # dtype -> (kernel name part, elements per 16-byte vector)
@@ -263,7 +263,7 @@ def _unit_strides(x: torch.Tensor | None, residual: torch.Tensor | None, *params
 
 
 def _triton_add_layer_norm(*args):
-    from .triton.fused import add_layer_norm_forward
+    from ..triton.fused import add_layer_norm_forward
 
     return add_layer_norm_forward(*args)
 
@@ -334,7 +334,7 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
     if (px | pb) & 15 or not x.is_contiguous() or not _unit_strides(None, None, bias):
         # Only reachable when the reasons could not look at the pointers (torch.compile), or
         # from a direct call with a layout the kernel does not read: Triton takes any.
-        from .triton.fused import bias_act_forward as triton_forward
+        from ..triton.fused import bias_act_forward as triton_forward
 
         return triton_forward(x, bias, activation)
     kernel, vec = bias_act_kernel(x.dtype, activation)

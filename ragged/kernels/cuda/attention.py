@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from .. import backends
-from .cuda import Params, launch
+from ... import backends
+from .launch import Params, launch
 
 MAX_LEN = 128
 HEAD_DIMS = (32, 64, 128)

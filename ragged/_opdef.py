@@ -1,0 +1,171 @@
+"""One way to define an op: the ``torch.library`` ops, one autograd rule, the eager path.
+
+An op of ragged is written once, as data handed to :func:`define`:
+
+* ``signature``: an annotated stub of the forward's operands (``def f(x: Tensor, n: int) ->
+  Tensor: ...``); the ``torch.library`` op ``ragged::<name>`` takes those operands and the
+  name of the backend to run (a ``str``, last);
+* ``fake``: the forward's fake implementation (shapes and dtypes only), for torch.compile;
+* ``setup(ctx, inputs, output)`` and ``backward(ctx, *grads)``: the one autograd rule, where
+  ``inputs`` are the forward's operands followed by the backend and ``backward`` returns a
+  gradient per operand (the backend gets none). The same two functions serve the
+  ``torch.library`` op (``register_autograd``) and the eager path below;
+* optionally ``backward_signature`` / ``backward_fake``: a second op ``ragged::<name>_backward``
+  for the backward kernels, so that a traced backward is one node too. Outputs a kernel may
+  leave out (``None``) travel through it as empty tensors, restored to None by
+  :meth:`OpDef.call_backward` from ``backward_present(*operands)``;
+* ``spec``: a function from the operands to the op's frozen spec object, which every
+  implementation's ``reasons`` reads (see :mod:`ragged.backends`).
+
+Calling the op (``OP(*operands, backend)``) takes one of three paths, the same result on each:
+
+* traced (torch.compile, fake tensors, tensor subclasses, dispatch modes): the
+  ``torch.library`` op, which carries the autograd rule;
+* eager, with a gradient to record: an ``autograd.Function`` made by :func:`define` from the
+  same ``setup`` / ``backward``; it skips the dispatcher (about 25 us of host time per call on
+  the H200 machine, more than a small kernel runs);
+* eager, no gradient: the implementation's forward, called straight.
+
+The implementations themselves are declared beside their kernels
+(:class:`ragged.backends.Implementation`) and registered by name; :func:`define` does not
+know them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import backends
+from ._utils import eager
+
+__all__ = ["OpDef", "define"]
+
+
+def _schema(signature: Callable) -> str:
+    """The schema of ``signature`` with a trailing ``str backend`` operand."""
+    schema = torch.library.infer_schema(signature, mutates_args=())
+    head, arrow, tail = schema.rpartition(") ->")
+    joiner = ", " if not head.endswith("(") else ""
+    return f"{head}{joiner}str backend{arrow}{tail}"
+
+
+def _tensor_positions(signature: Callable) -> tuple[int, ...]:
+    """Positions of the operands annotated as tensors (``Tensor`` or ``Tensor | None``)."""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(signature)
+    out = []
+    for i, name in enumerate(inspect.signature(signature).parameters):
+        hint = hints.get(name)
+        args = typing.get_args(hint) or (hint,)
+        if any(a is torch.Tensor for a in args):
+            out.append(i)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpDef:
+    """An op defined by :func:`define`: call it with the operands and a backend name."""
+
+    name: str
+    forward_op: Any                      # torch.library CustomOpDef of ragged::<name>
+    backward_op: Any | None              # ragged::<name>_backward, when declared
+    function: type                       # the eager autograd.Function
+    tensor_positions: tuple[int, ...]    # operands that may hold a tensor
+    backward_tensor_positions: tuple[int, ...]
+    backward_present: Callable[..., Sequence[bool]] | None
+
+    def __call__(self, *args, context: Any = None):
+        """``OP(*operands, backend)``: the forward's outputs (see the module docstring).
+
+        ``context``: host-side facts that spare the backward a device read in eager calls
+        (host offsets, say), stored as ``ctx.context`` for the autograd rule; traced calls
+        (and the rule's ``ctx`` there) have ``ctx.context = None``."""
+        tensors = [args[i] for i in self.tensor_positions if args[i] is not None]
+        if eager(*tensors):
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return self.function.apply(*args, context)
+            return backends.implementation(self.name, args[-1]).forward_fn(*args[:-1])
+        return self.forward_op(*args)
+
+    def call_backward(self, *args):
+        """``OP.call_backward(*operands, backend)``: the backward implementation of ``backend``
+        (or the ``ragged::<name>_backward`` op while tracing)."""
+        impl = backends.implementation(self.name, args[-1])
+        tensors = [args[i] for i in self.backward_tensor_positions if args[i] is not None]
+        if self.backward_op is None or eager(*tensors):
+            return impl.backward_fn(*args[:-1])
+        out = self.backward_op(*args)
+        if self.backward_present is None:
+            return out
+        return tuple(t if keep else None for t, keep in zip(out, self.backward_present(*args[:-1])))
+
+
+def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, backward: Callable,
+           spec: Callable, backward_signature: Callable | None = None, backward_fake: Callable | None = None,
+           backward_present: Callable[..., Sequence[bool]] | None = None,
+           non_differentiable: Callable[[tuple, Any], Sequence[torch.Tensor]] | None = None,
+           gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")) -> OpDef:
+    """Define op ``name`` (see the module docstring) and register it with :mod:`ragged.backends`.
+
+    ``non_differentiable(inputs, outputs)``: the outputs autograd must treat as constants
+    (statistics, indices); the ``torch.library`` op's outputs get a None gradient for them.
+    ``gpu_order``: the preference of ``"auto"`` on CUDA tensors (a tuple, or a function of the
+    spec returning one), fastest measured first.
+    """
+
+    def run_forward(*args):
+        return backends.implementation(name, args[-1]).forward_fn(*args[:-1])
+
+    forward_op = torch.library.custom_op(f"ragged::{name}", run_forward, mutates_args=(), schema=_schema(signature))
+    forward_op.register_fake(lambda *args: fake(*args[:-1]))
+
+    def rule(ctx, *grads):
+        return (*backward(ctx, *grads), None)
+
+    def traced_setup(ctx, inputs, output):
+        ctx.context = None
+        setup(ctx, inputs, output)
+
+    forward_op.register_autograd(rule, setup_context=traced_setup)
+
+    backward_op = None
+    backward_positions: tuple[int, ...] = ()
+    if backward_signature is not None:
+        backward_positions = _tensor_positions(backward_signature)
+
+        def run_backward(*args):
+            out = backends.implementation(name, args[-1]).backward_fn(*args[:-1])
+            # an op returns tensors only: a gradient a kernel leaves out travels as an empty tensor
+            like = args[backward_positions[0]]
+            return tuple(like.new_empty(0) if t is None else t for t in out)
+
+        backward_op = torch.library.custom_op(f"ragged::{name}_backward", run_backward, mutates_args=(),
+                                              schema=_schema(backward_signature))
+        backward_op.register_fake(lambda *args: backward_fake(*args[:-1]))
+
+    def eager_forward(ctx, *args):
+        *args, ctx.context = args
+        args = tuple(args)
+        out = backends.implementation(name, args[-1]).forward_fn(*args[:-1])
+        setup(ctx, args, out)
+        if non_differentiable is not None:
+            constants = non_differentiable(args, out)
+            if constants:
+                ctx.mark_non_differentiable(*constants)
+        return out
+
+    function = type(f"{name.title().replace('_', '')}Function", (torch.autograd.Function,), {
+        "forward": staticmethod(eager_forward),
+        "backward": staticmethod(lambda ctx, *grads: (*rule(ctx, *grads), None)),
+        "__doc__": f"The eager path of ragged::{name}: its autograd rule without the dispatcher.",
+        "__module__": __name__,
+    })
+    op = OpDef(name, forward_op, backward_op, function, _tensor_positions(signature), backward_positions,
+               backward_present)
+    backends.declare_op(name, spec, gpu_order)
+    return op
