@@ -10,7 +10,7 @@ import time
 import torch
 
 import ragged
-from ragged.kernels.cuda import launch as kc, pack as kp
+from ragged.kernels.cuda import pack as kp
 from ragged.kernels.triton import pack as kt
 from ragged.ops import pack as ops
 

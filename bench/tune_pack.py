@@ -13,7 +13,7 @@ import triton
 from triton.testing import do_bench
 
 import ragged
-from ragged.kernels.cuda import launch as kc, pack as kp
+from ragged.kernels.cuda import pack as kp
 from ragged.kernels.triton import pack as kt
 
 

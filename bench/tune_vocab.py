@@ -4,8 +4,9 @@ d=1024, V=32000, |V_i| 500..2000), beside the full projection.
 Development tool, run on a GPU: ``python -m bench.tune_vocab``. For each kernel (forward,
 d_hidden, d_weight, fused cross-entropy forward and gradient tile) it prints the median
 time of every configuration and the best one; the chosen shapes live in
-``ragged/kernels/triton/vocab.py`` (``_config``, ``_ce_config``, ``_dhidden_config``,
-``_dweight_config``).
+``ragged/kernels/triton/vocab.py`` (``config``, ``_dhidden_config``, ``_dweight_config``)
+and ``ragged/kernels/triton/vocab_cross_entropy.py`` (``_ce_config``). The last sweep's
+output: ``bench/results/tune_vocab_h200.txt``.
 """
 
 import argparse
@@ -15,27 +16,20 @@ from triton.testing import do_bench
 
 import ragged
 from ragged.kernels.triton import vocab as kv
+from ragged.kernels.triton import vocab_cross_entropy as kce
+from ragged.ops.vocab_checks import prepare
 
 from .suites.vocab import GPU_SHAPES, Problem
 
 
 def capture(p: Problem):
-    """The launcher arguments of one projection call (offsets built by the op)."""
-    seen = {}
-    original = kv.forward
-
-    def spy(*args):
-        seen["args"] = args
-        return original(*args)
-
-    kv.forward = spy
-    try:
-        hidden = ragged.RaggedTensor.from_lengths(p.hidden, p.lengths)
-        vocab = ragged.RaggedTensor.from_lengths(p.vocab_values, p.counts)
-        ragged.vocab_projection(hidden, p.weight, vocab, backend="triton")
-    finally:
-        kv.forward = original
-    return seen["args"]
+    """The operands of the vocab ops for one call on the problem (no bias), as
+    :func:`ragged.vocab_projection` builds them."""
+    hidden = ragged.RaggedTensor.from_lengths(p.hidden, p.lengths)
+    vocab = ragged.RaggedTensor.from_lengths(p.vocab_values, p.counts)
+    layout = prepare("bench.tune_vocab", hidden, p.weight, vocab, None, False)
+    return (layout.hidden, layout.h_off, layout.weight, layout.bias, layout.ids, layout.v_off, layout.l_off,
+            layout.total, layout.max_t, layout.max_v)
 
 
 def sweep(label, setter, configs, fn, default):
@@ -72,14 +66,14 @@ def main():
     grad = torch.randn(total, device="cuda", dtype=dt)
 
     if want("fwd"):
-        default = kv._config(dim, max_t, max_v, dt, False)
+        default = kv.config(dim, max_t, max_v, dt, False)
         configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
                    for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
         configs += [(64, 128, 32, 4, 4), (64, 128, 128, 8, 2), (64, 64, 128, 4, 3)]
-        orig = kv._config
-        sweep("fwd", lambda c: setattr(kv, "_config", (lambda *a, c=c: c) if c != default else orig), configs,
+        orig = kv.config
+        sweep("fwd", lambda c: setattr(kv, "config", (lambda *a, c=c: c) if c != default else orig), configs,
               lambda: kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v), default)
-        kv._config = orig
+        kv.config = orig
     if want("dh"):
         default = kv._dhidden_config(dim, max_t, dt, False)
         configs = [(bm, bd, bk, w, s) for bm in (32, 64) for bd in (64, 128) for bk in (32, 64)
@@ -98,21 +92,20 @@ def main():
               lambda: kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, False, True, False,
                                   False), default)
         kv._dweight_config = orig
-    target = p.local_target.to(torch.int32)
+    operands = (hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
     if want("ce"):
-        default = kv._ce_config(dim, max_t, max_v, dt, False)
+        default = kce._ce_config(dim, max_t, max_v, dt, False)
         configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
                    for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
-        orig = kv._ce_config
-        sweep("ce fwd", lambda c: setattr(kv, "_ce_config", lambda *a, c=c: c), configs,
-              lambda: kv.cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, 0.0,
-                                               max_t, max_v), default)
-        kv._ce_config = orig
+        orig = kce._ce_config
+        sweep("ce fwd", lambda c: setattr(kce, "_ce_config", lambda *a, c=c: c), configs,
+              lambda: kce.forward(*operands, p.target, -100, 0.0), default)
+        kce._ce_config = orig
     if want("cegrad"):
-        _, lse = kv.cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, 0.0, max_t, max_v)
+        _, lse, local, _ = kce.forward(*operands, p.target, -100, 0.0)
         gl = torch.full((hidden.shape[0],), 1.0 / hidden.shape[0], device="cuda")
-        fn = lambda: kv.cross_entropy_backward(gl, hidden, h_off, weight, bias, ids, v_off, l_off, total,  # noqa
-                                               target, lse, 0.0, max_t, max_v, True, True, False, False)
+        fn = lambda: kce.backward(gl, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse,  # noqa
+                                  None, 0.0, max_t, max_v, True, True, False, False, None, None)
         print(f"ce backward (grad tile + d_hidden + d_weight, current configs): "
               f"{do_bench(fn, return_mode='median'):.4f} ms", flush=True)
 

@@ -1,7 +1,8 @@
 """ragged.nn: drop-in padding-free modules (thin: they own parameters and call ragged ops)."""
 
 from .activation import MultiheadAttention
-from .transformer import TransformerEncoder, TransformerEncoderLayer, convert
+from .convert import convert
+from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .vocab import VocabProjection
 
 __all__: list[str] = []

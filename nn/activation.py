@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .._utils import describe
-from ..ops.attention import attention
-from ..interop import pack, read_mask_layout, unpack
-from ..tensor import RaggedTensor
+from ragged import RaggedTensor, attention, pack, unpack
+from ragged.interop import read_mask_layout
+from ragged.utils import describe
 
 # --------------------------------------------------------------------------------------
 # Padded inputs: one read of the key padding mask, then packed with host lengths

@@ -1,5 +1,9 @@
 """TransformerEncoderLayer / TransformerEncoder with torch.nn's signatures and state_dict keys,
-computed padding-free; :func:`convert` swaps them (and MultiheadAttention) into a model.
+computed padding-free (:func:`ragged.nn.convert` swaps them, and MultiheadAttention, into a model).
+
+The torch.nn adapter of the one layer core: :func:`layer_spec` reads a layer's weights and
+configuration under torch.nn's attribute names into a :class:`ragged.nn.layer.LayerSpec`,
+and :mod:`ragged.nn.layer` computes it.
 
 A padded input is packed once at the top (from its key padding mask, or with every row
 full), every per-token op (Linear, LayerNorm, activation, dropout, residual) runs on
@@ -11,19 +15,15 @@ returns a RaggedTensor.
 from __future__ import annotations
 
 import copy as _copy
-import math
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize, prune
 
-from .. import backends
-from .._utils import describe, eager
-from ..ops.fused import _call_add_layer_norm, _call_bias_act
-from ..tensor import RaggedTensor
+from ragged import RaggedTensor
+from ragged.utils import describe, eager
+
 from .activation import (
     MultiheadAttention,
     adopt,
@@ -33,17 +33,9 @@ from .activation import (
     pack_padded,
     to_batch_first,
 )
-from .fused_layer import (
-    InferenceKernels,
-    _child,
-    _param,
-    direct_layer_norm_takes,
-    infer_layer,
-    layer_forward,
-    layer_params,
-)
+from .layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
 
-__all__ = ["TransformerEncoder", "TransformerEncoderLayer", "convert"]
+__all__ = ["TransformerEncoder", "TransformerEncoderLayer"]
 
 
 def _activation_fn(fn: str, activation) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,113 +70,40 @@ def _fused_activation(activation) -> str | None:
 
 
 _UNSET = object()
-_BIAS_ACT_BACKENDS: dict[tuple, str] = {}
+_MISSING = object()
 
 
-def _bias_act_backend(h: torch.Tensor, bias: torch.Tensor | None, act: str) -> str:
-    """Backend of bias + activation for a Linear's output ``h`` (contiguous and aligned, as
-    every F.linear output is): chosen once per (device, dtypes, width, activation, global
-    backend choice), since its reasons depend on nothing else for such inputs."""
-    key = (h.device, h.dtype, None if bias is None else bias.dtype, h.shape[-1], act, backends.get_backend(),
-           h.is_contiguous())
-    name = _BIAS_ACT_BACKENDS.get(key)
-    if name is None:
-        name = backends.select("bias_act", None, h.device, h, bias, act).name
-        if not torch.compiler.is_compiling() and h.data_ptr() % 16 == 0:
-            _BIAS_ACT_BACKENDS[key] = name
-    return name
+def _param(module: nn.Module, name: str):
+    # The module's own dict first (Module.__getattr__ costs about 0.3 us a read); a name that
+    # is not a plain parameter there (a parametrization, say) goes through getattr.
+    value = module._parameters.get(name, _MISSING)
+    return getattr(module, name) if value is _MISSING else value
 
 
-def _linear_output_act_backend(x: torch.Tensor, width: int, bias: torch.Tensor | None, act: str) -> str:
-    """:func:`_bias_act_backend` for the ``[T, width]`` output of a Linear applied to ``x``,
-    before it exists (a one-row probe of it on a cache miss)."""
-    key = (x.device, x.dtype, None if bias is None else bias.dtype, width, act, backends.get_backend(), True)
-    name = _BIAS_ACT_BACKENDS.get(key)
-    return name if name is not None else _bias_act_backend(x.new_empty((1, width)), bias, act)
+def _child(module: nn.Module, name: str):
+    value = module._modules.get(name, _MISSING)
+    return getattr(module, name) if value is _MISSING else value
 
 
-def _one_node_backends(layer: "TransformerEncoderLayer", rt: RaggedTensor, causal: bool, fused: str):
-    """``(activation, attention backend, add_layer_norm backend, bias_act backend, needs
-    grad)`` when the layer can run through :func:`ragged.nn.fused_layer.layer_forward` (one
-    autograd node in training, the kernels called straight in inference), else None: an
-    activation bias_act fuses, the packed input projection, every parameter a plain tensor
-    of the input's dtype, tokens present. Called once per layer and step: the module reads
-    go through the modules' dicts (``Module.__getattr__`` costs about a microsecond each)."""
-    act = _fused_activation(layer.__dict__["activation"] if "activation" in layer.__dict__ else layer.activation)
+def layer_spec(layer: "TransformerEncoderLayer") -> LayerSpec:
+    """The :class:`ragged.nn.layer.LayerSpec` of a layer with torch.nn's attribute names (its
+    weights, configuration and, in training mode, dropout rates). Called once per layer and
+    step: the module reads go through the modules' dicts."""
     attn = _child(layer, "self_attn")
-    if act is None or not attn._qkv_same_embed_dim or _param(attn, "bias_k") is not None:
-        return None
-    x = rt.values
-    if x.shape[0] == 0 or not x.is_contiguous():
-        return None
-    params = layer_params(layer)
-    if not eager(x, rt.offsets, *[p for p in params if p is not None]):
-        return None
-    dtype, index = x.dtype, x.get_device()
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    for p in params:
-        if p is not None:
-            if p.dtype != dtype or p.get_device() != index:
-                return None
-            needs_grad = needs_grad or (p.requires_grad and torch.is_grad_enabled())
-    heads = x.view(x.shape[0], attn.num_heads, attn.head_dim)
-    attn_backend = backends.select("attention", None, x.device, heads, heads, heads, rt.offsets, rt.offsets,
-                                   rt.max_len, rt.max_len, causal, attn.dropout if layer.training else 0.0,
-                                   needs_grad).name
-    act_backend = _linear_output_act_backend(x, params[6].shape[0], params[7], act)
-    return act, attn_backend, fused, act_backend, needs_grad
-
-
-def _direct_inference(layers, rt: RaggedTensor, causal: bool, fused: str) -> torch.Tensor | None:
-    """The values after ``layers`` through :func:`ragged.nn.fused_layer.infer_layer` (the
-    kernels called straight, choices made once for the stack), or None when that path does not
-    apply and the layers run one by one: a gradient is needed, a layer has hooks, dropout is
-    active, an activation bias_act does not fuse, the input projection is not packed, a
-    parameter is not a plain tensor of the input's dtype and device, or no tokens."""
-    x = rt.values
-    n_tok = x.shape[0]
-    grad = torch.is_grad_enabled()
-    if n_tok == 0 or not x.is_contiguous() or (grad and x.requires_grad) or not eager(x, rt.offsets):
-        return None
-    dtype, index = x.dtype, x.get_device()
-    parameter = nn.Parameter
-    max_len, cu = rt.max_len, rt.offsets
-    kernels: dict[tuple, InferenceKernels] = {}
-    steps = []
-    # later layers' inputs are fresh tensors. dynamo cannot trace data_ptr(): skipped when
-    # compiling (eager() above already turns this path off there; the check keeps it so)
-    direct_ln = fused == "cuda" and not torch.compiler.is_compiling() and x.data_ptr() % 16 == 0
-    for layer in layers:
-        if not _plain_call(layer):
-            return None
-        attn = layer.self_attn
-        act = _fused_activation(layer.activation)
-        if act is None or not attn._qkv_same_embed_dim or attn.bias_k is not None:
-            return None
-        if layer.training and (attn.dropout or layer.dropout1.p or layer.dropout.p or layer.dropout2.p):
-            return None
-        params = layer_params(layer)
-        for p in params:
-            if p is not None and ((type(p) is not torch.Tensor and type(p) is not parameter) or p.dtype != dtype
-                                  or p.get_device() != index or (grad and p.requires_grad)):
-                return None
-        heads, head_dim = attn.num_heads, attn.head_dim
-        act_backend = _linear_output_act_backend(x, params[6].shape[0], params[7], act)
-        key = (heads, head_dim, act_backend)
-        kern = kernels.get(key)
-        if kern is None:
-            view = x.view(n_tok, heads, head_dim)
-            attn_backend = backends.select("attention", None, x.device, view, view, view, cu, cu, max_len, max_len,
-                                           causal, 0.0, False).name
-            kern = kernels[key] = InferenceKernels(attn_backend, fused, act_backend)
-        n1, n2 = layer.norm1, layer.norm2
-        config = (layer.norm_first, heads, 1.0 / math.sqrt(head_dim), n1.eps, n2.eps, act,
-                  direct_ln and direct_layer_norm_takes(dtype, params[4], params[5], params[10], params[11]))
-        steps.append((config, params, kern))
-        direct_ln = fused == "cuda"
-    for config, params, kern in steps:
-        x = infer_layer(x, cu, max_len, causal, config, params, kern)
-    return x
+    out_proj = _child(attn, "out_proj")
+    norm1, norm2 = _child(layer, "norm1"), _child(layer, "norm2")
+    linear1, linear2 = _child(layer, "linear1"), _child(layer, "linear2")
+    activation = layer.__dict__["activation"] if "activation" in layer.__dict__ else layer.activation
+    if layer.training:
+        dropout = (attn.dropout, _child(layer, "dropout1").p, _child(layer, "dropout").p, _child(layer, "dropout2").p)
+    else:
+        dropout = (0.0, 0.0, 0.0, 0.0)
+    weights = LayerWeights(_param(attn, "in_proj_weight"), _param(attn, "in_proj_bias"), _param(out_proj, "weight"),
+                           _param(out_proj, "bias"), _param(norm1, "weight"), _param(norm1, "bias"),
+                           _param(linear1, "weight"), _param(linear1, "bias"), _param(linear2, "weight"),
+                           _param(linear2, "bias"), _param(norm2, "weight"), _param(norm2, "bias"))
+    return LayerSpec(attn.num_heads, attn.head_dim, layer.norm_first, _fused_activation(activation) or activation,
+                     (norm1.eps, norm2.eps), dropout, weights)
 
 
 def _plain_call(module: nn.Module) -> bool:
@@ -195,17 +114,6 @@ def _plain_call(module: nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
                 or m._global_backward_hooks or m._global_backward_pre_hooks)
-
-
-def _fused_backend(x: torch.Tensor) -> str | None:
-    """Backend of the fused per-token ops (bias + activation, residual + LayerNorm) for the
-    layer's values ``x``, or None to run torch's own ops: off the GPU (there the fused ops
-    would run their float32 reference, slower than torch's kernels) and under autocast
-    (torch runs LayerNorm in float32 there, which the plain ops reproduce exactly)."""
-    if x.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
-        return None
-    impl = backends.select("add_layer_norm", None, x.device, x, None, None, None)
-    return impl.name if impl.name != "torch" else None
 
 
 def _run(fn: str, src, d_model: int, batch_first: bool, mask, mask_name: str, key_padding_mask, is_causal,
@@ -299,53 +207,13 @@ class TransformerEncoderLayer(nn.Module):
         shell.norm2.eps = layer.norm2.eps
         return adopt(fn, shell, layer, False, None)
 
-    def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET, direct: bool = True) -> RaggedTensor:
+    def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET) -> RaggedTensor:
         x = rt.values
         if fused is _UNSET:
-            fused = _fused_backend(x)
-        if fused is None:
-            if self.norm_first:
-                x = x + self._sa_block(rt.with_values(self.norm1(x)), causal)
-                x = x + self._ff_block(self.norm2(x), None)
-            else:
-                x = self.norm1(x + self._sa_block(rt, causal))
-                x = self.norm2(x + self._ff_block(x, None))
-            return rt.with_values(x)
-        if direct:
-            values = _direct_inference((self,), rt, causal, fused)
-            if values is not None:
-                return rt.with_values(values)
-        one_node = _one_node_backends(self, rt, causal, fused)
-        if one_node is not None:
-            return rt.with_values(layer_forward(self, x, rt.offsets, rt.max_len, causal, *one_node))
-        n1, n2 = self.norm1, self.norm2
-        if self.norm_first:
-            h = _call_add_layer_norm(x, None, n1.weight, n1.bias, n1.eps, False, fused)[0]
-            sa = self._sa_block(rt.with_values(h), causal)
-            # x + sa and norm2 of it in one pass: the sum is the residual stream
-            h, x = _call_add_layer_norm(sa, x, n2.weight, n2.bias, n2.eps, True, fused)[:2]
-            x = x + self._ff_block(h, fused)
-        else:
-            x = _call_add_layer_norm(self._sa_block(rt, causal), x, n1.weight, n1.bias, n1.eps, False, fused)[0]
-            x = _call_add_layer_norm(self._ff_block(x, fused), x, n2.weight, n2.bias, n2.eps, False, fused)[0]
-        return rt.with_values(x)
-
-    def _sa_block(self, h: RaggedTensor, causal: bool) -> torch.Tensor:
-        # the layer has checked its input: straight to the attention's packed computation
-        out = self.self_attn._attend(h, h, h, causal)[0].values
-        return self.dropout1(out) if self.training and self.dropout1.p > 0 else out
-
-    def _ff_block(self, x: torch.Tensor, fused: str | None) -> torch.Tensor:
-        act = _fused_activation(self.activation) if fused is not None else None
-        if act is not None:  # bias + activation in one pass (and in one pass backward, with dbias)
-            h = F.linear(x, self.linear1.weight)
-            h = _call_bias_act(h, self.linear1.bias, act, _bias_act_backend(h, self.linear1.bias, act))
-        else:
-            h = self.activation(self.linear1(x))
-        if self.training and self.dropout.p > 0:
-            h = self.dropout(h)
-        out = F.linear(h, self.linear2.weight, self.linear2.bias)
-        return self.dropout2(out) if self.training and self.dropout2.p > 0 else out
+            fused = fused_backend(x)
+        spec = layer_spec(self)
+        return rt.with_values(run_layer(spec, x, rt.offsets, rt.max_len, causal, fused,
+                                        eager(x, rt.offsets, *[w for w in spec.weights if w is not None])))
 
     def forward(self, src, src_mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
                 is_causal: bool = False):
@@ -417,14 +285,17 @@ class TransformerEncoder(nn.Module):
         return new
 
     def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
-        fused = _fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
-        values = _direct_inference(self.layers, rt, causal, fused) if fused is not None else None
+        fused = fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
+        values = None
+        if fused is not None and eager(rt.values, rt.offsets) and all(_plain_call(layer) for layer in self.layers):
+            values = run_stack([layer_spec(layer) for layer in self.layers], rt.values, rt.offsets, rt.max_len,
+                               causal, fused)
         if values is not None:
             rt = rt.with_values(values)
         else:
             for layer in self.layers:
                 # the input was checked once above; a layer without hooks runs its body directly
-                rt = layer._block(rt, causal, fused, False) if _plain_call(layer) else layer(rt, is_causal=causal)
+                rt = layer._block(rt, causal, fused) if _plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt
@@ -439,231 +310,3 @@ class TransformerEncoder(nn.Module):
                     self._stack)
 
 
-# --------------------------------------------------------------------------------------
-# convert
-
-_SWAPS: dict[type, type] = {
-    nn.TransformerEncoder: TransformerEncoder,
-    nn.TransformerEncoderLayer: TransformerEncoderLayer,
-    nn.MultiheadAttention: MultiheadAttention,
-}
-_RAGGED = (TransformerEncoder, TransformerEncoderLayer, MultiheadAttention)
-# Every per-module hook registry: the ragged modules call their submodules differently (or
-# not at all: the fused paths read the Linear and LayerNorm parameters directly), so a hook
-# anywhere inside a swapped module would silently stop running or see other arguments.
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
-          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-_LAYER_CHILDREN: dict[str, type] = {
-    "self_attn": nn.MultiheadAttention, "linear1": nn.Linear, "dropout": nn.Dropout, "linear2": nn.Linear,
-    "norm1": nn.LayerNorm, "norm2": nn.LayerNorm, "dropout1": nn.Dropout, "dropout2": nn.Dropout,
-}
-
-
-def _its(path: str) -> str:
-    return "it" if not path else f"its {path}"
-
-
-def _extras_reason(module: nn.Module) -> str | None:
-    """Why something inside ``module`` (itself included) would be lost by a ragged module
-    built from its Parameters: a parametrization, pruning, or any hook."""
-    for path, sub in module.named_modules(remove_duplicate=False):
-        if parametrize.is_parametrized(sub):
-            return f"{_its(path)} has a parametrization (torch.nn.utils.parametrize)"
-        if any(isinstance(h, prune.BasePruningMethod) for h in sub._forward_pre_hooks.values()):
-            return f"{_its(path)} is pruned (torch.nn.utils.prune)"
-        kinds = [name.strip("_").replace("_", " ") for name in _HOOKS if getattr(sub, name, None)]
-        if kinds:
-            return f"{_its(path)} has {', '.join(kinds)} (a ragged module would not run them)"
-    return None
-
-
-def _attention_reason(attn: nn.MultiheadAttention, path: str) -> str | None:
-    if attn.bias_k is not None or attn.bias_v is not None or attn.add_zero_attn:
-        return f"{_its(path)} uses add_bias_kv / add_zero_attn, which are not supported"
-    if set(attn._modules) != {"out_proj"} or not isinstance(attn._modules["out_proj"], nn.Linear):
-        return f"{_its(path)} has submodules {sorted(attn._modules)}, expected only the out_proj Linear"
-    return None
-
-
-def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
-    prefix = f"{path}." if path else ""
-    for name, kind in _LAYER_CHILDREN.items():
-        child = layer._modules.get(name)
-        if type(child) is not kind:
-            return (f"its {prefix}{name} is a {type(child).__name__}, not a torch.nn.{kind.__name__} (the ragged "
-                    "layer would not run its code)")
-    extra = sorted(set(layer._modules) - set(_LAYER_CHILDREN) - {"activation"})
-    if extra:
-        return f"{_its(path)} has submodules {extra} that the ragged layer would not run"
-    attn = layer.self_attn
-    why = _attention_reason(attn, prefix + "self_attn")
-    if why:
-        return why
-    if not attn._qkv_same_embed_dim:
-        return f"its {prefix}self_attn has kdim / vdim different from embed_dim"
-    for name in ("norm1", "norm2"):
-        norm = layer._modules[name]
-        if tuple(norm.normalized_shape) != (attn.embed_dim,) or not norm.elementwise_affine:
-            return (f"its {prefix}{name} is not a LayerNorm over the {attn.embed_dim} features with a learned "
-                    "weight")
-    return None
-
-
-def _why_not(module: nn.Module) -> str | None:
-    """Why ``module`` (of a type in ``_SWAPS``) stays as it is; None when it can be swapped."""
-    why = _extras_reason(module)
-    if why:
-        return why
-    if isinstance(module, nn.MultiheadAttention):
-        return _attention_reason(module, "")
-    if isinstance(module, nn.TransformerEncoderLayer):
-        return _layer_reason(module, "")
-    layers = module._modules.get("layers")
-    if type(layers) is not nn.ModuleList or len(layers) == 0:
-        return "its layers are not a non-empty torch.nn.ModuleList"
-    first = layers[0]
-    for i, layer in enumerate(layers):
-        if type(layer) is not nn.TransformerEncoderLayer:
-            return f"its layers.{i} is a {type(layer).__name__}, not a torch.nn.TransformerEncoderLayer"
-        why = _layer_reason(layer, f"layers.{i}")
-        if why:
-            return why
-        if (layer.self_attn.embed_dim, layer.self_attn.batch_first) != (first.self_attn.embed_dim,
-                                                                         first.self_attn.batch_first):
-            return f"its layers.{i} differs from layers.0 in d_model or batch_first"
-    return None
-
-
-def _left_whole(module: nn.Module) -> bool:
-    """Whether convert leaves everything inside ``module`` alone when it does not swap it: a
-    torch.nn.TransformerEncoder (of any class) may hand its layers torch's nested tensors."""
-    return isinstance(module, nn.TransformerEncoder)
-
-
-def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
-    """Swap every ``torch.nn.TransformerEncoder``, ``TransformerEncoderLayer`` and
-    ``MultiheadAttention`` in ``model`` (in place) for its ragged.nn counterpart; returns
-    ``model`` (or the replacement when ``model`` itself is one of them).
-
-    The whole model is checked and every replacement built before anything is swapped; the
-    swaps then happen together. An exception (``strict=True``, a bad argument, an error while
-    building) leaves ``model`` exactly as it was.
-
-    * Only those exact classes are swapped. A subclass (it may override ``forward``) is left
-      alone, without a warning, and its children are visited, except those of a
-      ``torch.nn.TransformerEncoder`` subclass (its forward may hand its layers torch's nested
-      tensors, which the ragged layers do not take). Ragged modules already there stay.
-    * A swapped module brings its children: the ragged module holds the same Parameter and
-      buffer objects (``copy=False``, the default: an optimizer built before the swap keeps
-      training the model) or copies of them (``copy=True``: same device and dtype, ties between
-      tensors kept); the original module objects are not modified either way. A swapped
-      module used at several places is one ragged module at all of them.
-    * Modules the ragged versions cannot take are left as they are, with everything inside
-      them: ``add_bias_kv`` / ``add_zero_attn`` attention, a parametrization
-      (``torch.nn.utils.parametrize``), pruning (``torch.nn.utils.prune``) or any hook on the
-      module or inside it, submodules of other classes than torch.nn builds (a custom layer
-      class inside an encoder, a replaced Linear or LayerNorm), and a module that is also part
-      of a module left as it is. Everything else is swapped, and one warning lists every
-      module left with the reason. ``strict=True`` raises NotImplementedError with that list
-      instead, before anything is swapped.
-
-    A custom ``activation`` (a function or a module, called as torch.nn calls it) is kept.
-    A final ``norm`` of an encoder is applied to the packed tokens ``[T, d_model]``: it must
-    work token by token, as LayerNorm and RMSNorm do.
-    """
-    fn = "ragged.nn.convert"
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{fn}(): expected an nn.Module, got {describe(model)}")
-    for name, flag in (("copy", copy), ("strict", strict)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{fn}(): expected {name} to be a bool, got {describe(flag)}")
-    memo: dict = {}
-    built: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(original) -> (original, replacement)
-    refused: dict[int, tuple[nn.Module, str, str]] = {}  # id(original) -> (original, where, why)
-    places: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, child name, original child)
-    first_place: dict[int, str] = {}  # id(original) -> its qualified name where first met
-
-    def plan(module: nn.Module, where: str) -> None:
-        """Build the replacement of a swappable ``module`` (once), or record why not.
-        Building touches nothing of ``module``: a failure is one more reason."""
-        key = id(module)
-        if key in built or key in refused:
-            return
-        first_place[key] = where
-        why = _why_not(module)
-        if why is None:
-            try:
-                built[key] = (module, _SWAPS[type(module)].from_torch(module, copy=copy, memo=memo))
-                return
-            except (TypeError, ValueError, NotImplementedError) as err:
-                why = str(err)
-        refused[key] = (module, where, why)
-
-    visited: set[int] = {id(model)}
-    whole: list[tuple[nn.Module, str]] = []  # (module left whole, where): subclasses of nn.TransformerEncoder
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        for name, child in module._modules.items():
-            if child is None or isinstance(child, _RAGGED):
-                continue
-            if type(child) in _SWAPS:
-                plan(child, prefix + name)
-                places.append((module, name, child))
-            elif id(child) not in visited:
-                visited.add(id(child))
-                if _left_whole(child):
-                    whole.append((child, prefix + name))
-                else:
-                    visit(child, f"{prefix}{name}.")
-
-    if type(model) in _SWAPS:
-        plan(model, "")
-    elif not isinstance(model, _RAGGED) and not _left_whole(model):
-        visit(model, "")
-
-    # A module inside one that stays must stay too, or it would become two modules (the
-    # original there, the ragged one elsewhere): refuse until nothing changes.
-    changed = True
-    while changed:
-        changed = False
-        kept: dict[int, str] = {}  # id(module inside a module that stays) -> where that one is
-        for original, where in [*whole, *((o, w) for o, w, _ in refused.values())]:
-            for sub in original.modules():
-                kept.setdefault(id(sub), where)
-        for key, (original, _) in list(built.items()):
-            hit = next(((path, kept[id(sub)]) for path, sub in original.named_modules(remove_duplicate=False)
-                        if type(sub) in _SWAPS and id(sub) in kept), None)
-            if hit is not None:
-                del built[key]
-                owner = repr(hit[1]) if hit[1] else "the model"
-                refused[key] = (original, first_place[key], f"{_its(hit[0])} is also part of {owner}, which stays")
-                changed = True
-
-    # A swapped module that also sits inside another swapped module: one ragged module at both.
-    for original, new in built.values():
-        for path, sub in original.named_modules(remove_duplicate=False):
-            if path and type(sub) in _SWAPS and id(sub) in built:
-                owner, _, leaf = path.rpartition(".")
-                setattr(new.get_submodule(owner) if owner else new, leaf, built[id(sub)][1])
-
-    if refused:
-        listing = "; ".join(f"{repr(where) if where else 'the model'} ({type(m).__name__}): {why}"
-                            for m, where, why in sorted(refused.values(), key=lambda r: r[1]))
-        if strict:
-            raise NotImplementedError(f"{fn}(): nothing converted: {len(refused)} module(s) cannot be converted: "
-                                      f"{listing}")
-        warnings.warn(f"{fn}(): left {len(refused)} module(s) as torch.nn modules: {listing}", stacklevel=2)
-
-    if type(model) in _SWAPS:
-        return built[id(model)][1] if id(model) in built else model
-    done: list[tuple[nn.Module, str, nn.Module]] = []
-    try:
-        for parent, name, original in places:
-            if id(original) in built:
-                setattr(parent, name, built[id(original)][1])
-                done.append((parent, name, original))
-    except BaseException:
-        for parent, name, original in reversed(done):
-            setattr(parent, name, original)
-        raise
-    return model

@@ -7,9 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..logits import RaggedLogits
-from ..ops.vocab import vocab_cross_entropy, vocab_projection
-from ..tensor import RaggedTensor
+from ragged import RaggedLogits, RaggedTensor, vocab_cross_entropy, vocab_projection
 
 
 class VocabProjection(nn.Module):

@@ -17,6 +17,7 @@ from .ops.attention import attention, reference_attention, reference_attention_b
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
 from .ops.pack import pack_values, reference_pack, reference_unpack, unpack_values
+from .ops.pool import pool
 from .tensor import RaggedTensor
 from .logits import RaggedLogits
 from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
@@ -41,6 +42,7 @@ __all__ = [
     "get_backend",
     "pack",
     "pack_values",
+    "pool",
     "reference_add_layer_norm",
     "reference_attention",
     "reference_attention_backward",

@@ -39,7 +39,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import backends
-from ._utils import eager
+from .utils import eager
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 __all__ = ["OpDef", "define"]
 
@@ -72,6 +77,7 @@ class OpDef:
     """An op defined by :func:`define`: call it with the operands and a backend name."""
 
     name: str
+    impls: dict                          # backend name -> Implementation (the registry's own dict)
     forward_op: Any                      # torch.library CustomOpDef of ragged::<name>
     backward_op: Any | None              # ragged::<name>_backward, when declared
     function: type                       # the eager autograd.Function
@@ -85,20 +91,29 @@ class OpDef:
         ``context``: host-side facts that spare the backward a device read in eager calls
         (host offsets, say), stored as ``ctx.context`` for the autograd rule; traced calls
         (and the rule's ``ctx`` there) have ``ctx.context = None``."""
-        tensors = [args[i] for i in self.tensor_positions if args[i] is not None]
-        if eager(*tensors):
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return self.function.apply(*args, context)
-            return backends.implementation(self.name, args[-1]).forward_fn(*args[:-1])
-        return self.forward_op(*args)
+        # eager() inlined, and the gradient test folded into the same loop: this runs on every call
+        if _is_compiling():
+            return self.forward_op(*args)
+        grad = False
+        for i in self.tensor_positions:
+            t = args[i]
+            if t is not None:
+                kind = type(t)
+                if kind is not _Tensor and kind is not _Parameter:
+                    return self.forward_op(*args)
+                grad = grad or t.requires_grad
+        if _dispatch_depth():
+            return self.forward_op(*args)
+        if grad and _grad_enabled():
+            return self.function.apply(*args, context)
+        return self.impls[args[-1]].forward_fn(*args[:-1])
 
     def call_backward(self, *args):
         """``OP.call_backward(*operands, backend)``: the backward implementation of ``backend``
         (or the ``ragged::<name>_backward`` op while tracing)."""
-        impl = backends.implementation(self.name, args[-1])
         tensors = [args[i] for i in self.backward_tensor_positions if args[i] is not None]
         if self.backward_op is None or eager(*tensors):
-            return impl.backward_fn(*args[:-1])
+            return self.impls[args[-1]].backward_fn(*args[:-1])
         out = self.backward_op(*args)
         if self.backward_present is None:
             return out
@@ -118,8 +133,11 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
     spec returning one), fastest measured first.
     """
 
+    backends.declare_op(name, spec, gpu_order)
+    impls = backends.implementations(name)  # filled as implementations are registered
+
     def run_forward(*args):
-        return backends.implementation(name, args[-1]).forward_fn(*args[:-1])
+        return impls[args[-1]].forward_fn(*args[:-1])
 
     forward_op = torch.library.custom_op(f"ragged::{name}", run_forward, mutates_args=(), schema=_schema(signature))
     forward_op.register_fake(lambda *args: fake(*args[:-1]))
@@ -139,7 +157,7 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
         backward_positions = _tensor_positions(backward_signature)
 
         def run_backward(*args):
-            out = backends.implementation(name, args[-1]).backward_fn(*args[:-1])
+            out = impls[args[-1]].backward_fn(*args[:-1])
             # an op returns tensors only: a gradient a kernel leaves out travels as an empty tensor
             like = args[backward_positions[0]]
             return tuple(like.new_empty(0) if t is None else t for t in out)
@@ -149,9 +167,9 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
         backward_op.register_fake(lambda *args: backward_fake(*args[:-1]))
 
     def eager_forward(ctx, *args):
-        *args, ctx.context = args
-        args = tuple(args)
-        out = backends.implementation(name, args[-1]).forward_fn(*args[:-1])
+        ctx.context = args[-1]
+        args = args[:-1]
+        out = impls[args[-1]].forward_fn(*args[:-1])
         setup(ctx, args, out)
         if non_differentiable is not None:
             constants = non_differentiable(args, out)
@@ -165,7 +183,5 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
         "__doc__": f"The eager path of ragged::{name}: its autograd rule without the dispatcher.",
         "__module__": __name__,
     })
-    op = OpDef(name, forward_op, backward_op, function, _tensor_positions(signature), backward_positions,
-               backward_present)
-    backends.declare_op(name, spec, gpu_order)
-    return op
+    return OpDef(name, impls, forward_op, backward_op, function, _tensor_positions(signature), backward_positions,
+                 backward_present)

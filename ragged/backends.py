@@ -13,12 +13,16 @@ asyncio task sees its own, so one thread's ``with ragged.use_backend("triton"):`
 changes what another thread runs, and contexts entered and left in any order restore
 their own previous value. :func:`set_backend` changes the default of every thread.
 
-Every implementation of an op registers a ``reasons(*args)`` function that returns
-the reasons it cannot take a given input (an empty list when it can). ``"auto"``
-walks the op's preference order (measured; see ``bench/results/``) and takes the
-first implementation with no reasons; the pure-torch reference takes everything, so
-auto never fails. A forced backend that cannot take an input raises ``ValueError``
-with its reasons. :func:`explain` reports every implementation's reasons for an input.
+Every implementation of an op is an :class:`Implementation`, declared beside its kernels
+with what it takes as data (dtypes, allowed values and maxima of the op's spec fields) and a
+``check(spec)`` for the rest; :meth:`Implementation.reasons` returns the reasons it cannot
+take an input of a given spec (an empty list when it can). ``"auto"`` walks the op's
+preference order (measured; see ``bench/results/``) and takes the first implementation with
+no reasons; the pure-torch reference takes everything, so auto never fails. A forced backend
+that cannot take an input raises ``ValueError`` with its reasons. :func:`explain` reports
+every implementation's reasons for an input. :func:`select_spec` is the one place a backend
+is chosen. A new backend is :func:`register_backend` plus its implementations
+(:func:`register`); see ``ARCHITECTURE.md``.
 
 Under ``torch.compile`` the selection is read when a function is traced, and a
 ``use_backend`` block inside the compiled function works as in eager mode. A change of
@@ -42,7 +46,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ._utils import assume_constant_result
+from .utils import assume_constant_result
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 
@@ -155,7 +159,7 @@ _import_errors: dict[str, str | None] = {}  # module -> why it cannot be importe
 
 
 @assume_constant_result
-def _import_error(module: str) -> str | None:
+def import_error(module: str) -> str | None:
     # Under torch.compile this runs eagerly and its answer is a constant of the graph.
     if module not in _import_errors:
         try:
@@ -169,7 +173,7 @@ def _import_error(module: str) -> str | None:
 
 def triton_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""
-    err = _import_error("triton")
+    err = import_error("triton")
     if err:
         return err
     if device.type == "cuda":
@@ -185,7 +189,7 @@ def cuda_reason(device: torch.device) -> str | None:
         return f"the CUDA kernels need a CUDA tensor, got a {device.type} tensor"
     if torch.version.hip is not None:
         return "the CUDA kernels are not built for ROCm"
-    return _import_error("cupy")
+    return import_error("cupy")
 
 
 # --------------------------------------------------------------------------------------
@@ -317,37 +321,8 @@ def declare_op(op: str, spec: Callable[..., Any], gpu_order) -> None:
         entry.impls[impl.backend] = impl
 
 
-# ---- transitional: ops not yet defined through ragged._opdef (removed once all are) ----
-@dataclasses.dataclass(frozen=True)
-class _LegacySpec:
-    device: torch.device
-    args: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class _LegacyImplementation(Implementation):
-    fn: Any = None
-    legacy_reasons: Any = None
-
-    def reasons(self, spec) -> list[str]:
-        return self.legacy_reasons(*spec.args)
-
-
-def _legacy_register(op, name, fn, reasons):
-    fwd, bwd = fn if isinstance(fn, tuple) else (fn, None)
-    entry = _OPS.setdefault(op, _Op(lambda *a: _LegacySpec(a[0].device, a)))
-    entry.legacy = True
-    entry.impls[name] = _LegacyImplementation(op, name, fwd, bwd, fn=fn, legacy_reasons=reasons)
-
-
-def set_auto_order(op, order):
-    _OPS[op].gpu_order = order if callable(order) else tuple(order)
-
-
 def register(*impls: Implementation) -> None:
     """Register implementations (of ops defined now or later)."""
-    if impls and isinstance(impls[0], str):
-        return _legacy_register(*impls)
     for impl in impls:
         if impl.backend not in _BACKEND_REASONS:
             raise ValueError(f"ragged.backends.register(): unknown backend {impl.backend!r} (register_backend() "
@@ -357,6 +332,11 @@ def register(*impls: Implementation) -> None:
             _PENDING.setdefault(impl.op, []).append(impl)
         else:
             entry.impls[impl.backend] = impl
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    """The registry's own dict of ``op``'s implementations by backend name (filled as they register)."""
+    return _OPS[op].impls
 
 
 def implementation(op: str, backend: str) -> Implementation:
@@ -490,8 +470,8 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
       and its op's reasons for the inputs it would pass are returned. A ``backend=``
       argument is ignored: every backend is reported.
     * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``,
-      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``), followed
-      by the arguments the op's reasons functions take, which are the op's internal
+      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``, ``"pool"``),
+      followed by the arguments the op's spec function takes, which are the op's internal
       operands, not the public function's:
 
       ==========================  ====================================================
@@ -505,6 +485,7 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
       ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
       ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,
       ``vocab_cross_entropy``     ids [N], v_off [B+1] or None``
+      ``pool``                    ``values [T, F], offsets [B+1], mode``
       ==========================  ====================================================
 
     An unknown op name raises ``ValueError`` listing the ops; arguments the reasons cannot
@@ -543,6 +524,9 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
     >>> target = torch.tensor([4, 1, 2, 0, 2])
     >>> ragged.explain(ragged.vocab_cross_entropy, hidden, w, vocab, target)["torch"]
     []
+    >>> ragged.explain(ragged.pool, hidden, "max")["torch"], ragged.explain("pool", hidden.values, hidden.offsets,
+    ...                                                                      "max")["torch"]
+    ([], [])
     """
     if callable(op):
         return _explain_call(op, args, kwargs)
@@ -553,10 +537,7 @@ def select(op: str, backend: str | None, device: torch.device, *args, fn: str | 
            **kwargs) -> Implementation:
     """Pick the implementation of ``op`` for these operands (see the module docstring): the
     op's spec function makes them its spec, and :func:`select_spec` chooses."""
-    entry = _OPS[op]
-    if getattr(entry, "legacy", False):
-        return select_spec(op, backend, _LegacySpec(device, args), fn=fn)
-    return select_spec(op, backend, entry.spec(*args, **kwargs), fn=fn)
+    return select_spec(op, backend, _OPS[op].spec(*args, **kwargs), fn=fn)
 
 
 def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) -> Implementation:
@@ -578,8 +559,6 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
         return impl
     if spec.device.type != "cuda":
         order = ("torch",)
-    elif getattr(entry, "legacy", False) and callable(entry.gpu_order):
-        order = entry.gpu_order(*spec.args)
     else:
         order = entry.gpu_order(spec) if callable(entry.gpu_order) else entry.gpu_order
     for candidate in order:

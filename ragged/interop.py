@@ -23,18 +23,8 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import backends
-from ._utils import (
-    check_offsets_tensor,
-    check_side,
-    check_tensor,
-    describe,
-    host_lengths_of,
-    host_offsets_from_lengths,
-    max_length,
-    offsets_dtype_for,
-    to_device,
-    warn_once,
-)
+from .utils import check_offsets_tensor, check_side, check_tensor, describe, host_lengths_of, warn_once
+from .utils import host_offsets_from_lengths, max_length, offsets_dtype_for, to_device
 from .ops.pack import PACK, PackSpec
 from .tensor import RaggedTensor, exact_ragged
 

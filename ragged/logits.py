@@ -18,16 +18,17 @@ device: sizes come from host ints kept alongside (``num_tokens``, ``values.numel
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 
-from ._utils import check_tensor, describe
+from .utils import check_tensor, describe
 
 _NEG_INF = float("-inf")
 
 
-class Coords(NamedTuple):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Coords:
     """Index tensors of a logits layout (all int64, on the device).
 
     Per packed token (``[T]``): ``seq`` its sequence, ``row_start`` the flat index of its
@@ -49,18 +50,19 @@ def layout_coords(h_off: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.
     device = h_off.device
     h = h_off.to(torch.int64)
     batch = h.shape[0] - 1
-    t_len = h[1:] - h[:-1]
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), t_len, output_size=num_tokens)
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), torch.diff(h), output_size=num_tokens)
     if v_off is None:
-        row_len = torch.full((num_tokens,), num_ids, dtype=torch.int64, device=device)
+        v_len = torch.full((batch,), num_ids, dtype=torch.int64, device=device)
         first_id = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     else:
         v = v_off.to(torch.int64)
-        row_len = (v[1:] - v[:-1])[seq]
+        v_len = torch.diff(v)
         first_id = v[:-1][seq]
-    local_t = torch.arange(num_tokens, device=device) - h[:-1][seq]
-    row_start = l_off.to(torch.int64)[:-1][seq] + local_t * row_len
-    token = torch.repeat_interleave(torch.arange(num_tokens, device=device), row_len, output_size=total)
+    row_len = v_len[seq]
+    # token t of sequence b starts at l_off[b] + (t - h_off[b]) * V_b
+    position = torch.arange(num_tokens, device=device)
+    row_start = (l_off.to(torch.int64)[:-1] - h[:-1] * v_len)[seq] + position * row_len
+    token = torch.repeat_interleave(position, row_len, output_size=total)
     cand = torch.arange(total, device=device) - row_start[token]
     return Coords(seq, row_start, row_len, first_id, token, cand)
 
@@ -83,21 +85,23 @@ def segment_logsumexp(x: torch.Tensor, token: torch.Tensor, num_tokens: int) -> 
 
 def segmented_cross_entropy(values: torch.Tensor, num_tokens: int, coords: Coords | None,
                             shared_size: int | None, target: torch.Tensor,
-                            label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token cross-entropy over each token's candidates, ``[T]`` in the compute dtype.
+                            label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy over each token's candidates and the log-normaliser of each
+    token's row: ``(loss [T], lse [T])`` in the compute dtype (``lse`` is ``-inf`` for a token
+    without candidates).
 
     ``target``: ``[T]`` int64 *local* candidate index of each token's target, ``-1`` for a
     token without one (its loss is 0). With label smoothing ``eps`` the loss of a token is
     ``(1 - eps) * nll + eps * mean over its candidates of -log p`` (``F.cross_entropy``'s
     rule with the token's candidates as the classes). A shared vocabulary of ``S`` ids
     (``shared_size``; ``coords`` may be None) takes a dense ``[T, S]`` path; otherwise
-    ``coords`` are the layout's :class:`Coords`."""
+    ``coords`` are the layout's :class:`Coords`. Differentiable in ``values``."""
     total = values.shape[0]
     x = values.to(compute_dtype(values.dtype))
     valid = target >= 0
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     if total == 0:  # no token has a candidate: every loss is 0 (still part of the graph)
-        return x.new_zeros(num_tokens) + x.sum()
+        return x.new_zeros(num_tokens) + x.sum(), x.new_full((num_tokens,), _NEG_INF)
     safe = torch.where(valid, target, torch.zeros_like(target))
     mean = None
     if shared_size is not None:
@@ -115,7 +119,7 @@ def segmented_cross_entropy(values: torch.Tensor, num_tokens: int, coords: Coord
     loss = lse - picked
     if label_smoothing:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean)
-    return torch.where(valid, loss, zero)
+    return torch.where(valid, loss, zero), lse
 
 
 class RaggedLogits:

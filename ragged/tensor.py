@@ -30,7 +30,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import backends
-from ._utils import (
+from .utils import (
     check_int,
     check_side,
     check_offsets_tensor,

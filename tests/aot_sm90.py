@@ -16,6 +16,7 @@ import ragged.kernels.triton.attention as ka
 import ragged.kernels.triton.fused as kf
 import ragged.kernels.triton.pack as kp
 import ragged.kernels.triton.vocab as kv
+import ragged.kernels.triton.vocab_cross_entropy as kce
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -65,14 +66,14 @@ def cases():
                    [dt, dt, "*i64", acc_t, acc_t] + offs + ["i32", "i32", "i32"],
                    dict(SHARED=shared, HAS_BIAS=True, ATOMIC=atomic, PRECISION=prec, BLOCK_N=64, BLOCK_D=64,
                         BLOCK_K=32, INLINE=inline, CHUNK=64))
-        for globl, smooth in ((False, True), (True, False)):
-            yield ("vocab ce fwd", kv._ce_fwd_kernel,
-                   [dt, dt, dt, "*i64", "*i64" if globl else "*i32", "*i32", "*i32", "*fp32", "*fp32"] + offs
+        for tgt, smooth in (("*i32", True), ("*i64", False)):
+            yield ("vocab ce fwd", kce._ce_fwd_kernel,
+                   [dt, dt, dt, "*i64", tgt, "*i32", "*i64", "*fp32", "*fp32"] + offs
                    + ["i32", "i32", "i32", "fp32", "i32", "i32"],
-                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, GLOBAL=globl, SMOOTH=smooth,
+                   dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, SMOOTH=smooth,
                         BLOCK_M=32, BLOCK_N=256, BLOCK_K=64, INLINE=inline, CHUNK=64), 8, 3)
         for smooth in (False, True):
-            yield ("vocab ce grad", kv._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
+            yield ("vocab ce grad", kce._ce_grad_kernel, [dt, dt, dt, "*i64", "*i32", "*fp32", "*fp32", dt] + offs
                    + ["i32", "i32", "i32", "i32", "fp32"],
                    dict(HAS_BIAS=True, SHARED=shared, EVEN_K=True, PRECISION=prec, SMOOTH=smooth, BLOCK_M=64,
                         BLOCK_N=128, BLOCK_K=64, INLINE=inline, CHUNK=64))

@@ -8,7 +8,8 @@ break a unit-stride or a size assumption.
 * the Triton kernels called with such offsets unchecked (as CUDA offsets reach them) never read
   or write outside their tensors: NaN guard rows around every input and sentinel rows around
   every gradient buffer show it;
-* gradient buffers (``grads=``) whose feature dim is strided.
+* gradient buffers (``grads=``) whose feature dim is strided, taken by every backward;
+* the op's declarations: the spec, the auto order, no toolchain imported to declare.
 
 The oracle is ``ragged.reference_attention`` in float64 (checked against an SDPA loop in
 ``test_attention.py``). Sizes stay small for the Triton interpreter.
@@ -368,3 +369,108 @@ def test_triton_backward_grads_of_the_wrong_shape():
     bad = (torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
     with pytest.raises(ValueError, match="dq of shape"):
         ka.backward(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad)
+
+
+# --------------------------------------------------------------------------------------
+# 4. The op's definition: declared implementations, one backward contract, the spec
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["separate", "packed_qkv"])
+def test_every_backward_implementation_fills_grads_buffers(backend, layout):
+    """Each backend's backward takes ``grads=`` (what the layers pass: the unbound views of one
+    ``[T, 3, H, D]`` buffer) and returns those very buffers, filled; callers never test a name."""
+    from ragged import backends
+    from ragged.ops.attention import ATTENTION
+
+    gen = _gen("grads-uniform", backend, layout)
+    lengths = [4, 0, 1, 6]
+    q, k, v = _qkv(lengths, lengths, gen, heads=2, kv_heads=2)
+    do = torch.randn(q.shape, generator=gen)
+    cu = _cu(lengths)
+    impl = backends.implementation("attention", backend)
+    out, lse = impl.forward_fn(q, k, v, cu, cu, 6, 6, True, 0.25, 0.0, 0)
+    if layout == "separate":
+        grads = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+    else:
+        grads = torch.full((q.shape[0], 3, 2, DIM), 7.0).unbind(1)
+    got = impl.backward_fn(do, q, k, v, out, lse, cu, cu, 6, 6, True, 0.25, 0.0, 0, grads=grads)
+    plain = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 6, 6, True, 0.25, 0.0, 0, backend)
+    ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25)
+    for name, g, buf, p, r in zip("qkv", got, grads, plain, ref):
+        assert g is buf
+        torch.testing.assert_close(g, p, atol=0, rtol=0)
+        _check(g, r, BWD_TOL, f"d{name}")
+
+
+def test_reference_backward_grads_of_the_wrong_shape():
+    from ragged import backends
+
+    q, k, v = _qkv([3, 4], [3, 4], _gen("ref-grads-shape"))
+    cu = _cu([3, 4])
+    impl = backends.implementation("attention", "torch")
+    out, lse = impl.forward_fn(q, k, v, cu, cu, 4, 4, False, 0.25, 0.0, 0)
+    bad = (torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
+    with pytest.raises(ValueError, match="dq of shape"):
+        impl.backward_fn(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad)
+    with pytest.raises(TypeError, match="grads as a tuple"):
+        impl.backward_fn(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad[0])
+
+
+def test_dropout_seed():
+    from ragged.ops.attention import dropout_seed
+
+    assert dropout_seed(0.0) == 0
+    torch.manual_seed(5)
+    a = dropout_seed(0.1)
+    torch.manual_seed(5)
+    assert dropout_seed(0.3) == a and isinstance(a, int) and 0 <= a < 2**31 - 1
+    assert dropout_seed(0.1) != a  # a fresh draw per call
+
+
+def test_spec_and_the_auto_order_on_cuda():
+    """The spec carries what the reasons read; "auto" on CUDA prefers the short-sequence kernel
+    exactly where it was measured faster (both lengths <= 64, or <= 128 at D <= 64)."""
+    from ragged import backends
+    from ragged.ops.attention import AttentionSpec, attention_spec
+
+    q, k, v = torch.zeros(9, 4, 32), torch.zeros(7, 2, 32), torch.zeros(7, 2, 32)
+    spec = attention_spec(q, k, v, _cu([4, 5]), _cu([3, 4]), 5, 4, 1, 0, 0)
+    assert spec == AttentionSpec(torch.device("cpu"), torch.float32, 32, 4, 2, 2, 5, 4, True, 0.0, False)
+    order = backends._OPS["attention"].gpu_order
+    cuda = torch.device("cuda")
+    for head_dim, longest, first in ((128, 64, "cuda"), (128, 65, "triton"), (64, 128, "cuda"), (64, 129, "triton")):
+        s = AttentionSpec(cuda, torch.bfloat16, head_dim, 4, 4, 8, longest, 1, False, 0.0, False)
+        assert order(s)[0] == first and set(order(s)) == {"cuda", "triton", "torch"}
+
+
+def test_declarations_import_no_toolchain():
+    """Declaring the Triton and CUDA implementations imports neither Triton nor CuPy; the head
+    dims of the kernels are data there."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ragged\n"
+            "from ragged import backends\n"
+            "from ragged.kernels.triton import ATTENTION_HEAD_DIMS\n"
+            "from ragged.kernels.cuda import ATTENTION_SHORT_HEAD_DIMS, ATTENTION_SHORT_MAX_LEN\n"
+            "t, c = backends.implementation('attention', 'triton'), backends.implementation('attention', 'cuda')\n"
+            "assert t.limits == {'head_dim': ATTENTION_HEAD_DIMS}\n"
+            "assert c.limits == {'head_dim': ATTENTION_SHORT_HEAD_DIMS} and c.backward_backend == 'triton'\n"
+            "assert c.maxima == {'max_q': ATTENTION_SHORT_MAX_LEN, 'max_k': ATTENTION_SHORT_MAX_LEN}\n"
+            "assert 'packed_self_attention' in c.extras\n"
+            "assert 'triton' not in sys.modules and 'cupy' not in sys.modules, 'a toolchain was imported'\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+@needs_triton
+def test_triton_head_dims_are_the_declared_ones():
+    from ragged.kernels.triton import ATTENTION_HEAD_DIMS
+    from ragged.kernels.triton import attention as ka
+
+    assert ka.HEAD_DIMS == ATTENTION_HEAD_DIMS
+    reasons = ragged.explain("attention", *(torch.zeros(3, 2, 48) for _ in range(3)), _cu([3]), _cu([3]), 3, 3,
+                             False, 0.0, False)
+    assert reasons["torch"] == [] and any("head dims" in r and "48" in r for r in reasons["triton"])

@@ -5,6 +5,7 @@ test_gpu_fused.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -14,16 +15,45 @@ import torch
 
 import ragged
 from ragged import backends
-from ragged.kernels.cuda import launch as kc, pack as kp
+from ragged.kernels.cuda import launch as kc
 from ragged.kernels.cuda import fused as cf
 from ragged.ops import fused as ops_fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 VEC = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 4}
+SPECS = {"add_layer_norm": ops_fused.add_layer_norm_spec, "bias_act": ops_fused.bias_act_spec}
 
 
-def _only_device_reason(reasons):
-    assert len(reasons) == 1 and "CUDA tensor" in reasons[0], reasons
+@pytest.fixture
+def gpu_like():
+    """The CUDA backend's device reason lifted: the implementation's own reasons (declared dtypes
+    and its check) answer for CPU tensors given a CUDA device (no GPU needed)."""
+    backends.register_backend("cuda", lambda device: None)
+    try:
+        yield
+    finally:
+        backends.register_backend("cuda", backends.cuda_reason)
+
+
+def _spec(op, *operands):
+    return dataclasses.replace(SPECS[op](*operands), device=torch.device("cuda"))
+
+
+def _reasons(op, *operands):
+    """The reasons of the "cuda" implementation of ``op`` for these operands, on a GPU."""
+    return backends.implementation(op, "cuda").reasons(_spec(op, *operands))
+
+
+def _ln(*operands):
+    return _reasons("add_layer_norm", *operands)
+
+
+def _ba(*operands):
+    return _reasons("bias_act", *operands)
+
+
+def _has(reasons, text):
+    assert any(text in r for r in reasons), reasons
 
 
 # --------------------------------------------------------------------------------------
@@ -31,76 +61,90 @@ def _only_device_reason(reasons):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_supported_input_is_declined_only_for_being_on_the_cpu(dtype):
+def test_a_supported_input_is_declined_only_for_being_on_the_cpu(dtype, gpu_like):
     x = torch.randn(5, 768).to(dtype)
     r, w, b = torch.randn_like(x), torch.randn(768).to(dtype), torch.randn(768).to(dtype)
-    _only_device_reason(cf.add_layer_norm_reasons(x, r, w, b))
-    _only_device_reason(cf.add_layer_norm_reasons(x, None, None, None))
+    assert _ln(x, r, w, b) == [] and _ln(x, None, None, None) == []
     for activation in ops_fused.ACTIVATIONS:
-        _only_device_reason(cf.bias_act_reasons(x, b, activation))
-        _only_device_reason(cf.bias_act_reasons(x, None, activation))
+        assert _ba(x, b, activation) == [] and _ba(x, None, activation) == []
+    backends.register_backend("cuda", backends.cuda_reason)
+    for op, operands in (("add_layer_norm", (x, r, w, b)), ("bias_act", (x, b, "gelu"))):
+        reasons = ragged.explain(op, *operands)["cuda"]
+        assert len(reasons) == 1 and "CUDA tensor" in reasons[0], reasons
 
 
-def test_dtypes():
+def test_dtypes(gpu_like):
     x64 = torch.randn(4, 64, dtype=torch.float64)
-    assert any("got x of dtype torch.float64" in r for r in cf.add_layer_norm_reasons(x64, None, None, None))
-    assert any("got x of dtype torch.float64" in r for r in cf.bias_act_reasons(x64, None, "gelu"))
+    _has(_ln(x64, None, None, None), "cuda add_layer_norm takes float16, bfloat16 and float32, got torch.float64")
+    _has(_ba(x64, None, "gelu"), "cuda bias_act takes float16, bfloat16 and float32, got torch.float64")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    reasons = cf.add_layer_norm_reasons(x, torch.randn(4, 64), torch.randn(64), torch.randn(64, dtype=torch.float16))
+    reasons = _ln(x, torch.randn(4, 64), torch.randn(64), torch.randn(64, dtype=torch.float16))
     for name, got in (("residual", "float32"), ("weight", "float32"), ("bias", "float16")):
-        assert any(f"{name} of x's dtype torch.bfloat16, got torch.{got}" in r for r in reasons), reasons
-    assert any("bias of x's dtype" in r for r in cf.bias_act_reasons(x, torch.randn(64), "relu"))
+        _has(reasons, f"{name} of x's dtype torch.bfloat16, got torch.{got}")
+    _has(_ba(x, torch.randn(64), "relu"), "bias of x's dtype")
+    _has(_ba(x, None, "swish"), "takes activations")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_feature_counts(dtype):
+def test_feature_counts(dtype, gpu_like):
     vec, limit = VEC[dtype], cf.max_layer_norm_features(dtype)
     assert limit == {8: 4096, 4: 2048}[vec]
     for n_cols in (vec, 768, 1024, limit):
-        _only_device_reason(cf.add_layer_norm_reasons(torch.zeros(2, n_cols, dtype=dtype), None, None, None))
+        assert _ln(torch.zeros(2, n_cols, dtype=dtype), None, None, None) == []
     odd = torch.zeros(2, 768 + vec // 2, dtype=dtype)
-    assert any(f"multiple of {vec}" in r for r in cf.add_layer_norm_reasons(odd, None, None, None))
-    assert any(f"multiple of {vec}" in r for r in cf.bias_act_reasons(odd, None, "gelu"))
+    _has(_ln(odd, None, None, None), f"multiple of {vec}")
+    _has(_ba(odd, None, "gelu"), f"multiple of {vec}")
     wide = torch.zeros(2, limit + vec, dtype=dtype)
-    assert any(f"at most {limit} features" in r for r in cf.add_layer_norm_reasons(wide, None, None, None))
-    _only_device_reason(cf.bias_act_reasons(wide, None, "gelu"))  # bias_act takes any width
+    _has(_ln(wide, None, None, None), f"at most {limit} features")
+    assert _ba(wide, None, "gelu") == []  # bias_act takes any width
 
 
-def test_alignment_and_strides():
+def test_row_count(gpu_like):
+    spec = dataclasses.replace(_spec("add_layer_norm", torch.zeros(2, 8, dtype=torch.bfloat16), None, None, None),
+                               rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK + 1)
+    _has(backends.implementation("add_layer_norm", "cuda").reasons(spec), "rows")
+    assert not backends.implementation("add_layer_norm", "cuda").reasons(
+        dataclasses.replace(spec, rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK))
+
+
+def test_alignment_and_strides(gpu_like):
     buf = torch.zeros(6, 1024, dtype=torch.bfloat16)
     assert buf.data_ptr() % 16 == 0
     shifted = buf[:, 1:769]          # base 2 bytes past a 16-byte boundary
-    reasons = cf.add_layer_norm_reasons(shifted, None, None, None)
+    reasons = _ln(shifted, None, None, None)
     assert any("x 16-byte aligned" in r and "2 bytes" in r for r in reasons), reasons
     odd_rows = torch.zeros(6, 772, dtype=torch.bfloat16)[:, :768]   # 1544-byte rows
-    reasons = cf.add_layer_norm_reasons(odd_rows, None, None, None)
-    assert any("row strides to be multiples of 16 bytes, got 1544" in r for r in reasons), reasons
+    _has(_ln(odd_rows, None, None, None), "row strides to be multiples of 16 bytes, got 1544")
     strided_rows = buf[:, :768]      # 2048-byte rows: fine
-    _only_device_reason(cf.add_layer_norm_reasons(strided_rows, buf[:, 256:], None, None))
-    reasons = cf.add_layer_norm_reasons(strided_rows, buf[:, 1:769], None, None)
-    assert any("residual 16-byte aligned" in r for r in reasons), reasons
+    assert _ln(strided_rows, buf[:, 256:], None, None) == []
+    _has(_ln(strided_rows, buf[:, 1:769], None, None), "residual 16-byte aligned")
     w = torch.zeros(2 * 768, dtype=torch.bfloat16)
-    reasons = cf.add_layer_norm_reasons(strided_rows, None, w[::2], w[1:769])
-    assert any("weight with unit stride" in r for r in reasons) and any("bias 16-byte" in r for r in reasons)
+    reasons = _ln(strided_rows, None, w[::2], w[1:769])
+    _has(reasons, "weight with unit stride along the features, got stride 2")
+    _has(reasons, "bias 16-byte")
+    _has(_ln(buf.t()[:768], None, None, None), "x with unit stride along the features, got stride 1024")
     # a single row has no row stride to check
-    _only_device_reason(cf.add_layer_norm_reasons(odd_rows[:1], None, None, None))
+    assert _ln(odd_rows[:1], None, None, None) == []
     # bias_act wants x contiguous (its kernel walks x as one run of vectors)
-    reasons = cf.bias_act_reasons(strided_rows, None, "gelu")
-    assert any("contiguous x" in r for r in reasons), reasons
-    reasons = cf.bias_act_reasons(buf.view(-1)[1:1 + 6 * 768].view(6, 768), w[1:769], "gelu")
-    assert any("x 16-byte aligned" in r for r in reasons) and any("bias 16-byte" in r for r in reasons)
+    _has(_ba(strided_rows, None, "gelu"), "contiguous x")
+    reasons = _ba(buf.view(-1)[1:1 + 6 * 768].view(6, 768), w[1:769], "gelu")
+    _has(reasons, "x 16-byte aligned")
+    _has(reasons, "bias 16-byte")
+    _has(_ba(strided_rows.contiguous(), w[::2], "gelu"), "bias with unit stride")
 
 
-def test_fake_tensors_skip_the_pointer_checks():
-    """Under torch.compile the reasons see fake tensors: no data pointer to read, no error."""
+def test_fake_tensors_skip_the_pointer_checks(gpu_like):
+    """Under torch.compile the spec is built from fake tensors: no data pointer to read, no
+    error, no address reason (the launcher copies a misaligned tensor it is handed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.zeros(6, 1024, dtype=torch.bfloat16))[:, 1:769]
-        reasons = cf.add_layer_norm_reasons(x, None, None, None)
-        reasons_ba = cf.bias_act_reasons(x.contiguous(), None, "gelu")
-    _only_device_reason(reasons)
-    _only_device_reason(reasons_ba)
+        spec_ln = _spec("add_layer_norm", x, None, None, None)
+        spec_ba = _spec("bias_act", x.contiguous(), None, "gelu")
+    assert spec_ln.layout == spec_ba.layout == ()
+    assert backends.implementation("add_layer_norm", "cuda").reasons(spec_ln) == []
+    assert backends.implementation("bias_act", "cuda").reasons(spec_ba) == []
 
 
 def _cases():
@@ -119,6 +163,7 @@ def _cases():
     yield x, None, p[1:769], None
     yield x, None, p[::2][:768], None                          # strided weight
     yield x, None, None, p[:768].float()
+    yield buf.t()[:768], None, None, None                      # features strided
     yield torch.zeros(3, 772, dtype=torch.bfloat16), None, None, None   # F not a multiple of 8
     yield torch.zeros(3, 4104, dtype=torch.bfloat16), None, None, None  # F past the widest row
     yield torch.zeros(3, 4096, dtype=torch.bfloat16), None, None, None
@@ -127,21 +172,19 @@ def _cases():
     yield torch.zeros(3, 768, dtype=torch.float64), None, None, None
 
 
-def test_the_fast_check_agrees_with_the_full_list(monkeypatch):
-    """The reasons answer the common case from a short check (*_takes) and build the list of
-    messages only otherwise: both must agree. The device is taken as usable here."""
-    monkeypatch.setattr(cf, "_on_usable_cuda", lambda device: True)
-    monkeypatch.setattr(cf.backends, "cuda_reason", lambda device: None)
+def test_the_fast_layout_check_agrees_with_the_full_walk(gpu_like):
+    """The specs answer the common case (every tensor read in place) from a few integer reads
+    and walk the tensors only otherwise: both must give the same layout faults."""
     n_takes = 0
     for x, r, w, b in _cases():
-        takes = cf._layer_norm_takes(x, r, w, b)
-        assert takes == (cf._layer_norm_reasons(x, r, w, b) == []), (x.shape, x.stride(), x.dtype)
-        assert cf.add_layer_norm_reasons(x, r, w, b) == cf._layer_norm_reasons(x, r, w, b)
+        named = (("x", x), ("residual", r), ("weight", w), ("bias", b))
+        assert ops_fused.add_layer_norm_spec(x, r, w, b).layout == ops_fused._layout(named, True), \
+            (x.shape, x.stride())
         for bias in (w, b):
-            for activation in ("gelu", "swish"):
-                takes_ba = cf._bias_act_takes(x, bias, activation)
-                assert takes_ba == (cf._bias_act_reasons(x, bias, activation) == []), (x.shape, x.stride())
-        n_takes += takes
+            full = ((("x", "address", x.data_ptr() % 16),) if x.data_ptr() % 16 else ()) + \
+                ops_fused._layout((("bias", bias),), True)
+            assert ops_fused.bias_act_spec(x, bias, "gelu").layout == full, (x.shape, x.stride())
+        n_takes += _ln(x, r, w, b) == []
     assert n_takes == 6
 
 
@@ -151,9 +194,8 @@ def test_the_op_reports_the_cuda_reasons_and_auto_takes_torch_on_cpu():
     ba = ragged.explain("bias_act", x, None, "gelu")
     assert set(ln) == set(ba) == {"torch", "triton", "cuda"}
     assert "CUDA tensor" in ln["cuda"][0] and "CUDA tensor" in ba["cuda"][0]
-    x64 = x.double()
-    assert any("triton add_layer_norm takes" in r for r in ragged.explain("add_layer_norm", x64, None, None,
-                                                                         None)["cuda"])
+    _has(ragged.explain("add_layer_norm", x.double(), None, None, None)["cuda"],
+         "cuda add_layer_norm takes float16, bfloat16 and float32, got torch.float64")
     with pytest.raises(ValueError, match=r"ragged\.add_layer_norm\(\): backend 'cuda' cannot take this input: "
                                          r"the CUDA kernels need a CUDA tensor"):
         ragged.add_layer_norm(x, None, None, None, backend="cuda")
@@ -161,14 +203,55 @@ def test_the_op_reports_the_cuda_reasons_and_auto_takes_torch_on_cpu():
                                          r"the CUDA kernels need a CUDA tensor"):
         ragged.bias_act(x, None, "gelu", backend="cuda")
     assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "torch"
-    assert backends._OPS["add_layer_norm"].gpu_order == ("cuda", "triton", "torch")
-    assert backends._OPS["bias_act"].gpu_order == ("cuda", "triton", "torch")
 
 
-def test_the_backward_of_the_cuda_backend_is_the_triton_one():
-    for op in ("add_layer_norm", "bias_act"):
-        impls = backends._OPS[op].impls
-        assert impls["cuda"].fn[1] is impls["triton"].fn[1]
+def test_auto_prefers_cuda_then_triton_then_torch_on_cuda_tensors(gpu_like):
+    """"auto" on CUDA tensors: the CUDA forward where it takes the input, else Triton, else torch."""
+    backends.register_backend("triton", lambda device: None)
+    try:
+        x = torch.zeros(4, 768, dtype=torch.bfloat16)
+        for op, operands in (("add_layer_norm", (x, x, x[0], None)), ("bias_act", (x, x[0], "gelu"))):
+            assert backends.select_spec(op, "auto", _spec(op, *operands)).backend == "cuda"
+        odd = torch.zeros(4, 770, dtype=torch.bfloat16)
+        for op, operands in (("add_layer_norm", (odd, None, None, None)), ("bias_act", (odd, None, "relu"))):
+            assert backends.select_spec(op, "auto", _spec(op, *operands)).backend == "triton"
+        x64 = x.double()
+        for op, operands in (("add_layer_norm", (x64, None, None, None)), ("bias_act", (x64, None, "relu"))):
+            assert backends.select_spec(op, "auto", _spec(op, *operands)).backend == "torch"
+    finally:
+        backends.register_backend("triton", backends.triton_reason)
+
+
+def test_the_backward_of_the_cuda_backend_is_the_triton_one(gpu_like, monkeypatch):
+    """The "cuda" implementations are forward kernels: their backward is Triton's (the same
+    function), and they decline what the Triton backward cannot run (Triton missing)."""
+    import ragged.kernels.cuda as kernels_cuda
+
+    x = torch.zeros(4, 768, dtype=torch.bfloat16)
+    for op, operands in (("add_layer_norm", (x, None, None, None)), ("bias_act", (x, None, "gelu"))):
+        impls = {name: backends.implementation(op, name) for name in ("cuda", "triton")}
+        assert impls["cuda"].backward_backend == "triton"
+        assert impls["cuda"].backward_fn is impls["triton"].backward_fn
+        assert _reasons(op, *operands) == []
+        monkeypatch.setattr(kernels_cuda, "triton_reason", lambda device: "triton cannot be imported (test)")
+        assert _reasons(op, *operands) == ["triton cannot be imported (test)"]
+        monkeypatch.undo()
+
+
+def test_extras():
+    """The entry points the fused encoder layer looks up by name (on the implementation that
+    runs the backward: a "cuda" forward's extras are its own, never Triton's)."""
+    from ragged.kernels.triton import fused as tf
+
+    ln, ba = (backends.implementation(op, "triton") for op in ("add_layer_norm", "bias_act"))
+    assert ln.extra("dropout_backward") is tf.add_layer_norm_dropout_backward
+    assert ln.extra("partial_groups") is tf.partial_groups
+    assert ln.extra("backward_fuses") is tf.layer_norm_backward_fuses
+    assert ba.extra("dropout_backward") is tf.bias_act_backward
+    cuda_ln = backends.implementation("add_layer_norm", "cuda")
+    assert cuda_ln.extra("inference") is cf.add_layer_norm_inference
+    assert cuda_ln.extra("dropout_backward") is None and ln.extra("inference") is None
+    assert backends.implementation("add_layer_norm", "torch").extra("dropout_backward") is None
 
 
 # --------------------------------------------------------------------------------------
@@ -247,15 +330,16 @@ def test_layer_norm_inference_arguments(recorder, return_sum):
     assert recorder.calls[0]["args"][1:4] == [0, 0, 0]
 
 
-def test_layer_norm_empty_and_misaligned(recorder, monkeypatch):
+def test_layer_norm_empty_and_misaligned(recorder):
     y, s, mean, rstd = cf.add_layer_norm_forward(torch.zeros(0, 768), None, None, None, 1e-5, True)
     assert y.shape == s.shape == (0, 768) and mean.shape == rstd.shape == (0,) and not recorder.calls
     # Only reachable when the reasons could not look at the pointers (torch.compile): the
-    # Triton kernel takes it.
-    monkeypatch.setattr(cf, "_triton_add_layer_norm", lambda *args: "triton")
+    # kernel reads an aligned copy.
     x = torch.zeros(4, 1024, dtype=torch.float16)[:, 4:772]
-    assert cf.add_layer_norm_forward(x, None, None, None, 1e-5, False) == "triton"
-    assert not recorder.calls
+    cf.add_layer_norm_forward(x, None, None, None, 1e-5, False)
+    (call,) = recorder.calls
+    px, *_, n_rows, n_cols, stride_x, _, _ = call["args"]
+    assert px % 16 == 0 and px != x.data_ptr() and (n_rows, n_cols, stride_x) == (4, 768, 768)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,12 +360,21 @@ def test_bias_act_arguments(recorder, dtype, activation):
 
 
 @pytest.mark.parametrize("layout", ["strided", "expanded"])
-def test_launchers_hand_unit_stride_layouts_they_cannot_read_to_triton(recorder, layout):
+def test_launchers_copy_layouts_they_cannot_read(recorder, monkeypatch, layout):
     """A direct call with a strided or expanded parameter (16-byte aligned, so the pointer check
-    passes): the CUDA kernels read parameters as ``ptr + i``, so the Triton launcher takes it
-    (under the interpreter here) and gives the right result; nothing is launched."""
-    if backends.triton_reason(torch.device("cpu")):
-        pytest.skip("the Triton interpreter is off")
+    passes) or transposed rows: the CUDA kernels read parameters as ``ptr + i`` and rows with unit
+    stride, so the launcher hands them dense copies of exactly those tensors, and nothing else."""
+    copies = {}
+    readable = cf._readable
+
+    def spy(t):
+        out = readable(t)
+        if out is not t:
+            assert torch.equal(out, t) and out.is_contiguous() and out.data_ptr() % 16 == 0
+            copies[out.data_ptr()] = t
+        return out
+
+    monkeypatch.setattr(cf, "_readable", spy)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(3, 768, generator=gen)
     if layout == "strided":
@@ -289,15 +382,19 @@ def test_launchers_hand_unit_stride_layouts_they_cannot_read_to_triton(recorder,
     else:
         w, b = torch.tensor([1.5]).expand(768), torch.tensor([0.25]).expand(768)
     assert w.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-    y, _, mean, rstd = cf.add_layer_norm_forward(x, x, w, b, 1e-5, False)
-    ref = torch.nn.functional.layer_norm(2 * x.double(), (768,), w.double(), b.double())
-    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
-    assert mean.shape == rstd.shape == (3,)
-    torch.testing.assert_close(cf.bias_act_forward(x, b, "none"), x + b)
+    cf.add_layer_norm_forward(x, x, w, b, 1e-5, False)
+    px, pr, pw, pb = recorder.calls[-1]["args"][:4]
+    assert px == pr == x.data_ptr() and copies[pw] is w and copies[pb] is b
+    cf.bias_act_forward(x, b, "none")
+    px, pb = recorder.calls[-1]["args"][:2]
+    assert px == x.data_ptr() and copies[pb] is b
     xt = torch.randn(768, 3, generator=gen).t()   # features not contiguous
-    torch.testing.assert_close(cf.add_layer_norm_forward(xt, None, None, None, 1e-5, False)[0],
-                               torch.nn.functional.layer_norm(xt, (768,)), atol=1e-5, rtol=1e-5)
-    assert not recorder.calls
+    cf.add_layer_norm_forward(xt, None, None, None, 1e-5, False)
+    args = recorder.calls[-1]["args"]
+    assert copies[args[0]] is xt and args[10] == 768  # stride_x of the copy
+    cf.bias_act_forward(xt, None, "relu")
+    assert recorder.calls[-1]["args"][0] not in (xt.data_ptr(), 0)
+    assert len(recorder.calls) == 4
 
 
 def test_bias_act_grid_is_capped_by_the_multiprocessors(recorder):

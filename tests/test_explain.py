@@ -13,7 +13,7 @@ import torch
 import ragged
 from ragged import backends
 
-OPS = ["add_layer_norm", "attention", "bias_act", "pack", "unpack", "vocab_cross_entropy", "vocab_projection"]
+OPS = ["add_layer_norm", "attention", "bias_act", "pack", "pool", "unpack", "vocab_cross_entropy", "vocab_projection"]
 LENGTHS = [3, 0, 1, 7]  # a zero, a one, odd sizes
 
 
@@ -41,6 +41,10 @@ def _calls(op, dtype=torch.float32, device="cpu"):
         if op == "pack":
             return ragged.pack, (padded,), {"lengths": LENGTHS}, (padded, rt.offsets)
         return ragged.unpack, (rt,), {}, (rt.values, rt.offsets)
+    if op == "pool":
+        rt = _seqs(LENGTHS, (6,), seed, dtype)
+        rt = ragged.RaggedTensor(rt.values.to(device), rt.offsets.to(device), rt.max_len)
+        return ragged.pool, (rt, "max"), {}, (rt.values, rt.offsets, "max")
     if op == "attention":
         q = _seqs(LENGTHS, (2, 16), seed, dtype)
         q = ragged.RaggedTensor(q.values.to(device), q.offsets.to(device), q.max_len)
@@ -110,7 +114,7 @@ def test_missing_arguments_name_what_the_reasons_need(op):
     assert "got no arguments" in message
     assert f"ragged.explain(ragged.{op}," in message  # the public form is suggested
     needs = {"attention": "q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad",
-             "pack": "x, offsets", "unpack": "x, offsets", "bias_act": "x, bias, activation",
+             "pack": "x, offsets", "pool": "values, offsets, mode", "unpack": "x, offsets", "bias_act": "x, bias, activation",
              "add_layer_norm": "x, residual, weight, bias",
              "vocab_projection": "hidden, h_off, weight, bias, ids, v_off",
              "vocab_cross_entropy": "hidden, h_off, weight, bias, ids, v_off"}[op]
@@ -177,14 +181,14 @@ def test_gpu_both_forms_agree_and_auto_picks_a_backend_without_reasons(op, dtype
     # what "auto" runs is a backend explain finds no reason against
     chosen = {}
     entry = backends._OPS[op]
-    real_select = backends.select
+    real_select = backends.select_spec
 
     def spy(name, *a, **k):
         impl = real_select(name, *a, **k)
         chosen.setdefault(name, impl.name)
         return impl
 
-    monkeypatch.setattr(backends, "select", spy)
+    monkeypatch.setattr(backends, "select_spec", spy)
     public(*args, **kwargs)
     monkeypatch.undo()
     assert by_function[chosen[op]] == [], (chosen, by_function)

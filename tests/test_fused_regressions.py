@@ -211,25 +211,31 @@ def test_strided_parameters_under_compile():
 
 
 def test_the_parameters_reach_every_backend_with_unit_stride(monkeypatch):
-    """The one place every backend goes through: the backend choice (the reasons) and the
-    call into the op see the parameters contiguous."""
+    """The one place every backend goes through: the backend choice (the spec its reasons read)
+    and the call into the op's implementation see the parameters contiguous."""
+    import dataclasses
+
     from ragged import backends
     from ragged.ops import fused
 
     seen = []
 
-    def spy(fn):
+    def spy(name, fn):
         def wrapper(*args, **kwargs):
-            seen.append((fn.__name__, [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1]))
+            seen.append((name, [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1]))
             return fn(*args, **kwargs)
         return wrapper
 
-    for module, name in ((backends, "select"), (fused, "_call_bias_act"), (fused, "_call_add_layer_norm")):
-        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+    for name in ("bias_act_spec", "add_layer_norm_spec"):
+        monkeypatch.setattr(fused, name, spy(name, getattr(fused, name)))
+    for op in ("bias_act", "add_layer_norm"):
+        impls = backends._OPS[op].impls
+        impl = impls["torch"]
+        monkeypatch.setitem(impls, "torch", dataclasses.replace(impl, forward=spy(op, impl.forward_fn)))
     x = torch.randn(4, 8)
     ragged.bias_act(x, torch.randn(16)[::2], backend="torch")
     ragged.add_layer_norm(x, x, torch.randn(16)[::2], torch.tensor([1.0]).expand(8), backend="torch")
-    assert [name for name, _ in seen] == ["select", "_call_bias_act", "select", "_call_add_layer_norm"]
+    assert [name for name, _ in seen] == ["bias_act_spec", "bias_act", "add_layer_norm_spec", "add_layer_norm"]
     assert [len(ts) for _, ts in seen] == [1, 1, 2, 2]
     assert all(t.stride(0) == 1 for _, ts in seen for t in ts)
 

@@ -255,23 +255,29 @@ def test_kernel_choice(monkeypatch):
         assert expected in names[-1], (names[-1], expected)
 
 
+def _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad):
+    return ragged.explain("attention", q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad)["cuda"]
+
+
 def test_reasons():
-    kern = _kernel()
+    _kernel()
     q, k, v, cu_q, cu_k = _inputs([3, 5], [3, 5], 4, 2, 64, torch.bfloat16, seed=0)
     if torch.cuda.get_device_capability() < (8, 0):
-        assert kern.reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.0, False)
+        assert any("compute capability" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.0, False))
         pytest.skip("compute capability < 8.0")
-    assert kern.reasons(q, k, v, cu_q, cu_k, 128, 128, True, 0.0, False) == []
+    assert _cuda_reasons(q, k, v, cu_q, cu_k, 128, 128, True, 0.0, False) == []
     for max_q, max_k in ((129, 5), (5, 129)):
-        assert any("128" in r for r in kern.reasons(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.0, False))
-    assert any("dropout" in r for r in kern.reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.1, False))
-    assert any("forward only" in r for r in kern.reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.0, True))
+        assert any("128" in r and "129" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.0,
+                                                                    False))
+    assert any("dropout" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.1, False))
+    assert any("forward only" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.0, True))
     q32 = q.float()
-    assert any("float32" in r for r in kern.reasons(q32, k.float(), v.float(), cu_q, cu_k, 5, 5, False, 0.0, False))
+    assert any("float32" in r for r in _cuda_reasons(q32, k.float(), v.float(), cu_q, cu_k, 5, 5, False, 0.0, False))
     q80 = torch.zeros(8, 4, 80, dtype=torch.bfloat16, device="cuda")
-    assert any("head dims" in r for r in kern.reasons(q80, q80, q80, cu_q, cu_k, 5, 5, False, 0.0, False))
+    assert any("head dims" in r and "80" in r for r in _cuda_reasons(q80, q80, q80, cu_q, cu_k, 5, 5, False, 0.0,
+                                                                     False))
     qc = q.cpu()
-    assert kern.reasons(qc, k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 5, 5, False, 0.0, False)
+    assert _cuda_reasons(qc, k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 5, 5, False, 0.0, False)
     # Through the API: a forced backend that cannot take the input raises.
     with pytest.raises(ValueError, match="forward only"):
         ragged.varlen_attention(q.detach().requires_grad_(True), k, v, cu_q, cu_k, 5, 5, backend="cuda")
@@ -281,8 +287,19 @@ def test_reasons():
         ragged.varlen_attention(q, k, v, cu_q, cu_k, 129, 129, backend="cuda")
 
 
+def test_declaration_backward_and_extras():
+    """The kernel is forward only: its implementation's backward is Triton's; the packed
+    inference entry point is an extra of the declaration (what the layers look up)."""
+    _kernel()
+    from ragged.kernels.triton import attention as ka
+
+    impl = backends.implementation("attention", "cuda")
+    assert impl.backward_backend == "triton" and impl.backward_fn is ka.backward
+    assert impl.extra("packed_self_attention") is _kernel().packed_self_attention
+
+
 def test_launcher_table_matches_the_source():
-    from ragged.kernels.cuda import launch as kc, pack as kp
+    from ragged.kernels.cuda import launch as kc
     from ragged.kernels.cuda import attention as ca
 
     src = kc.source("attention_short.cu")

@@ -472,10 +472,15 @@ def test_cuda_misaligned_inputs_go_to_triton():
     assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "triton"
     with pytest.raises(ValueError, match=r"backend 'cuda' cannot take this input: .*16-byte aligned"):
         ragged.add_layer_norm(x, None, None, None, backend="cuda")
-    # the launcher itself (reached with fake tensors under torch.compile) hands it to Triton
+    xb = buf.view(-1)[1:1 + 64 * 768].view(64, 768)
+    assert any("x 16-byte aligned" in r for r in ragged.explain("bias_act", xb, None, "gelu")["cuda"])
+    assert backends.select("bias_act", None, x.device, xb, None, "gelu").name == "triton"
+    # the launchers themselves (reached with fake tensors under torch.compile, where the reasons
+    # see no pointers) read an aligned copy: the results of an aligned input
     y = _cuda_fused().add_layer_norm_forward(x, None, None, None, 1e-5, False)[0]
-    ref = _triton_fused().add_layer_norm_forward(x, None, None, None, 1e-5, False)[0]
-    assert torch.equal(y, ref)
+    assert torch.equal(y, _cuda_fused().add_layer_norm_forward(x.clone(), None, None, None, 1e-5, False)[0])
+    h = _cuda_fused().bias_act_forward(xb, None, "gelu")
+    assert torch.equal(h, _cuda_fused().bias_act_forward(xb.clone(), None, "gelu"))
 
 
 def test_cuda_no_host_sync():

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ragged._utils import assume_constant_result
+from ragged.utils import assume_constant_result
 
 _PROBE = """
 import json, sys, time

@@ -144,7 +144,7 @@ def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, ac
 
     if backend == "triton" and ragged.backends.triton_reason(torch.device("cpu")):
         pytest.skip("Triton cannot run on the CPU here")
-    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+    monkeypatch.setattr(rt_mod, "fused_backend", lambda x: backend)
     act = {"callable": lambda t: F.silu(t) * 0.5, "gelu_tanh": nn.GELU(approximate="tanh")}.get(activation,
                                                                                                activation)
     seed = zlib.crc32(repr((backend, norm_first, activation, bias)).encode()) % 1000
@@ -195,7 +195,7 @@ def test_fused_path_calls_custom_activation_modules(monkeypatch, backend, activa
 
     if backend == "triton" and ragged.backends.triton_reason(torch.device("cpu")):
         pytest.skip("Triton cannot run on the CPU here")
-    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+    monkeypatch.setattr(rt_mod, "fused_backend", lambda x: backend)
     enc = _torch_encoder(activation=ACTIVATION_MODULES[activation](), seed=37)
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
     lengths = [3, 1, 5]
@@ -642,7 +642,7 @@ def test_compile_fullgraph_fused_path(monkeypatch, training):
     from ragged.nn import transformer as rt_mod
 
     torch._dynamo.reset()
-    monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: "torch")
+    monkeypatch.setattr(rt_mod, "fused_backend", lambda x: "torch")
     enc = _torch_encoder(activation="gelu", norm=True, seed=73)
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True).train(training)
     lengths = [3, 0, 6, 1]
@@ -874,7 +874,7 @@ def _force_fused(monkeypatch, backend: str) -> None:
     from ragged.nn import transformer as rt_mod
 
     if backend != "auto":
-        monkeypatch.setattr(rt_mod, "_fused_backend", lambda x: backend)
+        monkeypatch.setattr(rt_mod, "fused_backend", lambda x: backend)
 
 
 @pytest.mark.gpu

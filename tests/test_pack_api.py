@@ -361,9 +361,9 @@ def test_pack_attention_mask_explicit_side(backend):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The scattered-mask warning is issued once per process; start each test afresh."""
-    import ragged._utils
+    import ragged.utils
 
-    monkeypatch.setattr(ragged._utils, "_warned", set())
+    monkeypatch.setattr(ragged.utils, "_warned", set())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

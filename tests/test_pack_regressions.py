@@ -269,7 +269,7 @@ def test_padding_value_not_a_number():
 @pytest.mark.parametrize("dtype", FILL_DTYPES, ids=str)
 def test_kernel_fill_patterns_are_torchs_cast(dtype):
     """The bits the Triton and CUDA launchers hand their kernels, checked without running them."""
-    from ragged.kernels.cuda import launch as kc, pack as kp
+    from ragged.kernels.cuda import pack as kp
 
     for value in FILL_VALUES:
         want = _torch_cast(value, dtype)
@@ -387,7 +387,7 @@ def test_numpy_ints_wherever_an_int_is_taken():
 
 
 def test_meta_lengths_raise_naming_the_function():
-    from ragged._utils import host_lengths_of
+    from ragged.utils import host_lengths_of
 
     lengths = torch.tensor([2, 3], device="meta")
     with pytest.raises(ValueError, match=r"ragged\.RaggedTensor\.from_lengths\(\): expected lengths .*meta"):

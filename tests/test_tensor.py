@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 import ragged
 from ragged import RaggedTensor
-from ragged._utils import offsets_dtype_for
+from ragged.utils import offsets_dtype_for
 
 
 def _gen(seed):

@@ -461,12 +461,13 @@ def test_logits_methods_read_nothing_back(no_host_reads, shared):
     target = _targets(lens, cands, weight.shape[0], 15, outside=0.2)
     # host ids are range-checked on the host on purpose (no wait there); CUDA ids are not
     # read on the hot path (tests/test_gpu_vocab.py::test_no_host_sync)
-    layout = ragged.ops.vocab._prepare("f", hidden, weight, vocab, bias, False)
+    layout = ragged.ops.vocab_checks.prepare("f", hidden, weight, vocab, bias, False)
     with no_host_reads():
         logits.argmax(), logits.topk(3), logits.topk(9), logits.to_padded(), logits.to_full()
         logits.log_softmax().softmax(), logits.logsumexp(), repr(logits)
-        local = ragged.ops.vocab._local_targets("f", layout, target, -100, "ignore")
-    assert local.shape == target.shape
+        local, missing = ragged.ops.vocab_reference.locate_targets(target, layout.h_off, layout.ids, layout.v_off,
+                                                               weight.shape[0], -100)
+    assert local.shape == target.shape and missing.shape == ()
 
 
 def test_ragged_logits_cross_the_compile_boundary():
@@ -754,17 +755,35 @@ def _op_args(case="mixed", shared=False, grad=True):
     l_off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int64)
     h, w, b = (t.requires_grad_(grad) for t in (hidden.values, weight, bias))
     max_v = size if shared else max(len(c) for c in cands)
-    return (h, hidden.offsets, w, b, ids, v_off, l_off, shared, sum(counts), max(lens), max_v, "torch")
+    return (h, hidden.offsets, w, b, ids, None if shared else v_off, l_off, sum(counts), max(lens), max_v, "torch")
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
 def test_opcheck(shared):
     torch.library.opcheck(torch.ops.ragged.vocab_projection.default, _op_args(shared=shared))
-    h, h_off, w, _b, ids, v_off, l_off, shared, total, max_t, max_v, backend = _op_args(shared=shared, grad=False)
+    h, h_off, w, _b, ids, v_off, l_off, total, max_t, max_v, backend = _op_args(shared=shared, grad=False)
     grad = torch.randn(total)
     for flags in ((True, True, True), (False, True, False)):
         torch.library.opcheck(torch.ops.ragged.vocab_projection_backward.default,
-                              (grad, h, h_off, w, ids, v_off, l_off, shared, max_t, max_v, *flags, False, backend))
+                              (grad, h, h_off, w, ids, v_off, l_off, max_t, max_v, *flags, False, backend))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
+def test_opcheck_cross_entropy(shared):
+    """The cross-entropy op and its backward op (global targets, some ignored, some outside
+    their candidates), with and without the host offsets of an eager call."""
+    hidden, weight, bias, vocab, cands, lens = _make("mixed", 101, torch.float32, shared=shared)  # _op_args' case
+    h, h_off, w, b, ids, v_off, l_off, total, max_t, max_v, backend = _op_args(shared=shared)
+    target = _targets(lens, cands, weight.shape[0], 103, outside=0.2)
+    operands = (h, h_off, w, b, ids, v_off, l_off, total, max_t, max_v, target, -100, 0.1)
+    torch.library.opcheck(torch.ops.ragged.vocab_cross_entropy.default, (*operands, backend))
+    loss, lse, local, missing = torch.ops.ragged.vocab_cross_entropy(*operands, backend)
+    host = (list(hidden.host_offsets()), None if shared else list(vocab.host_offsets()))
+    grad = torch.randn(loss.shape[0])
+    for flags, (host_h, host_v) in (((True, True, True), host), ((False, True, False), (None, None))):
+        torch.library.opcheck(torch.ops.ragged.vocab_cross_entropy_backward.default,
+                              (grad, h.detach(), h_off, w.detach(), b.detach(), ids, v_off, l_off, total, local,
+                               lse.detach(), None, 0.1, max_t, max_v, *flags, False, host_h, host_v, backend))
 
 
 def test_fake_implementations_give_shapes():
@@ -775,11 +794,20 @@ def test_fake_implementations_give_shapes():
         h_off = torch.empty(4, dtype=torch.int32)
         ids = torch.empty(11, dtype=torch.int64)
         l_off = torch.empty(4, dtype=torch.int64)
-        out = torch.ops.ragged.vocab_projection(h, h_off, w, None, ids, h_off, l_off, False, 37, 5, 6, "torch")
-        grads = torch.ops.ragged.vocab_projection_backward(out, h, h_off, w, ids, h_off, l_off, False, 5, 6, True,
-                                                           False, True, False, "torch")
+        out = torch.ops.ragged.vocab_projection(h, h_off, w, None, ids, h_off, l_off, 37, 5, 6, "torch")
+        grads = torch.ops.ragged.vocab_projection_backward(out, h, h_off, w, ids, h_off, l_off, 5, 6, True, False,
+                                                           True, False, "torch")
+        target = torch.empty(9, dtype=torch.int64)
+        ce = torch.ops.ragged.vocab_cross_entropy(h.double(), h_off, w.double(), None, ids, None, l_off, 99, 5, 11,
+                                                  target, -100, 0.0, "torch")
+        ce_grads = torch.ops.ragged.vocab_cross_entropy_backward(ce[0], h, h_off, w, None, ids, h_off, l_off, 37,
+                                                                 ce[2], ce[1], None, 0.0, 5, 6, False, True, False,
+                                                                 False, None, None, "torch")
     assert out.shape == (37,)
     assert [tuple(g.shape) for g in grads] == [(9, 16), (0,), (40,)]
+    assert [(tuple(t.shape), t.dtype) for t in ce] == [((9,), torch.float64), ((9,), torch.float64),
+                                                      ((9,), torch.int32), ((), torch.int64)]
+    assert [tuple(g.shape) for g in ce_grads] == [(0,), (40, 16), (0,)]
 
 
 def test_public_api_under_fake_tensors_uses_the_ops():

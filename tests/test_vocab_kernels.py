@@ -1,4 +1,5 @@
-"""Triton vocabulary-projection kernels (ragged.kernels.triton.vocab) against float64 loops.
+"""Triton vocabulary-projection kernels (ragged.kernels.triton.vocab, .vocab_cross_entropy)
+against float64 loops.
 
 The projection forward/backward and the fused subset cross-entropy are checked at the
 kernel level here (small sizes: the interpreter runs them on CPU); the public API is
@@ -16,6 +17,7 @@ from conftest import TRITON_ON_CPU, HAS_CUDA
 pytestmark = pytest.mark.skipif(not (TRITON_ON_CPU or HAS_CUDA), reason="needs the Triton interpreter or a GPU")
 
 kv = pytest.importorskip("ragged.kernels.triton.vocab")
+kce = pytest.importorskip("ragged.kernels.triton.vocab_cross_entropy")
 DEVICE = "cuda" if HAS_CUDA and not TRITON_ON_CPU else "cpu"
 V, D = 60, 24
 CASES = {
@@ -81,27 +83,31 @@ def test_projection_forward_backward(shared, name, deterministic):
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("chunk,use_host", [(kv.CE_CHUNK, True), (20, True), (kv.CE_CHUNK, False)])
+@pytest.mark.parametrize("chunk,use_host", [(kce.CE_CHUNK, True), (20, True), (kce.CE_CHUNK, False)])
 def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     c = _case("mixed", shared, seed=7 + int(shared))
     d = _dev(c)
-    targets = []
+    ignore = -100
+    targets, local_t = [], []
     for b, (t_len, v_len) in enumerate(zip(c["t_lens"], c["v_lens"])):
-        for _ in range(t_len):   # some tokens without a target (-1)
+        for _ in range(t_len):   # some tokens without a target (ignore_index)
             keep = v_len and torch.rand((), generator=c["gen"]) > 0.2
-            targets.append(int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1)
-    target = torch.tensor(targets, dtype=torch.int32)
+            k = int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1
+            local_t.append(k)
+            targets.append(int(c["lists"][b][k]) if keep else ignore)
+    target = torch.tensor(targets)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    loss, lse, local, bad = kv.cross_entropy_forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"],
-                                                     d["ids"], _i32(c["v_off"]), l_off, target.to(DEVICE), smoothing,
-                                                     max(c["t_lens"]), max(c["v_lens"]))
-    assert bad is None and torch.equal(local.cpu(), target)
+    total, max_t, max_v = c["l_off"][-1], max(c["t_lens"]), max(c["v_lens"])
+    loss, lse, local, missing = kce.forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
+                                        _i32(c["v_off"]), l_off, total, max_t, max_v, target.to(DEVICE), ignore,
+                                        smoothing)
+    assert missing.item() == 0 and local.cpu().tolist() == local_t
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     losses = []
     for b, ids in enumerate(c["lists"]):
         z = h64[c["h_off"][b]:c["h_off"][b + 1]] @ w64[ids].T + b64[ids]
         for t in range(z.shape[0]):
-            y = int(target[c["h_off"][b] + t])
+            y = local_t[c["h_off"][b] + t]
             losses.append(F.cross_entropy(z[t:t + 1], torch.tensor([y]), label_smoothing=smoothing) if y >= 0
                           else h64.sum() * 0)
     ref = torch.stack(losses)
@@ -109,11 +115,9 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     grad_loss = torch.randn(len(targets), generator=c["gen"])
     (ref * grad_loss.double()).sum().backward()
     host = (c["h_off"], c["v_off"]) if use_host else (None, None)
-    dh, dw, db = kv.cross_entropy_backward(grad_loss.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"],
-                                           d["bias"], d["ids"], _i32(c["v_off"]), l_off, c["l_off"][-1],
-                                           target.to(DEVICE), lse, smoothing, max(c["t_lens"]), max(c["v_lens"]),
-                                           True, True, True, False, host_h_off=host[0], host_v_off=host[1],
-                                           chunk_elems=chunk)
+    dh, dw, db = kce.backward(grad_loss.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
+                              _i32(c["v_off"]), l_off, total, local, lse, None, smoothing, max_t, max_v, True, True,
+                              True, False, host[0], host[1], chunk_elems=chunk)
     for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -121,8 +125,8 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
 @pytest.mark.parametrize("shared", [False, True])
 def test_fused_cross_entropy_locates_global_targets(shared):
     """Global target ids are found by the kernel's binary search: local index, -1 for
-    ignore_index and for ids outside the candidates, and the count / first index of the
-    latter; the losses equal those computed from the local indices."""
+    ignore_index and for ids outside the candidates, and the count of the latter; the losses
+    equal those of the same call with the latter ignored."""
     c = _case("mixed", shared, seed=11 + int(shared))
     d = _dev(c)
     ignore = -7
@@ -148,12 +152,16 @@ def test_fused_cross_entropy_locates_global_targets(shared):
     want_local = torch.tensor([max(x, -1) for x in local_t], dtype=torch.int32)
     bad_tokens = [i for i, x in enumerate(local_t) if x == -2]
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    args = (d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off)
-    sizes = (max(c["t_lens"]), max(c["v_lens"]))
-    loss, lse, local, bad = kv.cross_entropy_forward(*args, torch.tensor(global_t, device=DEVICE), 0.1, *sizes,
-                                                     ignore_index=ignore)
+    args = (d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off, c["l_off"][-1],
+            max(c["t_lens"]), max(c["v_lens"]))
+    loss, lse, local, missing = kce.forward(*args, torch.tensor(global_t, device=DEVICE), ignore, 0.1)
     assert torch.equal(local.cpu(), want_local)
-    assert bad.cpu().tolist() == [len(bad_tokens), 2 ** 31 - 1 - bad_tokens[0] if bad_tokens else 0]
-    loss2, lse2, _, _ = kv.cross_entropy_forward(*args, want_local.to(DEVICE), 0.1, *sizes)
+    assert missing.item() == len(bad_tokens)
+    # the same losses with the local targets given as candidates' ids and the rest ignored
+    lists = c["lists"]
+    again = [int(lists[b][k]) if k >= 0 else ignore
+             for b, (t0, t1) in enumerate(zip(c["h_off"][:-1], c["h_off"][1:])) for k in want_local[t0:t1].tolist()]
+    loss2, lse2, local2, missing2 = kce.forward(*args, torch.tensor(again, device=DEVICE), ignore, 0.1)
+    assert torch.equal(local2.cpu(), want_local) and missing2.item() == 0
     torch.testing.assert_close(loss.cpu(), loss2.cpu(), rtol=0, atol=0)
     torch.testing.assert_close(lse.cpu(), lse2.cpu(), rtol=0, atol=0)

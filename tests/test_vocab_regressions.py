@@ -1,5 +1,5 @@
 """Regressions of the vocabulary ops (ragged.vocab_projection, ragged.vocab_cross_entropy,
-ragged.union_vocab, RaggedLogits and the Triton launchers of ragged.kernels.triton.vocab).
+ragged.union_vocab, RaggedLogits and the implementations of the two ops on every backend).
 
 1. strided offsets, ids, targets and bias (Triton read them as if contiguous);
 2. double backward (an unrelated ``out=`` error, or a silent missing term);
@@ -240,12 +240,13 @@ def test_union_vocab_of_strided_ids_projects_like_the_loop(backend):
     torch.testing.assert_close(logits.values.double(), want, **TOL)
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
-def test_triton_launchers_take_strided_metadata(shared):
-    """The launchers themselves (called without the ops' checks) take strided offsets, ids,
-    bias, targets and a strided loss gradient."""
-    kv = pytest.importorskip("ragged.kernels.triton.vocab")
+def test_implementations_take_strided_metadata(shared, backend):
+    """Every backend's implementations of the two ops (called without the ops' checks, with
+    the ops' operands) take strided offsets, ids, bias, targets, lse and loss gradient."""
+    projection = ragged.backends.implementation("vocab_projection", backend)
+    cross_entropy = ragged.backends.implementation("vocab_cross_entropy", backend)
     g = _gen("launch", shared)
     cands = _candidates(COUNTS, 5, shared)
     hidden, weight, bias = (torch.randn(sum(LENS), D, generator=g), torch.randn(V, D, generator=g),
@@ -258,20 +259,21 @@ def test_triton_launchers_take_strided_metadata(shared):
     args = (_interleave(_offsets(LENS), 0), weight, _interleave(bias, 0.0), _interleave(ids, 0), v_off,
             _interleave(l_off, 0))
     h_off, _, b_s, ids_s, v_s, l_s = args
-    out = kv.forward(hidden, *args, total, max_t, max_v)
+    out = projection.forward_fn(hidden, *args, total, max_t, max_v)
     want = _flat(_loop_blocks(hidden, LENS, weight, bias, cands))
     torch.testing.assert_close(out.double(), want, **TOL)
     grad = torch.randn(total, generator=g)
     leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     _flat(_loop_blocks(*leaves[:1], LENS, *leaves[1:], cands)).backward(grad.double())
     for deterministic in (False, True):
-        got = kv.backward(grad, hidden, h_off, weight, ids_s, v_s, l_s, max_t, max_v, True, True, True,
-                          deterministic)
-        _close(got, [t.grad for t in leaves], f"backward deterministic={deterministic}")
+        got = projection.backward_fn(grad, hidden, h_off, weight, ids_s, v_s, l_s, max_t, max_v, True, True, True,
+                                     deterministic)
+        _close(got, [t.grad for t in leaves], f"{backend} backward deterministic={deterministic}")
     target = _targets(LENS, cands, 5)
-    loss, lse, local, bad = kv.cross_entropy_forward(hidden, h_off, weight, b_s, ids_s, v_s, l_s,
-                                                      _interleave(target, 0), 0.1, max_t, max_v, -100)
-    assert bad.tolist() == [0, 0]
+    forward = cross_entropy.forward_fn(hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, max_t, max_v,
+                                       _interleave(target, 0), -100, 0.1)
+    loss, lse, local, missing = forward
+    assert missing.item() == 0 and local.dtype == torch.int32
     per_token = []
     t = 0
     for block, n, c in zip(_loop_blocks(hidden, LENS, weight, bias, cands), LENS, cands):
@@ -283,8 +285,7 @@ def test_triton_launchers_take_strided_metadata(shared):
                              if len(c) else block.new_zeros(n))
     torch.testing.assert_close(loss.double(), torch.cat(per_token), **TOL)
     grad_loss = _interleave(torch.randn(sum(LENS), generator=g), 0.0)
-    got = kv.cross_entropy_backward(grad_loss, hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, local,
-                                    _interleave(lse, 0.0), 0.1, max_t, max_v, True, True, True, False)
+    host = (list(_offsets(LENS).tolist()), None if shared else list(_offsets(COUNTS).tolist()))
     leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     per_token, t = [], 0
     for block, n, c in zip(_loop_blocks(leaves[0], LENS, leaves[1], leaves[2], cands), LENS, cands):
@@ -296,7 +297,14 @@ def test_triton_launchers_take_strided_metadata(shared):
         elif n:
             per_token.append(block.new_zeros(n))
     (torch.cat(per_token) * grad_loss.double()).sum().backward()
-    _close(got, [t.grad for t in leaves], "cross_entropy_backward")
+    kept = getattr(forward, "logits", None)   # the logits an implementation's forward keeps for its backward
+    for host_h, host_v in ((None, None), host):
+        for logits in (None,) if kept is None else (None, kept):
+            got = cross_entropy.backward_fn(grad_loss, hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, local,
+                                            _interleave(lse, 0.0), logits, 0.1, max_t, max_v, True, True, True, False,
+                                            host_h, host_v)
+            _close(got, [t.grad for t in leaves], f"{backend} cross_entropy backward, host offsets "
+                                                   f"{host_h is not None}, logits {logits is not None}")
 
 
 # --------------------------------------------------------------------------------------
@@ -348,8 +356,7 @@ def test_double_backward_raises_naming_the_function(backend, path, what):
     with mode:
         grads = torch.autograd.grad(f(*leaves), leaves, create_graph=True)
     if path == "op":
-        op = "ragged.vocab_projection.default" if what == "projection" or backend == "torch" else \
-            "ragged.vocab_cross_entropy_fused.default"
+        op = f"ragged.vocab_{what}.default"
         assert op in mode.names, sorted(mode.names)
     # the first-order gradients under create_graph=True are still right
     _close(grads, _grad(oracle, (hidden.values, weight, bias))[1], f"{backend} {path}")
@@ -434,6 +441,7 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     numbers, not as a crash) and the gradients are summed into views of larger zeroed
     buffers (an unmasked write shows up in their spare rows)."""
     kv = pytest.importorskip("ragged.kernels.triton.vocab")
+    kce = pytest.importorskip("ragged.kernels.triton.vocab_cross_entropy")
     g = _gen("oob", shared)
     w_buf, b_buf = torch.randn(V + 6, D, generator=g), torch.randn(V + 6, generator=g)
     weight, bias = w_buf[3:3 + V], b_buf[3:3 + V]
@@ -469,9 +477,9 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
             target.append(int(c[j]) if j >= 0 else -100)
             want_local.append(j)
     target, want_local = torch.tensor(target), torch.tensor(want_local, dtype=torch.int32)
-    loss, lse, local, bad = kv.cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, target, 0.0,
-                                                     max_t, max_v, -100)
-    assert torch.equal(local, want_local) and bad.tolist() == [0, 0]
+    loss, lse, local, missing = kce.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target,
+                                        -100, 0.0)
+    assert torch.equal(local, want_local) and missing.item() == 0
     leaves = [t.double().requires_grad_(True) for t in (hidden, w_ext, b_ext)]
     per_token, t = [], 0
     for block, n, c in zip(_loop_blocks(leaves[0], LENS, leaves[1], leaves[2], mapped), LENS, lists):
@@ -484,8 +492,8 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     torch.testing.assert_close(loss.double(), want.detach(), **TOL)
     grad_loss = torch.randn(sum(LENS), generator=g)
     (want * grad_loss.double()).sum().backward()
-    got = kv.cross_entropy_backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse,
-                                    0.0, max_t, max_v, True, True, True, False)
+    got = kce.backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, None, 0.0,
+                       max_t, max_v, True, True, True, False, None, None)
     _close(got, (leaves[0].grad, leaves[1].grad[:V], leaves[2].grad[:V]), "cross_entropy_backward")
 
 
@@ -528,10 +536,10 @@ def test_unsorted_ids_in_cross_entropy_say_so(backend, shared, out_of_vocab):
 def test_unchecked_ids_are_checked_in_the_out_of_vocab_read(monkeypatch, backend, problem):
     """Ids left unchecked by the argument checks (CUDA ids on the hot path, simulated here)
     are checked in the one read out_of_vocab="error" makes anyway: no extra read."""
-    import ragged.ops.vocab as ov
+    import ragged.ops.vocab_checks as checks
 
     # as for CUDA ids with host offsets: checking them in the argument checks would wait
-    monkeypatch.setattr(ov, "_id_check_is_free", lambda ids, read_offsets: read_offsets)
+    monkeypatch.setattr(checks, "id_check_is_free", lambda ids, read_offsets: read_offsets)
     if problem == "unsorted":
         hidden, weight, bias, vocab, target, name = _unsorted_case(False, 11)
         words = [f"expected {name} sorted"]

@@ -530,7 +530,9 @@ rows) and `u` itself are built outside the timed region.
   (`.values`), `hidden` and `vocab` RaggedTensors; `ce`:
   `ragged.vocab_cross_entropy(hidden, W, vocab, target, bias=b, reduction="mean", backend=...)`
   with global target ids (its default `out_of_vocab="error"` check reads one flag from
-  the device per call). `torch` is the reference (measured on the CPU cases only).
+  the device per call). `torch` is the reference (measured on the CPU cases only): the
+  logits, then a segmented log-softmax over them; the `triton` cross-entropy is fused (the
+  logits are never stored; the backward recomputes them in chunks).
 - `full h@W.T + gather`: `F.linear(h, W, b)` over the whole vocabulary `[T, V]`, then one
   flat `index_select` of every sequence's candidates (both timed). Backward: through the
   gather (a scatter into a dense `[T, V]` gradient) and the full GEMMs.

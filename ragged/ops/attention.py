@@ -25,41 +25,37 @@ and for Lq = 5, Lk = 2 the first three queries see no key and get zeros::
     q3   x  .
     q4   x  x
 
-Implementations (:mod:`ragged.backends`): ``"torch"`` (:func:`reference_attention`, a
-loop of per-sequence attention in float32; the CPU path and the tests' oracle),
-``"triton"`` (varlen flash attention, forward and backward) and ``"cuda"`` (a fused
-kernel for short sequences, forward only; ``"auto"`` takes it only where it is measured
-faster).
+One op carries the work, :data:`ATTENTION` (``ragged::attention`` and
+``ragged::attention_backward``, defined through :mod:`ragged._opdef`): operands ``(q, k, v,
+cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)`` -> ``(out, lse)``, ``lse`` a
+constant of the autograd graph; its backward takes ``(do, q, k, v, out, lse, cu_q, cu_k,
+max_q, max_k, causal, scale, dropout_p, seed)`` -> ``(dq, dk, dv)``, and every backward
+implementation also takes ``grads=(dq, dk, dv)``, preallocated buffers it fills and returns.
+Implementations (:mod:`ragged.backends`, chosen from :class:`AttentionSpec`): ``"torch"``
+(:func:`reference_attention`, a loop of per-sequence attention in float32; the CPU path and
+the tests' oracle; declared here), ``"triton"`` (varlen flash attention, forward and
+backward; declared in :mod:`ragged.kernels.triton`) and ``"cuda"`` (a fused kernel for short
+sequences, forward only, its backward Triton's; declared in :mod:`ragged.kernels.cuda`;
+``"auto"`` takes it only where it is measured faster).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+from torch import Tensor
 
-from .. import backends
-from .._utils import check_int, check_offsets_tensor, check_tensor, describe, eager
+from .. import _opdef, backends
+from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager, no_autocast
 from ..tensor import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # Reference
 
 
-def _no_autocast(fn):
-    """Run ``fn`` with autocast off on its tensors' device: a reference computes in the
-    precision it names (float32/float64), never in autocast's lower one."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(q, *args, **kwargs):
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            return fn(q, *args, **kwargs)
-
-    return wrapper
-
-
-@_no_autocast
+@no_autocast
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -103,7 +99,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     return out, torch.cat(lses).to(torch.float32)
 
 
-@_no_autocast
+@no_autocast
 def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
                                  scale: float | None = None, dropout_mask: torch.Tensor | None = None,
@@ -174,36 +170,81 @@ def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tens
 
 
 # --------------------------------------------------------------------------------------
-# Backends
+# The op: ragged::attention (+ ragged::attention_backward), one autograd rule
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What an implementation of attention is asked to take: q's device and dtype, the head dim
+    ``D``, the query and key/value heads, the batch size ``B``, the longest query and key
+    sequences (host ints), bottom-right causal masking, the dropout probability, and whether a
+    backward will follow (some query, key or value requires grad)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    heads: int
+    kv_heads: int
+    batch: int
+    max_q: int
+    max_k: int
+    causal: bool
+    dropout_p: float
+    needs_grad: bool
 
 
-def _triton_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
-    reasons = []
-    r = backends.triton_reason(q.device)
-    if r:
-        reasons.append(r)
-    if q.dtype not in _KERNEL_DTYPES:
-        reasons.append(f"triton attention takes float16, bfloat16 and float32, got {q.dtype}")
-    from ..kernels.triton.attention import HEAD_DIMS
-
-    if q.shape[-1] not in HEAD_DIMS:
-        reasons.append(f"triton attention takes head dims {HEAD_DIMS}, got {q.shape[-1]}")
-    return reasons
+def attention_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   max_q: int, max_k: int, causal: bool, dropout_p: float, needs_grad: bool) -> AttentionSpec:
+    """The spec of attention over ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]``, ``cu_q, cu_k [B+1]``
+    (these are also the arguments of ``ragged.explain("attention", ...)``)."""
+    return AttentionSpec(q.device, q.dtype, q.shape[2], q.shape[1], k.shape[1], cu_q.shape[0] - 1, max_q, max_k,
+                         bool(causal), float(dropout_p), bool(needs_grad))
 
 
-def _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
-    try:
-        from ..kernels.cuda.attention import reasons
-    except ImportError as exc:  # the short-sequence kernel is optional
-        return [f"the CUDA short-sequence attention kernel is unavailable ({exc})"]
-    return reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad)
+_CUDA_FIRST = ("cuda", "triton", "torch")
+_TRITON_FIRST = ("triton", "cuda", "torch")
 
 
-def _no_reasons(*_) -> list[str]:
-    return []
+def _gpu_order(spec: AttentionSpec) -> tuple[str, ...]:
+    # The fused CUDA kernel wins up to 64 tokens at every head dim and up to 128 at D <= 64
+    # (H200: B=256 L=8..32 D=64 18 us vs Triton's 31 us; L=64..128 D=64 30 vs 31 us; L=128
+    # D=128 48 vs 41 us), so "auto" takes it only there.
+    longest = max(spec.max_q, spec.max_k)
+    if longest <= 64 or (spec.head_dim <= 64 and longest <= 128):
+        return _CUDA_FIRST
+    return _TRITON_FIRST
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+               scale: float, dropout_p: float, seed: int) -> tuple[Tensor, Tensor]: ...
+
+
+def _backward_signature(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                        cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float,
+                        seed: int) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, backend)
+
+
+def _backward(ctx, do, dlse):
+    # lse is a constant of the graph (non_differentiable below): dlse is never used.
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    # The backend's backward follows its declaration (the forward-only CUDA kernel: Triton's).
+    dq, dk, dv = ATTENTION.call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+ATTENTION = _opdef.define(
+    "attention", _signature, spec=attention_spec, setup=_setup, backward=_backward,
+    fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
+    backward_signature=_backward_signature,
+    backward_fake=lambda do, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    non_differentiable=lambda inputs, output: (output[1],),
+    gpu_order=_gpu_order)
 
 
 def _reference_mask(q, cu_q, max_k, dropout_p, seed):
@@ -218,144 +259,68 @@ def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout
         return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
 
 
-def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
+                        grads=None):
+    """The op's backward by :func:`reference_attention_backward`; ``grads``: optional
+    preallocated ``(dq, dk, dv)`` (shapes of q, k, v, any strides) copied into and returned."""
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
-    return reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
+    result = reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
+    if grads is None:
+        return result
+    fn = "ragged.ops.attention._reference_backward"
+    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
+        raise TypeError(f"{fn}(): expected grads as a tuple (dq, dk, dv), got {type(grads).__name__}")
+    for name, buf, grad in zip(("dq", "dk", "dv"), grads, result):
+        if not isinstance(buf, torch.Tensor) or buf.shape != grad.shape:
+            raise ValueError(f"{fn}(): expected {name} of shape {tuple(grad.shape)}, got "
+                             f"{tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}")
+        buf.copy_(grad)
+    return tuple(grads)
 
 
-def _triton_forward(*args):
-    from ..kernels.triton.attention import forward
-
-    return forward(*args)
+backends.register(backends.Implementation("attention", "torch", _reference_forward, _reference_backward))
 
 
-def _triton_backward(*args):
-    from ..kernels.triton.attention import backward
-
-    return backward(*args)
-
-
-def _cuda_forward(*args):
-    from ..kernels.cuda.attention import forward
-
-    return forward(*args)
-
-
-backends.register("attention", "torch", (_reference_forward, _reference_backward), _no_reasons)
-backends.register("attention", "triton", (_triton_forward, _triton_backward), _triton_reasons)
-backends.register("attention", "cuda", (_cuda_forward, None), _cuda_reasons)
-def _auto_order(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> tuple[str, ...]:
-    # The fused CUDA kernel wins up to 64 tokens at every head dim and up to 128 at D <= 64
-    # (H200: B=256 L=8..32 D=64 18 us vs Triton's 31 us; L=64..128 D=64 30 vs 31 us; L=128
-    # D=128 48 vs 41 us), so "auto" takes it only there.
-    longest = max(max_q, max_k)
-    if longest <= 64 or (q.shape[-1] <= 64 and longest <= 128):
-        return ("cuda", "triton", "torch")
-    return ("triton", "cuda", "torch")
-
-
-backends.set_auto_order("attention", _auto_order)
-
-
-def _impl(name: str):
-    return backends._OPS["attention"].impls[name].fn
-
-
-# --------------------------------------------------------------------------------------
-# torch.library ops
-
-
-@torch.library.custom_op("ragged::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                  max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float, seed: int,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
-
-
-@_attention_op.register_fake
-def _attention_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-
-
-@torch.library.custom_op("ragged::attention_backward", mutates_args=())
-def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-                           causal: bool, scale: float, dropout_p: float, seed: int,
-                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _impl(backend)[1](do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
-    return dq, dk, dv
-
-
-@_attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                             backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, _backward_backend(backend))
-
-
-def _backward(ctx, do, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
-
-
-def _backward_backend(forward_backend: str) -> str:
-    # The CUDA short-sequence kernel is forward only; its inputs are Triton's too.
-    return "triton" if forward_backend == "cuda" else forward_backend
-
-
-_attention_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """Eager path: the same forward/backward without the torch.library dispatcher."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
-        out, lse = _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, _backward_backend(backend))
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    backward = staticmethod(_backward)
-
-
-def _call_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
-    if eager(q, k, v, cu_q, cu_k):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _AttentionFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                                            backend)
-        return _impl(backend)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
-    return _attention_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend)
-
-
-def _call_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend):
-    if eager(do, q, k, v):
-        return _impl(backend)[1](do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
-    return _attention_backward_op(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
-                                  seed, backend)
+def dropout_seed(dropout_p: float) -> int:
+    """The seed of one call's attention dropout mask: 0 without dropout, else a fresh int in
+    ``[0, 2**31 - 1)`` drawn from torch's CPU generator, so that ``torch.manual_seed`` makes runs
+    reproducible and no GPU value is read. Every backend draws its mask from this seed (the
+    kernels' counter-based hash; see :func:`reference_dropout_mask`)."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
 # --------------------------------------------------------------------------------------
 # Public API
 
 
-_VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "q.shape[0]", "k.shape[0]")
-_RAGGED_NAMES = ("q.offsets", "k.offsets", "q.max_len", "k.max_len", "q.num_tokens", "k.num_tokens")
+@dataclasses.dataclass(frozen=True)
+class _Caller:
+    """A public function and the names its error messages give the offsets, the maxima and the
+    token counts: one set of checks serves both forms (built once, at import)."""
+
+    fn: str
+    cu_q: str
+    cu_k: str
+    max_q: str
+    max_k: str
+    total_q: str
+    total_k: str
 
 
-def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p, names=_VARLEN_NAMES):
+_VARLEN = _Caller("ragged.varlen_attention", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                  "q.shape[0]", "k.shape[0]")
+_RAGGED = _Caller("ragged.attention", "q.offsets", "k.offsets", "q.max_len", "k.max_len", "q.num_tokens",
+                  "k.num_tokens")
+
+
+def _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
     """Checks every argument every backend takes; returns ``(cu_q, cu_k, max_q, max_k)`` as the
     backends must get them: offsets contiguous (every kernel reads them with unit stride, and a
     RaggedTensor from the plain constructor may hold a strided view), maxima as Python ints.
     Reads no tensor's values (see :func:`_check_offset_values` for those)."""
+    fn = caller.fn
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(fn, name, t)
         if t.dim() != 3:
@@ -373,13 +338,13 @@ def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p, names=_VA
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value "
                          f"heads ({k.shape[1]})")
-    cu_q = check_offsets_tensor(fn, cu_q, q, name=names[0])
-    cu_k = check_offsets_tensor(fn, cu_k, k, name=names[1])
+    cu_q = check_offsets_tensor(fn, cu_q, q, name=caller.cu_q)
+    cu_k = check_offsets_tensor(fn, cu_k, k, name=caller.cu_k)
     if cu_q.shape != cu_k.shape:
-        raise ValueError(f"{fn}(): expected {names[0]} and {names[1]} of the same batch size, got "
+        raise ValueError(f"{fn}(): expected {caller.cu_q} and {caller.cu_k} of the same batch size, got "
                          f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences")
-    max_q = check_int(fn, names[2], max_q, minimum=0)
-    max_k = check_int(fn, names[3], max_k, minimum=0)
+    max_q = check_int(fn, caller.max_q, max_q, minimum=0)
+    max_k = check_int(fn, caller.max_k, max_k, minimum=0)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"{fn}(): expected scale to be a float or None, got {describe(scale)}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -389,8 +354,8 @@ def _validate(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p, names=_VA
 
 def _check_host_ends(fn, host, total, name, total_name):
     """O(1) checks of offsets already on the host (a RaggedTensor's): first 0, last T. The rest
-    (non-decreasing, max_len) the RaggedTensor constructors have checked, and a per-call loop over
-    B would cost the host 13 us at B = 256."""
+    (non-decreasing, max_len) the RaggedTensor constructors have checked; a loop over the B
+    lengths here would cost host time on every call."""
     if host[0] != 0:
         raise ValueError(f"{fn}(): expected {name}[0] == 0, got {host[0]}")
     if host[-1] != total:
@@ -405,14 +370,15 @@ def _summary(cu: torch.Tensor) -> torch.Tensor:
     return torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()])
 
 
-def _check_offset_values(fn, cu_q, cu_k, total_q, total_k, max_q, max_k, names=_VARLEN_NAMES):
+def _check_offset_values(caller, cu_q, cu_k, total_q, total_k, max_q, max_k):
     """The offsets against the data contract: ``[0] == 0``, non-decreasing, ``[-1] == T`` and no
     sequence longer than its max. One device-to-host read of 8 numbers (a sync on CUDA)."""
+    fn = caller.fn
     first_q, last_q, low_q, high_q, first_k, last_k, low_k, high_k = torch.cat(
         [_summary(cu_q), _summary(cu_k)]).tolist()
     for cu, (first, last, low, high), total, longest, (name, max_name, total_name) in (
-            (cu_q, (first_q, last_q, low_q, high_q), total_q, max_q, names[0::2]),
-            (cu_k, (first_k, last_k, low_k, high_k), total_k, max_k, names[1::2])):
+            (cu_q, (first_q, last_q, low_q, high_q), total_q, max_q, (caller.cu_q, caller.max_q, caller.total_q)),
+            (cu_k, (first_k, last_k, low_k, high_k), total_k, max_k, (caller.cu_k, caller.max_k, caller.total_k))):
         if first != 0:
             raise ValueError(f"{fn}(): expected {name}[0] == 0, got {first}")
         if low < 0:  # the error path: reading all of them to name the first decrease is fine here
@@ -424,14 +390,6 @@ def _check_offset_values(fn, cu_q, cu_k, total_q, total_k, max_q, max_k, names=_
             raise ValueError(f"{fn}(): expected {name}[-1] == {total_name} ({total}), got {last}")
         if high > longest:
             raise ValueError(f"{fn}(): expected {max_name} >= the longest sequence ({high}), got {longest}")
-
-
-def _seed(dropout_p: float) -> int:
-    # Drawn from torch's CPU generator (torch.manual_seed makes runs reproducible) so
-    # that no GPU value is read.
-    if dropout_p == 0.0:
-        return 0
-    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -452,38 +410,39 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``validate=True`` checks them with one device-to-host read (a sync; a graph break under
     ``torch.compile``). Unchecked CUDA offsets that break the contract are the caller's error:
     the CUDA short-sequence kernel clips each sequence to the rows of q and k, but the Triton
-    kernels trust the offsets (clipping there cost 45% of the causal forward) and may then read
-    or write out of bounds. Pass ``validate=True`` (or host offsets through :func:`attention`)
-    where they may be wrong.
+    kernels trust the offsets (clipping there slowed the causal forward markedly) and may then
+    read or write out of bounds. Pass ``validate=True`` (or host offsets through
+    :func:`attention`) where they may be wrong.
     """
-    return _varlen("ragged.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   causal, scale, dropout_p, return_lse, backend, validate)
+    return _varlen(_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                   dropout_p, return_lse, backend, validate)
 
 
-def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
-            return_lse, backend, validate, names=_VARLEN_NAMES, host_q=None, host_k=None):
-    """``host_q`` / ``host_k``: the offsets as host ints when known (a RaggedTensor's), else None."""
-    cu_q, cu_k, max_q, max_k = _validate(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         scale, dropout_p, names)
+def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, return_lse, backend, validate,
+            host_q=None, host_k=None):
+    """Both public forms: ``caller`` names their arguments; ``host_q`` / ``host_k``: the offsets
+    as host ints when known (a RaggedTensor's), else None."""
+    cu_q, cu_k, max_q, max_k = _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p)
     # Offsets on the CPU cost nothing to read (and cannot be read while tracing: eager() is False).
     checked = bool(validate) or (cu_q.device.type == "cpu" and eager(cu_q, cu_k))
     if checked:
-        _check_offset_values(fn, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, names)
+        _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     else:
         if host_q is not None:
-            _check_host_ends(fn, host_q, q.shape[0], names[0], names[4])
+            _check_host_ends(caller.fn, host_q, q.shape[0], caller.cu_q, caller.total_q)
         if host_k is not None:
-            _check_host_ends(fn, host_k, k.shape[0], names[1], names[5])
+            _check_host_ends(caller.fn, host_k, k.shape[0], caller.cu_k, caller.total_k)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    causal, dropout_p = bool(causal), float(dropout_p)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    impl = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
-                           needs_grad, fn=fn)
-    if not checked and impl.name == "torch" and eager(cu_q, cu_k):
+    backend = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
+                              needs_grad, fn=caller.fn).backend
+    if not checked and backend == "torch" and eager(cu_q, cu_k):
         # The reference reads the offsets on the host anyway: check them rather than return
         # a wrong number of rows.
-        _check_offset_values(fn, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, names)
-    out, lse = _call_forward(q, k, v, cu_q, cu_k, max_q, max_k, bool(causal), scale, float(dropout_p),
-                             _seed(dropout_p), impl.name)
+        _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, dropout_seed(dropout_p),
+                         backend)
     return (out, lse) if return_lse else out
 
 
@@ -501,7 +460,7 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
     against ``values.shape[0]`` at no cost. ``validate=True`` checks all of the data contract
     with one device-to-host read.
     """
-    fn = "ragged.attention"
+    fn = _RAGGED.fn
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, RaggedTensor):
             raise TypeError(f"{fn}(): expected {name} to be a RaggedTensor, got {describe(t)}; "
@@ -513,9 +472,8 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
                              f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)")
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
-    result = _varlen(fn, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, validate, names=_RAGGED_NAMES, host_q=q._host_offsets,
-                     host_k=k._host_offsets)
+    result = _varlen(_RAGGED, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
+                     dropout_p, return_lse, backend, validate, q._host_offsets, k._host_offsets)
     if return_lse:
         out, lse = result
         return q.with_values(out), lse

@@ -29,45 +29,37 @@ takes its gradient back to the view's base.
 Second derivatives: both ops are twice differentiable on every backend. Under
 ``create_graph=True`` the backward runs as torch ops (the reference's written-out formulas,
 the layer norm's row statistics recomputed from the sum), which autograd records; otherwise
-it runs the chosen backend's kernels. The eager ``autograd.Function`` and the
-``torch.library`` op's registered autograd share one rule.
+it runs the chosen backend's kernels. One autograd rule per op serves the eager path and the
+``torch.library`` op (:mod:`ragged._opdef`).
 
-Implementations (:mod:`ragged.backends`): ``"torch"`` (:func:`reference_bias_act`,
-:func:`reference_add_layer_norm` and written-out backward formulas; the CPU path and
-the tests' oracle) and ``"triton"`` (:mod:`ragged.kernels.triton.fused`; float16,
-bfloat16 and float32). ``"auto"`` takes the CUDA C++ forward (``csrc/fused.cu``, with the Triton backward) where
-it can, then Triton, on CUDA tensors. No op reads the GPU
-from the host.
+The ops ``ragged::bias_act`` (:data:`BIAS_ACT`) and ``ragged::add_layer_norm``
+(:data:`ADD_LAYER_NORM`), each with a ``_backward`` op, have three implementations
+(:mod:`ragged.backends`), whose reasons read the specs (:class:`BiasActSpec`,
+:class:`AddLayerNormSpec`): ``"torch"`` (:func:`reference_bias_act`,
+:func:`reference_add_layer_norm` and written-out backward formulas; the CPU path and the
+tests' oracle), ``"triton"`` (:mod:`ragged.kernels.triton.fused`; float16, bfloat16 and
+float32) and ``"cuda"`` (the CUDA C++ forward of ``csrc/fused.cu``, far cheaper to launch
+than Triton's, then the Triton backward). ``"auto"`` takes CUDA, then Triton, on CUDA
+tensors. No op reads the GPU from the host.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from .. import backends
-from .._utils import check_tensor, check_vector, describe, eager
+from .. import _opdef, backends
+from ..utils import check_tensor, check_vector, describe, eager, no_autocast
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def _no_autocast(fn):
-    """A reference computes in the precision it names, never in autocast's lower one."""
-
-    @functools.wraps(fn)
-    def wrapper(x, *args, **kwargs):
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return fn(x, *args, **kwargs)
-
-    return wrapper
 
 
 def _activation(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -84,7 +76,7 @@ def _activation(z: torch.Tensor, activation: str) -> torch.Tensor:
 # References (pure torch; CPU product path and test oracle)
 
 
-@_no_autocast
+@no_autocast
 def reference_bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu") -> torch.Tensor:
     """``act(x + bias)`` in float32 (float64 if x or bias is float64), returned in x's dtype.
 
@@ -96,7 +88,7 @@ def reference_bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: s
     return _activation(z, activation).to(x.dtype)
 
 
-@_no_autocast
+@no_autocast
 def reference_bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                                 activation: str = "gelu") -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dbias)`` of :func:`reference_bias_act` for ``grad`` (x's shape), written out:
@@ -133,7 +125,7 @@ def _stats(x, residual, weight, bias, eps):
     return y, s, mean, rstd, dtype
 
 
-@_no_autocast
+@no_autocast
 def reference_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                              bias: torch.Tensor | None, eps: float = 1e-5, return_sum: bool = False):
     """``LayerNorm(x + residual)`` over the last dim, in float32 (float64 if any input is float64).
@@ -147,7 +139,7 @@ def reference_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, wei
     return (y, s) if return_sum else y
 
 
-@_no_autocast
+@no_autocast
 def reference_add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor,
                                       weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
                                       rstd: torch.Tensor, need_weight: bool = True, need_bias: bool = True):
@@ -177,26 +169,19 @@ def reference_add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None,
 
 
 # --------------------------------------------------------------------------------------
-# Backends. Every implementation is a pair (forward, backward) over 2-D inputs.
+# The "torch" implementations (over the ops' 2-D operands)
+
+# A torch.autocast(enabled=False) block or a torch.no_grad() one costs microseconds of host
+# time per call, and neither is needed where an implementation usually runs (inside the op's
+# autograd.Function, below the torch.library op's autograd, or with no input requiring grad,
+# autocast off): the forwards enter them only when autograd could record or autocast is on.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def _dtype_reasons(what: str, **tensors) -> list[str]:
-    return [f"triton {what} takes float16, bfloat16 and float32, got {name} of dtype {t.dtype}"
-            for name, t in tensors.items() if t is not None and t.dtype not in _KERNEL_DTYPES]
-
-
-def _bias_act_triton_reasons(x, bias, activation) -> list[str]:
-    reasons = [r for r in (backends.triton_reason(x.device),) if r]
-    return reasons + _dtype_reasons("bias_act", x=x, bias=bias)
-
-
-def _add_layer_norm_triton_reasons(x, residual, weight, bias) -> list[str]:
-    reasons = [r for r in (backends.triton_reason(x.device),) if r]
-    return reasons + _dtype_reasons("add_layer_norm", x=x, residual=residual, weight=weight, bias=bias)
-
-
-def _no_reasons(*_) -> list[str]:
-    return []
+def _guarded(*tensors: torch.Tensor | None) -> bool:
+    if _any_autocast():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -205,8 +190,10 @@ def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bias_act_torch_forward(x, bias, activation):
-    with torch.no_grad():
-        return _fresh(reference_bias_act(x, bias, activation), x)
+    if _guarded(x, bias):
+        with torch.no_grad():
+            return _fresh(reference_bias_act(x, bias, activation), x)
+    return _fresh(reference_bias_act.__wrapped__(x, bias, activation), x)
 
 
 def _bias_act_torch_backward(grad, x, bias, activation, need_bias):
@@ -215,13 +202,20 @@ def _bias_act_torch_backward(grad, x, bias, activation, need_bias):
     return _fresh(dx, grad), dbias if need_bias else None
 
 
-@_no_autocast
+def _add_layer_norm_torch(x, residual, weight, bias, eps, return_sum):
+    y, s, mean, rstd, dtype = _stats(x, residual, weight, bias, eps)  # statistics in the compute dtype
+    s = _fresh(s, x) if return_sum else s.new_empty(0)
+    return y.to(_sum_dtype(x, residual)).contiguous(), s, mean.reshape(-1).to(dtype), rstd.reshape(-1).to(dtype)
+
+
+_add_layer_norm_torch_no_autocast = no_autocast(_add_layer_norm_torch)
+
+
 def _add_layer_norm_torch_forward(x, residual, weight, bias, eps, return_sum):
-    with torch.no_grad():
-        y, s, mean, rstd, dtype = _stats(x, residual, weight, bias, eps)
-        stat = _stat_dtype(dtype)
-        s = _fresh(s, x) if return_sum else s.new_empty(0)
-        return y.to(_sum_dtype(x, residual)).contiguous(), s, mean.reshape(-1).to(stat), rstd.reshape(-1).to(stat)
+    if _guarded(x, residual, weight, bias):
+        with torch.no_grad():
+            return _add_layer_norm_torch_no_autocast(x, residual, weight, bias, eps, return_sum)
+    return _add_layer_norm_torch(x, residual, weight, bias, eps, return_sum)
 
 
 def _add_layer_norm_torch_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
@@ -232,119 +226,125 @@ def _add_layer_norm_torch_backward(dy, ds, a, b, weight, bias, mean, rstd, need_
     return dsum.contiguous(), dweight, dbias
 
 
-def _bias_act_triton_forward(*args):
-    from ..kernels.triton.fused import bias_act_forward
+# --------------------------------------------------------------------------------------
+# Specs: what an implementation is asked to take (read by every implementation's reasons)
 
-    return bias_act_forward(*args)
-
-
-def _bias_act_triton_backward(*args):
-    from ..kernels.triton.fused import bias_act_backward
-
-    return bias_act_backward(*args)
+# A fault of the layout that keeps 16-byte vector loads off a tensor: (tensor, kind, value)
+# with kind "stride" (its stride along the features, not 1), "row stride" (a row stride in
+# bytes, not a multiple of 16) or "address" (its data's bytes past a multiple of 16).
+LayoutFault = tuple[str, str, int]
 
 
-def _add_layer_norm_triton_forward(*args):
-    from ..kernels.triton.fused import add_layer_norm_forward
+@dataclasses.dataclass(frozen=True)
+class BiasActSpec:
+    """``bias_act(x [N, F], bias [F] or None, activation)`` as the implementations see it."""
 
-    return add_layer_norm_forward(*args)
-
-
-def _add_layer_norm_triton_backward(*args):
-    from ..kernels.triton.fused import add_layer_norm_backward
-
-    return add_layer_norm_backward(*args)
-
-
-def _bias_act_cuda_forward(*args):
-    from ..kernels.cuda.fused import bias_act_forward
-
-    return bias_act_forward(*args)
+    device: torch.device
+    dtype: torch.dtype                      # x's
+    bias_dtype: torch.dtype | None
+    activation: str
+    features: int                           # F
+    contiguous: bool                        # x one dense run of N * F elements
+    layout: tuple[LayoutFault, ...] = ()    # of bias (and of x's address); see LayoutFault
 
 
-def _add_layer_norm_cuda_forward(*args):
-    from ..kernels.cuda.fused import add_layer_norm_forward
+@dataclasses.dataclass(frozen=True)
+class AddLayerNormSpec:
+    """``add_layer_norm(x [N, F], residual [N, F] or None, weight [F] or None, bias [F] or
+    None)`` as the implementations see it."""
 
-    return add_layer_norm_forward(*args)
-
-
-# The "cuda" implementations run the CUDA C++ forward (csrc/fused.cu: about 5 us of host time
-# per launch against 25-40 us for Triton on the H200 machine) and the Triton backward, which
-# reads the same saved tensors; so they need what both need. An input the CUDA kernel takes
-# (CUDA tensor, float16/bfloat16/float32) passes the Triton dtype checks too: only Triton's
-# import is left to ask about.
-def _with_triton_reasons(cuda_reasons: list[str], triton_reasons, x, *args) -> list[str]:
-    if not cuda_reasons:
-        r = backends.triton_reason(x.device)
-        return [r] if r else []
-    return cuda_reasons + triton_reasons(x, *args)
+    device: torch.device
+    dtype: torch.dtype                      # x's
+    residual_dtype: torch.dtype | None
+    weight_dtype: torch.dtype | None
+    bias_dtype: torch.dtype | None
+    rows: int                               # N
+    features: int                           # F
+    layout: tuple[LayoutFault, ...] = ()    # of every tensor; see LayoutFault
 
 
-def _bias_act_cuda_reasons(x, bias, activation) -> list[str]:
-    from ..kernels.cuda.fused import bias_act_reasons
-
-    return _with_triton_reasons(bias_act_reasons(x, bias, activation), _bias_act_triton_reasons, x, bias, activation)
-
-
-def _add_layer_norm_cuda_reasons(x, residual, weight, bias) -> list[str]:
-    from ..kernels.cuda.fused import add_layer_norm_reasons
-
-    return _with_triton_reasons(add_layer_norm_reasons(x, residual, weight, bias), _add_layer_norm_triton_reasons,
-                                x, residual, weight, bias)
-
-
-backends.register("bias_act", "torch", (_bias_act_torch_forward, _bias_act_torch_backward), _no_reasons)
-backends.register("bias_act", "triton", (_bias_act_triton_forward, _bias_act_triton_backward),
-                  _bias_act_triton_reasons)
-backends.register("add_layer_norm", "torch", (_add_layer_norm_torch_forward, _add_layer_norm_torch_backward),
-                  _no_reasons)
-backends.register("add_layer_norm", "triton", (_add_layer_norm_triton_forward, _add_layer_norm_triton_backward),
-                  _add_layer_norm_triton_reasons)
-backends.register("bias_act", "cuda", (_bias_act_cuda_forward, _bias_act_triton_backward), _bias_act_cuda_reasons)
-backends.register("add_layer_norm", "cuda", (_add_layer_norm_cuda_forward, _add_layer_norm_triton_backward),
-                  _add_layer_norm_cuda_reasons)
-backends.set_auto_order("bias_act", ("cuda", "triton", "torch"))
-backends.set_auto_order("add_layer_norm", ("cuda", "triton", "torch"))
+def _layout(named, addresses: bool) -> tuple[LayoutFault, ...]:
+    """The :data:`LayoutFault` s of ``(name, tensor or None)`` pairs; ``addresses``: their data
+    pointers are read (plain tensors in eager mode; a traced tensor has none, and a kernel
+    launched later on a misaligned one copies it)."""
+    out = []
+    for name, t in named:
+        if t is None:
+            continue
+        shape, strides, size = t.shape, t.stride(), t.element_size()
+        if shape and shape[-1] > 1 and strides[-1] != 1:
+            out.append((name, "stride", strides[-1]))
+        bad = [s * size for n, s in zip(shape[:-1], strides[:-1]) if n > 1 and (s * size) % 16]
+        if bad:
+            out.append((name, "row stride", bad[0]))
+        if addresses and t.data_ptr() % 16:
+            out.append((name, "address", t.data_ptr() % 16))
+    return tuple(out)
 
 
-def _impl(op: str, name: str):
-    return backends._OPS[op].impls[name].fn
+def bias_act_spec(x: Tensor, bias: Tensor | None, activation: str) -> BiasActSpec:
+    """The spec of ``bias_act``'s operands (the arguments of ``ragged.explain("bias_act", ...)``)."""
+    if bias is None:
+        addresses = eager(x)
+        aligned = not (addresses and x.data_ptr() & 15)
+    else:
+        addresses = eager(x, bias)
+        aligned = bias.is_contiguous() and not (addresses and (x.data_ptr() | bias.data_ptr()) & 15)
+    layout = ()
+    if not aligned:  # x is read as one run (its strides are the contiguous flag's): its address only
+        layout = _layout((("bias", bias),), addresses)
+        if addresses and x.data_ptr() % 16:
+            layout = (("x", "address", x.data_ptr() % 16), *layout)
+    return BiasActSpec(x.device, x.dtype, None if bias is None else bias.dtype, activation, x.shape[-1],
+                       x.is_contiguous(), layout)
 
 
-def _present(*tensors):
-    return [t for t in tensors if t is not None]
-
-
-def _empty_to_none(t: torch.Tensor, wanted: bool) -> torch.Tensor | None:
-    return t if wanted else None
+def add_layer_norm_spec(x: Tensor, residual: Tensor | None, weight: Tensor | None,
+                        bias: Tensor | None) -> AddLayerNormSpec:
+    """The spec of ``add_layer_norm``'s operands (the arguments of
+    ``ragged.explain("add_layer_norm", ...)``)."""
+    shape = x.shape
+    rows = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+    if residual is None and weight is None and bias is None:
+        present = (x,)
+    else:
+        present = [t for t in (x, residual, weight, bias) if t is not None]
+    addresses = eager(*present)
+    # The common case (every tensor read in place) from a few integer reads: 2-D rows with unit
+    # feature stride and 16-byte row strides, contiguous parameters, aligned data.
+    pointers = strides = 0
+    unit = True
+    for t in present:
+        if addresses:
+            pointers |= t.data_ptr()
+        s = t.stride()
+        if len(s) == 2:
+            unit = unit and (s[1] == 1 or t.shape[1] <= 1)
+            if rows > 1:
+                strides |= s[0] * t.element_size()
+        else:
+            unit = unit and len(s) == 1 and (s[0] == 1 or t.shape[0] <= 1)
+    layout = ()
+    if not unit or (pointers | strides) & 15:
+        layout = _layout((("x", x), ("residual", residual), ("weight", weight), ("bias", bias)), addresses)
+    return AddLayerNormSpec(x.device, x.dtype, None if residual is None else residual.dtype,
+                            None if weight is None else weight.dtype, None if bias is None else bias.dtype, rows,
+                            shape[-1], layout)
 
 
 # --------------------------------------------------------------------------------------
-# bias_act: torch.library ops, autograd, eager path
+# bias_act: the op and its autograd rule
 
 
-@torch.library.custom_op("ragged::bias_act", mutates_args=())
-def _bias_act_op(x: torch.Tensor, bias: torch.Tensor | None, activation: str, backend: str) -> torch.Tensor:
-    return _impl("bias_act", backend)[0](x, bias, activation)
+def _bias_act_signature(x: Tensor, bias: Tensor | None, activation: str) -> Tensor: ...
 
 
-@_bias_act_op.register_fake
-def _bias_act_fake(x, bias, activation, backend):
-    return x.new_empty(x.shape)
+def _bias_act_backward_signature(grad: Tensor, x: Tensor, bias: Tensor | None, activation: str,
+                                 need_bias: bool) -> tuple[Tensor, Tensor]: ...
 
 
-@torch.library.custom_op("ragged::bias_act_backward", mutates_args=())
-def _bias_act_backward_op(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                          need_bias: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dbias = _impl("bias_act", backend)[1](grad, x, bias, activation, need_bias)
-    # An op returns tensors only: a gradient not asked for is an empty tensor.
-    return dx, x.new_empty(0) if dbias is None else dbias
-
-
-@_bias_act_backward_op.register_fake
-def _bias_act_backward_fake(grad, x, bias, activation, need_bias, backend):
-    wanted = need_bias and bias is not None
-    return x.new_empty(x.shape), bias.new_empty(bias.shape) if wanted else x.new_empty(0)
+def _bias_act_backward_fake(grad, x, bias, activation, need_bias):
+    return x.new_empty(x.shape), bias.new_empty(bias.shape) if need_bias and bias is not None else grad.new_empty(0)
 
 
 def _bias_act_setup(ctx, inputs, output):
@@ -362,80 +362,44 @@ def _bias_act_backward(ctx, grad):
         # derivative); a kernel's output would be a constant to autograd, and a second
         # derivative through it silently zero.
         dx, dbias = reference_bias_act_backward(grad, x, bias, ctx.activation)
-        return dx, dbias if need_bias else None, None, None
-    dx, dbias = _call_bias_act_backward(grad, x, bias, ctx.activation, need_bias, ctx.backend)
-    return dx, dbias, None, None
+        return dx, dbias if need_bias else None, None
+    dx, dbias = BIAS_ACT.call_backward(_unit_feature_stride(grad), x, bias, ctx.activation, need_bias, ctx.backend)
+    return dx, dbias, None
 
 
-_bias_act_op.register_autograd(_bias_act_backward, setup_context=_bias_act_setup)
-
-
-class _BiasActFunction(torch.autograd.Function):
-    """Eager path: the same forward/backward without the torch.library dispatcher."""
-
-    @staticmethod
-    def forward(ctx, x, bias, activation, backend):
-        _bias_act_setup(ctx, (x, bias, activation, backend), None)
-        return _impl("bias_act", backend)[0](x, bias, activation)
-
-    backward = staticmethod(_bias_act_backward)
-
-
-def _call_bias_act(x, bias, activation, backend):
-    if eager(*_present(x, bias)):
-        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-            return _BiasActFunction.apply(x, bias, activation, backend)
-        return _impl("bias_act", backend)[0](x, bias, activation)
-    return _bias_act_op(x, bias, activation, backend)
-
-
-def _call_bias_act_backward(grad, x, bias, activation, need_bias, backend):
-    grad = _unit_feature_stride(grad)
-    if eager(*_present(grad, x, bias)):
-        return _impl("bias_act", backend)[1](grad, x, bias, activation, need_bias)
-    dx, dbias = _bias_act_backward_op(grad, x, bias, activation, need_bias, backend)
-    return dx, _empty_to_none(dbias, need_bias)
+BIAS_ACT = _opdef.define(
+    "bias_act", _bias_act_signature, spec=bias_act_spec, setup=_bias_act_setup, backward=_bias_act_backward,
+    fake=lambda x, bias, activation: x.new_empty(x.shape),
+    backward_signature=_bias_act_backward_signature, backward_fake=_bias_act_backward_fake,
+    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias),
+    gpu_order=("cuda", "triton", "torch"))
 
 
 # --------------------------------------------------------------------------------------
-# add_layer_norm: torch.library ops, autograd, eager path
+# add_layer_norm: the op and its autograd rule
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _add_layer_norm_signature(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+                              eps: float, return_sum: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
 
-@torch.library.custom_op("ragged::add_layer_norm", mutates_args=())
-def _add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                       bias: torch.Tensor | None, eps: float, return_sum: bool,
-                       backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _impl("add_layer_norm", backend)[0](x, residual, weight, bias, eps, return_sum)
-
-
-@_add_layer_norm_op.register_fake
-def _add_layer_norm_fake(x, residual, weight, bias, eps, return_sum, backend):
+def _add_layer_norm_fake(x, residual, weight, bias, eps, return_sum):
     dtype = _sum_dtype(x, residual)
-    stat = _stat_dtype(_compute_dtype(x.dtype, *[t.dtype for t in (residual, weight, bias) if t is not None]))
+    stat = _compute_dtype(x.dtype, *[t.dtype for t in (residual, weight, bias) if t is not None])
     n_rows = x.shape[0]
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape if return_sum else (0,), dtype=dtype),
             x.new_empty((n_rows,), dtype=stat), x.new_empty((n_rows,), dtype=stat))
 
 
-@torch.library.custom_op("ragged::add_layer_norm_backward", mutates_args=())
-def _add_layer_norm_backward_op(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
-                                weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
-                                rstd: torch.Tensor, need_weight: bool, need_bias: bool,
-                                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dsum, dweight, dbias = _impl("add_layer_norm", backend)[1](dy, ds, a, b, weight, bias, mean, rstd, need_weight,
-                                                               need_bias)
-    return dsum, a.new_empty(0) if dweight is None else dweight, a.new_empty(0) if dbias is None else dbias
+def _add_layer_norm_backward_signature(dy: Tensor, ds: Tensor | None, a: Tensor, b: Tensor | None,
+                                       weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor,
+                                       need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-@_add_layer_norm_backward_op.register_fake
-def _add_layer_norm_backward_fake(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, backend):
+def _add_layer_norm_backward_fake(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
     return (a.new_empty(a.shape, dtype=_sum_dtype(a, b)),
-            weight.new_empty(weight.shape) if need_weight and weight is not None else a.new_empty(0),
-            bias.new_empty(bias.shape) if need_bias and bias is not None else a.new_empty(0))
+            weight.new_empty(weight.shape) if need_weight and weight is not None else dy.new_empty(0),
+            bias.new_empty(bias.shape) if need_bias and bias is not None else dy.new_empty(0))
 
 
 def _add_layer_norm_setup(ctx, inputs, output):
@@ -481,49 +445,29 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
         dsum, dweight, dbias = _differentiable_add_layer_norm_backward(dy, ds, a, b, weight, bias, ctx.eps,
                                                                        need_weight, need_bias)
     else:
-        dsum, dweight, dbias = _call_add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
-                                                             need_bias, ctx.backend)
+        dsum, dweight, dbias = ADD_LAYER_NORM.call_backward(
+            _unit_feature_stride(dy), None if ds is None else _unit_feature_stride(ds), a, b, weight, bias, mean,
+            rstd, need_weight, need_bias, ctx.backend)
     x_dtype, r_dtype = ctx.dtypes
     dx = dsum.to(x_dtype) if need[0] and dsum is not None else None
     dres = dsum.to(r_dtype) if r_dtype is not None and need[1] and dsum is not None else None
-    return dx, dres, dweight, dbias, None, None, None
+    return dx, dres, dweight, dbias, None, None
 
 
-_add_layer_norm_op.register_autograd(_add_layer_norm_backward, setup_context=_add_layer_norm_setup)
+ADD_LAYER_NORM = _opdef.define(
+    "add_layer_norm", _add_layer_norm_signature, spec=add_layer_norm_spec, setup=_add_layer_norm_setup,
+    backward=_add_layer_norm_backward, fake=_add_layer_norm_fake,
+    backward_signature=_add_layer_norm_backward_signature, backward_fake=_add_layer_norm_backward_fake,
+    backward_present=lambda dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias: (
+        True, need_weight, need_bias),
+    # constants to autograd: mean and rstd, and s unless it is returned (an empty placeholder)
+    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:],
+    gpu_order=("cuda", "triton", "torch"))
 
-
-class _AddLayerNormFunction(torch.autograd.Function):
-    """Eager path: the same forward/backward without the torch.library dispatcher."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, return_sum, backend):
-        out = _impl("add_layer_norm", backend)[0](x, residual, weight, bias, eps, return_sum)
-        _add_layer_norm_setup(ctx, (x, residual, weight, bias, eps, return_sum, backend), out)
-        _y, s, mean, rstd = out
-        ctx.mark_non_differentiable(mean, rstd)
-        if not return_sum:
-            ctx.mark_non_differentiable(s)
-        return out
-
-    backward = staticmethod(_add_layer_norm_backward)
-
-
-def _call_add_layer_norm(x, residual, weight, bias, eps, return_sum, backend):
-    if eager(*_present(x, residual, weight, bias)):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
-            return _AddLayerNormFunction.apply(x, residual, weight, bias, eps, return_sum, backend)
-        return _impl("add_layer_norm", backend)[0](x, residual, weight, bias, eps, return_sum)
-    return _add_layer_norm_op(x, residual, weight, bias, eps, return_sum, backend)
-
-
-def _call_add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, backend):
-    dy = _unit_feature_stride(dy)
-    ds = None if ds is None else _unit_feature_stride(ds)
-    if eager(*_present(dy, ds, a, b, weight, bias, mean, rstd)):
-        return _impl("add_layer_norm", backend)[1](dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
-    dsum, dweight, dbias = _add_layer_norm_backward_op(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
-                                                       need_bias, backend)
-    return dsum, _empty_to_none(dweight, need_weight), _empty_to_none(dbias, need_bias)
+backends.register(
+    backends.Implementation("bias_act", "torch", _bias_act_torch_forward, _bias_act_torch_backward),
+    backends.Implementation("add_layer_norm", "torch", _add_layer_norm_torch_forward, _add_layer_norm_torch_backward),
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -531,8 +475,10 @@ def _call_add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_w
 
 
 def _unit_feature_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[N, F]`` rows with unit stride along F (any row stride): a view when it can."""
-    t = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    """``t`` as ``[N, F]`` rows with unit stride along F (any row stride): ``t`` itself or a view
+    when it can."""
+    if t.dim() != 2:
+        t = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
     if t.shape[1] > 1 and t.stride(1) != 1:
         t = t.contiguous()
     return t
@@ -612,9 +558,8 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu
     fn = "ragged.bias_act"
     bias = _validate_bias_act(fn, x, bias, activation)
     x2 = _unit_feature_stride(x)
-    impl = backends.select("bias_act", backend, x.device, x2, bias, activation, fn=fn)
-    y = _call_bias_act(x2, bias, activation, impl.name)
-    return y.view(x.shape)
+    impl = backends.select_spec("bias_act", backend, bias_act_spec(x2, bias, activation), fn=fn)
+    return BIAS_ACT(x2, bias, activation, impl.backend).view(x.shape)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
@@ -637,9 +582,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     weight, bias = _validate_add_layer_norm(fn, x, residual, weight, bias, eps, return_sum)
     x2 = _unit_feature_stride(x)
     r2 = None if residual is None else _unit_feature_stride(residual)
-    impl = backends.select("add_layer_norm", backend, x.device, x2, r2, weight, bias, fn=fn)
+    impl = backends.select_spec("add_layer_norm", backend, add_layer_norm_spec(x2, r2, weight, bias), fn=fn)
     keep_sum = return_sum and residual is not None
-    y, s, _, _ = _call_add_layer_norm(x2, r2, weight, bias, float(eps), keep_sum, impl.name)
+    y, s, _, _ = ADD_LAYER_NORM(x2, r2, weight, bias, float(eps), keep_sum, impl.backend)
     y = y.view(x.shape)
     if not return_sum:
         return y

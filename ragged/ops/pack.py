@@ -17,7 +17,7 @@ All three move the same bytes and are bit-exact against each other.
 Padding side: with ``padding_side="right"`` sequence ``b`` occupies positions
 ``[0, L_b)`` of its padded row; with ``"left"`` it occupies ``[M - L_b, M)``.
 
-Padding value: every backend writes :func:`ragged._utils.fill_element` of it, torch's own cast of the
+Padding value: every backend writes :func:`ragged.utils.fill_element` of it, torch's own cast of the
 number to the dtype (``torch.full((), padding_value, dtype=dtype)``): for bool any
 nonzero number (NaN included) is True, integer dtypes truncate floats toward zero, and a
 number the dtype cannot hold (``-1.0`` or ``nan`` for uint8, ``1e10`` for int32) raises
@@ -43,7 +43,7 @@ import torch.types
 from torch import Tensor
 
 from .. import _opdef, backends
-from .._utils import (
+from ..utils import (
     check_int,
     check_offsets_tensor,
     check_side,
@@ -126,8 +126,9 @@ class PackSpec:
     dtype: torch.dtype
 
 
-def pack_spec(x: torch.Tensor, offsets: torch.Tensor | None = None) -> PackSpec:
-    """The spec of ``pack(padded [B, M, *F], offsets [B+1])`` / ``unpack(values [T, *F], offsets)``."""
+def pack_spec(x: torch.Tensor, offsets: torch.Tensor, *_) -> PackSpec:
+    """The spec of ``pack(padded [B, M, *F], offsets [B+1], ...)`` / ``unpack(values [T, *F], offsets, ...)``
+    (the operands after the offsets do not change what an implementation takes)."""
     return PackSpec(x.device, x.dtype)
 
 

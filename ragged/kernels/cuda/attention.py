@@ -6,7 +6,9 @@ tile (at most 32 queries and 32 keys): Q, K, V of the sequence go to shared memo
 ``S = Q K^T`` and ``O = P V`` run on the tensor cores (``mma.sync``), the softmax in fp32
 registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
 128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
-(different q and k offsets) and bottom-right causal masking; no dropout, no backward.
+(different q and k offsets) and bottom-right causal masking; no dropout, no backward. What it
+takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"`` implementation of the
+attention op, whose backward is Triton's).
 
 The kernel is compiled at first use through NVRTC (CuPy) and launched on torch's current
 stream by :func:`ragged.kernels.cuda.launch`: no sync, no host reads of the offsets.
@@ -18,11 +20,11 @@ import math
 
 import torch
 
-from ... import backends
+from . import ATTENTION_SHORT_HEAD_DIMS as HEAD_DIMS, ATTENTION_SHORT_MAX_LEN as MAX_LEN
 from .launch import Params, launch
 
-MAX_LEN = 128
-HEAD_DIMS = (32, 64, 128)
+__all__ = ["HEAD_DIMS", "MAX_LEN", "PARAMS", "forward", "packed_self_attention"]
+
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SOURCE = "attention_short.cu"
 _LOG2E = 1.4426950408889634
@@ -47,24 +49,15 @@ _PIPELINED = {
 }
 PIPELINED_HEADS = 4  # 0: always the one-block-per-head kernel
 # ... and only for batches of at least this many (sequence, head) pairs per multiprocessor: a
-# small batch is better off with its heads spread over more blocks (H200, B=8 of 1..16 tokens,
-# H=12: 7.5 us per head against 11.7 us pipelined; B=256 of 8..32: 19.4 against 17.9 us).
+# small batch is better off with its heads spread over more blocks (measured on an H200: one
+# block per head is faster at B=8 of 1..16 tokens, H=12; the pipelined kernel at B=256 of 8..32).
 PIPELINED_MIN_PAIRS_PER_SM = 16
 
-_capabilities: dict[int, tuple[int, int]] = {}
 _multiprocessors: dict[int, int] = {}
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = _index(device)
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cap
 
 
 def _multiprocessor_count(device: torch.device) -> int:
@@ -73,32 +66,6 @@ def _multiprocessor_count(device: torch.device) -> int:
     if n is None:
         n = _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return n
-
-
-def reasons(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad) -> list[str]:
-    """Every reason the kernel cannot take this input (an empty list when it can)."""
-    out = []
-    r = backends.cuda_reason(q.device)
-    if r:
-        out.append(r)
-    elif _capability(q.device) < (8, 0):
-        major, minor = _capability(q.device)
-        out.append(f"the CUDA short-sequence attention kernel needs compute capability >= 8.0, got {major}.{minor}")
-    if q.dtype not in _DTYPES:
-        out.append(f"the CUDA short-sequence attention kernel takes float16 and bfloat16, got {q.dtype}")
-    if q.dim() == 3 and q.shape[-1] not in HEAD_DIMS:
-        out.append(f"the CUDA short-sequence attention kernel takes head dims {HEAD_DIMS}, got {q.shape[-1]}")
-    if max_q > MAX_LEN or max_k > MAX_LEN:
-        out.append(f"the CUDA short-sequence attention kernel takes sequences of at most {MAX_LEN} tokens, "
-                   f"got max_seqlen_q={max_q}, max_seqlen_k={max_k}")
-    if dropout_p > 0:
-        out.append("the CUDA short-sequence attention kernel has no dropout")
-    if needs_grad:
-        out.append("the CUDA short-sequence attention kernel is forward only (inputs require grad)")
-    if q.dim() == 3 and (cu_q.shape[0] - 1) * q.shape[1] > 2**31 - 1:
-        out.append("the CUDA short-sequence attention kernel launches one block per (sequence, head): "
-                   "more than 2**31 - 1 of them")
-    return out
 
 
 def _config(head_dim: int, max_k: int) -> tuple[int, int]:
@@ -135,7 +102,8 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     """Inference self-attention on a packed input projection: ``qkv [T, 3 * heads * D]`` (per
     token q, k, v side by side, as ``x @ in_proj_weight.T`` gives them), contiguous and
     16-byte aligned, ``T > 0``, a dtype and head dim the kernel takes, ``max_len`` at most
-    :data:`MAX_LEN` (the caller has checked: :func:`reasons`); returns ``out [T, heads * D]``
+    :data:`MAX_LEN` (the caller has checked: ``ragged.explain("attention", ...)["cuda"]`` is
+    empty for it); returns ``out [T, heads * D]``
     and writes no lse. No views, copies or checks: one allocation and the launch."""
     total, width = qkv.shape
     d = width // 3

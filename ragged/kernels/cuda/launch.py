@@ -24,7 +24,7 @@ def source(name: str) -> str:
     try:
         return importlib.resources.files("ragged._csrc").joinpath(name).read_text()
     except (ModuleNotFoundError, FileNotFoundError):
-        return (pathlib.Path(__file__).resolve().parents[2] / "csrc" / name).read_text()
+        return (pathlib.Path(__file__).resolve().parents[3] / "csrc" / name).read_text()
 
 
 _modules: dict[tuple[str, int], object] = {}

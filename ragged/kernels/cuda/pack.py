@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._utils import feature_rows_contiguous, fill_element
+from ...utils import feature_rows_contiguous, fill_element
 from .launch import Params, launch
 
 _UNROLL = 4            # vectors per thread per trip (RAGGED_UNROLL in csrc/pack.cu)
@@ -69,7 +69,7 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
 
 
 def _fill_words(value, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """The fill value's bit pattern (:func:`ragged._utils.fill_element`, the rule every
+    """The fill value's bit pattern (:func:`ragged.utils.fill_element`, the rule every
     backend shares) repeated over 16 bytes, as four 32-bit words."""
     element = fill_element("ragged.unpack", value, dtype)
     pattern = element.reshape(1).expand(16 // element.element_size()).contiguous()

@@ -10,18 +10,87 @@ from __future__ import annotations
 
 import torch
 
-from ...backends import Implementation, register
+from ...backends import Implementation, import_error, register
+from ...utils import real_dtype_reasons
 
 _HERE = __name__
 
-# Every dtype but complex: pack and unpack move bytes.
+register(
+    Implementation("pack", "triton", f"{_HERE}.pack:pack", check=real_dtype_reasons),
+    Implementation("unpack", "triton", f"{_HERE}.pack:unpack", check=real_dtype_reasons),
+)
 
 
-def _real(spec) -> list[str]:
-    return [f"complex dtypes are not supported by the kernels (got {spec.dtype})"] if spec.dtype.is_complex else []
+# ---- attention ---------------------------------------------------------------
+# The head dims the attention kernels take (BLOCK_D is the next power of two; a dim outside
+# this list is left to the other backends rather than compiled for).
+ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+register(Implementation("attention", "triton", f"{_HERE}.attention:forward", f"{_HERE}.attention:backward",
+                        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                        limits={"head_dim": ATTENTION_HEAD_DIMS}))
+
+
+# ---- fused -------------------------------------------------------------------
+# bias_act and add_layer_norm: every tensor float16, bfloat16 or float32, in any mix (the
+# kernels compute in float32); x's dtype is the spec's dtype, the others' are checked here.
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fused_dtypes(op: str, **dtypes) -> list[str]:
+    return [f"triton {op} takes float16, bfloat16 and float32, got {name} of dtype {dtype}"
+            for name, dtype in dtypes.items() if dtype is not None and dtype not in FUSED_DTYPES]
+
+
+def _bias_act_check(spec) -> list[str]:
+    return _fused_dtypes("bias_act", bias=spec.bias_dtype)
+
+
+def _add_layer_norm_check(spec) -> list[str]:
+    return _fused_dtypes("add_layer_norm", residual=spec.residual_dtype, weight=spec.weight_dtype,
+                         bias=spec.bias_dtype)
 
 
 register(
-    Implementation("pack", "triton", f"{_HERE}.pack:pack", check=_real),
-    Implementation("unpack", "triton", f"{_HERE}.pack:unpack", check=_real),
+    Implementation("bias_act", "triton", f"{_HERE}.fused:bias_act_forward", f"{_HERE}.fused:bias_act_backward",
+                   dtypes=FUSED_DTYPES, check=_bias_act_check,
+                   # the backward taking the gradient back through a dropout (mask=, p=) and writing
+                   # its bias gradient's partial sums into a shared buffer (part=, part_col=)
+                   extras={"dropout_backward": f"{_HERE}.fused:bias_act_backward"}),
+    Implementation("add_layer_norm", "triton", f"{_HERE}.fused:add_layer_norm_forward",
+                   f"{_HERE}.fused:add_layer_norm_backward", dtypes=FUSED_DTYPES, check=_add_layer_norm_check,
+                   extras={"dropout_backward": f"{_HERE}.fused:add_layer_norm_dropout_backward",
+                           "partial_groups": f"{_HERE}.fused:partial_groups",
+                           "backward_fuses": f"{_HERE}.fused:layer_norm_backward_fuses"}),
 )
+
+
+# ---- vocab -------------------------------------------------------------------
+# The segmented GEMM through the id lists, and the fused cross-entropy on it: the float
+# dtypes of tensor-core dots; the kernel modules need a Triton that compiles them (a reason
+# of their own, so that a Triton too old for them leaves the op to the reference).
+_VOCAB_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _vocab_kernels(module: str):
+    def check(spec) -> list[str]:
+        err = import_error(module)
+        return [f"the Triton vocab kernels are unavailable ({err})"] if err else []
+
+    return check
+
+
+register(
+    Implementation("vocab_projection", "triton", f"{_HERE}.vocab:forward", f"{_HERE}.vocab:backward",
+                   dtypes=_VOCAB_DTYPES, check=_vocab_kernels(f"{_HERE}.vocab")),
+    Implementation("vocab_cross_entropy", "triton", f"{_HERE}.vocab_cross_entropy:forward",
+                   f"{_HERE}.vocab_cross_entropy:backward", dtypes=_VOCAB_DTYPES,
+                   check=_vocab_kernels(f"{_HERE}.vocab_cross_entropy")),
+)
+
+
+# ---- pool --------------------------------------------------------------------
+# Every mode; float16 / bfloat16 / float32 values (accumulated in float32). Integer, bool
+# and float64 values take the torch reference.
+register(Implementation("pool", "triton", f"{_HERE}.pool:pool", backward=f"{_HERE}.pool:pool_backward",
+                        dtypes=(torch.float16, torch.bfloat16, torch.float32)))

@@ -13,7 +13,7 @@ few), so that Triton can prove 16-byte alignment and vectorise. Index arithmetic
 int64: ``B * M * row`` passes 2**31 at realistic sizes.
 Dtypes are moved as they are (bool as uint8); the kernels never convert values, so
 every backend is bit-exact against the reference. The fill of unpack is
-:func:`ragged._utils.fill_element` of the padding value in the tensor's own dtype (bool
+:func:`ragged.utils.fill_element` of the padding value in the tensor's own dtype (bool
 included), the rule every backend shares.
 
 ``offsets`` are read as ``offsets + b``: the launchers make them contiguous (no copy
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._utils import feature_rows_contiguous, fill_element
+from ...utils import feature_rows_contiguous, fill_element
 from .launch import cached_launch
 
 
@@ -205,7 +205,7 @@ _INT_OF_SIZE = {1: (torch.int8, tl.int8), 2: (torch.int16, tl.int16), 4: (torch.
 
 
 def _fill_bits(value, dtype: torch.dtype):
-    """``value`` as ``dtype`` holds it (:func:`ragged._utils.fill_element`), as a signed int bit pattern."""
+    """``value`` as ``dtype`` holds it (:func:`ragged.utils.fill_element`), as a signed int bit pattern."""
     element = fill_element("ragged.unpack", value, dtype)
     int_dtype, bits_type = _INT_OF_SIZE[element.element_size()]
     return element.view(int_dtype).item(), bits_type

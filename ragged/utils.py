@@ -1,4 +1,7 @@
-"""Small shared helpers: argument checks, host-to-device metadata, warn-once."""
+"""Small shared helpers: argument checks, host-to-device metadata, the padding value, warn-once.
+
+An internal API, documented for ragged's own modules and its model adapters (``ragged.nn``):
+not part of the public API of ``import ragged``."""
 
 from __future__ import annotations
 
@@ -198,6 +201,11 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
         warnings.warn(message, category, stacklevel=3)
 
 
+def real_dtype_reasons(spec) -> list[str]:
+    """The reason a kernel that moves bytes (pack, unpack) gives for a spec's dtype: complex is refused."""
+    return [f"complex dtypes are not supported by the kernels (got {spec.dtype})"] if spec.dtype.is_complex else []
+
+
 def check_side(fn: str, padding_side: object) -> str:
     """``padding_side``: ``"right"`` (tokens at the start of each padded row) or ``"left"``."""
     if padding_side not in ("right", "left"):
@@ -247,3 +255,18 @@ def padding_number(fn: str, padding_value: object) -> bool | int | float | compl
     if not isinstance(value, numbers.Number):
         raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
     return value
+
+
+def no_autocast(fn):
+    """Run ``fn(x, ...)`` with autocast off on ``x``'s device type: a reference computes in the
+    precision it names (float32/float64), never in autocast's lower one."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        if not torch.is_autocast_enabled(x.device.type):  # entering the block costs microseconds
+            return fn(x, *args, **kwargs)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return fn(x, *args, **kwargs)
+
+    return wrapper

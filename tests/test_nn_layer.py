@@ -1,6 +1,7 @@
-"""The one-autograd-node training step of ragged.nn.TransformerEncoderLayer (ragged.nn.fused_layer).
+"""The encoder layer core (ragged.nn.layer): the one-autograd-node training step and the direct
+inference path of ragged.nn.TransformerEncoderLayer.
 
-Oracle: the per-op path of the same layer (every op recorded by autograd), in float64 on
+Oracle: the per-op path of the same layer (the same LayerSpec through the Recorded kernel set) (every op recorded by autograd), in float64 on
 the CPU with the fused ops' torch backends: values and every gradient. With dropout the
 two paths draw their masks in another order, so there the backward is checked by
 ``torch.autograd.gradcheck`` on a function that reseeds torch before each call.
@@ -18,7 +19,8 @@ from torch import nn
 
 import ragged
 from ragged import RaggedTensor
-from ragged.nn import fused_layer
+from ragged import backends
+from ragged.nn import layer as layer_mod
 from ragged.nn import transformer as tmod
 
 D, HEADS, FF = 8, 2, 16
@@ -52,16 +54,27 @@ def _grads(layer, x, out, up):
 @pytest.fixture
 def torch_backends(monkeypatch):
     """The layer's GPU path (fused ops and the one-node step) on the CPU, through the torch backends."""
-    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "torch")
-    monkeypatch.setattr(tmod, "_linear_output_act_backend", lambda *a: "torch")
-    real = tmod._one_node_backends
-
-    def pick(*args):
-        found = real(*args)
-        return None if found is None else (found[0], "torch", "torch", "torch", found[4])
-
-    monkeypatch.setattr(tmod, "_one_node_backends", pick)
+    monkeypatch.setattr(tmod, "fused_backend", lambda x: "torch")
     return monkeypatch
+
+
+def _per_op(monkeypatch):
+    """Every later call of the layers runs the per-op path (Recorded), as when a weight cannot be
+    read by the fused kernels."""
+    monkeypatch.setattr(layer_mod, "weights_take", lambda spec, x, plain_only: (False, False))
+
+
+def _force_kernels(monkeypatch, ln, act):
+    """The one-node step with the LayerNorm and bias + activation implementations of these
+    backends (the attention stays as chosen)."""
+    real = layer_mod.choose_kernels
+
+    def choose(*args):
+        found = real(*args)
+        return layer_mod.LayerKernels(found.attention, backends.implementation("add_layer_norm", ln),
+                                      backends.implementation("bias_act", act))
+
+    monkeypatch.setattr(layer_mod, "choose_kernels", choose)
 
 
 @pytest.mark.parametrize("norm_first,activation,bias,causal", GRID, ids=["-".join(map(str, c)) for c in GRID])
@@ -72,12 +85,12 @@ def test_one_node_matches_per_op_path(torch_backends, norm_first, activation, bi
     up = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
 
     got = layer(rt, is_causal=causal).values
-    assert type(got.grad_fn).__name__ == "_LayerFunctionBackward", "the one-node step was not taken"
+    assert type(got.grad_fn).__name__ == "LayerFunctionBackward", "the one-node step was not taken"
     got_grads = _grads(layer, x, got, up)
 
-    torch_backends.setattr(tmod, "_one_node_backends", lambda *a: None)
+    _per_op(torch_backends)
     expected = layer(rt, is_causal=causal).values
-    assert type(expected.grad_fn).__name__ != "_LayerFunctionBackward"
+    assert type(expected.grad_fn).__name__ != "LayerFunctionBackward"
     want_grads = _grads(layer, x, expected, up)
 
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
@@ -88,21 +101,18 @@ def test_one_node_matches_per_op_path(torch_backends, norm_first, activation, bi
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _spy(monkeypatch, name):
+def _spy_direct(monkeypatch):
+    """The LayerSpecs of the layers computed through the direct inference kernel set."""
     calls = []
-    real = getattr(tmod, name)
+    real = layer_mod._forward
 
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    def spy(spec, x, cu, max_len, causal, k, saved=None):
+        if type(k) is layer_mod.Direct:
+            calls.append(spec)
+        return real(spec, x, cu, max_len, causal, k, saved)
 
-    monkeypatch.setattr(tmod, name, spy)
+    monkeypatch.setattr(layer_mod, "_forward", spy)
     return calls
-
-
-def _per_op(monkeypatch):
-    monkeypatch.setattr(tmod, "_direct_inference", lambda *a: None)
-    monkeypatch.setattr(tmod, "_one_node_backends", lambda *a: None)
 
 
 @pytest.mark.parametrize("norm_first,activation,bias,causal", GRID[::3], ids=["-".join(map(str, c)) for c in GRID[::3]])
@@ -111,7 +121,7 @@ def test_direct_inference_matches_per_op_path(torch_backends, norm_first, activa
     seed = zlib.crc32(repr(("inference", norm_first, activation, bias, causal)).encode()) % 1000
     layer = _layer(norm_first, activation, bias, seed=seed).eval()
     x, rt = _input(LENGTHS, seed)
-    calls = _spy(torch_backends, "infer_layer")
+    calls = _spy_direct(torch_backends)
     with torch.no_grad():
         got = layer(rt, is_causal=causal).values
         assert len(calls) == 1, "the direct inference path was not taken"
@@ -134,7 +144,7 @@ def test_direct_inference_of_a_stack(torch_backends, norm_first):
             p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64))
     enc.layers[1].norm2.eps = 1e-2
     x, rt = _input([7, 1, 0, 4, 2], 8)
-    calls = _spy(torch_backends, "infer_layer")
+    calls = _spy_direct(torch_backends)
     with torch.no_grad():
         got = enc(rt).values
     assert len(calls) == 3
@@ -149,21 +159,27 @@ def test_direct_inference_of_a_stack(torch_backends, norm_first):
 def test_direct_inference_only_where_it_applies(torch_backends):
     layer = _layer(False, "relu", True, dropout=0.25, seed=2)
     x, rt = _input([3, 2], 1)
-    calls = _spy(torch_backends, "infer_layer")
+    calls = _spy_direct(torch_backends)
     with torch.no_grad():
         layer(rt)  # training mode with dropout: the no-autograd forward of the one-node step, masks drawn
     callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
                                                      batch_first=True, dtype=torch.float64).eval()
-    hooked = _layer(False, "relu", True).eval()
-    hooked.register_forward_hook(lambda *a: None)
     with torch.no_grad():
         callable_act(rt)
-        hooked(rt)
         layer.eval()(RaggedTensor.from_lengths(torch.zeros(0, D, dtype=torch.float64), [0, 0]))
     assert calls == []
     with torch.no_grad():
         layer(rt)
     assert len(calls) == 1
+    # a stack with a hooked layer: that layer is called as a module (its hook runs), the others
+    # still go straight; the whole-stack path (choices made once) is not taken
+    enc = ragged.nn.TransformerEncoder(_layer(False, "relu", True), 3).eval()
+    seen = []
+    enc.layers[1].register_forward_hook(lambda *a: seen.append(1))
+    calls.clear()
+    with torch.no_grad():
+        enc(rt)
+    assert seen == [1] and len(calls) == 3
 
 
 def test_no_grad_training_forward_draws_the_masks_of_the_one_node_step(torch_backends):
@@ -176,7 +192,7 @@ def test_no_grad_training_forward_draws_the_masks_of_the_one_node_step(torch_bac
         got = layer(rt).values
     torch.manual_seed(3)
     expected = layer(rt).values
-    assert type(expected.grad_fn).__name__ == "_LayerFunctionBackward"
+    assert type(expected.grad_fn).__name__ == "LayerFunctionBackward"
     torch.testing.assert_close(got, expected.detach(), rtol=0, atol=0)
 
 
@@ -190,7 +206,7 @@ def test_one_node_with_dropout_passes_gradcheck(torch_backends, norm_first):
         # the same dropout masks (attention's included) on every call
         torch.manual_seed(0)
         out = torch.func.functional_call(layer, dict(zip(names, ps)), (rt.with_values(x_),)).values
-        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward", "the one-node step was not taken"
+        assert type(out.grad_fn).__name__ == "LayerFunctionBackward", "the one-node step was not taken"
         return out
 
     inputs = [x.detach().clone().requires_grad_(True)]
@@ -219,15 +235,15 @@ def test_one_node_triton_backward_takes_dropout_back(monkeypatch, norm_first):
     x = x.detach().float().requires_grad_(True)
     rt = rt.with_values(x)
     up = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
-    real = tmod._one_node_backends
-    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "triton")
+    monkeypatch.setattr(tmod, "fused_backend", lambda x: "triton")
 
     def run(ln, act):
-        monkeypatch.setattr(tmod, "_one_node_backends",
-                            lambda *a: (lambda f: None if f is None else (f[0], "torch", ln, act, f[4]))(real(*a)))
+        monkeypatch.undo()
+        monkeypatch.setattr(tmod, "fused_backend", lambda x: "triton")
+        _force_kernels(monkeypatch, ln, act)
         torch.manual_seed(0)
         out = layer(rt).values
-        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+        assert type(out.grad_fn).__name__ == "LayerFunctionBackward"
         return out, _grads(layer, x, out, up)
 
     got, got_grads = run("triton", "triton")
@@ -257,16 +273,15 @@ def test_one_node_triton_backward_shared_sums(monkeypatch, norm_first, dropout, 
     x = x.detach().float().requires_grad_(frozen != "input")
     rt = rt.with_values(x)
     up = torch.randn(x.shape, generator=torch.Generator().manual_seed(10))
-    real = tmod._one_node_backends
-    monkeypatch.setattr(tmod, "_fused_backend", lambda x: "triton")
     params = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
 
     def run(backend):
-        monkeypatch.setattr(tmod, "_one_node_backends", lambda *a: (lambda f: None if f is None else
-                                                                    (f[0], "torch", backend, backend, f[4]))(real(*a)))
+        monkeypatch.undo()
+        monkeypatch.setattr(tmod, "fused_backend", lambda x: "triton")
+        _force_kernels(monkeypatch, backend, backend)
         torch.manual_seed(0)
         out = layer(rt).values
-        assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+        assert type(out.grad_fn).__name__ == "LayerFunctionBackward"
         inputs = ([x] if x.requires_grad else []) + [p for _, p in params]
         return out, torch.autograd.grad(out, inputs, up)
 
@@ -286,14 +301,14 @@ def test_one_node_only_where_it_applies(torch_backends):
     callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
                                                      batch_first=True, dtype=torch.float64).train()
     out = callable_act(rt).values
-    assert type(out.grad_fn).__name__ != "_LayerFunctionBackward"
+    assert type(out.grad_fn).__name__ != "LayerFunctionBackward"
     frozen = _layer(False, "relu", True)
     for p in frozen.parameters():
         p.requires_grad_(False)
     plain = RaggedTensor.from_lengths(x.detach(), [2, 3])
     assert frozen(plain).values.grad_fn is None
     empty = RaggedTensor.from_lengths(torch.zeros(0, D, dtype=torch.float64, requires_grad=True), [0, 0])
-    assert type(layer(empty).values.grad_fn).__name__ != "_LayerFunctionBackward"
+    assert type(layer(empty).values.grad_fn).__name__ != "LayerFunctionBackward"
 
 
 def test_one_node_leaves_frozen_parameters_without_grad(torch_backends):
@@ -302,7 +317,7 @@ def test_one_node_leaves_frozen_parameters_without_grad(torch_backends):
         p.requires_grad_(name.startswith("linear"))
     x, rt = _input(LENGTHS, 7)
     out = layer(rt).values
-    assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+    assert type(out.grad_fn).__name__ == "LayerFunctionBackward"
     out.sum().backward()
     for name, p in layer.named_parameters():
         assert (p.grad is not None) == name.startswith("linear"), name
@@ -332,10 +347,10 @@ def test_gpu_one_node_matches_per_op_path(monkeypatch, norm_first, dtype):
     rt = RaggedTensor.from_lengths(x, lengths)
     up = torch.randn(x.shape, generator=g).to("cuda", dtype)
     got = layer(rt).values
-    assert type(got.grad_fn).__name__ == "_LayerFunctionBackward"
+    assert type(got.grad_fn).__name__ == "LayerFunctionBackward"
     got_grads = _grads(layer, x, got, up)
     with monkeypatch.context() as m:
-        m.setattr(tmod, "_one_node_backends", lambda *a: None)
+        _per_op(m)
         expected = layer(rt).values
         want_grads = _grads(layer, x, expected, up)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -387,7 +402,7 @@ def test_gpu_direct_inference_matches_per_op_path(monkeypatch, norm_first, dtype
         x.copy_(torch.randn((total, d), generator=g).to("cuda", dtype))
         assert (x.data_ptr() % 16 != 0) == misaligned
         rt = RaggedTensor.from_lengths(x, lengths)
-        calls = _spy(monkeypatch, "infer_layer")
+        calls = _spy_direct(monkeypatch)
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.no_grad():
@@ -410,7 +425,7 @@ def test_one_node_second_backward_raises(torch_backends):
     layer = _layer(False, "gelu", True, seed=3)
     x, rt = _input(LENGTHS, 3)
     out = layer(rt).values
-    assert type(out.grad_fn).__name__ == "_LayerFunctionBackward"
+    assert type(out.grad_fn).__name__ == "LayerFunctionBackward"
     (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.sum().backward()

@@ -1,0 +1,361 @@
+"""The transformer encoder layer, written once, over a :class:`LayerSpec`.
+
+A model adapter (``ragged.nn.transformer`` for torch.nn's layers) describes a layer as a
+:class:`LayerSpec`, its weights and configuration; everything below computes it. The
+math of one layer, for values ``x [T, d]`` of a batch with offsets ``cu [B+1]``:
+
+* post-norm: ``qkv = x W_in^T + b_in``; attention; ``sa = o W_out^T + b_out``;
+  ``x1 = LN1(drop1(sa) + x)``; ``g = act(x1 W_1^T + b_1)``; ``f = drop(g) W_2^T + b_2``;
+  ``y = LN2(drop2(f) + x1)``;
+* pre-norm: ``h1 = LN1(x)``, the attention block on ``h1``, ``(h2, x1) = (LN2(s), s)`` with
+  ``s = drop1(sa) + x``, ``y = x1 + drop2(FF(h2))``.
+
+It is written once, in :func:`_forward`, over a kernel set that says how each step runs:
+
+* :class:`Recorded`: every step a ragged op (or torch op) that autograd records: the path of
+  CPU tensors, autocast, activations the fused kernel does not have, and torch.compile;
+* :class:`Saved`: the chosen implementations called straight, with everything the backward
+  needs kept: :class:`LayerFunction`, one autograd node per layer in eager training, whose
+  hand-written backward (:mod:`ragged.nn.layer_backward`) computes every gradient;
+* :class:`Direct`: the implementations called straight with nothing kept (inference): no
+  LayerNorm statistics or attention lse where an implementation can skip them
+  (``extras["inference"]``, ``extras["packed_self_attention"]``), the residual added in place.
+
+Implementations are chosen through :mod:`ragged.backends` (the one place a backend is chosen);
+this module asks them for their declared extras, never for a backend's name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ragged import backends
+from ragged.backends import Implementation
+from ragged.ops.attention import ATTENTION, dropout_seed
+from ragged.ops.fused import ADD_LAYER_NORM, BIAS_ACT
+
+from .layer_backward import layer_backward
+from .layer_spec import LayerKernels, LayerSpec, LayerWeights
+
+__all__ = ["LayerKernels", "LayerSpec", "LayerWeights", "fused_backend", "run_layer", "run_stack"]
+
+_linear = F.linear  # 2-D: addmm(b, x, w^T) or mm(x, w^T), the transpose taken in C++
+
+FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+
+# --------------------------------------------------------------------------------------
+# The layer, once
+
+
+def _forward(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, k,
+             saved: list | None = None) -> torch.Tensor:
+    """The layer on ``values x [T, d]`` through kernel set ``k``; with ``saved``, everything the
+    backward reads is appended to it (see :data:`SAVED`)."""
+    w = spec.weights
+    p_attn, p1, p_ff, p2 = spec.dropout
+    eps1, eps2 = spec.eps
+    if spec.norm_first:
+        h1, _, mean1, rstd1 = k.norm(x, None, w.norm1_w, w.norm1_b, eps1, False)
+    else:
+        h1, mean1, rstd1 = x, None, None
+    a, attn = k.attention(_linear(h1, w.in_w, w.in_b), cu, max_len, spec, causal, p_attn)
+    sa, m1 = k.dropout(_linear(a, w.out_w, w.out_b), p1)
+    if spec.norm_first:
+        h2, x1, mean2, rstd2 = k.norm(sa, x, w.norm2_w, w.norm2_b, eps2, True)
+    else:
+        x1, _, mean2, rstd2 = k.norm(sa, x, w.norm1_w, w.norm1_b, eps1, False)
+        h2 = x1
+    g, hid = k.ff_in(h2, w.ff1_w, w.ff1_b, spec.activation)
+    g, m2 = k.dropout(g, p_ff)
+    f, m3 = k.dropout(_linear(g, w.ff2_w, w.ff2_b), p2)
+    if spec.norm_first:
+        y, mean3, rstd3 = k.residual(x1, f), None, None
+    else:
+        y, _, mean3, rstd3 = k.norm(f, x1, w.norm2_w, w.norm2_b, eps2, False)
+    if saved is not None:
+        saved += (x, cu, h1, mean1, rstd1, *attn, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2, f, m3, mean3, rstd3)
+    return y
+
+
+# The tensors _forward saves, in order (attn: q, k, v, o, lse of the attention).
+SAVED = ("x", "cu", "h1", "mean1", "rstd1", "q", "k", "v", "o", "lse", "a", "sa", "m1", "x1", "h2", "mean2", "rstd2",
+         "hid", "g", "m2", "f", "m3", "mean3", "rstd3")
+
+
+class Saved:
+    """The chosen implementations called straight, keeping what the backward reads."""
+
+    def __init__(self, kernels: LayerKernels) -> None:
+        self.kernels = kernels
+        self._attention = kernels.attention.forward_fn
+        self._norm = kernels.add_layer_norm.forward_fn
+        self._bias_act = kernels.bias_act.forward_fn
+        self.seed = 0
+
+    def norm(self, x, residual, weight, bias, eps, return_sum):
+        return self._norm(x, residual, weight, bias, eps, return_sum)
+
+    def attention(self, qkv, cu, max_len, spec, causal, p):
+        n_tok = qkv.shape[0]
+        q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
+        self.seed = dropout_seed(p)
+        o, lse = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, self.seed)
+        return o.reshape(n_tok, spec.d_model), (q, k, v, o, lse)
+
+    def ff_in(self, h, w1, b1, act):
+        hid = _linear(h, w1, None)
+        return self._bias_act(hid, b1, act), hid
+
+    @staticmethod
+    def dropout(x, p):
+        if p == 0.0:
+            return x, None
+        return torch.native_dropout(x, p, True)
+
+    @staticmethod
+    def residual(x1, f):
+        return x1 + f
+
+
+class Direct(Saved):
+    """Inference: the implementations called straight, nothing kept, no dropout."""
+
+    def __init__(self, kernels: LayerKernels) -> None:
+        super().__init__(kernels)
+        self._packed = kernels.attention.extra("packed_self_attention")
+        self._lean_norm = kernels.add_layer_norm.extra("inference")
+
+    def norm(self, x, residual, weight, bias, eps, return_sum):
+        if self._lean_norm is not None and lean_norm_takes(x, residual, weight, bias):
+            y, s = self._lean_norm(x, residual, weight, bias, eps, return_sum)
+        else:
+            y, s = self._norm(x, residual, weight, bias, eps, return_sum)[:2]
+        return y, (s if return_sum else None), None, None
+
+    def attention(self, qkv, cu, max_len, spec, causal, p):
+        if self._packed is not None:
+            return self._packed(qkv, cu, max_len, spec.heads, causal, spec.scale), ()
+        n_tok = qkv.shape[0]
+        q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
+        o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, 0.0, 0)[0]
+        return o.reshape(n_tok, spec.d_model), ()
+
+    @staticmethod
+    def dropout(x, p):
+        return x, None
+
+    @staticmethod
+    def residual(x1, f):
+        return x1.add_(f)  # x1 is the fresh sum of the second LayerNorm
+
+
+def lean_norm_takes(*tensors) -> bool:
+    """Whether the statistics-free LayerNorm (``extras["inference"]``) takes these operands
+    (None: absent): one dtype, unit stride, 16-byte aligned."""
+    dtype = tensors[0].dtype
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            if t.dtype != dtype or t.stride(-1) != 1:
+                return False
+            ptrs |= t.data_ptr()
+    return not ptrs & 15
+
+
+class Recorded:
+    """Every step an op autograd records: ``fused`` names the backend of the fused per-token
+    ops (None: torch's own LayerNorm, activation and dropout), ``attention`` the attention's."""
+
+    def __init__(self, fused: str | None, attention: str, bias_act: str | None) -> None:
+        self.fused = fused
+        self.attention_backend = attention
+        self.bias_act_backend = bias_act
+
+    def norm(self, x, residual, weight, bias, eps, return_sum):
+        if self.fused is not None:
+            y, s = ADD_LAYER_NORM(x, residual, weight, bias, eps, return_sum, self.fused)[:2]
+            return y, (s if return_sum else None), None, None
+        s = x if residual is None else x + residual
+        return F.layer_norm(s, (s.shape[-1],), weight, bias, eps), s, None, None
+
+    def attention(self, qkv, cu, max_len, spec, causal, p):
+        n_tok = qkv.shape[0]
+        q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            # q, k, v carry autocast's dtype (F.linear's output): attention runs in it, as SDPA does
+            with torch.autocast(device, enabled=False):
+                o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
+                              self.attention_backend)[0]
+        else:
+            o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
+                          self.attention_backend)[0]
+        return o.reshape(n_tok, spec.d_model), ()
+
+    def ff_in(self, h, w1, b1, act):
+        if self.bias_act_backend is not None:
+            return BIAS_ACT(_linear(h, w1), b1, act, self.bias_act_backend), None
+        return _callable(act)(_linear(h, w1, b1)), None
+
+    @staticmethod
+    def dropout(x, p):
+        return (F.dropout(x, p, True) if p > 0.0 else x), None
+
+    @staticmethod
+    def residual(x1, f):
+        return x1 + f
+
+
+def _callable(act):
+    if not isinstance(act, str):
+        return act
+    if act == "relu":
+        return F.relu
+    if act == "gelu":
+        return F.gelu
+    return lambda z: F.gelu(z, approximate="tanh")
+
+
+# --------------------------------------------------------------------------------------
+# One autograd node per layer
+
+
+class LayerFunction(torch.autograd.Function):
+    """``apply(x, cu, spec, kernels, max_len, causal, *spec.weights) -> y``: the layer's training
+    forward as one autograd node (the weights are passed again so that autograd sees them)."""
+
+    @staticmethod
+    def forward(ctx, x, cu, spec, kernels, max_len, causal, *weights):
+        k = Saved(kernels)
+        saved: list = []
+        y = _forward(spec, x, cu, max_len, causal, k, saved)
+        ctx.spec, ctx.kernels, ctx.max_len, ctx.causal, ctx.seed = spec, kernels, max_len, causal, k.seed
+        ctx.save_for_backward(*saved, *weights)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # a second backward raises instead of a constant
+    def backward(ctx, dy):
+        tensors = ctx.saved_tensors
+        saved = dict(zip(SAVED, tensors[:len(SAVED)]))
+        weights = LayerWeights(*tensors[len(SAVED):])
+        need = ctx.needs_input_grad
+        grads = layer_backward(ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy,
+                               need[0], LayerWeights(*need[6:]))
+        return (grads[0], None, None, None, None, None, *grads[1:])
+
+
+# --------------------------------------------------------------------------------------
+# Choosing how a layer runs
+
+
+def choose_kernels(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
+                   fused: str, needs_grad: bool) -> LayerKernels:
+    """The implementations of a layer's steps for values like ``x [T, d]``: the attention chosen
+    for the layer's heads (and dropout, and whether a gradient is needed), the LayerNorm of
+    backend ``fused`` (chosen once per stack by :func:`fused_backend`), and the bias +
+    activation for the feed-forward width (cached: its reasons depend on nothing else here)."""
+    heads = x.view(x.shape[0], spec.heads, spec.head_dim)
+    attention = backends.select("attention", None, x.device, heads, heads, heads, cu, cu, max_len, max_len, causal,
+                                spec.dropout[0], needs_grad)
+    width = spec.weights.ff1_w.shape[0]
+    return LayerKernels(attention, backends.implementation("add_layer_norm", fused),
+                        bias_act_for(x, width, spec.weights.ff1_b, spec.activation))
+
+
+_BIAS_ACT: dict[tuple, Implementation] = {}
+
+
+def bias_act_for(x: torch.Tensor, width: int, bias: torch.Tensor | None, act: str) -> Implementation:
+    """The bias + activation implementation for the ``[T, width]`` output of a Linear applied
+    to ``x`` (contiguous and aligned, as every F.linear output is), chosen once per (device,
+    dtypes, width, activation, backend selection) with a one-row probe."""
+    key = (x.device, x.dtype, None if bias is None else bias.dtype, width, act, backends.get_backend())
+    impl = _BIAS_ACT.get(key)
+    if impl is None:
+        impl = backends.select("bias_act", None, x.device, x.new_empty((1, width)), bias, act)
+        if not torch.compiler.is_compiling():
+            _BIAS_ACT[key] = impl
+    return impl
+
+
+def fused_backend(x: torch.Tensor) -> str | None:
+    """Backend of the fused per-token ops for values ``x``, or None to run torch's own ops: off
+    the GPU (there the fused ops would run their float32 reference, slower than torch's
+    kernels) and under autocast (torch runs LayerNorm in float32 there, which the plain ops
+    reproduce exactly)."""
+    if x.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
+        return None
+    impl = backends.select("add_layer_norm", None, x.device, x, None, None, None)
+    return impl.backend if impl.backend != "torch" else None
+
+
+def weights_take(spec: LayerSpec, x: torch.Tensor, plain_only: bool) -> tuple[bool, bool]:
+    """``(ok, needs_grad)``: whether every weight is a tensor of ``x``'s dtype and device (with
+    ``plain_only``, a plain Tensor or Parameter: no subclass), and whether one needs a gradient."""
+    dtype, index = x.dtype, x.get_device()
+    grad = torch.is_grad_enabled()
+    needs_grad = grad and x.requires_grad
+    parameter = torch.nn.Parameter
+    for p in spec.weights:
+        if p is not None:
+            if p.dtype != dtype or p.get_device() != index:
+                return False, needs_grad
+            if plain_only and type(p) is not torch.Tensor and type(p) is not parameter:
+                return False, needs_grad
+            needs_grad = needs_grad or (grad and p.requires_grad)
+    return True, needs_grad
+
+
+def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
+              fused: str | None, eager: bool) -> torch.Tensor:
+    """One layer on ``values x [T, d]``: one autograd node in eager training, the kernels called
+    straight in inference, every op recorded otherwise (see the module docstring). ``fused``:
+    :func:`fused_backend` of the stack; ``eager``: no tracing, fake tensors or dispatch modes."""
+    if fused is not None and eager and spec.fused_activation and x.shape[0] and x.is_contiguous():
+        ok, needs_grad = weights_take(spec, x, plain_only=False)
+        if ok:
+            kernels = choose_kernels(spec, x, cu, max_len, causal, fused, needs_grad)
+            if needs_grad:
+                return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, *spec.weights)
+            if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
+                return _forward(spec, x, cu, max_len, causal, Direct(kernels))
+            return _forward(spec, x, cu, max_len, causal, Saved(kernels))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+        p is not None and p.requires_grad for p in spec.weights))
+    view = x.view(x.shape[0], spec.heads, spec.head_dim)
+    attention = backends.select("attention", None, x.device, view, view, view, cu, cu, max_len, max_len, causal,
+                                spec.dropout[0], needs_grad).backend
+    bias_act = None
+    if fused is not None and spec.fused_activation:
+        bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).backend
+    return _forward(spec, x, cu, max_len, causal, Recorded(fused, attention, bias_act))
+
+
+def run_stack(specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
+              fused: str) -> torch.Tensor | None:
+    """Inference through a stack of layers with the kernels called straight and the choices
+    made once per distinct layer shape; None when that path does not apply (a gradient is
+    needed, dropout is active, an activation the fused kernel lacks, a weight of another dtype
+    or device or a tensor subclass, no tokens): the caller then runs the layers one by one."""
+    if x.shape[0] == 0 or not x.is_contiguous() or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    sets: dict[tuple, Direct] = {}
+    steps = []
+    for spec in specs:
+        if not spec.fused_activation or spec.dropout != (0.0, 0.0, 0.0, 0.0):
+            return None
+        ok, needs_grad = weights_take(spec, x, plain_only=True)
+        if not ok or needs_grad:
+            return None
+        key = (spec.heads, spec.head_dim, spec.activation, spec.weights.ff1_w.shape[0],
+               None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype)
+        k = sets.get(key)
+        if k is None:
+            k = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))
+        steps.append((spec, k))
+    for spec, k in steps:
+        x = _forward(spec, x, cu, max_len, causal, k)
+    return x

@@ -1,0 +1,77 @@
+"""What a model adapter hands the layer core (:mod:`ragged.nn.layer`): one encoder layer's
+configuration and weights (:class:`LayerSpec`), and the implementations its fused steps run
+(:class:`LayerKernels`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ragged import backends
+from ragged.backends import Implementation
+
+
+class LayerWeights(NamedTuple):
+    """The parameters of one layer (None where the layer has no bias)."""
+
+    in_w: torch.Tensor          # [3d, d] packed q, k, v projection
+    in_b: torch.Tensor | None   # [3d]
+    out_w: torch.Tensor         # [d, d]
+    out_b: torch.Tensor | None  # [d]
+    norm1_w: torch.Tensor | None
+    norm1_b: torch.Tensor | None
+    ff1_w: torch.Tensor         # [ff, d]
+    ff1_b: torch.Tensor | None  # [ff]
+    ff2_w: torch.Tensor         # [d, ff]
+    ff2_b: torch.Tensor | None  # [d]
+    norm2_w: torch.Tensor | None
+    norm2_b: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One encoder layer: configuration and weights.
+
+    ``activation``: a :func:`ragged.bias_act` name (``"relu"``, ``"gelu"``, ``"gelu_tanh"``),
+    which the fused kernels take, or any callable on ``[T, ff]`` (then the layer runs
+    :class:`Recorded`). ``dropout``: the rates of ``(attention probabilities, after the
+    attention block, the feed-forward hidden layer, after the feed-forward block)``, zeros in
+    eval mode. ``eps``: the two LayerNorms'. Bias flags are the weights that are None.
+    Self-attention over the packed in-projection; causal masking is chosen per call."""
+
+    heads: int
+    head_dim: int
+    norm_first: bool
+    activation: str | Callable[[torch.Tensor], torch.Tensor]
+    eps: tuple[float, float]
+    dropout: tuple[float, float, float, float]
+    weights: LayerWeights
+
+    @property
+    def d_model(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def fused_activation(self) -> bool:
+        return isinstance(self.activation, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKernels:
+    """The implementations a layer's fused steps run (see :func:`choose_kernels`)."""
+
+    attention: Implementation
+    add_layer_norm: Implementation
+    bias_act: Implementation
+
+    def backward_of(self, impl: Implementation) -> Implementation:
+        """The implementation whose backward follows ``impl``'s forward."""
+        return backends.implementation(impl.op, impl.backward_backend or impl.backend)

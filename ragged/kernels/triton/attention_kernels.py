@@ -1,0 +1,423 @@
+"""The Triton kernels of varlen flash attention: forward, backward (dK/dV and dQ), dropout mask.
+
+Launched by :mod:`ragged.kernels.triton.attention` (tile shapes, work lists, buffers).
+
+Work lists. A forward program handles one (sequence b, query block m) item and one
+query head. The items are numbered by the prefix sums of ``ceil(L_b / BLOCK_M)``; each
+program computes them from the offsets itself (B <= 4096: vector prefix sums, no extra
+launch) or binary-searches ``block_cum [B+1]`` built on the device by one small kernel
+(:func:`_block_cum_kernel`). The grid is ``ceil(Tq / BLOCK_M) + B`` programs per head, an
+upper bound known on the host (no sync); programs past the last item exit at once. So only
+real query blocks are scheduled, never B x ceil(max_len / BLOCK_M). The backward's dK/dV
+kernel works the same way over key blocks.
+
+Offsets. The kernels trust them (``offsets[-1] == T``, non-decreasing, no length above
+``max_seqlen``) and do not clip them to ``[0, T]``: clipping made the causal forward markedly
+slower (its time without the clip: bench/results/attention_h200_quick_2c0093c.md).
+:mod:`ragged.ops.attention` checks them where that reads no GPU memory, and on request
+(``validate=True``).
+
+Masks. Within a sequence, key blocks that every query row of the block may see run
+without masks; only the last (ragged or causal-diagonal) blocks are masked. Causal
+masking is aligned to the bottom right: query i sees keys j <= i + Lk - Lq.
+
+Numerics: fp32 accumulation, exp2 with the scale folded in; ``lse`` (natural log) is
+kept for the backward; rows that see no key give 0 (never NaN) and ``lse = -inf``.
+float32 inputs use IEEE fp32 dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import cached_launch
+
+
+@triton.jit
+def _find(cum, batch, n_steps, item):
+    """Largest b in [0, batch) with cum[b] <= item (scalar binary search)."""
+    lo = item * 0
+    hi = lo + batch - 1
+    for _ in range(n_steps):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(cum + mid) <= item
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _locate(cu, block_cum, batch, n_steps, item, BLOCK: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """Work item -> (sequence b, block index within b, blocks of b, total items).
+
+    INLINE (moderate B): each program sums ceil(L / BLOCK) over the offsets itself (vector
+    prefix sums, a few loads per sequence from L2), which saves the host a kernel launch
+    per call. Otherwise ``block_cum`` (built by _block_cum_kernel) is binary-searched.
+    """
+    if INLINE:
+        carry = item * 0
+        count = item * 0
+        before = item * 0
+        after = item * 0 + 2147483647
+        for start in range(0, batch, CHUNK):
+            idx = start + tl.arange(0, CHUNK)
+            ok = idx < batch
+            length = tl.load(cu + idx + 1, mask=ok, other=0) - tl.load(cu + idx, mask=ok, other=0)
+            incl = tl.cumsum(((length + (BLOCK - 1)) // BLOCK).to(tl.int32), 0) + carry
+            done = ok & (incl <= item)
+            count += tl.sum(done.to(tl.int32), 0)
+            before = tl.maximum(before, tl.max(tl.where(done, incl, 0), 0))
+            after = tl.minimum(after, tl.min(tl.where(ok & (incl > item), incl, 2147483647), 0))
+            carry = tl.max(tl.where(ok, incl, carry), 0)
+        return count, item - before, after - before, carry
+    else:
+        total = tl.load(block_cum + batch)
+        b = _find(block_cum, batch, n_steps, item)
+        first = tl.load(block_cum + b)
+        return b, item - first, tl.load(block_cum + b + 1) - first, total
+
+
+@triton.jit
+def _bounds(cu_q, cu_k, b):
+    """First packed token (int64) and length of sequence b on the query and key sides."""
+    q_start = tl.load(cu_q + b).to(tl.int64)
+    k_start = tl.load(cu_k + b).to(tl.int64)
+    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
+    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _fmix32(x):
+    """A bijective 32-bit mixer (every input bit flips each output bit with probability ~1/2)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _keep_rows(seed, h, t_global, total_q):
+    """Per-row dropout keys of head ``h`` and query tokens ``t_global``: mixed with the seed."""
+    rows = (h * total_q + t_global).to(tl.int64)
+    hi = _fmix32((rows >> 32).to(tl.uint32) + seed.to(tl.uint32))
+    return _fmix32((rows & 0xFFFFFFFF).to(tl.uint32) ^ hi)
+
+
+@triton.jit
+def _keep(seed, dropout_p, h, t_global, j_local, total_q):
+    """``[M, N]`` dropout keep mask for query tokens ``t_global [M]`` x keys ``j_local [N]``
+    (indices within the sequence) of head ``h``.
+
+    A counter-based hash, one per element (no state, no ordering between programs): row key
+    ``r = fmix(lo32(h * Tq + t) ^ fmix(hi32(h * Tq + t) + seed))``, element draw
+    ``fmix(r + j * 0x9E3779B1)`` (mod 2**32); kept when its top 24 bits, as a fraction of
+    2**24, are >= dropout_p. About ten integer operations per element: half the cost of
+    Philox-10 at eight keys per call in the forward kernel, and no shuffles to spread one
+    call's draws over neighbouring keys."""
+    r = _keep_rows(seed, h, t_global, total_q)
+    x = _fmix32(r[:, None] + j_local.to(tl.uint32)[None, :] * 0x9E3779B1)
+    return (x >> 8).to(tl.float32) >= dropout_p * 16777216.0
+
+
+@triton.jit
+def _keep_t(seed, dropout_p, h, t_global, j_local, total_q):
+    """The transpose of :func:`_keep`, ``[N, M]``, drawn in that layout."""
+    r = _keep_rows(seed, h, t_global, total_q)
+    x = _fmix32(r[None, :] + j_local.to(tl.uint32)[:, None] * 0x9E3779B1)
+    return (x >> 8).to(tl.float32) >= dropout_p * 16777216.0
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift,
+               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Online softmax over key blocks [lo, hi): unmasked blocks first, then the masked tail."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            col_ok = cols < k_len
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
+                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
+                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            ok = col_ok[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, q_start + offs_m, cols, total_q)
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@cached_launch
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                seed, dropout_p, total_q, max_k,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    if CAUSAL:  # the heaviest (last) blocks of a sequence first
+        m_blk = n_blocks - 1 - m_blk
+    hk = h // GROUP
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
+    qk_scale = sm_scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    shift = k_len - q_len                      # causal: row i sees keys j <= i + shift
+    end = k_len
+    full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
+    if CAUSAL:
+        end = tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift)
+        full = tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N)
+        end = tl.maximum(end, 0)
+        full = tl.maximum(full, 0)
+
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
+                               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
+                               BLOCK_N, False, CAUSAL, DROPOUT, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
+                               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
+                               BLOCK_N, True, CAUSAL, DROPOUT, PRECISION)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + (q_start + offs_m) * tl.num_programs(1) + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, h, heads, offs_n, offs_m, offs_d,
+                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dK/dV of one key block over query blocks [lo, hi) of head h.
+
+    Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly
+    0; keys past the sequence are never stored. Only the causal diagonal (MASKED) needs
+    an element mask."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        r_ok = rows < q_len
+        tq = q_start + rows
+        q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows that see no key: p = 0
+        delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+        p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep_t(seed, dropout_p, h, tq, offs_n, total_q)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv += tl.dot(tl.where(keep, p_t * scale_keep, 0.0).to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.where(keep, dp_t * scale_keep, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@cached_launch
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                     seed, dropout_p, total_q, max_k, heads,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                     PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    item = tl.program_id(0)
+    hk = tl.program_id(1)
+    b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = (offs_n < k_len)[:, None] & d_ok[None, :]
+    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    begin = 0
+    full = 0
+    if CAUSAL:
+        # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
+        begin = (tl.maximum(n_blk * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
+        full = tl.minimum(((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M)
+                          * BLOCK_M, ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        full = tl.maximum(full, begin)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, h, heads,
+                                 offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
+                                 seed, dropout_p, total_q, max_k, BLOCK_M, True, DROPOUT, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, h, heads,
+                             offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
+                             seed, dropout_p, total_q, max_k, BLOCK_M, False, DROPOUT, PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, offs_m, offs_n,
+              offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """dQ of one query block over key blocks [lo, hi). Keys past the sequence load as 0 and
+    add exactly 0 (dS @ K with K = 0); only the causal diagonal needs an element mask."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
+        if MASKED:
+            if CAUSAL:
+                p = tl.where(cols[None, :] <= offs_m[:, None] + shift, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, tq, cols, total_q)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@cached_launch
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+                   seed, dropout_p, total_q, max_k, heads,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   stride_dot, stride_doh, stride_dqt, stride_dqh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                   PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
+    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    if CAUSAL:  # the heaviest (last) blocks of a sequence first
+        m_blk = n_blocks - 1 - m_blk
+    hk = h // GROUP
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    r_ok = offs_m < q_len
+    tq = q_start + offs_m
+    qd_mask = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    o = tl.load(O + tq[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=qd_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + tq * heads + h, delta, mask=r_ok)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    end = k_len
+    full = (k_len // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
+        full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, offs_m,
+                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                   BLOCK_N, False, CAUSAL, DROPOUT, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, offs_m,
+                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                   BLOCK_N, True, CAUSAL, DROPOUT, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+
+
+@cached_launch
+@triton.jit
+def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr):
+    h = tl.program_id(1)
+    t = tl.program_id(0)
+    for start in range(0, max_k, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        keep = _keep(seed, dropout_p, h, t + tl.zeros([1], dtype=tl.int64), j, total_q)
+        tl.store(OUT + (h * total_q + t).to(tl.int64) * max_k + j[None, :], keep.to(tl.int8),
+                 mask=(j < max_k)[None, :])
+
+
+@cached_launch
+@triton.jit
+def _block_cum_kernel(CU, OUT, batch, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """OUT[b+1] = sum over b' <= b of ceil(L_b' / BLOCK_M); OUT[0] = 0 (one program)."""
+    carry = tl.load(CU) * 0
+    tl.store(OUT, carry)
+    for start in range(0, batch, CHUNK):
+        b = start + tl.arange(0, CHUNK)
+        ok = b < batch
+        length = tl.load(CU + b + 1, mask=ok, other=0) - tl.load(CU + b, mask=ok, other=0)
+        blocks = (length + (BLOCK_M - 1)) // BLOCK_M
+        cum = tl.cumsum(blocks, 0) + carry
+        tl.store(OUT + b + 1, cum.to(tl.int32), mask=ok)
+        carry = tl.max(tl.where(ok, cum, 0), 0)
