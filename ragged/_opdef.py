@@ -22,8 +22,8 @@ Calling the op (``OP(*operands, backend)``) takes one of three paths, the same r
 * traced (torch.compile, fake tensors, tensor subclasses, dispatch modes): the
   ``torch.library`` op, which carries the autograd rule;
 * eager, with a gradient to record: an ``autograd.Function`` made by :func:`define` from the
-  same ``setup`` / ``backward``; it skips the dispatcher (about 25 us of host time per call on
-  the H200 machine, more than a small kernel runs);
+  same ``setup`` / ``backward``; it skips the dispatcher, whose host time per call is more
+  than a small kernel runs (``python -m bench.overhead`` measures both paths);
 * eager, no gradient: the implementation's forward, called straight.
 
 The implementations themselves are declared beside their kernels

@@ -28,6 +28,16 @@ from .utils import host_offsets_from_lengths, max_length, offsets_dtype_for, to_
 from .ops.pack import PACK, PackSpec
 from .tensor import RaggedTensor, exact_ragged
 
+def to_nested(rt: RaggedTensor) -> torch.Tensor:
+    """The function form of :meth:`RaggedTensor.to_nested`."""
+    return rt.to_nested()
+
+
+def to_packed_sequence(rt: RaggedTensor, enforce_sorted: bool = False) -> PackedSequence:
+    """The function form of :meth:`RaggedTensor.to_packed_sequence`."""
+    return rt.to_packed_sequence(enforce_sorted)
+
+
 def from_nested(nt: torch.Tensor) -> RaggedTensor:
     """RaggedTensor from a nested tensor (jagged layout shares values; strided layout is packed).
 

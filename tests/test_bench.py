@@ -376,7 +376,7 @@ def test_default_cpu_cases_are_past_the_overhead():
     from bench.suites import attention as A, encoder as E, pack as P
 
     cpu = Config(CPU)
-    for name in ("pack", "attention", "vocab", "encoder"):
+    for name in ("pack", "attention", "vocab", "encoder", "pool"):
         assert SUITES[name].cases(cpu) and SUITES[name].cases(cpu) != SUITES[name].cases(FAST)
     assert all(c.params["B"] * c.params["M"] * c.params["F"] >= 100_000 for c in SUITES["pack"].cases(cpu))
     assert {c.params["lengths"] for c in SUITES["attention"].cases(cpu)} == {"lognormal"}

@@ -206,9 +206,9 @@ _TRITON_FIRST = ("triton", "cuda", "torch")
 
 
 def _gpu_order(spec: AttentionSpec) -> tuple[str, ...]:
-    # The fused CUDA kernel wins up to 64 tokens at every head dim and up to 128 at D <= 64
-    # (H200: B=256 L=8..32 D=64 18 us vs Triton's 31 us; L=64..128 D=64 30 vs 31 us; L=128
-    # D=128 48 vs 41 us), so "auto" takes it only there.
+    # The fused CUDA kernel was measured faster than Triton up to 64 tokens at every head dim
+    # and up to 128 at D <= 64, slower beyond (python -m bench --suite attention, the B=256
+    # short-sequence cases), so "auto" takes it only there.
     longest = max(spec.max_q, spec.max_k)
     if longest <= 64 or (spec.head_dim <= 64 and longest <= 128):
         return _CUDA_FIRST

@@ -1,4 +1,5 @@
-"""Cached launches of Triton kernels: the host cost of a launch cut from about 20 us to 5-8 us.
+"""Cached launches of Triton kernels: a launch's host cost cut to one table lookup and the launch
+(``python -m bench.overhead`` measures it).
 
 ``kernel[grid](*args, **meta)`` on a ``@triton.jit`` function binds the arguments to the
 signature, computes Triton's specialisation of each one, hashes the lot into a cache key

@@ -131,8 +131,8 @@ def _tile(row: int, elem: int) -> tuple[int, int, int]:
 
     BLOCK_F is the widest power of two (up to 4 KiB) whose column blocks cover the row
     with at most a quarter of the lanes masked off: 768 -> 256 (three blocks, no waste)
-    rather than 1024 (a quarter of the lanes idle, which measured 0.83x index_select on
-    fp16 B=1000 M=32 F=768 on an H200).
+    rather than 1024 (a quarter of the lanes idle, slower than ``index_select`` on the many
+    short sequences case of ``bench/tune_pack.py``).
     """
     cap = max(1, _ROW_BYTES // elem)
     block_f = min(triton.next_power_of_2(max(row, 1)), cap)
