@@ -61,15 +61,21 @@ def _forward(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, c
     else:
         h1, mean1, rstd1 = x, None, None
     a, attn = k.attention(_linear(h1, w.in_w, w.in_b), cu, max_len, spec, causal, p_attn)
-    sa, m1 = k.dropout(_linear(a, w.out_w, w.out_b), p1)
+    sa, m1 = _linear(a, w.out_w, w.out_b), None
+    if p1:
+        sa, m1 = k.dropout(sa, p1)
     if spec.norm_first:
         h2, x1, mean2, rstd2 = k.norm(sa, x, w.norm2_w, w.norm2_b, eps2, True)
     else:
         x1, _, mean2, rstd2 = k.norm(sa, x, w.norm1_w, w.norm1_b, eps1, False)
         h2 = x1
     g, hid = k.ff_in(h2, w.ff1_w, w.ff1_b, spec.activation)
-    g, m2 = k.dropout(g, p_ff)
-    f, m3 = k.dropout(_linear(g, w.ff2_w, w.ff2_b), p2)
+    m2 = m3 = None
+    if p_ff:
+        g, m2 = k.dropout(g, p_ff)
+    f = _linear(g, w.ff2_w, w.ff2_b)
+    if p2:
+        f, m3 = k.dropout(f, p2)
     if spec.norm_first:
         y, mean3, rstd3 = k.residual(x1, f), None, None
     else:
@@ -110,8 +116,6 @@ class Saved:
 
     @staticmethod
     def dropout(x, p):
-        if p == 0.0:
-            return x, None
         return torch.native_dropout(x, p, True)
 
     @staticmethod
@@ -141,10 +145,6 @@ class Direct(Saved):
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, 0.0, 0)[0]
         return o.reshape(n_tok, spec.d_model), ()
-
-    @staticmethod
-    def dropout(x, p):
-        return x, None
 
     @staticmethod
     def residual(x1, f):
@@ -201,7 +201,7 @@ class Recorded:
 
     @staticmethod
     def dropout(x, p):
-        return (F.dropout(x, p, True) if p > 0.0 else x), None
+        return F.dropout(x, p, True), None
 
     @staticmethod
     def residual(x1, f):
