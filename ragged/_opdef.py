@@ -34,6 +34,7 @@ know them.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,7 +59,8 @@ def _schema(signature: Callable) -> str:
 
 
 def _tensor_positions(signature: Callable) -> tuple[int, ...]:
-    """Positions of the operands annotated as tensors (``Tensor`` or ``Tensor | None``)."""
+    """Positions of the operands annotated as tensors (``Tensor`` or ``Tensor | None``; a list
+    of tensors is not one: the eager path tests each operand's type)."""
     import inspect
     import typing
 
@@ -66,8 +68,8 @@ def _tensor_positions(signature: Callable) -> tuple[int, ...]:
     out = []
     for i, name in enumerate(inspect.signature(signature).parameters):
         hint = hints.get(name)
-        args = typing.get_args(hint) or (hint,)
-        if any(a is torch.Tensor for a in args):
+        if hint is torch.Tensor or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                    and torch.Tensor in typing.get_args(hint)):
             out.append(i)
     return tuple(out)
 

@@ -429,3 +429,34 @@ def test_one_node_second_backward_raises(torch_backends):
     (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_a_layer_spec_built_by_hand_runs_without_a_module(norm_first):
+    """An adapter only describes a layer: weights taken out of a torch.nn layer into a hand-built
+    LayerSpec, through run_layer on every path (recorded, one node, direct), give torch.nn's
+    values and gradients (float64, CPU, the fused ops' torch backends)."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation="gelu", batch_first=True,
+                                     norm_first=norm_first, dtype=torch.float64).eval()
+    attn = ref.self_attn
+    weights = layer_mod.LayerWeights(attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                                     attn.out_proj.bias, ref.norm1.weight, ref.norm1.bias, ref.linear1.weight,
+                                     ref.linear1.bias, ref.linear2.weight, ref.linear2.bias, ref.norm2.weight,
+                                     ref.norm2.bias)
+    spec = layer_mod.LayerSpec(HEADS, D // HEADS, norm_first, "gelu", (ref.norm1.eps, ref.norm2.eps),
+                               (0.0, 0.0, 0.0, 0.0), weights)
+    x, rt = _input(LENGTHS, 21)
+    padded = rt.to_padded()
+    want = ref(padded, src_key_padding_mask=rt.padding_mask())
+    want = ragged.pack(want, lengths=rt.host_lengths()).values
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    (want_gx,) = torch.autograd.grad(want, x, up)
+    for fused, eager in ((None, True), ("torch", True), ("torch", False)):
+        got = layer_mod.run_layer(spec, x, rt.offsets, rt.max_len, False, fused, eager)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        (gx,) = torch.autograd.grad(got, x, up)
+        torch.testing.assert_close(gx, want_gx, rtol=1e-9, atol=1e-11)
+        with torch.no_grad():
+            torch.testing.assert_close(layer_mod.run_layer(spec, x, rt.offsets, rt.max_len, False, fused, eager),
+                                       want, rtol=1e-10, atol=1e-12)
