@@ -268,21 +268,20 @@ class Implementation:
 
     def reasons(self, spec) -> list[str]:
         """Why this implementation cannot take an input of this spec (empty when it can)."""
-        out = []
         reason = _BACKEND_REASONS[self.backend](spec.device)
-        if reason:
-            out.append(reason)
-        what = f"{self.backend} {self.op}"
+        out = [reason] if reason else []
         if self.dtypes is not None and spec.dtype not in self.dtypes:
-            out.append(f"{what} takes {_dtype_names(self.dtypes)}, got {spec.dtype}")
-        for field, allowed in self.limits.items():
-            value = getattr(spec, field)
-            if value not in allowed:
-                out.append(f"{what} takes {field.replace('_', ' ')}s {allowed}, got {value!r}")
-        for field, top in self.maxima.items():
-            value = getattr(spec, field)
-            if value > top:
-                out.append(f"{what} takes {field.replace('_', ' ')} <= {top}, got {value}")
+            out.append(f"{self.backend} {self.op} takes {_dtype_names(self.dtypes)}, got {spec.dtype}")
+        if self.limits:
+            for field, allowed in self.limits.items():
+                value = getattr(spec, field)
+                if value not in allowed:
+                    out.append(f"{self.backend} {self.op} takes {field.replace('_', ' ')}s {allowed}, got {value!r}")
+        if self.maxima:
+            for field, top in self.maxima.items():
+                value = getattr(spec, field)
+                if value > top:
+                    out.append(f"{self.backend} {self.op} takes {field.replace('_', ' ')} <= {top}, got {value}")
         if self.check is not None and not out:
             out.extend(self.check(spec))
         return out

@@ -521,3 +521,35 @@ def test_plot_committed_gpu_results(monkeypatch, tmp_path):
         for t in _texts(fig):
             ext = t.get_window_extent(renderer)
             assert ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1, (f.name, t.get_text())
+
+
+def test_ab_compares_the_ragged_rows_of_two_trees(tmp_path):
+    """bench.ab: the medians over the rounds of each tree per ragged row, head / base, rows of one
+    tree only listed as such; suites split one per run; the package copy has the installed layout."""
+    import json
+
+    from bench import ab
+
+    def write(tree, r, rows):
+        folder = tmp_path / tree / f"r{r}"
+        folder.mkdir(parents=True)
+        doc = {"rows": [{"suite": "s", "case": c, "impl": "ragged x", "kind": k, "status": "ok", "median_ms": ms}
+                        for c, k, ms in rows]}
+        (folder / "s.json").write_text(json.dumps(doc))
+
+    write("base", 1, [("a", "ragged", 1.0), ("b", "ragged", 2.0), ("c", "baseline", 9.0)])
+    write("base", 2, [("a", "ragged", 3.0), ("b", "ragged", 2.0)])
+    write("head", 1, [("a", "ragged", 1.0), ("b", "ragged", 1.0), ("new", "ragged", 5.0)])
+    write("head", 2, [("a", "ragged", 1.0), ("b", "ragged", 1.0)])
+    text = ab.compare(tmp_path, 2, {"base": "aaa", "head": "bbb"})
+    assert "| s | a | ragged x | 2.0000 | 1.0000 | 0.500 |" in text
+    assert "| s | b | ragged x | 2.0000 | 1.0000 | 0.500 |" in text
+    assert "| s | new | ragged x |  | 5.0000 | only in one |" in text
+    assert "| c |" not in text  # baselines are not compared
+    assert "2 rows; 0 slower than base by more than 3%" in text
+    assert (tmp_path / "ab.md").read_text() == text
+    assert ab._split_suites(["--suite", "pack", "pool", "--quick"]) == (["pack", "pool"], ["--quick"])
+    assert ab._split_suites(["--quick"]) == ([None], ["--quick"])
+    pkg = ab.package(ab.ROOT, tmp_path / "pkg")
+    for part in ("ragged/__init__.py", "ragged/nn/__init__.py", "ragged/_csrc/pack.cu", "bench/__main__.py"):
+        assert (pkg / part).exists(), part
