@@ -21,8 +21,8 @@ import torch
 import ragged
 from ragged.ops.pool import reference_pool
 
-from ..harness import Case, Config, Impl, Suite, Workload, copy_impl, dtype_name, interpreter_skip, \
-    max_error_compare, register
+from ..harness import (Case, Config, Impl, Suite, Workload, copy_impl, dtype_name, interpreter_skip,
+                       max_error_compare, register, workload_shapes)
 
 RAGGED_BACKENDS = ("triton", "torch")
 MODES = ("mean", "max")
@@ -122,18 +122,10 @@ its sequence's float32 row, divided by the lengths (mean only). `copy (same byte
 of (bytes read + bytes written) / 2 bytes.
 """
 
-    def shapes(self, config: Config) -> list[Shape]:
-        if config.on_gpu:
-            shapes = [s for s in GPU_SHAPES if config.wants(s.dtype)]
-            return shapes[:1] if config.quick else shapes
-        cpu = CPU_QUICK_SHAPES if config.quick else CPU_SHAPES
-        if config.dtypes is None:
-            return list(cpu)
-        return [dataclasses.replace(cpu[0], dtype=d) for d in config.dtypes]
-
     def cases(self, config: Config) -> list[Case]:
         cases = []
-        for mode, shape in itertools.product(MODES, self.shapes(config)):
+        shapes = workload_shapes(config, GPU_SHAPES, CPU_SHAPES, 0, CPU_QUICK_SHAPES)
+        for mode, shape in itertools.product(MODES, shapes):
             lengths = draw_lengths(shape)
             params = {"mode": mode, "dtype": dtype_name(shape.dtype), "B": shape.batch, "F": shape.features,
                       "lengths": shape.lengths, "min_len": shape.min_len, "max_len": shape.max_len,
