@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ragged import backends
 from ragged.backends import Implementation
 from ragged.ops.attention import ATTENTION, dropout_seed
-from ragged.ops.fused import ADD_LAYER_NORM, BIAS_ACT
+from ragged.ops.fused import ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
 
 from .layer_backward import layer_backward
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
@@ -175,7 +175,13 @@ class Recorded:
 
     def norm(self, x, residual, weight, bias, eps, return_sum):
         if self.fused is not None:
-            y, s = ADD_LAYER_NORM(x, residual, weight, bias, eps, return_sum, self.fused)[:2]
+            # this path also runs weights the stack's choice was not made for (LayerNorm
+            # parameters of another dtype, say): the backend is confirmed for these operands
+            spec = add_layer_norm_spec(x, residual, weight, bias)
+            backend = self.fused
+            if backends.implementation("add_layer_norm", backend).reasons(spec):
+                backend = backends.select_spec("add_layer_norm", "auto", spec).backend
+            y, s = ADD_LAYER_NORM(x, residual, weight, bias, eps, return_sum, backend)[:2]
             return y, (s if return_sum else None), None, None
         s = x if residual is None else x + residual
         return F.layer_norm(s, (s.shape[-1],), weight, bias, eps), s, None, None

@@ -460,3 +460,43 @@ def test_a_layer_spec_built_by_hand_runs_without_a_module(norm_first):
         with torch.no_grad():
             torch.testing.assert_close(layer_mod.run_layer(spec, x, rt.offsets, rt.max_len, False, fused, eager),
                                        want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_gpu_layer_norm_parameters_of_another_dtype(norm_first):
+    """bf16 activations with float32 LayerNorm parameters (a common mixed setup): the fused
+    paths do not take them, the per-op path runs a LayerNorm implementation that does (the
+    stack's CUDA choice is confirmed per call); values and gradients against the same layer run
+    in float32."""
+    d, heads = 64, 2
+    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                              norm_first=norm_first, device="cuda", dtype=torch.bfloat16).train()
+    for norm in (layer.norm1, layer.norm2):
+        norm.float()
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    ref = _copy_float(layer)
+    lengths = [17, 0, 64, 1, 33]
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(sum(lengths), d, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    rt = RaggedTensor.from_lengths(x, lengths)
+    out = layer(rt).values
+    xr = x.detach().float().requires_grad_(True)
+    want = ref(rt.with_values(xr)).values
+    torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+    up = torch.randn(x.shape, generator=g).to("cuda")
+    (gx,) = torch.autograd.grad(out, x, up.to(torch.bfloat16))
+    (want_gx,) = torch.autograd.grad(want, xr, up)
+    scale = want_gx.abs().max()
+    torch.testing.assert_close(gx.float() / scale, want_gx / scale, rtol=3e-2, atol=3e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(rt).values.float(), ref.eval()(rt.with_values(xr)).values,
+                                   rtol=3e-2, atol=3e-2)
+
+
+def _copy_float(layer):
+    import copy
+
+    return copy.deepcopy(layer).float()
