@@ -9,8 +9,9 @@ process of its own from an importable copy of its tree (its ``ragged/``, ``nn/``
     python -m bench.ab run --base DIR --out OUT [--rounds 2] [--suite pack attention ...] [--quick]
 
 ``run`` writes each round's suite results under ``OUT/base/rN`` and ``OUT/head/rN``,
-``python -m bench.overhead`` of each tree to ``OUT/overhead_{base,head}.txt`` (GPU only), and
-``OUT/ab.md``: per ragged row, the median time over the rounds of each tree and head / base.
+the head's ``bench/overhead.py`` run against each tree to ``OUT/overhead_{base,head}_rN.txt`` and
+``OUT/overhead.md`` (GPU only), and ``OUT/ab.md``: per ragged row, the median time over the
+rounds of each tree and head / base.
 """
 
 from __future__ import annotations
@@ -107,6 +108,33 @@ def compare(out: Path, rounds: int, commits: dict[str, str]) -> str:
     return text
 
 
+def compare_overhead(out: Path, rounds: int, commits: dict[str, str]) -> str:
+    """``overhead.md``: per row of ``bench/overhead.py``, the median over the rounds of each tree."""
+    times: dict[str, dict[str, list[float]]] = {}
+    order: list[str] = []
+    for tree in TREES:
+        for r in range(1, rounds + 1):
+            path = out / f"overhead_{tree}_r{r}.txt"
+            for line in path.read_text().splitlines() if path.exists() else ():
+                name, _, rest = line.partition("  ")
+                name, rest = name.strip(), rest.strip()
+                if rest.endswith("us/call"):
+                    if name not in order:
+                        order.append(name)
+                    times.setdefault(name, {}).setdefault(tree, []).append(float(rest.split()[0]))
+    lines = [f"# Host time per call (us): base {commits['base']} against head {commits['head']}, {rounds} "
+             "interleaved round(s) of bench/overhead.py", "",
+             "| row | base us | head us | head / base |", "|---|---|---|---|"]
+    for name in order:
+        got = times[name]
+        if set(got) != set(TREES):
+            lines.append(f"| {name} | {_fmt(got.get('base'))} | {_fmt(got.get('head'))} | only in one |")
+            continue
+        base, head = statistics.median(got["base"]), statistics.median(got["head"])
+        lines.append(f"| {name} | {base:.1f} | {head:.1f} | {head / base:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(values: list[float] | None) -> str:
     return "" if not values else f"{statistics.median(values):.4f}"
 
@@ -131,11 +159,16 @@ def run(base: Path, out: Path, rounds: int, suite_args: list[str]) -> int:
     import torch
 
     if torch.cuda.is_available():
-        for tree in TREES:
-            env = dict(os.environ, PYTHONPATH=str(pkgs[tree]))
-            with (out / f"overhead_{tree}.txt").open("w") as log:
-                subprocess.run([sys.executable, "-m", "bench.overhead"], cwd=pkgs[tree], env=env, stdout=log,
-                               stderr=subprocess.STDOUT)
+        # the head's overhead script against both trees (public API only; rows a tree lacks
+        # print n/a), rounds interleaved
+        script = ROOT / "bench" / "overhead.py"
+        for r in range(1, rounds + 1):
+            for tree in TREES:
+                env = dict(os.environ, PYTHONPATH=str(pkgs[tree]))
+                with (out / f"overhead_{tree}_r{r}.txt").open("w") as log:
+                    subprocess.run([sys.executable, str(script)], cwd=scratch, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+        (out / "overhead.md").write_text(compare_overhead(out, rounds, commits))
     print(compare(out, rounds, commits))
     shutil.rmtree(scratch, ignore_errors=True)
     return 1 if failed else 0

@@ -553,3 +553,16 @@ def test_ab_compares_the_ragged_rows_of_two_trees(tmp_path):
     pkg = ab.package(ab.ROOT, tmp_path / "pkg")
     for part in ("ragged/__init__.py", "ragged/nn/__init__.py", "ragged/_csrc/pack.cu", "bench/__main__.py"):
         assert (pkg / part).exists(), part
+
+
+def test_overhead_rows_run_on_the_cpu():
+    """bench.overhead's rows (on CPU tensors here): every row that names no GPU backend runs."""
+    from bench import overhead
+
+    ran = 0
+    for name, fn in overhead.rows("cpu"):
+        if "cuda" in name or "triton" in name:
+            continue  # forced GPU backends: their errors on CPU tensors are tested with the ops
+        fn()
+        ran += 1
+    assert ran >= 10
