@@ -1,4 +1,5 @@
-"""ragged.nn: drop-in padding-free modules (thin: they own parameters and call ragged ops)."""
+"""ragged.nn: drop-in padding-free modules (they own parameters; the encoder layer is computed once, in
+:mod:`ragged.nn.layer`, from the LayerSpec an adapter builds)."""
 
 from .activation import MultiheadAttention
 from .convert import convert
