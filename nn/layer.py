@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ragged import backends
 from ragged.backends import Implementation
 from ragged.ops.attention import ATTENTION, dropout_seed
-from ragged.ops.fused import ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
+from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
 
 from .layer_backward import layer_backward
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
@@ -201,7 +201,7 @@ class Recorded:
     def ff_in(self, h, w1, b1, act):
         if self.bias_act_backend is not None:
             return BIAS_ACT(_linear(h, w1), b1, act, self.bias_act_backend), None
-        return _callable(act)(_linear(h, w1, b1)), None
+        return (ACTIVATION_FNS[act] if isinstance(act, str) else act)(_linear(h, w1, b1)), None
 
     @staticmethod
     def dropout(x, p):
@@ -210,16 +210,6 @@ class Recorded:
     @staticmethod
     def residual(x1, f):
         return x1 + f
-
-
-def _callable(act):
-    if not isinstance(act, str):
-        return act
-    if act == "relu":
-        return F.relu
-    if act == "gelu":
-        return F.gelu
-    return lambda z: F.gelu(z, approximate="tanh")
 
 
 # --------------------------------------------------------------------------------------

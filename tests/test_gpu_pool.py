@@ -14,6 +14,7 @@ import torch
 
 import ragged
 from ragged import RaggedTensor, backends
+from test_pool import _oracle  # the float64 per-sequence oracle of the CPU tests
 
 pytestmark = pytest.mark.gpu
 
@@ -49,28 +50,6 @@ def _values(total, feat, dtype, gen):
     buf = torch.full((total + 9, *feat), float("nan"), dtype=dtype, device="cuda")
     buf[7:7 + total] = torch.randn((total, *feat), generator=gen, device="cuda").to(dtype)
     return buf[7:7 + total]
-
-
-def _oracle(values, lengths, mode):
-    """float64 ``[B, *F]`` from per-sequence slices (differentiable); max: the first maximal token."""
-    x = values.to(torch.float64)
-    rows, start = [], 0
-    for n in lengths:
-        seq = x[start:start + n]
-        start += n
-        if n == 0 or mode == "sum":
-            rows.append(seq.sum(0))
-        elif mode == "mean":
-            rows.append(seq.sum(0) / n)
-        elif mode == "first":
-            rows.append(seq[0])
-        elif mode == "last":
-            rows.append(seq[-1])
-        else:
-            top = seq.detach().amax(0)
-            hit = (seq.detach() == top) | (seq.detach().isnan() & top.isnan())
-            rows.append(seq.gather(0, hit.to(torch.int64).argmax(0).unsqueeze(0)).squeeze(0))
-    return torch.stack(rows)
 
 
 def _assert_close(out, expected, dtype):

@@ -62,14 +62,17 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def _gelu_tanh(z: torch.Tensor) -> torch.Tensor:
+    return F.gelu(z, approximate="tanh")
+
+
+# Each activation name of bias_act as the torch function it computes (also what ragged.nn
+# runs where the fused op does not: CPU tensors, autocast).
+ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "none": lambda z: z}
+
+
 def _activation(z: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return F.relu(z)
-    if activation == "gelu":
-        return F.gelu(z)
-    if activation == "gelu_tanh":
-        return F.gelu(z, approximate="tanh")
-    return z
+    return ACTIVATION_FNS[activation](z)
 
 
 # --------------------------------------------------------------------------------------
