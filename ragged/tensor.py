@@ -340,6 +340,11 @@ class RaggedTensor:
     def cpu(self) -> "RaggedTensor":
         return self.to("cpu")
 
+    def pin_memory(self) -> "RaggedTensor":
+        """Both tensors in page-locked host memory (``DataLoader(pin_memory=True)`` calls this),
+        so that ``.to("cuda", non_blocking=True)`` does not wait for the copy."""
+        return self._derived(self.values.pin_memory(), self.offsets.pin_memory())
+
     def half(self) -> "RaggedTensor":
         return self.to(torch.float16)
 

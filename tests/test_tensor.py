@@ -342,6 +342,15 @@ def test_cuda_round_trip():
     _assert_same_ragged(back, rt)
 
 
+@pytest.mark.gpu
+def test_pin_memory_keeps_the_sequences():
+    rt = ragged.pack(_seqs([3, 0, 5], seed=18))
+    pinned = rt.pin_memory()
+    assert pinned.values.is_pinned() and pinned.offsets.is_pinned()
+    assert pinned.max_len == rt.max_len and pinned.host_offsets() == rt.host_offsets()
+    _assert_same_ragged(pinned.to("cuda", non_blocking=True).cpu(), rt)
+
+
 def test_clone_and_detach():
     rt = ragged.pack([s.requires_grad_() for s in _seqs([2, 3], seed=17)])
     c = rt.clone()
