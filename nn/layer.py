@@ -192,10 +192,10 @@ class Recorded:
             # q, k, v carry autocast's dtype (F.linear's output): attention runs in it, as SDPA does
             with torch.autocast(device, enabled=False):
                 o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
-                              self.attention_backend)[0]
+                              -1, -1, self.attention_backend)[0]
         else:
             o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
-                          self.attention_backend)[0]
+                          -1, -1, self.attention_backend)[0]
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):

@@ -479,7 +479,7 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
       ``pack``                    ``padded [B, M, *F], offsets [B+1]``
       ``unpack``                  ``values [T, *F], offsets [B+1]``
       ``attention``               ``q, k, v [T, H, D], cu_q, cu_k [B+1], max_q, max_k,
-                                  causal, dropout_p, needs_grad``
+                                  causal, dropout_p, needs_grad, window_size``
       ``bias_act``                ``x [N, F], bias [F] or None, activation``
       ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
       ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,

@@ -39,11 +39,15 @@ def compile_kernel(fn, types, consts, num_warps=4, num_stages=2):
 def cases():
     for dt in ("*bf16", "*fp32"):
         prec = "ieee" if dt == "*fp32" else "tf32"
-        variants = ((False, False, 1, 64), (True, True, 2, 80), (True, False, 1, 128))
-        for causal, dropout, group, dim in variants if dt == "*bf16" else variants[1:2]:
+        # (causal, dropout, group, head dim, sliding window; a causal window runs as WINDOW alone)
+        variants = ((False, False, 1, 64, False), (True, True, 2, 80, False), (True, False, 1, 128, False),
+                    (False, False, 4, 64, True), (False, True, 1, 64, True))
+        for causal, dropout, group, dim, window in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
-                     CAUSAL=causal, DROPOUT=dropout, PRECISION=prec, INLINE=not dropout, CHUNK=256)
-            scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32"]
+                     CAUSAL=causal, WINDOW=window, DROPOUT=dropout, PRECISION=prec, INLINE=not dropout,
+                     CHUNK=256)
+            # batch, n_steps, sm_scale, seed, dropout_p, total_q, max_k, win_left, win_right
+            scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32", "i32", "i32"]
             yield ("attention fwd", ka._fwd_kernel,
                    [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + ["i32"] * 8, c)
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel,

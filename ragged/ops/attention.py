@@ -25,18 +25,37 @@ and for Lq = 5, Lk = 2 the first three queries see no key and get zeros::
     q3   x  .
     q4   x  x
 
+Sliding windows (``window_size=(left, right)``, flash-attn's convention) use the same
+alignment: with ``a = i + Lk - Lq`` the aligned position of query ``i``, it sees the keys
+``a - left <= j <= a + right``; ``-1`` leaves a side unbounded, ``(-1, -1)`` (the default) is
+no window. ``causal=True`` bounds the right side at 0 whatever ``right`` says (a causal
+window is ``(left, 0)``). For Lq = Lk = 5 and ``window_size=(1, 2)``::
+
+        k0 k1 k2 k3 k4
+    q0   x  x  x  .  .
+    q1   x  x  x  x  .
+    q2   .  x  x  x  x
+    q3   .  .  x  x  x
+    q4   .  .  .  x  x
+
+A query whose window holds no key of its sequence (Lq > Lk, say) gets zeros and ``lse = -inf``,
+as under causal masking.
+
 One op carries the work, :data:`ATTENTION` (``ragged::attention`` and
 ``ragged::attention_backward``, defined through :mod:`ragged._opdef`): operands ``(q, k, v,
-cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)`` -> ``(out, lse)``, ``lse`` a
-constant of the autograd graph; its backward takes ``(do, q, k, v, out, lse, cu_q, cu_k,
-max_q, max_k, causal, scale, dropout_p, seed)`` -> ``(dq, dk, dv)``, and every backward
-implementation also takes ``grads=(dq, dk, dv)``, preallocated buffers it fills and returns.
+cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)`` ->
+``(out, lse)``, ``lse`` a constant of the autograd graph; its backward takes ``(do, q, k, v,
+out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left,
+window_right)`` -> ``(dq, dk, dv)``, and every backward implementation also takes
+``grads=(dq, dk, dv)``, preallocated buffers it fills and returns. Every implementation gives
+``window_left`` / ``window_right`` the default ``-1`` (no window), so callers of an
+implementation's functions that never use a window may leave them out.
 Implementations (:mod:`ragged.backends`, chosen from :class:`AttentionSpec`): ``"torch"``
 (:func:`reference_attention`, a loop of per-sequence attention in float32; the CPU path and
 the tests' oracle; declared here), ``"triton"`` (varlen flash attention, forward and
-backward; declared in :mod:`ragged.kernels.triton`) and ``"cuda"`` (a fused kernel for short
-sequences, forward only, its backward Triton's; declared in :mod:`ragged.kernels.cuda`;
-``"auto"`` takes it only where it is measured faster).
+backward, key blocks outside a window skipped; declared in :mod:`ragged.kernels.triton`) and
+``"cuda"`` (a fused kernel for short sequences, forward only, its backward Triton's, no window;
+declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it only where it is measured faster).
 """
 
 from __future__ import annotations
@@ -55,19 +74,68 @@ from ..tensor import RaggedTensor
 # Reference
 
 
+NO_WINDOW = (-1, -1)  # window_size of attention without a sliding window
+
+
+def check_window(fn: str, window_size: object) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)`` Python ints, each ``>= -1`` (``-1``: that side is
+    unbounded): a tuple or list of two ints, else ``TypeError`` / ``ValueError`` naming ``fn``."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{fn}(): expected window_size to be a tuple (left, right) of two ints, got "
+                        f"{describe(window_size)}")
+    left = check_int(fn, "window_size[0]", window_size[0], minimum=-1)
+    right = check_int(fn, "window_size[1]", window_size[1], minimum=-1)
+    return left, right
+
+
+def effective_window(window_size: tuple[int, int], causal: bool, max_q: int, max_k: int) -> tuple[int, int]:
+    """The window that masks the same keys with every side that bounds nothing set to ``-1``:
+    ``causal`` already bounds the right side (at 0), a left side ``>= max_k - 1`` or a right side
+    ``>= max_q - 1`` leaves every key of a sequence in reach of every query (the aligned
+    position of query ``i`` of a sequence is ``i + Lk - Lq``, from ``Lk - Lq`` to ``Lk - 1``).
+    ``(-1, -1)``: no window at all. Host ints only: no tensor is read."""
+    left, right = window_size
+    if left >= max_k - 1:
+        left = -1
+    if causal or right >= max_q - 1:
+        right = -1
+    return left, right
+
+
+def _visible(lq: int, lk: int, causal: bool, window: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """``[Lq, Lk]`` bool, True where query ``i`` sees key ``j`` (positions within the sequence),
+    or None where every query sees every key."""
+    left, right = window
+    if not causal and left < 0 and right < 0:
+        return None
+    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)                # aligned query positions
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    seen = torch.ones((lq, lk), dtype=torch.bool, device=device)
+    if causal:
+        seen &= j <= i
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
 @no_autocast
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        compute_dtype: torch.dtype | None = None,
+                        window_size: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence attention in ``compute_dtype`` (float32 by default; float64 for float64 inputs).
 
     Differentiable through torch autograd. Reads the offsets on the host (one sync on
     CUDA): this is an oracle and the CPU path, not the GPU hot path. ``dropout_mask``
     (optional, ``[H, Tq, max_k]`` bool, True = keep) applies attention dropout with
-    probability ``dropout_p`` exactly as the kernels draw it.
+    probability ``dropout_p`` exactly as the kernels draw it. ``window_size``: ``(left, right)``
+    sliding window (see the module docstring), combined with ``causal``.
     Returns ``(out [Tq, H, D] in q.dtype, lse [Tq, H] float32)``.
     """
+    window = check_window("ragged.reference_attention", window_size)
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -81,10 +149,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         vb = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         lq, lk = qb.shape[1], kb.shape[1]
         s = torch.matmul(qb, kb.transpose(1, 2)) * scale                         # [H, Lq, Lk]
-        if causal:
-            i = torch.arange(lq, device=q.device).unsqueeze(1)
-            j = torch.arange(lk, device=q.device).unsqueeze(0)
-            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        seen = _visible(lq, lk, causal, window, q.device)
+        if seen is not None:
+            s = s.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)                                         # [H, Lq]; -inf if no key
         p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(dtype).min))
         p = torch.nan_to_num(p, nan=0.0)
@@ -103,7 +170,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
                                  scale: float | None = None, dropout_mask: torch.Tensor | None = None,
-                                 dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 dropout_p: float = 0.0, window_size: tuple[int, int] = (-1, -1)
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`reference_attention` (float32; float64 for float64 inputs), written out.
 
     With ``P = softmax(S)``, ``Z`` the dropout keep mask scaled by ``1 / (1 - p)`` and
@@ -113,6 +181,7 @@ def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
     formulas rather than autograd: this also runs inside the ``ragged::attention_backward``
     op, where autograd is off.
     """
+    window = check_window("ragged.reference_attention_backward", window_size)
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -133,10 +202,9 @@ def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
         vb = v[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         dob = do[qs:qe].to(dtype).transpose(0, 1)
         s = torch.matmul(qb, kb.transpose(1, 2)) * scale
-        if causal:
-            i = torch.arange(lq, device=q.device).unsqueeze(1)
-            j = torch.arange(lk, device=q.device).unsqueeze(0)
-            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        seen = _visible(lq, lk, causal, window, q.device)
+        if seen is not None:
+            s = s.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
         p = torch.nan_to_num(torch.exp(s - lse.clamp_min(torch.finfo(dtype).min)), nan=0.0)
         zp = p
@@ -177,8 +245,9 @@ def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tens
 class AttentionSpec:
     """What an implementation of attention is asked to take: q's device and dtype, the head dim
     ``D``, the query and key/value heads, the batch size ``B``, the longest query and key
-    sequences (host ints), bottom-right causal masking, the dropout probability, and whether a
-    backward will follow (some query, key or value requires grad)."""
+    sequences (host ints), bottom-right causal masking, the dropout probability, whether a
+    backward will follow (some query, key or value requires grad), and the sliding window
+    ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -191,14 +260,19 @@ class AttentionSpec:
     causal: bool
     dropout_p: float
     needs_grad: bool
+    window_size: tuple[int, int] = NO_WINDOW
 
 
 def attention_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                   max_q: int, max_k: int, causal: bool, dropout_p: float, needs_grad: bool) -> AttentionSpec:
+                   max_q: int, max_k: int, causal: bool, dropout_p: float, needs_grad: bool,
+                   window_size: tuple[int, int] = NO_WINDOW) -> AttentionSpec:
     """The spec of attention over ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]``, ``cu_q, cu_k [B+1]``
-    (these are also the arguments of ``ragged.explain("attention", ...)``)."""
+    (these are also the arguments of ``ragged.explain("attention", ...)``); ``window_size`` is
+    taken as :func:`effective_window` makes it."""
+    window = NO_WINDOW if window_size is NO_WINDOW else effective_window(
+        (int(window_size[0]), int(window_size[1])), bool(causal), max_q, max_k)
     return AttentionSpec(q.device, q.dtype, q.shape[2], q.shape[1], k.shape[1], cu_q.shape[0] - 1, max_q, max_k,
-                         bool(causal), float(dropout_p), bool(needs_grad))
+                         bool(causal), float(dropout_p), bool(needs_grad), window)
 
 
 _CUDA_FIRST = ("cuda", "triton", "torch")
@@ -216,18 +290,19 @@ def _gpu_order(spec: AttentionSpec) -> tuple[str, ...]:
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
-               scale: float, dropout_p: float, seed: int) -> tuple[Tensor, Tensor]: ...
+               scale: float, dropout_p: float, seed: int, window_left: int,
+               window_right: int) -> tuple[Tensor, Tensor]: ...
 
 
 def _backward_signature(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
                         cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float,
-                        seed: int) -> tuple[Tensor, Tensor, Tensor]: ...
+                        seed: int, window_left: int, window_right: int) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, backend = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, backend = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, backend)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, backend)
 
 
 def _backward(ctx, do, dlse):
@@ -235,7 +310,8 @@ def _backward(ctx, do, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     # The backend's backward follows its declaration (the forward-only CUDA kernel: Triton's).
     dq, dk, dv = ATTENTION.call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    # no gradient for cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right
+    return (dq, dk, dv) + (None,) * 10
 
 
 ATTENTION = _opdef.define(
@@ -253,18 +329,21 @@ def _reference_mask(q, cu_q, max_k, dropout_p, seed):
     return reference_dropout_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
 
 
-def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
+                       window_right=-1):
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
     with torch.no_grad():
-        return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
+        return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
+                                   window_size=(window_left, window_right))
 
 
 def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                        grads=None):
+                        window_left=-1, window_right=-1, grads=None):
     """The op's backward by :func:`reference_attention_backward`; ``grads``: optional
     preallocated ``(dq, dk, dv)`` (shapes of q, k, v, any strides) copied into and returned."""
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
-    result = reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p)
+    result = reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
+                                          (window_left, window_right))
     if grads is None:
         return result
     fn = "ragged.ops.attention._reference_backward"
@@ -395,11 +474,18 @@ def _check_offset_values(caller, cu_q, cu_k, total_q, total_k, max_q, max_k):
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
                      scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                     backend: str | None = None, *, validate: bool = False):
+                     backend: str | None = None, *, window_size: tuple[int, int] = NO_WINDOW,
+                     validate: bool = False):
     """Attention in flash-attn's varlen convention (see the module docstring for shapes).
 
     ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (Python or numpy; no sync). ``dropout_p > 0``
     drops attention probabilities (reproducible under ``torch.manual_seed``).
+    ``window_size=(left, right)``: sliding-window attention, flash-attn's convention (query ``i``
+    of a sequence, aligned as causal masking aligns it, sees keys ``i + Lk - Lq - left`` to
+    ``i + Lk - Lq + right``; ``-1``: unbounded; with ``causal=True`` the right side is 0); it
+    combines with ``causal``, ``dropout_p``, GQA and ``scale``. Queries whose window holds no
+    key get zeros and ``lse = -inf``. The Triton kernels skip the key blocks outside every
+    window; the CUDA short-sequence kernel takes no window (``ragged.explain`` says so).
     Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.
 
     Contract on the offsets: ``cu_seqlens_*[0] == 0``, non-decreasing, ``cu_seqlens_q[-1] ==
@@ -415,14 +501,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     :func:`attention`) where they may be wrong.
     """
     return _varlen(_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                   dropout_p, return_lse, backend, validate)
+                   dropout_p, return_lse, backend, validate, window_size)
 
 
 def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, return_lse, backend, validate,
-            host_q=None, host_k=None):
+            window_size, host_q=None, host_k=None):
     """Both public forms: ``caller`` names their arguments; ``host_q`` / ``host_k``: the offsets
     as host ints when known (a RaggedTensor's), else None."""
     cu_q, cu_k, max_q, max_k = _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p)
+    if window_size is NO_WINDOW:  # the default, spared the checks
+        window = NO_WINDOW
+    else:
+        window = effective_window(check_window(caller.fn, window_size), bool(causal), max_q, max_k)
     # Offsets on the CPU cost nothing to read (and cannot be read while tracing: eager() is False).
     checked = bool(validate) or (cu_q.device.type == "cpu" and eager(cu_q, cu_k))
     if checked:
@@ -436,24 +526,25 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
     causal, dropout_p = bool(causal), float(dropout_p)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     backend = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
-                              needs_grad, fn=caller.fn).backend
+                              needs_grad, window, fn=caller.fn).backend
     if not checked and backend == "torch" and eager(cu_q, cu_k):
         # The reference reads the offsets on the host anyway: check them rather than return
         # a wrong number of rows.
         _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, dropout_seed(dropout_p),
-                         backend)
+                         window[0], window[1], backend)
     return (out, lse) if return_lse else out
 
 
 def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = False, scale: float | None = None,
               dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None, *,
-              validate: bool = False):
+              window_size: tuple[int, int] = NO_WINDOW, validate: bool = False):
     """Padding-free attention over RaggedTensors (``values [T, H, D]``).
 
     ``k`` and ``v`` share their sequences; ``q`` may have other lengths (cross-attention)
     with the same batch size. Returns a RaggedTensor with q's sequences, or
     ``(out, lse)`` with ``return_lse`` (``lse``: ``[Tq, H]`` float32 tensor).
+    ``window_size=(left, right)``: sliding-window attention, as in :func:`varlen_attention`.
 
     The offsets are checked as in :func:`varlen_attention`; in addition, offsets the
     RaggedTensors hold on the host (from :func:`ragged.pack`, ``from_lengths``, ...) are checked
@@ -473,7 +564,7 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
     result = _varlen(_RAGGED, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, validate, q._host_offsets, k._host_offsets)
+                     dropout_p, return_lse, backend, validate, window_size, q._host_offsets, k._host_offsets)
     if return_lse:
         out, lse = result
         return q.with_values(out), lse

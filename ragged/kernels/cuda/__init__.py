@@ -31,6 +31,9 @@ _attention_capabilities: dict[int, tuple[int, int]] = {}  # device index -> comp
 def _attention_check(spec) -> list[str]:
     """The reasons of the short-sequence kernel that its declared data cannot express."""
     out = []
+    if spec.window_size != (-1, -1):  # the spec's window bounds some key: the kernel masks none
+        out.append(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
+                   f"{spec.window_size}")
     index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
     cap = _attention_capabilities.get(index)
     if cap is None:

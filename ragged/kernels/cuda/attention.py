@@ -6,9 +6,9 @@ tile (at most 32 queries and 32 keys): Q, K, V of the sequence go to shared memo
 ``S = Q K^T`` and ``O = P V`` run on the tensor cores (``mma.sync``), the softmax in fp32
 registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
 128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
-(different q and k offsets) and bottom-right causal masking; no dropout, no backward. What it
-takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"`` implementation of the
-attention op, whose backward is Triton's).
+(different q and k offsets) and bottom-right causal masking; no dropout, no sliding window,
+no backward. What it takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"``
+implementation of the attention op, whose backward is Triton's).
 
 The kernel is compiled at first use through NVRTC (CuPy) and launched on torch's current
 stream by :func:`ragged.kernels.cuda.launch`: no sync, no host reads of the offsets.
@@ -121,10 +121,14 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     return out
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
-    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`."""
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
+    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. No sliding
+    window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``."""
     if dropout_p > 0:
         raise ValueError("the CUDA short-sequence attention kernel has no dropout")
+    if window_left != -1 or window_right != -1:
+        raise ValueError(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
+                         f"({window_left}, {window_right})")
     total_q, heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)

@@ -110,11 +110,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
+def _window(causal: bool, window_left: int, window_right: int, max_q: int, max_k: int) -> tuple[int, int] | None:
+    """The kernels' window ``(win_left, win_right)``: query ``i`` sees keys ``i + shift - win_left``
+    to ``i + shift + win_right``, causal masking folded in as ``win_right = 0`` and an unbounded
+    side (``-1``, or one that reaches past every sequence) bounded by the longest sequence, so
+    that the kernels' int32 sums stay small. None where no side bounds anything: the kernels
+    of full or causal attention run, as without a window."""
+    left = window_left if 0 <= window_left < max_k - 1 else -1
+    right = window_right if not causal and 0 <= window_right < max_q - 1 else -1
+    if left < 0 and right < 0:
+        return None
+    return (max_k if left < 0 else left), (0 if causal else max_q if right < 0 else right)
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
     """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
     lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
-    trusted: see :mod:`.attention_kernels`)."""
+    trusted: see :mod:`.attention_kernels`). A sliding window (``window_left`` /
+    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
     total_q, heads, head_dim = q.shape
@@ -125,16 +139,18 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed):
         return out, lse
     block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
                                                   dropout_p > 0)
+    window = _window(causal, window_left, window_right, max_q, max_k)
+    win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
-                      seed, dropout_p, total_q, max(max_k, 1),
+                      seed, dropout_p, total_q, max(max_k, 1), win_left, win_right,
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1),
                       GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout_p > 0,
-                      PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk, num_warps=warps,
-                      num_stages=stages)
+                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal and window is None, WINDOW=window is not None,
+                      DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk,
+                      num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -157,7 +173,8 @@ def _grad_buffers(grads, q, k, v):
     return tuple(kernels), tuple(grads)
 
 
-def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, grads=None):
+def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
+             window_right=-1, grads=None):
     """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
     forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`).
 
@@ -181,12 +198,15 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
                                                                  _interpreted())
     group = heads // kv_heads
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
-                  DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype))
+    window = _window(causal, window_left, window_right, max_q, max_k)
+    win_left, win_right = window or (0, 0)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                  CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
+                  PRECISION=_precision(q.dtype))
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
     _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
         q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
-        seed, dropout_p, total_q, max(max_k, 1), heads,
+        seed, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
         num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
@@ -194,7 +214,7 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
-            seed, dropout_p, total_q, max(max_k, 1), heads,
+            seed, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)

@@ -21,6 +21,14 @@ Masks. Within a sequence, key blocks that every query row of the block may see r
 without masks; only the last (ragged or causal-diagonal) blocks are masked. Causal
 masking is aligned to the bottom right: query i sees keys j <= i + Lk - Lq.
 
+Sliding windows (``WINDOW``). Query i sees keys ``i + shift - win_left <= j <= i + shift +
+win_right`` (``shift = Lk - Lq``; the launcher folds causal masking in as ``win_right = 0`` and
+gives an unbounded side a bound no sequence reaches). A query block loops over the key
+blocks that meet the window of one of its rows, no others: masked blocks at both ends of
+that span, unmasked ones between (:func:`_key_span`); a key block of the dK/dV kernel
+loops over the query blocks in the same way (:func:`_query_span`). Without ``WINDOW`` the
+kernels are those of full and causal attention, untouched by the window code.
+
 Numerics: fp32 accumulation, exp2 with the scale folded in; ``lse`` (natural log) is
 kept for the backward; rows that see no key give 0 (never NaN) and ``lse = -inf``.
 float32 inputs use IEEE fp32 dots (no TF32).
@@ -131,11 +139,52 @@ def _keep_t(seed, dropout_p, h, t_global, j_local, total_q):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift,
+def _in_window(rows, cols, shift, win_left, win_right):
+    """``[M, N]``: whether query rows ``rows [M]`` see keys ``cols [N]`` (positions within the
+    sequence) under the window."""
+    rel = cols[None, :] - (rows[:, None] + shift)
+    return (rel >= -win_left) & (rel <= win_right)
+
+
+@triton.jit
+def _key_span(first_row, last_row, shift, k_len, win_left, win_right, BLOCK_N: tl.constexpr):
+    """The key blocks of query rows ``first_row..last_row`` (the block's rows in the sequence)
+    under the window: ``(lo, full_lo, full_hi, hi)``, masked blocks in ``[lo, full_lo)``,
+    blocks that every row sees whole in ``[full_lo, full_hi)``, masked ones in ``[full_hi, hi)``.
+    ``lo``, ``full_lo``, ``full_hi`` are multiples of BLOCK_N (divisions of non-negative ints
+    only), ``full_hi <= k_len``; empty when no row sees a key."""
+    lo = (tl.maximum(first_row + shift - win_left, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(tl.minimum(k_len, last_row + shift + win_right + 1), 0)
+    # a block [c, c + BLOCK_N) is whole for every row when c >= last_row + shift - win_left and
+    # c + BLOCK_N <= first_row + shift + win_right + 1 and c + BLOCK_N <= k_len
+    full_lo = tl.maximum(lo, ((tl.maximum(last_row + shift - win_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.minimum((k_len // BLOCK_N) * BLOCK_N,
+                         (tl.maximum(first_row + shift + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    return lo, full_lo, tl.maximum(full_lo, full_hi), hi
+
+
+@triton.jit
+def _query_span(first_col, last_col, shift, q_len, win_left, win_right, BLOCK_M: tl.constexpr):
+    """The query blocks that see keys ``first_col..last_col`` (the block's keys in the sequence)
+    under the window: ``(lo, full_lo, full_hi, hi)`` as in :func:`_key_span`, the rows of
+    ``[full_lo, full_hi)`` seeing every key of the block; ``full_hi <= q_len`` (rows past the
+    sequence add 0 in the dK/dV kernel)."""
+    lo = (tl.maximum(first_col - shift - win_right, 0) // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(tl.minimum(q_len, last_col - shift + win_left + 1), 0)
+    # a row block [r, r + BLOCK_M) sees the whole key block when r >= last_col - shift - win_right
+    # and r + BLOCK_M <= first_col - shift + win_left + 1
+    full_lo = tl.maximum(lo, ((tl.maximum(last_col - shift - win_right, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    full_hi = tl.minimum(q_len, (tl.maximum(first_col - shift + win_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    return lo, full_lo, tl.maximum(full_lo, full_hi), hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
                offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Online softmax over key blocks [lo, hi): unmasked blocks first, then the masked tail."""
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key blocks [lo, hi), masked (keys past the sequence, the causal
+    diagonal, the window's edges) or not."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -152,6 +201,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
             ok = col_ok[None, :]
             if CAUSAL:
                 ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            if WINDOW:
+                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -169,11 +220,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 @cached_launch
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                seed, dropout_p, total_q, max_k,
+                seed, dropout_p, total_q, max_k, win_left, win_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-                PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -199,20 +250,36 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     shift = k_len - q_len                      # causal: row i sees keys j <= i + shift
-    end = k_len
-    full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
-    if CAUSAL:
-        end = tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift)
-        full = tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N)
-        end = tl.maximum(end, 0)
-        full = tl.maximum(full, 0)
+    if WINDOW:
+        lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
+                                             shift, k_len, win_left, win_right, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
+                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
+                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, True, False, True, DROPOUT,
+                                   PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len,
+                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
+                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, False, False, True, DROPOUT,
+                                   PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
+                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
+                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, True, False, True, DROPOUT,
+                                   PRECISION)
+    else:
+        end = k_len
+        full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
+        if CAUSAL:
+            end = tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift)
+            full = tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N)
+            end = tl.maximum(end, 0)
+            full = tl.maximum(full, 0)
 
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
-                               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
-                               BLOCK_N, False, CAUSAL, DROPOUT, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
-                               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
-                               BLOCK_N, True, CAUSAL, DROPOUT, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
+                                   win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
+                                   q_start, total_q, max_k, BLOCK_N, False, CAUSAL, False, DROPOUT, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
+                                   win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
+                                   q_start, total_q, max_k, BLOCK_N, True, CAUSAL, False, DROPOUT, PRECISION)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -223,14 +290,15 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, h, heads, offs_n, offs_m, offs_d,
-                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h, heads,
+                offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p,
+                total_q, max_k, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK/dV of one key block over query blocks [lo, hi) of head h.
 
     Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly
-    0; keys past the sequence are never stored. Only the causal diagonal (MASKED) needs
-    an element mask."""
+    0; keys past the sequence are never stored. Only the causal diagonal or the window's
+    edges (MASKED) need an element mask."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -245,7 +313,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
         p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
+            if WINDOW:
+                rel = offs_n[:, None] - (rows[None, :] + shift)
+                p_t = tl.where((rel >= -win_left) & (rel <= win_right), p_t, 0.0)
+            else:
+                p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
             keep = _keep_t(seed, dropout_p, h, tq, offs_n, total_q)
@@ -262,12 +334,12 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 @cached_launch
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, dropout_p, total_q, max_k, heads,
+                     seed, dropout_p, total_q, max_k, win_left, win_right, heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-                     PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     hk = tl.program_id(1)
     b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
@@ -289,21 +361,41 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     shift = k_len - q_len
     begin = 0
     full = 0
-    if CAUSAL:
-        # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
-        begin = (tl.maximum(n_blk * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
-        full = tl.minimum(((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M)
-                          * BLOCK_M, ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
-        full = tl.maximum(full, begin)
-    for g in range(GROUP):
-        h = hk * GROUP + g
+    if WINDOW:
+        begin, full, full_hi, end = _query_span(n_blk * BLOCK_N, tl.minimum(n_blk * BLOCK_N + BLOCK_N, k_len) - 1,
+                                                shift, q_len, win_left, win_right, BLOCK_M)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
+                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
+                                 PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, full_hi, q_start, q_len, shift, win_left,
+                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, True, DROPOUT,
+                                 PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full_hi, end, q_start, q_len, shift, win_left,
+                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
+                                 PRECISION)
+    else:
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, h, heads,
-                                 offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
-                                 seed, dropout_p, total_q, max_k, BLOCK_M, True, DROPOUT, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, h, heads,
-                             offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
-                             seed, dropout_p, total_q, max_k, BLOCK_M, False, DROPOUT, PRECISION)
+            # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
+            begin = (tl.maximum(n_blk * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
+            full = tl.minimum(((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M)
+                              * BLOCK_M, ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+            full = tl.maximum(full, begin)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            if CAUSAL:
+                dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
+                                     win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh,
+                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True,
+                                     False, DROPOUT, PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, win_left,
+                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, False, DROPOUT,
+                                 PRECISION)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -312,12 +404,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, offs_m, offs_n,
-              offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
+              offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi). Keys past the sequence load as 0 and
-    add exactly 0 (dS @ K with K = 0); only the causal diagonal needs an element mask."""
+    add exactly 0 (dS @ K with K = 0); only the causal diagonal and the window's edges need an
+    element mask."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -331,6 +424,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
         if MASKED:
             if CAUSAL:
                 p = tl.where(cols[None, :] <= offs_m[:, None] + shift, p, 0.0)
+            if WINDOW:
+                p = tl.where(_in_window(offs_m, cols, shift, win_left, win_right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
             keep = _keep(seed, dropout_p, h, tq, cols, total_q)
@@ -343,12 +438,12 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 @cached_launch
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                   seed, dropout_p, total_q, max_k, heads,
+                   seed, dropout_p, total_q, max_k, win_left, win_right, heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-                   PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
     (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
     item = tl.program_id(0)
@@ -377,19 +472,32 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
-    end = k_len
-    full = (k_len // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
-        full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, offs_m,
-                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                   BLOCK_N, False, CAUSAL, DROPOUT, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, offs_m,
-                   offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                   BLOCK_N, True, CAUSAL, DROPOUT, PRECISION)
+    if WINDOW:
+        lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
+                                             shift, k_len, win_left, win_right, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len, shift,
+                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len, shift,
+                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+                       max_k, BLOCK_N, False, False, True, DROPOUT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len, shift,
+                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
+    else:
+        end = k_len
+        full = (k_len // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
+            full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, win_left,
+                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                       BLOCK_N, False, CAUSAL, False, DROPOUT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, win_left,
+                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+                       BLOCK_N, True, CAUSAL, False, DROPOUT, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
