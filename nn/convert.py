@@ -4,10 +4,16 @@ counterparts, transactionally (everything is checked and built before anything i
 Model adapters register what they swap in :data:`SWAPS` (original class -> ragged class with a
 ``from_torch(module, copy=, memo=)`` classmethod) and why a module of that class cannot be
 swapped in :data:`REASONS`.
+
+HuggingFace BERT-family models are converted by :mod:`ragged.nn.hf_bert` (their forward is
+patched, their modules stay); it is imported only when transformers is, so that converting a
+torch.nn model never imports transformers.
 """
 
 from __future__ import annotations
 
+import copy as _copy
+import sys
 import warnings
 
 from torch import nn
@@ -116,6 +122,24 @@ def _left_whole(module: nn.Module) -> bool:
     return isinstance(module, nn.TransformerEncoder)
 
 
+def _hf_adapter():
+    """:mod:`ragged.nn.hf_bert` when transformers is loaded (a model of it can exist), else None."""
+    if "transformers" not in sys.modules:
+        return None
+    from . import hf_bert
+
+    return hf_bert
+
+
+def _sentence_adapter():
+    """:mod:`ragged.nn.hf_sentence` when sentence-transformers is loaded, else None."""
+    if "sentence_transformers" not in sys.modules:
+        return None
+    from . import hf_sentence
+
+    return hf_sentence
+
+
 def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
     """Swap every ``torch.nn.TransformerEncoder``, ``TransformerEncoderLayer`` and
     ``MultiheadAttention`` in ``model`` (in place) for its ragged.nn counterpart; returns
@@ -146,6 +170,21 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     A custom ``activation`` (a function or a module, called as torch.nn calls it) is kept.
     A final ``norm`` of an encoder is applied to the packed tokens ``[T, d_model]``: it must
     work token by token, as LayerNorm and RMSNorm do.
+
+    HuggingFace models (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT: base
+    models and their sequence classification, token classification, masked LM and question
+    answering heads; see :mod:`ragged.nn.hf_bert`) keep their modules and Parameters: their
+    forward is patched to run padding-free and to take RaggedTensors. ``model`` itself such a
+    model: converted in place and returned (``copy=True``: a converted deep copy), or refused
+    with NotImplementedError naming the class and the feature, the model unchanged (whatever
+    ``strict`` says). Inside another model: converted like a swapped module (``copy=True``
+    puts a converted deep copy in its place), or left with the reason as above. A converted
+    model is left as it is.
+
+    A sentence-transformers ``SentenceTransformer`` whose first module is a ``Transformer`` over
+    one of these models is converted as a whole (see :mod:`ragged.nn.hf_sentence`): its
+    Transformer, Pooling and ``encode`` run on the packed tokens; Dense, Normalize and the other
+    modules act on the sentence embeddings as before.
     """
     fn = "ragged.nn.convert"
     if not isinstance(model, nn.Module):
@@ -153,6 +192,12 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     for name, flag in (("copy", copy), ("strict", strict)):
         if not isinstance(flag, bool):
             raise TypeError(f"{fn}(): expected {name} to be a bool, got {describe(flag)}")
+    st = _sentence_adapter()
+    if st is not None and st.is_sentence_transformer(model):
+        return st.convert_sentence_transformer(model, copy=copy, strict=strict)
+    hf = _hf_adapter()
+    if hf is not None and hf.is_hf_model(model):
+        return hf.convert_model(model, copy)
     memo: dict = {}
     built: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(original) -> (original, replacement)
     refused: dict[int, tuple[nn.Module, str, str]] = {}  # id(original) -> (original, where, why)
@@ -177,12 +222,30 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
 
     visited: set[int] = {id(model)}
     whole: list[tuple[nn.Module, str]] = []  # (module left whole, where): subclasses of nn.TransformerEncoder
+    hf_built: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(HF model) -> (it, the model to patch)
+    hf_places: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def plan_hf(module: nn.Module, where: str) -> None:
+        key = id(module)
+        if key in hf_built or key in refused or hf.is_done(module):
+            return
+        why = hf.why_not(module)
+        if why is not None:
+            refused[key] = (module, where, why)
+            return
+        try:
+            hf_built[key] = (module, _copy.deepcopy(module, memo) if copy else module)
+        except (TypeError, ValueError, RuntimeError) as err:
+            refused[key] = (module, where, f"it cannot be copied ({err})")
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module._modules.items():
             if child is None or isinstance(child, _RAGGED):
                 continue
-            if type(child) in _SWAPS:
+            if hf is not None and hf.is_hf_model(child):
+                plan_hf(child, prefix + name)
+                hf_places.append((module, name, child))
+            elif type(child) in _SWAPS:
                 plan(child, prefix + name)
                 places.append((module, name, child))
             elif id(child) not in visited:
@@ -233,13 +296,22 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     if type(model) in _SWAPS:
         return built[id(model)][1] if id(model) in built else model
     done: list[tuple[nn.Module, str, nn.Module]] = []
+    patched: list[nn.Module] = []
     try:
         for parent, name, original in places:
             if id(original) in built:
                 setattr(parent, name, built[id(original)][1])
                 done.append((parent, name, original))
+        for original, target in hf_built.values():
+            patched += hf.patch(target)
+        for parent, name, original in hf_places:
+            if id(original) in hf_built and hf_built[id(original)][1] is not original:
+                setattr(parent, name, hf_built[id(original)][1])
+                done.append((parent, name, original))
     except BaseException:
         for parent, name, original in reversed(done):
             setattr(parent, name, original)
+        if patched:
+            hf.unpatch(patched)
         raise
     return model
