@@ -9,3 +9,4 @@ from . import attention  # noqa: F401
 from . import vocab  # noqa: F401
 from . import encoder  # noqa: F401
 from . import pool  # noqa: F401
+from . import hf  # noqa: F401

@@ -1,0 +1,801 @@
+"""hf: HuggingFace models as HuggingFace runs them (padded) against the same weights run
+padding-free by ragged, every baseline in the same run: sentence embeddings (MiniLM-size and
+BERT-base-size BERTs), fine-tuning ``BertForSequenceClassification`` and training a Llama-style
+causal LM of about 0.5B parameters. ``HFSuite.notes`` describes every row.
+
+Environment: ``BENCH_HF_MODEL=PATH`` (a checkpoint folder with its tokenizer, e.g. of
+all-MiniLM-L6-v2) replaces the first embedding case's random weights and word-level tokenizer;
+``BENCH_HF_WORKLOADS`` (comma-separated: ``embedding``, ``fine-tune``, ``lm``) runs a subset.
+Without transformers the cases are skipped; without sentence-transformers its rows are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import tempfile
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import ragged
+
+from ..harness import Case, Config, Impl, Row, Skip, Suite, Workload, dtype_name, peak_memory_bytes, register
+from .encoder import Model as EncoderModel, encoder_flops, training_mode
+
+SEED = 0
+MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
+EMBEDDING, FINE_TUNE, CAUSAL_LM = "embedding", "fine-tune", "causal LM"
+WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM}
+
+# Row names (the rows' ``impl``).
+HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
+ST_32, ST_256, ST_FA2 = "ST encode, batch 32", "ST encode, batch 256", "ST encode flash_attention_2, batch 256"
+RAG_DATA, RAG_SORTED = "ragged, data order", "ragged, sorted"
+RAG_BUDGET_DATA, RAG_BUDGET_SORTED = "ragged, data order, token budget", "ragged, sorted, token budget"
+RAG_ST_32, RAG_ST_256 = "ragged ST encode, batch 32", "ragged ST encode, batch 256"
+HF_PADDED, HF_FA2, RAGGED = "HF SDPA, padded", "HF flash_attention_2, flattened", "ragged"
+_B, _R = "baseline", "ragged"
+ROWS = {
+    EMBEDDING: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (ST_32, _B), (ST_256, _B), (ST_FA2, _B),
+                (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_BUDGET_DATA, _R), (RAG_BUDGET_SORTED, _R), (RAG_ST_32, _R),
+                (RAG_ST_256, _R)),
+    FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R)),
+    CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
+}
+
+# Extra columns.
+COSINE, TEXTS_S, TOKENS_S, STEP_MS = "min cosine vs fp32", "texts/s", "tokens/s", "ms/step"
+LOSS_DIFF, LOSS_VS_HF, PEAK, TARGETS = "loss diff vs fp32", "max loss diff vs HF", "peak GiB", "targets"
+
+# Targets printed beside the rows (reported, never asserted): (ragged row, baseline row, speedup).
+TARGETS_BY_WORKLOAD = {
+    EMBEDDING: ((RAG_SORTED, HF_SORTED, 2.5), (RAG_DATA, HF_DATA, 4.0), (RAG_SORTED, HF_COMPILED, 1.25),
+                (RAG_BUDGET_SORTED, ST_32, 10.0), (RAG_ST_32, ST_32, 10.0), (RAG_ST_256, ST_32, 10.0)),
+    FINE_TUNE: ((RAGGED, HF_PADDED, 2.5),),
+    CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
+}
+COSINE_TARGET = 0.9999
+
+# Gates (a row failing one is marked failed and not timed), loose in half precision: the
+# columns report the exact errors. Embeddings: 1 - min cosine <= max(floor, SLACK x HF's own);
+# training: |step-1 loss - float32's| <= max(floor x max(1, |loss|), SLACK x HF's own).
+SLACK = 3.0
+COSINE_FLOOR, LOSS_FLOOR = {torch.float32: 1e-6}, {torch.float32: 1e-4}  # half types: 1e-3, 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Bert:
+    layers: int
+    hidden: int
+    heads: int
+    ff: int
+    vocab: int = 30522
+    init: float = 0.02  # initializer_range (HuggingFace's default)
+
+    def name(self) -> str:
+        return f"BERT {self.layers}x{self.hidden} h={self.heads} ff={self.ff}"
+
+    def config(self, **kw):
+        from transformers import BertConfig
+
+        return BertConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                          num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ff: int
+    vocab: int = 32000
+    init: float = 0.02
+
+    def name(self) -> str:
+        return f"Llama {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} " \
+               f"({self.params() / 1e6:.0f}M)"
+
+    def matmul_params(self) -> int:
+        """Matmul weights a token meets: q/k/v/o and the gated MLP of every layer, the LM head."""
+        kv = self.kv_heads * (self.hidden // self.heads)
+        per_layer = 2 * self.hidden * (self.hidden + kv) + 3 * self.hidden * self.ff
+        return self.layers * per_layer + self.hidden * self.vocab
+
+    def params(self) -> int:
+        return self.matmul_params() + self.vocab * self.hidden + (2 * self.layers + 1) * self.hidden
+
+    def config(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ff,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads, max_position_embeddings=4096,
+                           tie_word_embeddings=False, attention_dropout=0.0, initializer_range=self.init)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Token lengths ``round(lognormal(log(median), sigma))`` clipped to ``[lo, hi]``, seeded."""
+
+    lo: int
+    hi: int
+    median: float
+    sigma: float
+
+    def draw(self, n: int, seed: int = SEED) -> list[int]:
+        x = np.random.default_rng(seed).lognormal(math.log(self.median), self.sigma, n)
+        return np.clip(np.rint(x), self.lo, self.hi).astype(int).tolist()
+
+    def text(self) -> str:
+        return f"lognormal(median {self.median:g}, sigma {self.sigma:g}) in {self.lo}..{self.hi}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A case. ``count``: texts (embedding), sequences per step (fine-tune) or tokens per step (LM);
+    ``batch``: texts per batch (embedding); ``steps``: training steps per timed call."""
+
+    workload: str
+    label: str
+    dtype: torch.dtype
+    model: Any  # Bert | Llama
+    lengths: Lengths
+    count: int
+    batch: int = 0
+    steps: int = 1
+
+
+# The tiny CPU models start from larger weights, so that the fp32 gates see every layer (with
+# std 0.02 a tiny model's logits stay near 0 whatever its layers compute).
+MINILM, BERT_BASE, TINY_BERT = Bert(6, 384, 12, 1536), Bert(12, 768, 12, 3072), Bert(2, 32, 2, 64, 1000, init=0.2)
+LLAMA_05B, TINY_LLAMA = Llama(24, 1280, 20, 4, 3456), Llama(2, 64, 4, 2, 128, vocab=256, init=0.2)
+SENTENCES = Lengths(3, 256, 25, 0.8)
+GPU_SHAPES = (
+    Shape(EMBEDDING, "MiniLM-size", torch.bfloat16, MINILM, SENTENCES, 15000, batch=256),
+    Shape(EMBEDDING, "BERT-base-size", torch.bfloat16, BERT_BASE, SENTENCES, 15000, batch=256),
+    Shape(FINE_TUNE, "BERT-base-size", torch.bfloat16, BERT_BASE, Lengths(16, 512, 96, 1.0), 32, steps=8),
+    Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
+)
+GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
+                    dataclasses.replace(GPU_SHAPES[3], steps=2))
+CPU_SHAPES = (
+    Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
+    Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
+    Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
+)
+
+
+def checkpoint_model(path: str) -> str:
+    """The model of a checkpoint folder as its ``config.json`` describes it (read as JSON)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            c = json.load(f)
+        return Bert(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]).name()
+    except (OSError, ValueError, KeyError, TypeError):
+        return "the checkpoint's"
+
+
+def case_lengths(shape: Shape) -> list[list[int]]:
+    """The lengths of a case: one list (embedding), or one per training step (LM: seeded lengths cut
+    in order at the token budget by ``ragged.data.TokenBudgetSampler``)."""
+    if shape.workload == EMBEDDING:
+        return [shape.lengths.draw(shape.count)]
+    if shape.workload == FINE_TUNE:
+        flat = shape.lengths.draw(shape.count * shape.steps)
+        return [flat[i * shape.count:(i + 1) * shape.count] for i in range(shape.steps)]
+    from ragged.data import TokenBudgetSampler
+
+    pool = shape.lengths.draw(shape.steps * max(2, shape.count // shape.lengths.lo) + 1)
+    cuts = list(TokenBudgetSampler(pool, shape.count, shuffle=False))[:shape.steps]
+    return [[pool[i] for i in batch] for batch in cuts]
+
+
+def lm_flops(batches: list[list[int]], m: Llama) -> int:
+    """Useful flops of the training steps: 3 x (2 x tokens x matmul weights + causal attention,
+    ``2 * L^2 * hidden`` per layer and sequence)."""
+    squares = sum(n * n for b in batches for n in b)
+    return 3 * (2 * sum(map(sum, batches)) * m.matmul_params() + 2 * m.layers * m.hidden * squares)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers' and sentence-transformers' load reports, progress bars and warnings off."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    st_logger = logging.getLogger("sentence_transformers")
+    st_level = st_logger.level
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    st_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        st_logger.setLevel(st_level)
+
+
+def attempt(what: str, make: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(make(), None)``, or ``(None, why)`` when it raised: the rows that need it then say why."""
+    try:
+        return make(), None
+    except Exception as exc:  # noqa: BLE001  (any failure of one row's setup is that row's result)
+        return None, f"{what}: {type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
+def broken(reason: str) -> Callable[[], Any]:
+    """A row whose setup failed: raising, it is marked skipped (baseline) or failed (ragged)."""
+    def fn():
+        raise RuntimeError(reason)
+
+    return fn
+
+
+def flash_attention_skip(device: torch.device) -> str | None:
+    """Why the flash_attention_2 rows do not run here (checked before any load: transformers would
+    otherwise look for the kernels on the network)."""
+    if device.type != "cuda":
+        return "flash-attention runs on CUDA only"
+    return None if importlib.util.find_spec("flash_attn") else "the flash_attn package is not installed"
+
+
+def assemble(workload: str, fns: dict[str, Any]) -> list[Impl]:
+    """The workload's rows in order: ``fns[name]`` a callable, or a string (the reason to skip)."""
+    return [Impl(name, kind, skip=fns[name]) if isinstance(fns[name], str) else Impl(name, kind, fns[name])
+            for name, kind in ROWS[workload]]
+
+
+class Run:
+    """A row's callable. Its first call (the harness's correctness check) runs ``check`` and keeps
+    the output in ``first``; every later call runs ``step``."""
+
+    def __init__(self, step: Callable[[], Any], check: Callable[[], Any] | None = None):
+        self.step, self.check, self.first, self.checked = step, check or step, None, False
+
+    def __call__(self) -> Any:
+        if self.checked:
+            return self.step()
+        self.checked = True
+        self.first = self.check()
+        return self.first
+
+
+def pad_batch(seqs: list, keys: tuple[str, ...], pad_id: int, labels: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded ``[B, M]`` int64 tensors of ``keys`` (``seqs``: dicts of id arrays or lists) and
+    their ``attention_mask``; ``labels``: the ids with -100 at padding (causal LM)."""
+    lengths = [len(s[keys[0]]) for s in seqs]
+    B, M = len(seqs), max(lengths, default=0)
+    out = {k: np.full((B, M), pad_id if k == "input_ids" else 0, dtype=np.int64) for k in keys}
+    out["attention_mask"] = mask = np.zeros((B, M), dtype=np.int64)
+    for r, (s, n) in enumerate(zip(seqs, lengths)):
+        for k in keys:
+            out[k][r, :n] = s[k]
+        mask[r, :n] = 1
+    if labels:
+        out["labels"] = np.where(mask == 1, out["input_ids"], -100)
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def min_cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Smallest cosine similarity between a row of ``out`` and the same row of ``ref`` (in float64)."""
+    return float(F.cosine_similarity(out.double(), ref.double(), dim=1).min())
+
+
+def train_steps(model, opt, batches: list, make: Callable[[Any], dict]) -> torch.Tensor:
+    """One optimizer step per batch (``model(**make(batch)).loss``); the losses ``[steps]``."""
+    losses = []
+    for b in batches:
+        loss = model(**make(b)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def training_run(model, device: torch.device, batches: list, make: Callable[[Any], dict]) -> Run:
+    """A training row: its own AdamW (lr 1e-5, fused on CUDA); the check call runs the steps in eval
+    mode (no dropout), later calls in train mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        model.train()
+        return train_steps(model, opt, batches, make)
+
+    def check():
+        with training_mode(model, False):
+            return train_steps(model, opt, batches, make)
+
+    return Run(step, check)
+
+
+def training_workload(impls: list[Impl], reference: float, hf_error: float, dtype: torch.dtype, flops: int,
+                      device: torch.device) -> Workload:
+    """Gate: step 1's loss (before any update) against the float32 model's. Extra columns: that
+    error, the ragged row's largest loss difference to the HF padded row over the check call's
+    steps (same batches, same updates), peak memory (CUDA)."""
+    bound = max(LOSS_FLOOR.get(dtype, 2e-2) * max(1.0, abs(reference)), SLACK * hf_error)
+    hf_run = next(i.fn for i in impls if i.name == HF_PADDED)
+
+    def compare(out: torch.Tensor, ref: float) -> str | None:
+        err = abs(float(out[0]) - ref)
+        return None if err <= bound else f"step-1 loss {float(out[0]):.6g} vs float32 {ref:.6g}: error {err:.3g}"
+
+    def extra(impl: Impl) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        first = getattr(impl.fn, "first", None)
+        if first is not None:
+            out[LOSS_DIFF] = f"{abs(float(first[0]) - reference):.2e}"
+            if impl.kind == "ragged" and isinstance(hf_run, Run) and hf_run.first is not None:
+                out[LOSS_VS_HF] = f"{float((first.double() - hf_run.first.double()).abs().max()):.2e}"
+        if device.type == "cuda":
+            out[PEAK] = peak_memory_bytes(impl.fn, device) / 2**30
+        return out
+
+    return Workload(impls, reference=reference, flops=flops, compare=compare, extra=extra)
+
+
+# --------------------------------------------------------------------------------------
+# Embedding
+
+
+def word_tokenizer(vocab: int):
+    """A BERT WordPiece tokenizer of ``vocab`` ids: the special tokens, then the words ``w0``, ``w1``, ..."""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(vocab - 5)]
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, model_max_length=512)
+
+
+def make_texts(tokenizer, lengths: list[int], seed: int = SEED) -> list[str]:
+    """Texts of random words of the tokenizer's vocabulary that tokenize to ``lengths`` tokens
+    (special tokens included, at least one word): only words that are one token are drawn."""
+    vocab = tokenizer.get_vocab()
+    candidates = sorted((w for w in vocab if w.isascii() and w.isalnum()), key=vocab.get)
+    ids = tokenizer(candidates, add_special_tokens=False)["input_ids"]
+    words = np.array([w for w, i in zip(candidates, ids) if i == [vocab[w]]])
+    if words.size == 0:
+        raise Skip("the tokenizer has no word that is one token")
+    specials, rng = len(tokenizer("")["input_ids"]), np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, max(1, n - specials))) for n in lengths]
+
+
+class Texts:
+    """The tokenized texts as a dataset holds them (a dict of int64 arrays per text)."""
+
+    def __init__(self, tokenizer, texts: list[str], device: torch.device):
+        enc = tokenizer(texts)
+        self.keys = tuple(k for k in ("input_ids", "token_type_ids") if k in enc)
+        self.features = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in self.keys} for i in range(len(texts))]
+        self.lengths = np.array([len(x) for x in enc["input_ids"]], dtype=np.int64)
+        self.pad_id, self.texts, self.device = tokenizer.pad_token_id or 0, texts, device
+
+    def chunks(self, order: np.ndarray, size: int) -> list[np.ndarray]:
+        return [order[i:i + size] for i in range(0, order.size, size)]
+
+    def inverse(self, batches: list[np.ndarray]) -> torch.Tensor:
+        """Row of each text in the concatenation of the batches' outputs."""
+        return torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable")).to(self.device)
+
+
+def padded_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
+    """A pass of a HuggingFace model over padded batches: pad, move, run, masked mean; ``[N, d]``."""
+    inverse = data.inverse(batches)
+
+    @torch.inference_mode()
+    def run() -> torch.Tensor:
+        out = []
+        for idx in batches:
+            b = to_device(pad_batch([data.features[i] for i in idx], data.keys, data.pad_id), data.device)
+            h, mask = model(**b).last_hidden_state, b["attention_mask"]
+            out.append((h * mask.unsqueeze(-1).to(h.dtype)).sum(1).float() / mask.sum(1, keepdim=True).float())
+        return torch.cat(out).index_select(0, inverse)
+
+    return run
+
+
+def ragged_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
+    """A pass of a converted model: ``collate``, move, run on RaggedTensors, ``ragged.pool``; ``[N, d]``."""
+    from ragged.data import collate
+
+    inverse = data.inverse(batches)
+
+    @torch.inference_mode()
+    def run() -> torch.Tensor:
+        out = []
+        for idx in batches:
+            b = collate([data.features[i] for i in idx]).to(data.device, non_blocking=True)
+            out.append(ragged.pool(model(**b).last_hidden_state, "mean").float())
+        return torch.cat(out).index_select(0, inverse)
+
+    return run
+
+
+def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
+    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
+
+
+def load_st(src: str, dtype: torch.dtype, device: torch.device, dim: int, **model_kwargs):
+    """A SentenceTransformer of the folder ``src``: its own modules (modules.json), else the model
+    with mean pooling; weights in ``dtype``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    kwargs = {"dtype": dtype, **model_kwargs}
+    if os.path.exists(os.path.join(src, "modules.json")):
+        return SentenceTransformer(src, device=str(device), model_kwargs=kwargs)
+    modules = [Transformer(src, model_kwargs=kwargs), Pooling(dim, "mean")]
+    return SentenceTransformer(modules=modules, device=str(device))
+
+
+def convert_st(st):
+    """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
+    only the HuggingFace model inside would leave the batches padded in and out)."""
+    import ragged.nn as rnn
+    from ragged.nn import hf_sentence
+
+    converted = rnn.convert(st)
+    if not hf_sentence.is_converted(converted):
+        raise RuntimeError("encode() was not converted (only the model inside: padded in and out)")
+    return converted
+
+
+def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Workload:
+    from transformers import AutoModel, AutoTokenizer, BertModel
+
+    import ragged.nn as rnn
+    from ragged.data import TokenBudgetSampler
+
+    fns: dict[str, Any] = {}
+    with quiet(), tempfile.TemporaryDirectory(prefix="ragged_bench_hf_") as tmp:
+        if path is None:
+            tokenizer, src = word_tokenizer(shape.model.vocab), tmp
+            torch.manual_seed(SEED)
+            reference_model = BertModel(shape.model.config(max_position_embeddings=512))
+            reference_model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        else:
+            tokenizer, src = AutoTokenizer.from_pretrained(path), path
+            reference_model = AutoModel.from_pretrained(path, dtype=torch.float32)
+        data = Texts(tokenizer, make_texts(tokenizer, shape.lengths.draw(shape.count)), device)
+        reference_model.set_attn_implementation("eager")  # the reference: float32, eager, sorted batches of 64
+        order = np.argsort(data.lengths, kind="stable")
+        reference = padded_pass(reference_model.to(device).eval(), data, data.chunks(order, 64))()
+        dim = reference.shape[1]
+        del reference_model
+        st, st_error = None, "sentence-transformers is not installed"
+        if importlib.util.find_spec("sentence_transformers") is None:
+            fns.update(dict.fromkeys((ST_32, ST_256, ST_FA2, RAG_ST_32, RAG_ST_256), st_error))
+        else:
+            st, st_error = attempt("sentence-transformers could not load the model",
+                                   lambda: load_st(src, shape.dtype, device, dim))
+        model = st[0].auto_model if st is not None else AutoModel.from_pretrained(src, dtype=shape.dtype).to(device)
+        model.eval().set_attn_implementation("sdpa")
+        if flash_attention_skip(device):
+            fns.setdefault(ST_FA2, flash_attention_skip(device))
+        elif st is not None:
+            st_fa2, why = attempt("flash_attention_2 unavailable", lambda: load_st(
+                src, shape.dtype, device, dim, attn_implementation="flash_attention_2"))
+            fns[ST_FA2] = why or Run(encode_pass(st_fa2, data.texts, 256))
+    # Deep copies: convert(copy=True) of a model that holds a HuggingFace model converts the
+    # one inside in place, and the ST's model is the HF rows' model.
+    converted, convert_error = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
+    st_converted, st_convert_error = (None, st_error) if st is None else attempt(
+        "ragged.nn.convert of the SentenceTransformer failed", lambda: convert_st(copy.deepcopy(st)))
+
+    N, B = len(data.texts), shape.batch
+    data_order, sorted_order = np.arange(N), np.argsort(data.lengths, kind="stable")
+    budget = int(round(B * float(data.lengths.mean())))  # the tokens of B texts on average
+    budget_data = [np.asarray(b) for b in TokenBudgetSampler(data.lengths, budget, shuffle=False)]
+    budget_sorted = [np.asarray(b) for b in TokenBudgetSampler(data.lengths, budget, shuffle=False, sort_window=N)]
+    hf_error = 1.0 - min_cosine(padded_pass(model, data, data.chunks(sorted_order, B))(), reference)
+    fns[HF_DATA] = Run(padded_pass(model, data, data.chunks(data_order, B)))
+    fns[HF_SORTED] = Run(padded_pass(model, data, data.chunks(sorted_order, B)))
+    fns[HF_COMPILED] = Run(padded_pass(torch.compile(model, dynamic=True), data, data.chunks(sorted_order, B))) \
+        if device.type == "cuda" else \
+        "CPU smoke run: torch.compile builds for tens of seconds on a CPU, past the run's budget (runs on CUDA)"
+    for name, batch in ((ST_32, 32), (ST_256, 256), (ST_FA2, 256)):
+        if name not in fns:  # ST_FA2: set above unless sentence-transformers failed to load
+            fns[name] = broken(st_error) if st is None else Run(encode_pass(st, data.texts, batch))
+    for name, batches in ((RAG_DATA, data.chunks(data_order, B)), (RAG_SORTED, data.chunks(sorted_order, B)),
+                          (RAG_BUDGET_DATA, budget_data), (RAG_BUDGET_SORTED, budget_sorted)):
+        fns[name] = broken(convert_error) if converted is None else Run(ragged_pass(converted, data, batches))
+    for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
+        if name not in fns:
+            fns[name] = broken(st_convert_error) if st_converted is None else \
+                Run(encode_pass(st_converted, data.texts, batch))
+    bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
+
+    def compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+        if tuple(out.shape) != tuple(ref.shape):
+            return f"embeddings of shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+        cos = min_cosine(out, ref)
+        return None if 1.0 - cos <= bound else f"min cosine {cos:.6f} < {1 - bound:.6f}"  # NaN fails too
+
+    def extra(impl: Impl) -> dict[str, Any]:
+        first = getattr(impl.fn, "first", None)
+        if first is None:
+            return {}
+        impl.fn.first = None  # [N, d]: not kept past the row
+        return {COSINE: f"{min_cosine(first, reference):.6f}"}
+
+    c = model.config
+    flops = encoder_flops(data.lengths.tolist(), EncoderModel(c.hidden_size, c.num_attention_heads,
+                                                              c.intermediate_size, c.num_hidden_layers), False)
+    return Workload(assemble(EMBEDDING, fns), reference=reference, flops=flops, compare=compare, extra=extra)
+
+
+# --------------------------------------------------------------------------------------
+# Training
+
+
+def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workload:
+    from transformers import BertForSequenceClassification
+
+    import ragged.nn as rnn
+    from ragged.data import collate
+
+    rng = np.random.default_rng(SEED + 1)
+    lengths = case_lengths(shape)
+    batches = [[{"input_ids": rng.integers(5, shape.model.vocab, n).tolist(), "labels": int(rng.integers(0, 2))}
+                for n in b] for b in lengths]
+
+    def padded(batch):
+        b = pad_batch(batch, ("input_ids",), 0)
+        b["labels"] = torch.tensor([s["labels"] for s in batch])
+        return to_device(b, device)
+
+    def packed(batch):
+        return collate(batch).to(device, non_blocking=True)
+
+    with quiet():
+        torch.manual_seed(SEED)
+        config = shape.model.config(num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        reference_model = BertForSequenceClassification(config).to(device).eval()
+        reference_model.set_attn_implementation("eager")
+        with torch.no_grad():
+            reference = float(reference_model(**padded(batches[0])).loss)
+        model = copy.deepcopy(reference_model).to(shape.dtype)
+        del reference_model
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            hf_error = abs(float(model(**padded(batches[0])).loss) - reference)
+    converted, why = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
+    fns = {HF_PADDED: training_run(model, device, batches, padded),
+           RAGGED: broken(why) if converted is None else training_run(converted, device, batches, packed)}
+    m = shape.model
+    flops = encoder_flops([n for b in lengths for n in b], EncoderModel(m.hidden, m.heads, m.ff, m.layers), True)
+    return training_workload(assemble(FINE_TUNE, fns), reference, hf_error, shape.dtype, flops, device)
+
+
+def build_causal_lm(shape: Shape, device: torch.device) -> Workload:
+    from transformers import DataCollatorWithFlattening, LlamaForCausalLM
+
+    import ragged.hf  # noqa: F401  (registers attn_implementation="ragged")
+
+    rng = np.random.default_rng(SEED + 2)
+    lengths = case_lengths(shape)
+    batches = [[{"input_ids": rng.integers(0, shape.model.vocab, n).tolist()} for n in b] for b in lengths]
+    flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+
+    def padded(batch):
+        return to_device(pad_batch(batch, ("input_ids",), 0, labels=True), device)
+
+    def flattened(batch):
+        return to_device(flatten(batch), device)
+
+    fns: dict[str, Any] = {}
+    with quiet():
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            reference_model = LlamaForCausalLM(shape.model.config()).eval()
+        reference_model.set_attn_implementation("eager")
+        total, count = 0.0, 0
+        with torch.no_grad():  # the float32 loss of the first batch, one sequence at a time
+            for s in batches[0]:
+                ids = torch.tensor([s["input_ids"]], device=device)
+                total += float(reference_model(input_ids=ids, labels=ids).loss) * (ids.shape[1] - 1)
+                count += ids.shape[1] - 1
+        reference = total / count
+        model = copy.deepcopy(reference_model).to(shape.dtype)
+        del reference_model
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            hf_error = abs(float(model(**padded(batches[0])).loss) - reference)
+
+        def with_attention(name: str):
+            other = copy.deepcopy(model)
+            other.set_attn_implementation(name)
+            return other
+
+        converted, why = attempt('attn_implementation="ragged" failed', lambda: with_attention("ragged"))
+        fns[RAGGED] = broken(why) if converted is None else training_run(converted, device, batches, flattened)
+        if flash_attention_skip(device):
+            fns[HF_FA2] = flash_attention_skip(device)
+        else:
+            fa2, why = attempt("flash_attention_2 unavailable", lambda: with_attention("flash_attention_2"))
+            fns[HF_FA2] = why if fa2 is None else training_run(fa2, device, batches, flattened)
+    fns[HF_PADDED] = training_run(model, device, batches, padded)
+    return training_workload(assemble(CAUSAL_LM, fns), reference, hf_error, shape.dtype,
+                             lm_flops(lengths, shape.model), device)
+
+
+# --------------------------------------------------------------------------------------
+# The suite
+
+
+@register
+class HFSuite(Suite):
+    name = "hf"
+    description = "HuggingFace models: padded (SDPA, compiled, sentence-transformers) vs converted by ragged"
+    memory_bound = False
+    speedup_table = True
+    notes = """\
+HuggingFace models as HuggingFace runs them against the same weights run padding-free by ragged
+(`ragged.nn.convert`, `ragged.data`, `attn_implementation="ragged"`): on a GPU in bf16, on CPU
+tiny fp32 models (a smoke run). Random weights from configs (seeded), unless `BENCH_HF_MODEL`
+names a checkpoint folder: it replaces the first embedding case's model and tokenizer. A timed
+call is a full pass (embedding) or `steps` training steps, host work included; medians as in
+every suite, one round (each call spans many batches). TFLOP/s: useful flops (real tokens).
+`targets`: the issue's targets (reported, not asserted); the speedup table gives every ragged
+row over every baseline.
+
+**embedding**: `N` texts of lognormal token lengths (median 25, sigma 0.8, 3..256, special
+tokens included) of random words that are one token each (a generated word-level tokenizer, or
+the checkpoint's), tokenized once outside the timed call into per-text int64 arrays (a
+dataset). A row embeds every text (mean of the last hidden state over its tokens): building
+each batch, `.to(device, non_blocking=True)`, the forward (`torch.inference_mode()`), pooling.
+- `HF SDPA, data order` / `sorted`: `BertModel` (`attn_implementation="sdpa"`) on batches of
+  `batch` texts (256) in data order / by length, right-padded to the longest, `attention_mask`.
+- `HF SDPA compiled, sorted`: `torch.compile(model, dynamic=True)`, sorted batches (compiled
+  during the untimed check pass; CUDA only).
+- `ST encode, batch 32 / 256`: `SentenceTransformer.encode(texts, batch_size)` of the same
+  weights (tokenizes, sorts by length, pads per batch): tokenization timed. `ST encode
+  flash_attention_2`: loaded with that attention, where sentence-transformers flattens text
+  batches itself (skipped without flash-attn).
+- `ragged, data order / sorted`: `ragged.nn.convert` of a copy of the model on the HF rows'
+  batches, built by `ragged.data.collate` (RaggedTensors), `ragged.pool(h, "mean")`.
+- `ragged, ..., token budget`: batches from `TokenBudgetSampler(lengths, max_tokens=batch x
+  mean length, shuffle=False)` (sorted: `sort_window=N`).
+- `ragged ST encode`: `ragged.nn.convert` of a copy of the SentenceTransformer, `encode()`.
+
+`min cosine vs fp32`: smallest cosine similarity over the texts between a row's embedding and
+the float32 model's (eager attention); gate: `1 - cos` <= max(1e-3 (fp32: 1e-6), 3 x that of
+HF's bf16 sorted pass). Targets: ragged sorted >= 2.5x HF sorted, >= 1.25x HF compiled sorted;
+ragged data order >= 4x HF data order (the same batches); ragged token budget sorted
+and the ragged ST rows >= 10x ST encode batch 32; min cosine >= 0.9999.
+
+**fine-tune**: `BertForSequenceClassification` (2 labels; random ids and labels; dropout
+0.1), `steps` AdamW steps (lr 1e-5, fused on CUDA, weights in the case's dtype), each on its
+own batch of 32 sequences (lognormal, median 96, sigma 1, 16..512). `HF SDPA, padded`:
+right-padded with `attention_mask`; `ragged`: the converted model on `collate` batches
+(`labels` [B]). Padding / collate and the copy to the device are timed. Target: >= 2.5x.
+
+**causal LM**: `LlamaForCausalLM` of the config shown (GQA, untied head, no gradient
+checkpointing), `steps` AdamW steps; each step's sequences (lognormal, median 256, sigma 1,
+32..2048) are cut in order at 8192 tokens (`TokenBudgetSampler`): every row runs the same
+tokens per step. `HF SDPA, padded`: right-padded, labels -100 at padding; `ragged`:
+`attn_implementation="ragged"` on `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
+batches (one row, `cu_seq_lens_*`, restarting `position_ids`); `HF flash_attention_2,
+flattened`: the same batches (skipped without flash-attn). transformers' `sdpa` on a flattened
+batch attends across sequences (measured: its loss is not the per-sequence loss), so it is no
+baseline. Target: tokens/s >= 2x HF padded, with the same loss.
+
+Training gate: the check call runs the steps in eval mode (no dropout); step 1's loss (before
+any update) against the float32 model's (eager; LM: one sequence at a time): error <=
+max(2e-2 (fp32: 1e-4) x max(1, |loss|), 3 x HF's bf16 error). `loss diff vs fp32`: that
+error; `max loss diff vs HF`: the largest difference between the ragged row's losses and `HF
+SDPA, padded`'s over the check call's steps (same batches, same updates from the same
+weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
+"""
+
+    dropout: float = 0.1
+    """Dropout of the fine-tuned BERT (BERT's); the check call runs in eval mode."""
+
+    def shapes(self, config: Config) -> list[Shape]:
+        shapes = list(GPU_QUICK_SHAPES if config.quick else GPU_SHAPES) if config.on_gpu else list(CPU_SHAPES)
+        names = [w.strip() for w in os.environ.get(WORKLOADS_VARIABLE, "").split(",") if w.strip()]
+        if unknown := [w for w in names if w not in WORKLOAD_KEYS]:
+            raise ValueError(f"{WORKLOADS_VARIABLE}: expected workloads among {', '.join(WORKLOAD_KEYS)}, "
+                             f"got {', '.join(unknown)}")
+        if names:
+            shapes = [s for s in shapes if s.workload in {WORKLOAD_KEYS[w] for w in names}]
+        if config.dtypes is not None:
+            shapes = [dataclasses.replace(s, dtype=d) for s in shapes for d in config.dtypes if d.is_floating_point]
+        return shapes
+
+    def cases(self, config: Config) -> list[Case]:
+        path, cases, first = os.environ.get(MODEL_VARIABLE) or None, [], True
+        for shape in self.shapes(config):
+            batches = case_lengths(shape)
+            flat = [n for b in batches for n in b]
+            total, kind = sum(flat), dtype_name(shape.dtype)
+            params: dict[str, Any] = {"workload": shape.workload, "model": shape.model.name(), "dtype": kind,
+                                      "lengths": shape.lengths.text(), "T": total,
+                                      "mean_len": round(total / len(flat), 2), "M": max(flat)}
+            checkpoint = None
+            if shape.workload == EMBEDDING:
+                checkpoint, first, label = (path if first else None), False, shape.label
+                params.update(texts=shape.count, batch=shape.batch, checkpoint=checkpoint or "random weights")
+                if checkpoint is not None:
+                    label = os.path.basename(os.path.normpath(checkpoint))
+                    params["model"] = checkpoint_model(checkpoint)
+                name = f"{EMBEDDING} {label} {kind} N={shape.count} mean={total / len(flat):.0f}"
+            else:
+                padded = sum(len(b) * max(b) for b in batches)
+                params.update(steps=shape.steps, sequences=len(flat), padded_tokens=padded,
+                              real_fraction=round(total / padded, 4))
+                if shape.workload == FINE_TUNE:
+                    params.update(batch=shape.count, dropout=self.dropout)
+                else:
+                    params.update(tokens_per_step=shape.count, params=shape.model.params(),
+                                  gradient_checkpointing=False)
+                name = f"{shape.workload} {shape.label} {kind} steps={shape.steps} T={total}"
+            cases.append(Case(name, params, group=shape.workload, spec=(shape, checkpoint)))
+        return cases
+
+    def build(self, case: Case, config: Config) -> Workload:
+        shape, checkpoint = case.spec
+        if importlib.util.find_spec("transformers") is None:
+            raise Skip("needs transformers (pip install -e '.[hf]')")
+        if checkpoint is not None and not os.path.isdir(checkpoint):
+            raise Skip(f"{MODEL_VARIABLE}={checkpoint!r} is not a folder")
+        if config.on_gpu:
+            torch._dynamo.reset()  # compiled graphs of an earlier case hold its model
+        try:
+            if shape.workload == EMBEDDING:
+                return build_embedding(shape, config.device, checkpoint)
+            if shape.workload == FINE_TUNE:
+                return build_fine_tune(shape, config.device, self.dropout)
+            return build_causal_lm(shape, config.device)
+        except (Skip, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001  (every row says why; the suite goes on)
+            why = f"case not built: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            return Workload(assemble(shape.workload, {name: broken(why) for name, _ in ROWS[shape.workload]}))
+
+    def annotate(self, case: Case, rows: list[Row]) -> None:
+        """Throughput, time per step and the targets."""
+        shape = case.spec[0]
+        ok = {r.impl: r for r in rows if r.status == "ok"}
+        for r in ok.values():
+            if shape.workload == EMBEDDING:
+                r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
+            else:
+                r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps
+        notes: dict[str, list[str]] = {}
+        for rag, base, factor in TARGETS_BY_WORKLOAD[shape.workload]:
+            if rag in ok:
+                speedup = ok[base].median_ms / ok[rag].median_ms if base in ok else None
+                got = "baseline did not run" if speedup is None else \
+                    f"{speedup:.2f}x {'met' if speedup >= factor else 'MISSED'}"
+                notes.setdefault(rag, []).append(f">={factor:g}x {base}: {got}")
+        for r in ok.values():
+            if r.kind == "ragged" and COSINE in r.extra:
+                notes.setdefault(r.impl, []).append(
+                    f"cos>={COSINE_TARGET:g}: {'met' if float(r.extra[COSINE]) >= COSINE_TARGET else 'MISSED'}")
+        for name, items in notes.items():
+            ok[name].extra[TARGETS] = "; ".join(items)
