@@ -485,6 +485,25 @@ def test_pin_memory_and_to(monkeypatch):
     assert moved["input_ids"].max_len == batch["input_ids"].max_len and moved["label"].is_meta
 
 
+def test_one_copy_views_every_dtype_and_shape_back():
+    """The staging of RaggedBatch.to: tensors of mixed dtypes, shapes (empty, 0-dim, strided,
+    odd byte counts) packed into one buffer come back equal, each with its own storage range."""
+    from ragged.collate import _one_copy
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    tensors = [torch.randint(0, 9, (7,), generator=g, dtype=torch.int64), torch.tensor([0, 3, 3, 7], dtype=torch.int32),
+               torch.rand(3, generator=g) < 0.5, torch.randn(2, 3, generator=g).half(), torch.tensor(2.5),
+               torch.empty(0, 4, dtype=torch.int16), base[:, 1::2], torch.randint(0, 5, (3,), dtype=torch.uint8)]
+    moved = _one_copy(tensors, torch.device("cpu"), False)
+    for t in tensors:
+        got = moved[id(t)]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    got = [moved[id(t)] for t in tensors if t.numel()]
+    got[0].fill_(-1)  # the views do not overlap
+    assert all(torch.equal(moved[id(t)], t) for t in tensors[1:])
+
+
 def test_import_ragged_does_not_import_data():
     code = ("import sys, ragged; assert 'ragged.data' not in sys.modules; import ragged.data; "
             "assert 'transformers' not in sys.modules and 'sentence_transformers' not in sys.modules")
@@ -509,3 +528,28 @@ def test_gpu_pinned_batch_moves_without_blocking():
         assert gpu["input_ids"].offsets.device.type == "cuda"
         assert torch.equal(gpu["input_ids"].values.cpu(), batch["input_ids"].values)
         assert gpu["input_ids"].offsets is gpu["token_type_ids"].offsets
+
+
+@pytest.mark.gpu
+def test_gpu_unpinned_batch_moves_in_one_copy_without_blocking():
+    """An unpinned batch moves through one page-locked staging buffer: no blocking copy, every
+    field equal, the shared offsets still shared, the dtypes kept."""
+    batch = collate(_features([5, 0, 17, 1, 9], 13))
+    assert not batch["input_ids"].values.is_pinned()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = batch.to("cuda", non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert gpu["input_ids"].offsets is gpu["token_type_ids"].offsets
+    for key, value in batch.items():
+        if isinstance(value, ragged.RaggedTensor):
+            assert gpu[key].values.device.type == "cuda" and gpu[key].values.dtype == value.values.dtype
+            assert torch.equal(gpu[key].values.cpu(), value.values)
+            assert torch.equal(gpu[key].offsets.cpu(), value.offsets) and gpu[key].max_len == value.max_len
+        elif isinstance(value, torch.Tensor):
+            assert gpu[key].device.type == "cuda" and torch.equal(gpu[key].cpu(), value)
+        else:
+            assert gpu[key] == value
