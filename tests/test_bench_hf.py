@@ -272,5 +272,5 @@ def test_gpu_paths_at_tiny_size(monkeypatch):
             assert r.status == "skipped" and "flash_attn" in r.reason
         else:
             assert r.status == "ok", (r.impl, r.reason)
-        if r.group != H.EMBEDDING:
+        if r.status == "ok" and r.group != H.EMBEDDING:  # a skipped row has no measurement
             assert r.extra[H.PEAK] > 0
