@@ -17,6 +17,7 @@ import torch
 
 import ragged
 from ragged import RaggedTensor, backends
+from test_gpu_attention import _assert_rule  # flash-attn's error rule, as the other GPU attention tests apply it
 
 pytestmark = pytest.mark.gpu
 
@@ -56,18 +57,6 @@ def _needs_triton():
         pytest.skip(reason)
 
 
-def _max_err(a, b):
-    if a.numel() == 0:
-        return 0.0
-    return (a.double() - b.double()).abs().max().item()
-
-
-def _assert_rule(name, got, ref64, low, atol):
-    """flash-attn's rule: err(got) <= 2 * err(low) + atol, both against float64."""
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    err = _max_err(got, ref64)
-    err_low = _max_err(low, ref64)
-    assert err <= 2 * err_low + atol, f"{name}: error {err:.3g} > 2 * {err_low:.3g} + {atol}"
 
 
 def _check(lq, lk, q, k, v, causal, window, tag, backward=True, backend="triton"):
