@@ -171,7 +171,8 @@ def read_batch(fn: str, name: str, src, attention_mask, features: int) -> Batch:
         return Batch(ragged.pack(src, lengths=host), PaddedLayout(width), keep)
     if is_left:
         return Batch(ragged.pack(src, lengths=host, padding_side="left"), PaddedLayout(width, "left"), keep)
-    index = keep.nonzero(as_tuple=True)
+    # the token count is known on the host: no second read for the gather's size
+    index = torch.nonzero_static(keep, size=sum(host)).unbind(1)
     return Batch(RaggedTensor.from_lengths(src[index], host), PaddedLayout(width, "scattered", index), keep)
 
 

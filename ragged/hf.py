@@ -154,8 +154,9 @@ def _keep(t: torch.Tensor, layout: Layout) -> Layout:
 
 def mask_layout(mask: torch.Tensor) -> Layout:
     """The :class:`Layout` of a 2-D padding mask ``[B, W]`` (bool, or 0/1 numbers; nonzero =
-    token). One host read (lengths and padding side), a second for a mask whose tokens are not
-    one run at either end of each row; kept on ``mask`` so that later calls read nothing."""
+    token). One host read (lengths and padding side; a mask whose tokens are not one run at
+    either end of a row is gathered by an index of known size, no second read); kept on
+    ``mask`` so that later calls read nothing."""
     layout = _cached(mask)
     if layout is not None:
         return layout
@@ -169,8 +170,8 @@ def mask_layout(mask: torch.Tensor) -> Layout:
     index = None
     if side is None:
         warn_once("hf-scattered-mask", f"{_MASK_FN}(): the attention mask has tokens that are not one contiguous run "
-                  "at the start or end of each row; gathering them by index (one more host read per mask)")
-        index = torch.nonzero(keep.reshape(-1)).reshape(-1)
+                  "at the start or end of each row; gathering them by index")
+        index = torch.nonzero_static(keep.reshape(-1), size=host[-1]).reshape(-1)  # size known: no second read
     return _keep(mask, Layout(keep.shape[1], tuple(host), offsets, max(lengths, default=0), side, index))
 
 
