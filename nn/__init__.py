@@ -3,9 +3,10 @@
 
 from .activation import MultiheadAttention
 from .convert import convert
+from .graphed import Graphed, graphed
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .vocab import VocabProjection
 
 __all__: list[str] = []
-__all__ += ["VocabProjection"]
+__all__ += ["VocabProjection", "Graphed", "graphed"]
 __all__ += ["MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer", "convert"]

@@ -187,7 +187,8 @@ def _roberta_positions(ids: torch.Tensor, batch: Batch, pad: int) -> torch.Tenso
     rt = batch.rt
     real = (ids != pad).to(torch.int64)
     run = torch.cumsum(real, 0)
-    starts = torch.repeat_interleave(rt.offsets[:-1].to(torch.int64), rt.lengths, output_size=rt.num_tokens)
+    # each token's sequence start, as row - position (safe for the spare rows of a graphed bucket)
+    starts = torch.arange(rt.num_tokens, device=ids.device) - rt.position_ids()
     before = (run - real).index_select(0, starts)  # the count before each token's sequence
     return (run - before) * real + pad
 

@@ -208,16 +208,19 @@ class RaggedTensor:
     # Per-token metadata (no sync)
 
     def seq_ids(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """``[T]`` sequence index ``b`` of every packed token."""
-        b = torch.arange(self.batch_size, device=self.device, dtype=dtype)
-        return torch.repeat_interleave(b, self.lengths, output_size=self.num_tokens)
+        """``[T]`` sequence index ``b`` of every packed token (``B`` for rows past ``offsets[-1]``,
+        the spare rows of a graphed bucket)."""
+        off = self.offsets
+        t = torch.arange(self.num_tokens, device=off.device, dtype=off.dtype)
+        return torch.searchsorted(off[1:], t, right=True).to(dtype)
 
     def position_ids(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """``[T]`` position ``j`` of every packed token within its sequence (0-based)."""
-        t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
-        starts = torch.repeat_interleave(self.offsets[:-1].to(torch.int64), self.lengths,
-                                         output_size=self.num_tokens)
-        return (t - starts).to(dtype)
+        """``[T]`` position ``j`` of every packed token within its sequence (0-based). Rows past
+        ``offsets[-1]`` (the spare rows of a graphed bucket) get positions below ``max_len``."""
+        off = self.offsets
+        t = torch.arange(self.num_tokens, device=off.device, dtype=off.dtype)
+        pos = t - off.index_select(0, torch.searchsorted(off[1:], t, right=True))
+        return pos.clamp_max_(max(self.max_len - 1, 0)).to(dtype)
 
     def padding_mask(self, total_length: int | None = None, padding_side: str = "right") -> torch.Tensor:
         """``[B, M]`` bool, torch convention: True at padding. ``M = total_length or max_len``."""

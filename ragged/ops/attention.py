@@ -162,6 +162,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         lses.append(lse.transpose(0, 1))
     if not outs:  # B = 0 (so T = 0): empty results that stay in the autograd graph
         return q * 0, torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+    spare = q.shape[0] - cq[-1]  # rows past the last offset (a graphed bucket's): zeros, as no query's
+    if spare > 0:
+        outs.append(torch.zeros((spare, heads, v.shape[2]), dtype=dtype, device=q.device))
+        lses.append(torch.zeros((spare, heads), dtype=dtype, device=q.device))
     out = torch.cat(outs).to(q.dtype)
     return out, torch.cat(lses).to(torch.float32)
 

@@ -1,0 +1,305 @@
+"""CUDA graphs for ragged batches: :func:`graphed` captures a module's inference forward once
+per bucket of (tokens, sequences, longest sequence) and replays it for every batch that fits.
+
+A batch of ``T`` tokens in ``B`` sequences, the longest ``L``, runs the graph of the smallest
+buckets ``T_b >= T``, ``B_b >= B``, ``L_b >= L``: its values are copied into the first ``T``
+rows of a static ``[T_b, *F]`` buffer and its offsets into a static ``[B_b + 1]`` buffer whose
+entries past ``B`` repeat ``T``. The extra sequences have no tokens and the rows past ``T``
+belong to no sequence: every ragged kernel sizes its work from the host ints (``T_b``, ``B_b``,
+``L_b``) and reads the offsets on the device, so a program of a sequence with no tokens exits and
+the spare rows are computed by the per-token steps (GEMMs, LayerNorm) but read by nothing that
+writes a real token's result. The outputs are cut back to ``T`` tokens and ``B`` sequences.
+
+Rules of the wrapped call, checked on every call (host ints only, no device read):
+
+* arguments are RaggedTensors of one batch (offsets trusted equal to the first one's) and constants (None, bool,
+  int, float, str), which are part of the graph's key; the first RaggedTensor sets the batch;
+* inference only: the module must be in eval mode; the call runs under ``torch.no_grad()``;
+* outputs: a RaggedTensor comes back with the caller's offsets and ``T`` rows; a tensor whose
+  first dim is the bucket's ``B_b`` is cut to ``B`` rows (per-sequence results: pooled
+  embeddings, sequence logits); other tensors come back whole; tuples, lists, dicts and
+  HuggingFace ``ModelOutput`` s are walked;
+* a batch over the largest bucket, or off the GPU, runs the module eagerly (a one-time
+  warning says why).
+
+The graphs share one memory pool and are captured lazily, the first time a bucket is met, after
+two warm-up runs on a side stream (they compile the kernels and let cuBLAS pick its algorithms).
+Graphs hold the addresses of the module's parameters: after moving the module (``.to()``) or
+replacing parameters call :meth:`Graphed.reset`; in-place updates (``load_state_dict``,
+optimizer steps) are seen by the next replay.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ragged import RaggedTensor
+from ragged.utils import describe
+
+__all__ = ["Graphed", "graphed", "powers_of_two"]
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def powers_of_two(top: int, start: int = 1) -> tuple[int, ...]:
+    """``start, 2 * start, ...`` up to ``top``, with ``top`` itself last."""
+    out, b = [], max(1, start)
+    while b < top:
+        out.append(b)
+        b *= 2
+    out.append(top)
+    return tuple(out)
+
+
+def _buckets(fn: str, name: str, given, top: int, start: int) -> tuple[int, ...]:
+    if given is None:
+        return powers_of_two(top, start)
+    try:
+        values = sorted({int(v) for v in given})
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}(): expected {name} to be a list of ints, got {describe(given)}") from None
+    if not values or values[0] < 1 or values[-1] > top:
+        raise ValueError(f"{fn}(): expected {name} of ints in 1..{top}, got {list(given)}")
+    if values[-1] != top:
+        values.append(top)
+    return tuple(values)
+
+
+def _smallest(buckets: tuple[int, ...], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def _check_int(fn: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}(): expected {name} to be an int, got {describe(value)}")
+    if value < 1:
+        raise ValueError(f"{fn}(): expected {name} >= 1, got {value}")
+    return value
+
+
+class _Graph:
+    __slots__ = ("graph", "values", "offsets", "output")
+
+    def __init__(self, graph, values, offsets, output) -> None:
+        self.graph, self.values, self.offsets, self.output = graph, values, offsets, output
+
+
+class Graphed(nn.Module):
+    """A module whose inference forward replays CUDA graphs per bucket: see :func:`graphed`."""
+
+    def __init__(self, module: nn.Module, max_tokens: int, max_batch_size: int, token_buckets=None,
+                 batch_buckets=None, length_buckets=None, copy_outputs: bool = True, capture: bool = True) -> None:
+        fn = "ragged.nn.graphed"
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{fn}(): expected module to be a torch.nn.Module, got {describe(module)}")
+        max_tokens = _check_int(fn, "max_tokens", max_tokens)
+        max_batch_size = _check_int(fn, "max_batch_size", max_batch_size)
+        super().__init__()
+        self.module = module
+        self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
+        self.token_buckets = _buckets(fn, "token_buckets", token_buckets, max_tokens, 64)
+        self.batch_buckets = _buckets(fn, "batch_buckets", batch_buckets, max_batch_size, 1)
+        self.length_buckets = _buckets(fn, "length_buckets", length_buckets, max_tokens, 16)
+        self.copy_outputs = bool(copy_outputs)
+        # False: run the bucketed (padded) batch eagerly instead of capturing: the same inputs the
+        # graphs see, on any device (what the CPU tests check)
+        self.capture = bool(capture)
+        self._graphs: dict[tuple, _Graph] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._pool = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------------------------
+    # Public
+
+    @property
+    def num_graphs(self) -> int:
+        """How many buckets have been captured."""
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Drop every graph and static buffer (after moving the module or replacing parameters)."""
+        self._graphs.clear()
+        self._buffers.clear()
+        self._pool = None
+
+    def bucket(self, num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int, int] | None:
+        """``(T_b, B_b, L_b)`` a batch of this size runs in, or None when it is over the largest."""
+        b = _smallest(self.batch_buckets, batch_size)
+        t = _smallest(self.token_buckets, num_tokens)
+        if b is not None and t is not None and b > batch_size and t == num_tokens:
+            # the sequences added to the batch start at row T: keep one row past it so that a
+            # per-sequence gather at the start of an empty sequence stays in bounds
+            t = _smallest(self.token_buckets, num_tokens + 1)
+        lb = _smallest(self.length_buckets, max(max_len, 1))
+        if b is None or t is None or lb is None:
+            return None
+        return t, b, min(lb, t)
+
+    def forward(self, *args, **kwargs):
+        fn = "ragged.nn.Graphed.forward"
+        rts, key_args = self._read_args(fn, args, kwargs)
+        first = rts[0][1]
+        if self.module.training:
+            raise ValueError(f"{fn}(): the module is in training mode; graphs capture the inference forward "
+                             "(call .eval() on the graphed module)")
+        n_tok, batch, max_len = first.num_tokens, first.batch_size, first.max_len
+        device = first.values.device
+        if self.capture and device.type != "cuda":
+            return self._eager(f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
+        size = self.bucket(n_tok, batch, max_len)
+        if size is None:
+            return self._eager(f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
+                               f"({self.max_tokens} tokens, {self.max_batch_size} sequences)", args, kwargs)
+        t_b, b_b, l_b = size
+        off = first.offsets
+        key = (size, off.dtype, device, torch.is_autocast_enabled("cuda"),
+               tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts), key_args)
+        with torch.no_grad():
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._capture(key, rts, args, kwargs, size, device)
+            values, offsets = entry.values, entry.offsets
+            for (_, rt), static in zip(rts, values):
+                static[:n_tok].copy_(rt.values)
+            offsets[:batch + 1].copy_(off)
+            if b_b > batch:
+                offsets[batch + 1:].fill_(n_tok)
+            if entry.graph is None:
+                out = self._call(args, kwargs, rts, values, offsets, l_b)
+            else:
+                entry.graph.replay()
+                out = entry.output
+            return _cut(out, first, t_b, b_b, self.copy_outputs or entry.graph is None)
+
+    # ------------------------------------------------------------------------------------
+    # Internals
+
+    def _read_args(self, fn: str, args: tuple, kwargs: dict):
+        rts: list[tuple[object, RaggedTensor]] = []
+        key = []
+        for slot, value in [*enumerate(args), *kwargs.items()]:
+            if isinstance(value, RaggedTensor):
+                rts.append((slot, value))
+            elif isinstance(value, _CONSTANTS):
+                key.append((slot, value))
+            else:
+                raise TypeError(f"{fn}(): expected RaggedTensor arguments and constants (None, bool, int, float, "
+                                f"str), got {describe(value)} for argument {slot!r}")
+        if not rts:
+            raise TypeError(f"{fn}(): expected at least one RaggedTensor argument (the batch), got none")
+        first = rts[0][1]
+        for slot, rt in rts[1:]:
+            # the same batch: the offsets are trusted to be equal (comparing them would read the GPU)
+            if rt.batch_size != first.batch_size or rt.num_tokens != first.num_tokens:
+                raise ValueError(f"{fn}(): expected every RaggedTensor argument to be of the first one's batch "
+                                 f"({first.batch_size} sequences, {first.num_tokens} tokens), got argument {slot!r} "
+                                 f"with {rt.batch_size} sequences and {rt.num_tokens} tokens")
+        return rts, tuple(key)
+
+    def _warn_once(self, why: str) -> None:
+        kind = why.split(":")[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"ragged.nn.graphed: running eagerly ({why}); further such calls run eagerly "
+                          "without a warning", stacklevel=3)
+
+    def _eager(self, why: str, args, kwargs):
+        self._warn_once(why)
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    def _buffer(self, name: tuple, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed static buffer of ``rows`` rows like ``like`` (shared by the buckets that fit
+        it: a bucket uses its first rows). Zeros: the spare rows of ids stay valid ids."""
+        key = (name, like.dtype, like.device, tuple(like.shape[1:]))
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            top = max(rows, self.max_tokens if name[0] == "values" else self.max_batch_size + 1)
+            buf = self._buffers[key] = torch.zeros((top, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return buf[:rows]
+
+    def _call(self, args, kwargs, rts, values, offsets, max_len: int):
+        static = {slot: RaggedTensor(v, offsets, max_len) for (slot, _), v in zip(rts, values)}
+        a = tuple(static.get(i, x) for i, x in enumerate(args))
+        k = {name: static.get(name, x) for name, x in kwargs.items()}
+        return self.module(*a, **k)
+
+    def _capture(self, key, rts, args, kwargs, size, device) -> _Graph:
+        t_b, b_b, l_b = size
+        values = [self._buffer(("values", slot), t_b, rt.values) for slot, rt in rts]
+        offsets = self._buffer(("offsets",), b_b + 1, rts[0][1].offsets)
+        if not self.capture:
+            entry = self._graphs[key] = _Graph(None, values, offsets, None)
+            return entry
+        # the warm-up and the capture read the real batch: copy it in as a replay would
+        n_tok, batch = rts[0][1].num_tokens, rts[0][1].batch_size
+        for (_, rt), static in zip(rts, values):
+            static[:n_tok].copy_(rt.values)
+        offsets[:batch + 1].copy_(rts[0][1].offsets)
+        offsets[batch + 1:].fill_(n_tok)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call(args, kwargs, rts, values, offsets, l_b)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._call(args, kwargs, rts, values, offsets, l_b)
+        entry = self._graphs[key] = _Graph(graph, values, offsets, output)
+        return entry
+
+
+def _cut(out, first: RaggedTensor, t_b: int, b_b: int, copy: bool):
+    """The graph's outputs cut to the caller's batch (see the module docstring)."""
+    n_tok, batch = first.num_tokens, first.batch_size
+
+    def walk(x):
+        if isinstance(x, RaggedTensor):
+            v = x.values[:n_tok]
+            return first.with_values(v.clone() if copy else v)
+        if isinstance(x, torch.Tensor):
+            if x.dim() >= 1 and x.shape[0] == b_b:
+                x = x[:batch]
+            return x.clone() if copy else x
+        if isinstance(x, dict):  # HuggingFace ModelOutput is an OrderedDict subclass
+            items = {k: walk(v) for k, v in x.items()}
+            try:
+                return type(x)(**items)
+            except TypeError:
+                return type(x)(items)
+        if isinstance(x, tuple):
+            items = [walk(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(out)
+
+
+def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_buckets=None, batch_buckets=None,
+            length_buckets=None, copy_outputs: bool = True) -> Graphed:
+    """``module``'s inference forward on RaggedTensor batches through CUDA graphs, one per bucket.
+
+    ``max_tokens`` / ``max_batch_size``: the largest batch graphed (larger ones run eagerly, with
+    a one-time warning). Buckets: ``token_buckets`` (default powers of two from 64),
+    ``batch_buckets`` (from 1) and ``length_buckets`` (longest sequence, from 16), each ending at
+    its maximum (``max_tokens`` for lengths). ``copy_outputs=False`` returns views of the graph's
+    static outputs (no copy; the next call of the same bucket overwrites them).
+
+    Works for ``ragged.nn`` encoders and HuggingFace models converted by
+    :func:`ragged.nn.convert` (embeddings, layers and head inside the graph): ``g(rt)`` with ``rt``
+    a RaggedTensor of token ids, or of ``[T, d]`` hidden states. See the module docstring for the
+    rules of a call.
+    """
+    return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs)
