@@ -222,7 +222,9 @@ class Graphed(nn.Module):
         buf = self._buffers.get(key)
         if buf is None or buf.shape[0] < rows:
             top = max(rows, self.max_tokens if name[0] == "values" else self.max_batch_size + 1)
-            buf = self._buffers[key] = torch.zeros((top, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
+                buf = torch.zeros((top, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
         return buf[:rows]
 
     def _call(self, args, kwargs, rts, values, offsets, max_len: int):

@@ -37,6 +37,7 @@ from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, d
                        max_error_compare, register, workload_shapes)
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
+GRAPHED = "ragged graphed"
 SEED = 0
 
 # Baseline names (the rows' ``impl``).
@@ -293,7 +294,39 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
             impls.append(Impl(name, "ragged", skip="; ".join(why)))
         else:
             impls.append(Impl(name, "ragged", _forward_or_backward(forward, inputs, p.do if backward else None)))
+    if device.type == "cuda":
+        impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
+
+
+def _graphed_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...]) -> Impl:
+    """``ragged graphed``: the auto-chosen ragged forward (and backward) replayed from CUDA graphs
+    captured here: ``torch.cuda.make_graphed_callables`` with a backward, one graph without."""
+    M = p.width
+
+    def forward(q, k, v):
+        return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, M, M, causal=causal)
+
+    try:
+        if backward:
+            run = torch.cuda.make_graphed_callables(forward, inputs)
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):
+                    forward(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                static = forward(*inputs)
+
+            def run(*_):
+                graph.replay()
+                return static
+    except Exception as exc:  # noqa: BLE001 - a row that cannot be captured says why
+        return Impl(GRAPHED, "ragged", skip=f"capture failed: {_error_text(exc)}")
+    return Impl(GRAPHED, "ragged", _forward_or_backward(run, inputs, p.do if backward else None))
 
 
 def _sdpa_masked(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -452,6 +485,9 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   `cuda` is the short-sequence kernel (forward only), `torch` the float32 reference
   (a loop over the sequences; timed on the CPU cases only, where it is ragged's CPU path:
   `sum(L_i^2)` work against `B * M^2` for padded SDPA).
+- `ragged graphed` (CUDA): the same call with the auto-chosen backend, captured once in a CUDA
+  graph (forward) or through `torch.cuda.make_graphed_callables` (forward and backward) and
+  replayed: what a graphed model pays for the attention, without the per-call host time.
 - `SDPA padded + mask`: `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` on
   contiguous padded `[B, H, M, D]`; `mask` is bool, True = attend: the key-padding mask
   `[B, 1, 1, M]`, and for causal `key_padding & tril(M, M)` as `[B, 1, M, M]` (built

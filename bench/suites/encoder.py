@@ -65,6 +65,7 @@ NESTED = "torch nested"
 DENSE = "dense equal tokens"
 RAGGED = "ragged"
 RAGGED_PADDED = "ragged (padded in/out)"
+RAGGED_GRAPHED = "ragged graphed"
 
 # Extra columns (``Row.extra`` keys).
 VS_PADDED = "speedup vs padded"
@@ -435,7 +436,7 @@ def inference_impls(m: Models, p: Problem) -> list[Impl]:
     def ragged_padded():  # packs from the mask (one read of its lengths), unpacks at the end
         return m.ragged(x, src_key_padding_mask=mask)
 
-    return [
+    impls = [
         Impl(PADDED, "baseline", padded),
         Impl(PADDED_FAST, "baseline", padded_fast),
         Impl(NESTED, "baseline", nested),
@@ -444,6 +445,12 @@ def inference_impls(m: Models, p: Problem) -> list[Impl]:
         Impl(RAGGED, "ragged", ragged_rt),
         Impl(RAGGED_PADDED, "ragged", ragged_padded),
     ]
+    if p.rt.values.is_cuda:
+        # CUDA graphs per bucket: the batch's bucket is captured by the untimed check call
+        graphed = rnn.graphed(m.ragged, max_tokens=1 << p.rt.num_tokens.bit_length(),
+                                    max_batch_size=p.rt.batch_size)
+        impls.append(Impl(RAGGED_GRAPHED, "ragged", lambda: graphed(p.rt)))
+    return impls
 
 
 def padded_check(m: Models, p: Problem, backward: bool) -> Callable[[], Any]:
@@ -602,6 +609,9 @@ Inference rows (eval mode, `torch.no_grad()`):
   once, outside the timed region); returns a RaggedTensor, reads nothing from the device.
 - `ragged (padded in/out)`: `ragged_enc(x, src_key_padding_mask=mask)`: reads the mask's
   lengths (one device-to-host read), packs, runs, unpacks with zeros at padding.
+- `ragged graphed` (CUDA): `ragged.nn.graphed(ragged_enc, max_tokens=2^ceil(log2(T+1)),
+  max_batch_size=B)(rt)`: the inference forward replayed from the CUDA graph of the batch's
+  bucket (captured by the untimed check call), the output copied out of the graph's buffer.
 
 Training rows (train mode, dropout 0.1 as BERT): the forward, then
 `torch.autograd.grad(out, params, g)` for every parameter with one fixed random `g` (zero
