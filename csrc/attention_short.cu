@@ -511,12 +511,16 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
 }
 
 // --------------------------------------------------------------------------------------
-// extern "C" entry points (the launcher, ragged/kernels/cuda_attention.py, keeps the same tables):
+// extern "C" entry points (the launcher, ragged/kernels/cuda/attention.py, keeps the same tables):
 //   ragged_attention_short_{bf16,f16}_d{D}_c{C}: W warps, one block per (sequence, head);
 //   ragged_attention_short_pipe_{bf16,f16}_d{D}_c{C}_h{HPB}: W warps, one block per (sequence,
 //   group of HPB heads), for max_seqlen_q <= 16 W and max_seqlen_k <= C.
 // MINB: at least that many blocks per multiprocessor (a register cap: these small tiles are
 // latency bound, and more resident blocks hide more of it).
+// NVRTC compiles each kernel on its own (ragged/kernels/cuda/launch.py): this file with the
+// instantiation lines at the end blanked, plus the one RAGGED_ATTENTION_SHORT(...) /
+// RAGGED_ATTENTION_SHORT_PIPELINED(...) invocation that defines it, read from those lines. So
+// they stay top-level and unconditional, one macro invocation each, with plain arguments.
 
 #define RAGGED_ATTENTION_PARAMS                                                                               \
     const u16 *q, const u16 *k, const u16 *v, u16 *out, float *lse, const void *cu_q, const void *cu_k,       \

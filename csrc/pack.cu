@@ -145,18 +145,28 @@ __device__ __forceinline__ void unpack_rows(const Vec* __restrict__ src, Vec* __
 }
 
 // extern "C" entry points, one per (vector width, offsets dtype): ragged_{pack,unpack}_v{bytes}_{i32,i64}.
-#define RAGGED_PACK_KERNELS(VEC, VNAME, OFF, ONAME)                                                          \
+// One kernel per macro: the launcher (ragged/kernels/cuda/launch.py) compiles each kernel on its
+// own, as this file with the instantiation lines below blanked plus the one RAGGED_PACK_KERNEL /
+// RAGGED_UNPACK_KERNEL invocation that defines it. Instantiation lines stay top-level and
+// unconditional, with plain arguments.
+#define RAGGED_PACK_KERNEL(VEC, VNAME, OFF, ONAME)                                                           \
     extern "C" __global__ void __launch_bounds__(256) ragged_pack_##VNAME##_##ONAME(                          \
         const char* src, VEC* dst, const OFF* offsets, i64 batch, i64 total, i64 width, i64 stride_b,         \
         i64 stride_m, i64 row_vecs, int left) {                                                               \
         pack_rows<VEC, OFF>(src, dst, offsets, batch, total, width, stride_b, stride_m, row_vecs, left);      \
-    }                                                                                                         \
+    }
+
+#define RAGGED_UNPACK_KERNEL(VEC, VNAME, OFF, ONAME)                                                         \
     extern "C" __global__ void __launch_bounds__(256) ragged_unpack_##VNAME##_##ONAME(                        \
         const VEC* src, VEC* dst, const OFF* offsets, i64 n_rows, i64 width, i64 row_vecs, int left,          \
         unsigned int w0, unsigned int w1, unsigned int w2, unsigned int w3) {                                 \
         unpack_rows<VEC, OFF>(src, dst, offsets, n_rows, width, row_vecs, left,                               \
                               fill_vector<VEC>(w0, w1, w2, w3));                                              \
     }
+
+#define RAGGED_PACK_KERNELS(VEC, VNAME, OFF, ONAME) \
+    RAGGED_PACK_KERNEL(VEC, VNAME, OFF, ONAME)      \
+    RAGGED_UNPACK_KERNEL(VEC, VNAME, OFF, ONAME)
 
 #define RAGGED_PACK_FOR_OFFSETS(VEC, VNAME)           \
     RAGGED_PACK_KERNELS(VEC, VNAME, int, i32)         \

@@ -22,6 +22,7 @@ from .tensor import RaggedTensor
 from .logits import RaggedLogits
 from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
                         vocab_cross_entropy, vocab_projection)
+from .warmup import warmup
 
 from .kernels import cuda as _cuda_backend, triton as _triton_backend  # noqa: F401  (they register)
 
@@ -59,6 +60,7 @@ __all__ = [
     "varlen_attention",
     "vocab_cross_entropy",
     "vocab_projection",
+    "warmup",
 ]
 
 
