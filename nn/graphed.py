@@ -44,19 +44,26 @@ __all__ = ["Graphed", "graphed", "powers_of_two"]
 _CONSTANTS = (type(None), bool, int, float, str)
 
 
-def powers_of_two(top: int, start: int = 1) -> tuple[int, ...]:
-    """``start, 2 * start, ...`` up to ``top``, with ``top`` itself last."""
+def powers_of_two(top: int, start: int = 1, steps: int = 1) -> tuple[int, ...]:
+    """``start, 2 * start, ...`` up to ``top``, with ``top`` itself last; ``steps`` > 1 adds
+    ``steps - 1`` evenly spaced sizes inside each octave (4: ``64, 80, 96, 112, 128, 160, ...``,
+    at most 25% over a batch's size), each a multiple of 8 where the octave allows."""
     out, b = [], max(1, start)
     while b < top:
-        out.append(b)
+        for i in range(steps):
+            size = b + (b * i) // steps
+            if steps > 1 and b >= 8 * steps:
+                size -= size % 8
+            if size < top and (not out or size > out[-1]):
+                out.append(size)
         b *= 2
     out.append(top)
     return tuple(out)
 
 
-def _buckets(fn: str, name: str, given, top: int, start: int) -> tuple[int, ...]:
+def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1) -> tuple[int, ...]:
     if given is None:
-        return powers_of_two(top, start)
+        return powers_of_two(top, start, steps)
     try:
         values = sorted({int(v) for v in given})
     except (TypeError, ValueError):
@@ -103,7 +110,9 @@ class Graphed(nn.Module):
         super().__init__()
         self.module = module
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
-        self.token_buckets = _buckets(fn, "token_buckets", token_buckets, max_tokens, 64)
+        # tokens: four buckets an octave (the GEMMs run on the bucket's rows: at most 25% more);
+        # sequences and lengths: powers of two (they size grids, not work)
+        self.token_buckets = _buckets(fn, "token_buckets", token_buckets, max_tokens, 64, 4)
         self.batch_buckets = _buckets(fn, "batch_buckets", batch_buckets, max_batch_size, 1)
         self.length_buckets = _buckets(fn, "length_buckets", length_buckets, max_tokens, 16)
         self.copy_outputs = bool(copy_outputs)
@@ -294,7 +303,7 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     """``module``'s inference forward on RaggedTensor batches through CUDA graphs, one per bucket.
 
     ``max_tokens`` / ``max_batch_size``: the largest batch graphed (larger ones run eagerly, with
-    a one-time warning). Buckets: ``token_buckets`` (default powers of two from 64),
+    a one-time warning). Buckets: ``token_buckets`` (default 64, 80, 96, 112, 128, 160, ...: four an octave),
     ``batch_buckets`` (from 1) and ``length_buckets`` (longest sequence, from 16), each ending at
     its maximum (``max_tokens`` for lengths). ``copy_outputs=False`` returns views of the graph's
     static outputs (no copy; the next call of the same bucket overwrites them).
