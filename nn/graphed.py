@@ -312,5 +312,20 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     :func:`ragged.nn.convert` (embeddings, layers and head inside the graph): ``g(rt)`` with ``rt``
     a RaggedTensor of token ids, or of ``[T, d]`` hidden states. See the module docstring for the
     rules of a call.
+
+    A SentenceTransformer converted by :func:`ragged.nn.convert` is returned itself, its
+    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (the pooling and the
+    modules after it run eagerly on the graph's output); ``ragged.nn.graphed(st, ...)`` again
+    replaces those graphs, and ``st[0].forward.graphed = None`` turns them off.
     """
+    from . import hf_sentence
+
+    if hf_sentence.is_sentence_transformer(module):
+        if not hf_sentence.is_converted(module):
+            raise ValueError("ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
+                             "(its encode() packs the batches the graphs take), got one that is not converted")
+        forward = module[0].__dict__["forward"]
+        forward.graphed = Graphed(module[0]._modules["model"], max_tokens, max_batch_size, token_buckets,
+                                  batch_buckets, length_buckets, copy_outputs)
+        return module
     return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs)

@@ -8,23 +8,22 @@
 attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf_bert`; the
 Transformer gets a ``forward`` (:class:`RaggedTransformerForward`) and a ``preprocess``
 (:class:`RaggedPreprocess`), each Pooling that reads the Transformer's token embeddings a
-``forward`` (:class:`RaggedPooling`), the model an ``encode`` (:class:`RaggedEncode`).
-Classes, module tree, Parameters and ``state_dict`` keys stay: ``save`` writes the original's
-files (a loaded model is a plain SentenceTransformer until converted again), an optimizer
-built before keeps training the model, ``copy.deepcopy`` / ``pickle`` give a converted model.
-Converting a converted model changes nothing.
+``forward`` (:class:`RaggedPooling`), the model an ``encode`` (:class:`RaggedEncode`). Classes,
+module tree, Parameters and ``state_dict`` keys stay: ``save`` writes the original's files (a loaded
+model is a plain SentenceTransformer until converted again), an optimizer built before keeps
+training the model, ``copy.deepcopy`` / ``pickle`` give a converted model. Converting a converted
+model changes nothing.
 
-**Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the
-texts are tokenized without padding (sentence-transformers' preprocess with ``padding=False``
-and no tensors, when the tokenizer pads on the right and no module reads padded token
-embeddings: faster than the tokenizer's padding and tensor conversion), otherwise as
-sentence-transformers tokenizes them and packed from the host mask. The Transformer moves the
-packed ids to the device (pinned, non-blocking on CUDA): no device read. Outside ``encode``
-(``st(features)`` in training, losses, evaluators) the padded ``input_ids`` are packed with
-their ``attention_mask`` on the device: one device-to-host read of the mask (its lengths and
-layout, :func:`ragged.interop.read_mask_layout`). The ``auto_model`` returns a RaggedTensor,
-which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout and LayerNorm act on
-the ``[B, d]`` sentence embeddings as they are.
+**Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the texts are
+tokenized without padding (sentence-transformers' preprocess with ``padding=False`` and no tensors,
+when the tokenizer pads on the right and no module reads padded token embeddings: faster than the
+tokenizer's padding and tensor conversion), otherwise as sentence-transformers tokenizes them and
+packed from the host mask. The Transformer moves the packed ids to the device (pinned, non-blocking
+on CUDA): no device read. Outside ``encode`` (``st(features)`` in training, losses, evaluators) the
+padded ``input_ids`` are packed with their ``attention_mask`` on the device: one device-to-host read
+of the mask (its lengths and layout, :func:`ragged.interop.read_mask_layout`). The ``auto_model``
+returns a RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout
+and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 
 **Features** after the converted Transformer:
 
@@ -38,13 +37,13 @@ the ``[B, d]`` sentence embeddings as they are.
 * ``input_ids``, ``token_type_ids``, ``attention_mask`` as the tokenizer made them (absent
   when ``encode`` tokenized without padding).
 
-**Pooling** (``cls``, ``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``,
-``lasttoken`` and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed
-tokens when the features' ``token_embeddings`` is the one the Transformer wrote (or absent);
-a loss or module that put others there gets sentence-transformers' own padded pooling.
-``weightedmean`` weighs by the columns of the padded batch, as sentence-transformers does.
-A sequence with no token pools to zeros (sentence-transformers: ``-inf`` for ``max``);
-tokenizers always add special tokens, so ``encode`` never meets one.
+**Pooling** (``cls``, ``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``, ``lasttoken``
+and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
+features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
+put others there gets sentence-transformers' own padded pooling. ``weightedmean`` weighs by the
+columns of the padded batch, as sentence-transformers does. A sequence with no token pools to zeros
+(sentence-transformers: ``-inf`` for ``max``); tokenizers always add special tokens, so ``encode``
+never meets one.
 
 **Other modules** after the Transformer (LSTM, CNN, WordWeights, custom modules, Dense or
 Normalize on token embeddings, a Pooling after one of those, a Pooling subclass) keep working
@@ -52,13 +51,13 @@ on padded ``token_embeddings`` written on every call; conversion lists them in a
 (``strict=True``: NotImplementedError instead).
 
 **Refused**, with the model untouched: a first module other than sentence-transformers'
-``Transformer`` (a Router, StaticEmbedding, a subclass), a backend other than torch, a task
-other than feature extraction, a text modality other than the model's forward to
-``last_hidden_state``, flattened inputs for flash attention (``unpad_inputs``: set
-``st[0].unpad_inputs = False`` first), query expansion with ``attend=False``, an
-``auto_model`` that :mod:`ragged.nn.hf_bert` refuses (its reason is given), ``forward`` /
-``preprocess`` / ``encode`` already replaced by something else. At call time, inputs of
-another modality than text and flattened inputs (``cu_seq_lens_q``) raise NotImplementedError.
+``Transformer`` (a Router, StaticEmbedding, a subclass), a backend other than torch, a task other
+than feature extraction, a text modality other than the model's forward to ``last_hidden_state``,
+flattened inputs for flash attention (``unpad_inputs``: set ``st[0].unpad_inputs = False`` first),
+query expansion with ``attend=False``, an ``auto_model`` that :mod:`ragged.nn.hf_bert` refuses (its
+reason is given), ``forward`` / ``preprocess`` / ``encode`` already replaced by something else. At
+call time, inputs of another modality than text and flattened inputs (``cu_seq_lens_q``) raise
+NotImplementedError.
 """
 
 from __future__ import annotations
@@ -195,12 +194,13 @@ class RaggedTransformerForward:
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
         self.encoding: list[str] = []  # innermost last: "sentence" or "tokens" while encode runs
+        self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
 
     def __call__(self, features: dict, **kwargs) -> dict:
         return _transformer_forward(self, features, kwargs)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "encoding": []}
+        return {**self.__dict__, "encoding": [], "graphed": None}  # graphs are of this process
 
     def __repr__(self) -> str:
         return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings})"
@@ -229,8 +229,11 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     else:
         packed = pack_input(fn, self.style, ids, merged.get("attention_mask"),
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
-    inputs = {"input_ids": packed.ids, "token_type_ids": packed.token_type_ids, "position_ids": packed.position_ids}
-    out = model(**{name: t for name, t in inputs.items() if t is not None}, return_dict=True)
+    inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
+                                ("position_ids", packed.position_ids)) if t is not None}
+    if self.graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
+        inputs = {k: packed.ids.with_values(getattr(t, "values", t)) for k, t in inputs.items()}
+    out = (model if inputs["input_ids"] is packed.ids else self.graphed)(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
     if not isinstance(rt, RaggedTensor):
         raise NotImplementedError(f"{fn}(): its auto_model returned {describe(rt)}, not a RaggedTensor: its converted "

@@ -23,7 +23,7 @@ FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
        "cupy": None, "git_commit": None}
 HAS_ST = importlib.util.find_spec("sentence_transformers") is not None
-SKIPPED_ON_CPU = (H.HF_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8)
+SKIPPED_ON_CPU = (H.HF_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED)
 
 
 @pytest.fixture(autouse=True)

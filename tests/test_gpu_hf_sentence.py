@@ -161,3 +161,24 @@ def test_gpu_minilm_checkpoint(dtype):
     want, got = oracle.encode(texts, batch_size=32), ours.encode(texts, batch_size=32)
     cosine = (want * got).sum(1) / np.linalg.norm(want, axis=1) / np.linalg.norm(got, axis=1)
     assert cosine.min() >= (0.99999 if dtype == torch.float32 else 0.999), cosine.min()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_gpu_graphed_encode_matches_eager(gpu_folders, family, mode):
+    """ragged.nn.graphed(st): encode() replays graphs of the model, same embeddings as eager."""
+    dtype = torch.bfloat16
+    oracle, theirs, ours = _models(gpu_folders[family], mode, dtype, [M.Normalize()])
+    eager = ours.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True)
+    assert ragged.nn.graphed(ours, max_tokens=512, max_batch_size=8) is ours
+    graphs = ours[0].forward.graphed
+    got = ours.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True)
+    again = ours.encode(GPU_TEXTS[::-1], batch_size=4, convert_to_tensor=True)
+    assert graphs.num_graphs >= 1
+    want = oracle.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True)
+    hf = theirs.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True)
+    _close(got, hf, want, dtype, "graphed sentence_embedding")
+    _close(again.flip(0), hf, want, dtype, "graphed sentence_embedding, other batches")
+    assert (got.float() - eager.float()).abs().max().item() < 2e-2
+    ours[0].forward.graphed = None
+    assert ours.encode(GPU_TEXTS[:2], convert_to_tensor=True).shape[0] == 2

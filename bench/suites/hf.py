@@ -45,6 +45,7 @@ RAG_BUDGET_DATA, RAG_BUDGET_SORTED = "ragged, data order, token budget", "ragged
 RAG_ST_32, RAG_ST_256 = "ragged ST encode, batch 32", "ragged ST encode, batch 256"
 HF_PADDED, HF_FA2, RAGGED = "HF SDPA, padded", "HF flash_attention_2, flattened", "ragged"
 RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED = "ragged graphed, data order", "ragged graphed, sorted"
+RAG_ST_GRAPHED = "ragged graphed ST encode, batch 256"
 HF_DATA_8, RAG_DATA_8, RAG_GRAPHED_8 = ("HF SDPA, data order, batch 8", "ragged, data order, batch 8",
                                         "ragged graphed, data order, batch 8")
 _B, _R = "baseline", "ragged"
@@ -52,7 +53,7 @@ ROWS = {
     EMBEDDING: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (ST_32, _B), (ST_256, _B), (ST_FA2, _B),
                 (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_BUDGET_DATA, _R), (RAG_BUDGET_SORTED, _R), (RAG_ST_32, _R),
                 (RAG_ST_256, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (HF_DATA_8, _B), (RAG_DATA_8, _R),
-                (RAG_GRAPHED_8, _R)),
+                (RAG_GRAPHED_8, _R), (RAG_ST_GRAPHED, _R)),
     FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R)),
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
 }
@@ -573,6 +574,14 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
             fns[name] = "CUDA graphs: runs on CUDA"
         else:
             fns[name] = Run(graphed_pass(converted, data, batches))
+    if st_converted is None:
+        fns[RAG_ST_GRAPHED] = broken(st_convert_error)
+    elif device.type != "cuda":
+        fns[RAG_ST_GRAPHED] = "CUDA graphs: runs on CUDA"
+    else:
+        top = 1 << int(256 * data.lengths.max()).bit_length()
+        st_graphed = rnn.graphed(copy.deepcopy(st_converted), max_tokens=top, max_batch_size=256)
+        fns[RAG_ST_GRAPHED] = Run(encode_pass(st_graphed, data.texts, 256))
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         if name not in fns:
             fns[name] = broken(st_convert_error) if st_converted is None else \
