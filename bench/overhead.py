@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         for name, us, line in table:
             budget = BUDGETS.get(name)
             verdict = "" if budget is None or us is None else ("met" if us <= budget else "MISSED")
-            lines.append(f"| {name} | {'' if us is None else f'{us:.1f}'} | {budget or ''} | {verdict or line * (us is None)} |")
+            cell = "" if us is None else f"{us:.1f}"
+            lines.append(f"| {name} | {cell} | {budget or ''} | {verdict if us is not None else line} |")
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
