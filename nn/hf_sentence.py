@@ -232,7 +232,7 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
                                 ("position_ids", packed.position_ids)) if t is not None}
     if self.graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
-        inputs = {k: packed.ids.with_values(getattr(t, "values", t)) for k, t in inputs.items()}
+        inputs = {k: packed.ids.with_values(t.values if k == "input_ids" else t) for k, t in inputs.items()}
     out = (model if inputs["input_ids"] is packed.ids else self.graphed)(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
     if not isinstance(rt, RaggedTensor):

@@ -162,10 +162,6 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         lses.append(lse.transpose(0, 1))
     if not outs:  # B = 0 (so T = 0): empty results that stay in the autograd graph
         return q * 0, torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
-    spare = q.shape[0] - cq[-1]  # rows past the last offset (a graphed bucket's): zeros, as no query's
-    if spare > 0:
-        outs.append(torch.zeros((spare, heads, v.shape[2]), dtype=dtype, device=q.device))
-        lses.append(torch.zeros((spare, heads), dtype=dtype, device=q.device))
     out = torch.cat(outs).to(q.dtype)
     return out, torch.cat(lses).to(torch.float32)
 
@@ -337,8 +333,13 @@ def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout
                        window_right=-1):
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
     with torch.no_grad():
-        return reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                   window_size=(window_left, window_right))
+        out, lse = reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
+                                       window_size=(window_left, window_right))
+    spare = q.shape[0] - out.shape[0]  # rows past the last offset (a graphed bucket's): zeros, as the op's shape
+    if spare > 0:
+        out = torch.cat([out, out.new_zeros((spare, *out.shape[1:]))])
+        lse = torch.cat([lse, lse.new_zeros((spare, lse.shape[1]))])
+    return out, lse
 
 
 def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
