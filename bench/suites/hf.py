@@ -423,25 +423,9 @@ def padded_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], t
     return run
 
 
-def ragged_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
-    """A pass of a converted model: ``collate``, move, run on RaggedTensors, ``ragged.pool``; ``[N, d]``."""
-    from ragged.data import collate
-
-    inverse = data.inverse(batches)
-
-    @torch.inference_mode()
-    def run() -> torch.Tensor:
-        out = []
-        for idx in batches:
-            b = collate([data.features[i] for i in idx]).to(data.device, non_blocking=True)
-            out.append(ragged.pool(model(**b).last_hidden_state, "mean").float())
-        return torch.cat(out).index_select(0, inverse)
-
-    return run
-
-
 class MeanPooled(torch.nn.Module):
-    """A converted model and ``ragged.pool(..., "mean")`` as one module (both inside a graph)."""
+    """A converted model and ``ragged.pool(..., "mean")`` as one module (both inside a graph
+    when graphed): ``[B, d]`` embeddings of a collated batch."""
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -451,23 +435,25 @@ class MeanPooled(torch.nn.Module):
         return ragged.pool(self.model(**batch).last_hidden_state, "mean")
 
 
-def graphed_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
-    """:func:`ragged_pass` through ``ragged.nn.graphed`` (the model and the mean pooling captured
-    per bucket; buckets up to the largest batch's tokens and size)."""
+def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = False) -> Callable[[], torch.Tensor]:
+    """A pass of a converted model: ``collate``, move, run on RaggedTensors, ``ragged.pool``; ``[N, d]``.
+    ``graphed``: the model and the pooling through ``ragged.nn.graphed`` (buckets up to the largest
+    batch's tokens and size)."""
     import ragged.nn as rnn
     from ragged.data import collate
 
     inverse = data.inverse(batches)
-    tokens = max(int(data.lengths[idx].sum()) for idx in batches)
-    graphed = rnn.graphed(MeanPooled(model).eval(), max_tokens=1 << tokens.bit_length(),
-                          max_batch_size=max(len(idx) for idx in batches))
+    embed = MeanPooled(model).eval()
+    if graphed:
+        tokens = max(int(data.lengths[idx].sum()) for idx in batches)
+        embed = rnn.graphed(embed, max_tokens=1 << tokens.bit_length(), max_batch_size=max(len(i) for i in batches))
 
     @torch.inference_mode()
     def run() -> torch.Tensor:
         out = []
         for idx in batches:
             b = collate([data.features[i] for i in idx]).to(data.device, non_blocking=True)
-            out.append(graphed(**b).float())
+            out.append(embed(**b).float())
         return torch.cat(out).index_select(0, inverse)
 
     return run
@@ -573,7 +559,7 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
         elif device.type != "cuda":
             fns[name] = "CUDA graphs: runs on CUDA"
         else:
-            fns[name] = Run(graphed_pass(converted, data, batches))
+            fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
     if st_converted is None:
         fns[RAG_ST_GRAPHED] = broken(st_convert_error)
     elif device.type != "cuda":
