@@ -162,10 +162,10 @@ class Graphed(nn.Module):
         n_tok, batch, max_len = first.num_tokens, first.batch_size, first.max_len
         device = first.values.device
         if self.capture and device.type != "cuda":
-            return self._eager(f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
+            return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
         size = self.bucket(n_tok, batch, max_len)
         if size is None:
-            return self._eager(f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
+            return self._eager("size", f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
                                f"({self.max_tokens} tokens, {self.max_batch_size} sequences)", args, kwargs)
         t_b, b_b, l_b = size
         off = first.offsets
@@ -213,15 +213,14 @@ class Graphed(nn.Module):
                                  f"with {rt.batch_size} sequences and {rt.num_tokens} tokens")
         return rts, tuple(key)
 
-    def _warn_once(self, why: str) -> None:
-        kind = why.split(":")[0]
+    def _warn_once(self, kind: str, why: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(f"ragged.nn.graphed: running eagerly ({why}); further such calls run eagerly "
                           "without a warning", stacklevel=3)
 
-    def _eager(self, why: str, args, kwargs):
-        self._warn_once(why)
+    def _eager(self, kind: str, why: str, args, kwargs):
+        self._warn_once(kind, why)
         with torch.no_grad():
             return self.module(*args, **kwargs)
 
