@@ -35,6 +35,7 @@ __all__ = [
     "add_layer_norm",
     "attention",
     "bias_act",
+    "build_info",
     "explain",
     "from_attention_mask",
     "from_cu_seqlens",
@@ -62,6 +63,17 @@ __all__ = [
     "vocab_projection",
     "warmup",
 ]
+
+
+def build_info() -> dict:
+    """How the CUDA C++ kernels of ``csrc/`` are built and loaded in this process: ``launch``
+    (``"aot"``: the ``ragged._C`` binary; ``"jit"``: NVRTC through CuPy; None without a CUDA
+    device), ``aot_present``, ``aot_archs`` (SM architectures built), ``aot_ptx``, ``aot_nvcc``,
+    ``aot_cuda_runtime``, ``aot_reason`` (why ``_C`` is not used, when it is not), ``cupy`` (its
+    version or None) and the ``RAGGED_CUDA_LAUNCH`` setting."""
+    from .kernels.cuda.launch import build_info as info
+
+    return info()
 
 
 def __getattr__(name: str):

@@ -213,6 +213,9 @@ def fresh_caches(monkeypatch):
     monkeypatch.setattr(kc, "_modules", {})
     monkeypatch.setattr(kc, "_functions", {})
     monkeypatch.setattr(kc, "_compile_locks", {})
+    # the NVRTC path (with ragged._C installed the default would be the ahead-of-time binary)
+    monkeypatch.setenv(kc.LAUNCH_VARIABLE, "jit")
+    monkeypatch.setattr(kc, "_paths", {})
 
 
 def test_precompile_compiles_each_program_once_concurrently(monkeypatch, fresh_caches):

@@ -14,6 +14,11 @@ A program is compiled once per (kernel, device) in this process (CuPy's disk cac
 the program text and options, keeps it across processes); :func:`precompile` compiles a list
 of kernels concurrently (NVRTC runs without the GIL). Kernels are launched on torch's current
 stream of the tensor's device, with raw ``data_ptr()`` arguments: no copies, no sync.
+
+Ahead of time: where ``ragged._C`` is installed (``RAGGED_BUILD_CUDA=1``; ``setup.py``) and holds
+the device's architecture, a kernel's CUfunction comes from that binary instead of NVRTC (no
+compile, no CuPy); the launch itself is the same driver call. ``RAGGED_CUDA_LAUNCH=aot|jit``
+forces one (:func:`launch_path`); :func:`build_info` says which is in use.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import concurrent.futures
 import ctypes
 import difflib
 import functools
+import importlib
 import importlib.resources
 import os
 import pathlib
@@ -105,6 +111,10 @@ def precompile(items, device=None, max_workers: int | None = None) -> None:
         device = torch.device(device)
         index = device.index if device.index is not None else _current_device()
     wanted = [(src_name, kernel, program(src_name, kernel)) for src_name, kernel in items]
+    if launch_path(index) == "aot":  # nothing to compile: the binary's functions are looked up
+        for src_name, kernel, _ in wanted:
+            _function(src_name, kernel, index)
+        return
     todo = {}
     for _, kernel, prog in wanted:
         if (kernel, index) not in _functions:
@@ -209,11 +219,98 @@ def _driver():
 DRIVER_LAUNCH = True
 
 
+# --------------------------------------------------------------------------------------
+# Ahead of time (ragged._C) or just in time (NVRTC)
+
+LAUNCH_VARIABLE = "RAGGED_CUDA_LAUNCH"  # "aot", "jit" or "auto" (default: aot where _C holds the arch)
+_aot_state: list = []  # [(ragged._C or None, why not)] once looked up
+_paths: dict[int, str] = {}  # device index -> "aot" or "jit", chosen at its first launch
+
+
+def aot_module():
+    """``(ragged._C, None)`` when the ahead-of-time build is installed, else ``(None, why)``."""
+    if not _aot_state:
+        try:
+            _C = importlib.import_module("ragged._C")  # the compiled extension beside the package
+        except ImportError as exc:
+            _aot_state.append((None, f"ragged._C is not built ({exc}); RAGGED_BUILD_CUDA=1 pip install . builds it"))
+        else:
+            _aot_state.append((_C, None))
+    return _aot_state[0]
+
+
+def aot_reason(index: int) -> str | None:
+    """Why ``ragged._C`` cannot launch on device ``index`` (None when it can): not built, or no
+    machine code for the device's architecture (nor PTX the driver can compile for it)."""
+    module, why = aot_module()
+    if module is None:
+        return why
+    major, minor = torch.cuda.get_device_capability(index)
+    arch, archs, ptx = 10 * major + minor, list(module.archs()), module.ptx_arch
+    if arch in archs or (ptx and arch >= ptx):
+        return None
+    return f"ragged._C holds machine code for sm {archs} (PTX of sm_{ptx}), not for this device's sm_{arch}"
+
+
+def launch_path(index: int) -> str:
+    """``"aot"`` or ``"jit"``: how kernels are loaded on device ``index`` (``RAGGED_CUDA_LAUNCH``
+    read at the device's first launch: ``aot`` and ``jit`` force one, a forced ``aot`` that cannot
+    run raises with the reason; unset or ``auto``: ``_C`` where it holds the device's code)."""
+    path = _paths.get(index)
+    if path is None:
+        mode = os.environ.get(LAUNCH_VARIABLE, "").strip().lower() or "auto"
+        if mode not in ("auto", "aot", "jit"):
+            raise ValueError(f"ragged: expected {LAUNCH_VARIABLE} to be aot, jit or auto, got {mode!r}")
+        why = None if mode == "jit" else aot_reason(index)
+        if mode == "aot" and why is not None:
+            raise RuntimeError(f"ragged: {LAUNCH_VARIABLE}=aot, but {why}")
+        path = _paths[index] = "aot" if why is None and mode != "jit" else "jit"
+    return path
+
+
+class _AotFunction:
+    """A kernel of ``ragged._C``: its CUfunction in the device's primary context."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
 def _function(src_name: str, kernel: str, index: int):
     fn = _functions.get((kernel, index))
     if fn is None:
-        fn = _functions[(kernel, index)] = _module(program(src_name, kernel), index).get_function(kernel).kernel
+        if launch_path(index) == "aot":
+            fn = _AotFunction(aot_module()[0].function(kernel, index))
+        else:
+            fn = _module(program(src_name, kernel), index).get_function(kernel).kernel
+        _functions[(kernel, index)] = fn
     return fn
+
+
+def build_info() -> dict:
+    """How the CUDA C++ kernels are built and loaded here (see :func:`ragged.build_info`)."""
+    module, why = aot_module()
+    launch = None
+    if torch.cuda.is_available() and torch.version.hip is None:
+        index = _current_device()
+        try:
+            launch = launch_path(index)
+        except (RuntimeError, ValueError) as exc:
+            launch = f"error: {exc}"
+        why = why if module is None else aot_reason(index)
+    try:
+        import cupy
+
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    return {"launch": launch, "aot_present": module is not None,
+            "aot_archs": list(module.archs()) if module is not None else [],
+            "aot_ptx": module.ptx_arch if module is not None else None,
+            "aot_nvcc": module.nvcc_version if module is not None else None,
+            "aot_cuda_runtime": module.cuda_runtime_version if module is not None else None,
+            "aot_reason": why, "cupy": cupy_version, LAUNCH_VARIABLE: os.environ.get(LAUNCH_VARIABLE)}
 
 
 def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: tuple[int, int], params: Params,
@@ -232,8 +329,22 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
     if driver is not None and index == _current_device():
         extra = _LaunchExtra(_CU_LAUNCH_PARAM_BUFFER_POINTER, params.pack(values), _CU_LAUNCH_PARAM_BUFFER_SIZE,
                              params.size_pointer, None)
-        if driver(fn.ptr, grid, 1, 1, block[0], block[1], 1, 0, handle, None, ctypes.byref(extra)) == 0:
+        rc = driver(fn.ptr, grid, 1, 1, block[0], block[1], 1, 0, handle, None, ctypes.byref(extra))
+        if rc == 0:
             return
+    else:
+        rc = None
+    if type(fn) is _AotFunction:  # no CuPy on this path: the driver, with the device made current
+        if driver is None:
+            raise RuntimeError("ragged._C: the CUDA driver library (libcuda) was not found")
+        if rc is None:
+            with torch.cuda.device(index):
+                extra = _LaunchExtra(_CU_LAUNCH_PARAM_BUFFER_POINTER, params.pack(values),
+                                     _CU_LAUNCH_PARAM_BUFFER_SIZE, params.size_pointer, None)
+                rc = driver(fn.ptr, grid, 1, 1, block[0], block[1], 1, 0, handle, None, ctypes.byref(extra))
+        if rc != 0:
+            raise RuntimeError(f"ragged._C: cuLaunchKernel({kernel}) failed with CUresult {rc}")
+        return
     _cupy_launch(fn, index, handle, grid, block, params.scalars(values))
 
 
