@@ -39,6 +39,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
@@ -189,17 +190,14 @@ def cuda_reason(device: torch.device) -> str | None:
         return f"the CUDA kernels need a CUDA tensor, got a {device.type} tensor"
     if torch.version.hip is not None:
         return "the CUDA kernels are not built for ROCm"
-    if _aot_built():  # ragged._C: no CuPy needed (the launcher says if it lacks the device's arch)
+    if _AOT_BUILT:  # ragged._C: no CuPy needed (the launcher says if it lacks the device's arch)
         return None
     why = import_error("cupy")
     return None if why is None else f"{why} (or build ragged._C: RAGGED_BUILD_CUDA=1 pip install .)"
 
 
-@functools.lru_cache(maxsize=None)
-def _aot_built() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ragged._C") is not None
+# Whether the ahead-of-time binary is installed, looked up once at import (not in a traced call)
+_AOT_BUILT = importlib.util.find_spec("ragged._C") is not None
 
 
 # --------------------------------------------------------------------------------------
