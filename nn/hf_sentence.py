@@ -231,9 +231,10 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
     inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
                                 ("position_ids", packed.position_ids)) if t is not None}
+    run = model
     if self.graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
-        inputs = {k: packed.ids.with_values(t.values if k == "input_ids" else t) for k, t in inputs.items()}
-    out = (model if inputs["input_ids"] is packed.ids else self.graphed)(**inputs, return_dict=True)
+        run, inputs = self.graphed, {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
+    out = run(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
     if not isinstance(rt, RaggedTensor):
         raise NotImplementedError(f"{fn}(): its auto_model returned {describe(rt)}, not a RaggedTensor: its converted "
