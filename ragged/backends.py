@@ -421,9 +421,10 @@ class _Captured(BaseException):
 _EXPLAIN = "<explain>"  # the value of _active while explain() calls a public function
 
 
-def _explain_call(public: Callable, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
     """explain() of a public function: run it until it asks select() for a backend."""
     name = _public_name(public)
+    selected = get_backend()  # the caller's choice, read before the call runs under _EXPLAIN
     try:
         bound = inspect.signature(public).bind(*args, **kwargs)
     except TypeError as exc:
@@ -442,15 +443,19 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> dict[str, list
     try:
         public(*args, **kwargs)
     except _Captured as captured:
-        return _spec_reasons(_OPS[captured.op], captured.spec)
+        found = captured
+    else:
+        found = None
     finally:
         _active.reset(token)
         _stack.reset(stack_token)
+    if found is not None:
+        return _spec_reasons(_OPS[found.op], found.spec, selected)
     raise ValueError(f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
                      "none (no op with backends runs for these arguments)")
 
 
-def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> Explanation:
     try:
         inspect.signature(entry.spec).bind(*args, **kwargs)
     except TypeError as exc:
@@ -459,18 +464,52 @@ def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> dict[str, list[s
         spec = entry.spec(*args, **kwargs)
     except (AttributeError, TypeError, IndexError) as exc:
         raise _bad_arguments(op, entry, args, kwargs, f"{type(exc).__name__}: {exc}") from exc
-    return _spec_reasons(entry, spec)
+    return _spec_reasons(entry, spec, get_backend())
 
 
-def _spec_reasons(entry: _Op, spec) -> dict[str, list[str]]:
-    return {name: impl.reasons(spec) for name, impl in entry.impls.items()}
+class Explanation(dict):
+    """What :func:`explain` returns: ``{backend name: [reason, ...]}`` (a plain dict of every
+    implementation's reasons), plus
+
+    * ``chosen``: the backend this call runs under the current selection (``set_backend`` /
+      ``use_backend``; a ``backend=`` argument of the explained call is ignored), or None where
+      the selected backend cannot take it (the call would raise);
+    * ``launch``: for a call the ``"cuda"`` backend runs, how its kernels are loaded on that
+      device: ``"aot"`` (the ``ragged._C`` binary) or ``"jit"`` (NVRTC), see
+      :func:`ragged.build_info`; None for any other backend."""
+
+    chosen: str | None = None
+    launch: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Explanation({dict.__repr__(self)}, chosen={self.chosen!r}, launch={self.launch!r})"
 
 
-def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
+def _spec_reasons(entry: _Op, spec, selected: str) -> Explanation:
+    out = Explanation({name: impl.reasons(spec) for name, impl in entry.impls.items()})
+    name = selected
+    if name == "auto":
+        name = _auto_choice(entry, spec).name
+    elif out.get(name) != []:
+        name = None
+    out.chosen = name
+    if name == "cuda":
+        from .kernels.cuda.launch import _current_device, launch_path
+
+        index = spec.device.index if spec.device.index is not None else _current_device()
+        try:
+            out.launch = launch_path(index)
+        except (RuntimeError, ValueError) as exc:
+            out.launch = f"error: {exc}"
+    return out
+
+
+def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
     """For each implementation of an op, the reasons it cannot take these arguments.
 
-    Returns ``{backend name: [reason, ...]}``, an empty list for a backend that can take
-    the input. ``op`` is either
+    Returns an :class:`Explanation`: ``{backend name: [reason, ...]}``, an empty list for a
+    backend that can take the input, with ``.chosen`` (the backend the call runs) and
+    ``.launch`` (``"aot"`` or ``"jit"`` where that is the ``"cuda"`` backend). ``op`` is either
 
     * a public function of ragged, followed by that function's own arguments: it is run
       up to the point where it picks a backend (its argument checks included, no kernel),
@@ -505,6 +544,9 @@ def explain(op: str | Callable, /, *args, **kwargs) -> dict[str, list[str]]:
     []
     >>> ragged.explain("pack", x, rt.offsets)["cuda"]
     ['the CUDA kernels need a CUDA tensor, got a cpu tensor']
+    >>> why = ragged.explain(ragged.pack, x, lengths=[1, 3])
+    >>> why.chosen, why.launch
+    ('torch', None)
     >>> ragged.explain(ragged.unpack, rt)["torch"], ragged.explain("unpack", rt.values, rt.offsets)["torch"]
     ([], [])
     >>> q = ragged.pack([torch.randn(n, 2, 16) for n in (3, 5)])
@@ -564,6 +606,11 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
             raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: "
                              + "; ".join(reasons))
         return impl
+    return _auto_choice(entry, spec)
+
+
+def _auto_choice(entry: _Op, spec) -> Implementation:
+    """``"auto"``: the first implementation of the op's preference order that takes ``spec``."""
     if spec.device.type != "cuda":
         order = ("torch",)
     else:

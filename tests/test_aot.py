@@ -66,3 +66,13 @@ def test_build_info_keys():
     assert info["aot_present"] == HAVE_C
     if not torch.cuda.is_available():
         assert info["launch"] is None
+
+
+def test_launch_paths_bench_says_it_needs_a_gpu(capsys):
+    from bench import launch_paths
+
+    if torch.cuda.is_available():
+        pytest.skip("runs on the GPU (bench.launch_paths)")
+    assert launch_paths.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert set(launch_paths.MODES) == {"aot", "jit driver", "jit cupy"}

@@ -199,3 +199,19 @@ def test_gpu_both_forms_agree_and_auto_picks_a_backend_without_reasons(op, dtype
                 public(*args, backend=backend, **kwargs)
         else:
             public(*args, backend=backend, **kwargs)
+
+
+def test_explanation_names_the_backend_the_call_runs():
+    x = torch.randn(2, 4, 8)
+    why = ragged.explain(ragged.pack, x, lengths=[1, 3])
+    assert isinstance(why, dict) and set(why) == set(backends._OPS["pack"].impls)
+    assert why.chosen == "torch" and why.launch is None  # auto on a CPU tensor
+    with ragged.use_backend("torch"):
+        assert ragged.explain(ragged.pack, x, lengths=[1, 3]).chosen == "torch"
+        assert ragged.explain("pack", x, torch.tensor([0, 1, 4])).chosen == "torch"
+    with ragged.use_backend("cuda"):  # the selected backend cannot take a CPU tensor: the call would raise
+        why = ragged.explain(ragged.pack, x, lengths=[1, 3])
+        assert why.chosen is None and why["cuda"] and why.launch is None
+        with pytest.raises(ValueError, match="cannot take this input"):
+            ragged.pack(x, lengths=[1, 3])
+    assert "chosen='torch'" in repr(ragged.explain(ragged.pack, x, lengths=[1, 3]))

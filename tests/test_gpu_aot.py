@@ -67,3 +67,17 @@ def test_binary_and_nvrtc_give_bitwise_the_same_results(path):
     for i, (a, b) in enumerate(zip(jit, aot)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a, b.view(torch.uint8)), i
+
+
+@pytest.mark.parametrize("mode", ["aot", "jit"])
+def test_explain_names_the_launch_path_of_a_cuda_call(path, mode):
+    if mode == "jit":
+        pytest.importorskip("cupy")
+    path(mode)
+    x = torch.randn(3, 9, 16, device="cuda")
+    why = ragged.explain(ragged.pack, x, lengths=[9, 0, 4])
+    assert why["cuda"] == [] and why.chosen == "cuda" and why.launch == mode
+    assert ragged.build_info()["launch"] == mode
+    with ragged.use_backend("triton"):
+        why = ragged.explain(ragged.pack, x, lengths=[9, 0, 4])
+    assert why.chosen == "triton" and why.launch is None
