@@ -70,12 +70,19 @@ converted), ``is_decoder``, ``add_cross_attention``,
 a ``position_embedding_type`` other than ``"absolute"``, layers whose modules are not
 HuggingFace's (a LoRA Linear, a custom layer class), hooks on the modules the converted
 forward does not call (the base model of a head, the encoder and everything in it; HuggingFace's
-own output-capturing hooks are fine; hooks added there after conversion do not run) and models
-dispatched by accelerate. A layer Linear replaced after conversion (an adapter) raises at the
+own output-capturing hooks are fine; hooks added there after conversion do not run, except on
+the layers themselves, see below) and models dispatched by accelerate. A layer Linear replaced after conversion (an adapter) raises at the
 next call instead of being read as a plain Linear. At call time:
 ``output_attentions=True`` (the attention probabilities are never formed), ``head_mask``,
 cross-attention inputs, ``past_key_values``, ``is_causal=True`` and flash-attention packing
 arguments raise NotImplementedError.
+
+**Data parallel**: DDP wraps a converted model as any other. Under FSDP2, each layer may be a
+unit (``fully_shard(layer)`` for every ``model.<base>.encoder.layer[i]``, then the model): a
+layer with hooks is called as a module with the packed values ``[T, d]`` in and out (its
+parameters are read inside the call, once FSDP2 has gathered them), so FSDP2's hooks gather,
+reshard and reduce as around HuggingFace's own forward; hooks registered on a layer after
+conversion see those packed values.
 """
 
 from __future__ import annotations
@@ -86,7 +93,7 @@ import sys
 
 from torch import nn
 
-from .hf_encoder import Family, attention_shape, encode, layer_modules
+from .hf_encoder import Family, attention_shape, encode, hook_kinds, layer_modules
 from .hf_heads import HEAD_MODULES, KINDS, head_outputs, pooled_output
 
 __all__ = ["FAMILIES", "RaggedForward", "convert_model", "identify", "is_converted", "is_done", "is_hf_model",
@@ -151,19 +158,6 @@ def identify(model: nn.Module) -> tuple[Family, str] | str:
 
 def _its(path: str) -> str:
     return "it" if not path else f"its {path}"
-
-
-def _hook_kinds(module: nn.Module) -> list[str]:
-    """The hooks on ``module`` itself, except HuggingFace's output-capturing hooks (installed
-    on the layers by ``output_hidden_states``; the converted forward collects those itself)."""
-    kinds = []
-    for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-        for hook in (getattr(module, name, None) or {}).values():
-            if not (getattr(hook, "__name__", "") == "output_capturing_hook"
-                    and getattr(hook, "__module__", "").startswith("transformers.")):
-                kinds.append(name.strip("_").replace("_", " "))
-                break
-    return kinds
 
 
 def _exact(module, kind: type, path: str, what: str) -> str | None:
@@ -262,7 +256,7 @@ def why_not(model: nn.Module) -> str | None:
         return f"its {where} is not HuggingFace's encoder with a ModuleList of layers"
     bypassed += [(f"{where}.{p}" if p else where, s) for p, s in encoder.named_modules(remove_duplicate=False)]
     for path, sub in bypassed:
-        kinds = _hook_kinds(sub)
+        kinds = hook_kinds(sub)
         if kinds:
             return f"{_its(path)} has {', '.join(kinds)} hooks, which the converted forward would not run"
         if "forward" in sub.__dict__ and not isinstance(sub.__dict__["forward"], RaggedForward):

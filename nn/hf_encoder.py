@@ -13,6 +13,7 @@ or read (the layers' Linear and LayerNorm parameters).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -25,7 +26,7 @@ from ragged.interop import read_mask_layout
 from ragged.utils import describe, eager
 
 from .activation import PaddedLayout
-from .layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
+from .layer import LayerSpec, LayerWeights, call_with_hooks, fused_backend, plain_call, run_layer, run_stack
 
 __all__ = ["Batch", "Family", "encode", "layer_spec", "packed_in_projection", "read_batch"]
 
@@ -345,6 +346,29 @@ def layer_spec(style: str, layer: nn.Module) -> LayerSpec:
     return LayerSpec(heads, head_dim, False, fused_activation(m["act"]), (norm1.eps, norm2.eps), dropout, weights)
 
 
+def hook_kinds(module: nn.Module) -> list[str]:
+    """The hooks on ``module`` itself, except HuggingFace's output-capturing hooks (installed
+    on the layers by ``output_hidden_states``; inactive outside HuggingFace's own forward, and
+    the converted forward collects hidden states itself)."""
+    kinds = []
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+        for hook in (getattr(module, name, None) or {}).values():
+            if not (getattr(hook, "__name__", "") == "output_capturing_hook"
+                    and getattr(hook, "__module__", "").startswith("transformers.")):
+                kinds.append(name.strip("_").replace("_", " "))
+                break
+    return kinds
+
+
+def _plain(layer: nn.Module) -> bool:
+    """The layer can be run without calling it as a module: no hooks but HuggingFace's
+    output-capturing ones, no global module hooks."""
+    return not hook_kinds(layer) and plain_call(_NO_HOOKS)
+
+
+_NO_HOOKS = nn.Module()  # plain_call() of a module without hooks: whether global hooks exist
+
+
 def _checkpointing(layers) -> bool:
     """HuggingFace's gradient checkpointing switched on (``gradient_checkpointing_enable``)."""
     if not torch.is_grad_enabled():
@@ -360,21 +384,26 @@ def run_encoder(family: Family, base: nn.Module, x: torch.Tensor, rt: RaggedTens
     under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant) when the model has
     gradient checkpointing on."""
     layers = _sub(_sub(base, family.encoder_name), "layer")
-    specs = [layer_spec(family.style, layer) for layer in layers]
     cu, max_len = rt.offsets, rt.max_len
     fused = fused_backend(x)
     saving = _checkpointing(layers)
-    if not collect and not saving and fused is not None and eager(x, cu):
-        y = run_stack(specs, x, cu, max_len, False, fused)
+    plain = all(_plain(layer) for layer in layers)
+    if plain and not collect and not saving and fused is not None and eager(x, cu):
+        y = run_stack([layer_spec(family.style, layer) for layer in layers], x, cu, max_len, False, fused)
         if y is not None:
             return y, None
-    hidden = [x] if collect else None
-    for spec in specs:
+
+    def body(layer, x):
+        spec = layer_spec(family.style, layer)  # read here: an FSDP2 unit's parameters are gathered now
         is_eager = eager(x, cu, *[w for w in spec.weights if w is not None])
         if saving:
-            x = checkpoint(run_layer, spec, x, cu, max_len, False, fused, is_eager, use_reentrant=False)
-        else:
-            x = run_layer(spec, x, cu, max_len, False, fused, is_eager)
+            return checkpoint(run_layer, spec, x, cu, max_len, False, fused, is_eager, use_reentrant=False)
+        return run_layer(spec, x, cu, max_len, False, fused, is_eager)
+
+    hidden = [x] if collect else None
+    for layer in layers:
+        # a layer with hooks (an FSDP2 unit, say) is called as a module, with body as its forward
+        x = body(layer, x) if _plain(layer) else call_with_hooks(layer, functools.partial(body, layer), x)
         if collect:
             hidden.append(x)
     return x, hidden

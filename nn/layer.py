@@ -27,8 +27,11 @@ this module asks them for their declared extras, never for a backend's name.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ragged import backends
 from ragged.backends import Implementation
@@ -353,3 +356,39 @@ def run_stack(specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len
     for spec, k in steps:
         x = _forward(spec, x, cu, max_len, causal, k)
     return x
+
+
+# --------------------------------------------------------------------------------------
+# Modules with hooks (FSDP2 units, user hooks)
+
+
+def plain_call(module: nn.Module) -> bool:
+    """True when calling ``module`` would only run its forward: no hooks on it, no global
+    module hooks (then an encoder may run the layer's body directly)."""
+    from torch.nn.modules import module as m
+
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
+def call_with_hooks(module: nn.Module, body: Callable, *args):
+    """``module(*args)`` with ``body`` in place of its forward: the hooks registered on the
+    module run around ``body`` as around its own forward. An FSDP2 unit (``fully_shard``)
+    gathers its parameters before ``body`` reads them, reshards after, and registers its
+    backward hooks on the tensors that cross the call; an encoder that reads a layer's
+    parameters without calling the layer (the fused paths do) calls it through here when
+    :func:`plain_call` says it has hooks."""
+    own = module.__dict__.get("forward", _NONE)
+    module.forward = body
+    try:
+        return module(*args)
+    finally:
+        if own is _NONE:
+            del module.forward
+        else:
+            module.forward = own
+
+
+_NONE = object()
+

@@ -33,7 +33,7 @@ from .activation import (
     pack_padded,
     to_batch_first,
 )
-from .layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
+from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 
 __all__ = ["TransformerEncoder", "TransformerEncoderLayer"]
 
@@ -104,16 +104,6 @@ def layer_spec(layer: "TransformerEncoderLayer") -> LayerSpec:
                            _param(linear2, "bias"), _param(norm2, "weight"), _param(norm2, "bias"))
     return LayerSpec(attn.num_heads, attn.head_dim, layer.norm_first, _fused_activation(activation) or activation,
                      (norm1.eps, norm2.eps), dropout, weights)
-
-
-def _plain_call(module: nn.Module) -> bool:
-    """True when calling ``module`` would only run its forward: no hooks on it, no global
-    module hooks (then the encoder may call the layer's body directly)."""
-    from torch.nn.modules import module as m
-
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 def _run(fn: str, src, d_model: int, batch_first: bool, mask, mask_name: str, key_padding_mask, is_causal,
@@ -287,7 +277,7 @@ class TransformerEncoder(nn.Module):
     def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
         fused = fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
         values = None
-        if fused is not None and eager(rt.values, rt.offsets) and all(_plain_call(layer) for layer in self.layers):
+        if fused is not None and eager(rt.values, rt.offsets) and all(plain_call(layer) for layer in self.layers):
             values = run_stack([layer_spec(layer) for layer in self.layers], rt.values, rt.offsets, rt.max_len,
                                causal, fused)
         if values is not None:
@@ -295,7 +285,7 @@ class TransformerEncoder(nn.Module):
         else:
             for layer in self.layers:
                 # the input was checked once above; a layer without hooks runs its body directly
-                rt = layer._block(rt, causal, fused) if _plain_call(layer) else layer(rt, is_causal=causal)
+                rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

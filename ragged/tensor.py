@@ -21,6 +21,7 @@ Sequences of length 0 and B = 0 are legal. Autograd flows through ``values``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Sequence
@@ -45,15 +46,25 @@ from .utils import (
 from .ops.pack import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
 
 
+@dataclasses.dataclass(init=False, repr=False, eq=False)
 class RaggedTensor:
     """``values [T, *F]`` + ``offsets [B+1]`` + host-side ``max_len``.
 
     Build one with :func:`ragged.pack`, :meth:`from_lengths` or :meth:`from_offsets`;
     the plain constructor trusts its arguments and checks nothing (it is the cheap
     path kernels use).
+
+    It is a pytree node (``values``, ``offsets``; torch.compile, ``torch.utils._pytree``) and
+    a dataclass of ``values``, ``offsets`` and ``max_len`` for the container walks of
+    ``torch.distributed`` (DDP's input moves, FSDP2's input casts and gradient hooks), which
+    rebuild it with ``dataclasses.replace``: a module that takes or returns RaggedTensors can
+    be an FSDP2 unit. A rebuilt RaggedTensor does not carry the host copy of the offsets.
     """
 
     __slots__ = ("values", "offsets", "max_len", "_host_offsets", "_longest")
+    values: torch.Tensor
+    offsets: torch.Tensor
+    max_len: int
 
     def __init__(self, values: torch.Tensor, offsets: torch.Tensor, max_len: int,
                  host_offsets: tuple[int, ...] | None = None):
