@@ -384,7 +384,8 @@ def _output(name: str, fields: dict, return_dict: bool):
 
 
 def _forward(model: nn.Module, kind: str, args: tuple, kwargs: dict):
-    cls = type(model)
+    # the transformers class: FSDP2's fully_shard gives the model a subclass of it
+    cls = next(c for c in type(model).__mro__ if c.__module__ in FAMILIES)
     family = FAMILIES[cls.__module__]
     fn = f"{cls.__name__}.forward"
     kw = _bind(fn, cls, args, kwargs) if args else kwargs

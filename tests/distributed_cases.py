@@ -1,0 +1,187 @@
+"""Data-parallel training cases shared by the CPU (gloo) and GPU distributed tests.
+
+:func:`run_world` starts ``world`` processes (spawned, a file rendezvous) that each run
+:func:`step` on their share of a batch under DDP or FSDP2 and send rank 0's gradients back as
+numpy arrays; :func:`union_grads` computes the gradients of one process on the union of the
+ranks' batches. The loss is a sum over the rank's tokens (or sequences) divided by a constant,
+so that the engine's mean over ranks equals the union's loss divided by ``world``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+import ragged
+
+KINDS = ("encoder", "bert", "llama")
+MODES = ("ddp", "fsdp", "fsdp-bf16")  # fsdp-bf16: FSDP2 with MixedPrecisionPolicy(param_dtype=bf16)
+SCALE = 50.0
+# Each rank's sequences: odd sizes, a 1, one long sequence, and a rank with fewer tokens.
+LENGTHS = ([5, 1, 13, 2], [9, 30, 3])
+
+
+def build(kind: str, device: str):
+    """The model of ``kind``, seeded: the same weights in every process."""
+    torch.manual_seed(0)
+    if kind == "encoder":
+        import ragged.nn as rnn
+
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        model = rnn.TransformerEncoder.from_torch(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    elif kind == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        import ragged.nn as rnn
+
+        config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            num_labels=3, initializer_range=0.2)
+        model = rnn.convert(BertForSequenceClassification(config))
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        import ragged.hf  # noqa: F401  (attn_implementation="ragged")
+
+        config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             initializer_range=0.2, attention_dropout=0.0)
+        model = LlamaForCausalLM(config)
+        model.set_attn_implementation("ragged")
+    return model.to(device).train()
+
+
+def layers(kind: str, model) -> list:
+    if kind == "encoder":
+        return list(model.layers)
+    if kind == "bert":
+        return list(model.bert.encoder.layer)
+    return list(model.model.layers)
+
+
+def data(kind: str, lengths: list[int], seed: int):
+    """Fresh random inputs of one rank (or of the union, ``lengths`` concatenated)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "encoder":
+        return ragged.pack([torch.randn(n, 32, generator=g) for n in lengths])
+    return [torch.randint(0, 97, (n,), generator=g) for n in lengths]
+
+
+def rank_data(kind: str, rank: int):
+    """Rank ``rank``'s batch (host tensors: :func:`loss_of` moves them)."""
+    return data(kind, LENGTHS[rank], 100 + rank)
+
+
+def union_data(kind: str):
+    parts = [rank_data(kind, r) for r in range(len(LENGTHS))]
+    if kind == "encoder":
+        return ragged.pack([s for p in parts for s in p.unbind()])
+    return [s for p in parts for s in p]
+
+
+def loss_of(kind: str, model, batch, device: str) -> torch.Tensor:
+    """A sum over the batch's tokens (sequences for the classifier) over :data:`SCALE`."""
+    if kind == "encoder":
+        rt = ragged.RaggedTensor(batch.values.to(device), batch.offsets.to(device), batch.max_len)
+        out = model(rt).values.float()
+        weight = torch.linspace(-1, 1, out.shape[-1], device=device)
+        return (out * weight).sum() / SCALE
+    ids = torch.cat(batch).to(device)
+    lengths = torch.tensor([len(s) for s in batch])
+    if kind == "bert":
+        rt = ragged.RaggedTensor.from_lengths(ids, lengths.tolist())
+        labels = torch.tensor([int(s.sum()) % 3 for s in batch], device=device)
+        logits = model(input_ids=rt).logits.float()
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / SCALE
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
+    m = int(lengths.max())
+    logits = model(input_ids=ids[None], position_ids=positions[None], cu_seq_lens_q=cu.to(device),
+                   cu_seq_lens_k=cu.to(device), max_length_q=m, max_length_k=m).logits[0].float()
+    # next-token targets inside each sequence (the last token of a sequence predicts nothing)
+    last = torch.zeros(ids.shape[0], dtype=torch.bool)
+    last[(cu[1:] - 1).long()] = True
+    keep = (~last).to(device)
+    targets = torch.roll(ids, -1)
+    return torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum") / SCALE
+
+
+def wrap(kind: str, model, mode: str, device: str):
+    if mode == "ddp":
+        ids = [torch.cuda.current_device()] if device == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mode == "fsdp-bf16" else MixedPrecisionPolicy()
+    for layer in layers(kind, model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str, backend: str, queue) -> None:
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world,
+                                             timeout=datetime.timedelta(seconds=120))
+        model = build(kind, device)
+        wrapped = wrap(kind, model, mode, device)
+        loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "full_tensor"):
+                g = g.full_tensor()  # a collective: every rank takes part
+            grads[name] = None if g is None else g.detach().float().cpu().numpy()
+        if rank == 0:
+            queue.put(("ok", grads))
+        torch.distributed.destroy_process_group()
+    except BaseException:  # report, so that the parent does not wait for a result that never comes
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def run_world(kind: str, mode: str, device: str = "cpu", backend: str = "gloo", world: int = 2,
+              timeout: float = 240.0) -> dict[str, np.ndarray | None]:
+    """Rank 0's gradients after one step of ``world`` processes (raises with a rank's traceback)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    fd, path = tempfile.mkstemp(prefix="ragged_dist_")
+    os.close(fd)
+    os.unlink(path)  # the rendezvous file must not exist yet
+    procs = [ctx.Process(target=_worker, args=(r, world, path, kind, mode, device, backend, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = queue.get()
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+    if status != "ok":
+        raise AssertionError(payload)
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    assert not bad, f"worker exit codes {bad}"
+    return payload
+
+
+def union_grads(kind: str, device: str = "cpu") -> dict[str, np.ndarray | None]:
+    """One process, the union of the ranks' batches, the loss over the world size."""
+    model = build(kind, device)
+    (loss_of(kind, model, union_data(kind), device) / len(LENGTHS)).backward()
+    return {n: None if p.grad is None else p.grad.detach().float().cpu().numpy() for n, p in model.named_parameters()}

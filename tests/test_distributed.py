@@ -1,0 +1,49 @@
+"""Data-parallel training on CPU with gloo, two processes: after one step, DDP's and FSDP2's
+gradients (FSDP2's gathered from their shards) equal those of one process on the union of the
+ranks' batches, for a ragged.nn encoder, a converted HuggingFace BERT classifier and a Llama with
+``attn_implementation="ragged"``; FSDP2 with a bfloat16 parameter policy stays within bfloat16's
+error of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import distributed_cases as cases
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _compare(got, want, rtol, atol, what):
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert ref is not None, f"{name}: no gradient in the single-process run"
+        g = got[name]
+        assert g is not None, f"{what}: {name} has no gradient"
+        assert np.isfinite(g).all(), f"{what}: {name} has non-finite gradients"
+        assert np.abs(ref).max() > 0, f"{name}: zero gradient in the reference (the check could not fail)"
+        np.testing.assert_allclose(g, ref, rtol=rtol, atol=atol, err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("kind", cases.KINDS)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_gradients_equal_one_process_on_the_union(kind, mode):
+    if kind != "encoder":
+        pytest.importorskip("transformers")
+    want = cases.union_grads(kind)
+    got = cases.run_world(kind, mode)
+    _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), f"{mode} {kind}")
+
+
+def test_fsdp_bf16_parameter_policy_trains_within_bf16_error():
+    pytest.importorskip("transformers")
+    want = cases.union_grads("bert")
+    got = cases.run_world("bert", "fsdp-bf16")
+    scale = max(np.abs(w).max() for w in want.values())
+    for name, ref in want.items():
+        err = np.abs(got[name] - ref).max()
+        assert err <= 0.05 * scale, f"{name}: bf16 parameter policy error {err:.3g} (scale {scale:.3g})"
+    # and bf16 really ran: not bitwise the float32 result
+    assert any(not np.array_equal(got[n], want[n]) for n in want)
