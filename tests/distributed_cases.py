@@ -25,6 +25,7 @@ MODES = ("ddp", "fsdp", "fsdp-bf16")  # fsdp-bf16: FSDP2 with MixedPrecisionPoli
 SCALE = 50.0
 # Each rank's sequences: odd sizes, a 1, one long sequence, and a rank with fewer tokens.
 LENGTHS = ([5, 1, 13, 2], [9, 30, 3])
+SAMPLER_LENGTHS = [7, 0, 31, 12, 5, 19, 1, 44, 8, 3, 26]
 
 
 def build(kind: str, device: str):
@@ -144,16 +145,23 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
             if g is not None and hasattr(g, "full_tensor"):
                 g = g.full_tensor()  # a collective: every rank takes part
             grads[name] = None if g is None else g.detach().float().cpu().numpy()
+        # the sampler's replicas default to the process group's
+        from ragged.data import TokenBudgetSampler
+
+        sampler = TokenBudgetSampler(SAMPLER_LENGTHS, 40, seed=3)
+        plans = [None] * world
+        torch.distributed.all_gather_object(plans, (sampler.num_replicas, sampler.rank, list(sampler)))
         if rank == 0:
-            queue.put(("ok", grads))
+            queue.put(("ok", (grads, plans)))
         torch.distributed.destroy_process_group()
     except BaseException:  # report, so that the parent does not wait for a result that never comes
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
 def run_world(kind: str, mode: str, device: str = "cpu", backend: str = "gloo", world: int = 2,
-              timeout: float = 240.0) -> dict[str, np.ndarray | None]:
-    """Rank 0's gradients after one step of ``world`` processes (raises with a rank's traceback)."""
+              timeout: float = 240.0) -> tuple[dict[str, np.ndarray | None], list]:
+    """Rank 0's gradients after one step of ``world`` processes (raises with a rank's traceback),
+    and every rank's ``(num_replicas, rank, batches)`` of a default TokenBudgetSampler."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     fd, path = tempfile.mkstemp(prefix="ragged_dist_")

@@ -33,17 +33,25 @@ def test_gradients_equal_one_process_on_the_union(kind, mode):
     if kind != "encoder":
         pytest.importorskip("transformers")
     want = cases.union_grads(kind)
-    got = cases.run_world(kind, mode)
+    got, plans = cases.run_world(kind, mode)
     _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), f"{mode} {kind}")
 
 
 def test_fsdp_bf16_parameter_policy_trains_within_bf16_error():
     pytest.importorskip("transformers")
     want = cases.union_grads("bert")
-    got = cases.run_world("bert", "fsdp-bf16")
+    got, _ = cases.run_world("bert", "fsdp-bf16")
     scale = max(np.abs(w).max() for w in want.values())
     for name, ref in want.items():
         err = np.abs(got[name] - ref).max()
         assert err <= 0.05 * scale, f"{name}: bf16 parameter policy error {err:.3g} (scale {scale:.3g})"
     # and bf16 really ran: not bitwise the float32 result
     assert any(not np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_sampler_replicas_default_to_the_process_group():
+    _, plans = cases.run_world("encoder", "ddp")
+    assert [p[:2] for p in plans] == [(2, 0), (2, 1)]
+    assert len(plans[0][2]) == len(plans[1][2]) > 0  # the same number of steps on every rank
+    seen = sorted(i for p in plans for batch in p[2] for i in batch)
+    assert seen == list(range(len(cases.SAMPLER_LENGTHS)))  # every index once over the ranks
