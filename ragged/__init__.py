@@ -12,7 +12,8 @@ Public API (see README.md for the table):
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
 """
 
-from .backends import BACKENDS, explain, get_backend, set_backend, use_backend
+from .backends import BACKENDS, get_backend, set_backend, use_backend
+from .reasons import explain
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack

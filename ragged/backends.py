@@ -19,8 +19,8 @@ with what it takes as data (dtypes, allowed values and maxima of the op's spec f
 take an input of a given spec (an empty list when it can). ``"auto"`` walks the op's
 preference order (measured; see ``bench/results/``) and takes the first implementation with
 no reasons; the pure-torch reference takes everything, so auto never fails. A forced backend
-that cannot take an input raises ``ValueError`` with its reasons. :func:`explain` reports
-every implementation's reasons for an input. :func:`select_spec` is the one place a backend
+that cannot take an input raises ``ValueError`` with its reasons. :func:`ragged.explain` (:mod:`ragged.reasons`)
+reports every implementation's reasons for an input. :func:`select_spec` is the one place a backend
 is chosen. A new backend is :func:`register_backend` plus its implementations
 (:func:`register`); see ``ARCHITECTURE.md``.
 
@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import inspect
 import os
 import pkgutil
 from typing import Any, Callable, Iterator, Mapping
@@ -359,58 +358,6 @@ def _import_ops() -> None:
         importlib.import_module(f"ragged.ops.{info.name}")
 
 
-def _entry(fn: str, op: object) -> _Op:
-    if not isinstance(op, str):
-        raise TypeError(f"{fn}(): expected op to be an op name (one of {sorted(_OPS)}) or a public function "
-                        f"of ragged, got {type(op).__name__}")
-    if op not in _OPS:
-        _import_ops()
-    if op not in _OPS:
-        raise ValueError(f"{fn}(): expected op to be one of {sorted(_OPS)}, got {op!r}")
-    return _OPS[op]
-
-
-def _public_name(fn: Callable) -> str:
-    ragged = importlib.import_module("ragged")
-    name = getattr(fn, "__name__", None)
-    if name and getattr(ragged, name, None) is fn:
-        return f"ragged.{name}"
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _parameter_list(fn: Callable, skip: tuple[str, ...] = ()) -> str:
-    """``"q, k, v, causal=False"``: the parameters of ``fn`` (``...`` for ``*args``)."""
-    out = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.name in skip:
-            continue
-        if p.kind is p.VAR_POSITIONAL:
-            out.append("...")
-        elif p.kind is not p.VAR_KEYWORD:
-            out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
-    return ", ".join(out)
-
-
-def _describe_call(args: tuple, kwargs: dict) -> str:
-    if not args and not kwargs:
-        return "no arguments"
-    parts = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"] if args else []
-    if kwargs:
-        parts.append("keywords " + ", ".join(sorted(kwargs)))
-    return " and ".join(parts)
-
-
-def _bad_arguments(op: str, entry: _Op, args: tuple, kwargs: dict, why: str) -> TypeError:
-    """The TypeError of ``explain(op, ...)`` called with operands its spec cannot take."""
-    msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
-           f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})")
-    public = getattr(importlib.import_module("ragged"), op, None)
-    if callable(public):
-        msg += (f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
-                f"{_parameter_list(public, skip=('backend',))})")
-    return TypeError(msg)
-
-
 class _Captured(BaseException):
     # BaseException: no ``except Exception`` on the way up from select() may swallow it.
     def __init__(self, op: str, spec):
@@ -419,167 +366,6 @@ class _Captured(BaseException):
 
 
 _EXPLAIN = "<explain>"  # the value of _active while explain() calls a public function
-
-
-def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
-    """explain() of a public function: run it until it asks select() for a backend."""
-    name = _public_name(public)
-    selected = get_backend()  # the caller's choice, read before the call runs under _EXPLAIN
-    try:
-        bound = inspect.signature(public).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"ragged.explain(): expected the arguments of {name} "
-                        f"({_parameter_list(public, skip=('backend',))}), got {_describe_call(args, kwargs)} "
-                        f"({exc})") from None
-    except ValueError:  # no signature (a builtin): pass the arguments as they are
-        bound = None
-    if bound is not None:
-        # A backend= argument would skip the choice that explain() reports on: every backend
-        # is reported anyway.
-        bound.arguments.pop("backend", None)
-        args, kwargs = bound.args, bound.kwargs
-    stack_token = _stack.set(())
-    token = _active.set(_EXPLAIN)
-    try:
-        public(*args, **kwargs)
-    except _Captured as captured:
-        found = captured
-    else:
-        found = None
-    finally:
-        _active.reset(token)
-        _stack.reset(stack_token)
-    if found is not None:
-        return _spec_reasons(_OPS[found.op], found.spec, selected)
-    raise ValueError(f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
-                     "none (no op with backends runs for these arguments)")
-
-
-def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> Explanation:
-    try:
-        inspect.signature(entry.spec).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise _bad_arguments(op, entry, args, kwargs, str(exc)) from None
-    try:
-        spec = entry.spec(*args, **kwargs)
-    except (AttributeError, TypeError, IndexError) as exc:
-        raise _bad_arguments(op, entry, args, kwargs, f"{type(exc).__name__}: {exc}") from exc
-    return _spec_reasons(entry, spec, get_backend())
-
-
-class Explanation(dict):
-    """What :func:`explain` returns: ``{backend name: [reason, ...]}`` (a plain dict of every
-    implementation's reasons), plus
-
-    * ``chosen``: the backend this call runs under the current selection (``set_backend`` /
-      ``use_backend``; a ``backend=`` argument of the explained call is ignored), or None where
-      the selected backend cannot take it (the call would raise);
-    * ``launch``: for a call the ``"cuda"`` backend runs, how its kernels are loaded on that
-      device: ``"aot"`` (the ``ragged._C`` binary) or ``"jit"`` (NVRTC), see
-      :func:`ragged.build_info`; None for any other backend."""
-
-    chosen: str | None = None
-    launch: str | None = None
-
-    def __repr__(self) -> str:
-        return f"Explanation({dict.__repr__(self)}, chosen={self.chosen!r}, launch={self.launch!r})"
-
-
-def _spec_reasons(entry: _Op, spec, selected: str) -> Explanation:
-    out = Explanation({name: impl.reasons(spec) for name, impl in entry.impls.items()})
-    name = selected
-    if name == "auto":
-        name = _auto_choice(entry, spec).name
-    elif out.get(name) != []:
-        name = None
-    out.chosen = name
-    if name == "cuda":
-        from .kernels.cuda.launch import _current_device, launch_path
-
-        index = spec.device.index if spec.device.index is not None else _current_device()
-        try:
-            out.launch = launch_path(index)
-        except (RuntimeError, ValueError) as exc:
-            out.launch = f"error: {exc}"
-    return out
-
-
-def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
-    """For each implementation of an op, the reasons it cannot take these arguments.
-
-    Returns an :class:`Explanation`: ``{backend name: [reason, ...]}``, an empty list for a
-    backend that can take the input, with ``.chosen`` (the backend the call runs) and
-    ``.launch`` (``"aot"`` or ``"jit"`` where that is the ``"cuda"`` backend). ``op`` is either
-
-    * a public function of ragged, followed by that function's own arguments: it is run
-      up to the point where it picks a backend (its argument checks included, no kernel),
-      and its op's reasons for the inputs it would pass are returned. A ``backend=``
-      argument is ignored: every backend is reported.
-    * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``,
-      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``, ``"pool"``),
-      followed by the arguments the op's spec function takes, which are the op's internal
-      operands, not the public function's:
-
-      ==========================  ====================================================
-      op                          arguments
-      ==========================  ====================================================
-      ``pack``                    ``padded [B, M, *F], offsets [B+1]``
-      ``unpack``                  ``values [T, *F], offsets [B+1]``
-      ``attention``               ``q, k, v [T, H, D], cu_q, cu_k [B+1], max_q, max_k,
-                                  causal, dropout_p, needs_grad, window_size``
-      ``bias_act``                ``x [N, F], bias [F] or None, activation``
-      ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
-      ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,
-      ``vocab_cross_entropy``     ids [N], v_off [B+1] or None``
-      ``pool``                    ``values [T, F], offsets [B+1], mode``
-      ==========================  ====================================================
-
-    An unknown op name raises ``ValueError`` listing the ops; arguments the reasons cannot
-    take raise ``TypeError`` naming the ones they need.
-
-    >>> import torch, ragged
-    >>> x = torch.randn(2, 4, 8)
-    >>> rt = ragged.pack(x, lengths=[1, 3])
-    >>> ragged.explain(ragged.pack, x, lengths=[1, 3])["torch"]
-    []
-    >>> ragged.explain("pack", x, rt.offsets)["cuda"]
-    ['the CUDA kernels need a CUDA tensor, got a cpu tensor']
-    >>> why = ragged.explain(ragged.pack, x, lengths=[1, 3])
-    >>> why.chosen, why.launch
-    ('torch', None)
-    >>> ragged.explain(ragged.unpack, rt)["torch"], ragged.explain("unpack", rt.values, rt.offsets)["torch"]
-    ([], [])
-    >>> q = ragged.pack([torch.randn(n, 2, 16) for n in (3, 5)])
-    >>> ragged.explain(ragged.attention, q, q, q, causal=True)["torch"]
-    []
-    >>> ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len,
-    ...                True, 0.0, False)["torch"]
-    []
-    >>> h, b = torch.randn(5, 8), torch.zeros(8)
-    >>> ragged.explain(ragged.bias_act, h, b, "gelu")["torch"], ragged.explain("bias_act", h, b, "gelu")["torch"]
-    ([], [])
-    >>> ragged.explain(ragged.add_layer_norm, h, h, None, None)["torch"]
-    []
-    >>> ragged.explain("add_layer_norm", h, h, None, None)["torch"]
-    []
-    >>> hidden = ragged.pack([torch.randn(n, 8) for n in (2, 3)])
-    >>> vocab = ragged.pack([torch.tensor([1, 4, 7]), torch.tensor([0, 2])])
-    >>> w = torch.randn(10, 8)
-    >>> ragged.explain(ragged.vocab_projection, hidden, w, vocab)["torch"]
-    []
-    >>> ragged.explain("vocab_projection", hidden.values, hidden.offsets, w, None, vocab.values,
-    ...                vocab.offsets)["torch"]
-    []
-    >>> target = torch.tensor([4, 1, 2, 0, 2])
-    >>> ragged.explain(ragged.vocab_cross_entropy, hidden, w, vocab, target)["torch"]
-    []
-    >>> ragged.explain(ragged.pool, hidden, "max")["torch"], ragged.explain("pool", hidden.values, hidden.offsets,
-    ...                                                                      "max")["torch"]
-    ([], [])
-    """
-    if callable(op):
-        return _explain_call(op, args, kwargs)
-    return _reasons(op, _entry("ragged.explain", op), args, kwargs)
 
 
 def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,

@@ -131,8 +131,8 @@ def wrap(kind: str, model, mode: str, device: str):
 
 def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str, backend: str, queue) -> None:
     try:
-        if device == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if device == "cuda":  # gloo: every rank shares the first GPU; nccl: a GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "nccl" else 0)
         torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=120))
         model = build(kind, device)

@@ -155,7 +155,7 @@ def test_complex_and_float64_inputs_get_reasons():
 def test_docstring_examples_run():
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = finder.find(backends.explain, "explain", globs={})
+    tests = finder.find(ragged.explain, "explain", globs={})
     assert tests and tests[0].examples
     for test in tests:
         runner.run(test)
