@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 import traceback
 
 import numpy as np
@@ -172,9 +173,15 @@ def run_world(kind: str, mode: str, device: str = "cpu", backend: str = "gloo", 
     for p in procs:
         p.start()
     try:
+        deadline = time.monotonic() + timeout
+        while queue.empty():  # a rank that dies without reporting, or a hang, fails the test
+            if time.monotonic() > deadline or not any(p.is_alive() for p in procs) and queue.empty():
+                raise AssertionError(f"no result from the {world} workers of {kind} {mode} "
+                                     f"(exit codes {[p.exitcode for p in procs]}, {timeout:.0f} s)")
+            time.sleep(0.2)
         status, payload = queue.get()
         for p in procs:
-            p.join(timeout)
+            p.join(max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():

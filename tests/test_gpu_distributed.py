@@ -33,6 +33,9 @@ def _scale(grads):
 def test_gradients_equal_one_process_on_the_union(backend, kind, mode):
     if kind != "encoder":
         pytest.importorskip("transformers")
+    if backend == "gloo" and mode != "ddp":
+        pytest.skip("FSDP2 over gloo with CUDA tensors hung on the GPU host (every model, > 400 s): FSDP2 on "
+                    "GPUs is tested with NCCL")
     want = cases.union_grads(kind, "cuda")
     got, _ = cases.run_world(kind, mode, "cuda", backend)
     scale = _scale(want)
