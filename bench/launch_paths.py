@@ -21,7 +21,6 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -29,6 +28,7 @@ import ragged
 from ragged.kernels.cuda import launch, pack as cuda_pack
 
 from .env import collect, device_label
+from .overhead import per_call_us
 
 MODES = {"aot": ("aot", True), "jit driver": ("jit", True), "jit cupy": ("jit", False)}
 
@@ -41,17 +41,6 @@ def use(mode: str) -> None:
     launch._functions.clear()
     launch.DRIVER_LAUNCH = driver
     launch._driver_launch.clear()
-
-
-def per_call_us(fn, n: int) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
 
 
 def rows(dev: str = "cuda"):
