@@ -21,7 +21,8 @@ Fine-tune: ``BertForSequenceClassification``, ragged: ``ragged.nn.convert`` on
 on ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` batches. GPU: BERT-base (dropout
 0.1) and a Llama of about 0.5B in bf16; CPU: tiny float32 models, no dropout (a smoke run).
 
-A world size W runs W spawned processes (one GPU each, NCCL; gloo on the CPU). Each rank builds
+A world size W runs W spawned processes (one GPU each, NCCL; gloo on the CPU), each pinned to
+its own share of the host's cores. Each rank builds
 its batches on the host first (as a DataLoader's workers would), then runs: warm-up steps (the
 first in eval mode under ``no_sync()``, no update: the loss at initialisation, kernels compiled
 rank by rank); the timed steps (copy to the device, forward, backward with DDP's all-reduce,
@@ -300,6 +301,19 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
             "first_loss": first_loss, "losses": losses, "peak_gib": peak, "step_tokens": [c[0] for c in timed]}
 
 
+def _own_cores(rank: int, world: int) -> None:
+    """Give each rank its own share of the host's cores (affinity and torch's threads): host-bound
+    steps of ranks that share cores run at the scheduler's whim, which shows as step-time spread."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity control on this platform: threads only
+        cores = list(range(os.cpu_count() or 1))
+    share = cores[rank * len(cores) // world:(rank + 1) * len(cores) // world] or cores
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, share)
+    torch.set_num_threads(max(1, len(share)))
+
+
 def _worker(rank: int, world: int, device_type: str, jobs: list[Job], init_file: str, results) -> None:
     """A rank: joins the process group, runs ``jobs`` in order and puts ``(status, job index,
     rank, payload)`` on ``results`` for each; after a failure it reports and exits at once."""
@@ -310,8 +324,7 @@ def _worker(rank: int, world: int, device_type: str, jobs: list[Job], init_file:
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        _own_cores(rank, world)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{init_file}",
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
