@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.editable_wheel import editable_wheel
 
 ROOT = pathlib.Path(__file__).resolve().parent
 SOURCES = ("attention_short.cu", "fused.cu", "pack.cu")
@@ -119,5 +120,43 @@ class NvccBuild(build_ext):
             raise RuntimeError(f"ragged._C: link failed:\n{link.stdout}{link.stderr}")
 
 
+# An editable install maps ``ragged`` and ``ragged.nn`` (from ``nn/``) through setuptools' meta path
+# finder, which Python asks only after its path finder. A script run from the clone's parent folder
+# has that folder first on sys.path, where the clone itself (a folder named like the package, with no
+# ``__init__.py``) is a namespace package: the path finder returns it and ``import ragged`` gives an
+# empty module. This start-up line (a .pth file runs after setuptools' own, by name order) moves the
+# project's finder in front of the path finder, so the editable install wins wherever Python starts.
+FINDER_FIRST_PTH = "ragged-editable-finder-first.pth"
+FINDER_FIRST_LINE = ("import sys; sys.meta_path.sort(key=lambda finder: not getattr(finder, '__module__', '')"
+                     ".startswith('__editable___ragged_'))\n")
+
+
+class _FinderFirst:
+    """setuptools' editable strategy, plus the .pth file above."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def __enter__(self):
+        self.strategy.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.strategy.__exit__(*exc)
+
+    def __call__(self, wheel, files, mapping):
+        self.strategy(wheel, files, mapping)
+        wheel.writestr(FINDER_FIRST_PTH, FINDER_FIRST_LINE.encode())
+
+
+class EditableWheel(editable_wheel):
+    def _select_strategy(self, *args, **kwargs):
+        # A private hook of setuptools: where a release renames it, the install stays the default one.
+        return _FinderFirst(super()._select_strategy(*args, **kwargs))
+
+
 ext_modules = [Extension("ragged._C", sources=[])] if os.environ.get("RAGGED_BUILD_CUDA") == "1" else []
-setup(ext_modules=ext_modules, cmdclass={"build_ext": NvccBuild})
+cmdclass = {"build_ext": NvccBuild}
+if hasattr(editable_wheel, "_select_strategy"):
+    cmdclass["editable_wheel"] = EditableWheel
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -72,7 +72,8 @@ def main() -> None:
         losses.append(loss.item())
         if step % 25 == 0 or step == 1:
             recent = losses[-25:]
-            print(f"step {step:4d}  loss {sum(recent) / len(recent):.4f}  ({ids.num_tokens} tokens, "
+            print(f"step {step:4d}  mean loss of the last {len(recent):2d} steps {sum(recent) / len(recent):.4f}  "
+                  f"({ids.num_tokens} tokens, "
                   f"longest {ids.max_len})")
 
     model.eval()
@@ -80,7 +81,8 @@ def main() -> None:
         ids, labels = batch(scores, 512, args.max_len, gen, args.device)
         accuracy = ((model(ids) > 0).float() == labels).float().mean().item()
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"loss {first:.4f} -> {last:.4f}; held-out accuracy {accuracy:.1%}")
+    print(f"mean training loss of the first 10 steps {first:.4f} -> of the last 10 steps {last:.4f}; "
+          f"held-out accuracy {accuracy:.1%}")
     if not last < first:
         raise SystemExit("the loss did not go down")
 
