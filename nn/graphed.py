@@ -20,7 +20,10 @@ Rules of the wrapped call, checked on every call (host ints only, no device read
   embeddings, sequence logits); other tensors come back whole; tuples, lists, dicts and
   HuggingFace ``ModelOutput`` s are walked;
 * a batch over the largest bucket, or off the GPU, runs the module eagerly (a one-time
-  warning says why).
+  warning says why);
+* no bucket is longer than the longest sequence the module takes (a converted HuggingFace
+  model's position table; ``max_len``): a spare row's position is below the bucket's length,
+  so every position the graph looks up exists; a batch longer than that is refused.
 
 The graphs share one memory pool and are captured lazily, the first time a bucket is met, after
 two warm-up runs on a side stream (they compile the kernels and let cuBLAS pick its algorithms).
@@ -39,7 +42,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe
 
-__all__ = ["Graphed", "graphed", "powers_of_two"]
+__all__ = ["Graphed", "graphed", "model_max_len", "powers_of_two"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
 
@@ -61,7 +64,7 @@ def powers_of_two(top: int, start: int = 1, steps: int = 1) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1) -> tuple[int, ...]:
+def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1, why: str = "") -> tuple[int, ...]:
     if given is None:
         return powers_of_two(top, start, steps)
     try:
@@ -69,10 +72,40 @@ def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1) ->
     except (TypeError, ValueError):
         raise TypeError(f"{fn}(): expected {name} to be a list of ints, got {describe(given)}") from None
     if not values or values[0] < 1 or values[-1] > top:
-        raise ValueError(f"{fn}(): expected {name} of ints in 1..{top}, got {list(given)}")
+        raise ValueError(f"{fn}(): expected {name} of ints in 1..{top}{why}, got {list(given)}")
     if values[-1] != top:
         values.append(top)
     return tuple(values)
+
+
+def model_max_len(module: nn.Module) -> tuple[int, str] | None:
+    """``(L, why)``: the longest sequence a HuggingFace model converted by
+    :func:`ragged.nn.convert` takes, and where that comes from; None for other modules.
+
+    ``L`` is the rows of its position-embedding table, less ``padding_idx + 1`` in the RoBERTa
+    family (its positions count from there): a bucket longer than ``L`` would hand the spare
+    rows positions past the table."""
+    from . import hf_bert
+
+    if not (hf_bert.is_hf_model(module) and hf_bert.is_converted(module)):
+        return None
+    ident = hf_bert.identify(module)
+    if isinstance(ident, str):
+        return None
+    family = ident[0]
+    embeddings = getattr(module.base_model, "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    if isinstance(table, nn.Embedding):
+        rows, what = table.num_embeddings, f"its position embeddings have {table.num_embeddings} rows"
+    else:
+        rows = getattr(module.config, "max_position_embeddings", None)
+        if isinstance(rows, bool) or not isinstance(rows, int):
+            return None
+        what = f"max_position_embeddings={rows}"
+    if family.style == "roberta":
+        first = embeddings.padding_idx + 1
+        return rows - first, f"{what}, positions from padding_idx + 1 = {first}"
+    return rows, what
 
 
 def _smallest(buckets: tuple[int, ...], n: int) -> int | None:
@@ -101,12 +134,25 @@ class Graphed(nn.Module):
     """A module whose inference forward replays CUDA graphs per bucket: see :func:`graphed`."""
 
     def __init__(self, module: nn.Module, max_tokens: int, max_batch_size: int, token_buckets=None,
-                 batch_buckets=None, length_buckets=None, copy_outputs: bool = True, capture: bool = True) -> None:
+                 batch_buckets=None, length_buckets=None, copy_outputs: bool = True, capture: bool = True,
+                 max_len: int | None = None) -> None:
         fn = "ragged.nn.graphed"
         if not isinstance(module, nn.Module):
             raise TypeError(f"{fn}(): expected module to be a torch.nn.Module, got {describe(module)}")
         max_tokens = _check_int(fn, "max_tokens", max_tokens)
         max_batch_size = _check_int(fn, "max_batch_size", max_batch_size)
+        # the longest sequence the module takes: a bucket's length never exceeds it (the spare
+        # rows' positions run up to the bucket's length minus one)
+        limit = model_max_len(module)
+        if limit is not None and limit[0] < 1:
+            raise ValueError(f"{fn}(): expected a model that takes sequences of at least one token, got "
+                             f"{type(module).__name__} ({limit[1]})")
+        if max_len is not None:
+            max_len = _check_int(fn, "max_len", max_len)
+            if limit is not None and max_len > limit[0]:
+                raise ValueError(f"{fn}(): expected max_len <= {limit[0]}, the longest sequence "
+                                 f"{type(module).__name__} takes ({limit[1]}), got {max_len}")
+            limit = (max_len, f"max_len={max_len}")
         super().__init__()
         self.module = module
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
@@ -115,7 +161,11 @@ class Graphed(nn.Module):
         # give about 0.77x); sequences and lengths: powers of two (they size grids, not work)
         self.token_buckets = _buckets(fn, "token_buckets", token_buckets, max_tokens, 64, 8)
         self.batch_buckets = _buckets(fn, "batch_buckets", batch_buckets, max_batch_size, 1)
-        self.length_buckets = _buckets(fn, "length_buckets", length_buckets, max_tokens, 16)
+        self.max_len, self._max_len_why = (None, "") if limit is None else limit
+        top = max_tokens if self.max_len is None else min(max_tokens, self.max_len)
+        why = "" if self.max_len is None or top == max_tokens else \
+            f" (the longest sequence {type(module).__name__} takes: {self._max_len_why})"
+        self.length_buckets = _buckets(fn, "length_buckets", length_buckets, top, 16, why=why)
         self.copy_outputs = bool(copy_outputs)
         # False: run the bucketed (padded) batch eagerly instead of capturing: the same inputs the
         # graphs see, on any device (what the CPU tests check)
@@ -160,6 +210,10 @@ class Graphed(nn.Module):
             raise ValueError(f"{fn}(): the module is in training mode; graphs capture the inference forward "
                              "(call .eval() on the graphed module)")
         n_tok, batch, max_len = first.num_tokens, first.batch_size, first.max_len
+        if self.max_len is not None and max_len > self.max_len:
+            raise ValueError(f"{fn}(): expected sequences of at most {self.max_len} tokens, the longest "
+                             f"{type(self.module).__name__} takes ({self._max_len_why}), got a batch whose max_len "
+                             f"is {max_len}")
         device = first.values.device
         if self.capture and device.type != "cuda":
             return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
@@ -299,14 +353,22 @@ def _cut(out, first: RaggedTensor, t_b: int, b_b: int, copy: bool):
 
 
 def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_buckets=None, batch_buckets=None,
-            length_buckets=None, copy_outputs: bool = True) -> Graphed:
+            length_buckets=None, copy_outputs: bool = True, max_len: int | None = None) -> Graphed:
     """``module``'s inference forward on RaggedTensor batches through CUDA graphs, one per bucket.
 
     ``max_tokens`` / ``max_batch_size``: the largest batch graphed (larger ones run eagerly, with
     a one-time warning). Buckets: ``token_buckets`` (default 64, 72, 80, ..., 128, 144, ...: eight an octave),
     ``batch_buckets`` (from 1) and ``length_buckets`` (longest sequence, from 16), each ending at
-    its maximum (``max_tokens`` for lengths). ``copy_outputs=False`` returns views of the graph's
-    static outputs (no copy; the next call of the same bucket overwrites them).
+    its maximum (for lengths the smaller of ``max_tokens`` and the longest sequence the module
+    takes). ``copy_outputs=False`` returns views of the graph's static outputs (no copy; the next
+    call of the same bucket overwrites them).
+
+    ``max_len``: the longest sequence the module takes. For a converted HuggingFace model it is
+    read from the model (its position-embedding rows, less ``padding_idx + 1`` for the RoBERTa
+    family) and ``max_len`` may only lower it. The spare rows of a bucket get positions up to
+    the bucket's length minus one, so no length bucket exceeds it: ``length_buckets`` above it
+    are refused, and a batch whose ``max_len`` exceeds it raises ``ValueError`` (the model
+    cannot take it; on the GPU its position lookup would fail inside the graph).
 
     Works for ``ragged.nn`` encoders and HuggingFace models converted by
     :func:`ragged.nn.convert` (embeddings, layers and head inside the graph): ``g(rt)`` with ``rt``
@@ -326,6 +388,7 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
                              "(its encode() packs the batches the graphs take), got one that is not converted")
         forward = module[0].__dict__["forward"]
         forward.graphed = Graphed(module[0]._modules["model"], max_tokens, max_batch_size, token_buckets,
-                                  batch_buckets, length_buckets, copy_outputs)
+                                  batch_buckets, length_buckets, copy_outputs, max_len=max_len)
         return module
-    return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs)
+    return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,
+                   max_len=max_len)

@@ -1,0 +1,113 @@
+"""Regressions on the CPU: ragged.nn.graphed never hands a model a position it has no row for;
+the sequence layout attn_implementation="ragged" reads from position ids or a padding mask is
+never reused after the tensor is written; ragged.warmup leaves the module as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ragged
+from test_hf_convert import FAMILIES, KINDS, _config, _randomise
+
+tf = pytest.importorskip("transformers")
+
+# --------------------------------------------------------------------------------------
+# ragged.nn.graphed: the buckets stay within the model's position table
+
+
+def _hf(family: str, kind: str = "base", maxpos: int = 100, seed: int = 3):
+    """(converted, untouched HuggingFace copy) in float64 with ``maxpos`` position rows."""
+    hf = getattr(tf, FAMILIES[family][1] + KINDS[kind])(_config(family, kind, max_position_embeddings=maxpos))
+    hf = hf.to(torch.float64)
+    _randomise(hf, seed)
+    hf.eval()
+    import copy
+
+    ours = copy.deepcopy(hf)
+    assert ragged.nn.convert(ours) is ours
+    return ours, hf
+
+
+def _longest(family: str, maxpos: int) -> int:
+    return maxpos - 2 if family == "roberta" else maxpos  # RoBERTa counts from padding_idx + 1 = 2
+
+
+def _ids(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return ragged.pack([torch.randint(5, 50, (n,), generator=gen) for n in lengths])
+
+
+def _poison(g: ragged.nn.Graphed) -> None:
+    for buf in g._buffers.values():
+        if buf.is_floating_point():
+            buf.fill_(float("nan"))
+
+
+def _same_outputs(got, want):
+    assert type(got) is type(want)
+    for name in want.keys():
+        a, b = got[name], want[name]
+        if isinstance(b, ragged.RaggedTensor):
+            a, b = a.values, b.values
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("maxpos", [100, 37])
+def test_graphed_buckets_never_pass_the_position_table(family, maxpos):
+    model, _ = _hf(family, "base", maxpos)
+    top = _longest(family, maxpos)
+    # one token bucket of 256 rows: a small batch leaves well over `maxpos` spare rows
+    g = ragged.nn.Graphed(model, 512, 8, token_buckets=[256], capture=False)
+    # legal batches whose longest sequence sits in a power-of-two length bucket past the table
+    for i, lengths in enumerate(([top - 30 if top > 40 else top - 5, 3], [top, 0, 1], [top - 1] * 2, [1], [0, 2])):
+        ids = _ids(lengths, seed=i)
+        with torch.no_grad():
+            want = model(input_ids=ids)
+        g(input_ids=ids)
+        _poison(g)
+        _same_outputs(g(input_ids=ids), want)
+        size = g.bucket(ids.num_tokens, ids.batch_size, ids.max_len)
+        assert size is not None and size[2] <= top
+    assert g.max_len == top and g.length_buckets[-1] == top and all(b <= top for b in g.length_buckets)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+def test_graphed_heads_take_the_base_models_table(kind):
+    model, _ = _hf("roberta", kind, 100)
+    g = ragged.nn.graphed(model, max_tokens=1024, max_batch_size=4, token_buckets=[512])
+    g.capture = False  # the bucketed batch run eagerly: what a graph would replay
+    ids = _ids([70, 5, 98], seed=7)
+    with torch.no_grad():
+        want = model(input_ids=ids)
+    _same_outputs(g(input_ids=ids), want)
+
+
+def test_graphed_refuses_length_buckets_and_batches_past_the_model():
+    model, _ = _hf("bert", "base", 100)
+    with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected length_buckets of ints in 1..100 \(the "
+                                         r"longest sequence BertModel takes: .*100 rows\), got \[64, 128\]"):
+        ragged.nn.graphed(model, max_tokens=512, max_batch_size=4, length_buckets=[64, 128])
+    with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected max_len <= 100, .* got 101"):
+        ragged.nn.graphed(model, max_tokens=512, max_batch_size=4, max_len=101)
+    g = ragged.nn.Graphed(model, 512, 4, length_buckets=[64, 100], capture=False)
+    assert g.length_buckets == (64, 100)
+    with pytest.raises(ValueError, match=r"ragged.nn.Graphed.forward\(\): expected sequences of at most 100 tokens.*"
+                                         r"max_len is 101"):
+        g(input_ids=_ids([101, 2], seed=0))
+    # a lower max_len of the caller's own, for a module whose table graphed cannot read
+    enc = ragged.nn.TransformerEncoder(ragged.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1).eval()
+    assert ragged.nn.Graphed(enc, 256, 4, capture=False).max_len is None
+    g = ragged.nn.Graphed(enc, 256, 4, capture=False, max_len=50)
+    assert g.length_buckets == (16, 32, 50)
+    x = ragged.pack([torch.randn(n, 16) for n in (40, 3)])
+    assert g.bucket(x.num_tokens, x.batch_size, x.max_len)[2] == 50
+    with torch.no_grad():
+        torch.testing.assert_close(g(x).values, enc(x).values)
+    with pytest.raises(ValueError, match=r"expected sequences of at most 50 tokens"):
+        g(ragged.pack([torch.randn(51, 16)]))
+    with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected max_len >= 1, got 0"):
+        ragged.nn.Graphed(enc, 256, 4, max_len=0)
