@@ -25,12 +25,15 @@ Shapes (transformers' convention for attention functions): ``query [B, H, Lq, D]
   are copied over through pinned memory (no blocking copy).
 * **flattened by position ids** (one row, no ``cu_seq_lens_*``, ``position_ids`` that restart):
   a sequence starts wherever ``position_ids`` equals its minimum, as transformers' flash path
-  reads them. One host read per forward (the starts of ``[1, T]`` position ids), reused by every
-  layer that gets the same ``position_ids`` tensor.
+  reads them. One host read per layer (the starts of the ``[1, T]`` position ids), as in
+  transformers' flash path: nothing read from a caller's tensor is kept, since no key of a
+  tensor changes with every write to it (``.data``, NumPy views and storage writes leave its
+  version counter as it was). ``cu_seq_lens_*`` cost no read at all.
 * **padded with a padding mask**: the mask function hands the layers the 2-D mask ``[B, Lk]``
   (True at tokens; no ``[B, 1, Lq, Lk]`` mask is ever built) or None when no position is padding.
   Building it reads the mask's lengths and padding side on the host once (one sync per mask
-  built, that is per forward), and every layer reuses that layout: it packs k and v (and q),
+  built, that is per forward) into a mask of its own (a copy: no other code holds it, so no
+  write can make the layout stale), and every layer reuses that layout: it packs k and v (and q),
   runs the varlen kernels on the real tokens and unpacks the output. A mask whose tokens are
   not one run at either end of each row costs a second read (their indices) and a gather.
   Which queries are real: in self-attention (``Lq == Lk``) those of the mask, the output zero
@@ -38,7 +41,8 @@ Shapes (transformers' convention for attention functions): ``query [B, H, Lq, D]
   the last ``Lq`` columns of the mask (left padding, as in transformers' flash path); in
   non-causal attention to another sequence (``Lq != Lk``, or a cross-attention module: an
   ``is_cross_attention`` attribute, a class named ``*CrossAttention*`` or a decoder's non-causal
-  attention) every query, the mask describing the keys only.
+  attention) every query, the mask describing the keys only. A 2-D mask that reaches the
+  attention function some other way (a direct call) is read by each call.
 * **dense** (no mask, no flattening): ``B`` sequences of ``Lq`` queries and ``Lk`` keys,
   causal masking aligned to the end of the keys (a decoding step sees the whole cache). No host
   read.
@@ -78,7 +82,9 @@ _FLAT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _REFUSED = {"softcap": "attention logit soft-capping (softcap)", "s_aux": "attention sinks (s_aux)",
             "sinks": "attention sinks (sinks)", "head_mask": "a head_mask",
             "position_bias": "an additive position bias (position_bias)"}
-# The layout of a mask or of position ids, kept on that tensor for the layers after the first.
+# The layout of a mask made by padding_mask (a copy only this module writes), kept on it for the
+# layers of the forward; never set on a caller's tensor (a write through .data, a NumPy view or
+# the storage changes no key of it).
 _LAYOUT_ATTR = "_ragged_hf_layout"
 
 
@@ -137,29 +143,33 @@ class Layout:
 
 
 def _cached(t: torch.Tensor):
-    """The layout kept on ``t`` if ``t`` has not been written to since."""
+    """The layout :func:`padding_mask` kept on its own mask ``t`` (the version check guards
+    against a model writing that mask in place between layers)."""
     kept = getattr(t, _LAYOUT_ATTR, None)
     if kept is not None and kept[0] == t._version:
         return kept[1]
     return None
 
 
-def _keep(t: torch.Tensor, layout: Layout) -> Layout:
+def _keep(t: torch.Tensor, layout: Layout) -> None:
     try:
         setattr(t, _LAYOUT_ATTR, (t._version, layout))
-    except (AttributeError, RuntimeError):  # tensors that take no attribute: the layout is rebuilt per layer
+    except (AttributeError, RuntimeError):  # tensors that take no attribute: the layout is read per layer
         pass
-    return layout
 
 
 def mask_layout(mask: torch.Tensor) -> Layout:
     """The :class:`Layout` of a 2-D padding mask ``[B, W]`` (bool, or 0/1 numbers; nonzero =
     token). One host read (lengths and padding side; a mask whose tokens are not one run at
-    either end of a row is gathered by an index of known size, no second read); kept on
-    ``mask`` so that later calls read nothing."""
+    either end of a row is gathered by an index of known size, no second read) on every call,
+    except for a mask :func:`padding_mask` returned, which carries its layout."""
     layout = _cached(mask)
     if layout is not None:
         return layout
+    return _read_mask_layout(mask)
+
+
+def _read_mask_layout(mask: torch.Tensor) -> Layout:
     keep = mask if mask.dtype == torch.bool else mask != 0
     lengths, is_right, is_left, _ = read_mask_layout(keep)
     host = [0]
@@ -172,7 +182,7 @@ def mask_layout(mask: torch.Tensor) -> Layout:
         warn_once("hf-scattered-mask", f"{_MASK_FN}(): the attention mask has tokens that are not one contiguous run "
                   "at the start or end of each row; gathering them by index")
         index = torch.nonzero_static(keep.reshape(-1), size=host[-1]).reshape(-1)  # size known: no second read
-    return _keep(mask, Layout(keep.shape[1], tuple(host), offsets, max(lengths, default=0), side, index))
+    return Layout(keep.shape[1], tuple(host), offsets, max(lengths, default=0), side, index)
 
 
 def _read_starts(row: torch.Tensor) -> list[int]:
@@ -184,17 +194,14 @@ def _read_starts(row: torch.Tensor) -> list[int]:
 
 def positions_layout(position_ids: torch.Tensor) -> Layout:
     """The sequences of one flattened row of ``position_ids [1, T]``: a sequence starts at every
-    position equal to the row's minimum (and at 0). One host read of the ``T`` start flags; kept
-    on ``position_ids`` so that later calls read nothing."""
-    layout = _cached(position_ids)
-    if layout is not None:
-        return layout
+    position equal to the row's minimum (and at 0). One host read of the ``T`` start flags on
+    every call (nothing is kept on the caller's tensor: see the module docstring)."""
     row = position_ids.reshape(-1)
     total = row.shape[0]
     host = [*_read_starts(row), total] if total else [0]
     offsets = to_device(host, offsets_dtype_for(total), position_ids.device)
     longest = max((b - a for a, b in zip(host[:-1], host[1:])), default=0)
-    return _keep(position_ids, Layout(total, tuple(host), offsets, longest, "right"))
+    return Layout(total, tuple(host), offsets, longest, "right")
 
 
 # --------------------------------------------------------------------------------------
@@ -207,7 +214,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     True at tokens) or None when nothing is padding; never a dense ``[B, 1, Lq, Lk]`` mask.
 
     Reads the mask's layout on the host (one sync, see :func:`mask_layout`) and keeps it on the
-    returned mask for the attention layers. The causal, sliding-window and packed-sequence
+    returned mask, a copy of the caller's that only the attention layers see. The causal, sliding-window and packed-sequence
     patterns come from the attention call (``is_causal``, ``sliding_window``, ``cu_seq_lens_*``
     or ``position_ids``); a model that overlays its own mask function (``or_mask_function`` /
     ``and_mask_function``) is refused."""
@@ -221,10 +228,12 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise NotImplementedError(f"{_MASK_FN}(): expected a 2-D padding mask [B, L], got {describe(attention_mask)}")
-    mask = attention_mask[:, -kv_length:] if kv_length else attention_mask[:, :0]
-    layout = mask_layout(mask)
+    # a copy: the layout kept on it stays true whatever the caller writes into their mask
+    mask = (attention_mask[:, -kv_length:] if kv_length else attention_mask[:, :0]).clone()
+    layout = _read_mask_layout(mask)
     if mask.shape[1] == kv_length and layout.full:
         return None
+    _keep(mask, layout)
     return mask
 
 
@@ -311,8 +320,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Returns ``(out [B, Lq, H, D], None)``, zeros at the padded positions of a self-attention's
     queries.
     Host reads: none for flattened (``cu_seq_lens_*``) and dense batches; a padded batch's
-    layout is read once per mask (by :func:`padding_mask`, or here by the first layer that
-    gets a mask without one); position-ids flattening reads the position ids once per forward.
+    layout is read once per forward by :func:`padding_mask` (a 2-D mask that did not come from
+    it is read by each call); position-ids flattening reads the position ids once per layer.
     """
     _refuse(module, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

@@ -111,3 +111,92 @@ def test_graphed_refuses_length_buckets_and_batches_past_the_model():
         g(ragged.pack([torch.randn(51, 16)]))
     with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected max_len >= 1, got 0"):
         ragged.nn.Graphed(enc, 256, 4, max_len=0)
+
+
+# --------------------------------------------------------------------------------------
+# attn_implementation="ragged": a layout is never reused after its tensor is written
+
+import copy  # noqa: E402
+
+import ragged.hf  # noqa: E402
+from ragged import hf  # noqa: E402
+
+LLAMA_VOCAB = 97
+
+
+def _llama_pair(seed=0):
+    """(ragged model, sdpa model) in float32 eval mode, the same random weights."""
+    config = tf.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            initializer_range=0.1, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    reference = tf.LlamaForCausalLM(config).float()
+    reference.set_attn_implementation("sdpa")
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation("ragged")
+    return model.eval(), reference.eval()
+
+
+def _flat_positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+
+def _per_sequence(reference, ids, lengths):
+    """The logits of a flattened row ``ids [1, T]`` of sequences ``lengths``, one sdpa run each."""
+    out, start = [], 0
+    with torch.no_grad():
+        for n in lengths:
+            out.append(reference(input_ids=ids[:, start:start + n]).logits[0])
+            start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("write", ["data", "numpy"])  # writes that leave pos._version as it was
+def test_position_ids_written_between_forwards_are_read_again(write):
+    model, reference = _llama_pair()
+    first, second = [5, 1, 14, 9], [9, 11, 1, 8]  # the same 29 tokens, other boundaries
+    ids = torch.randint(0, LLAMA_VOCAB, (1, sum(first)), generator=torch.Generator().manual_seed(1))
+    pos = _flat_positions(first)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos).logits[0]
+    torch.testing.assert_close(got, _per_sequence(reference, ids, first), rtol=1e-5, atol=1e-5)
+    new = _flat_positions(second)
+    if write == "data":
+        pos.data.copy_(new)
+    else:
+        pos.numpy()[...] = new.numpy()
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos).logits[0]
+    torch.testing.assert_close(got, _per_sequence(reference, ids, second), rtol=1e-5, atol=1e-5)
+    # the public reader agrees with what the tensor now holds
+    assert hf.positions_layout(pos).host == (0, 9, 20, 21, 29)
+
+
+def test_a_mask_written_after_its_layout_was_read_is_read_again():
+    gen = torch.Generator().manual_seed(2)
+    module = torch.nn.Module()
+    module.is_causal = True
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert hf.mask_layout(mask).host == (0, 3, 8, 9)
+    mask.data.copy_(torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
+    assert hf.mask_layout(mask).host == (0, 2, 6, 11)
+    # the attention function on a caller's 2-D mask, written between two calls
+    q, k, v = (torch.randn(3, h, 5, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    for rows in ([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0] * 5]):
+        hf.attention_forward(module, q, k, v, mask)
+        mask.data.copy_(torch.tensor(rows, dtype=torch.bool))
+        out, _ = hf.attention_forward(module, q, k, v, mask)
+        for b in range(3):
+            n = int(mask[b].sum())
+            if n:
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    q[b:b + 1, :, :n], k[b:b + 1, :, :n].repeat_interleave(2, 1),
+                    v[b:b + 1, :, :n].repeat_interleave(2, 1), is_causal=True)
+                torch.testing.assert_close(out[b, :n], want[0].transpose(0, 1), rtol=1e-10, atol=1e-12)
+            assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+    # the mask the mask function hands the layers keeps the layout of what it holds
+    user = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    handed = hf.padding_mask(2, 6, 6, attention_mask=user)
+    user.data.copy_(torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool))
+    layout = hf.mask_layout(handed)
+    assert layout.host == tuple([0, *handed.sum(1).cumsum(0).tolist()])
