@@ -4,8 +4,16 @@ The first call of a ragged model in a fresh process compiles its kernels (Triton
 C++ ones through NVRTC, each only the variant the call asks for; both are cached on disk for
 later processes). :func:`warmup` makes that first call on an example batch, outside the
 latency that matters: once in inference (``torch.no_grad()``) and, with ``training=True``, once
-forward and backward in train mode. Nothing of the module changes: no gradient is accumulated
-into ``.grad``, the random state (dropout) is restored, train/eval mode is put back.
+forward and backward in train mode. Nothing of the module changes, whether the calls return or
+raise: every submodule's train/eval flag, every parameter and buffer (BatchNorm's running
+statistics and ``num_batches_tracked`` included, and whatever a forward writes in place, even
+through ``.data``), each parameter's ``requires_grad`` and ``.grad`` (the backward goes to
+``torch.autograd.grad``, never into ``.grad``; an existing ``.grad``, or None, is put back as it
+was) and the random state of the CPU and of every CUDA device of the module and the inputs
+(dropout's draws). The parameters and buffers are compared with a host copy taken before the
+calls (it costs host memory and one transfer of the module's state each way); only those that
+differ are written back. A lazy module (``nn.LazyLinear``) is initialised by the calls, as by any
+first call.
 
 Kernel variants depend on the shapes (head dim, dtype, the longest sequence's bucket): warm up
 with a batch like the ones served (the lengths of a typical batch, and the longest one).
@@ -44,13 +52,84 @@ def _values(out) -> list[torch.Tensor]:
     return found
 
 
-def _devices(args, kwargs) -> list[int]:
+def _devices(args, kwargs, module: torch.nn.Module) -> list[int]:
+    """The CUDA devices of the inputs and of the module's parameters and buffers (their random
+    states are forked)."""
     found = set()
-    for x in [*args, *kwargs.values()]:
-        t = x.values if isinstance(x, RaggedTensor) else x
+    tensors = [x.values if isinstance(x, RaggedTensor) else x for x in [*args, *kwargs.values()]]
+    for t in [*tensors, *module.parameters(), *module.buffers()]:
         if isinstance(t, torch.Tensor) and t.is_cuda:
             found.add(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return sorted(found)
+
+
+def _copyable(t: torch.Tensor) -> bool:
+    return (t.layout == torch.strided and not t.is_meta and not t.is_quantized
+            and not torch.nn.parameter.is_lazy(t))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _same_bits(now: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether ``now`` holds exactly ``saved`` (bitwise: NaN payloads and -0.0 count)."""
+    if now.shape != saved.shape or now.dtype != saved.dtype:
+        return False
+    now = now.detach().to("cpu").contiguous().reshape(-1)
+    saved = saved.contiguous().reshape(-1)
+    if now.numel() == 0:
+        return True
+    return torch.equal(now.view(torch.uint8), saved.view(torch.uint8))
+
+
+def _write_back(t: torch.Tensor, saved: torch.Tensor) -> None:
+    # an inference tensor is written in inference mode, any other under no_grad (a Parameter
+    # that requires a gradient takes no recorded in-place write)
+    with torch.inference_mode() if t.is_inference() else torch.no_grad():
+        t.copy_(saved)
+
+
+class _Snapshot:
+    """What :func:`warmup` puts back: per module its train/eval flag and the entries of its
+    parameter and buffer dicts; per tensor a host copy of its values; per parameter its
+    ``requires_grad``, its ``.grad`` (the object) and a host copy of that."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.modules = [(m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+                        for m in module.modules()]
+        self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.params: dict[int, tuple[torch.nn.Parameter, bool, torch.Tensor | None, torch.Tensor | None]] = {}
+        for _, _, params, buffers, _ in self.modules:
+            for t in [*params.values(), *buffers.values()]:
+                if t is not None and id(t) not in self.values and _copyable(t):
+                    self.values[id(t)] = (t, _host_copy(t))
+            for p in params.values():
+                if p is not None and id(p) not in self.params:
+                    g = p.grad
+                    self.params[id(p)] = (p, p.requires_grad, g, _host_copy(g) if g is not None and _copyable(g)
+                                          else None)
+
+    def restore(self) -> None:
+        for m, training, params, buffers, non_persistent in self.modules:
+            m.training = training
+            for now, saved in ((m._parameters, params), (m._buffers, buffers)):
+                # by identity: a tensor's == compares values
+                if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
+                    now.clear()
+                    now.update(saved)
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(non_persistent)
+        for t, saved in self.values.values():
+            if not _same_bits(t, saved):
+                _write_back(t, saved)
+        for p, requires_grad, grad, saved in self.params.values():
+            if p.requires_grad != requires_grad:
+                p.requires_grad_(requires_grad)
+            if p.grad is not grad:
+                p.grad = grad
+            if grad is not None and saved is not None and not _same_bits(grad, saved):
+                _write_back(grad, saved)
 
 
 def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> dict[str, float]:
@@ -63,9 +142,9 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
         raise TypeError(f"{fn}(): expected module to be a torch.nn.Module, got {describe(module)}")
     if not isinstance(training, bool):
         raise TypeError(f"{fn}(): expected training to be a bool, got {describe(training)}")
-    devices = _devices(args, kwargs)
+    devices = _devices(args, kwargs, module)
     sync = (lambda: [torch.cuda.synchronize(d) for d in devices]) if devices else (lambda: None)
-    was_training = module.training
+    snapshot = _Snapshot(module)
     times: dict[str, float] = {}
     with torch.random.fork_rng(devices=devices):
         try:
@@ -87,5 +166,5 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
                 sync()
                 times["training"] = time.perf_counter() - start
         finally:
-            module.train(was_training)
+            snapshot.restore()
     return times

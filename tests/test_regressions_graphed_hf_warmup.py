@@ -200,3 +200,121 @@ def test_a_mask_written_after_its_layout_was_read_is_read_again():
     user.data.copy_(torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool))
     layout = hf.mask_layout(handed)
     assert layout.host == tuple([0, *handed.sum(1).cumsum(0).tolist()])
+
+
+# --------------------------------------------------------------------------------------
+# ragged.warmup leaves the module as it was
+
+
+class _Net(nn.Module):
+    """A ragged encoder layer (dropout), a frozen BatchNorm head in eval mode, one in train mode,
+    and a parameter the forward writes through ``.data`` (which bumps no version counter)."""
+
+    def __init__(self):
+        super().__init__()
+        layer = ragged.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True, dtype=torch.float64)
+        self.enc = ragged.nn.TransformerEncoder(layer, 1)
+        self.frozen = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), nn.BatchNorm1d(16, dtype=torch.float64))
+        self.frozen.eval().requires_grad_(False)
+        self.norm = nn.BatchNorm1d(16, dtype=torch.float64)
+        self.scale = nn.Parameter(torch.ones(16, dtype=torch.float64))
+        self.fail_on = None  # "train" / "eval": raise in that mode after the state has changed
+
+    def forward(self, x):
+        h = self.enc(x).values
+        h = self.norm(self.frozen(h)) * self.scale
+        self.scale.data.mul_(1.5)
+        if self.fail_on == ("train" if self.training else "eval"):
+            raise RuntimeError("the forward fails")
+        return x.with_values(h)
+
+
+def _state(net):
+    tensors = {k: v.detach().clone() for k, v in net.state_dict(keep_vars=True).items()}
+    flags = {name: m.training for name, m in net.named_modules()}
+    grads = {name: (p.grad, None if p.grad is None else p.grad.clone(), p.requires_grad)
+             for name, p in net.named_parameters()}
+    return tensors, flags, grads
+
+
+def _assert_state(net, before):
+    tensors, flags, grads = before
+    now = {k: v.detach() for k, v in net.state_dict(keep_vars=True).items()}
+    assert now.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert now[k].dtype == v.dtype and torch.equal(now[k], v), k
+    assert {name: m.training for name, m in net.named_modules()} == flags
+    for name, p in net.named_parameters():
+        ref, values, requires = grads[name]
+        assert p.grad is ref and p.requires_grad == requires, name
+        if values is not None:
+            assert torch.equal(p.grad, values), name
+
+
+def _net():
+    torch.manual_seed(0)
+    net = _Net().train()
+    net.frozen.eval()
+    # gradients from an earlier step: one kept, one None
+    net.enc.layers[0].linear1.weight.grad = torch.randn_like(net.enc.layers[0].linear1.weight)
+    net.scale.grad = None
+    return net
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_warmup_leaves_flags_buffers_parameters_and_gradients(training):
+    net = _net()
+    x = ragged.pack([torch.randn(n, 16, dtype=torch.float64) for n in (3, 1, 7, 0, 5)])
+    before = _state(net)
+    rng = torch.random.get_rng_state()
+    times = ragged.warmup(net, x, training=training)
+    assert set(times) == ({"inference", "training"} if training else {"inference"})
+    _assert_state(net, before)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    # the module still computes what it computed before the warm-up
+    twin = _net()
+    torch.manual_seed(5)
+    want = twin(x).values
+    torch.manual_seed(5)
+    torch.testing.assert_close(net(x).values, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fail_on", ["eval", "train"])
+def test_warmup_that_raises_leaves_the_module(fail_on):
+    net = _net()
+    net.fail_on = fail_on
+    x = ragged.pack([torch.randn(n, 16, dtype=torch.float64) for n in (4, 2)])
+    before = _state(net)
+    rng = torch.random.get_rng_state()
+    with pytest.raises(RuntimeError, match="the forward fails"):
+        ragged.warmup(net, x, training=True)
+    _assert_state(net, before)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+class _Swapping(nn.Module):
+    """A forward that replaces a Parameter, registers a buffer and flips requires_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=torch.float64)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.lin.weight = nn.Parameter(self.lin.weight.detach() * 2)
+        self.register_buffer("cache", y.detach())
+        self.steps += 1
+        self.lin.bias.requires_grad_(False)
+        return y
+
+
+def test_warmup_puts_back_replaced_parameters_and_added_buffers():
+    torch.manual_seed(1)
+    net = _Swapping()
+    weight, bias = net.lin.weight, net.lin.bias
+    before = _state(net)
+    ragged.warmup(net, torch.randn(5, 8, dtype=torch.float64), training=True)
+    assert net.lin.weight is weight and net.lin.bias is bias and bias.requires_grad
+    assert "cache" not in net._buffers
+    _assert_state(net, before)
