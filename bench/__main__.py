@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from . import env as envmod
-    from . import report
+    from . import report, tables
     from .harness import SUITES, Config, measure_copy_ceiling, parse_dtype
 
     args = parse_args(argv, list(SUITES))
@@ -95,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"python -m bench: {exc}") from None
     config = Config(device=_device(args.device), quick=args.quick, dtypes=dtypes)
     chosen = [SUITES[name] for name in (args.suite or SUITES)]
-    # Piped to a file or a log, rich would wrap the tables at 80 columns.
-    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    # Piped to a file or a log, rich would wrap the text at 80 columns; the result tables are
+    # then printed as wide as their content (bench.tables), in a terminal fitted to its width.
+    free = tables.free_width(sys.stdout)
+    console = Console(width=160 if free else None)
     if args.list:
         _list(console, chosen, config)
         return 0
@@ -127,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for suite in chosen:
         rows = _run_with_progress(console, suite, config, ceiling)
-        console.print(report.rich_table(suite, rows, ceiling, env))
-        if suite.speedup_table and (speedups := report.rich_speedup_table(suite, rows, env)) is not None:
-            console.print(speedups)
+        tables.show(console, report.sheet(suite, rows, ceiling, env), free)
+        if suite.speedup_table and (speedups := report.speedup_sheet(suite, rows, env)) is not None:
+            tables.show(console, speedups, free)
         failed += sum(r.status == "failed" for r in rows)
 
         report.write_json(out / f"{suite.name}.json", report.suite_document(suite, rows, config, env, ceiling))

@@ -3,8 +3,10 @@
 Development tool, run on a GPU: ``python -m bench.overhead`` (or ``python bench/overhead.py``
 with another tree's ragged first on ``PYTHONPATH``, as :mod:`bench.ab` does). Small problems in
 eager mode are bound by this cost, not by the kernels. Each row is the mean time per call over
-2000 calls after a warm-up; a row the ragged it runs against cannot run prints ``n/a`` with the
-reason (an older tree without that function, say), so the same script compares two trees.
+2000 calls (``--calls``) after a warm-up; a row the ragged it runs against cannot run prints
+``n/a`` with the reason (an older tree without that function, say), so the same script compares
+two trees. ``--out`` compares the rows with the per-call budgets, GPU targets: on CPU
+(``--device cpu``, or no GPU) they are not judged.
 """
 
 import sys
@@ -15,14 +17,15 @@ import torch
 import ragged
 
 
-def per_call_us(fn, n=2000):
-    for _ in range(50):
+def per_call_us(fn, n=2000, device="cuda"):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(min(50, n)):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()  # the GPU caught up: a host-bound row is then host time
+    sync()  # the GPU caught up: a host-bound row is then host time
     return (time.perf_counter() - start) / n * 1e6
 
 
@@ -101,7 +104,7 @@ def rows(dev: str = "cuda"):
     yield "encoder 2 layers d=768: train step", lambda: train(xg).values.sum().backward()
 
 
-# The per-call host budgets (us) of the eager rows they apply to.
+# The per-call host budgets (us) of the eager rows they apply to: GPU targets.
 BUDGETS = {
     "cuda: pack_values": 12, "triton: pack_values": 12, "attention cuda: forward": 25,
     "attention triton: forward": 25, "BERT-base layer (encoder of 1 layer d=768): inference": 120,
@@ -115,11 +118,14 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the rows as a markdown table to this file")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    ap.add_argument("--calls", type=int, default=2000, help="timed calls per row (default 2000)")
     args = ap.parse_args(argv)
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     table = []
-    for name, fn in rows():
+    for name, fn in rows(device):
         try:
-            us = per_call_us(fn)
+            us = per_call_us(fn, args.calls, device)
             line = f"{us:7.1f} us/call"
         except Exception as exc:  # an older tree without the function: the row is left out
             us, line = None, f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
@@ -127,15 +133,18 @@ def main(argv=None) -> int:
         table.append((name, us, line))
     if args.out:
         from bench.env import cpu_name, device_name, git_state
+        from bench.targets import gpu_verdict
 
-        dev = torch.device("cuda")
+        on_gpu = device == "cuda"
+        where = f"GPU {device_name(torch.device('cuda'))}, host CPU" if on_gpu else "CPU"
         lines = ["# Host time per eager call (tiny inputs: the GPU waits on the host)", "",
-                 f"GPU {device_name(dev)}, host CPU {cpu_name()}, torch {torch.__version__}, "
-                 f"tree {git_state()['git_commit']}, {time.strftime('%Y-%m-%d')}; mean of 2000 calls after 50 "
-                 "warm-up calls, ended by a synchronize.", "", "| row | us/call | budget | |", "|---|---|---|---|"]
+                 f"{where} {cpu_name()}, torch {torch.__version__}, tree {git_state()['git_commit']}, "
+                 f"{time.strftime('%Y-%m-%d')}; mean of {args.calls} calls after {min(50, args.calls)} warm-up "
+                 f"calls{', ended by a synchronize' if on_gpu else ''}.", "",
+                 "| row | us/call | budget (GPU target) | |", "|---|---|---|---|"]
         for name, us, line in table:
             budget = BUDGETS.get(name)
-            verdict = "" if budget is None or us is None else ("met" if us <= budget else "MISSED")
+            verdict = "" if budget is None or us is None else gpu_verdict(us <= budget, on_gpu)
             cell = "" if us is None else f"{us:.1f}"
             lines.append(f"| {name} | {cell} | {budget or ''} | {verdict if us is not None else line} |")
         with open(args.out, "w") as f:

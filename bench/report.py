@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .env import device_label
 from .harness import Config, CopyCeiling, Row, Suite, dtype_name
+from .tables import Sheet, tables
 
 SCHEMA_VERSION = 1
 
@@ -129,26 +130,28 @@ def speedup_table(rows: list[Row]) -> tuple[list[str], list[tuple[str, str, list
     return baselines, table
 
 
-def rich_speedup_table(suite: Suite, rows: list[Row], env: dict[str, Any] | None = None):
-    """:func:`speedup_table` as a ``rich.table.Table`` (``None`` when no ragged row ran); the
-    title names the device when ``env`` is given."""
-    from rich.table import Table
-
+def speedup_sheet(suite: Suite, rows: list[Row], env: dict[str, Any] | None = None) -> Sheet | None:
+    """:func:`speedup_table` as a :class:`bench.tables.Sheet` (``None`` when no ragged row ran);
+    the title names the device when ``env`` is given."""
     baselines, body = speedup_table(rows)
     if not body or not baselines:
         return None
     where = f" ({short_device(env)})" if env else ""
-    table = Table(title=f"{suite.name}{where}: speedup of the ragged rows over each baseline "
-                        "(baseline ms / ragged ms)")
-    table.add_column("case", overflow="fold")
-    table.add_column("implementation")
-    for b in baselines:
-        table.add_column(b, justify="right", overflow="fold")
+    out = Sheet(f"{suite.name}{where}: speedup of the ragged rows over each baseline (baseline ms / ragged ms)",
+                ["case", "implementation", *baselines], [False, False, *(True for _ in baselines)], [])
     previous = None
     for case, impl, cells in body:
-        table.add_row(case if case != previous else "", impl, *cells)
+        if previous is not None and case != previous:
+            out.ends.add(len(out.cells) - 1)
+        out.cells.append([case if case != previous else "", impl, *cells])
         previous = case
-    return table
+    return out
+
+
+def rich_speedup_table(suite: Suite, rows: list[Row], env: dict[str, Any] | None = None):
+    """:func:`speedup_sheet` as one ``rich.table.Table`` (``None`` when no ragged row ran)."""
+    speedups = speedup_sheet(suite, rows, env)
+    return None if speedups is None else tables(speedups, None)[0][0]
 
 
 def _cases_in_order(rows: list[Row]) -> list[tuple[str, list[Row]]]:
@@ -205,26 +208,27 @@ def cpu_run_note(env: dict[str, Any]) -> str | None:
 # Terminal
 
 
-def rich_table(suite: Suite, rows: list[Row], ceiling: CopyCeiling | None, env: dict[str, Any] | None = None):
-    """A ``rich.table.Table``: one section per case, failures in red, skips dimmed; the
-    title names the device when ``env`` is given."""
-    from rich.table import Table
-
+def sheet(suite: Suite, rows: list[Row], ceiling: CopyCeiling | None, env: dict[str, Any] | None = None) -> Sheet:
+    """The result table as a :class:`bench.tables.Sheet`: one section per case, failures in
+    red, skips dimmed; the title names the device when ``env`` is given."""
     cols = columns(suite, rows)
     lines = [ceiling_text(ceiling)] if suite.memory_bound or ceiling is not None else []
     caption = "\n".join([*lines, *(f"[{i}] {text}" for i, text in enumerate(reasons(rows), 1))])
     where = f" ({short_device(env)})" if env else ""
-    table = Table(title=f"{suite.name}{where}: {description(suite, rows)}", caption=caption or None,
-                  caption_justify="left")
-    table.add_column("case", overflow="fold")
-    for c in cols:
-        table.add_column(c.header, justify="right" if c.numeric else "left", overflow="fold")
+    out = Sheet(f"{suite.name}{where}: {description(suite, rows)}", ["case", *(c.header for c in cols)],
+                [False, *(c.numeric for c in cols)], [], caption=caption)
     for case, case_rows in _cases_in_order(rows):
         for i, r in enumerate(case_rows):
-            style = {"failed": "bold red", "skipped": "dim"}.get(r.status, "bold" if r.kind == "ragged" else "")
-            table.add_row(case if i == 0 else "", *(c.cell(r) for c in cols), style=style or None)
-        table.add_section()
-    return table
+            out.cells.append([case if i == 0 else "", *(c.cell(r) for c in cols)])
+            out.styles.append({"failed": "bold red", "skipped": "dim"}.get(r.status, "bold" if r.kind == "ragged"
+                                                                            else None))
+        out.ends.add(len(out.cells) - 1)
+    return out
+
+
+def rich_table(suite: Suite, rows: list[Row], ceiling: CopyCeiling | None, env: dict[str, Any] | None = None):
+    """:func:`sheet` as one ``rich.table.Table``, as wide as its content."""
+    return tables(sheet(suite, rows, ceiling, env), None)[0][0]
 
 
 # --------------------------------------------------------------------------------------

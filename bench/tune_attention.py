@@ -1,4 +1,4 @@
-"""Sweep of Triton attention block shapes on the issue's workloads, beside torch's varlen_attn.
+"""Sweep of Triton attention block shapes on the target workloads, beside torch's varlen_attn.
 
 Development tool, run on a GPU: ``python -m bench.tune_attention [--bwd]``. Prints TFLOP/s
 (useful FLOPs: 4 * sum(L^2) * D * H forward, halved for causal; backward 2.5x that) for

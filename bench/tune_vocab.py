@@ -1,4 +1,4 @@
-"""Sweep of the vocab kernels' block shapes on the issue's workload (bf16, B=64, T_i 16..64,
+"""Sweep of the vocab kernels' block shapes on the target workload (bf16, B=64, T_i 16..64,
 d=1024, V=32000, |V_i| 500..2000), beside the full projection.
 
 Development tool, run on a GPU: ``python -m bench.tune_vocab``. For each kernel (forward,

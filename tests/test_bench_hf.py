@@ -74,7 +74,7 @@ def test_cpu_cases():
 
 
 def test_gpu_cases():
-    """The issue's workloads; listing cases allocates nothing on the device."""
+    """The GPU workloads; listing cases allocates nothing on the device."""
     suite = SUITES["hf"]
     cases = suite.cases(Config(torch.device("cuda")))
     assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM]
@@ -130,15 +130,10 @@ def test_suite_on_cpu(cpu_rows):
             if r.kind == "ragged":
                 ran = {b for b, row in case_rows.items() if row.kind == "baseline" and row.status == "ok"}
                 assert set(r.speedup) == ran
-        for rag, base, factor in H.TARGETS_BY_WORKLOAD[case.group]:
+        for rag, _, _ in H.TARGETS_BY_WORKLOAD[case.group]:  # GPU targets: not judged on CPU
             if case_rows[rag].status == "ok":
                 text = case_rows[rag].extra[H.TARGETS]
-                assert f">={factor:g}x {base}: " in text
-                if case_rows[base].status == "ok":
-                    speedup = case_rows[base].median_ms / case_rows[rag].median_ms
-                    assert f"{speedup:.2f}x {'met' if speedup >= factor else 'MISSED'}" in text
-                else:
-                    assert "baseline did not run" in text
+                assert text.startswith("GPU targets, not evaluated on CPU") and "MISSED" not in text
     embedding = [r for r in rows if r.group == H.EMBEDDING and r.kind == "ragged" and r.status == "ok"]
     assert embedding and all("cos>=0.9999: met" in r.extra[H.TARGETS] for r in embedding)
     md = report.markdown(suite, rows, ENV, None)
