@@ -318,3 +318,32 @@ def test_warmup_puts_back_replaced_parameters_and_added_buffers():
     assert net.lin.weight is weight and net.lin.bias is bias and bias.requires_grad
     assert "cache" not in net._buffers
     _assert_state(net, before)
+
+
+# --------------------------------------------------------------------------------------
+# ragged.nn.graphed over a converted SentenceTransformer: the same limit on its model
+
+pytest.importorskip("sentence_transformers")
+from test_hf_sentence import MAXLEN, _st, folders, transformers_  # noqa: E402,F401  (fixtures)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_graphed_sentence_transformer_buckets_stay_in_the_table(transformers_, family):  # noqa: F811
+    _, ours = _st(transformers_, family)
+    model = ours[0]._modules["model"]
+    top = MAXLEN  # the CPU tests' RoBERTa has MAXLEN + 2 rows and padding_idx 0: positions 1..MAXLEN + 1
+    if family == "roberta":
+        top = MAXLEN + 1
+    with pytest.raises(ValueError, match=rf"expected length_buckets of ints in 1..{top} \(the longest sequence"):
+        ragged.nn.graphed(ours, max_tokens=1024, max_batch_size=8, length_buckets=[16, 2 * MAXLEN])
+    assert ragged.nn.graphed(ours, max_tokens=1024, max_batch_size=8, token_buckets=[512]) is ours
+    g = ours[0].forward.graphed
+    assert g.max_len == top and g.length_buckets[-1] == top
+    g.capture = False  # what the graphs replay, run eagerly on the CPU
+    gen = torch.Generator().manual_seed(11)
+    ids = ragged.pack([torch.randint(5, 60, (n,), generator=gen) for n in (top, 40, 1, 0)])
+    with torch.no_grad():
+        want = model(input_ids=ids, return_dict=True)
+    got = g(input_ids=ids, return_dict=True)
+    torch.testing.assert_close(got["last_hidden_state"].values, want["last_hidden_state"].values, rtol=1e-9,
+                               atol=1e-9)
