@@ -18,8 +18,12 @@ slower (its time without the clip: bench/results/attention_h200_quick_2c0093c.md
 (``validate=True``).
 
 Masks. Within a sequence, key blocks that every query row of the block may see run
-without masks; only the last (ragged or causal-diagonal) blocks are masked. Causal
-masking is aligned to the bottom right: query i sees keys j <= i + Lk - Lq.
+without masks; only the last (ragged or causal-diagonal) blocks are masked, so a mask costs
+nothing in the blocks between. A masked block masks every position a row may not see: keys
+past the sequence as well as those outside the causal or window band, in the forward and in
+the dQ loop alike (a key past the end loads as zeros and scores 0, and an unmasked 0 is not
+harmless in the backward: see :func:`_dq_inner`). Causal masking is aligned to the bottom
+right: query i sees keys j <= i + Lk - Lq.
 
 Sliding windows (``WINDOW``). Query i sees keys ``i + shift - win_left <= j <= i + shift +
 win_right`` (``shift = Lk - Lq``; the launcher folds causal masking in as ``win_right = 0`` and
@@ -296,9 +300,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK/dV of one key block over query blocks [lo, hi) of head h.
 
-    Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly
-    0; keys past the sequence are never stored. Only the causal diagonal or the window's
-    edges (MASKED) need an element mask."""
+    Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly 0.
+    Key rows past the sequence go unmasked: each key row of dK / dV sums its own row of P and
+    dS only, and those rows are never stored, so what they hold (inf or NaN from p = exp(-lse)
+    at a zero key included) reaches no result. Only the causal diagonal or the window's edges
+    (MASKED) need an element mask."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -408,9 +414,12 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
               offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ of one query block over key blocks [lo, hi). Keys past the sequence load as 0 and
-    add exactly 0 (dS @ K with K = 0); only the causal diagonal and the window's edges need an
-    element mask."""
+    """dQ of one query block over key blocks [lo, hi). The masked blocks (MASKED: the sequence's
+    last, ragged key block, the causal diagonal, the window's edges) zero P at every key past
+    the sequence as well as outside the causal or window band. A key past the end loads as
+    K = V = 0 and so scores 0: left in P it would give p = exp(-lse), which overflows dS in the
+    cast for dS @ K when lse is very negative (float16 past 65504, any dtype once p is inf),
+    and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -422,10 +431,12 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
+            ok = (cols < k_len)[None, :]
             if CAUSAL:
-                p = tl.where(cols[None, :] <= offs_m[:, None] + shift, p, 0.0)
+                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
             if WINDOW:
-                p = tl.where(_in_window(offs_m, cols, shift, win_left, win_right), p, 0.0)
+                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
+            p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
             keep = _keep(seed, dropout_p, h, tq, cols, total_q)
