@@ -16,6 +16,10 @@ subclass swapped in under the same name would do the same but break ``pickle`` (
 would resolve to the original class); the instance attribute holds a reference to its
 module only, so ``copy.deepcopy`` and ``pickle`` / ``torch.save`` of a converted model give
 a converted model. Its ``__signature__`` is the original forward's (what ``Trainer`` reads).
+``torch.nn.DataParallel`` (``torch.nn.parallel.replicate``) copies each module's ``__dict__``
+into a replica: a converted module also gets an instance ``_replicate_for_data_parallel`` that
+gives each replica a forward of its own, which runs the replica's parameters; a shallow
+``copy.copy`` is not converted (:func:`is_converted`) until ``convert`` is called on it.
 
 **Inputs** (keywords or HuggingFace's positional order):
 
@@ -55,13 +59,14 @@ adapter builds on.
 
 **Compute.** The embeddings, the pooler and the heads are the model's own modules, called on
 the packed tokens; the layers are read into :class:`ragged.nn.layer.LayerSpec` s once per
-forward (Q, K and V concatenated per forward when a gradient may be recorded, cached in
-inference; see :func:`ragged.nn.hf_encoder.packed_in_projection`) and run by the layer core,
-with the dropout rates of the layers' own Dropout modules in training (none in the
-feed-forward hidden layer, as in HuggingFace) and HuggingFace's gradient checkpointing honoured. ``output_hidden_states`` gives HuggingFace's tuple (the input of every layer, then
-the last output), padded or ragged like the output; a list of layer indices selects as
-HuggingFace does. Other keyword arguments are accepted and ignored, as HuggingFace's attention
-ignores them, except those below.
+forward (Q, K and V concatenated on every forward, never cached, so that no write to the
+weights goes unseen; see :func:`ragged.nn.hf_encoder.packed_in_projection`) and run by the
+layer core, with the dropout rates of the layers' own Dropout modules in training (none in
+the feed-forward hidden layer, as in HuggingFace) and HuggingFace's gradient checkpointing
+honoured. ``output_hidden_states`` gives HuggingFace's tuple (the input of every layer, then
+the last output), padded or ragged like the output; indices select as the installed
+transformers selects them (see :func:`hidden_picks`). Other keyword arguments are accepted
+and ignored, as HuggingFace's attention ignores them, except those below.
 
 **Refused**, with the model untouched: other transformers classes (DeBERTa's relative
 attention; causal-LM, pre-training, next-sentence and multiple-choice heads; a subclass
@@ -88,16 +93,19 @@ conversion see those packed values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import operator
 import sys
+from collections.abc import Iterable
 
 from torch import nn
 
 from .hf_encoder import Family, attention_shape, encode, hook_kinds, layer_modules
 from .hf_heads import HEAD_MODULES, KINDS, head_outputs, pooled_output
 
-__all__ = ["FAMILIES", "RaggedForward", "convert_model", "identify", "is_converted", "is_done", "is_hf_model",
-           "patch", "unpatch", "why_not"]
+__all__ = ["FAMILIES", "RaggedForward", "convert_model", "hidden_picks", "identify", "is_converted", "is_done",
+           "is_hf_model", "patch", "unpatch", "why_not"]
 
 FAMILIES = {f.module: f for f in (
     Family("BERT", "transformers.models.bert.modeling_bert", "Bert", "bert"),
@@ -288,6 +296,15 @@ class RaggedForward:
     def __call__(self, *args, **kwargs):
         return _forward(self.module, self.kind, args, kwargs)
 
+    def replicate(self) -> nn.Module:
+        """The module's ``_replicate_for_data_parallel``: ``torch.nn.parallel.replicate``
+        (DataParallel) copies a module's ``__dict__`` into each replica and gives the replica
+        its own parameters, so the replica gets a forward of its own (the copied one would
+        run this module, with this module's parameters)."""
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        _set_forward(replica, self.kind)
+        return replica
+
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(type(self.module).forward.__get__(self.module))
@@ -296,8 +313,20 @@ class RaggedForward:
         return f"RaggedForward({type(self.module).__name__}, kind={self.kind!r})"
 
 
+_INSTANCE_NAMES = ("forward", "_replicate_for_data_parallel")  # what patch() sets on a module
+
+
+def _set_forward(module: nn.Module, kind: str) -> None:
+    forward = RaggedForward(module, kind)
+    module.forward = forward
+    module._replicate_for_data_parallel = forward.replicate
+
+
 def is_converted(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), RaggedForward)
+    """Whether ``module`` runs the converted forward of its own (a shallow copy of a converted
+    module holds the original's, and is not)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, RaggedForward) and forward.module is module
 
 
 def is_done(model: nn.Module) -> bool:
@@ -319,7 +348,7 @@ def patch(model: nn.Module) -> list[nn.Module]:
     changed = []
     for module, k in targets:
         if not is_converted(module):
-            module.forward = RaggedForward(module, k)
+            _set_forward(module, k)
             changed.append(module)
     return changed
 
@@ -327,7 +356,8 @@ def patch(model: nn.Module) -> list[nn.Module]:
 def unpatch(modules: list[nn.Module]) -> None:
     """Undo :func:`patch` on the modules it changed."""
     for module in modules:
-        module.__dict__.pop("forward", None)
+        for name in _INSTANCE_NAMES:
+            module.__dict__.pop(name, None)
 
 
 def convert_model(model: nn.Module, copy: bool) -> nn.Module:
@@ -369,6 +399,51 @@ def _bind(fn: str, cls: type, args: tuple, kwargs: dict) -> dict:
     return out
 
 
+@functools.cache
+def _selects_among_all_states() -> bool:
+    """Whether the installed transformers reads indices in ``output_hidden_states`` among all
+    ``N + 1`` hidden states (the embeddings' output first; an int selects one, negative
+    indices count from the end). Earlier versions (5.17) read a list, tuple or set as layer
+    indices and return ``N`` entries, entry ``i`` the output of layer ``i``; any other value
+    is a flag. The newer rule comes with ``output_capturing.selected_hidden_states``."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return False
+    return hasattr(output_capturing, "selected_hidden_states")
+
+
+def _indices(fn: str, value) -> list[int]:
+    try:
+        return [operator.index(i) for i in value]
+    except TypeError:
+        raise TypeError(f"{fn}(): expected output_hidden_states to be a bool, an int or a list of ints (hidden "
+                        f"state indices), got {value!r}") from None
+
+
+def hidden_picks(fn: str, hidden, layers: int) -> tuple | None:
+    """The hidden states the output holds for ``output_hidden_states=hidden`` in a model of
+    ``layers`` layers, selected as the installed transformers selects them: None (none) or,
+    per entry of the output tuple, the index of the hidden state it holds (0: the embeddings'
+    output, ``i``: layer ``i``'s) or None where the selection leaves it out."""
+    if hidden is None or isinstance(hidden, bool):
+        return tuple(range(layers + 1)) if hidden else None
+    if _selects_among_all_states():
+        scalar = not isinstance(hidden, Iterable)
+        indices = _indices(fn, [hidden] if scalar else hidden)
+        if not indices or (scalar and indices[0] == 0):
+            return None  # a falsy value (0, an empty list) collects nothing, as False does
+        n = layers + 1
+        wanted = {i % n for i in indices if -n <= i < n}  # out of range selects nothing
+        return tuple(i if i in wanted else None for i in range(n))
+    if isinstance(hidden, (list, tuple, set)):
+        if not hidden:
+            return None
+        wanted = set(_indices(fn, hidden))
+        return tuple(i + 1 if i in wanted else None for i in range(layers))
+    return tuple(range(layers + 1)) if hidden else None
+
+
 def _output(name: str, fields: dict, return_dict: bool):
     """HuggingFace's output class ``name`` with ``fields`` set in its field order (built empty
     first: its constructor would iterate a RaggedTensor first field)."""
@@ -408,8 +483,9 @@ def _forward(model: nn.Module, kind: str, args: tuple, kwargs: dict):
     if hidden is None:
         hidden = getattr(config, "output_hidden_states", False)
     base = model if kind == "base" else model._modules[cls.base_model_prefix]
+    layers = len(base._modules[family.encoder_name]._modules["layer"])
     enc = encode(fn, family, base, kw.get("input_ids"), kw.get("attention_mask"), kw.get("token_type_ids"),
-                 kw.get("position_ids"), kw.get("inputs_embeds"), hidden)
+                 kw.get("position_ids"), kw.get("inputs_embeds"), hidden_picks(fn, hidden, layers))
     if kind == "base":
         fields = {"last_hidden_state": enc.batch.out(enc.values)}
         if family.style in ("bert", "roberta"):

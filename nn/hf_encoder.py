@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 
 import torch
 from torch import nn
@@ -230,37 +229,18 @@ def _param(module: nn.Module, name: str):
     return getattr(module, name) if value is _MISSING else value
 
 
-# owner module (a layer's self-attention) -> (the parameters read, their stamps, in_w, in_b)
-_PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+def packed_in_projection(q: nn.Module, k: nn.Module, v: nn.Module):
+    """``(in_w [3d, d], in_b [3d] or None)``: the three projections concatenated, on every call.
 
-
-def packed_in_projection(owner: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module):
-    """``(in_w [3d, d], in_b [3d] or None)``: the three projections concatenated.
-
-    When a gradient may be recorded the concatenation is made in the forward (autograd
-    reaches the original Parameters). Otherwise it is cached per ``owner`` with the
-    parameters it was made from (held, so no other tensor can take their storage) and each
-    one's version counter and storage address: an optimizer step, ``load_state_dict``,
-    ``.to()`` / ``.half()`` (which swap a Parameter's data) or a new Parameter each change
-    them, and the next call rebuilds it. The cache holds one copy of the three weights per
-    layer; about 1 us a layer on a hit."""
-    tensors = (_param(q, "weight"), _param(k, "weight"), _param(v, "weight"),
-               _param(q, "bias"), _param(k, "bias"), _param(v, "bias"))
-    if tensors[3] is None:
-        tensors = tensors[:3]
-    grad = torch.is_grad_enabled()
-    if (grad and any(t.requires_grad for t in tensors)) or torch.compiler.is_compiling():
-        return torch.cat(tensors[:3]), (torch.cat(tensors[3:]) if len(tensors) == 6 else None)
-    stamps = [(t._version, t.data_ptr()) for t in tensors]
-    hit = _PACKED.get(owner)
-    if hit is not None and hit[1] == stamps and all(a is b for a, b in zip(hit[0], tensors)):
-        w = hit[2]
-        # an inference tensor (cached under inference_mode) cannot enter a recorded graph
-        if not (grad and w.is_inference() and not torch.is_inference_mode_enabled()):
-            return w, hit[3]
-    w = torch.cat(tensors[:3])
-    b = torch.cat(tensors[3:]) if len(tensors) == 6 else None
-    _PACKED[owner] = (tensors, stamps, w, b)
+    Nothing is cached: a cache would need a key that every write to the weights changes, and
+    writes through ``.data`` (an EMA or target-network update, a re-initialisation) change
+    neither a tensor's version counter nor its address. The concatenation copies the three
+    weights once per layer and forward (reads and writes ``3 d^2`` elements, a small share of
+    the layer's GEMMs at any batch of more than a few tokens); when a gradient is recorded,
+    autograd reaches the original Parameters through it."""
+    w = torch.cat((_param(q, "weight"), _param(k, "weight"), _param(v, "weight")))
+    qb = _param(q, "bias")
+    b = None if qb is None else torch.cat((qb, _param(k, "bias"), _param(v, "bias")))
     return w, b
 
 
@@ -335,7 +315,7 @@ def layer_spec(style: str, layer: nn.Module) -> LayerSpec:
                                   f"a {type(m[names[0]]).__name__}, not a torch.nn.Linear: convert the model after "
                                   "such changes (which it refuses) or undo them")
     heads, head_dim = attention_shape(style, attn)
-    in_w, in_b = packed_in_projection(attn, m["q"], m["k"], m["v"])
+    in_w, in_b = packed_in_projection(m["q"], m["k"], m["v"])
     out, ff1, ff2, norm1, norm2 = m["out"], m["ff1"], m["ff2"], m["norm1"], m["norm2"]
     p_attn = _sub(attn, "dropout").p if attn.training else 0.0
     drop1 = m["drop1"]
@@ -412,8 +392,8 @@ def run_encoder(family: Family, base: nn.Module, x: torch.Tensor, rt: RaggedTens
 @dataclasses.dataclass
 class Encoded:
     """The encoder's result: ``values [T, d]`` of the last layer, the batch, and with
-    ``output_hidden_states`` the packed hidden states (None entries where a list of layer
-    indices left them out)."""
+    hidden states asked for, the packed hidden states (None entries where a selection of
+    layers left them out)."""
 
     values: torch.Tensor
     batch: Batch
@@ -430,8 +410,10 @@ class Encoded:
 
 
 def encode(fn: str, family: Family, base: nn.Module, input_ids, attention_mask, token_type_ids, position_ids,
-           inputs_embeds, output_hidden_states) -> Encoded:
-    """Read the batch, embed the packed tokens and run the layers (see the module docstring)."""
+           inputs_embeds, picks: tuple | None) -> Encoded:
+    """Read the batch, embed the packed tokens and run the layers (see the module docstring).
+    ``picks``: None (no hidden states) or, per entry of the hidden states returned, the index
+    of the hidden state it holds (0 the embeddings' output, ``i`` layer ``i``'s) or None."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"{fn}(): expected exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -441,12 +423,8 @@ def encode(fn: str, family: Family, base: nn.Module, input_ids, attention_mask, 
         batch = read_batch(fn, "inputs_embeds", inputs_embeds, attention_mask, 1)
         ids, embeds = None, batch.rt.values
     x = embed(fn, family, base, batch, ids, embeds, token_type_ids, position_ids)
-    collect = bool(output_hidden_states)
+    collect = picks is not None and any(p is not None for p in picks)
     y, hidden = run_encoder(family, base, x, batch.rt, collect)
-    if hidden is not None:
-        if isinstance(output_hidden_states, (list, tuple, set)):
-            # HuggingFace's layer selection: entry i is layer i's output, None where not asked
-            wanted = set(output_hidden_states)
-            hidden = [h if i in wanted else None for i, h in enumerate(hidden[1:])]
-        hidden = tuple(hidden)
+    if picks is not None:
+        hidden = tuple(None if p is None else hidden[p] for p in picks)
     return Encoded(y, batch, hidden)
