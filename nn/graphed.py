@@ -42,7 +42,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe
 
-__all__ = ["Graphed", "graphed", "model_max_len", "powers_of_two"]
+__all__ = ["Graphed", "graphed", "powers_of_two"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
 
@@ -78,7 +78,7 @@ def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1, wh
     return tuple(values)
 
 
-def model_max_len(module: nn.Module) -> tuple[int, str] | None:
+def _model_max_len(module: nn.Module) -> tuple[int, str] | None:
     """``(L, why)``: the longest sequence a HuggingFace model converted by
     :func:`ragged.nn.convert` takes, and where that comes from; None for other modules.
 
@@ -102,9 +102,9 @@ def model_max_len(module: nn.Module) -> tuple[int, str] | None:
         if isinstance(rows, bool) or not isinstance(rows, int):
             return None
         what = f"max_position_embeddings={rows}"
-    if family.style == "roberta":
-        first = embeddings.padding_idx + 1
-        return rows - first, f"{what}, positions from padding_idx + 1 = {first}"
+    pad = getattr(embeddings, "padding_idx", None)
+    if family.style == "roberta" and isinstance(pad, int):
+        return rows - (pad + 1), f"{what}, positions from padding_idx + 1 = {pad + 1}"
     return rows, what
 
 
@@ -143,7 +143,7 @@ class Graphed(nn.Module):
         max_batch_size = _check_int(fn, "max_batch_size", max_batch_size)
         # the longest sequence the module takes: a bucket's length never exceeds it (the spare
         # rows' positions run up to the bucket's length minus one)
-        limit = model_max_len(module)
+        limit = _model_max_len(module)
         if limit is not None and limit[0] < 1:
             raise ValueError(f"{fn}(): expected a model that takes sequences of at least one token, got "
                              f"{type(module).__name__} ({limit[1]})")
