@@ -25,6 +25,14 @@ of the mask (its lengths and layout, :func:`ragged.interop.read_mask_layout`). T
 returns a RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout
 and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 
+**Threads.** What ``encode`` is doing (sentence or token embeddings) lives in the call's context
+(a ``contextvars`` variable: each thread and asyncio task has its own), never on the shared
+modules, so threads may call ``encode`` / ``tokenize`` / ``st(features)`` on one converted model at
+once. Tokenizing without padding changes the fast tokenizer's shared padding setting, so the
+converted Transformer's preprocess tokenizes one call at a time. Graph replays
+(:func:`ragged.nn.graphed`) are taken one at a time; with ``copy_outputs=False`` the outputs are
+the graphs' buffers, which the next replay overwrites: one thread only.
+
 **Features** after the converted Transformer:
 
 * ``"ragged_token_embeddings"``: a :class:`TokenEmbeddings` (``.rt``: the last hidden state as a
@@ -40,10 +48,13 @@ and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 **Pooling** (``cls``, ``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``, ``lasttoken``
 and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
 features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
-put others there gets sentence-transformers' own padded pooling. ``weightedmean`` weighs by the
-columns of the padded batch, as sentence-transformers does. A sequence with no token pools to zeros
-(sentence-transformers: ``-inf`` for ``max``); tokenizers always add special tokens, so ``encode``
-never meets one.
+put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf_sentence_pooling`).
+``weightedmean`` weighs as the installed sentence-transformers does: by the columns of the padded
+batch before 6.2, by the place in the sequence from 6.2 (the two differ under left padding),
+read from its Pooling once. A sequence with no token pools to zeros (sentence-transformers:
+``-inf`` for ``max``); tokenizers always add special tokens, so ``encode`` never meets one.
+``encode(output_value=None)`` gives each row its own text's ``[L, d]`` tokens as
+``"ragged_token_embeddings"``.
 
 **Other modules** after the Transformer (LSTM, CNN, WordWeights, custom modules, Dense or
 Normalize on token embeddings, a Pooling after one of those, a Pooling subclass) keep working
@@ -62,11 +73,14 @@ NotImplementedError.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy as copying
 import dataclasses
 import inspect
 import itertools
 import sys
+import threading
 import warnings
 from collections.abc import MutableMapping
 
@@ -74,22 +88,52 @@ import numpy as np
 import torch
 from torch import nn
 
-import ragged
 from ragged import RaggedTensor
 from ragged.utils import describe
 
 from . import hf_bert
 from .activation import PaddedLayout
 from .hf_encoder import read_batch
+from .hf_sentence_pooling import TOKENS_KEY, RaggedPooling, TokenEmbeddings, pool_tokens, weightedmean_origin
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
-           "RaggedTransformerForward", "TokenEmbeddings", "convert_sentence_transformer", "is_converted",
+           "RaggedTransformerForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding", "is_converted",
            "is_sentence_transformer", "pool_tokens", "why_not"]
 
-TOKENS_KEY = "ragged_token_embeddings"
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
 _FN = "ragged.nn.convert"
 _TEXT = {"method": "forward", "method_output_name": "last_hidden_state"}
+
+# A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
+# ((forward, "sentence" or "tokens"), ...) of the encodes running, innermost last; preprocesses in their original.
+_ENCODING: contextvars.ContextVar[tuple] = contextvars.ContextVar("ragged_sentence_encoding", default=())
+_PREPROCESSING: contextvars.ContextVar[tuple] = contextvars.ContextVar("ragged_sentence_preprocessing", default=())
+
+
+@contextlib.contextmanager
+def encoding(forward: "RaggedTransformerForward", mode: str):
+    """Within the block, in this thread or task only, the converted Transformer whose forward
+    is ``forward`` runs as inside ``encode``: ``mode`` ``"sentence"`` (its preprocess packs the
+    batch on the host, tokenizing without padding where it can) or ``"tokens"`` (the padded
+    batch packed from its host mask; the forward writes padded ``token_embeddings``)."""
+    if not isinstance(forward, RaggedTransformerForward):
+        raise TypeError(f"ragged.nn.hf_sentence.encoding(): expected the forward of a converted Transformer, got "
+                        f"{describe(forward)}")
+    if mode not in ("sentence", "tokens"):
+        raise ValueError(f"ragged.nn.hf_sentence.encoding(): expected mode 'sentence' or 'tokens', got {mode!r}")
+    token = _ENCODING.set((*_ENCODING.get(), (forward, mode)))
+    try:
+        yield
+    finally:
+        _ENCODING.reset(token)
+
+
+def _mode(forward: "RaggedTransformerForward") -> str | None:
+    """The mode of the innermost encode of ``forward`` in this context; None outside encode."""
+    for owner, mode in reversed(_ENCODING.get()):
+        if owner is forward:
+            return mode
+    return None
 
 
 def is_sentence_transformer(model: object) -> bool:
@@ -157,28 +201,6 @@ def pack_input(fn: str, style: str, input_ids, attention_mask, token_type_ids, p
     return PackedInput(batch.rt, types, positions, batch.layout)
 
 
-class TokenEmbeddings:
-    """``features["ragged_token_embeddings"]``: ``rt``, the Transformer's token embeddings as a
-    RaggedTensor ``[T, d]``; ``layout``, where they sat in the padded batch; ``padded``, the
-    padded ``features["token_embeddings"]`` written with them (None when none was).
-    ``tokens[b]`` is sequence ``b``'s ``[L_b, d]``."""
-
-    __slots__ = ("rt", "layout", "padded")
-
-    def __init__(self, rt: RaggedTensor, layout: PaddedLayout, padded: torch.Tensor | None) -> None:
-        self.rt, self.layout, self.padded = rt, layout, padded
-
-    def __getitem__(self, index):
-        return self.rt[index]
-
-    def columns(self) -> torch.Tensor:
-        """``[T]`` int64: each token's column in the padded batch."""
-        return self.layout.positions(self.rt)
-
-    def __repr__(self) -> str:
-        return f"TokenEmbeddings({self.rt!r}, side={self.layout.side!r})"
-
-
 # --------------------------------------------------------------------------------------
 # The converted Transformer
 
@@ -193,14 +215,20 @@ class RaggedTransformerForward:
         self.style = style
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
-        self.encoding: list[str] = []  # innermost last: "sentence" or "tokens" while encode runs
         self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
+        self.graph_lock = threading.Lock()  # a replay fills the graphs' static buffers: one thread at a time
 
     def __call__(self, features: dict, **kwargs) -> dict:
         return _transformer_forward(self, features, kwargs)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "encoding": [], "graphed": None}  # graphs are of this process
+        state = {**self.__dict__, "graphed": None}  # graphs are of this process
+        del state["graph_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.graph_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings})"
@@ -231,15 +259,18 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
     inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
                                 ("position_ids", packed.position_ids)) if t is not None}
-    run = model
-    if self.graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
-        run, inputs = self.graphed, {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
-    out = run(**inputs, return_dict=True)
+    graphed = self.graphed
+    if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
+        inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
+        with self.graph_lock:
+            out = graphed(**inputs, return_dict=True)
+    else:
+        out = model(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
     if not isinstance(rt, RaggedTensor):
         raise NotImplementedError(f"{fn}(): its auto_model returned {describe(rt)}, not a RaggedTensor: its converted "
                                   "forward was removed; convert the SentenceTransformer again")
-    pad = self.pad_token_embeddings or (bool(self.encoding) and self.encoding[-1] == "tokens")
+    pad = self.pad_token_embeddings or _mode(self) == "tokens"
     padded = packed.layout.unpack(rt) if pad else None
     features[TOKENS_KEY] = TokenEmbeddings(rt, packed.layout, padded)
     if padded is None:
@@ -264,25 +295,30 @@ class RaggedPreprocess:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.busy = False  # inside the original preprocess (it calls preprocess for a prompt's length)
+        # a fast tokenizer keeps its padding setting in shared state, set by every call before it
+        # tokenizes, and encode's calls set another than the others': one call at a time
+        self.lock = threading.Lock()
 
     def __call__(self, *args, **kwargs) -> dict:
         module = self.module
         original = type(module).preprocess
-        forward = module.__dict__.get("forward")
-        if self.busy or not isinstance(forward, RaggedTransformerForward) or not forward.encoding:
+        inside = _PREPROCESSING.get()
+        if self in inside:  # the original calls preprocess (for a prompt's length) inside our call
             return original(module, *args, **kwargs)
-        if forward.encoding[-1] == "sentence" and not forward.pad_token_embeddings and len(args) <= 2 \
-                and _unpadded_ok(module, kwargs):
-            # the common kwargs override the text ones in sentence-transformers' tokenizer call
+        forward = module.__dict__.get("forward")
+        mode = _mode(forward) if isinstance(forward, RaggedTransformerForward) else None
+        unpadded = mode == "sentence" and not forward.pad_token_embeddings and len(args) <= 2 \
+            and _unpadded_ok(module, kwargs)
+        if unpadded:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
             pk = dict(kwargs.get("processing_kwargs") or {})
             kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **_UNPADDED}}}
-        self.busy = True
+        token = _PREPROCESSING.set((*inside, self))
         try:
-            features = original(module, *args, **kwargs)
+            with self.lock:
+                features = original(module, *args, **kwargs)
         finally:
-            self.busy = False
-        if not isinstance(features, MutableMapping) or features.get("modality", "text") != "text" \
+            _PREPROCESSING.reset(token)
+        if mode is None or not isinstance(features, MutableMapping) or features.get("modality", "text") != "text" \
                 or "cu_seq_lens_q" in features:
             return features
         ids = features.get("input_ids")
@@ -297,7 +333,13 @@ class RaggedPreprocess:
         return features
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "busy": False}
+        state = dict(self.__dict__)
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
     def __repr__(self) -> str:
         return "RaggedPreprocess()"
@@ -366,12 +408,13 @@ class RaggedEncode:
             bound = sig.bind_partial(model, *args, **kwargs)
             value = bound.arguments.get("output_value", sig.parameters["output_value"].default)
         except (TypeError, KeyError):
-            value = None  # let encode raise its own error; pad meanwhile
-        forward.encoding.append("sentence" if value == "sentence_embedding" else "tokens")
-        try:
-            return encode(model, *args, **kwargs)
-        finally:
-            forward.encoding.pop()
+            value = "unknown"  # let encode raise its own error; pad meanwhile
+        with encoding(forward, "sentence" if value == "sentence_embedding" else "tokens"):
+            out = encode(model, *args, **kwargs)
+        if value is None and isinstance(out, list):
+            for row in out:
+                _own_tokens(row)
+        return out
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -381,95 +424,18 @@ class RaggedEncode:
         return "RaggedEncode()"
 
 
-# --------------------------------------------------------------------------------------
-# Pooling on packed tokens
-
-
-class RaggedPooling:
-    """The ``forward`` of a converted Pooling module: see the module docstring."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, features: dict, **kwargs) -> dict:
-        tokens = features.get(TOKENS_KEY) if isinstance(features, MutableMapping) else None
-        if not isinstance(tokens, TokenEmbeddings) or features.get("token_embeddings") is not tokens.padded:
-            return type(self.module).forward(self.module, features, **kwargs)
-        features["sentence_embedding"] = pool_tokens(self.module, tokens, features)
-        return features
-
-    def __repr__(self) -> str:
-        return "RaggedPooling()"
-
-
-def pool_tokens(pooling: nn.Module, tokens: TokenEmbeddings, features: dict) -> torch.Tensor:
-    """``[B, modes * d]``: ``pooling``'s modes over the packed tokens, concatenated in its order
-    (sentence-transformers' values; ``cls_token_embeddings`` and ``token_weights_sum`` in the
-    features are used as sentence-transformers uses them)."""
-    rt = tokens.rt
-    x = rt.values
-    modes = (pooling.pooling_mode,) if isinstance(pooling.pooling_mode, str) else tuple(pooling.pooling_mode)
-    prompt = None  # the prompt is left out with include_prompt=False and its length given (an int, or a
-    if not pooling.include_prompt and "prompt_length" in features:  # tensor read once, as sentence-transformers does)
-        pl = features["prompt_length"]
-        prompt = int(pl[0].item()) if isinstance(pl, torch.Tensor) else int(pl)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # sums and divisions
-    lengths = rt.lengths.to(torch.int64)
-    keep = None if prompt is None else rt.position_ids() >= prompt  # [T] tokens pooled
-    weights_sum = features.get("token_weights_sum")
-    count = None  # [B, 1] in acc: tokens pooled
-    out = []
-    for mode in modes:
-        if mode == "cls":
-            if "cls_token_embeddings" in features:
-                out.append(features["cls_token_embeddings"])
-            elif keep is None:
-                out.append(ragged.pool(rt, "first"))
-            else:
-                out.append(_first_kept(x, rt, lengths, prompt))
-        elif mode == "lasttoken":
-            last = ragged.pool(rt, "last")
-            out.append(last if keep is None else last * (lengths > prompt).unsqueeze(1).to(last.dtype))
-        elif mode == "max":
-            v = x if keep is None else x.masked_fill(~keep.unsqueeze(1), float("-inf"))
-            out.append(ragged.pool(rt.with_values(v), "max"))
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            if keep is None and weights_sum is None and mode == "mean":
-                out.append(ragged.pool(rt, "mean"))
-                continue
-            v = x if keep is None else x * keep.unsqueeze(1).to(x.dtype)
-            total = ragged.pool(rt.with_values(v), "sum").to(acc)
-            if count is None:
-                if weights_sum is not None:
-                    count = weights_sum.to(acc).unsqueeze(1)
-                elif keep is None:
-                    count = lengths.to(acc).unsqueeze(1)
-                else:
-                    count = ragged.pool(rt.with_values(keep.to(acc).unsqueeze(1)), "sum")
-                count = count.clamp(min=1e-9)
-            out.append((total / (count if mode == "mean" else count.sqrt())).to(x.dtype))
-        elif mode == "weightedmean":
-            w = ((tokens.columns() + 1).to(acc) * (1 if keep is None else keep)).unsqueeze(1)
-            total = ragged.pool(rt.with_values(x.to(acc) * w), "sum")
-            norm = weights_sum.to(acc).unsqueeze(1) if weights_sum is not None else \
-                ragged.pool(rt.with_values(w), "sum")
-            out.append((total / norm.clamp(min=1e-9)).to(x.dtype))
-        else:
-            raise NotImplementedError(f"Pooling.forward(): pooling mode {mode!r} is not supported by the ragged "
-                                      f"pooling (supported: {', '.join(type(pooling).POOLING_MODES)})")
-    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-
-def _first_kept(x: torch.Tensor, rt: RaggedTensor, lengths: torch.Tensor, prompt: int) -> torch.Tensor:
-    """``[B, d]``: each sequence's first token past the prompt, as sentence-transformers picks it;
-    its first token when the prompt covers it all (sentence-transformers: column 0, padding when
-    left-padded); zeros for an empty sequence."""
-    if x.shape[0] == 0:
-        return x.new_zeros((rt.batch_size, *x.shape[1:]))
-    start = rt.offsets[:-1].to(torch.int64)
-    index = start + torch.where(lengths > prompt, prompt, 0)
-    row = x.index_select(0, index.clamp(max=x.shape[0] - 1))
-    return row * (lengths > 0).unsqueeze(1).to(x.dtype)
+def _own_tokens(row: object) -> None:
+    """A row of ``encode(output_value=None)``: its ``ragged_token_embeddings`` made its own text's
+    ``[L, d]`` tokens (sentence-transformers from 6.2 keeps objects other than tensors whole: the
+    batch's TokenEmbeddings in every row), read from the row's padded ones and mask."""
+    if not isinstance(row, MutableMapping) or not isinstance(row.get(TOKENS_KEY), TokenEmbeddings):
+        return
+    padded, mask = row.get("token_embeddings"), row.get("attention_mask")
+    if isinstance(padded, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dim() == 1 \
+            and padded.dim() >= 2 and padded.shape[0] == mask.shape[0]:
+        row[TOKENS_KEY] = padded[mask.bool()]
+    else:
+        del row[TOKENS_KEY]  # never another text's tokens
 
 
 # --------------------------------------------------------------------------------------
@@ -577,6 +543,9 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
                                       f"{type(model).__name__} would run on padded token embeddings: {listing}")
         warnings.warn(f"{_FN}(): {len(plan.padded)} module(s) of {type(model).__name__} run on padded token "
                       f"embeddings: {listing}", stacklevel=3)
+    if any("weightedmean" in ((p.pooling_mode,) if isinstance(p.pooling_mode, str) else p.pooling_mode)
+           for p in plan.poolings):
+        weightedmean_origin()  # read once here (or refused), not while a forward is traced or captured
     if copy:
         model = copying.deepcopy(model)
         plan = _plan(model)

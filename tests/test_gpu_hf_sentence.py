@@ -112,12 +112,8 @@ def test_gpu_token_embeddings(gpu_folders, dtype):
 def test_gpu_encode_batch_does_not_sync(gpu_folders, family, dtype):
     """The forward of an encode batch (packed on the host by preprocess) reads nothing from the GPU."""
     _, _, ours = _models(gpu_folders[family], ("mean", "cls", "max", "weightedmean", "lasttoken"), dtype)
-    forward = ours[0].forward
-    forward.encoding.append("sentence")
-    try:
+    with hf_sentence.encoding(ours[0].forward, "sentence"):
         batches = [batch_to_device(ours.preprocess(GPU_TEXTS[i:i + 4]), "cuda") for i in range(0, len(GPU_TEXTS), 4)]
-    finally:
-        forward.encoding.pop()
     with torch.no_grad():
         ours(copy.copy(batches[0]))  # first call: kernel compilation and tuning may read the GPU
         torch.cuda.synchronize()
