@@ -52,7 +52,8 @@ class TokenEmbeddings:
         if self.layout.side != "scattered":
             return self.rt.position_ids()
         columns = self.columns()
-        first = self.rt.offsets[:-1].to(torch.int64).index_select(0, self.rt.seq_ids())
+        # offsets, not offsets[:-1]: the spare rows of a graphed bucket have sequence id B
+        first = self.rt.offsets.to(torch.int64).index_select(0, self.rt.seq_ids())
         return columns - columns.index_select(0, first)
 
     def __repr__(self) -> str:
