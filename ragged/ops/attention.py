@@ -51,8 +51,9 @@ window_right)`` -> ``(dq, dk, dv)``, and every backward implementation also take
 ``window_left`` / ``window_right`` the default ``-1`` (no window), so callers of an
 implementation's functions that never use a window may leave them out.
 Implementations (:mod:`ragged.backends`, chosen from :class:`AttentionSpec`): ``"torch"``
-(:func:`reference_attention`, a loop of per-sequence attention in float32; the CPU path and
-the tests' oracle; declared here), ``"triton"`` (varlen flash attention, forward and
+(forward on the CPU: :mod:`ragged.ops.attention_cpu`, lengths grouped into calls of torch's
+fused CPU kernel; elsewhere, with dropout, and every backward: :func:`reference_attention`, a
+loop of per-sequence attention in float32, the tests' oracle; declared here), ``"triton"`` (varlen flash attention, forward and
 backward, key blocks outside a window skipped; declared in :mod:`ragged.kernels.triton`) and
 ``"cuda"`` (a fused kernel for short sequences, forward only, its backward Triton's, no window;
 declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it only where it is measured faster).
@@ -67,6 +68,7 @@ import torch
 from torch import Tensor
 
 from .. import _opdef, backends
+from . import attention_cpu
 from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager, no_autocast
 from ..tensor import RaggedTensor
 
@@ -331,10 +333,15 @@ def _reference_mask(q, cu_q, max_k, dropout_p, seed):
 
 def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
                        window_right=-1):
-    mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
-    with torch.no_grad():
-        out, lse = reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                       window_size=(window_left, window_right))
+    if attention_cpu.available(q, dropout_p):  # one fused call per group of lengths, not per sequence
+        with torch.no_grad():
+            out, lse = attention_cpu.grouped_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale,
+                                                       (window_left, window_right))
+    else:
+        mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
+        with torch.no_grad():
+            out, lse = reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
+                                           window_size=(window_left, window_right))
     spare = q.shape[0] - out.shape[0]  # rows past the last offset (a graphed bucket's): zeros, as the op's shape
     if spare > 0:
         out = torch.cat([out, out.new_zeros((spare, *out.shape[1:]))])
