@@ -30,10 +30,19 @@ two warm-up runs on a side stream (they compile the kernels and let cuBLAS pick 
 Graphs hold the addresses of the module's parameters: after moving the module (``.to()``) or
 replacing parameters call :meth:`Graphed.reset`; in-place updates (``load_state_dict``,
 optimizer steps) are seen by the next replay.
+
+**Threads.** The graphs read and write static buffers that every call shares (the buckets share
+the input buffers and one memory pool), so a call holds :attr:`Graphed.lock` (re-entrant) from
+copying its inputs in, through the capture or replay, to copying the outputs out: calls from
+several threads take turns, and calls that run eagerly (off the GPU, over the largest bucket)
+do not wait. With ``copy_outputs=False`` the outputs are the graphs' buffers themselves, which
+the next call from any thread may overwrite: hold ``g.lock`` around the call and the reads of
+its outputs.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -174,6 +183,16 @@ class Graphed(nn.Module):
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._pool = None
         self._warned: set[str] = set()
+        self.lock = threading.RLock()  # see the module docstring: held from the inputs in to the outputs out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["lock"]  # a lock is of this process
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.lock = threading.RLock()
 
     # ------------------------------------------------------------------------------------
     # Public
@@ -185,9 +204,10 @@ class Graphed(nn.Module):
 
     def reset(self) -> None:
         """Drop every graph and static buffer (after moving the module or replacing parameters)."""
-        self._graphs.clear()
-        self._buffers.clear()
-        self._pool = None
+        with self.lock:  # not under a call of another thread
+            self._graphs.clear()
+            self._buffers.clear()
+            self._pool = None
 
     def bucket(self, num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int, int] | None:
         """``(T_b, B_b, L_b)`` a batch of this size runs in, or None when it is over the largest."""
@@ -225,7 +245,7 @@ class Graphed(nn.Module):
         off = first.offsets
         key = (size, off.dtype, device, torch.is_autocast_enabled("cuda"),
                tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts), key_args)
-        with torch.no_grad():
+        with self.lock, torch.no_grad():  # the bucket's buffers are shared by every thread's calls
             entry = self._graphs.get(key)
             if entry is None:
                 entry = self._capture(key, rts, args, kwargs, size, device)
@@ -361,7 +381,9 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     ``batch_buckets`` (from 1) and ``length_buckets`` (longest sequence, from 16), each ending at
     its maximum (for lengths the smaller of ``max_tokens`` and the longest sequence the module
     takes). ``copy_outputs=False`` returns views of the graph's static outputs (no copy; the next
-    call of the same bucket overwrites them).
+    call, from any thread, may overwrite them: hold the module's ``lock`` around
+    the call and the reads of its outputs to keep other threads' calls out meanwhile). Calls from
+    several threads take turns on the graphs (see the module docstring).
 
     ``max_len``: the longest sequence the module takes. For a converted HuggingFace model it is
     read from the model (its position-embedding rows, less ``padding_idx + 1`` for the RoBERTa

@@ -12,7 +12,11 @@ Transformer gets a ``forward`` (:class:`RaggedTransformerForward`) and a ``prepr
 module tree, Parameters and ``state_dict`` keys stay: ``save`` writes the original's files (a loaded
 model is a plain SentenceTransformer until converted again), an optimizer built before keeps
 training the model, ``copy.deepcopy`` / ``pickle`` give a converted model. Converting a converted
-model changes nothing.
+model changes nothing. ``torch.nn.DataParallel`` (``torch.nn.parallel.replicate``) copies each module's
+``__dict__`` into a replica that gets its own parameters: each patched module also gets an instance
+``_replicate_for_data_parallel`` that remakes its patches for the replica, so that every replica runs
+its own parameters (eagerly: graphs hold the original's). A shallow ``copy.copy`` is not converted
+(:func:`is_converted`) until ``convert`` is called on it.
 
 **Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the texts are
 tokenized without padding (sentence-transformers' preprocess with ``padding=False`` and no tensors,
@@ -29,9 +33,10 @@ and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 (a ``contextvars`` variable: each thread and asyncio task has its own), never on the shared
 modules, so threads may call ``encode`` / ``tokenize`` / ``st(features)`` on one converted model at
 once. Tokenizing without padding changes the fast tokenizer's shared padding setting, so the
-converted Transformer's preprocess tokenizes one call at a time. Graph replays
-(:func:`ragged.nn.graphed`) are taken one at a time; with ``copy_outputs=False`` the outputs are
-the graphs' buffers, which the next replay overwrites: one thread only.
+converted Transformer's preprocess tokenizes one call at a time (its replicas share the tokenizer,
+and that lock). The graphs (:func:`ragged.nn.graphed`) take one call at a time themselves; with
+``copy_outputs=False`` the outputs are the graphs' buffers, which the next call from any thread
+overwrites: one thread only.
 
 **Features** after the converted Transformer:
 
@@ -94,7 +99,8 @@ from ragged.utils import describe
 from . import hf_bert
 from .activation import PaddedLayout
 from .hf_encoder import read_batch
-from .hf_sentence_pooling import TOKENS_KEY, RaggedPooling, TokenEmbeddings, pool_tokens, weightedmean_origin
+from .hf_sentence_pooling import (TOKENS_KEY, RaggedPooling, TokenEmbeddings, pool_tokens, set_patches,
+                                  weightedmean_origin)
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
            "RaggedTransformerForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding", "is_converted",
@@ -216,19 +222,17 @@ class RaggedTransformerForward:
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
         self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
-        self.graph_lock = threading.Lock()  # a replay fills the graphs' static buffers: one thread at a time
 
     def __call__(self, features: dict, **kwargs) -> dict:
         return _transformer_forward(self, features, kwargs)
 
-    def __getstate__(self) -> dict:
-        state = {**self.__dict__, "graphed": None}  # graphs are of this process
-        del state["graph_lock"]
-        return state
+    def for_replica(self, replica: nn.Module) -> "RaggedTransformerForward":
+        """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
+        hold this module's parameters)."""
+        return RaggedTransformerForward(replica, self.style, self.takes_types, self.pad_token_embeddings)
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.graph_lock = threading.Lock()
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "graphed": None}  # graphs are of this process
 
     def __repr__(self) -> str:
         return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings})"
@@ -262,8 +266,7 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     graphed = self.graphed
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
         inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
-        with self.graph_lock:
-            out = graphed(**inputs, return_dict=True)
+        out = graphed(**inputs, return_dict=True)
     else:
         out = model(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
@@ -293,11 +296,16 @@ class RaggedPreprocess:
     and the per-token lists are dropped from the features; otherwise the padded batch is kept
     and packed from its host mask."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, lock: threading.Lock | None = None) -> None:
         self.module = module
         # a fast tokenizer keeps its padding setting in shared state, set by every call before it
         # tokenizes, and encode's calls set another than the others': one call at a time
-        self.lock = threading.Lock()
+        self.lock = threading.Lock() if lock is None else lock
+
+    def for_replica(self, replica: nn.Module) -> "RaggedPreprocess":
+        """The preprocess of ``replica``, a DataParallel replica of this module: it holds the same
+        tokenizer (a replica's ``__dict__`` is a shallow copy), so it takes the same lock."""
+        return RaggedPreprocess(replica, self.lock)
 
     def __call__(self, *args, **kwargs) -> dict:
         module = self.module
@@ -305,8 +313,8 @@ class RaggedPreprocess:
         inside = _PREPROCESSING.get()
         if self in inside:  # the original calls preprocess (for a prompt's length) inside our call
             return original(module, *args, **kwargs)
-        forward = module.__dict__.get("forward")
-        mode = _mode(forward) if isinstance(forward, RaggedTransformerForward) else None
+        forward = _own(module, "forward", RaggedTransformerForward)
+        mode = None if forward is None else _mode(forward)
         unpadded = mode == "sentence" and not forward.pad_token_embeddings and len(args) <= 2 \
             and _unpadded_ok(module, kwargs)
         if unpadded:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
@@ -395,11 +403,14 @@ class RaggedEncode:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
+    def for_replica(self, replica: nn.Module) -> "RaggedEncode":
+        return RaggedEncode(replica)
+
     def __call__(self, *args, **kwargs):
         model = self.model
         encode = type(model).encode
-        forward = model[0].__dict__.get("forward") if len(model) else None
-        if not isinstance(forward, RaggedTransformerForward):
+        forward = _own(model[0], "forward", RaggedTransformerForward) if len(model) else None
+        if forward is None:
             return encode(model, *args, **kwargs)
         sig = self._signatures.get(type(model))
         if sig is None:
@@ -514,10 +525,22 @@ def why_not(model: nn.Module) -> str | None:
     return plan if isinstance(plan, str) else None
 
 
+def _own(module: nn.Module, name: str, cls: type):
+    """``module``'s instance attribute ``name`` when it is a ``cls`` patch of ``module`` itself
+    (a shallow copy or a replica holds another module's); None otherwise."""
+    value = module.__dict__.get(name)
+    if not isinstance(value, cls):
+        return None
+    return value if (value.model if cls is RaggedEncode else value.module) is module else None
+
+
 def is_converted(model: nn.Module) -> bool:
-    """Whether the SentenceTransformer ``model`` is converted."""
-    return (isinstance(model.__dict__.get("encode"), RaggedEncode) and len(model) > 0
-            and isinstance(model[0].__dict__.get("forward"), RaggedTransformerForward))
+    """Whether the SentenceTransformer ``model`` is converted: its encode, its Transformer's
+    forward and preprocess and its Poolings' ragged forwards are patches of their own module."""
+    return len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
+        (model, "encode", RaggedEncode), (model[0], "forward", RaggedTransformerForward),
+        (model[0], "preprocess", RaggedPreprocess), *((m, "forward", RaggedPooling) for m in model._modules.values()
+                                                      if isinstance(m.__dict__.get("forward"), RaggedPooling))))
 
 
 def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
@@ -554,16 +577,21 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
     family, _ = hf_bert.identify(auto)
     takes_types = "token_type_ids" in inspect.signature(type(auto).forward).parameters
     patched = [] if hf_bert.is_done(auto) else hf_bert.patch(auto)
+    # what a shallow copy shares with a converted model is its own already: kept as it is (graphs included)
+    wanted = [(first, "forward", RaggedTransformerForward,
+               lambda: RaggedTransformerForward(first, family.style, takes_types, bool(plan.padded))),
+              (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
+              (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
+              *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings)]
+    done = []
     try:  # plain attribute settings: nothing here is expected to fail, but leave nothing half done
-        first.forward = RaggedTransformerForward(first, family.style, takes_types, bool(plan.padded))
-        first.preprocess = RaggedPreprocess(first)
-        model.encode = RaggedEncode(model)
-        for pooling in plan.poolings:
-            pooling.forward = RaggedPooling(pooling)
+        for module in dict.fromkeys(m for m, *_ in wanted):
+            patches = {name: make() for m, name, cls, make in wanted if m is module and _own(m, name, cls) is None}
+            done.append((module, set_patches(module, patches)))
     except BaseException:
-        for module, name in [(first, "forward"), (first, "preprocess"), (model, "encode"),
-                             *((pooling, "forward") for pooling in plan.poolings)]:
-            module.__dict__.pop(name, None)
+        for module, names in done:
+            for name in names:
+                module.__dict__.pop(name, None)
         hf_bert.unpatch(patched)
         raise
     return model

@@ -23,7 +23,8 @@ from ragged import RaggedTensor
 
 from .activation import PaddedLayout
 
-__all__ = ["TOKENS_KEY", "RaggedPooling", "TokenEmbeddings", "pool_tokens", "weightedmean_origin"]
+__all__ = ["TOKENS_KEY", "RaggedPooling", "Replicate", "TokenEmbeddings", "pool_tokens", "set_patches",
+           "weightedmean_origin"]
 
 TOKENS_KEY = "ragged_token_embeddings"
 
@@ -85,11 +86,49 @@ def weightedmean_origin() -> str:
         f"pooling does not know (a left-padded row of 0, 0, 1 pools to {value!r}, neither 3/5 nor 2/3)")
 
 
+class Replicate:
+    """The instance ``_replicate_for_data_parallel`` of a module that conversion patched.
+    ``torch.nn.parallel.replicate`` (DataParallel) calls it on every module and gives each
+    replica its own parameters, but the replica's ``__dict__`` is a shallow copy: its patches
+    would hold this module and run its parameters. Each patch (an instance attribute with a
+    ``for_replica`` method) is remade for the replica."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> nn.Module:
+        module = self.module
+        replica = type(module)._replicate_for_data_parallel(module)
+        patches = {name: value.for_replica(replica) for name, value in module.__dict__.items()
+                   if callable(getattr(type(value), "for_replica", None))}  # the type's: no instance __getattr__
+        set_patches(replica, patches)
+        return replica
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+def set_patches(module: nn.Module, patches: dict) -> list[str]:
+    """Set ``patches`` (name -> patch of ``module``) as instance attributes of ``module``, with a
+    :class:`Replicate` of its own; the names set, for undoing."""
+    for name, patch in patches.items():
+        module.__dict__[name] = patch
+    names = list(patches)
+    current = module.__dict__.get("_replicate_for_data_parallel")
+    if names and not (isinstance(current, Replicate) and current.module is module):
+        module.__dict__["_replicate_for_data_parallel"] = Replicate(module)
+        names.append("_replicate_for_data_parallel")
+    return names
+
+
 class RaggedPooling:
     """The ``forward`` of a converted Pooling module: see :mod:`ragged.nn.hf_sentence`."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+
+    def for_replica(self, replica: nn.Module) -> "RaggedPooling":
+        return RaggedPooling(replica)
 
     def __call__(self, features: dict, **kwargs) -> dict:
         tokens = features.get(TOKENS_KEY) if isinstance(features, MutableMapping) else None
