@@ -15,8 +15,9 @@ training the model, ``copy.deepcopy`` / ``pickle`` give a converted model. Conve
 model changes nothing. ``torch.nn.DataParallel`` (``torch.nn.parallel.replicate``) copies each module's
 ``__dict__`` into a replica that gets its own parameters: each patched module also gets an instance
 ``_replicate_for_data_parallel`` that remakes its patches for the replica, so that every replica runs
-its own parameters (eagerly: graphs hold the original's). A shallow ``copy.copy`` is not converted
-(:func:`is_converted`) until ``convert`` is called on it.
+its own parameters (eagerly: graphs hold the original's); a replica's output has no
+``"ragged_token_embeddings"``, which DataParallel's gather cannot concatenate. A shallow ``copy.copy``
+is not converted (:func:`is_converted`) until ``convert`` is called on it.
 
 **Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the texts are
 tokenized without padding (sentence-transformers' preprocess with ``padding=False`` and no tensors,
@@ -99,12 +100,12 @@ from ragged.utils import describe
 from . import hf_bert
 from .activation import PaddedLayout
 from .hf_encoder import read_batch
-from .hf_sentence_pooling import (TOKENS_KEY, RaggedPooling, TokenEmbeddings, pool_tokens, set_patches,
-                                  weightedmean_origin)
+from .hf_sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
+                                  set_patches, weightedmean_origin)
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
-           "RaggedTransformerForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding", "is_converted",
-           "is_sentence_transformer", "pool_tokens", "why_not"]
+           "RaggedTransformerForward", "ReplicaForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding",
+           "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
 
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
 _FN = "ragged.nn.convert"
@@ -226,10 +227,10 @@ class RaggedTransformerForward:
     def __call__(self, features: dict, **kwargs) -> dict:
         return _transformer_forward(self, features, kwargs)
 
-    def for_replica(self, replica: nn.Module) -> "RaggedTransformerForward":
+    def for_replica(self, replica: nn.Module) -> dict:
         """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
         hold this module's parameters)."""
-        return RaggedTransformerForward(replica, self.style, self.takes_types, self.pad_token_embeddings)
+        return {"forward": RaggedTransformerForward(replica, self.style, self.takes_types, self.pad_token_embeddings)}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "graphed": None}  # graphs are of this process
@@ -302,10 +303,10 @@ class RaggedPreprocess:
         # tokenizes, and encode's calls set another than the others': one call at a time
         self.lock = threading.Lock() if lock is None else lock
 
-    def for_replica(self, replica: nn.Module) -> "RaggedPreprocess":
+    def for_replica(self, replica: nn.Module) -> dict:
         """The preprocess of ``replica``, a DataParallel replica of this module: it holds the same
         tokenizer (a replica's ``__dict__`` is a shallow copy), so it takes the same lock."""
-        return RaggedPreprocess(replica, self.lock)
+        return {"preprocess": RaggedPreprocess(replica, self.lock)}
 
     def __call__(self, *args, **kwargs) -> dict:
         module = self.module
@@ -403,8 +404,8 @@ class RaggedEncode:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def for_replica(self, replica: nn.Module) -> "RaggedEncode":
-        return RaggedEncode(replica)
+    def for_replica(self, replica: nn.Module) -> dict:
+        return {"encode": RaggedEncode(replica), "forward": ReplicaForward(replica)}
 
     def __call__(self, *args, **kwargs):
         model = self.model

@@ -9,6 +9,9 @@ sentence-transformers counts: from the first column of the padded batch before 6
 left-padded sequence's weights start past 1), from the sequence's first token from 6.2 on.
 Which one is read from the installed Pooling itself, once per process
 (:func:`weightedmean_origin`), so the converted model follows whatever version is installed.
+
+**Replicas** (``torch.nn.DataParallel``): :class:`Replicate` remakes a patched module's patches for
+each replica, and a replica of the SentenceTransformer gets a :class:`ReplicaForward`.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from ragged import RaggedTensor
 
 from .activation import PaddedLayout
 
-__all__ = ["TOKENS_KEY", "RaggedPooling", "Replicate", "TokenEmbeddings", "pool_tokens", "set_patches",
-           "weightedmean_origin"]
+__all__ = ["TOKENS_KEY", "RaggedPooling", "Replicate", "ReplicaForward", "TokenEmbeddings", "pool_tokens",
+           "set_patches", "weightedmean_origin"]
 
 TOKENS_KEY = "ragged_token_embeddings"
 
@@ -91,7 +94,7 @@ class Replicate:
     ``torch.nn.parallel.replicate`` (DataParallel) calls it on every module and gives each
     replica its own parameters, but the replica's ``__dict__`` is a shallow copy: its patches
     would hold this module and run its parameters. Each patch (an instance attribute with a
-    ``for_replica`` method) is remade for the replica."""
+    ``for_replica`` method, which gives the replica's patches by name) is remade for the replica."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -99,13 +102,37 @@ class Replicate:
     def __call__(self) -> nn.Module:
         module = self.module
         replica = type(module)._replicate_for_data_parallel(module)
-        patches = {name: value.for_replica(replica) for name, value in module.__dict__.items()
-                   if callable(getattr(type(value), "for_replica", None))}  # the type's: no instance __getattr__
+        patches = {}
+        for value in list(module.__dict__.values()):
+            if callable(getattr(type(value), "for_replica", None)):  # the type's: no instance __getattr__
+                patches.update(value.for_replica(replica))
         set_patches(replica, patches)
         return replica
 
     def __repr__(self) -> str:
         return "Replicate()"
+
+
+class ReplicaForward:
+    """The ``forward`` of a DataParallel replica of a converted SentenceTransformer: the model's
+    own, its output less ``"ragged_token_embeddings"``. DataParallel gathers the replicas'
+    outputs key by key (tensors concatenated on one device); packed tokens of a part of the
+    batch have no such concatenation (padded ``token_embeddings``, where written, do)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        out = type(self.model).forward(self.model, *args, **kwargs)
+        if isinstance(out, MutableMapping):
+            out.pop(TOKENS_KEY, None)
+        return out
+
+    def for_replica(self, replica: nn.Module) -> dict:
+        return {"forward": ReplicaForward(replica)}
+
+    def __repr__(self) -> str:
+        return "ReplicaForward()"
 
 
 def set_patches(module: nn.Module, patches: dict) -> list[str]:
@@ -127,8 +154,8 @@ class RaggedPooling:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def for_replica(self, replica: nn.Module) -> "RaggedPooling":
-        return RaggedPooling(replica)
+    def for_replica(self, replica: nn.Module) -> dict:
+        return {"forward": RaggedPooling(replica)}
 
     def __call__(self, features: dict, **kwargs) -> dict:
         tokens = features.get(TOKENS_KEY) if isinstance(features, MutableMapping) else None

@@ -28,6 +28,7 @@ from ragged.nn import hf_bert, hf_sentence  # noqa: E402
 from test_hf_sentence import D, TEXTS, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 
 replicate_module = importlib.import_module("torch.nn.parallel.replicate")
+scatter_gather = importlib.import_module("torch.nn.parallel.scatter_gather")
 
 
 def _replicate(model, copies: int, detach: bool, monkeypatch):
@@ -78,6 +79,28 @@ def test_replicas_run_their_own_parameters(transformers_, family, monkeypatch):
     assert (want[1] - want[0]).abs().max() > 1e-3  # the change moves the output
     for g, w in zip(got, want):
         _close(g, w)
+
+
+def test_replicas_outputs_gather_as_data_parallel_gathers_them(transformers_, monkeypatch):
+    """DataParallel gathers the replicas' output dicts key by key onto one device
+    (``torch.nn.parallel.gather``, run here with its CUDA concatenation done on the CPU)."""
+    original, ours = _st(transformers_, "bert", "max")
+    f = original.preprocess(TEXTS)
+    halves = [{k: v[h] if isinstance(v, torch.Tensor) else v for k, v in f.items()}
+              for h in (slice(0, 3), slice(3, None))]
+
+    class Concatenate:
+        @staticmethod
+        def apply(target, dim, *tensors):
+            return torch.cat(tensors, dim)
+
+    monkeypatch.setattr(scatter_gather, "Gather", Concatenate)
+    with torch.no_grad():
+        outputs = [r(dict(h)) for r, h in zip(_replicate(ours, 2, True, monkeypatch), halves)]
+        got = scatter_gather.gather(outputs, "cpu")
+        want = _embed(original, f)
+    _close(got["sentence_embedding"], want)
+    _close(got["attention_mask"], f["attention_mask"])
 
 
 def test_replica_gradients_reach_the_original_parameters(transformers_, monkeypatch):
