@@ -230,15 +230,17 @@ def test_masks_with_gradients(dtype, dim, mask, backend="triton"):
 @pytest.mark.parametrize("dim", sorted(set(ATTENTION_SHORT_HEAD_DIMS) | {16}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_without_gradients(dtype, dim, causal, backend, lengths):
-    """Inference: "auto" takes the CUDA short-sequence kernel where it can (head dims 32, 64, 128,
-    sequences of at most 128 tokens), Triton elsewhere; both keep the few-key sequences finite."""
+    """Inference: "auto" takes the CUDA short-sequence kernel where it was measured faster (up to 64
+    tokens, or 128 at head dims up to 64), Triton elsewhere; both keep the few-key sequences finite."""
     lq, lk, (max_q, max_k) = {"short": (SHORT_Q, SHORT_K, SHORT_MAX), "many": (MANY_Q, MANY_K, MANY_MAX)}[lengths]
     assert max(lq) <= max_q <= ATTENTION_SHORT_MAX_LEN and max(lk) <= max_k <= ATTENTION_SHORT_MAX_LEN
     q, k, v, do = _inputs(lq, lk, 4, 2, dim, dtype, _seed("fwd", dtype, dim, causal, lengths))
     cu_q, cu_k = _cu(lq), _cu(lk)
     _skip_unless_taken(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, (-1, -1), False)
     what = f"{lengths} D={dim} causal={causal} {dtype} {backend}"
-    if backend == "auto" and dim in ATTENTION_SHORT_HEAD_DIMS:
+    longest = max(max_q, max_k)
+    if backend == "auto" and dim in ATTENTION_SHORT_HEAD_DIMS and (longest <= 64 or (dim <= 64 and longest <= 128)):
+        # where "auto" ranks the CUDA kernel first (ragged/ops/attention.py, measured)
         assert _auto_choice(q, k, v, cu_q, cu_k, max_q, max_k, causal, (-1, -1), False) == "cuda"
     out, lse, *_ = _run(backend, q, k, v, do, cu_q, cu_k, max_q, max_k, causal, (-1, -1), grad=False)
     exact = _exact(q, k, v, do, lq, lk, causal, (-1, -1), grad=False)

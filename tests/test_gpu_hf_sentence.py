@@ -178,3 +178,28 @@ def test_gpu_graphed_encode_matches_eager(gpu_folders, family, mode):
     assert (got.float() - eager.float()).abs().max().item() < 2e-2
     ours[0].forward.graphed = None
     assert ours.encode(GPU_TEXTS[:2], convert_to_tensor=True).shape[0] == 2
+
+
+def test_gpu_graphed_encode_from_several_threads(gpu_folders):
+    """ragged.nn.graphed(st): threads replaying the model's graphs at once (first captures
+    included) each get the embeddings of a single-threaded graphed pass."""
+    import concurrent.futures
+    import threading
+
+    _, _, ours = _models(gpu_folders["bert"], "mean", torch.bfloat16)
+    eager = ours.encode(GPU_TEXTS, batch_size=3, convert_to_tensor=True)
+    assert ragged.nn.graphed(ours, max_tokens=512, max_batch_size=8) is ours
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        barrier.wait()
+        texts = GPU_TEXTS if i % 2 == 0 else GPU_TEXTS[::-1]
+        got = [ours.encode(texts, batch_size=3, convert_to_tensor=True) for _ in range(4)]
+        return [g if i % 2 == 0 else g.flip(0) for g in got]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = [f.result() for f in [pool.submit(work, i) for i in range(4)]]
+    want = ours.encode(GPU_TEXTS, batch_size=3, convert_to_tensor=True)
+    assert (want.float() - eager.float()).abs().max().item() < 2e-2
+    for got in (g for out in outs for g in out):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

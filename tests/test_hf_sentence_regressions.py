@@ -178,25 +178,3 @@ def test_encode_and_tokenize_from_several_threads(transformers_):
     texts = TEXTS + ["a b c d e f g", "odd"]
     _close(ours.encode(texts, batch_size=3), original.encode(texts, batch_size=3))
     _run_threads(ours, texts, rounds=6)
-
-
-@pytest.mark.gpu
-def test_graphed_encode_from_several_threads(transformers_):
-    """ragged.nn.graphed(st) on a GPU: threads replaying the model's graphs at once get the
-    eager model's embeddings."""
-    _, ours = _st(transformers_, "bert", "mean")
-    ours = ours.float().to("cuda")
-    texts = TEXTS + ["a b c d e f g", "odd"]
-    want = np.asarray(ours.encode(texts, batch_size=3))
-    assert ragged.nn.graphed(ours, max_tokens=256, max_batch_size=8) is ours
-    np.testing.assert_allclose(np.asarray(ours.encode(texts, batch_size=3)), want, rtol=1e-4, atol=1e-5)
-    barrier = threading.Barrier(4)
-
-    def work():
-        barrier.wait()
-        return [np.asarray(ours.encode(texts, batch_size=3)) for _ in range(5)]
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        outs = [f.result() for f in [pool.submit(work) for _ in range(4)]]
-    for got in (g for out in outs for g in out):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
