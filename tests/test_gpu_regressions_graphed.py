@@ -180,8 +180,9 @@ def test_warmup_restores_the_cuda_state_of_the_modules_device():
     net.lin.weight.grad = torch.randn_like(net.lin.weight)
     grad, grad_values = net.lin.weight.grad, net.lin.weight.grad.clone()
     before = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    example = [torch.randn(8, 16, device="cuda")]  # drawn before the states are read
     cuda_rng, cpu_rng = torch.cuda.get_rng_state(), torch.random.get_rng_state()
-    ragged.warmup(net, [torch.randn(8, 16, device="cuda")], training=True)
+    ragged.warmup(net, example, training=True)
     assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)  # dropout's draws on the GPU
     assert torch.equal(torch.random.get_rng_state(), cpu_rng)
     for k, v in net.state_dict().items():  # BatchNorm's running statistics and count
