@@ -181,14 +181,16 @@ def test_gpu_graphed_encode_matches_eager(gpu_folders, family, mode):
 
 
 def test_gpu_graphed_encode_from_several_threads(gpu_folders):
-    """ragged.nn.graphed(st): threads replaying the model's graphs at once (first captures
-    included) each get the embeddings of a single-threaded graphed pass."""
+    """ragged.nn.graphed(st): threads replaying the model's graphs at once each get the embeddings
+    of a single-threaded graphed pass (captured first: a capture is not made while other threads
+    run GPU work)."""
     import concurrent.futures
     import threading
 
     _, _, ours = _models(gpu_folders["bert"], "mean", torch.bfloat16)
     eager = ours.encode(GPU_TEXTS, batch_size=3, convert_to_tensor=True)
     assert ragged.nn.graphed(ours, max_tokens=512, max_batch_size=8) is ours
+    want = ours.encode(GPU_TEXTS, batch_size=3, convert_to_tensor=True)  # captures the buckets
     barrier = threading.Barrier(4)
 
     def work(i):
@@ -199,7 +201,6 @@ def test_gpu_graphed_encode_from_several_threads(gpu_folders):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         outs = [f.result() for f in [pool.submit(work, i) for i in range(4)]]
-    want = ours.encode(GPU_TEXTS, batch_size=3, convert_to_tensor=True)
     assert (want.float() - eager.float()).abs().max().item() < 2e-2
     for got in (g for out in outs for g in out):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
