@@ -192,7 +192,12 @@ def test_gpu_data_parallel_sentence_transformer_matches_original(tmp_path):
     assert got.device == torch.device("cuda", 0) and got.shape == hf.shape
     _close(got, hf, want, dtype, "sentence_embedding")
     _close(got_loss, hf_loss, want_loss, dtype, "loss")
-    assert got_grads.keys() == hf_grads.keys()
+    # DataParallel's broadcast gives the parameters no replica used (BERT's pooler, which
+    # sentence-transformers never reads) zero gradients where the plain module leaves None
+    assert hf_grads.keys() <= got_grads.keys()
+    for n in got_grads.keys() - hf_grads.keys():
+        assert n.split(".")[-3] == "pooler" or ".pooler." in n, n
+        assert not got_grads[n].any(), n
     for n, g in want_grads.items():
         _close(got_grads[n], hf_grads[n], g, dtype, n)
 
