@@ -25,10 +25,12 @@ Shapes (transformers' convention for attention functions): ``query [B, H, Lq, D]
   are copied over through pinned memory (no blocking copy).
 * **flattened by position ids** (one row, no ``cu_seq_lens_*``, ``position_ids`` that restart):
   a sequence starts wherever ``position_ids`` equals its minimum, as transformers' flash path
-  reads them. One host read per layer (the starts of the ``[1, T]`` position ids), as in
-  transformers' flash path: nothing read from a caller's tensor is kept, since no key of a
-  tensor changes with every write to it (``.data``, NumPy views and storage writes leave its
-  version counter as it was). ``cu_seq_lens_*`` cost no read at all.
+  reads them. One host read per forward (the starts of the ``[1, T]`` position ids), made by the
+  first layer (``layer_idx == 0``; by every layer of a model whose attention modules carry no
+  ``layer_idx``) and reused by the later layers of that forward: no key of a tensor changes with
+  every write to it (``.data``, NumPy views and storage writes leave its version counter as it
+  was), so nothing read is trusted past the forward that read it. ``cu_seq_lens_*`` cost no read
+  at all.
 * **padded with a padding mask**: the mask function hands the layers the 2-D mask ``[B, Lk]``
   (True at tokens; no ``[B, 1, Lq, Lk]`` mask is ever built) or None when no position is padding.
   Building it reads the mask's lengths and padding side on the host once (one sync per mask
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 
 import numpy as np
 import torch
@@ -192,10 +195,40 @@ def _read_starts(row: torch.Tensor) -> list[int]:
     return np.flatnonzero(starts).tolist()
 
 
+# The layout read from a position-ids tensor by the first layer of a forward, for the later layers
+# of the same forward: id(tensor) -> (weak reference, layout, version, data pointer). Nothing is
+# set on the caller's tensor; an entry goes when its tensor does.
+_FORWARD_LAYOUTS: dict[int, tuple] = {}
+
+
+def _drop(key: int, ref) -> None:
+    entry = _FORWARD_LAYOUTS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _FORWARD_LAYOUTS[key]
+
+
+def forward_positions_layout(position_ids: torch.Tensor, layer_idx) -> Layout:
+    """:func:`positions_layout`, read once per forward: by the first layer (``layer_idx`` 0) and by
+    any layer whose index is unknown, and reused by the later layers of the forward that pass the
+    same tensor. No write can come between the layers of one forward, and every forward starts
+    at layer 0, so a write between forwards (even one no version counter sees: ``.data``, a NumPy
+    view) is read by the next forward. Later layers also check the version and the address."""
+    key = (position_ids._version, position_ids.data_ptr())
+    if isinstance(layer_idx, int) and layer_idx > 0:
+        kept = _FORWARD_LAYOUTS.get(id(position_ids))
+        if kept is not None and kept[0]() is position_ids and kept[2:] == key:
+            return kept[1]
+    layout = positions_layout(position_ids)
+    if not torch.compiler.is_compiling():
+        tid = id(position_ids)
+        ref = weakref.ref(position_ids, lambda r, tid=tid: _drop(tid, r))
+        _FORWARD_LAYOUTS[tid] = (ref, layout, *key)
+    return layout
+
+
 def positions_layout(position_ids: torch.Tensor) -> Layout:
     """The sequences of one flattened row of ``position_ids [1, T]``: a sequence starts at every
-    position equal to the row's minimum (and at 0). One host read of the ``T`` start flags on
-    every call (nothing is kept on the caller's tensor: see the module docstring)."""
+    position equal to the row's minimum (and at 0). One host read of the ``T`` start flags."""
     row = position_ids.reshape(-1)
     total = row.shape[0]
     host = [*_read_starts(row), total] if total else [0]
@@ -321,7 +354,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     queries.
     Host reads: none for flattened (``cu_seq_lens_*``) and dense batches; a padded batch's
     layout is read once per forward by :func:`padding_mask` (a 2-D mask that did not come from
-    it is read by each call); position-ids flattening reads the position ids once per layer.
+    it is read by each call); position-ids flattening reads the position ids once per forward
+    (by its first layer, or by each layer of modules without a ``layer_idx``).
     """
     _refuse(module, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -385,7 +419,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         q, k, v = _tokens(query), _tokens(key), _tokens(value)
     elif (batch == 1 and len_q == len_k and len_q > 1 and isinstance(position_ids, torch.Tensor)
           and position_ids.numel() == len_q):
-        lay = positions_layout(position_ids)
+        lay = forward_positions_layout(position_ids, getattr(module, "layer_idx", None))
         cu_q = cu_k = lay.offsets
         max_q = max_k = lay.max_len
         q, k, v = _tokens(query), _tokens(key), _tokens(value)

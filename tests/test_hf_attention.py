@@ -141,7 +141,7 @@ def test_on_the_triton_backend():
 
 def test_flattened_by_position_ids_only(monkeypatch):
     """No cu_seq_lens: the sequences are read from where the position ids restart (one read per
-    layer: nothing read from the caller's tensor is kept), with a first position other than 0 too."""
+    forward, by its first layer), with a first position other than 0 too."""
     model, reference = _pair("llama")
     ids = _ids(LENGTHS, seed=3)
     reads = []
@@ -152,7 +152,7 @@ def test_flattened_by_position_ids_only(monkeypatch):
         assert "cu_seq_lens_q" not in batch
         reads.clear()
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
-        assert len(reads) == model.config.num_hidden_layers
+        assert model.config.num_hidden_layers > 1 and len(reads) == 1
         offsets = [0]
         for x in ids:
             offsets.append(offsets[-1] + len(x))

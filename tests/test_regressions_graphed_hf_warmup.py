@@ -172,6 +172,37 @@ def test_position_ids_written_between_forwards_are_read_again(write):
     assert hf.positions_layout(pos).host == (0, 9, 20, 21, 29)
 
 
+def test_position_ids_are_read_once_per_forward_and_not_kept_past_their_tensor(monkeypatch):
+    """The first layer reads the layout and the later layers of that forward reuse it; attention
+    modules without a layer index read it each; nothing outlives the caller's tensor."""
+    import gc
+
+    model, reference = _llama_pair()
+    assert model.config.num_hidden_layers > 1
+    reads, real = [], hf._read_starts
+    monkeypatch.setattr(hf, "_read_starts", lambda row: reads.append(1) or real(row))
+    lengths = [5, 1, 14, 9]
+    ids = torch.randint(0, LLAMA_VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    pos = _flat_positions(lengths)
+    with torch.no_grad():
+        for _ in range(2):
+            reads.clear()
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            assert len(reads) == 1
+        torch.testing.assert_close(got, _per_sequence(reference, ids, lengths), rtol=1e-5, atol=1e-5)
+        for layer in model.model.layers:
+            layer.self_attn.layer_idx = None
+        reads.clear()
+        again = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    assert len(reads) == model.config.num_hidden_layers
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    key = id(pos)
+    assert key in hf._FORWARD_LAYOUTS
+    del pos
+    gc.collect()
+    assert key not in hf._FORWARD_LAYOUTS
+
+
 def test_a_mask_written_after_its_layout_was_read_is_read_again():
     gen = torch.Generator().manual_seed(2)
     module = torch.nn.Module()
