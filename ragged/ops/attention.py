@@ -112,14 +112,7 @@ def _visible(lq: int, lk: int, causal: bool, window: tuple[int, int], device: to
         return None
     i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)                # aligned query positions
     j = torch.arange(lk, device=device).unsqueeze(0)
-    seen = torch.ones((lq, lk), dtype=torch.bool, device=device)
-    if causal:
-        seen &= j <= i
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    return seen
+    return attention_cpu.band(i, j, causal, window)
 
 
 @no_autocast

@@ -75,6 +75,20 @@ def _gather(x: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, group: int)
     return out.transpose(1, 2)
 
 
+def band(i: torch.Tensor, j: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """Bool, True where a query at aligned position ``i`` sees the key at ``j`` under causal masking
+    and the ``(left, right)`` window (broadcast shapes; every key where neither applies)."""
+    left, right = window
+    seen = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=j.device)
+    if causal:
+        seen &= j <= i
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
 def _mask(lq: list[int], lk: list[int], mq: int, mk: int, causal: bool, window: tuple[int, int]
           ) -> torch.Tensor | None:
     """``[n, 1, mq or 1, mk]`` bool, True where a query sees a key (key padding, causal masking and
@@ -86,13 +100,7 @@ def _mask(lq: list[int], lk: list[int], mq: int, mk: int, causal: bool, window: 
     seen = j < tk if min(lk) < mk else None                                      # [n, 1, mk]
     if causal or left >= 0 or right >= 0:
         a = torch.arange(mq).view(1, -1, 1) + (tk - tq)                          # aligned positions
-        rule = torch.ones((len(lq), mq, mk), dtype=torch.bool)
-        if causal:
-            rule &= j <= a
-        if left >= 0:
-            rule &= j >= a - left
-        if right >= 0:
-            rule &= j <= a + right
+        rule = band(a, j, causal, window)                                        # [n, mq, mk]
         seen = rule if seen is None else rule & seen
     return None if seen is None else seen.unsqueeze(1)
 
