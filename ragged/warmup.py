@@ -5,15 +5,16 @@ C++ ones through NVRTC, each only the variant the call asks for; both are cached
 later processes). :func:`warmup` makes that first call on an example batch, outside the
 latency that matters: once in inference (``torch.no_grad()``) and, with ``training=True``, once
 forward and backward in train mode. Nothing of the module changes, whether the calls return or
-raise: every submodule's train/eval flag, every parameter and buffer (BatchNorm's running
-statistics and ``num_batches_tracked`` included, and whatever a forward writes in place, even
-through ``.data``), each parameter's ``requires_grad`` and ``.grad`` (the backward goes to
-``torch.autograd.grad``, never into ``.grad``; an existing ``.grad``, or None, is put back as it
-was) and the random state of the CPU and of every CUDA device of the module and the inputs
-(dropout's draws). The parameters and buffers are compared with a host copy taken before the
-calls (it costs host memory and one transfer of the module's state each way); only those that
-differ are written back. A lazy module (``nn.LazyLinear``) is initialised by the calls, as by any
-first call.
+raise: every submodule's train/eval flag, the module tree's parameter and buffer entries (a
+Parameter a forward replaces, a buffer it registers), every buffer's values (BatchNorm's running
+statistics and ``num_batches_tracked`` included, also when written through ``.data``), each
+parameter's ``requires_grad`` and ``.grad`` (the backward goes to ``torch.autograd.grad``, never
+into ``.grad``; an existing ``.grad``, or None, is put back as the same object) and the random
+state of the CPU and of every CUDA device of the module and the inputs (dropout's draws). The
+buffers are compared with a host copy taken before the calls; only those that differ are written
+back. Parameter values are not copied (a host copy of a large model's weights would cost its size
+in host memory): a forward that writes its own weights in place is not undone; none of ragged's
+modules does. A lazy module (``nn.LazyLinear``) is initialised by the calls, as by any first call.
 
 Kernel variants depend on the shapes (head dim, dtype, the longest sequence's bucket): warm up
 with a batch like the ones served (the lengths of a typical batch, and the longest one).
@@ -92,23 +93,21 @@ def _write_back(t: torch.Tensor, saved: torch.Tensor) -> None:
 
 class _Snapshot:
     """What :func:`warmup` puts back: per module its train/eval flag and the entries of its
-    parameter and buffer dicts; per tensor a host copy of its values; per parameter its
-    ``requires_grad``, its ``.grad`` (the object) and a host copy of that."""
+    parameter and buffer dicts; per buffer a host copy of its values; per parameter its
+    ``requires_grad`` and its ``.grad`` (the object)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.modules = [(m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
                         for m in module.modules()]
         self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.params: dict[int, tuple[torch.nn.Parameter, bool, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.params: dict[int, tuple[torch.nn.Parameter, bool, torch.Tensor | None]] = {}
         for _, _, params, buffers, _ in self.modules:
-            for t in [*params.values(), *buffers.values()]:
+            for t in buffers.values():
                 if t is not None and id(t) not in self.values and _copyable(t):
                     self.values[id(t)] = (t, _host_copy(t))
             for p in params.values():
                 if p is not None and id(p) not in self.params:
-                    g = p.grad
-                    self.params[id(p)] = (p, p.requires_grad, g, _host_copy(g) if g is not None and _copyable(g)
-                                          else None)
+                    self.params[id(p)] = (p, p.requires_grad, p.grad)
 
     def restore(self) -> None:
         for m, training, params, buffers, non_persistent in self.modules:
@@ -123,13 +122,11 @@ class _Snapshot:
         for t, saved in self.values.values():
             if not _same_bits(t, saved):
                 _write_back(t, saved)
-        for p, requires_grad, grad, saved in self.params.values():
+        for p, requires_grad, grad in self.params.values():
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
             if p.grad is not grad:
                 p.grad = grad
-            if grad is not None and saved is not None and not _same_bits(grad, saved):
-                _write_back(grad, saved)
 
 
 def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> dict[str, float]:

@@ -239,7 +239,7 @@ def test_a_mask_written_after_its_layout_was_read_is_read_again():
 
 class _Net(nn.Module):
     """A ragged encoder layer (dropout), a frozen BatchNorm head in eval mode, one in train mode,
-    and a parameter the forward writes through ``.data`` (which bumps no version counter)."""
+    and a buffer the forward writes through ``.data`` (which bumps no version counter)."""
 
     def __init__(self):
         super().__init__()
@@ -249,12 +249,13 @@ class _Net(nn.Module):
         self.frozen.eval().requires_grad_(False)
         self.norm = nn.BatchNorm1d(16, dtype=torch.float64)
         self.scale = nn.Parameter(torch.ones(16, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros(16, dtype=torch.float64))
         self.fail_on = None  # "train" / "eval": raise in that mode after the state has changed
 
     def forward(self, x):
         h = self.enc(x).values
         h = self.norm(self.frozen(h)) * self.scale
-        self.scale.data.mul_(1.5)
+        self.calls.data.add_(1.5)
         if self.fail_on == ("train" if self.training else "eval"):
             raise RuntimeError("the forward fails")
         return x.with_values(h)
