@@ -116,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, required=True, help="a copy of the base tree (python -m bench.ab prepare)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--head-label", default=None,
+                        help="what to call this tree in the table (default: its git commit; a copy of a checkout "
+                             "with uncommitted changes, or one whose .git is older than its files, needs this)")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="ragged_kab_"))
     trees = {"base": args.base.resolve(), "head": ROOT}
     commits = {tree: commit_of(path) for tree, path in trees.items()}
+    if args.head_label:
+        commits["head"] = args.head_label
     pkgs = {tree: package(path, scratch / tree) for tree, path in trees.items()}
     times: dict[str, dict[str, list[float]]] = {}
     for r in range(args.rounds):
