@@ -366,12 +366,16 @@ class MultiheadAttention(nn.Module):
         lq, lk = q_layout.width, k_layout.width
         sq, sk = query.seq_ids(), key.seq_ids()
         pq, pk = q_layout.positions(query), k_layout.positions(key)
-        qp = q.new_zeros((batch, lq, h, self.head_dim)).index_put((sq, pq), q)
-        kp = k.new_zeros((batch, lk, h, self.head_dim)).index_put((sk, pk), k)
+        # one row more than the batch, dropped after the scatter: the spare rows of a graphed
+        # bucket (past offsets[-1]) have sequence id B and land there, never out of range
+        qp = q.new_zeros((batch + 1, lq, h, self.head_dim)).index_put((sq, pq), q)[:batch]
+        kp = k.new_zeros((batch + 1, lk, h, self.head_dim)).index_put((sk, pk), k)[:batch]
         scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * (1.0 / math.sqrt(self.head_dim))
         # rank of each token within its sequence, -1 at padding
-        rq = torch.full((batch, lq), -1, dtype=torch.int64, device=q.device).index_put((sq, pq), query.position_ids())
-        rk = torch.full((batch, lk), -1, dtype=torch.int64, device=k.device).index_put((sk, pk), key.position_ids())
+        rq = torch.full((batch + 1, lq), -1, dtype=torch.int64, device=q.device).index_put(
+            (sq, pq), query.position_ids())[:batch]
+        rk = torch.full((batch + 1, lk), -1, dtype=torch.int64, device=k.device).index_put(
+            (sk, pk), key.position_ids())[:batch]
         allowed = (rq >= 0)[:, None, :, None] & (rk >= 0)[:, None, None, :]
         if causal:
             shift = (key.lengths - query.lengths).to(torch.int64)[:, None, None, None]

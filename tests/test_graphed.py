@@ -175,3 +175,27 @@ def test_position_and_sequence_ids_past_the_last_offset():
     want = torch.cat([torch.arange(n) for n in (2, 0, 5, 1)])
     assert torch.equal(full.position_ids(), want)
     assert torch.equal(full.seq_ids(), torch.repeat_interleave(torch.arange(4), torch.tensor([2, 0, 5, 1])))
+
+
+def test_attention_weights_with_spare_rows_past_the_last_offset():
+    """MultiheadAttention's weights (need_weights, torch's default) on a bucket's layout: rows past
+    offsets[-1] have sequence id B; they must land nowhere (out of range before: an IndexError
+    here, an out-of-bounds scatter inside a graph), and the real weights stay those of the batch."""
+    from ragged.nn.activation import PaddedLayout
+
+    torch.manual_seed(3)
+    mha = ragged.nn.MultiheadAttention(D, HEADS, batch_first=True, dtype=torch.float64).eval()
+    x = _batch([5, 0, 1, 9])
+    spare = 7
+    values = torch.cat([x.values, torch.full((spare, D), float("nan"), dtype=torch.float64)])
+    padded = ragged.RaggedTensor.from_offsets(values, x.offsets, max_len=x.max_len, validate=False)
+    assert padded.num_tokens == x.num_tokens + spare
+    for causal in (False, True):
+        with torch.no_grad():
+            _, q, k = mha._attend(x, x, x, causal)
+            want = mha._weights(q, k, x, x, PaddedLayout(x.max_len), PaddedLayout(x.max_len), causal, False)
+            junk = torch.full((spare, *q.shape[1:]), float("nan"), dtype=q.dtype)
+            qs, ks = torch.cat([q, junk]), torch.cat([k, junk])
+            got = mha._weights(qs, ks, padded, padded, PaddedLayout(x.max_len), PaddedLayout(x.max_len), causal,
+                               False)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
