@@ -1,0 +1,218 @@
+"""``transformers.Trainer`` on ragged batches: :class:`RaggedTrainer`.
+
+.. code-block:: python
+
+    import ragged.nn
+    from ragged.trainer import RaggedTrainer
+
+    model = ragged.nn.convert(AutoModelForSequenceClassification.from_pretrained(path))
+    trainer = RaggedTrainer(model, TrainingArguments("out", gradient_accumulation_steps=2),
+                            train_dataset=train, eval_dataset=val, max_tokens=8192)
+    trainer.train(); trainer.evaluate(); trainer.predict(test)
+
+A ``Trainer`` whose batches are never padded:
+
+* **Training batches** come from :class:`ragged.data.TokenBudgetSampler` (at most
+  ``max_tokens`` real tokens each), seeded from ``args.data_seed`` (else ``args.seed``), with the
+  rank and world size of ``args`` (under ``torchrun`` every rank takes its own share and the
+  same number of steps), re-planned each epoch. Lengths come from ``lengths=``, else from the
+  dataset's ``args.length_column_name`` column (a ``datasets.Dataset``), else from
+  ``len(item["input_ids"])`` over the dataset, read once.
+* **Collation**: :func:`ragged.data.collate` unless a ``data_collator`` is given: per-token
+  fields become RaggedTensors, per-sequence labels ``[B]`` tensors. ``remove_unused_columns``
+  works as in ``Trainer`` (the columns collate needs are the model's inputs).
+* **Device**: RaggedTensors and :class:`ragged.data.RaggedBatch` es go to ``args.device`` with
+  ``non_blocking=True`` (``Trainer`` moves only tensors).
+* **Loss normalisation** as ``Trainer`` does it for the unconverted model on padded batches:
+  ``num_items_in_batch`` counts the labels that are not -100 of RaggedTensor labels too
+  (``Trainer`` cannot read them, and would then scale the loss differently).
+* **Epochs differ in length** (packing a new permutation gives a few batches more or less):
+  each epoch runs all of its own batches, and an epoch-based run plans its optimizer steps
+  (and learning-rate schedule) from the real count of every epoch.
+* **Evaluation / prediction** keep ``Trainer``'s sequential batches of
+  ``per_device_eval_batch_size`` sequences (dataset order, also across ranks), collated without
+  padding; RaggedTensor outputs (token logits) and labels are padded with -100 per batch, as
+  ``Trainer`` pads across batches, so ``predict()`` returns arrays.
+
+Resuming mid-epoch from a checkpoint skips batches by the first epoch's count, an
+approximation when the epoch's count differs. This module imports transformers; ``import
+ragged`` does not import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+from .collate import RaggedBatch, collate
+from .data import TokenBudgetSampler
+from .tensor import RaggedTensor
+from .utils import check_int, describe
+
+__all__ = ["RaggedTrainer"]
+
+_NAME = "ragged.trainer.RaggedTrainer"
+
+
+class RaggedTrainer(Trainer):
+    """``transformers.Trainer`` with token-budget batches of RaggedTensors (see the module).
+
+    ``max_tokens``: the token budget of a training batch (per device); ``max_batch_size``,
+    ``sort_window``, ``cost``: as :class:`ragged.data.TokenBudgetSampler` takes them;
+    ``lengths``: the training sequences' token counts, when the dataset should not be read for
+    them. Every other argument is ``Trainer``'s; ``data_collator`` defaults to
+    :func:`ragged.data.collate`.
+    """
+
+    def __init__(self, model=None, args=None, *, max_tokens: int, max_batch_size: int | None = None,
+                 sort_window: int | None = None, cost="tokens", lengths=None, data_collator=None, **kwargs):
+        self.max_tokens = check_int(_NAME, "max_tokens", max_tokens, minimum=1)
+        self.max_batch_size, self.sort_window = (
+            None if v is None else check_int(_NAME, name, v, minimum=1)
+            for name, v in (("max_batch_size", max_batch_size), ("sort_window", sort_window)))
+        self.cost = cost
+        self._lengths = lengths
+        _check_dataset(kwargs.get("train_dataset"))
+        self._train_sampler: TokenBudgetSampler | None = None
+        super().__init__(model, args, data_collator=collate if data_collator is None else data_collator, **kwargs)
+        if self.train_dataset is not None:
+            self._train_sampler = self._make_sampler(self.train_dataset)   # bad lengths raise here, not in train()
+
+    # ---- training batches -------------------------------------------------------------
+
+    def _make_sampler(self, dataset) -> TokenBudgetSampler:
+        _check_dataset(dataset)
+        lengths = self._lengths if self._lengths is not None else _read_lengths(dataset, self.args.length_column_name)
+        args = self.args
+        sampler = TokenBudgetSampler(
+            lengths, self.max_tokens, shuffle=True, seed=args.data_seed if args.data_seed is not None else args.seed,
+            num_replicas=max(1, args.world_size), rank=args.process_index if args.world_size > 1 else 0,
+            drop_last=args.dataloader_drop_last, max_batch_size=self.max_batch_size, sort_window=self.sort_window,
+            cost=self.cost)
+        if sampler.lengths.size != len(dataset):
+            raise ValueError(f"{_NAME}(): expected one length per training sequence ({len(dataset)}), "
+                             f"got {sampler.lengths.size}")
+        return sampler
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError(f"{_NAME}.get_train_dataloader(): training needs a train_dataset, got None")
+        if self._train_sampler is None or self._train_sampler.lengths.size != len(self.train_dataset):
+            self._train_sampler = self._make_sampler(self.train_dataset)
+        dataset, collator = self.train_dataset, self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        args = self.args
+        params = {"batch_sampler": self._train_sampler, "collate_fn": collator,
+                  "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
+                  "persistent_workers": args.dataloader_persistent_workers}
+        if args.dataloader_num_workers > 0:
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+        loader = self.accelerator.prepare(torch.utils.data.DataLoader(dataset, **params))
+        # The sampler already takes this rank's share: accelerate's batch sharding must pass it through.
+        shard = getattr(loader, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is self._train_sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def set_initial_training_values(self, args, dataloader):
+        values = list(super().set_initial_training_values(args, dataloader))
+        epochs = args.num_train_epochs
+        if args.max_steps <= 0 and self._train_sampler is not None and float(epochs).is_integer():
+            values[-1] = max(1, sum(self._update_steps(e) for e in range(int(epochs))))   # max_steps
+            self._train_sampler.set_epoch(0)
+        return tuple(values)
+
+    def _update_steps(self, epoch: int) -> int:
+        self._train_sampler.set_epoch(epoch)
+        return -(-len(self._train_sampler) // self.args.gradient_accumulation_steps)
+
+    def _run_epoch(self, **kwargs):
+        if self._train_sampler is not None:
+            self._train_sampler.set_epoch(kwargs["epoch"])
+            batches = len(self._train_sampler)
+            kwargs["steps_in_epoch"] = batches
+            kwargs["num_update_steps_per_epoch"] = max(1, self._update_steps(kwargs["epoch"]))
+            if batches == 0:
+                return None
+        return super()._run_epoch(**kwargs)
+
+    # ---- inputs and loss ---------------------------------------------------------------
+
+    def _prepare_input(self, data):
+        if isinstance(data, (RaggedBatch, RaggedTensor)):
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # Trainer counts labels != -100 with tensor methods a RaggedTensor lacks: count its values.
+        if not getattr(self, "_loss_shifts_labels", False):
+            batch_samples = [{**b, "labels": b["labels"].values}
+                             if isinstance(b, Mapping) and isinstance(b.get("labels"), RaggedTensor) else b
+                             for b in batch_samples]
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def floating_point_ops(self, inputs) -> int:
+        return super().floating_point_ops(_flat(inputs))
+
+    def _track_num_input_tokens(self, inputs):
+        # A RaggedTensor's values are its real tokens: what Trainer counts, padding aside.
+        return super()._track_num_input_tokens(_flat(inputs))
+
+    # ---- evaluation ------------------------------------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return loss, _padded(logits), _padded(labels)
+
+
+def _flat(inputs):
+    """The batch with each RaggedTensor as its ``values [T, ...]`` (for token counts)."""
+    if not isinstance(inputs, Mapping):
+        return inputs
+    return {k: v.values if isinstance(v, RaggedTensor) else v for k, v in inputs.items()}
+
+
+def _padded(x):
+    """RaggedTensors (also inside tuples / lists) as ``[B, max_len, ...]`` padded with -100."""
+    if isinstance(x, RaggedTensor):
+        return x.to_padded(padding_value=-100)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_padded(v) for v in x)
+    return x
+
+
+def _check_dataset(dataset) -> None:
+    if dataset is not None and (isinstance(dataset, torch.utils.data.IterableDataset)
+                                or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__")):
+        raise TypeError(f"{_NAME}(): expected train_dataset with a length and items by index (token-budget "
+                        f"batches are planned over the whole dataset), got {describe(dataset)}")
+
+
+def _is_hf_dataset(dataset) -> bool:
+    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "column_names")
+
+
+def _read_lengths(dataset, column: str) -> np.ndarray:
+    """Token counts of the dataset's sequences: its length column, else ``len(item["input_ids"])``."""
+    names = getattr(dataset, "column_names", None)
+    if _is_hf_dataset(dataset) and isinstance(names, list):
+        if column in names:
+            return np.asarray(dataset[column])
+        if "input_ids" in names:
+            return np.fromiter(map(len, dataset["input_ids"]), dtype=np.int64, count=len(dataset))
+    lengths = np.empty(len(dataset), dtype=np.int64)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids = item.get("input_ids") if isinstance(item, Mapping) else None
+        if ids is None or not hasattr(ids, "__len__"):
+            got = f"keys {list(item.keys())}" if isinstance(item, Mapping) else describe(item)
+            raise ValueError(f"{_NAME}(): expected every training item to be a mapping with 'input_ids' (or "
+                             f"lengths= or a {column!r} column), got item {i} with {got}")
+        lengths[i] = len(ids)
+    return lengths
