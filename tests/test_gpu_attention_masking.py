@@ -17,7 +17,6 @@ output and gradient is also checked for NaN and inf. Run with ``pytest -m gpu``.
 from __future__ import annotations
 
 import random
-import zlib
 
 import pytest
 import torch
@@ -26,17 +25,12 @@ import ragged
 from ragged import backends
 from ragged.kernels.cuda import ATTENTION_SHORT_HEAD_DIMS, ATTENTION_SHORT_MAX_LEN
 from ragged.kernels.triton import ATTENTION_HEAD_DIMS
+from test_attention_masking import _AMPLITUDE, _FEW_KEYS, MASKS, _check, _check_lse, _leaves, _seed
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 DTYPES = [torch.float16, torch.bfloat16]
-# Score scale of the sequences with at most _FEW_KEYS keys (the scores' standard deviation is
-# its square): float16 overflows at lse < -11 or so, bfloat16 only once exp(-lse) passes
-# float32's range (lse < -89).
-_AMPLITUDE = {torch.float16: 3.0, torch.bfloat16: 12.0}
-_FEW_KEYS = 2
-
 ONE_KEY_Q, ONE_KEY_K, ONE_KEY_MAX = [76, 34, 146], [1, 1, 1], (256, 3)
 # The one-key sequences with a query-only one (no key), a key-only one, a longer pair and a
 # 2-key one; the hints above every length.
@@ -53,20 +47,7 @@ _rng = random.Random(0)
 MANY_Q = [_rng.randint(1, 32) for _ in range(1200)]
 MANY_K = [_rng.choice([0, 1, 1, 2, 5, 32]) for _ in MANY_Q]
 MANY_MAX = (32, 32)
-
-MASKS = {
-    "full": (False, (-1, -1)),
-    "causal": (True, (-1, -1)),
-    "left": (False, (1, -1)),
-    "right": (False, (-1, 1)),
-    "both": (False, (2, 3)),
-    "diagonal": (False, (0, 0)),
-    "causal_left": (True, (1, -1)),
-}
-
-
-def _seed(*parts) -> int:
-    return zlib.crc32("/".join(map(str, parts)).encode())
+# the masks, amplitudes and checks are the CPU tests' (tests/test_attention_masking.py)
 
 
 def _cu(lengths) -> torch.Tensor:
@@ -93,10 +74,6 @@ def _inputs(lq, lk, heads, kv_heads, dim, dtype, seed, amplitude=None, values=1.
             k[ck[b]:ck[b + 1]] *= amp
             v[ck[b]:ck[b + 1]] *= values
     return q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype)
-
-
-def _leaves(*ts):
-    return [t.detach().clone().requires_grad_(True) for t in ts]
 
 
 def _run(backend, q, k, v, do, cu_q, cu_k, max_q, max_k, causal, window, grad=True):
@@ -129,29 +106,6 @@ def _exact(q, k, v, do, lq, lk, causal, window, grad=True):
         return out, lse
     grads = ragged.reference_attention_backward(do.double(), *args, _cu(lq), _cu(lk), causal, window_size=window)
     return (out, lse, *grads)
-
-
-def _check(got, low, exact, what):
-    """Finite, and within the error rule; ``got`` entries that are None are skipped."""
-    for name, g, lo, e in zip(("out", "dq", "dk", "dv"), got, low, exact):
-        if g is None:
-            continue
-        assert g.shape == e.shape, (what, name)
-        bad = ~torch.isfinite(g)
-        assert not bad.any(), f"{what}: {name} has {int(bad.any(-1).any(-1).sum())} rows with NaN or inf"
-        if e.numel() == 0:
-            continue
-        err = (g.double() - e).abs().max().item()
-        err_low = (lo.double() - e).abs().max().item()
-        tol = 2 * err_low + torch.finfo(g.dtype).eps * (1 + e.abs().max().item())
-        assert err <= tol, f"{what}: {name} max error {err:.3g} > {tol:.3g} (dtype reference {err_low:.3g})"
-
-
-def _check_lse(lse, exact_lse, what):
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(exact_lse)), f"{what}: lse = -inf on other rows"
-    seen = torch.isfinite(exact_lse)
-    assert torch.isfinite(lse[seen]).all(), f"{what}: lse not finite where a key is seen"
-    torch.testing.assert_close(lse[seen].double(), exact_lse[seen].double(), atol=1e-3, rtol=1e-4)
 
 
 def _zero_where_unseen(lq, lk, got, what):
