@@ -1,0 +1,194 @@
+"""One fine-tuning step, as a user runs it: where its time goes.
+
+``python -m bench.train`` fine-tunes BERT-base (``BertForSequenceClassification``, 3 labels,
+AdamW, dropout 0.1, bf16 weights) on batches of 32 sequences with long-tailed lengths 16..512
+(lognormal, median 96, mean about 158 tokens), the same weights and batches for every row, and
+prints per row: tokens/s, the step's wall time, the host's enqueue time per step (the loop
+returns before the GPU finishes unless the host is the bottleneck), and the GPU busy time per
+step (``torch.profiler``: the union of the kernels' intervals). A row whose step is close to its
+host time and far above its GPU time waits on Python. ``--profile N`` prints the top ``N``
+functions of a ``cProfile`` of the ragged row's steps (host time by function), ``--rows`` picks
+rows, ``--out`` writes the table as Markdown. Runs on a GPU (``--device cpu`` for a smoke run
+with a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import copy
+import io
+import math
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+SEED = 0
+
+
+def lengths(steps: int, batch: int, lo: int, hi: int, median: float, sigma: float, seed: int = SEED) -> list[list[int]]:
+    x = np.random.default_rng(seed).lognormal(math.log(median), sigma, steps * batch)
+    flat = np.clip(np.rint(x), lo, hi).astype(int).tolist()
+    return [flat[i * batch:(i + 1) * batch] for i in range(steps)]
+
+
+def make_features(lens: list[list[int]], vocab: int, labels: int) -> list[list[dict]]:
+    rng = np.random.default_rng(SEED + 1)
+    return [[{"input_ids": rng.integers(5, vocab, n).tolist(), "labels": int(rng.integers(0, labels))} for n in b]
+            for b in lens]
+
+
+def padded_batch(batch: list[dict], device) -> dict:
+    width = max(len(s["input_ids"]) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, s in enumerate(batch):
+        ids[i, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        mask[i, :len(s["input_ids"])] = 1
+    out = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([s["labels"] for s in batch])}
+    return {k: v.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else v for k, v in out.items()}
+
+
+def ragged_batch(batch: list[dict], device):
+    from ragged.data import collate
+
+    return collate(batch).to(device, non_blocking=True)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Row:
+    def __init__(self, name: str, model, batches: list, device, fused: bool):
+        self.name, self.model, self.batches, self.device = name, model, batches, device
+        self.opt = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=fused, foreach=None if fused else True)
+
+    def step(self, batch) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def run(self) -> tuple[float, float]:
+        """Wall and host-enqueue seconds of one pass over the batches."""
+        sync(self.device)
+        start = time.perf_counter()
+        for b in self.batches:
+            self.step(b)
+        host = time.perf_counter() - start
+        sync(self.device)
+        return time.perf_counter() - start, host
+
+
+def gpu_busy(row: Row) -> float | None:
+    if row.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(row.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        row.run()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return None
+    busy, (s0, e0) = 0, spans[0]
+    for s, e in spans[1:]:
+        if s > e0:
+            busy, s0, e0 = busy + e0 - s0, s, e
+        else:
+            e0 = max(e0, e)
+    return (busy + e0 - s0) / 1e6
+
+
+def build(args, device):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import ragged.nn as rnn
+
+    tiny = device.type == "cpu"
+    cfg = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
+        if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                          intermediate_size=3072)
+    config = BertConfig(num_labels=3, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout, **cfg)
+    torch.manual_seed(SEED)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    hf = BertForSequenceClassification(config).to(device, dtype)
+    hf.set_attn_implementation("sdpa")
+    lens = lengths(args.steps, args.batch, 16 if not tiny else 4, 512 if not tiny else 48, 96 if not tiny else 12, 1.0)
+    feats = make_features(lens, config.vocab_size, 3)
+    tokens = sum(map(sum, lens))
+    fused = device.type == "cuda"
+    rows = {}
+    if "hf" in args.rows:
+        rows["hf"] = Row("HF SDPA, padded + mask", hf, [padded_batch(b, device) for b in feats], device, fused)
+    if "hf-compile" in args.rows:
+        m = copy.deepcopy(hf)
+        m.forward = torch.compile(m.forward, dynamic=True)
+        rows["hf-compile"] = Row("HF SDPA, torch.compile(dynamic=True)", m, [padded_batch(b, device) for b in feats],
+                                 device, fused)
+    if "ragged" in args.rows:
+        rows["ragged"] = Row("ragged.nn.convert, RaggedTensor ids", rnn.convert(copy.deepcopy(hf)),
+                             [ragged_batch(b, device) for b in feats], device, fused)
+    for r in rows.values():
+        r.model.train()
+    return rows, tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", default="hf,hf-compile,ragged")
+    p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged row")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.rows = args.rows.split(",")
+    device = torch.device(args.device)
+    rows, tokens = build(args, device)
+    lines = [f"# bench.train on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+             f"{args.steps} steps of {args.batch} sequences, {tokens} tokens, dropout {args.dropout}", "",
+             "| path | tokens/s | step ms | host enqueue ms/step | GPU busy ms/step |", "|---|---:|---:|---:|---:|"]
+    for key, r in rows.items():
+        r.run()  # warm-up (compiles, autotunes)
+        r.run()
+        walls, hosts = zip(*(r.run() for _ in range(args.repeats)))
+        wall, host = statistics.median(walls), statistics.median(hosts)
+        busy = gpu_busy(r)
+        n = len(r.batches)
+        lines.append(f"| {r.name} | {tokens / wall / 1e3:.1f}k | {wall / n * 1e3:.2f} | {host / n * 1e3:.2f} | "
+                     + (f"{busy / n * 1e3:.2f} |" if busy is not None else "n/a |"))
+        print(lines[-1], flush=True)
+    if args.profile and "ragged" in rows:
+        r = rows["ragged"]
+        prof = cProfile.Profile()
+        prof.enable()
+        r.run()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
+        s2 = io.StringIO()
+        pstats.Stats(prof, stream=s2).sort_stats("cumulative").print_stats(args.profile)
+        lines += ["", "## cProfile of the ragged row, by own time", "```", s.getvalue().strip(), "```",
+                  "## by cumulative time", "```", s2.getvalue().strip(), "```"]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
