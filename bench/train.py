@@ -138,6 +138,11 @@ def build(args, device):
     if "ragged" in args.rows:
         rows["ragged"] = Row("ragged.nn.convert, RaggedTensor ids", rnn.convert(copy.deepcopy(hf)),
                              [ragged_batch(b, device) for b in feats], device, fused)
+    if "graphed" in args.rows and device.type == "cuda":
+        converted = rnn.convert(copy.deepcopy(hf))
+        g = rnn.graphed(converted, max_tokens=args.batch * max(map(max, lens)), max_batch_size=args.batch)
+        rows["graphed"] = Row("ragged.nn.graphed(converted), training graphs", g,
+                              [ragged_batch(b, device) for b in feats], device, fused)
     for r in rows.values():
         r.model.train()
     return rows, tokens
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="hf,hf-compile,ragged")
+    p.add_argument("--rows", default="hf,hf-compile,ragged,graphed")
     p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged row")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -170,8 +175,10 @@ def main(argv=None) -> int:
         lines.append(f"| {r.name} | {tokens / wall / 1e3:.1f}k | {wall / n * 1e3:.2f} | {host / n * 1e3:.2f} | "
                      + (f"{busy / n * 1e3:.2f} |" if busy is not None else "n/a |"))
         print(lines[-1], flush=True)
-    if args.profile and "ragged" in rows:
-        r = rows["ragged"]
+    for key in ("ragged", "graphed") if args.profile else ():
+        if key not in rows:
+            continue
+        r = rows[key]
         prof = cProfile.Profile()
         prof.enable()
         r.run()
@@ -180,7 +187,7 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
         s2 = io.StringIO()
         pstats.Stats(prof, stream=s2).sort_stats("cumulative").print_stats(args.profile)
-        lines += ["", "## cProfile of the ragged row, by own time", "```", s.getvalue().strip(), "```",
+        lines += ["", f"## cProfile of the {r.name} row, by own time", "```", s.getvalue().strip(), "```",
                   "## by cumulative time", "```", s2.getvalue().strip(), "```"]
     text = "\n".join(lines)
     print(text)

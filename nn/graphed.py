@@ -51,6 +51,8 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe
 
+from . import graphed_train
+
 __all__ = ["Graphed", "graphed", "powers_of_two"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
@@ -133,10 +135,13 @@ def _check_int(fn: str, name: str, value) -> int:
 
 
 class _Graph:
-    __slots__ = ("graph", "values", "offsets", "output")
+    """A bucket's static buffers and its graph (inference: a ``CUDAGraph``; training: the
+    forward and backward graphs of :mod:`.graphed_train`)."""
 
-    def __init__(self, graph, values, offsets, output) -> None:
-        self.graph, self.values, self.offsets, self.output = graph, values, offsets, output
+    __slots__ = ("graph", "values", "offsets", "output", "seqs")
+
+    def __init__(self, graph, values, offsets, output, seqs=()) -> None:
+        self.graph, self.values, self.offsets, self.output, self.seqs = graph, values, offsets, output, seqs
 
 
 class Graphed(nn.Module):
@@ -182,6 +187,9 @@ class Graphed(nn.Module):
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._pool = None
+        self._train = graphed_train.TrainGraphs(self)
+        self._params: list | None = None  # the parameters the training graphs were captured for
+        self._memory: dict[tuple, int] = {}
         self._warned: set[str] = set()
         self.lock = threading.RLock()  # see the module docstring: held from the inputs in to the outputs out
 
@@ -208,6 +216,9 @@ class Graphed(nn.Module):
             self._graphs.clear()
             self._buffers.clear()
             self._pool = None
+            self._train.reset()
+            self._params = None
+            self._memory.clear()
 
     def bucket(self, num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int, int] | None:
         """``(T_b, B_b, L_b)`` a batch of this size runs in, or None when it is over the largest."""
@@ -222,60 +233,97 @@ class Graphed(nn.Module):
             return None
         return t, b, min(lb, t)
 
+    def memory(self) -> dict:
+        """Device memory held for the graphs, in bytes: ``"graphs"`` (the shared pool, as the
+        captures grew it), ``"buffers"`` (static inputs), ``"gradients"`` (the training graphs'
+        persistent parameter gradients), ``"buckets"`` (per captured bucket, what its capture
+        added to the pool: later captures reuse the pool, so these do not add up to more)."""
+        grads = sum(g.numel() * g.element_size() for g in self._train._grads.values())
+        bufs = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return {"graphs": sum(self._memory.values()), "buffers": bufs, "gradients": grads,
+                "buckets": {k[0]: v for k, v in self._memory.items()}}
+
     def forward(self, *args, **kwargs):
         fn = "ragged.nn.Graphed.forward"
-        rts, key_args = self._read_args(fn, args, kwargs)
+        rts, seqs, key_args = self._read_args(fn, args, kwargs)
         first = rts[0][1]
-        if self.module.training:
-            raise ValueError(f"{fn}(): the module is in training mode; graphs capture the inference forward "
-                             "(call .eval() on the graphed module)")
+        training = self.module.training
+        if training and not torch.is_grad_enabled():
+            return self._eager("no_grad", "the module is in training mode under torch.no_grad(): the graphs of "
+                               "training capture the backward too (call .eval() to replay the inference graphs)",
+                               args, kwargs)
         n_tok, batch, max_len = first.num_tokens, first.batch_size, first.max_len
         if self.max_len is not None and max_len > self.max_len:
             raise ValueError(f"{fn}(): expected sequences of at most {self.max_len} tokens, the longest "
                              f"{type(self.module).__name__} takes ({self._max_len_why}), got a batch whose max_len "
                              f"is {max_len}")
+        fills = [graphed_train.fill_value(fn, slot, t.values if isinstance(t, RaggedTensor) else t, training)
+                 for slot, t in [*rts, *seqs]]
         device = first.values.device
         if self.capture and device.type != "cuda":
             return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
-        size = self.bucket(n_tok, batch, max_len)
+        fillers = 0
+        if training:
+            found = graphed_train.train_bucket(self, n_tok, batch, max_len)
+            size = None if found is None else found[:3]
+            fillers = 0 if found is None else found[3]
+        else:
+            size = self.bucket(n_tok, batch, max_len)
         if size is None:
             return self._eager("size", f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
                                f"({self.max_tokens} tokens, {self.max_batch_size} sequences)", args, kwargs)
         t_b, b_b, l_b = size
         off = first.offsets
-        key = (size, off.dtype, device, torch.is_autocast_enabled("cuda"),
-               tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts), key_args)
-        with self.lock, torch.no_grad():  # the bucket's buffers are shared by every thread's calls
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        grad_inputs = tuple(i for i, (_, rt) in enumerate(rts) if training and rt.values.requires_grad)
+        key = (size, training, off.dtype, device, autocast,
+               tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts),
+               tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs), grad_inputs, key_args)
+        if training:
+            params = self._train_params(key)
+        with self.lock:  # the bucket's buffers are shared by every thread's calls
             entry = self._graphs.get(key)
-            if entry is None:
-                entry = self._capture(key, rts, args, kwargs, size, device)
-            values, offsets = entry.values, entry.offsets
-            for (_, rt), static in zip(rts, values):
-                static[:n_tok].copy_(rt.values)
-            offsets[:batch + 1].copy_(off)
-            if b_b > batch:
-                offsets[batch + 1:].fill_(n_tok)
-            if entry.graph is None:
-                out = self._call(args, kwargs, rts, values, offsets, l_b)
-            else:
-                entry.graph.replay()
-                out = entry.output
-            return _cut(out, first, t_b, b_b, self.copy_outputs or entry.graph is None)
+            with torch.no_grad():
+                if entry is None:
+                    entry = self._static(key, rts, seqs, size)
+                values, offsets, per_seq = entry.values, entry.offsets, entry.seqs
+                self._fill(rts, seqs, fills, values, per_seq, n_tok, batch, training)
+                offsets[:batch + 1].copy_(off)
+                if b_b > batch:
+                    if training:
+                        ramp = self._train.ramp(device, offsets.dtype, b_b)
+                        graphed_train.spare_offsets(offsets, ramp, batch, n_tok, size, fillers)
+                    else:
+                        offsets[batch + 1:].fill_(n_tok)
+            if training:
+                return self._train_step(key, entry, rts, seqs, args, kwargs, size, params, grad_inputs, autocast)
+            with torch.no_grad():
+                if self.capture and entry.graph is None:
+                    self._capture(entry, args, kwargs, rts, seqs, l_b, device, key)
+                if entry.graph is None:
+                    out = self._call(args, kwargs, rts, values, offsets, l_b, seqs, per_seq)
+                else:
+                    entry.graph.replay()
+                    out = entry.output
+                return _cut(out, first, t_b, b_b, self.copy_outputs or entry.graph is None)
 
     # ------------------------------------------------------------------------------------
     # Internals
 
     def _read_args(self, fn: str, args: tuple, kwargs: dict):
         rts: list[tuple[object, RaggedTensor]] = []
+        seqs: list[tuple[object, torch.Tensor]] = []
         key = []
         for slot, value in [*enumerate(args), *kwargs.items()]:
             if isinstance(value, RaggedTensor):
                 rts.append((slot, value))
+            elif isinstance(value, torch.Tensor):
+                seqs.append((slot, value))
             elif isinstance(value, _CONSTANTS):
                 key.append((slot, value))
             else:
-                raise TypeError(f"{fn}(): expected RaggedTensor arguments and constants (None, bool, int, float, "
-                                f"str), got {describe(value)} for argument {slot!r}")
+                raise TypeError(f"{fn}(): expected RaggedTensor arguments, per-sequence tensors and constants (None, "
+                                f"bool, int, float, str), got {describe(value)} for argument {slot!r}")
         if not rts:
             raise TypeError(f"{fn}(): expected at least one RaggedTensor argument (the batch), got none")
         first = rts[0][1]
@@ -285,7 +333,12 @@ class Graphed(nn.Module):
                 raise ValueError(f"{fn}(): expected every RaggedTensor argument to be of the first one's batch "
                                  f"({first.batch_size} sequences, {first.num_tokens} tokens), got argument {slot!r} "
                                  f"with {rt.batch_size} sequences and {rt.num_tokens} tokens")
-        return rts, tuple(key)
+        for slot, t in seqs:
+            if t.dim() < 1 or t.shape[0] != first.batch_size or t.device != first.values.device:
+                raise ValueError(f"{fn}(): expected tensor argument {slot!r} to hold one entry per sequence "
+                                 f"(shape [{first.batch_size}, ...] on {first.values.device}), got shape "
+                                 f"{tuple(t.shape)} on {t.device}")
+        return rts, seqs, tuple(key)
 
     def _warn_once(self, kind: str, why: str) -> None:
         if kind not in self._warned:
@@ -295,6 +348,8 @@ class Graphed(nn.Module):
 
     def _eager(self, kind: str, why: str, args, kwargs):
         self._warn_once(kind, why)
+        if self.module.training:
+            return self.module(*args, **kwargs)
         with torch.no_grad():
             return self.module(*args, **kwargs)
 
@@ -310,38 +365,95 @@ class Graphed(nn.Module):
             self._buffers[key] = buf
         return buf[:rows]
 
-    def _call(self, args, kwargs, rts, values, offsets, max_len: int):
+    def _static(self, key, rts, seqs, size) -> _Graph:
+        t_b, b_b, _ = size
+        values = [self._buffer(("values", slot), t_b, rt.values) for slot, rt in rts]
+        per_seq = [self._buffer(("seq", slot), b_b, t) for slot, t in seqs]
+        offsets = self._buffer(("offsets",), b_b + 1, rts[0][1].offsets)
+        entry = self._graphs[key] = _Graph(None, values, offsets, None, per_seq)
+        return entry
+
+    @staticmethod
+    def _fill(rts, seqs, fills, values, per_seq, n_tok: int, batch: int, training: bool) -> None:
+        """The batch into the static buffers; the spare entries of labels set to be ignored. In
+        training every spare row is set (the fillers' rows enter the weight gradients with a
+        zero factor: they must be finite); in inference the spare rows of other inputs keep
+        earlier batches' values (no real token reads them)."""
+        it = iter(fills)
+        for (_, rt), static in zip(rts, values):
+            static[:n_tok].copy_(rt.values)
+            fill = next(it)
+            if (fill or training) and static.shape[0] > n_tok:
+                static[n_tok:].fill_(fill)
+        for (_, t), static in zip(seqs, per_seq):
+            static[:batch].copy_(t)
+            fill = next(it)
+            if fill or static.shape[0] > batch:
+                static[batch:].fill_(fill)
+
+    def _call(self, args, kwargs, rts, values, offsets, max_len: int, seqs=(), per_seq=()):
         static = {slot: RaggedTensor(v, offsets, max_len) for (slot, _), v in zip(rts, values)}
+        static.update({slot: t for (slot, _), t in zip(seqs, per_seq)})
         a = tuple(static.get(i, x) for i, x in enumerate(args))
         k = {name: static.get(name, x) for name, x in kwargs.items()}
         return self.module(*a, **k)
 
-    def _capture(self, key, rts, args, kwargs, size, device) -> _Graph:
-        t_b, b_b, l_b = size
-        values = [self._buffer(("values", slot), t_b, rt.values) for slot, rt in rts]
-        offsets = self._buffer(("offsets",), b_b + 1, rts[0][1].offsets)
-        if not self.capture:
-            entry = self._graphs[key] = _Graph(None, values, offsets, None)
-            return entry
-        # the warm-up and the capture read the real batch: copy it in as a replay would
-        n_tok, batch = rts[0][1].num_tokens, rts[0][1].batch_size
-        for (_, rt), static in zip(rts, values):
-            static[:n_tok].copy_(rt.values)
-        offsets[:batch + 1].copy_(rts[0][1].offsets)
-        offsets[batch + 1:].fill_(n_tok)
+    def _capture(self, entry: _Graph, args, kwargs, rts, seqs, l_b: int, device, key) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._call(args, kwargs, rts, values, offsets, l_b)
+                self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self._call(args, kwargs, rts, values, offsets, l_b)
-        entry = self._graphs[key] = _Graph(graph, values, offsets, output)
-        return entry
+            entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+        entry.graph = graph
+        self._memory[key] = torch.cuda.memory_reserved(device) - before
+
+    def _train_params(self, key) -> list:
+        """The parameters that require grad (listed once; a change of which ones do, or of the
+        parameters themselves, drops the training graphs: they hold the old set's addresses)."""
+        params = self._params
+        if params is None or any(p.requires_grad != flag for p, flag in params):
+            listed = [(p, p.requires_grad) for p in self.module.parameters()]
+            if params is not None:
+                for k in [k for k in self._graphs if k[1]]:
+                    del self._graphs[k]
+            params = self._params = listed
+        return [p for p, flag in params if flag]
+
+    def _train_step(self, key, entry: _Graph, rts, seqs, args, kwargs, size, params, grad_inputs, autocast):
+        first = rts[0][1]
+        n_tok = first.num_tokens
+        t_b, b_b, l_b = size
+        if not self.capture:
+            # the bucketed batch, eagerly (autograd through it): what the graphs compute, on any device
+            values = [torch.cat([rt.values, static[n_tok:]]) if i in grad_inputs else static
+                      for i, ((_, rt), static) in enumerate(zip(rts, entry.values))]
+            out = self._call(args, kwargs, rts, values, entry.offsets, l_b, seqs, entry.seqs)
+            return _cut(out, first, t_b, b_b, False)
+        device = first.values.device
+        if entry.graph is None:
+            before = torch.cuda.memory_reserved(device)
+            inputs = list(entry.values)
+
+            def call():
+                return self._call(args, kwargs, rts, inputs, entry.offsets, l_b, seqs, entry.seqs)
+
+            try:
+                entry.graph = self._train.capture(call, inputs, list(grad_inputs), params, device, autocast)
+            except Exception as e:
+                self._graphs.pop(key, None)
+                raise RuntimeError(f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
+                                   f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
+                                   "itself to train it eagerly") from e
+            self._memory[key] = torch.cuda.memory_reserved(device) - before
+        user_inputs = [rts[i][1].values for i in grad_inputs]
+        return self._train.replay(entry.graph, first, size, user_inputs)
 
 
 def _cut(out, first: RaggedTensor, t_b: int, b_b: int, copy: bool):

@@ -109,7 +109,7 @@ class Saved:
     def attention(self, qkv, cu, max_len, spec, causal, p):
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
-        self.seed = dropout_seed(p)
+        self.seed = dropout_seed(p, q.device)
         o, lse = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, self.seed)
         return o.reshape(n_tok, spec.d_model), (q, k, v, o, lse)
 
@@ -194,10 +194,10 @@ class Recorded:
         if torch.is_autocast_enabled(device):
             # q, k, v carry autocast's dtype (F.linear's output): attention runs in it, as SDPA does
             with torch.autocast(device, enabled=False):
-                o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
+                o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
                               -1, -1, self.attention_backend)[0]
         else:
-            o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p),
+            o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
                           -1, -1, self.attention_backend)[0]
         return o.reshape(n_tok, spec.d_model), ()
 

@@ -44,10 +44,10 @@ def cases():
                     (False, False, 4, 64, True), (False, True, 1, 64, True))
         for causal, dropout, group, dim, window in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
-                     CAUSAL=causal, WINDOW=window, DROPOUT=dropout, PRECISION=prec, INLINE=not dropout,
-                     CHUNK=256)
-            # batch, n_steps, sm_scale, seed, dropout_p, total_q, max_k, win_left, win_right
-            scalars = ["i32", "i32", "fp32", "i32", "fp32", "i32", "i32", "i32", "i32"]
+                     CAUSAL=causal, WINDOW=window, DROPOUT=dropout, SEED_PTR=False, PRECISION=prec,
+                     INLINE=not dropout, CHUNK=256)
+            # batch, n_steps, sm_scale, seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right
+            scalars = ["i32", "i32", "fp32", "i32", "*i64", "fp32", "i32", "i32", "i32", "i32"]
             yield ("attention fwd", ka._fwd_kernel,
                    [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + ["i32"] * 8, c)
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel,

@@ -128,16 +128,22 @@ def test_errors():
         ragged.nn.graphed(enc, max_tokens=64, max_batch_size=4, token_buckets=[128])
     g = ragged.nn.Graphed(enc, 64, 4, capture=False)
     x = _batch([3, 5])
-    with pytest.raises(TypeError, match=r"ragged.nn.Graphed.forward\(\): expected RaggedTensor arguments .* got Tensor"
-                                        r"\(shape"):
+    with pytest.raises(TypeError, match=r"ragged.nn.Graphed.forward\(\): expected RaggedTensor arguments, "
+                                        r"per-sequence tensors and constants .* got \[1, 2\] for argument 1"):
+        g(x, [1, 2])
+    with pytest.raises(TypeError, match="expected at least one RaggedTensor"):
         g(x.values)
     with pytest.raises(TypeError, match="expected at least one RaggedTensor"):
         g(src=None)
     with pytest.raises(ValueError, match="of the first one's batch"):
         g(x, _batch([3]))
+    with pytest.raises(ValueError, match=r"expected tensor argument 'mask' to hold one entry per sequence "
+                                         r"\(shape \[2, \.\.\.\] on cpu\), got shape \(3,\)"):
+        g(x, mask=torch.zeros(3))
     enc.train()
-    with pytest.raises(ValueError, match="training mode"):
-        g(x)
+    with pytest.warns(UserWarning, match="training mode under torch.no_grad"), torch.no_grad():
+        got = g(x)  # eagerly: the training graphs capture a backward
+    assert g.num_graphs == 0 and torch.isfinite(got.values).all()
 
 
 FAMILIES = ["bert", "roberta", "distilbert"]

@@ -223,7 +223,11 @@ def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tens
                            max_k: int, device: torch.device) -> torch.Tensor:
     """``[H, Tq, max_k]`` keep mask for ``seed``: the Triton kernels' own mask wherever Triton
     can run on ``device`` (so the reference and the kernels drop the same entries), else
-    one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern)."""
+    one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern).
+    A seed drawn on the device (see :func:`dropout_seed`) is read back first: outside a graph
+    capture only (the reference cannot be captured)."""
+    if isinstance(seed, torch.Tensor):
+        seed = int(seed.reshape(-1)[0].item())
     if backends.triton_reason(device) is None:
         from ..kernels.triton.attention import dropout_keep_mask
 
@@ -365,13 +369,21 @@ def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
 backends.register(backends.Implementation("attention", "torch", _reference_forward, _reference_backward))
 
 
-def dropout_seed(dropout_p: float) -> int:
+def dropout_seed(dropout_p: float, device: torch.device | None = None) -> int | Tensor:
     """The seed of one call's attention dropout mask: 0 without dropout, else a fresh int in
     ``[0, 2**31 - 1)`` drawn from torch's CPU generator, so that ``torch.manual_seed`` makes runs
     reproducible and no GPU value is read. Every backend draws its mask from this seed (the
-    kernels' counter-based hash; see :func:`reference_dropout_mask`)."""
+    kernels' counter-based hash; see :func:`reference_dropout_mask`).
+
+    While a CUDA graph is captured on ``device``'s current stream the seed is instead a
+    one-element int64 tensor drawn there by torch's CUDA generator: a host int would be frozen
+    into the graph (every replay the same mask), whereas each replay redraws the tensor
+    (reproducible under ``torch.manual_seed`` as every graphed random op) and the Triton kernels
+    read it on the device."""
     if dropout_p == 0.0:
         return 0
+    if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
@@ -536,8 +548,9 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
         # The reference reads the offsets on the host anyway: check them rather than return
         # a wrong number of rows.
         _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
-    out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, dropout_seed(dropout_p),
-                         window[0], window[1], backend)
+    seed = dropout_seed(dropout_p, q.device)
+    out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window[0], window[1],
+                         backend)
     return (out, lse) if return_lse else out
 
 

@@ -123,6 +123,16 @@ def _window(causal: bool, window_left: int, window_right: int, max_q: int, max_k
     return (max_k if left < 0 else left), (0 if causal else max_q if right < 0 else right)
 
 
+def _seed(seed, cu_q):
+    """``(seed int, seed pointer)`` for the kernels: a host int is passed as is (the pointer
+    argument then is ``cu_q``, never read); a one-element int64 tensor on the device (what
+    :func:`ragged.ops.attention.dropout_seed` draws while a CUDA graph is captured) is read by
+    the kernels, so that every replay draws the mask of the seed the replay drew."""
+    if isinstance(seed, torch.Tensor):
+        return 0, seed
+    return seed, cu_q
+
+
 def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
     """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
@@ -143,14 +153,15 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
+    seed, seed_ptr = _seed(seed, cu_q)
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
-                      seed, dropout_p, total_q, max(max_k, 1), win_left, win_right,
+                      seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right,
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1),
                       GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                       BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal and window is None, WINDOW=window is not None,
-                      DROPOUT=dropout_p > 0, PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk,
-                      num_warps=warps, num_stages=stages)
+                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype),
+                      INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -200,13 +211,14 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     group = heads // kv_heads
     window = _window(causal, window_left, window_right, max_q, max_k)
     win_left, win_right = window or (0, 0)
+    seed, seed_ptr = _seed(seed, cu_q)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                   CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
-                  PRECISION=_precision(q.dtype))
+                  SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype))
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
     _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
         q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
-        seed, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+        seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
         num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
@@ -214,7 +226,7 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
-            seed, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+            seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)

@@ -224,16 +224,19 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 @cached_launch
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                seed, dropout_p, total_q, max_k, win_left, win_right,
+                seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
+    if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
+        seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
@@ -340,17 +343,20 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 @cached_launch
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, dropout_p, total_q, max_k, win_left, win_right, heads,
+                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                     INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     hk = tl.program_id(1)
     b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
     if item >= n_items:
         return
+    if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
+        seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -449,12 +455,13 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 @cached_launch
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                   seed, dropout_p, total_q, max_k, win_left, win_right, heads,
+                   seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                   INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
     (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
     item = tl.program_id(0)
@@ -462,6 +469,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
+    if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
+        seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk

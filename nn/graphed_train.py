@@ -1,0 +1,381 @@
+"""Training through :func:`ragged.nn.graphed`: the forward and the backward of a bucket are
+captured once as two CUDA graphs and replayed for every batch that fits it.
+
+How a batch fills its bucket ``(T_b, B_b, L_b)`` in training. The ``T_b - T`` spare rows are
+given to *filler sequences* of at most ``L_b`` tokens each, appended after the batch's ``B``
+sequences; the other spare sequences are empty and start at row ``T`` (a filler's first
+row). Every row then belongs to a sequence, so every kernel writes every row it returns: a
+spare row holds finite values, and its gradient is exactly zero, as the loss never reads it
+(a row with no sequence would hold whatever the memory held, and ``0 * NaN`` in a weight
+gradient is NaN). What is read from the spare rows and sequences is cut or ignored:
+
+* the outputs are cut back to the caller's ``T`` tokens and ``B`` sequences (the gradients
+  flowing back are zero past them);
+* losses computed inside the model ignore them: the spare entries of an argument named
+  ``labels`` are ``-100`` (``ignore_index`` of every cross-entropy in HuggingFace's heads:
+  means over real tokens and real sequences only), those of ``start_positions`` /
+  ``end_positions`` lie past every sequence (ignored by the question-answering loss). Labels
+  of floating dtype (a regression or multi-label loss, which has no ignored entries) are
+  refused: compute that loss outside from the cut logits.
+
+The two graphs of a bucket. The forward graph runs the module on the static inputs; the
+backward graph computes the gradients of its differentiable outputs with respect to the
+parameters (and to RaggedTensor inputs that require a gradient) from static gradient
+buffers, and adds them into one persistent gradient tensor per parameter (shared by the
+buckets). A ``torch.autograd.Function`` joins them to the caller's autograd graph: its forward
+replays the forward graph and returns copies of the outputs; its backward copies the incoming
+gradients in, replays the backward graph, and hands the parameters their gradients:
+
+* a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) gets the persistent
+  tensor, zeroed before the replay (one fused launch for all of them);
+* one whose ``.grad`` is already that tensor accumulates (gradient accumulation, or
+  ``zero_grad(set_to_none=False)`` which zeroed it in place);
+* one whose ``.grad`` is another tensor gets the new gradient added to it.
+
+The parameters' gradients are therefore written by the graphs, not by autograd's
+accumulation: gradient hooks on parameters do not run (and DistributedDataParallel, which
+reduces gradients in such hooks, is not supported), and ``torch.autograd.grad(loss,
+params)`` raises instead of returning them; ``loss.backward()`` is the way.
+
+A bucket's saved activations live in the graphs' memory pool until its backward replays:
+call ``backward`` on one forward's outputs before the next training forward of the same
+graphed module (the usual loop, gradient accumulation included). A backward of an older
+forward raises instead of using overwritten activations; so does a second backward of one
+forward.
+
+Dropout draws new masks on every replay: torch's own dropout through its graph-safe
+generator, the attention kernels from a seed they read on the device (see
+:func:`ragged.ops.attention.dropout_seed`); ``torch.manual_seed`` makes runs reproducible.
+Under ``torch.autocast`` the graphs are captured with the autocast weight cache off (cast
+weights cannot outlive a capture), and the autocast state is part of the bucket's key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragged import RaggedTensor
+
+__all__ = ["IGNORE", "fill_value", "train_bucket", "spare_offsets", "TrainGraphs"]
+
+IGNORE = -100
+_PAST_EVERY_SEQUENCE = 2**30  # a span position beyond every sequence: ignored by the QA loss
+_POSITIONS = ("start_positions", "end_positions")
+
+
+def fill_value(fn: str, name, t: torch.Tensor, training: bool) -> int | float:
+    """What the spare entries (rows or sequences) of argument ``name`` hold (see the module
+    docstring); 0 for inputs (valid ids, finite values)."""
+    if name == "labels":
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            if training:
+                raise ValueError(f"{fn}(): expected integer labels (a cross-entropy loss, whose ignored entries "
+                                 f"keep the spare sequences of a bucket out of the loss), got labels of dtype "
+                                 f"{t.dtype}; call the graphed module without labels and compute this loss from "
+                                 "its outputs")
+            return 0
+        return IGNORE
+    if name in _POSITIONS:
+        return _PAST_EVERY_SEQUENCE
+    return 0
+
+
+def train_bucket(graphed, num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int, int, int] | None:
+    """``(T_b, B_b, L_b, fillers)`` of a training batch, or None over the largest bucket: the
+    spare rows go to ``fillers`` sequences of at most ``L_b`` tokens, so ``B_b`` leaves room for
+    them (past ``max_batch_size`` if need be, in steps of 8: the number of sequences sizes
+    grids, not work), and a bucket with spare sequences has at least one spare row (the empty
+    ones start there)."""
+    from .graphed import _smallest
+
+    need = max(num_tokens, 1)
+    while True:
+        t = _smallest(graphed.token_buckets, need)
+        if t is None:
+            return None
+        lb = _smallest(graphed.length_buckets, max(max_len, 1))
+        if lb is None:
+            return None
+        lb = min(lb, t)
+        spare = t - num_tokens
+        fillers = -(-spare // lb)
+        if batch_size > graphed.max_batch_size:
+            return None
+        b = _smallest(graphed.batch_buckets, batch_size + fillers)
+        if b is None:  # a full batch and its fillers: sequences size grids only, go past the top
+            b = -(-(batch_size + fillers) // 8) * 8
+        if b > batch_size and spare == 0:
+            need = num_tokens + 1  # the empty spare sequences need a row to start at
+            continue
+        return t, b, lb, fillers
+
+
+def spare_offsets(offsets: torch.Tensor, ramp: torch.Tensor, batch: int, num_tokens: int, size, fillers: int) -> None:
+    """Write the spare sequences' offsets ``offsets[batch + 1:]`` of a bucket (``ramp``: ``1, 2,
+    ...`` on the device): the empty ones at ``num_tokens``, then the fillers' ends, ``L_b`` apart,
+    the last at ``T_b``. Three small launches, no host read."""
+    t_b, b_b, l_b = size
+    empty = b_b - batch - fillers
+    if empty:
+        offsets[batch + 1:batch + 1 + empty].fill_(num_tokens)
+    if fillers:
+        tail = offsets[batch + 1 + empty:]
+        torch.mul(ramp[:fillers], l_b, out=tail)
+        tail.add_(num_tokens).clamp_(max=t_b)
+
+
+# --------------------------------------------------------------------------------------
+# Outputs as a flat list of tensors and a rebuild
+
+
+def flatten(x, leaves: list):
+    """``x`` with every tensor (a RaggedTensor's values) replaced by its index in ``leaves``."""
+    if isinstance(x, RaggedTensor):
+        leaves.append(x.values)
+        return ("rt", len(leaves) - 1)
+    if isinstance(x, torch.Tensor):
+        leaves.append(x)
+        return ("t", len(leaves) - 1)
+    if isinstance(x, dict):  # HuggingFace ModelOutput is an OrderedDict subclass
+        return ("dict", type(x), [(k, flatten(v, leaves)) for k, v in x.items()])
+    if isinstance(x, tuple):
+        return ("tuple", type(x), [flatten(v, leaves) for v in x])
+    if isinstance(x, list):
+        return ("list", None, [flatten(v, leaves) for v in x])
+    return ("const", x)
+
+
+def rebuild(spec, leaves: list, first: RaggedTensor):
+    kind = spec[0]
+    if kind == "rt":
+        return first.with_values(leaves[spec[1]])
+    if kind == "t":
+        return leaves[spec[1]]
+    if kind == "const":
+        return spec[1]
+    _, cls, items = spec
+    if kind == "dict":
+        values = {k: rebuild(v, leaves, first) for k, v in items}
+        try:
+            return cls(**values)
+        except TypeError:
+            return cls(values)
+    values = [rebuild(v, leaves, first) for v in items]
+    if kind == "list":
+        return values
+    return cls(*values) if hasattr(cls, "_fields") else cls(values)
+
+
+def _rows(spec, leaves: list, t_b: int, b_b: int, n_tok: int, batch: int) -> list[int | None]:
+    """Per leaf, the rows the caller gets: ``T`` for a RaggedTensor's values, ``B`` for a
+    tensor whose first dim is ``B_b`` (per-sequence), None (whole) otherwise."""
+    kinds: dict[int, str] = {}
+
+    def walk(s):
+        if s[0] in ("rt", "t"):
+            kinds[s[1]] = s[0]
+        elif s[0] in ("dict",):
+            for _, v in s[2]:
+                walk(v)
+        elif s[0] in ("tuple", "list"):
+            for v in s[2]:
+                walk(v)
+
+    walk(spec)
+    out: list[int | None] = []
+    for i, t in enumerate(leaves):
+        if kinds.get(i) == "rt":
+            out.append(n_tok)
+        elif t.dim() >= 1 and t.shape[0] == b_b:
+            out.append(batch)
+        else:
+            out.append(None)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The graphs of one bucket
+
+
+class _Entry:
+    __slots__ = ("fwd", "bwd", "inputs", "offsets", "seqs", "spec", "outputs", "diff", "grad_outs", "params",
+                 "used", "grad_inputs", "generation", "memory")
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+
+class _Replay(torch.autograd.Function):
+    """Replays a bucket's forward graph; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, owner, entry, cut, *inputs):
+        rows, n_tok = cut
+        entry.fwd.replay()
+        owner._generation += 1
+        entry.generation = owner._generation
+        ctx.owner, ctx.entry, ctx.rows, ctx.n_tok, ctx.generation = owner, entry, rows, n_tok, entry.generation
+        ctx.n_inputs = len(inputs)
+        outs = [t.clone() if n is None else t[:n].clone() for t, n in zip(entry.outputs, rows)]
+        diff = set(entry.diff)
+        constants = [o for i, o in enumerate(outs) if i not in diff]
+        if constants:
+            ctx.mark_non_differentiable(*constants)
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        entry, owner = ctx.entry, ctx.owner
+        if ctx.generation != entry.generation or entry.generation != owner._generation:
+            raise RuntimeError(
+                "ragged.nn.Graphed: backward of a training forward whose saved activations a later forward of the "
+                "same graphed module replaced (or a second backward of one forward): call backward on each "
+                "forward's outputs before the next forward")
+        entry.generation = -1  # one backward per forward
+        for i, buf in zip(entry.diff, entry.grad_outs):
+            g, n = grads[i], ctx.rows[i]
+            if g is None:
+                buf.zero_()
+            elif n is None:
+                buf.copy_(g)
+            else:
+                buf[:n].copy_(g)
+                buf[n:].zero_()
+        owner._attach_grads(entry)
+        entry.bwd.replay()
+        owner._finish_grads(entry)
+        out = [None, None, None]
+        for buf in entry.grad_inputs:
+            out.append(None if buf is None else buf[:ctx.n_tok].clone())
+        out += [None] * (3 + ctx.n_inputs - len(out))  # the anchor
+        return tuple(out)
+
+
+class TrainGraphs:
+    """The training graphs of one :class:`ragged.nn.Graphed` (see the module docstring)."""
+
+    def __init__(self, graphed) -> None:
+        self.graphed = graphed
+        self._generation = 0
+        self._grads: dict[int, torch.Tensor] = {}   # id(parameter) -> its persistent gradient
+        self._foreign: list = []                    # (parameter, its own .grad) during one backward
+        self._zeroed: list = []
+        self._anchor: torch.Tensor | None = None
+        self._ramps: dict = {}
+
+    def reset(self) -> None:
+        self._grads.clear()
+        self._ramps.clear()
+        self._anchor = None
+
+    def ramp(self, device, dtype, n: int) -> torch.Tensor:
+        key = (device, dtype)
+        r = self._ramps.get(key)
+        if r is None or r.shape[0] < n:
+            r = self._ramps[key] = torch.arange(1, max(n, 64) + 1, device=device, dtype=dtype)
+        return r
+
+    # gradients ---------------------------------------------------------------------------
+
+    def _attach_grads(self, entry: _Entry) -> None:
+        """Before the backward replay: every parameter's gradient target (see the module docstring)."""
+        fresh, foreign = [], []
+        for p, g in entry.used:
+            cur = p.grad
+            if cur is g:
+                continue
+            if cur is None:
+                fresh.append(g)
+                p.grad = g
+            else:
+                fresh.append(g)
+                foreign.append((cur, g))
+        if fresh:
+            torch._foreach_zero_(fresh)
+        self._foreign = foreign
+
+    def _finish_grads(self, entry: _Entry) -> None:
+        foreign, self._foreign = self._foreign, []
+        if foreign:
+            mine = [g for _, g in foreign]
+            torch._foreach_add_([c for c, _ in foreign], mine)
+
+    def persistent_grad(self, p: torch.Tensor) -> torch.Tensor:
+        g = self._grads.get(id(p))
+        if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            g = self._grads[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return g
+
+    # capture -----------------------------------------------------------------------------
+
+    def capture(self, call, inputs: list[torch.Tensor], grad_inputs: list[int], params: list, device,
+                autocast) -> _Entry:
+        """Warm up, then capture the forward graph of ``call()`` and the backward graph of its
+        differentiable outputs; ``inputs``: the static input buffers, ``grad_inputs``: the
+        positions among them whose gradient the caller needs."""
+        g = self.graphed
+        if g._pool is None:
+            g._pool = torch.cuda.graph_pool_handle()
+        for i in grad_inputs:
+            inputs[i].requires_grad_(True)
+        wrt = [inputs[i] for i in grad_inputs] + list(params)
+
+        def run():
+            if autocast is None:
+                return call()
+            with torch.autocast("cuda", dtype=autocast, cache_enabled=False):
+                return call()
+
+        def differentiable(out):
+            leaves: list = []
+            spec = flatten(out, leaves)
+            diff = [i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()]
+            return spec, leaves, diff
+
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
+                spec, leaves, diff = differentiable(run())
+                if not diff:
+                    raise ValueError("ragged.nn.Graphed: the module's outputs need no gradient in training mode "
+                                     "(no parameter requires grad?)")
+                outs = [leaves[i] for i in diff]
+                torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
+                del spec, leaves, outs
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+        entry = _Entry()
+        entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(entry.fwd, pool=g._pool):
+            spec, leaves, diff = differentiable(run())
+        entry.spec, entry.outputs, entry.diff = spec, [t.detach() for t in leaves], diff
+        entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
+        persistent = [self.persistent_grad(p) for p in params]
+        with torch.cuda.graph(entry.bwd, pool=g._pool):
+            grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
+                                        allow_unused=True)
+            n_in = len(grad_inputs)
+            pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
+            if pairs:
+                torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
+            entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
+        entry.used = [(p, acc) for p, acc, d in zip(params, persistent, grads[n_in:]) if d is not None]
+        for i in grad_inputs:
+            inputs[i].requires_grad_(False)
+        del grads, leaves
+        return entry
+
+    def anchor(self, device) -> torch.Tensor:
+        """A leaf that requires grad, so that the replay joins autograd when no input does."""
+        if self._anchor is None or self._anchor.device != device:
+            self._anchor = torch.zeros((), device=device, requires_grad=True)
+        return self._anchor
+
+    def replay(self, entry: _Entry, first: RaggedTensor, size, user_inputs: list[torch.Tensor]):
+        t_b, b_b, _ = size
+        rows = _rows(entry.spec, entry.outputs, t_b, b_b, first.num_tokens, first.batch_size)
+        anchor = [] if user_inputs else [self.anchor(first.values.device)]
+        outs = _Replay.apply(self, entry, (tuple(rows), first.num_tokens), *user_inputs, *anchor)
+        return rebuild(entry.spec, list(outs), first)
