@@ -145,7 +145,7 @@ def build(args, device):
                               [ragged_batch(b, device) for b in feats], device, fused)
     for r in rows.values():
         r.model.train()
-    return rows, tokens
+    return {k: rows[k] for k in args.rows if k in rows}, tokens
 
 
 def main(argv=None) -> int:

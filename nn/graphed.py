@@ -52,6 +52,7 @@ from ragged import RaggedTensor
 from ragged.utils import describe
 
 from . import graphed_train
+from .graphed_train import smallest as _smallest
 
 __all__ = ["Graphed", "graphed", "powers_of_two"]
 
@@ -117,13 +118,6 @@ def _model_max_len(module: nn.Module) -> tuple[int, str] | None:
     if family.style == "roberta" and isinstance(pad, int):
         return rows - (pad + 1), f"{what}, positions from padding_idx + 1 = {pad + 1}"
     return rows, what
-
-
-def _smallest(buckets: tuple[int, ...], n: int) -> int | None:
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
 
 
 def _check_int(fn: str, name: str, value) -> int:

@@ -56,7 +56,7 @@ import torch
 
 from ragged import RaggedTensor
 
-__all__ = ["IGNORE", "fill_value", "train_bucket", "spare_offsets", "TrainGraphs"]
+__all__ = ["IGNORE", "fill_value", "smallest", "train_bucket", "spare_offsets", "TrainGraphs"]
 
 IGNORE = -100
 _PAST_EVERY_SEQUENCE = 2**30  # a span position beyond every sequence: ignored by the QA loss
@@ -80,20 +80,26 @@ def fill_value(fn: str, name, t: torch.Tensor, training: bool) -> int | float:
     return 0
 
 
+def smallest(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the sorted ``buckets`` that is at least ``n`` (None: over the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
 def train_bucket(graphed, num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int, int, int] | None:
     """``(T_b, B_b, L_b, fillers)`` of a training batch, or None over the largest bucket: the
     spare rows go to ``fillers`` sequences of at most ``L_b`` tokens, so ``B_b`` leaves room for
     them (past ``max_batch_size`` if need be, in steps of 8: the number of sequences sizes
     grids, not work), and a bucket with spare sequences has at least one spare row (the empty
     ones start there)."""
-    from .graphed import _smallest
-
     need = max(num_tokens, 1)
     while True:
-        t = _smallest(graphed.token_buckets, need)
+        t = smallest(graphed.token_buckets, need)
         if t is None:
             return None
-        lb = _smallest(graphed.length_buckets, max(max_len, 1))
+        lb = smallest(graphed.length_buckets, max(max_len, 1))
         if lb is None:
             return None
         lb = min(lb, t)
@@ -101,7 +107,7 @@ def train_bucket(graphed, num_tokens: int, batch_size: int, max_len: int) -> tup
         fillers = -(-spare // lb)
         if batch_size > graphed.max_batch_size:
             return None
-        b = _smallest(graphed.batch_buckets, batch_size + fillers)
+        b = smallest(graphed.batch_buckets, batch_size + fillers)
         if b is None:  # a full batch and its fillers: sequences size grids only, go past the top
             b = -(-(batch_size + fillers) // 8) * 8
         if b > batch_size and spare == 0:
