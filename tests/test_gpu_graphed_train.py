@@ -39,8 +39,8 @@ def _batch(lengths, dtype, seed=1, grad=False):
     return x.with_values(x.values.requires_grad_(grad))
 
 
-def _close(got, want, tol, what=""):
-    scale = want.float().abs().max().item() + 1e-6
+def _close(got, want, tol, what="", floor=1e-6):
+    scale = want.float().abs().max().item() + floor
     err = (got.float() - want.float()).abs().max().item()
     assert err <= tol * scale, f"{what}: max abs error {err:.3g} over {tol * scale:.3g}"
 
@@ -108,7 +108,9 @@ def test_converted_bert_training_trajectory_matches_eager(dtype, fused):
             assert out.logits.shape == (ids.batch_size, 3)
         _close(losses[1], losses[0], TOL[dtype] * 2, f"step {step} loss")
     for (n, p), q in zip(model.named_parameters(), mine.parameters()):
-        _close(q, p, TOL[dtype], n)
+        # floor: Adam moves every parameter by about lr a step, also the key biases, whose true
+        # gradient is zero (the softmax ignores them) and whose updates follow rounding noise
+        _close(q, p, TOL[dtype], n, floor=8e-3)
 
 
 def test_accumulation_and_the_order_of_backwards():
