@@ -7,6 +7,9 @@ collates them into RaggedTensors (``ragged.data.collate``), accumulates gradient
 ``--grad-accum`` batches and evaluates on a held-out set; the model is a tiny BERT from a config
 (random weights, seconds on a CPU).
 
+On a GPU, ``--graphs`` replays each training and evaluation step from CUDA graphs per bucket
+(``RaggedTrainer(graphs=True)``, built on :func:`ragged.nn.graphed`).
+
 Data parallel: ``torchrun --nproc-per-node 2 examples/train_with_trainer.py`` (gloo on CPU): each
 rank takes its own token-budget batches, the same number of steps on every rank.
 """
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is found")
+    parser.add_argument("--graphs", action="store_true",
+                        help="replay the steps from CUDA graphs (RaggedTrainer(graphs=True); a GPU, one process)")
     args = parser.parse_args(argv)
 
     config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             per_device_eval_batch_size=64, eval_strategy="epoch", logging_steps=5, save_strategy="no",
             report_to=[], disable_tqdm=True, use_cpu=args.cpu or not torch.cuda.is_available(), seed=0)
         trainer = RaggedTrainer(model, training, train_dataset=train, eval_dataset=val, max_tokens=args.max_tokens,
-                                compute_metrics=accuracy, callbacks=[PrintLosses()])
+                                compute_metrics=accuracy, callbacks=[PrintLosses()], graphs=args.graphs)
         before = trainer.evaluate()
         result = trainer.train()
         after = trainer.evaluate()

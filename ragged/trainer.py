@@ -34,6 +34,14 @@ A ``Trainer`` whose batches are never padded:
   padding; RaggedTensor outputs (token logits) and labels are padded with -100 per batch, as
   ``Trainer`` pads across batches, so ``predict()`` returns arrays.
 
+* **CUDA graphs** (``graphs=True``, a model converted by :func:`ragged.nn.convert`): the
+  training forward and backward (and the evaluation forward) replay graphs per bucket of
+  :func:`ragged.nn.graphed`, with ``max_tokens`` and ``max_batch_size`` as the largest bucket
+  (batches over it run eagerly, with one warning); ``graphs=`` also takes a
+  :class:`ragged.nn.Graphed` of the model built with other buckets. Off under data parallelism
+  (``torchrun``: the graphs write the gradients themselves, DDP's hooks would not run), with a
+  warning.
+
 Resuming mid-epoch from a checkpoint skips batches by the first epoch's count, an
 approximation when the epoch's count differs. This module imports transformers; ``import
 ragged`` does not import it.
@@ -41,6 +49,7 @@ ragged`` does not import it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -63,12 +72,13 @@ class RaggedTrainer(Trainer):
     ``max_tokens``: the token budget of a training batch (per device); ``max_batch_size``,
     ``sort_window``, ``cost``: as :class:`ragged.data.TokenBudgetSampler` takes them;
     ``lengths``: the training sequences' token counts, when the dataset should not be read for
-    them. Every other argument is ``Trainer``'s; ``data_collator`` defaults to
-    :func:`ragged.data.collate`.
+    them; ``graphs``: replay the steps from CUDA graphs (see the module). Every other argument is
+    ``Trainer``'s; ``data_collator`` defaults to :func:`ragged.data.collate`.
     """
 
     def __init__(self, model=None, args=None, *, max_tokens: int, max_batch_size: int | None = None,
-                 sort_window: int | None = None, cost="tokens", lengths=None, data_collator=None, **kwargs):
+                 sort_window: int | None = None, cost="tokens", lengths=None, graphs=False, data_collator=None,
+                 **kwargs):
         self.max_tokens = check_int(_NAME, "max_tokens", max_tokens, minimum=1)
         self.max_batch_size, self.sort_window = (
             None if v is None else check_int(_NAME, name, v, minimum=1)
@@ -78,6 +88,7 @@ class RaggedTrainer(Trainer):
         _check_dataset(kwargs.get("train_dataset"))
         self._train_sampler: TokenBudgetSampler | None = None
         super().__init__(model, args, data_collator=collate if data_collator is None else data_collator, **kwargs)
+        self._graphs = _check_graphs(graphs, self.model)
         if self.train_dataset is not None:
             self._train_sampler = self._make_sampler(self.train_dataset)   # bad lengths raise here, not in train()
 
@@ -157,6 +168,24 @@ class RaggedTrainer(Trainer):
                              for b in batch_samples]
         return super()._get_num_items_in_batch(batch_samples, device)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        graphs = self._graphs
+        if graphs is not None:
+            if model is self.model:
+                if graphs is True:
+                    import ragged.nn
+
+                    graphs = self._graphs = ragged.nn.graphed(
+                        model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens)
+                model = _GraphedCall(graphs, model)
+            elif not getattr(self, "_warned_graphs", False):
+                self._warned_graphs = True
+                warnings.warn(f"{_NAME}: graphs=True runs eagerly here: the model is wrapped ("
+                              f"{type(model).__name__}, data parallel), whose gradient hooks graphs cannot replay",
+                              stacklevel=2)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(_flat(inputs))
 
@@ -169,6 +198,42 @@ class RaggedTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return loss, _padded(logits), _padded(labels)
+
+
+class _GraphedCall:
+    """The model as ``Trainer.compute_loss`` calls it, through its graphs: ``num_items_in_batch``
+    is dropped (the converted heads' losses do not take it; a graph cannot key on its value);
+    every attribute is the model's."""
+
+    def __init__(self, graphs, model) -> None:
+        self._graphs, self._model = graphs, model
+
+    def __call__(self, **inputs):
+        inputs.pop("num_items_in_batch", None)
+        return self._graphs(**inputs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _check_graphs(graphs, model):
+    """None (no graphs), True (built on first use) or the given Graphed of ``model``."""
+    if graphs is False or graphs is None:
+        return None
+    import ragged.nn
+    from ragged.nn import hf_bert
+
+    if not (hf_bert.is_hf_model(model) and hf_bert.is_converted(model)):
+        raise ValueError(f"{_NAME}(): graphs= needs a model converted by ragged.nn.convert (its forward takes the "
+                         f"RaggedTensor batches the graphs replay), got {type(model).__name__}, not converted")
+    if graphs is True:
+        return True
+    if isinstance(graphs, ragged.nn.Graphed):
+        if graphs.module is not model:
+            raise ValueError(f"{_NAME}(): expected graphs= to be a ragged.nn.Graphed of the trainer's model, got "
+                             f"one of another {type(graphs.module).__name__}")
+        return graphs
+    raise TypeError(f"{_NAME}(): expected graphs= to be a bool or a ragged.nn.Graphed, got {describe(graphs)}")
 
 
 def _flat(inputs):

@@ -202,6 +202,43 @@ def test_errors(tmp_path):
         RaggedTrainer(model, args, train_dataset=_Stream(), max_tokens=8)
 
 
+@pytest.mark.parametrize("cls,token", [(BertForSequenceClassification, False), (BertForTokenClassification, True)])
+def test_graphs_train_and_evaluate_as_without(tmp_path, cls, token):
+    """graphs=: each step runs the bucketed batch the graphs replay (capture=False: eagerly, with
+    autograd, on the CPU; the capture itself is tested on the GPU), with accumulation and eval."""
+    data = _dataset(30, seed=np.random.default_rng().integers(2**31), token_labels=token)
+    hf = _model(cls, seed=6)
+    plain = ragged.nn.convert(copy.deepcopy(hf))
+    model = ragged.nn.convert(hf)
+    graphs = ragged.nn.Graphed(model, 256, 16, capture=False)
+    kw = dict(num_train_epochs=1, gradient_accumulation_steps=2, optim="adamw_torch", per_device_eval_batch_size=7)
+    recs = [_Recorder(data), _Recorder(data)]
+    ours = RaggedTrainer(model, _args(tmp_path / "g", **kw), train_dataset=data, eval_dataset=data, max_tokens=80,
+                         data_collator=recs[0], graphs=graphs)
+    ref = RaggedTrainer(plain, _args(tmp_path / "p", **kw, seed=ours.args.seed), train_dataset=data,
+                        eval_dataset=data, max_tokens=80, data_collator=recs[1])
+    ours.train()
+    ref.train()
+    assert recs[0].batches == recs[1].batches and graphs.num_graphs >= 2
+    _assert_same_params(_params(model), _params(plain), rtol=1e-8, atol=1e-10)
+    assert ours.evaluate()["eval_loss"] == pytest.approx(ref.evaluate()["eval_loss"], rel=1e-9)
+    assert any(not key[1] for key in graphs._graphs)  # evaluation went through the inference buckets
+
+
+def test_graphs_errors(tmp_path):
+    args = _args(tmp_path)
+    data = _dataset(4, seed=0)
+    with pytest.raises(ValueError, match=r"RaggedTrainer\(\): graphs= needs a model converted by ragged.nn.convert"):
+        RaggedTrainer(_model(BertForSequenceClassification, seed=5), args, train_dataset=data, max_tokens=8,
+                      graphs=True)
+    model = ragged.nn.convert(_model(BertForSequenceClassification, seed=5))
+    other = ragged.nn.convert(_model(BertForSequenceClassification, seed=5))
+    with pytest.raises(ValueError, match=r"expected graphs= to be a ragged.nn.Graphed of the trainer's model"):
+        RaggedTrainer(model, args, train_dataset=data, max_tokens=8, graphs=ragged.nn.Graphed(other, 64, 4))
+    with pytest.raises(TypeError, match=r"expected graphs= to be a bool or a ragged.nn.Graphed, got"):
+        RaggedTrainer(model, args, train_dataset=data, max_tokens=8, graphs="yes")
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(_dataset(4, seed=0))
