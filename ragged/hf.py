@@ -370,6 +370,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dim_v < width:
         value = torch.nn.functional.pad(value, (0, width - dim_v))
     device = query.device
+    if torch.is_autocast_enabled(device.type):
+        # as torch's SDPA under autocast: q, k and v in autocast's dtype (rotary embeddings
+        # leave q and k in float32 beside a bfloat16 v)
+        low = torch.get_autocast_dtype(device.type)
+        query, key, value = (t if t.dtype == low else t.to(low) for t in (query, key, value))
     flat = [kwargs.get(k) for k in _FLAT_KEYS]
     position_ids = kwargs.get("position_ids")
     out_q = None  # Layout of the output rows, or None for [B * Lq] rows

@@ -634,3 +634,20 @@ def test_import_ragged_does_not_import_transformers():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert transformers.AttentionInterface._global_mapping["ragged"] is hf.attention_forward
     assert transformers.AttentionMaskInterface._global_mapping["ragged"] is hf.padding_mask
+
+
+def test_autocast_takes_q_k_v_in_autocasts_dtype():
+    """Under autocast, rotary embeddings computed in float32 can leave q and k in float32 beside
+    a bfloat16 v (TRL's bf16 training through accelerate does): the attention runs in autocast's
+    dtype, as torch's SDPA does, instead of refusing the mixed dtypes."""
+    model, _ = _pair("llama")
+    module = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 4, 9, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 4, 9, 16, generator=gen).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = hf.attention_forward(module, q, k, v, None, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    low = [t.to(torch.bfloat16).float() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
