@@ -214,3 +214,50 @@ def test_replayed_step_does_not_sync_and_large_batches_run_eagerly():
         out = g(_batch([200, 100], torch.bfloat16, 4))
     assert any("over the largest bucket" in str(w.message) for w in caught)
     out.values.float().sum().backward()
+
+
+def test_checkpoint_load_and_in_place_updates_reach_the_graphs(tmp_path):
+    model = _bert(torch.float32)
+    g = ragged.nn.graphed(model, max_tokens=2048, max_batch_size=8)
+    ids, labels = _ids([7, 1, 19, 3], 8)
+    path = tmp_path / "start.pt"
+    torch.save(model.state_dict(), path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):  # the graphs are captured, and the weights move
+        g(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.load_state_dict(torch.load(path))  # copies into the same parameters
+    fresh = _bert(torch.float32)  # the saved weights, run eagerly
+    fresh.load_state_dict(torch.load(path))
+    got = g(input_ids=ids, labels=labels).loss
+    want = fresh(input_ids=ids, labels=labels).loss
+    _close(got.detach(), want.detach(), 1e-4, "loss after load_state_dict")
+    got.backward()
+    want.backward()
+    for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
+        _close(q.grad, p.grad, 1e-3, n)
+
+
+def test_ragged_trainer_with_graphs_matches_without(tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from ragged.trainer import RaggedTrainer
+
+    gen = torch.Generator().manual_seed(9)
+    data = [{"input_ids": torch.randint(5, 1000, (int(n),), generator=gen).tolist(), "labels": int(n) % 3}
+            for n in torch.randint(1, 120, (64,), generator=gen)]
+    params = []
+    for graphs in (False, True):
+        model = _bert(torch.float32)
+        args = TrainingArguments(str(tmp_path / str(graphs)), num_train_epochs=1, learning_rate=1e-3,
+                                 gradient_accumulation_steps=2, report_to=[], save_strategy="no", disable_tqdm=True,
+                                 seed=0, logging_strategy="no")
+        trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=512, max_batch_size=16, graphs=graphs)
+        trainer.train()
+        if graphs:
+            assert trainer._graphs.num_graphs >= 2
+        params.append(dict(model.named_parameters()))
+    for n, p in params[0].items():
+        _close(params[1][n].detach(), p.detach(), 1e-3, n, floor=1e-2)
