@@ -47,7 +47,9 @@ Dropout draws new masks on every replay: torch's own dropout through its graph-s
 generator, the attention kernels from a seed they read on the device (see
 :func:`ragged.ops.attention.dropout_seed`); ``torch.manual_seed`` makes runs reproducible.
 Under ``torch.autocast`` the graphs are captured with the autocast weight cache off (cast
-weights cannot outlive a capture), and the autocast state is part of the bucket's key.
+weights cannot outlive a capture), and the autocast state is part of the bucket's key. The
+dropout rates are part of the captured graphs: after changing one, call ``reset()``. Graphs
+in eval mode record no backward: evaluation replays the inference graphs under ``no_grad``.
 """
 
 from __future__ import annotations

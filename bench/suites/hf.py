@@ -47,6 +47,7 @@ RAG_ST_32, RAG_ST_256 = "ragged ST encode, batch 32", "ragged ST encode, batch 2
 HF_PADDED, HF_FA2, RAGGED = "HF SDPA, padded", "HF flash_attention_2, flattened", "ragged"
 RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED = "ragged graphed, data order", "ragged graphed, sorted"
 RAG_ST_GRAPHED = "ragged graphed ST encode, batch 256"
+RAG_GRAPHED_TRAIN = "ragged graphed"
 HF_DATA_8, RAG_DATA_8, RAG_GRAPHED_8 = ("HF SDPA, data order, batch 8", "ragged, data order, batch 8",
                                         "ragged graphed, data order, batch 8")
 _B, _R = "baseline", "ragged"
@@ -55,7 +56,7 @@ ROWS = {
                 (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_BUDGET_DATA, _R), (RAG_BUDGET_SORTED, _R), (RAG_ST_32, _R),
                 (RAG_ST_256, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (HF_DATA_8, _B), (RAG_DATA_8, _R),
                 (RAG_GRAPHED_8, _R), (RAG_ST_GRAPHED, _R)),
-    FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R)),
+    FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R), (RAG_GRAPHED_TRAIN, _R)),
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
 }
 
@@ -68,7 +69,7 @@ TARGETS_BY_WORKLOAD = {
     EMBEDDING: ((RAG_SORTED, HF_SORTED, 2.5), (RAG_DATA, HF_DATA, 4.0), (RAG_SORTED, HF_COMPILED, 1.25),
                 (RAG_BUDGET_SORTED, ST_32, 10.0), (RAG_ST_32, ST_32, 10.0), (RAG_ST_256, ST_32, 10.0),
                 (RAG_GRAPHED_DATA, HF_COMPILED, 2.0), (RAG_GRAPHED_8, HF_DATA_8, 2.0)),
-    FINE_TUNE: ((RAGGED, HF_PADDED, 2.5),),
+    FINE_TUNE: ((RAGGED, HF_PADDED, 2.5), (RAG_GRAPHED_TRAIN, HF_PADDED, 3.0)),
     CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
 }
 COSINE_TARGET = 0.9999
@@ -311,11 +312,13 @@ def min_cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(F.cosine_similarity(out.double(), ref.double(), dim=1).min())
 
 
-def train_steps(model, opt, batches: list, make: Callable[[Any], dict]) -> torch.Tensor:
-    """One optimizer step per batch (``model(**make(batch)).loss``); the losses ``[steps]``."""
+def train_steps(model, opt, batches: list, make: Callable[[Any], dict], call=None) -> torch.Tensor:
+    """One optimizer step per batch (``call(**make(batch)).loss``, ``call`` the model unless
+    given); the losses ``[steps]``."""
     losses = []
+    call = model if call is None else call
     for b in batches:
-        loss = model(**make(b)).loss
+        loss = call(**make(b)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -323,14 +326,16 @@ def train_steps(model, opt, batches: list, make: Callable[[Any], dict]) -> torch
     return torch.stack(losses)
 
 
-def training_run(model, device: torch.device, batches: list, make: Callable[[Any], dict]) -> Run:
+def training_run(model, device: torch.device, batches: list, make: Callable[[Any], dict], call=None) -> Run:
     """A training row: its own AdamW (lr 1e-5, fused on CUDA); the check call runs the steps in eval
-    mode (no dropout), later calls in train mode."""
+    mode (no dropout), later calls in train mode. ``call``: what runs the model in train mode (its
+    training graphs, say; the check call runs the model itself, as graphs of eval mode record no
+    backward)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def step():
         model.train()
-        return train_steps(model, opt, batches, make)
+        return train_steps(model, opt, batches, make, call)
 
     def check():
         with training_mode(model, False):
@@ -632,6 +637,14 @@ def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workl
     converted, why = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
     fns = {HF_PADDED: training_run(model, device, batches, padded),
            RAGGED: broken(why) if converted is None else training_run(converted, device, batches, packed)}
+    # the same converted model through the training graphs (its own copy: the graphs hold its
+    # parameters); on the CPU the bucketed batches run eagerly (what the graphs would replay)
+    if converted is None:
+        fns[RAG_GRAPHED_TRAIN] = broken(why)
+    else:
+        twin = copy.deepcopy(converted)
+        graphs = rnn.Graphed(twin, max(map(sum, lengths)), shape.count, capture=device.type == "cuda")
+        fns[RAG_GRAPHED_TRAIN] = training_run(twin, device, batches, packed, call=graphs)
     m = shape.model
     flops = encoder_flops([n for b in lengths for n in b], EncoderModel(m.hidden, m.heads, m.ff, m.layers), True)
     return training_workload(assemble(FINE_TUNE, fns), reference, hf_error, shape.dtype, flops, device)
