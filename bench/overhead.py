@@ -102,12 +102,15 @@ def rows(dev: str = "cuda"):
     graphed = ragged.nn.graphed(enc, max_tokens=64, max_batch_size=4)
     yield "encoder 2 layers d=768: inference, graphed", lambda: graphed(hidden)
     yield "encoder 2 layers d=768: train step", lambda: train(xg).values.sum().backward()
+    train_one = ragged.nn.TransformerEncoder(layer, 1).train()
+    yield "BERT-base layer (encoder of 1 layer d=768): forward+backward", lambda: train_one(xg).values.sum().backward()
 
 
 # The per-call host budgets (us) of the eager rows they apply to: GPU targets.
 BUDGETS = {
     "cuda: pack_values": 12, "triton: pack_values": 12, "attention cuda: forward": 25,
     "attention triton: forward": 25, "BERT-base layer (encoder of 1 layer d=768): inference": 120,
+    "BERT-base layer (encoder of 1 layer d=768): forward+backward": 500,
     "vocab_cross_entropy triton: forward+backward": 150,
     "vocab_cross_entropy triton, out_of_vocab='ignore': forward+backward": 150,
 }

@@ -239,6 +239,28 @@ def test_graphs_errors(tmp_path):
         RaggedTrainer(model, args, train_dataset=data, max_tokens=8, graphs="yes")
 
 
+def test_a_datasets_dataset_with_text_columns(tmp_path):
+    """A ``datasets.Dataset`` as users pass it: a text column collate cannot take (removed as
+    Trainer removes unused columns), lengths read from its input_ids column, then from a length
+    column when one exists; the same batches and result as the list of dicts."""
+    datasets = pytest.importorskip("datasets")
+    items = _dataset(30, seed=np.random.default_rng().integers(2**31))
+    rows = [{**x, "text": " ".join(map(str, x["input_ids"]))} for x in items]
+    results = []
+    for data in (items, datasets.Dataset.from_list(rows),
+                 datasets.Dataset.from_list([{**r, "length": len(r["input_ids"])} for r in rows])):
+        rec = _Recorder(items)
+        hf = _model(BertForSequenceClassification, seed=7)
+        model = ragged.nn.convert(hf)
+        trainer = RaggedTrainer(model, _args(tmp_path / str(len(results)), num_train_epochs=1, optim="sgd", seed=3),
+                                train_dataset=data, max_tokens=90, data_collator=rec)
+        trainer.train()
+        results.append((rec.batches, _params(model)))
+    for batches, params in results[1:]:
+        assert batches == results[0][0]
+        _assert_same_params(params, results[0][1])
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(_dataset(4, seed=0))
