@@ -15,7 +15,6 @@ with a tiny model).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import copy
 import io
@@ -89,24 +88,11 @@ class Row:
 
 
 def gpu_busy(row: Row) -> float | None:
-    if row.device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
+    """GPU busy seconds of one pass over the batches (see :func:`bench.harness.gpu_busy_ms`)."""
+    from bench.harness import gpu_busy_ms
 
-    sync(row.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        row.run()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
-        return None
-    busy, (s0, e0) = 0, spans[0]
-    for s, e in spans[1:]:
-        if s > e0:
-            busy, s0, e0 = busy + e0 - s0, s, e
-        else:
-            e0 = max(e0, e)
-    return (busy + e0 - s0) / 1e6
+    ms = gpu_busy_ms(row.run, row.device, calls=1)
+    return None if ms is None else ms / 1e3
 
 
 def build(args, device):
