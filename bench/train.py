@@ -104,7 +104,8 @@ def build(args, device):
     cfg = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
         if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                           intermediate_size=3072)
-    config = BertConfig(num_labels=3, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout, **cfg)
+    config = BertConfig(num_labels=3, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
+                        **cfg)
     torch.manual_seed(SEED)
     dtype = torch.float32 if tiny else torch.bfloat16
     hf = BertForSequenceClassification(config).to(device, dtype)

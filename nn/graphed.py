@@ -1,7 +1,8 @@
-"""CUDA graphs for ragged batches: :func:`graphed` captures a module's inference forward once
-per bucket of (tokens, sequences, longest sequence) and replays it for every batch that fits.
+"""CUDA graphs for ragged batches: :func:`graphed` captures a module's forward (in train mode its
+forward and backward: :mod:`.graphed_train`) once per bucket of (tokens, sequences, longest
+sequence) and replays it for every batch that fits.
 
-A batch of ``T`` tokens in ``B`` sequences, the longest ``L``, runs the graph of the smallest
+In eval mode, a batch of ``T`` tokens in ``B`` sequences, the longest ``L``, runs the graph of the smallest
 buckets ``T_b >= T``, ``B_b >= B``, ``L_b >= L``: its values are copied into the first ``T``
 rows of a static ``[T_b, *F]`` buffer and its offsets into a static ``[B_b + 1]`` buffer whose
 entries past ``B`` repeat ``T``. The extra sequences have no tokens and the rows past ``T``
@@ -12,9 +13,12 @@ writes a real token's result. The outputs are cut back to ``T`` tokens and ``B``
 
 Rules of the wrapped call, checked on every call (host ints only, no device read):
 
-* arguments are RaggedTensors of one batch (offsets trusted equal to the first one's) and constants (None, bool,
-  int, float, str), which are part of the graph's key; the first RaggedTensor sets the batch;
-* inference only: the module must be in eval mode; the call runs under ``torch.no_grad()``;
+* arguments are RaggedTensors of one batch (offsets trusted equal to the first one's),
+  per-sequence tensors ``[B, ...]`` (``labels``, say: the spare entries of labels are ignored
+  by the losses, see :mod:`.graphed_train`) and constants (None, bool, int, float, str), which
+  are part of the graph's key; the first RaggedTensor sets the batch;
+* in eval mode the call runs under ``torch.no_grad()``; in train mode (with gradients enabled)
+  it replays the training graphs, and ``backward`` their backward;
 * outputs: a RaggedTensor comes back with the caller's offsets and ``T`` rows; a tensor whose
   first dim is the bucket's ``B_b`` is cut to ``B`` rows (per-sequence results: pooled
   embeddings, sequence logits); other tensors come back whole; tuples, lists, dicts and
@@ -256,13 +260,11 @@ class Graphed(nn.Module):
         device = first.values.device
         if self.capture and device.type != "cuda":
             return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
-        fillers = 0
         if training:
             found = graphed_train.train_bucket(self, n_tok, batch, max_len)
-            size = None if found is None else found[:3]
-            fillers = 0 if found is None else found[3]
+            size, fillers = (None, 0) if found is None else (found[:3], found[3])
         else:
-            size = self.bucket(n_tok, batch, max_len)
+            size, fillers = self.bucket(n_tok, batch, max_len), 0
         if size is None:
             return self._eager("size", f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
                                f"({self.max_tokens} tokens, {self.max_batch_size} sequences)", args, kwargs)
@@ -274,7 +276,7 @@ class Graphed(nn.Module):
                tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts),
                tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs), grad_inputs, key_args)
         if training:
-            params = self._train_params(key)
+            params = self._train_params()
         with self.lock:  # the bucket's buffers are shared by every thread's calls
             entry = self._graphs.get(key)
             with torch.no_grad():
@@ -408,7 +410,7 @@ class Graphed(nn.Module):
         entry.graph = graph
         self._memory[key] = torch.cuda.memory_reserved(device) - before
 
-    def _train_params(self, key) -> list:
+    def _train_params(self) -> list:
         """The parameters that require grad (listed once; a change of which ones do, or of the
         parameters themselves, drops the training graphs: they hold the old set's addresses)."""
         params = self._params
