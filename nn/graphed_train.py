@@ -136,20 +136,20 @@ def spare_offsets(offsets: torch.Tensor, ramp: torch.Tensor, batch: int, num_tok
 # Outputs as a flat list of tensors and a rebuild
 
 
-def flatten(x, leaves: list):
-    """``x`` with every tensor (a RaggedTensor's values) replaced by its index in ``leaves``."""
-    if isinstance(x, RaggedTensor):
-        leaves.append(x.values)
-        return ("rt", len(leaves) - 1)
-    if isinstance(x, torch.Tensor):
-        leaves.append(x)
-        return ("t", len(leaves) - 1)
+def flatten(x, leaves: list, ragged: list):
+    """``x`` with every tensor (a RaggedTensor's values) replaced by its index in ``leaves``;
+    ``ragged[i]``: whether leaf ``i`` is a RaggedTensor's values."""
+    if isinstance(x, (RaggedTensor, torch.Tensor)):
+        rt = isinstance(x, RaggedTensor)
+        leaves.append(x.values if rt else x)
+        ragged.append(rt)
+        return ("rt" if rt else "t", len(leaves) - 1)
     if isinstance(x, dict):  # HuggingFace ModelOutput is an OrderedDict subclass
-        return ("dict", type(x), [(k, flatten(v, leaves)) for k, v in x.items()])
+        return ("dict", type(x), [(k, flatten(v, leaves, ragged)) for k, v in x.items()])
     if isinstance(x, tuple):
-        return ("tuple", type(x), [flatten(v, leaves) for v in x])
+        return ("tuple", type(x), [flatten(v, leaves, ragged) for v in x])
     if isinstance(x, list):
-        return ("list", None, [flatten(v, leaves) for v in x])
+        return ("list", None, [flatten(v, leaves, ragged) for v in x])
     return ("const", x)
 
 
@@ -174,31 +174,11 @@ def rebuild(spec, leaves: list, first: RaggedTensor):
     return cls(*values) if hasattr(cls, "_fields") else cls(values)
 
 
-def _rows(spec, leaves: list, t_b: int, b_b: int, n_tok: int, batch: int) -> list[int | None]:
-    """Per leaf, the rows the caller gets: ``T`` for a RaggedTensor's values, ``B`` for a
+def _rows(entry, b_b: int, n_tok: int, batch: int) -> tuple[int | None, ...]:
+    """Per output, the rows the caller gets: ``T`` for a RaggedTensor's values, ``B`` for a
     tensor whose first dim is ``B_b`` (per-sequence), None (whole) otherwise."""
-    kinds: dict[int, str] = {}
-
-    def walk(s):
-        if s[0] in ("rt", "t"):
-            kinds[s[1]] = s[0]
-        elif s[0] in ("dict",):
-            for _, v in s[2]:
-                walk(v)
-        elif s[0] in ("tuple", "list"):
-            for v in s[2]:
-                walk(v)
-
-    walk(spec)
-    out: list[int | None] = []
-    for i, t in enumerate(leaves):
-        if kinds.get(i) == "rt":
-            out.append(n_tok)
-        elif t.dim() >= 1 and t.shape[0] == b_b:
-            out.append(batch)
-        else:
-            out.append(None)
-    return out
+    return tuple(n_tok if rt else batch if t.dim() >= 1 and t.shape[0] == b_b else None
+                 for t, rt in zip(entry.outputs, entry.ragged))
 
 
 # --------------------------------------------------------------------------------------
@@ -206,8 +186,8 @@ def _rows(spec, leaves: list, t_b: int, b_b: int, n_tok: int, batch: int) -> lis
 
 
 class _Entry:
-    __slots__ = ("fwd", "bwd", "inputs", "offsets", "seqs", "spec", "outputs", "diff", "grad_outs", "params",
-                 "used", "grad_inputs", "generation", "memory")
+    __slots__ = ("fwd", "bwd", "spec", "outputs", "ragged", "diff", "grad_outs", "used", "grad_inputs",
+                 "generation")
 
     def __init__(self) -> None:
         self.generation = 0
@@ -337,15 +317,16 @@ class TrainGraphs:
 
         def differentiable(out):
             leaves: list = []
-            spec = flatten(out, leaves)
+            ragged: list = []
+            spec = flatten(out, leaves, ragged)
             diff = [i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()]
-            return spec, leaves, diff
+            return spec, leaves, ragged, diff
 
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
-                spec, leaves, diff = differentiable(run())
+                spec, leaves, _, diff = differentiable(run())
                 if not diff:
                     raise ValueError("ragged.nn.Graphed: the module's outputs need no gradient in training mode "
                                      "(no parameter requires grad?)")
@@ -357,8 +338,8 @@ class TrainGraphs:
         entry = _Entry()
         entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(entry.fwd, pool=g._pool):
-            spec, leaves, diff = differentiable(run())
-        entry.spec, entry.outputs, entry.diff = spec, [t.detach() for t in leaves], diff
+            spec, leaves, ragged, diff = differentiable(run())
+        entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
         entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
         persistent = [self.persistent_grad(p) for p in params]
         with torch.cuda.graph(entry.bwd, pool=g._pool):
@@ -382,8 +363,7 @@ class TrainGraphs:
         return self._anchor
 
     def replay(self, entry: _Entry, first: RaggedTensor, size, user_inputs: list[torch.Tensor]):
-        t_b, b_b, _ = size
-        rows = _rows(entry.spec, entry.outputs, t_b, b_b, first.num_tokens, first.batch_size)
+        rows = _rows(entry, size[1], first.num_tokens, first.batch_size)
         anchor = [] if user_inputs else [self.anchor(first.values.device)]
-        outs = _Replay.apply(self, entry, (tuple(rows), first.num_tokens), *user_inputs, *anchor)
+        outs = _Replay.apply(self, entry, (rows, first.num_tokens), *user_inputs, *anchor)
         return rebuild(entry.spec, list(outs), first)

@@ -172,3 +172,29 @@ def test_attention_kernels_read_a_seed_tensor_like_the_int(dropout_p):
     if dropout_p:  # another seed, another mask: the tensor is read, not ignored
         other = ka.forward(q, k, v, cu, cu, 12, 12, False, 0.25, dropout_p, torch.tensor([seed + 1]))[0]
         assert not torch.equal(other, out)
+
+
+def test_outputs_flatten_rebuild_and_cut():
+    """The training graphs' outputs as a flat list and back (the replay returns copies of the
+    leaves, cut to the caller's rows): RaggedTensors, per-sequence tensors, tuples, ModelOutputs."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    first = _values([3, 5])  # the caller's batch: 8 tokens in 2 sequences
+    t_b, b_b = 16, 4
+    hidden = [ragged.RaggedTensor(torch.randn(t_b, D), torch.tensor([0, 3, 8, 8, 16]), 8) for _ in range(2)]
+    out = SequenceClassifierOutput(loss=torch.tensor(1.5), logits=torch.randn(b_b, 3), hidden_states=tuple(hidden))
+    leaves, ragged_flags = [], []
+    spec = graphed_train.flatten(out, leaves, ragged_flags)
+    assert ragged_flags == [False, False, True, True]
+
+    class Entry:
+        outputs, ragged = leaves, ragged_flags
+
+    rows = graphed_train._rows(Entry, b_b, first.num_tokens, first.batch_size)
+    assert rows == (None, 2, 8, 8)
+    cut = [t if n is None else t[:n] for t, n in zip(leaves, rows)]
+    back = graphed_train.rebuild(spec, cut, first)
+    assert type(back) is SequenceClassifierOutput and back.loss is cut[0]
+    assert torch.equal(back.logits, out.logits[:2])
+    for got, want in zip(back.hidden_states, hidden):
+        assert got.offsets is first.offsets and torch.equal(got.values, want.values[:8])
