@@ -6,9 +6,13 @@ AdamW, dropout 0.1, bf16 weights) on batches of 32 sequences with long-tailed le
 prints per row: tokens/s, the step's wall time, the host's enqueue time per step (the loop
 returns before the GPU finishes unless the host is the bottleneck), and the GPU busy time per
 step (``torch.profiler``: the union of the kernels' intervals). A row whose step is close to its
-host time and far above its GPU time waits on Python. ``--profile N`` prints the top ``N``
-functions of a ``cProfile`` of the ragged row's steps (host time by function), ``--rows`` picks
-rows, ``--out`` writes the table as Markdown. Runs on a GPU (``--device cpu`` for a smoke run
+host time and far above its GPU time waits on Python. Rows (``--rows``): ``hf`` (HF SDPA on
+padded batches with a mask), ``hf-compile`` (the same, ``torch.compile(dynamic=True)``),
+``ragged`` (``ragged.nn.convert``, eager), ``graphed`` (its training graphs), ``trainer``
+(``RaggedTrainer(graphs=True)`` over the same sequences in token-budget batches, timed per epoch
+in the steady state: see :class:`TrainerRow`). ``--profile N`` prints the top ``N``
+functions of a ``cProfile`` of the ragged and graphed rows' steps (host time by function),
+``--out`` writes the table as Markdown. Runs on a GPU (``--device cpu`` for a smoke run
 with a tiny model).
 """
 
@@ -57,6 +61,52 @@ def ragged_batch(batch: list[dict], device):
     from ragged.data import collate
 
     return collate(batch).to(device, non_blocking=True)
+
+
+class TrainerRow:
+    """``RaggedTrainer`` as users run it (``graphs=True`` on a GPU; on the CPU the bucketed
+    batches run eagerly): ``epochs`` epochs over the rows' sequences per :meth:`run`, in
+    token-budget batches of at most the largest bench batch's tokens. The time of a run is
+    that of its epochs after the first (which captures the graphs), from the end of the first
+    to the end of the last, with one device sync at each (none per step), per epoch: the steady
+    state of a long run, without ``Trainer``'s setup."""
+
+    def __init__(self, name: str, model, feats: list[list[dict]], device, epochs: int = 3):
+        import tempfile
+
+        from transformers import TrainerCallback, TrainingArguments
+
+        import ragged.nn as rnn
+        from ragged.trainer import RaggedTrainer
+
+        self.name, self.model, self.device, self.epochs = name, model, device, epochs
+        data = [s for b in feats for s in b]
+        budget = max(sum(len(s["input_ids"]) for s in b) for b in feats)
+        widest = max(map(len, feats))
+        cuda = device.type == "cuda"
+        self._dir = tempfile.TemporaryDirectory()
+        args = TrainingArguments(self._dir.name, num_train_epochs=epochs, learning_rate=2e-5, report_to=[],
+                                 save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=not cuda,
+                                 optim="adamw_torch_fused" if cuda else "adamw_torch", seed=SEED,
+                                 dataloader_pin_memory=cuda)
+        graphs = True if cuda else rnn.Graphed(model, budget, widest, capture=False)
+        marks = self.marks = []
+
+        class Clock(TrainerCallback):
+            def on_epoch_end(self, _args, state, control, **kw):
+                sync(device)
+                marks.append(time.perf_counter())
+
+        self.trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=budget, max_batch_size=widest,
+                                     graphs=graphs, callbacks=[Clock()])
+        self.trainer._train_sampler.set_epoch(0)
+        self.batches = range(len(self.trainer._train_sampler))  # optimizer steps of an epoch
+
+    def run(self) -> tuple[float, float]:
+        self.marks.clear()
+        self.trainer.train()
+        per_epoch = (self.marks[-1] - self.marks[0]) / (self.epochs - 1)
+        return per_epoch, per_epoch
 
 
 def sync(device) -> None:
@@ -130,6 +180,9 @@ def build(args, device):
         g = rnn.graphed(converted, max_tokens=args.batch * max(map(max, lens)), max_batch_size=args.batch)
         rows["graphed"] = Row("ragged.nn.graphed(converted), training graphs", g,
                               [ragged_batch(b, device) for b in feats], device, fused)
+    if "trainer" in args.rows:
+        rows["trainer"] = TrainerRow("RaggedTrainer(graphs=True), steady state", rnn.convert(copy.deepcopy(hf)),
+                                     feats, device)
     for r in rows.values():
         r.model.train()
     return {k: rows[k] for k in args.rows if k in rows}, tokens
@@ -142,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="hf,hf-compile,ragged,graphed")
+    p.add_argument("--rows", default="hf,hf-compile,ragged,graphed,trainer")
     p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged row")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -157,7 +210,7 @@ def main(argv=None) -> int:
         r.run()
         walls, hosts = zip(*(r.run() for _ in range(args.repeats)))
         wall, host = statistics.median(walls), statistics.median(hosts)
-        busy = gpu_busy(r)
+        busy = gpu_busy(r) if isinstance(r, Row) else None
         n = len(r.batches)
         lines.append(f"| {r.name} | {tokens / wall / 1e3:.1f}k | {wall / n * 1e3:.2f} | {host / n * 1e3:.2f} | "
                      + (f"{busy / n * 1e3:.2f} |" if busy is not None else "n/a |"))
