@@ -109,6 +109,15 @@ class TrainerRow:
         return per_epoch, per_epoch
 
 
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the report, and write it to ``out`` (Markdown) when given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -229,11 +238,7 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=s2).sort_stats("cumulative").print_stats(args.profile)
         lines += ["", f"## cProfile of the {r.name} row, by own time", "```", s.getvalue().strip(), "```",
                   "## by cumulative time", "```", s2.getvalue().strip(), "```"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
     return 0
 
 

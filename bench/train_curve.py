@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from .train import SEED, lengths, padded_batch, ragged_batch, sync
+from .train import SEED, emit, lengths, padded_batch, ragged_batch, sync
 
 MARKERS = (5, 6, 7)
 
@@ -137,11 +137,7 @@ def main(argv=None) -> int:
     lines += ["", "| held out | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
               "| loss | " + " | ".join(f"{scores[n][0]:.4f}" for n in names) + " |",
               "| accuracy | " + " | ".join(f"{scores[n][1]:.4f}" for n in names) + " |"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
     return 0
 
 
