@@ -154,17 +154,23 @@ def gpu_busy(row: Row) -> float | None:
     return None if ms is None else ms / 1e3
 
 
+def bert_config(tiny: bool, dropout: float):
+    """BERT-base with 3 labels, or a tiny BERT (CPU smoke runs), with ``dropout`` everywhere."""
+    from transformers import BertConfig
+
+    size = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
+        if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                          intermediate_size=3072)
+    return BertConfig(num_labels=3, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **size)
+
+
 def build(args, device):
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     import ragged.nn as rnn
 
     tiny = device.type == "cpu"
-    cfg = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
-        if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                          intermediate_size=3072)
-    config = BertConfig(num_labels=3, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
-                        **cfg)
+    config = bert_config(tiny, args.dropout)
     torch.manual_seed(SEED)
     dtype = torch.float32 if tiny else torch.bfloat16
     hf = BertForSequenceClassification(config).to(device, dtype)
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", default="hf,hf-compile,ragged,graphed,trainer")
-    p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged row")
+    p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged and graphed rows")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.rows = args.rows.split(",")

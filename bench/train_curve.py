@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from .train import SEED, emit, lengths, padded_batch, ragged_batch, sync
+from .train import SEED, bert_config, emit, lengths, padded_batch, ragged_batch, sync
 
 MARKERS = (5, 6, 7)
 
@@ -79,7 +79,7 @@ def evaluate(model, feats: list[list[dict]], make, device) -> tuple[float, float
 
 
 def main(argv=None) -> int:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     import ragged.nn as rnn
 
@@ -96,12 +96,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     tiny = device.type == "cpu"
-    cfg = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
-        if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                          intermediate_size=3072)
     lo, hi, median = (16, 64, 24) if tiny else (16, 512, 96)
-    config = BertConfig(num_labels=3, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
-                        **cfg)
+    config = bert_config(tiny, args.dropout)
     torch.manual_seed(SEED)
     start = BertForSequenceClassification(config).to(device, torch.float32 if tiny else torch.bfloat16)
     start.set_attn_implementation("sdpa")
