@@ -27,6 +27,8 @@ this module asks them for their declared extras, never for a backend's name.
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Callable
 
 import torch
@@ -306,6 +308,44 @@ def weights_take(spec: LayerSpec, x: torch.Tensor, plain_only: bool) -> tuple[bo
     return True, needs_grad
 
 
+_AHEAD: set[tuple] = set()  # the layer variants whose kernels _compile_ahead compiled
+_AHEAD_ON = os.environ.get("RAGGED_COMPILE_AHEAD", "1") != "0"  # 0: compile each kernel as it first launches
+
+
+def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
+                   kernels: LayerKernels) -> None:
+    """Before the first training call of a layer variant (kernels, dtype, shapes, dropout on or
+    off, the longest sequence's power of two): one pass of its forward and backward in which
+    every Triton launch compiles instead of running, all compiles at once on a thread pool, so
+    that a fresh process's first step waits for the slowest compile instead of their sum. The
+    pass's outputs are dropped; nothing the caller sees changes (no gradient is stored, and the
+    random state that dropout's seed draws from is put back). Not under CUDA-graph capture; off
+    with the environment variable ``RAGGED_COMPILE_AHEAD=0``."""
+    if not _AHEAD_ON or x.device.type != "cuda":
+        return
+    w = spec.weights
+    key = (id(kernels.attention), id(kernels.add_layer_norm), id(kernels.bias_act), x.dtype, x.device, x.shape[1],
+           spec.heads, spec.norm_first, spec.activation, tuple(p > 0 for p in spec.dropout),
+           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length())
+    if key in _AHEAD:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    _AHEAD.add(key)  # once, whether the pass compiles or fails
+    devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), backends.compile_only():
+            saved: list = []
+            k = Saved(kernels)
+            y = _forward(spec, x, cu, max_len, causal, k, saved)
+            need = LayerWeights(*(t is not None and t.requires_grad for t in w))
+            layer_backward(spec, w, kernels, dict(zip(SAVED, saved)), max_len, causal, k.seed, torch.empty_like(y),
+                           x.requires_grad, need)
+    except Exception as exc:  # the real call compiles as it launches (and raises what is wrong)
+        warnings.warn(f"ragged.nn: compiling a layer's kernels ahead of its first training step failed "
+                      f"({type(exc).__name__}: {exc}); they compile as they launch", RuntimeWarning, stacklevel=3)
+
+
 def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
               fused: str | None, eager: bool) -> torch.Tensor:
     """One layer on ``values x [T, d]``: one autograd node in eager training, the kernels called
@@ -316,6 +356,7 @@ def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, 
         if ok:
             kernels = choose_kernels(spec, x, cu, max_len, causal, fused, needs_grad)
             if needs_grad:
+                _compile_ahead(spec, x, cu, max_len, causal, kernels)
                 return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, *spec.weights)
             if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
                 return _forward(spec, x, cu, max_len, causal, Direct(kernels))

@@ -222,7 +222,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                 seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -341,7 +341,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                      seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -453,7 +453,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                    seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -524,7 +524,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "total_q", "max_k"])
 def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr):
     h = tl.program_id(1)
     t = tl.program_id(0)
@@ -535,8 +535,8 @@ def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr)
                  mask=(j < max_k)[None, :])
 
 
-@cached_launch
-@triton.jit
+@cached_launch(dry=False)  # writes the block counts other kernels index by
+@triton.jit(do_not_specialize=["batch"])
 def _block_cum_kernel(CU, OUT, batch, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """OUT[b+1] = sum over b' <= b of ceil(L_b' / BLOCK_M); OUT[0] = 0 (one program)."""
     carry = tl.load(CU) * 0

@@ -79,7 +79,7 @@ def _act_grad(z, ACT: tl.constexpr):
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
                          N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -95,7 +95,7 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group", "part_off"])
 def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
                          stride_part, part_off, drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -148,7 +148,7 @@ def _load_sum(A, B, rows, cols, m, stride_a, stride_b, HAS_B: tl.constexpr, SUM_
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps,
                    N_COLS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    STORE_SUM: tl.constexpr, SUM_DTYPE: tl.constexpr,
@@ -205,7 +205,7 @@ def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group", "part_off"])
 def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, PART, MASK, DROP, n_rows, rows_per_group,
                    stride_dy, stride_ds, stride_a, stride_b, stride_mask, stride_part, part_off, drop_scale,
                    N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
@@ -319,7 +319,7 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, PART, MASK, DROP, n_row
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
 def _ln_bwd_dwdb_kernel(DY, A, BSRC, MEAN, RSTD, DW_PART, DB_PART, n_rows, rows_per_group,
                         stride_dy, stride_a, stride_b,
                         N_COLS: tl.constexpr, HAS_BSRC: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,

@@ -14,11 +14,21 @@ Triton whose launcher has another signature), it runs the normal ``kernel[grid]`
 which also compiles.
 
 The wrapped kernel stays reachable as ``.jit`` (ahead-of-time compilation takes it).
+
+:func:`compile_only` turns launches into compiles: inside it a launch compiles the kernel's
+variant (on a thread pool, several at once, where Triton has asynchronous compilation) and
+runs nothing, so one pass over a piece of code compiles every kernel it will launch in the
+time of the slowest compile instead of their sum. Kernels whose outputs other code may use as
+indices or lengths (declared ``cached_launch(dry=False)``) compile and run as usual there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 import triton
@@ -31,6 +41,7 @@ except ImportError:  # pragma: no cover - older Triton
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MAX = 2**63 - 1
 _FAST = True  # cleared for good if a direct launch is refused (another launcher signature)
+_DRY = False  # inside compile_only(): launches compile and do not run
 
 
 def _spec(a):
@@ -98,8 +109,9 @@ class CachedLaunch:
     """A ``@triton.jit`` kernel with a cached launch path; ``kernel[grid](*args, **meta)``
     as for the kernel itself (constexprs by keyword, runtime arguments by position)."""
 
-    def __init__(self, jit) -> None:
+    def __init__(self, jit, dry: bool = True) -> None:
         self.jit = jit
+        self.dry = dry  # whether compile_only() may skip its launches (no output used as an index)
         self._direct = isinstance(jit, triton.runtime.JITFunction)
         if self._direct:
             params = list(inspect.signature(jit.fn).parameters.values())
@@ -115,6 +127,8 @@ class CachedLaunch:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid, args: tuple, meta: dict):
+        if _DRY and self.dry and self._direct:
+            return self.jit.run(*args, grid=grid, warmup=True, **meta)
         if not (self._direct and _FAST) or callable(grid):
             return self.jit[grid](*args, **meta)
         key_fn = self._keys.get(len(args))
@@ -162,6 +176,49 @@ def _disable() -> None:
     _FAST = False
 
 
-def cached_launch(jit) -> CachedLaunch:
-    """Decorator: ``@cached_launch`` above ``@triton.jit`` on a kernel launched with a grid."""
-    return CachedLaunch(jit)
+def cached_launch(jit=None, *, dry: bool = True):
+    """Decorator: ``@cached_launch`` above ``@triton.jit`` on a kernel launched with a grid;
+    ``@cached_launch(dry=False)`` on one whose outputs other code may read as indices or
+    lengths (:func:`compile_only` then runs it as usual)."""
+    if jit is None:
+        return lambda fn: CachedLaunch(fn, dry)
+    return CachedLaunch(jit, dry)
+
+
+def _async_mode():
+    """Triton's asynchronous compilation (Triton >= 3.4), or None."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # pragma: no cover - older Triton: the compiles run one after another
+        return None
+    return AsyncCompileMode
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None) -> Iterator[None]:
+    """Within: a launch of a cached kernel (one not declared ``dry=False``) compiles the
+    variant its arguments ask for and runs nothing; the outputs it would write stay as they
+    were. The compiles run on ``workers`` threads (default: the CPU count, at most 16; Triton
+    compiles mostly outside the GIL) and are all finished, and in Triton's in-memory cache, when
+    the block ends; a compile error is raised there. Not reentrant; the code inside must not
+    read the skipped kernels' outputs as indices or lengths, nor depend on their values."""
+    global _DRY
+    if _DRY:
+        raise RuntimeError("compile_only(): already inside a compile_only() block")
+    mode = _async_mode()
+    n = workers or min(16, os.cpu_count() or 1)
+    with contextlib.ExitStack() as stack:
+        if mode is not None and n > 1 and not _interpreted():
+            pool = stack.enter_context(ThreadPoolExecutor(n, thread_name_prefix="ragged-compile"))
+            stack.enter_context(mode(pool))
+        _DRY = True
+        try:
+            yield
+        finally:
+            _DRY = False
+
+
+def _interpreted() -> bool:
+    from ...backends import triton_interpreted
+
+    return triton_interpreted()

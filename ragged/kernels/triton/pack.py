@@ -44,7 +44,7 @@ def _search(offsets, t, lo, hi, steps):
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "total", "n_steps"])
 def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_steps,
                  ROW: tl.constexpr, SRC_ALIGN: tl.constexpr, LEFT: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -87,7 +87,7 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_s
 
 
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _unpack_kernel(src, dst, offsets, n_rows, width, fill_bits,
                    ROW: tl.constexpr, LEFT: tl.constexpr, BITS: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):

@@ -49,7 +49,7 @@ def _bounds(offsets, b, total):
     return start, end
 
 
-@cached_launch
+@cached_launch(dry=False)  # writes indices other code reads
 @triton.jit
 def _pool_kernel(x, out, index, offsets, total, n_feat, stride_t, stride_f,
                  MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):

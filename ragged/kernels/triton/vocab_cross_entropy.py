@@ -47,7 +47,7 @@ from .vocab import (
 CE_CHUNK = 1 << 22
 
 
-@cached_launch
+@cached_launch(dry=False)  # writes indices other code reads
 @triton.jit
 def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, MISSING, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v,
                    n_steps, dim, vocab_size, stride_ht, stride_wv, smoothing, ignore_index, n_search,
