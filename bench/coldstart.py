@@ -1,14 +1,16 @@
 """Cold start: the first BERT-base inference (and training step) of a ragged.nn encoder in a fresh
 process, with empty kernel caches and then with the caches the first run left.
 
-``python -m bench.coldstart [--out FILE.md] [--profile DIR] [--warmup]`` on a GPU host. Each
-row runs in its own child process (``python -m bench.coldstart --child``) whose Triton and CuPy
+``python -m bench.coldstart [--out FILE.md] [--profile DIR] [--warmup] [--no-ahead]`` on a GPU
+host. Each row runs in its own child process (``python -m bench.coldstart --child``) whose Triton and CuPy
 caches point at a fresh folder (cold) or at the folder a cold run filled (warm); the child
 reports ``import torch``, ``import ragged`` (beyond torch), building the model, the first
 inference, the second inference and the first training step, each ended by a synchronize.
 ``--warmup`` adds rows where the child calls ``ragged.warmup`` on the model before its first
-inference (the time of the warm-up is then its own column). ``--profile DIR`` writes a cProfile
-dump of a cold child there.
+inference (the time of the warm-up is then its own column); ``--no-ahead`` adds rows with
+``RAGGED_COMPILE_AHEAD=0`` (each kernel compiled as it first launches, not all of a layer's at
+once before its first training step). ``--profile DIR`` writes a cProfile dump of a cold child
+there.
 """
 
 from __future__ import annotations
@@ -65,17 +67,15 @@ def _child(warmup: bool) -> dict:
     return row
 
 
-def _run_child(cache: str, warmup: bool, profile: str | None) -> dict:
+def _run_child(cache: str, warmup: bool, profile: str | None, ahead: bool = True) -> dict:
     env = dict(os.environ)
+    env["RAGGED_COMPILE_AHEAD"] = "1" if ahead else "0"
     env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     env["CUPY_CACHE_DIR"] = os.path.join(cache, "cupy")
     env["RAGGED_CACHE_DIR"] = os.path.join(cache, "ragged")
-    cmd = [sys.executable]
-    if profile:
-        cmd += ["-m", "cProfile", "-o", profile]
-        cmd += [os.path.abspath(__file__)]
-    else:
-        cmd += ["-m", "bench.coldstart"]
+    # the script by path, not -m bench.coldstart: the bench package imports torch and ragged,
+    # which the child times
+    cmd = [sys.executable] + (["-m", "cProfile", "-o", profile] if profile else []) + [os.path.abspath(__file__)]
     cmd += ["--child"] + (["--warmup"] if warmup else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--warmup", action="store_true")
+    p.add_argument("--no-ahead", action="store_true")
     p.add_argument("--out")
     p.add_argument("--profile")
     args = p.parse_args(argv)
@@ -98,14 +99,21 @@ def main(argv=None) -> int:
     from bench.env import cpu_name, device_name, git_state
 
     rows = []
-    cases = [(False, "eager")] + ([(True, "ragged.warmup first")] if args.warmup else [])
-    for warmup, label in cases:
+    # A first child, not reported, on its own empty caches: it writes the Python bytecode of the
+    # modules a step imports lazily (pip writes it at install; an environment installed without
+    # it would charge it to whichever row ran first).
+    with tempfile.TemporaryDirectory() as cache:
+        _run_child(cache, False, None)
+    cases = [(False, True, "eager")] + ([(False, False, "eager, RAGGED_COMPILE_AHEAD=0")] if args.no_ahead else [])
+    cases += [(True, True, "ragged.warmup first")] if args.warmup else []
+    for warmup, ahead, label in cases:
         with tempfile.TemporaryDirectory() as cache:
-            prof = os.path.join(args.profile, f"cold_{'warmup' if warmup else 'eager'}.prof") if args.profile else None
+            name = f"cold_{'warmup' if warmup else 'eager'}{'' if ahead else '_no_ahead'}.prof"
+            prof = os.path.join(args.profile, name) if args.profile else None
             if prof:
                 os.makedirs(args.profile, exist_ok=True)
-            rows.append((f"{label}, cold caches", _run_child(cache, warmup, prof)))
-            rows.append((f"{label}, warm caches", _run_child(cache, warmup, None)))
+            rows.append((f"{label}, cold caches", _run_child(cache, warmup, prof, ahead)))
+            rows.append((f"{label}, warm caches", _run_child(cache, warmup, None, ahead)))
     dev = torch.device("cuda")
     env = {"gpu": device_name(dev), "cpu": cpu_name(), "torch": torch.__version__,
            "commit": git_state()["git_commit"]}

@@ -29,6 +29,9 @@ A ``Trainer`` whose batches are never padded:
 * **Epochs differ in length** (packing a new permutation gives a few batches more or less):
   each epoch runs all of its own batches, and an epoch-based run plans its optimizer steps
   (and learning-rate schedule) from the real count of every epoch.
+* **No sync per step**: ``Trainer``'s filter of non-finite losses (``logging_nan_inf_filter``,
+  on by default) reads every step's loss on the host; here the same rule runs on the device, so
+  the host can queue the next steps while the GPU computes.
 * **Evaluation / prediction** keep ``Trainer``'s sequential batches of
   ``per_device_eval_batch_size`` sequences (dataset order, also across ranks), collated without
   padding; RaggedTensor outputs (token logits) and labels are padded with -100 per batch, as
@@ -151,7 +154,26 @@ class RaggedTrainer(Trainer):
             kwargs["num_update_steps_per_epoch"] = max(1, self._update_steps(kwargs["epoch"]))
             if batches == 0:
                 return None
-        return super()._run_epoch(**kwargs)
+        args = self.args
+        device_filter = args.logging_nan_inf_filter and hasattr(self, "_tr_loss") and hasattr(
+            self, "_globalstep_last_logged")
+        if not device_filter:
+            return super()._run_epoch(**kwargs)
+        # Trainer's filter of non-finite losses reads the loss on the host: a sync every step,
+        # which stalls the host behind the GPU. training_step applies the same rule on the device.
+        args.logging_nan_inf_filter, self._filter_on_device = False, True
+        try:
+            return super()._run_epoch(**kwargs)
+        finally:
+            args.logging_nan_inf_filter, self._filter_on_device = True, False
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if getattr(self, "_filter_on_device", False) and isinstance(loss, torch.Tensor):
+            # a non-finite loss counts as the mean of the losses since the last log (Trainer's rule)
+            mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            loss = torch.where(torch.isfinite(loss), loss, mean.to(loss.dtype))
+        return loss
 
     # ---- inputs and loss ---------------------------------------------------------------
 

@@ -147,6 +147,51 @@ def test_gradient_accumulation_matches_hf_trainer(tmp_path, cls, token):
     assert any(not torch.allclose(before[k], v) for k, v in _params(hf).items())
 
 
+class _NanAt:
+    """Mixin: the loss of the given training calls reads NaN (its gradient stays the real one)."""
+
+    nan_calls = (2, 5)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._calls = getattr(self, "_calls", 0) + 1
+        self.host_filter = getattr(self, "host_filter", set()) | {self.args.logging_nan_inf_filter}
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+        if self._calls in self.nan_calls and model.training:
+            loss = loss + (torch.full_like(loss, float("nan")) - loss).detach()
+        return loss
+
+
+class _NanRagged(_NanAt, RaggedTrainer):
+    pass
+
+
+class _NanFixed(_NanAt, _FixedBatches):
+    pass
+
+
+def test_non_finite_losses_are_filtered_as_hf_trainer_does(tmp_path):
+    """The filter of non-finite losses runs on the device here (no host read per step): the
+    logged training loss must be Trainer's, and the argument is left as it was."""
+    data = _dataset(40, seed=np.random.default_rng().integers(2**31))
+    hf = _model(BertForSequenceClassification, seed=4)
+    plain = copy.deepcopy(hf)
+    rec = _Recorder(data)
+    kw = dict(num_train_epochs=1, optim="sgd", logging_strategy="steps", logging_steps=3)
+    args = _args(tmp_path / "r", **kw)
+    assert args.logging_nan_inf_filter
+    ours = _NanRagged(ragged.nn.convert(hf), args, train_dataset=data, max_tokens=96, data_collator=rec)
+    out = ours.train()
+    assert len(rec.batches) >= 7 and args.logging_nan_inf_filter
+    assert ours.host_filter == {False}, "Trainer's host-side filter (a sync per step) ran"
+    ref = _NanFixed(plain, _args(tmp_path / "p", **kw), train_dataset=data, batches=rec.batches)
+    expected = ref.train()
+    assert np.isfinite(out.training_loss)
+    assert out.training_loss == pytest.approx(expected.training_loss, rel=1e-9)
+    logged = [e["loss"] for e in ours.state.log_history if "loss" in e]
+    assert logged == pytest.approx([e["loss"] for e in ref.state.log_history if "loss" in e], rel=1e-9)
+
+
 @pytest.mark.parametrize("cls,token", [(BertForSequenceClassification, False), (BertForTokenClassification, True)])
 def test_evaluate_and_predict_match_hf_trainer(tmp_path, cls, token):
     data = _dataset(23, seed=np.random.default_rng().integers(2**31), token_labels=token)

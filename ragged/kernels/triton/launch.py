@@ -194,6 +194,29 @@ def _async_mode():
     return AsyncCompileMode
 
 
+class _CompilePool(ThreadPoolExecutor):
+    """A thread pool whose compile jobs also build the compiled kernel's host launcher (a C
+    module Triton builds with the system compiler, on disk in Triton's cache), which Triton
+    would otherwise build on the main thread at the kernel's first launch."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        def job():
+            kernel = fn(*args, **kwargs)
+            _build_launcher(kernel)
+            return kernel
+
+        return super().submit(job)
+
+
+def _build_launcher(kernel) -> None:
+    try:
+        from triton.runtime.driver import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # another Triton: the launcher is built at the first launch, as usual
+        pass
+
+
 @contextlib.contextmanager
 def compile_only(workers: int | None = None) -> Iterator[None]:
     """Within: a launch of a cached kernel (one not declared ``dry=False``) compiles the
@@ -209,7 +232,7 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
     n = workers or min(16, os.cpu_count() or 1)
     with contextlib.ExitStack() as stack:
         if mode is not None and n > 1 and not _interpreted():
-            pool = stack.enter_context(ThreadPoolExecutor(n, thread_name_prefix="ragged-compile"))
+            pool = stack.enter_context(_CompilePool(n, thread_name_prefix="ragged-compile"))
             stack.enter_context(mode(pool))
         _DRY = True
         try:
