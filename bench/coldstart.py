@@ -2,7 +2,7 @@
 process, with empty kernel caches and then with the caches the first run left.
 
 ``python -m bench.coldstart [--out FILE.md] [--profile DIR] [--warmup] [--no-ahead]`` on a GPU
-host. Each row runs in its own child process (``python -m bench.coldstart --child``) whose Triton and CuPy
+host. Each row runs in its own child process (this script with ``--child``) whose Triton and CuPy
 caches point at a fresh folder (cold) or at the folder a cold run filled (warm); the child
 reports ``import torch``, ``import ragged`` (beyond torch), building the model, the first
 inference, the second inference and the first training step, each ended by a synchronize.
