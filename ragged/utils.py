@@ -134,13 +134,23 @@ def max_length(host_offsets: Sequence[int]) -> int:
     return longest
 
 
+_CAPTURED_SOURCES: list[torch.Tensor] = []  # pinned sources of copies recorded in CUDA graphs
+
+
 def to_device(host: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host metadata -> device tensor without a blocking copy (pinned + non_blocking on CUDA)."""
+    """Host metadata -> device tensor without a blocking copy (pinned + non_blocking on CUDA).
+
+    While a CUDA graph is captured the copy is recorded with its pinned source, which every
+    replay reads again: the source is then kept for the life of the process (a few bytes per
+    captured copy) so that its memory never holds anything else."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
         # A pageable host->device copy blocks the host (and trips sync-debug mode);
         # a pinned one is queued on the stream, and the caching host allocator keeps
         # the pinned block alive until the copy has run.
-        return torch.tensor(host, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        source = torch.tensor(host, dtype=dtype, pin_memory=True)
+        if torch.cuda.is_current_stream_capturing():
+            _CAPTURED_SOURCES.append(source)
+        return source.to(device, non_blocking=True)
     t = torch.tensor(host, dtype=dtype)
     return t if device.type == "cpu" else t.to(device)
 

@@ -184,6 +184,52 @@ def test_no_host_sync():
             torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_cross_entropy_forward_backward_captured_in_a_cuda_graph(monkeypatch, chunked):
+    """Captured once, replayed on new values written into the same tensors: the replay must
+    give the eager call's loss and gradients on those values (host metadata copied while
+    capturing, e.g. the chunks' offsets of the backward, must stay valid for every replay)."""
+    from ragged.kernels.triton import vocab_cross_entropy as kce
+
+    if chunked:  # several chunks of the backward, each with offsets copied from the host
+        monkeypatch.setitem(kce.backward.__kwdefaults__, "chunk_elems", 3000)
+    hidden, weight, bias, vocab, cands, lens = _batch(8, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+
+    def targets():
+        picks = [c[torch.randint(0, len(c), (n,), generator=gen)] if len(c) else torch.full((n,), -100)
+                 for n, c in zip(lens, cands)]
+        return torch.cat(picks).cuda()
+
+    h = hidden.values.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    rt = hidden.with_values(h)
+    target = targets()
+
+    def run():
+        loss = ragged.vocab_cross_entropy(rt, w, vocab, target, bias, out_of_vocab="ignore", backend="triton")
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(2):
+        torch.randn(64 << 20, device="cuda")  # churn the allocators between capture and replay
+        with torch.no_grad():
+            h.copy_(torch.randn(h.shape, generator=gen).cuda())
+            w.copy_(torch.randn(w.shape, generator=gen).cuda() / w.shape[1] ** 0.5)
+            target.copy_(targets())
+        graph.replay()
+        expected = run()
+        for a, b in zip(out, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_compile_fullgraph():
     torch._dynamo.reset()
     hidden, weight, bias, vocab, cands, lens = _batch(7, torch.bfloat16)

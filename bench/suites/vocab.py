@@ -55,6 +55,7 @@ from ..harness import (
     peak_memory_bytes,
     register,
 )
+from .vocab_graphs import graph_impls
 
 RAGGED_BACKENDS = ("triton", "torch")
 SEED = 0
@@ -493,6 +494,9 @@ def build_workload(shape: Shape, group: str, device: torch.device) -> Workload:
     p = Problem.make(shape, device)
     reference = reference_outputs(p, group)
     impls = ragged_impls(p, group, device) + baseline_impls(p, group)
+    if group == CE:
+        api, _ = ragged_api()
+        impls += graph_impls(p, api[1] if api else None, "ragged triton (out_of_vocab=ignore)", CE_GATHER, device)
     flops = vocab_flops(p.lengths, p.counts, shape.dim, backward=group != FWD)
     return Workload(impls, reference=reference, flops=flops,
                     compare=make_compare(p, group, TOLERANCE.get(shape.dtype, 2e-2)),
@@ -551,6 +555,10 @@ rows) and `u` itself are built outside the timed region.
   the targets' positions among the candidates.
 - `loop + CE`: per sequence the loop's logits and `F.cross_entropy(..., reduction="sum")`,
   summed and divided by `T`.
+- `..., CUDA graph` (GPU): the ragged `out_of_vocab="ignore"` row and `full + gather + CE`
+  captured once in a CUDA graph and replayed (one launch of host time per call), as a
+  training step graphed whole runs them; `out_of_vocab="error"` reads a flag on the host
+  every call and cannot be captured.
 
 Correctness: every checked row's outputs (logits, or loss, and `dh`, `dW`) are compared
 with a float32 loop over the sequences on the same inputs; max abs error
