@@ -218,8 +218,11 @@ def test_cross_entropy_forward_backward_captured_in_a_cuda_graph(monkeypatch, ch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
+    junk = []
     for _ in range(2):
-        torch.randn(64 << 20, device="cuda")  # churn the allocators between capture and replay
+        # take the freed pinned host blocks (the sizes of offsets) and fill them with other values
+        junk += [torch.full((n,), 1 << 20, dtype=dt, pin_memory=True) for n in range(1, 40) for dt in
+                 (torch.int32, torch.int64)]
         with torch.no_grad():
             h.copy_(torch.randn(h.shape, generator=gen).cuda())
             w.copy_(torch.randn(w.shape, generator=gen).cuda() / w.shape[1] ** 0.5)
