@@ -34,7 +34,8 @@ def _graphed(run: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[
         graph.replay()
         return out
 
-    replay.graph = graph  # kept alive with the row
+    # the graph reads memory it did not allocate (the inputs, their offsets): keep its owners
+    replay.graph, replay.run = graph, run
     return replay
 
 
