@@ -110,7 +110,12 @@ class TrainerRow:
 
 
 def emit(lines: list[str], out: str | None) -> None:
-    """Print the report, and write it to ``out`` (Markdown) when given."""
+    """Print the report (with a line naming the host CPU, torch and the tree after its title),
+    and write it to ``out`` (Markdown) when given."""
+    from bench.env import cpu_name, git_state
+
+    commit = git_state().get("git_commit") or "unknown"
+    lines = [lines[0], "", f"host CPU {cpu_name()}, torch {torch.__version__}, tree {commit[:12]}", *lines[1:]]
     text = "\n".join(lines)
     print(text)
     if out:
