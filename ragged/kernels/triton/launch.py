@@ -231,7 +231,7 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
     mode = _async_mode()
     n = workers or min(16, os.cpu_count() or 1)
     with contextlib.ExitStack() as stack:
-        if mode is not None and n > 1 and not _interpreted():
+        if mode is not None and n > 1:  # (interpreted kernels are no JITFunction: they just run)
             pool = stack.enter_context(_CompilePool(n, thread_name_prefix="ragged-compile"))
             stack.enter_context(mode(pool))
         _DRY = True
@@ -240,8 +240,3 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
         finally:
             _DRY = False
 
-
-def _interpreted() -> bool:
-    from ...backends import triton_interpreted
-
-    return triton_interpreted()
