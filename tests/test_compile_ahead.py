@@ -71,12 +71,12 @@ def test_compile_only_is_not_reentrant_and_ends_on_error():
         with L.compile_only(workers=1):
             with L.compile_only(workers=1):
                 pass
-    assert not L._DRY
+    assert not L._dry_here()
     with pytest.raises(KeyError):
         with L.compile_only(workers=2):
-            assert L._DRY
+            assert L._dry_here()
             raise KeyError("x")
-    assert not L._DRY
+    assert not L._dry_here()
 
 
 def test_index_writing_kernels_are_declared_not_dry():
@@ -106,3 +106,29 @@ def test_per_batch_integers_are_not_specialised():
         assert {"seed", "total_q", "batch", "n_steps", "max_k"} <= unspecialised(kernel)
     for kernel in (F._ln_fwd_kernel, F._ln_bwd_kernel, F._bias_act_fwd_kernel, F._bias_act_bwd_kernel):
         assert "n_rows" in unspecialised(kernel)
+
+
+def test_compile_only_is_per_thread(monkeypatch):
+    """Replicas of torch.nn.DataParallel run in threads at once: one thread's compile-only
+    pass must not turn another thread's launches into compiles (they would silently not run)."""
+    import threading
+
+    from ragged.kernels.triton import launch as L
+
+    monkeypatch.setattr(L, "_FAST", False)
+    kernel, rec = _cached(dry=True)
+    x = torch.zeros(4)
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(10)
+        kernel[(1,)](x, 4, BLOCK=16)  # while the main thread is inside compile_only
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with L.compile_only(workers=1):
+        inside.set()
+        assert done.wait(10)
+    t.join()
+    assert [c[0] for c in rec.calls] == ["launch"], rec.calls

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -41,7 +42,20 @@ except ImportError:  # pragma: no cover - older Triton
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MAX = 2**63 - 1
 _FAST = True  # cleared for good if a direct launch is refused (another launcher signature)
-_DRY = False  # inside compile_only(): launches compile and do not run
+
+
+class _Dry(threading.local):
+    """Whether this thread is inside compile_only() (per thread: DataParallel's replicas run
+    in threads at once, and one's pass must not stop another's launches)."""
+
+    active = False
+
+
+_DRY = _Dry()
+
+
+def _dry_here() -> bool:
+    return _DRY.active
 
 
 def _spec(a):
@@ -127,7 +141,7 @@ class CachedLaunch:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid, args: tuple, meta: dict):
-        if _DRY and self.dry and self._direct:
+        if _DRY.active and self.dry and self._direct:
             return self.jit.run(*args, grid=grid, warmup=True, **meta)
         if not (self._direct and _FAST) or callable(grid):
             return self.jit[grid](*args, **meta)
@@ -219,14 +233,13 @@ def _build_launcher(kernel) -> None:
 
 @contextlib.contextmanager
 def compile_only(workers: int | None = None) -> Iterator[None]:
-    """Within: a launch of a cached kernel (one not declared ``dry=False``) compiles the
+    """Within, on this thread: a launch of a cached kernel (one not declared ``dry=False``) compiles the
     variant its arguments ask for and runs nothing; the outputs it would write stay as they
     were. The compiles run on ``workers`` threads (default: the CPU count, at most 16; Triton
     compiles mostly outside the GIL) and are all finished, and in Triton's in-memory cache, when
     the block ends; a compile error is raised there. Not reentrant; the code inside must not
     read the skipped kernels' outputs as indices or lengths, nor depend on their values."""
-    global _DRY
-    if _DRY:
+    if _DRY.active:
         raise RuntimeError("compile_only(): already inside a compile_only() block")
     mode = _async_mode()
     n = workers or min(16, os.cpu_count() or 1)
@@ -234,9 +247,9 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
         if mode is not None and n > 1:  # (interpreted kernels are no JITFunction: they just run)
             pool = stack.enter_context(_CompilePool(n, thread_name_prefix="ragged-compile"))
             stack.enter_context(mode(pool))
-        _DRY = True
+        _DRY.active = True
         try:
             yield
         finally:
-            _DRY = False
+            _DRY.active = False
 
