@@ -15,8 +15,10 @@ A ``Trainer`` whose batches are never padded:
 * **Training batches** come from :class:`ragged.data.TokenBudgetSampler` (at most
   ``max_tokens`` real tokens each), seeded from ``args.data_seed`` (else ``args.seed``), with the
   rank and world size of ``args`` (under ``torchrun`` every rank takes its own share and the
-  same number of steps), re-planned each epoch. Lengths come from ``lengths=``, else from the
-  dataset's ``args.length_column_name`` column (a ``datasets.Dataset``), else from
+  same number of steps), re-planned each epoch. Several GPUs in one process (where ``Trainer``
+  would use ``torch.nn.DataParallel``, which cannot split a RaggedTensor batch) train on one
+  GPU, with a warning: ``torchrun`` gives data parallelism. Lengths come from ``lengths=``,
+  else from the dataset's ``args.length_column_name`` column (a ``datasets.Dataset``), else from
   ``len(item["input_ids"])`` over the dataset, read once.
 * **Collation**: :func:`ragged.data.collate` unless a ``data_collator`` is given: per-token
   fields become RaggedTensors, per-sequence labels ``[B]`` tensors. ``remove_unused_columns``
@@ -91,6 +93,12 @@ class RaggedTrainer(Trainer):
         _check_dataset(kwargs.get("train_dataset"))
         self._train_sampler: TokenBudgetSampler | None = None
         super().__init__(model, args, data_collator=collate if data_collator is None else data_collator, **kwargs)
+        if self.args.n_gpu > 1:
+            # Trainer would wrap the model in torch.nn.DataParallel, whose scatter splits the
+            # per-sequence tensors of a batch but not its RaggedTensors.
+            warnings.warn(f"{_NAME}: {self.args.n_gpu} GPUs in one process: training on one of them; "
+                          "use torchrun (one process per GPU) for data parallelism", stacklevel=2)
+            self.args._n_gpu = 1
         self._graphs = _check_graphs(graphs, self.model)
         if self.train_dataset is not None:
             self._train_sampler = self._make_sampler(self.train_dataset)   # bad lengths raise here, not in train()

@@ -316,3 +316,16 @@ def test_import_ragged_does_not_import_trainer():
     import sys
     code = "import sys, ragged, ragged.data; assert 'ragged.trainer' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_several_gpus_in_one_process_train_on_one(tmp_path):
+    """Trainer would wrap the model in torch.nn.DataParallel there, whose scatter splits the
+    per-sequence labels but not the RaggedTensor ids (a batch-size mismatch in the loss)."""
+    data = _dataset(12, seed=np.random.default_rng().integers(2**31))
+    args = _args(tmp_path)
+    args._n_gpu = 2  # what TrainingArguments finds on a two-GPU host without torchrun
+    with pytest.warns(UserWarning, match="training on one of them"):
+        trainer = RaggedTrainer(ragged.nn.convert(_model(BertForSequenceClassification, seed=5)), args,
+                                train_dataset=data, max_tokens=64)
+    assert trainer.args.n_gpu == 1
+    assert trainer._wrap_model(trainer.model) is trainer.model  # no DataParallel
