@@ -12,7 +12,8 @@ Public API (see README.md for the table):
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
 """
 
-from .backends import BACKENDS, get_backend, set_backend, use_backend
+from . import backends as _backends
+from .backends import get_backend, set_backend, use_backend
 from .reasons import explain
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
@@ -78,7 +79,10 @@ def build_info() -> dict:
 
 
 def __getattr__(name: str):
+    # BACKENDS read live (ragged.backends.register_backend adds names after import);
     # ``ragged.nn`` (installed from nn/) on first use, without importing it with ragged.
+    if name == "BACKENDS":
+        return _backends.BACKENDS
     if name == "nn":
         import importlib
 

@@ -198,3 +198,14 @@ def test_operands_that_are_lists_are_not_taken_for_tensors():
     def sig(a: Tensor, b: Tensor | None, c: list[Tensor], d: int) -> Tensor: ...
 
     assert _opdef._tensor_positions(sig) == (0, 1)
+
+
+def test_ragged_backends_lists_a_registered_backend(toy_backend):
+    import ragged
+
+    assert "toy" in ragged.BACKENDS and ragged.BACKENDS == backends.BACKENDS
+    ragged.set_backend("toy")  # a registered name is a valid choice
+    try:
+        assert ragged.get_backend() == "toy"
+    finally:
+        ragged.set_backend(None)
