@@ -460,7 +460,7 @@ class MultiheadAttention(nn.Module):
         else:
             q_rt, q_layout = pack(q), PaddedLayout(lq)
             v_rt = k_rt if value is key else RaggedTensor(_repack(v, k_rt, k_layout), k_rt.offsets, k_rt.max_len,
-                                                          k_rt._host_offsets)
+                                                          k_rt.known_host_offsets)
         out_rt, qv, kv = self._attend(q_rt, k_rt, v_rt, causal)
         out = q_layout.unpack(out_rt)
         weights = None

@@ -69,7 +69,8 @@ _stack: contextvars.ContextVar[tuple[tuple[str | None], ...]] = contextvars.Cont
 _traced: tuple[str | None] | None = None
 
 
-def _check_name(fn: str, name: object) -> str:
+def check_name(fn: str, name: object) -> str:
+    """``name`` if it is a backend (or ``"auto"``), else ``ValueError`` naming the function ``fn``."""
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"{fn}(): expected backend to be one of {BACKENDS}, got {name!r}")
     return name
@@ -86,7 +87,7 @@ def set_backend(name: str | None) -> None:
     """Select the backend for every op in every thread (``None`` returns to the environment /
     ``"auto"``). Where a :func:`use_backend` block is open, the block still decides."""
     global _selected
-    _selected = None if name is None else _check_name("ragged.set_backend", name)
+    _selected = None if name is None else check_name("ragged.set_backend", name)
 
 
 def get_backend() -> str:
@@ -99,7 +100,7 @@ def get_backend() -> str:
         return _selected
     env = os.environ.get("RAGGED_BACKEND")
     if env:
-        return _check_name("RAGGED_BACKEND (environment variable)", env.strip().lower())
+        return check_name("RAGGED_BACKEND (environment variable)", env.strip().lower())
     return "auto"
 
 
@@ -116,7 +117,7 @@ def use_backend(name: str | None) -> Iterator[None]:
     Usable as a decorator.
     """
     global _traced
-    name = None if name is None else _check_name("ragged.use_backend", name)
+    name = None if name is None else check_name("ragged.use_backend", name)
     entry = (name,)
     if torch.compiler.is_compiling():
         # Traced code cannot set a ContextVar. A global set and restored inside the traced
@@ -390,7 +391,7 @@ def select(op: str, backend: str | None, device: torch.device, *args, fn: str | 
 def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) -> Implementation:
     """Pick the implementation of ``op`` for an input of this spec: the one place a backend is
     chosen. ``fn`` names the public function in error messages (default ``ragged.<op>``)."""
-    name = get_backend() if backend is None else _check_name(fn or f"ragged.{op}", backend)
+    name = get_backend() if backend is None else check_name(fn or f"ragged.{op}", backend)
     entry = _OPS[op]
     if name != "auto":
         impl = entry.impls.get(name)

@@ -59,7 +59,7 @@ def from_nested(nt: torch.Tensor) -> RaggedTensor:
     offsets = check_offsets_tensor(fn, offsets.to(offsets_dtype_for(total)), values)
     max_len = getattr(nt, "_maybe_max_seqlen", None)
     if max_len is None:
-        return RaggedTensor._from_offsets(fn, values, offsets, None, True, "nt.offsets()", "max_seqlen")
+        return RaggedTensor.from_offsets_named(fn, values, offsets, None, True, "nt.offsets()", "max_seqlen")
     return RaggedTensor(values, offsets, int(max_len))
 
 
@@ -97,7 +97,7 @@ def from_cu_seqlens(values: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: 
     As :meth:`RaggedTensor.from_offsets`: ``cu_seqlens`` of any stride is stored contiguous,
     and ``validate=False`` with ``max_seqlen`` given reads nothing from the GPU.
     """
-    return RaggedTensor._from_offsets("ragged.from_cu_seqlens", values, cu_seqlens, max_seqlen, validate,
+    return RaggedTensor.from_offsets_named("ragged.from_cu_seqlens", values, cu_seqlens, max_seqlen, validate,
                                       "cu_seqlens", "max_seqlen")
 
 
@@ -108,7 +108,7 @@ def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: 
     (checked within the one read of the mask: ``ValueError`` otherwise)."""
     fn = "ragged.from_attention_mask"
     if backend is not None:
-        backends._check_name(fn, backend)
+        backends.check_name(fn, backend)
     check_tensor(fn, "x", x)
     if x.dim() < 2:
         raise ValueError(f"{fn}(): expected x of shape [B, M, ...], got {tuple(x.shape)}")
@@ -141,7 +141,7 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
     """
     fn = "ragged.pack"
     if backend is not None:
-        backends._check_name(fn, backend)
+        backends.check_name(fn, backend)
     if isinstance(data, (list, tuple)):
         if lengths is not None or mask is not None or attention_mask is not None:
             raise ValueError(f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, "

@@ -117,13 +117,14 @@ class RaggedTensor:
         Otherwise the offsets are read back once (one sync on CUDA) to check them
         (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``) and to find ``max_len``.
         """
-        return cls._from_offsets("ragged.RaggedTensor.from_offsets", values, offsets, max_len, validate,
+        return cls.from_offsets_named("ragged.RaggedTensor.from_offsets", values, offsets, max_len, validate,
                                  "offsets", "max_len")
 
     @classmethod
-    def _from_offsets(cls, fn: str, values: torch.Tensor, offsets: torch.Tensor, max_len, validate: bool,
+    def from_offsets_named(cls, fn: str, values: torch.Tensor, offsets: torch.Tensor, max_len, validate: bool,
                       offsets_name: str, max_len_name: str) -> "RaggedTensor":
-        """:meth:`from_offsets` with the public function's name and argument names in its errors."""
+        """:meth:`from_offsets` for a function that wraps it: its errors name that function
+        (``fn``) and its arguments (``offsets_name``, ``max_len_name``)."""
         check_tensor(fn, "values", values)
         if values.dim() < 1:
             raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
@@ -180,6 +181,23 @@ class RaggedTensor:
                                  "got a tensor on the meta device")
             self._host_offsets = tuple(self.offsets.detach().to("cpu", torch.int64).tolist())
         return self._host_offsets
+
+    @property
+    def known_host_offsets(self) -> tuple[int, ...] | None:
+        """The offsets as Python ints if they are already known on the host (given at
+        construction, or read once), else None; never reads the device."""
+        return self._host_offsets
+
+    def remember_host_offsets(self, host) -> None:
+        """Record the offsets' values read on the host by the caller (several RaggedTensors'
+        offsets read in one copy, say): ``host`` must have ``B + 1`` ints, the last the number
+        of tokens. Later :meth:`host_offsets` calls then read nothing."""
+        host = tuple(int(o) for o in host)
+        if len(host) != self.offsets.shape[0]:
+            raise ValueError(f"ragged.RaggedTensor.remember_host_offsets(): expected {self.offsets.shape[0]} "
+                             f"offsets, got {len(host)}")
+        validate_host_offsets("ragged.RaggedTensor.remember_host_offsets", host, self.values.shape[0])
+        self._host_offsets = host
 
     def host_lengths(self) -> list[int]:
         """Lengths as Python ints (see :meth:`host_offsets` for the cost)."""

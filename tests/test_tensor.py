@@ -559,3 +559,19 @@ def test_all_zero_lengths():
     assert rt.position_ids().shape == (0,)
     back = ragged.pack(torch.randn(3, 2, 3), lengths=[0, 0, 0])
     _assert_same_ragged(back, rt)
+
+
+def test_known_host_offsets_reads_nothing_and_remember_checks():
+    values = torch.randn(7, 3)
+    offsets = torch.tensor([0, 2, 2, 7])
+    rt = ragged.RaggedTensor.from_offsets(values, offsets, 5, validate=False)  # nothing read
+    assert rt.known_host_offsets is None
+    with pytest.raises(ValueError, match=r"remember_host_offsets\(\): expected 4 offsets, got 3"):
+        rt.remember_host_offsets([0, 2, 7])
+    with pytest.raises(ValueError, match="remember_host_offsets"):
+        rt.remember_host_offsets([0, 2, 2, 6])  # does not end at the 7 tokens
+    assert rt.known_host_offsets is None  # a refused call leaves nothing
+    rt.remember_host_offsets(torch.tensor([0, 2, 2, 7]).tolist())
+    assert rt.known_host_offsets == (0, 2, 2, 7) and rt.host_lengths() == [2, 0, 5]
+    fresh = ragged.RaggedTensor.from_offsets(values, offsets, 5, validate=False)
+    assert fresh.host_offsets() == (0, 2, 2, 7) and fresh.known_host_offsets == (0, 2, 2, 7)

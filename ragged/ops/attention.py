@@ -576,13 +576,14 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
                             "for packed tensors with cu_seqlens use ragged.varlen_attention")
     if k.offsets is not v.offsets:
         if k.offsets.shape != v.offsets.shape or k.num_tokens != v.num_tokens or (
-                k._host_offsets is not None and v._host_offsets is not None and k._host_offsets != v._host_offsets):
+                k.known_host_offsets is not None and v.known_host_offsets is not None
+                and k.known_host_offsets != v.known_host_offsets):
             raise ValueError(f"{fn}(): expected k and v with the same sequences, got lengths "
                              f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)")
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
     result = _varlen(_RAGGED, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, validate, window_size, q._host_offsets, k._host_offsets)
+                     dropout_p, return_lse, backend, validate, window_size, q.known_host_offsets, k.known_host_offsets)
     if return_lse:
         out, lse = result
         return q.with_values(out), lse

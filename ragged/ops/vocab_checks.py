@@ -50,7 +50,7 @@ class VocabLayout:
 
 def check_backend_name(fn: str, backend) -> None:
     if backend is not None:
-        backends._check_name(fn, backend)
+        backends.check_name(fn, backend)
 
 
 def check_ids_dtype(fn: str, name: str, ids: torch.Tensor) -> None:
@@ -128,7 +128,7 @@ def prepare(fn: str, hidden, weight, vocab, bias, validate, sorted_ids: bool = F
 
     # The ids are checked where that costs no wait: on the host, or folded into a read of the
     # device that happens anyway (the offsets' read below); validate=True always reads.
-    read_offsets = v_off is not None and (hidden._host_offsets is None or vocab._host_offsets is None)
+    read_offsets = v_off is not None and (hidden.known_host_offsets is None or vocab.known_host_offsets is None)
     checks = ID_CHECKS if validate else (CE_ID_CHECKS if sorted_ids else ("range",))
     check_now = validate or id_check_is_free(ids, read_offsets)
     flags = id_flags(ids, v_off, vocab_size, checks) if check_now else None
@@ -138,7 +138,7 @@ def prepare(fn: str, hidden, weight, vocab, bias, validate, sorted_ids: bool = F
             raise_id_errors(fn, name, host_ints(flags), ids, None, vocab_size, checks)
         size = ids.shape[0]
         return VocabLayout(h, h_off, weight, bias, ids, None, h_off.to(torch.int64) * size, tokens * size,
-                           hidden.max_len, size, hidden._host_offsets, None, check_now)
+                           hidden.max_len, size, hidden.known_host_offsets, None, check_now)
     host_h, host_v, host_flags = _host_offsets(hidden, vocab, flags)
     if flags is not None:
         raise_id_errors(fn, name, host_flags, ids, v_off, vocab_size, checks)
@@ -182,14 +182,14 @@ def id_check_is_free(ids: torch.Tensor, read_offsets: bool) -> bool:
 def _host_offsets(hidden: RaggedTensor, vocab: RaggedTensor, extra: torch.Tensor | None = None):
     """Both host offsets (and ``extra``'s values, an int64 device tensor, or None): the ones
     the RaggedTensors lack and ``extra`` come back in one read (the offsets are cached)."""
-    missing = [rt for rt in (hidden, vocab) if rt._host_offsets is None]
+    missing = [rt for rt in (hidden, vocab) if rt.known_host_offsets is None]
     host_extra = None
     if missing or extra is not None:
         parts = [rt.offsets.to(torch.int64) for rt in missing] + ([] if extra is None else [extra])
         host = host_ints(torch.cat(parts))
         start = 0
         for rt in missing:
-            rt._host_offsets = tuple(host[start:start + rt.offsets.shape[0]])
+            rt.remember_host_offsets(host[start:start + rt.offsets.shape[0]])
             start += rt.offsets.shape[0]
         host_extra = None if extra is None else host[start:]
     return hidden.host_offsets(), vocab.host_offsets(), host_extra
