@@ -1,9 +1,9 @@
 """``ragged.nn.convert``: swap torch.nn's transformer modules in a model for their ragged.nn
 counterparts, transactionally (everything is checked and built before anything is swapped).
 
-Model adapters register what they swap in :data:`SWAPS` (original class -> ragged class with a
-``from_torch(module, copy=, memo=)`` classmethod) and why a module of that class cannot be
-swapped in :data:`REASONS`.
+What is swapped is the table ``_SWAPS`` (torch.nn class -> ragged.nn class with a
+``from_torch(module, copy=, memo=)`` classmethod); why a module of such a class stays as it is
+comes from ``_why_not`` (extra hooks and parametrizations, then the class's own rules).
 
 HuggingFace BERT-family models are converted by :mod:`ragged.nn.hf_bert` (their forward is
 patched, their modules stay); it is imported only when transformers is, so that converting a

@@ -14,7 +14,7 @@ Public API (see README.md for the table):
 
 from . import backends as _backends
 from .backends import get_backend, set_backend, use_backend
-from .reasons import explain
+from .explain import explain
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack

@@ -19,7 +19,7 @@ with what it takes as data (dtypes, allowed values and maxima of the op's spec f
 take an input of a given spec (an empty list when it can). ``"auto"`` walks the op's
 preference order (measured; see ``bench/results/``) and takes the first implementation with
 no reasons; the pure-torch reference takes everything, so auto never fails. A forced backend
-that cannot take an input raises ``ValueError`` with its reasons. :func:`ragged.explain` (:mod:`ragged.reasons`)
+that cannot take an input raises ``ValueError`` with its reasons. :func:`ragged.explain` (:mod:`ragged.explain`)
 reports every implementation's reasons for an input. :func:`select_spec` is the one place a backend
 is chosen. A new backend is :func:`register_backend` plus its implementations
 (:func:`register`); see ``ARCHITECTURE.md``.
@@ -321,7 +321,10 @@ def _resolve(fn: Callable | str) -> Callable:
 
 
 @dataclasses.dataclass
-class _Op:
+class OpEntry:
+    """An op in the registry: its spec function, its implementations by backend name and the
+    preference order of ``"auto"`` on CUDA inputs."""
+
     spec: Callable[..., Any]  # operands -> the op's frozen spec
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
     # Preference of "auto" for CUDA inputs, fastest measured first: a tuple, or a function of
@@ -329,13 +332,13 @@ class _Op:
     gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")
 
 
-_OPS: dict[str, _Op] = {}
+_OPS: dict[str, OpEntry] = {}
 _PENDING: dict[str, list[Implementation]] = {}  # implementations declared before their op
 
 
 def declare_op(op: str, spec: Callable[..., Any], gpu_order) -> None:
     """Called by :func:`ragged._opdef.define`: the op, its spec function and its auto order."""
-    entry = _OPS[op] = _Op(spec, gpu_order=gpu_order if callable(gpu_order) else tuple(gpu_order))
+    entry = _OPS[op] = OpEntry(spec, gpu_order=gpu_order if callable(gpu_order) else tuple(gpu_order))
     for impl in _PENDING.pop(op, ()):
         entry.impls[impl.backend] = impl
 
@@ -363,6 +366,19 @@ def implementation(op: str, backend: str) -> Implementation:
     return _OPS[op].impls[backend]
 
 
+def op_entry(op: str) -> OpEntry | None:
+    """The registry's entry of ``op`` (None when there is no such op)."""
+    if op not in _OPS:
+        _import_ops()
+    return _OPS.get(op)
+
+
+def op_names() -> list[str]:
+    """The names of the registered ops, sorted."""
+    _import_ops()
+    return sorted(_OPS)
+
+
 def _import_ops() -> None:
     # Ops register when their module is imported; ``import ragged`` imports them all, so
     # this only matters if an op module is ever made lazy.
@@ -371,14 +387,31 @@ def _import_ops() -> None:
         importlib.import_module(f"ragged.ops.{info.name}")
 
 
-class _Captured(BaseException):
-    # BaseException: no ``except Exception`` on the way up from select() may swallow it.
+class ChoiceCaptured(BaseException):
+    """Raised by :func:`select_spec` inside :func:`capturing_choice`, at the point where a call
+    would pick a backend: the op and the spec it would pick for. A BaseException: no ``except
+    Exception`` on the way up may swallow it."""
+
     def __init__(self, op: str, spec):
         super().__init__(op)
         self.op, self.spec = op, spec
 
 
-_EXPLAIN = "<explain>"  # the value of _active while explain() calls a public function
+_EXPLAIN = "<explain>"  # the value of _active inside capturing_choice()
+
+
+@contextlib.contextmanager
+def capturing_choice() -> Iterator[None]:
+    """A block in which the first choice of a backend raises :class:`ChoiceCaptured` instead
+    of choosing (what :func:`ragged.explain` runs a public function under); ``use_backend``
+    blocks outside it do not apply inside."""
+    stack_token = _stack.set(())
+    token = _active.set(_EXPLAIN)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+        _stack.reset(stack_token)
 
 
 def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,
@@ -397,7 +430,7 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
         impl = entry.impls.get(name)
         if impl is None:
             if name is _EXPLAIN:
-                raise _Captured(op, spec)
+                raise ChoiceCaptured(op, spec)
             raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} has no implementation of this op "
                              f"(available: {sorted(entry.impls)})")
         reasons = impl.reasons(spec)
@@ -405,10 +438,10 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
             raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: "
                              + "; ".join(reasons))
         return impl
-    return _auto_choice(entry, spec)
+    return auto_choice(entry, spec)
 
 
-def _auto_choice(entry: _Op, spec) -> Implementation:
+def auto_choice(entry: OpEntry, spec) -> Implementation:
     """``"auto"``: the first implementation of the op's preference order that takes ``spec``."""
     if spec.device.type != "cuda":
         order = ("torch",)

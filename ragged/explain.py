@@ -1,9 +1,10 @@
 """``ragged.explain``: every implementation's reasons for an input, and which one the call runs.
 
-Kept apart from :mod:`ragged.backends` (the choice itself); it reads the op table and the
-selection state from there. :func:`explain` of a public function runs that function with the
-selection set to a sentinel, so that :func:`ragged.backends.select_spec` stops it (raising
-``_Captured``) at the point where it would pick a backend, with the spec it would pick for.
+Kept apart from :mod:`ragged.backends` (the choice itself), whose public registry it reads.
+:func:`explain` of a public function runs that function inside
+:func:`ragged.backends.capturing_choice`, so that :func:`ragged.backends.select_spec` stops it
+(raising ``ChoiceCaptured``) at the point where it would pick a backend, with the spec it would
+pick for.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ import importlib
 import inspect
 from typing import Callable
 
-from .backends import _EXPLAIN, _OPS, _active, _auto_choice, _Captured, _import_ops, _Op, _stack, get_backend
+from .backends import ChoiceCaptured, OpEntry, auto_choice, capturing_choice, get_backend, op_entry, op_names
 
 
-def _entry(fn: str, op: object) -> _Op:
+def _entry(fn: str, op: object) -> OpEntry:
     if not isinstance(op, str):
-        raise TypeError(f"{fn}(): expected op to be an op name (one of {sorted(_OPS)}) or a public function "
+        raise TypeError(f"{fn}(): expected op to be an op name (one of {op_names()}) or a public function "
                         f"of ragged, got {type(op).__name__}")
-    if op not in _OPS:
-        _import_ops()
-    if op not in _OPS:
-        raise ValueError(f"{fn}(): expected op to be one of {sorted(_OPS)}, got {op!r}")
-    return _OPS[op]
+    entry = op_entry(op)
+    if entry is None:
+        raise ValueError(f"{fn}(): expected op to be one of {op_names()}, got {op!r}")
+    return entry
 
 
 def _public_name(fn: Callable) -> str:
@@ -56,7 +56,7 @@ def _describe_call(args: tuple, kwargs: dict) -> str:
     return " and ".join(parts)
 
 
-def _bad_arguments(op: str, entry: _Op, args: tuple, kwargs: dict, why: str) -> TypeError:
+def _bad_arguments(op: str, entry: OpEntry, args: tuple, kwargs: dict, why: str) -> TypeError:
     """The TypeError of ``explain(op, ...)`` called with operands its spec cannot take."""
     msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
            f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})")
@@ -86,24 +86,20 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
         # is reported anyway.
         bound.arguments.pop("backend", None)
         args, kwargs = bound.args, bound.kwargs
-    stack_token = _stack.set(())
-    token = _active.set(_EXPLAIN)
     try:
-        public(*args, **kwargs)
-    except _Captured as captured:
+        with capturing_choice():
+            public(*args, **kwargs)
+    except ChoiceCaptured as captured:
         found = captured
     else:
         found = None
-    finally:
-        _active.reset(token)
-        _stack.reset(stack_token)
     if found is not None:
-        return _spec_reasons(_OPS[found.op], found.spec, selected)
+        return _spec_reasons(op_entry(found.op), found.spec, selected)
     raise ValueError(f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
                      "none (no op with backends runs for these arguments)")
 
 
-def _reasons(op: str, entry: _Op, args: tuple, kwargs: dict) -> Explanation:
+def _reasons(op: str, entry: OpEntry, args: tuple, kwargs: dict) -> Explanation:
     try:
         inspect.signature(entry.spec).bind(*args, **kwargs)
     except TypeError as exc:
@@ -133,11 +129,11 @@ class Explanation(dict):
         return f"Explanation({dict.__repr__(self)}, chosen={self.chosen!r}, launch={self.launch!r})"
 
 
-def _spec_reasons(entry: _Op, spec, selected: str) -> Explanation:
+def _spec_reasons(entry: OpEntry, spec, selected: str) -> Explanation:
     out = Explanation({name: impl.reasons(spec) for name, impl in entry.impls.items()})
     name = selected
     if name == "auto":
-        name = _auto_choice(entry, spec).name
+        name = auto_choice(entry, spec).name
     elif out.get(name) != []:
         name = None
     out.chosen = name
