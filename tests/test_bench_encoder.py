@@ -202,7 +202,9 @@ def test_reference_chunks(monkeypatch, backward):
     m = E.Models.make(TINY.model, TINY.dtype, CPU, dropout=0.1)
     m.train(False)
     whole = E.reference_outputs(m, p, backward)
-    monkeypatch.setattr(E, "REFERENCE_TOKENS", 20)  # one or two sequences per chunk
+    from bench.suites import encoder_problem
+
+    monkeypatch.setattr(encoder_problem, "REFERENCE_TOKENS", 20)  # one or two sequences per chunk
     chunked = E.reference_outputs(m, p, backward)
     assert len(whole) == len(chunked) == (1 + len(m.params) if backward else 1)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
