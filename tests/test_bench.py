@@ -8,7 +8,7 @@ import pytest
 import torch
 
 
-from bench import report
+from bench import measure, report
 from bench.__main__ import main
 from bench.harness import (
     SUITES,
@@ -213,7 +213,7 @@ def test_settle_repeats_short_timings_until_two_agree(monkeypatch):
 
     times = iter([9.0, 6.0, 5.0, 5.1, 1.0])
     calls = []
-    monkeypatch.setattr(H, "short_median_ms", lambda fn, device, rep_ms: calls.append(rep_ms) or next(times))
+    monkeypatch.setattr(measure, "short_median_ms", lambda fn, device, rep_ms: calls.append(rep_ms) or next(times))
     timing = H.Timing(0, 0, settle_rep_ms=7, settle_tol=0.03, settle_max_s=60)
     assert H.settle(lambda: None, CPU, timing) == [9.0, 6.0, 5.0, 5.1]  # 5.0 -> 5.1: within 3%
     assert calls == [7, 7, 7, 7]
@@ -232,7 +232,7 @@ def test_settle_stops_at_its_time_cap(monkeypatch):
         time.sleep(0.01)
         return next(drifting)
 
-    monkeypatch.setattr(H, "short_median_ms", slow)
+    monkeypatch.setattr(measure, "short_median_ms", slow)
     start = time.perf_counter()
     rounds = H.settle(lambda: None, CPU, H.Timing(0, 0, settle_rep_ms=1, settle_max_s=0.1))
     assert time.perf_counter() - start < 1.0 and 2 <= len(rounds) <= 15
@@ -243,7 +243,7 @@ def test_settle_absolute_floor(monkeypatch):
     import bench.harness as H
 
     times = iter([0.0100, 0.0105, 0.0099])
-    monkeypatch.setattr(H, "short_median_ms", lambda fn, device, rep_ms: next(times))
+    monkeypatch.setattr(measure, "short_median_ms", lambda fn, device, rep_ms: next(times))
     assert H.settle(lambda: None, CPU, H.Timing(0, 0, settle_rep_ms=1, settle_abs_ms=0.001, settle_max_s=60)) \
         == [0.0100, 0.0105]
 
