@@ -332,9 +332,13 @@ def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
     if torch.cuda.is_current_stream_capturing():
         return
     _AHEAD.add(key)  # once, whether the pass compiles or fails
+    try:
+        from ragged.kernels.triton.launch import compile_only
+    except ImportError:  # no Triton: nothing to compile ahead
+        return
     devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), backends.compile_only():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), compile_only():
             saved: list = []
             k = Saved(kernels)
             y = _forward(spec, x, cu, max_len, causal, k, saved)

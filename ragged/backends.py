@@ -200,18 +200,6 @@ def cuda_reason(device: torch.device) -> str | None:
 _AOT_BUILT = importlib.util.find_spec("ragged._C") is not None
 
 
-def compile_only() -> contextlib.AbstractContextManager:
-    """A block in which launches of the Triton kernels compile (several at once, on a thread
-    pool) and run nothing; the compiles are done when it ends (see
-    ``ragged.kernels.triton.launch.compile_only`` for what the code inside may rely on). A null
-    block where Triton cannot be imported."""
-    if import_error("triton") is not None:
-        return contextlib.nullcontext()
-    from .kernels.triton.launch import compile_only as block
-
-    return block()
-
-
 # --------------------------------------------------------------------------------------
 # Backends and their implementations.
 #
