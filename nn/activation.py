@@ -1,15 +1,14 @@
 """MultiheadAttention with torch.nn.MultiheadAttention's signature, parameters and state_dict keys,
 computed padding-free through :func:`ragged.attention`.
 
-Also home of the small helpers the transformer modules share for padded inputs: reading a
-key padding mask once (:func:`pack_padded`), putting results back in the caller's layout
-(:class:`PaddedLayout`) and recognising a causal attention mask (:func:`causal_flag`).
+Also home of the small helpers the transformer modules share for padded inputs: checking and
+reading a key padding mask once (:func:`pack_padded`, over :mod:`ragged.padding`, which also
+holds :class:`PaddedLayout`) and recognising a causal attention mask (:func:`causal_flag`).
 """
 
 from __future__ import annotations
 
 import copy as _copy
-import dataclasses
 import math
 
 import torch
@@ -17,42 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ragged import RaggedTensor, attention, pack, unpack
-from ragged.interop import read_mask_layout
+from ragged import RaggedTensor, attention, pack
+from ragged.padding import PaddedLayout, mask_keep, pack_by_layout, read_mask_layout
 from ragged.utils import describe
 
 # --------------------------------------------------------------------------------------
 # Padded inputs: one read of the key padding mask, then packed with host lengths
-
-
-@dataclasses.dataclass
-class PaddedLayout:
-    """Where the tokens of a packed batch sat in the caller's padded ``[B, M, ...]`` tensor.
-
-    ``side``: ``"right"`` (tokens first in each row; also every row full), ``"left"`` (tokens
-    last) or ``"scattered"`` (any other key padding mask: ``index`` holds the token
-    coordinates, in row-major order).
-    """
-
-    width: int
-    side: str = "right"
-    index: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def unpack(self, rt: RaggedTensor) -> torch.Tensor:
-        """``[B, width, ...]`` with ``rt``'s tokens back at their places and zeros elsewhere."""
-        if self.side == "scattered":
-            out = rt.values.new_zeros((rt.batch_size, self.width, *rt.feature_shape))
-            return out.index_put(self.index, rt.values)
-        return unpack(rt, total_length=self.width, padding_side=self.side)
-
-    def positions(self, rt: RaggedTensor) -> torch.Tensor:
-        """``[T]`` column of every packed token in the padded tensor."""
-        if self.side == "scattered":
-            return self.index[1]
-        j = rt.position_ids()
-        if self.side == "left":
-            j = j + (self.width - rt.lengths.to(torch.int64)).repeat_interleave(rt.lengths, output_size=rt.num_tokens)
-        return j
 
 
 def check_padding_mask(fn: str, name: str, mask: object, batch: int, width: int) -> torch.Tensor:
@@ -81,22 +50,13 @@ def pack_padded(fn: str, name: str, x: torch.Tensor, mask: torch.Tensor | None) 
         return pack(x), PaddedLayout(width)
     if mask.device != x.device:
         raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of the input), got {mask.device}")
-    if mask.dtype == torch.bool:
-        keep, bad = ~mask, None
-    else:
-        keep = mask == 0
-        bad = ~(keep | torch.isneginf(mask))
+    keep, bad = mask_keep(fn, name, mask, "torch")
     # The one read of a padded call: lengths and layout flags together.
     host, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         raise NotImplementedError(f"{fn}(): a float {name} must hold 0 (token) or -inf (padding); additive "
                                   "biases of other values are not supported (use a bool mask, True = padding)")
-    if is_right:
-        return pack(x, lengths=host), PaddedLayout(width)
-    if is_left:
-        return pack(x, lengths=host, padding_side="left"), PaddedLayout(width, "left")
-    index = keep.nonzero(as_tuple=True)
-    return RaggedTensor.from_lengths(x[index], host), PaddedLayout(width, "scattered", index)
+    return pack_by_layout(x, keep, host, is_right, is_left)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ gives each replica a forward of its own, which runs the replica's parameters; a 
 * ``input_ids`` (or ``inputs_embeds``) padded ``[B, M]`` (``[B, M, E]``) with an optional
   2-D ``attention_mask`` (1 at tokens, 0 at padding; right, left or scattered): packed once
   at the top. Reading the mask costs one device-to-host read (its lengths and layout, in
-  :func:`ragged.interop.read_mask_layout`); without a mask every row is full and nothing is
+  :func:`ragged.padding.read_mask_layout`); without a mask every row is full and nothing is
   read. ``token_type_ids``, ``position_ids`` (``[B, M]`` or ``[1, M]``) and token labels
   are packed with the same layout. Outputs come back padded like the input, with HuggingFace's
   output types and shapes; **padded positions hold zeros** (HuggingFace computes values

@@ -21,10 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 import ragged
 from ragged import RaggedTensor
-from ragged.interop import read_mask_layout
+from ragged.padding import PaddedLayout, mask_keep, pack_by_layout, read_mask_layout
 from ragged.utils import describe, eager
 
-from .activation import PaddedLayout
 from .layer import LayerSpec, LayerWeights, call_with_hooks, fused_backend, plain_call, run_layer, run_stack
 
 __all__ = ["Batch", "Family", "encode", "layer_spec", "packed_in_projection", "read_batch"]
@@ -129,7 +128,7 @@ def read_batch(fn: str, name: str, src, attention_mask, features: int) -> Batch:
     """The batch of ``src`` (``input_ids``: ``features=0``; ``inputs_embeds``: 1): a
     RaggedTensor is taken as it is (no device read); a padded ``[B, M, *F]`` tensor is
     packed with its 2-D HuggingFace ``attention_mask`` (1 at tokens, 0 at padding; right,
-    left or scattered), which costs one device-to-host read (:func:`ragged.interop.read_mask_layout`;
+    left or scattered), which costs one device-to-host read (:func:`ragged.padding.read_mask_layout`;
     a scattered mask one more, for its token coordinates), or as full rows without one."""
     if isinstance(src, RaggedTensor):
         if attention_mask is not None:
@@ -158,22 +157,13 @@ def read_batch(fn: str, name: str, src, attention_mask, features: int) -> Batch:
                          f"got {tuple(mask.shape)}")
     if mask.device != src.device:
         raise ValueError(f"{fn}(): expected attention_mask on {src.device} (the device of {name}), got {mask.device}")
-    if mask.dtype == torch.bool:
-        keep, bad = mask, None
-    else:
-        keep = mask != 0
-        bad = keep != (mask == 1)
+    keep, bad = mask_keep(fn, "attention_mask", mask, "hf")
     # The one read of a padded call: lengths and layout flags together.
     host, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         raise ValueError(f"{fn}(): expected attention_mask to hold 1 (token) and 0 (padding) only, got other values")
-    if is_right:
-        return Batch(ragged.pack(src, lengths=host), PaddedLayout(width), keep)
-    if is_left:
-        return Batch(ragged.pack(src, lengths=host, padding_side="left"), PaddedLayout(width, "left"), keep)
-    # the token count is known on the host: no second read for the gather's size
-    index = torch.nonzero_static(keep, size=sum(host)).unbind(1)
-    return Batch(RaggedTensor.from_lengths(src[index], host), PaddedLayout(width, "scattered", index), keep)
+    rt, layout = pack_by_layout(src, keep, host, is_right, is_left)
+    return Batch(rt, layout, keep)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ tokenizer's padding and tensor conversion), otherwise as sentence-transformers t
 packed from the host mask. The Transformer moves the packed ids to the device (pinned, non-blocking
 on CUDA): no device read. Outside ``encode`` (``st(features)`` in training, losses, evaluators) the
 padded ``input_ids`` are packed with their ``attention_mask`` on the device: one device-to-host read
-of the mask (its lengths and layout, :func:`ragged.interop.read_mask_layout`). The ``auto_model``
+of the mask (its lengths and layout, :func:`ragged.padding.read_mask_layout`). The ``auto_model``
 returns a RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout
 and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 
@@ -95,10 +95,10 @@ import torch
 from torch import nn
 
 from ragged import RaggedTensor
+from ragged.padding import PaddedLayout
 from ragged.utils import describe
 
 from . import hf_bert
-from .activation import PaddedLayout
 from .hf_encoder import read_batch
 from .hf_sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)

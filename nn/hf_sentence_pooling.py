@@ -23,8 +23,7 @@ from torch import nn
 
 import ragged
 from ragged import RaggedTensor
-
-from .activation import PaddedLayout
+from ragged.padding import PaddedLayout
 
 __all__ = ["TOKENS_KEY", "RaggedPooling", "Replicate", "ReplicaForward", "TokenEmbeddings", "pool_tokens",
            "set_patches", "weightedmean_origin"]

@@ -73,7 +73,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 import ragged
-from ragged.interop import read_mask_layout
+from ragged.padding import read_mask_layout
 from ragged.utils import describe, offsets_dtype_for, to_device, warn_once
 
 NAME = "ragged"

@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import PackedSequence
 from . import backends
 from .utils import check_offsets_tensor, check_side, check_tensor, describe, host_lengths_of, warn_once
 from .utils import host_offsets_from_lengths, max_length, offsets_dtype_for, to_device
-from .ops.pack import PACK, PackSpec
+from .padding import mask_keep, pack_rows, read_mask_layout  # noqa: F401  (read_mask_layout: re-exported)
 from .tensor import RaggedTensor, exact_ragged
 
 def to_nested(rt: RaggedTensor) -> torch.Tensor:
@@ -173,15 +173,7 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
         i = max(range(batch), key=lambda k: host[k + 1] - host[k])
         raise ValueError(f"{fn}(): expected every length <= the padded width x.shape[1] ({width}), "
                          f"got lengths[{i}] = {longest}")
-    return _pack_host(x, host, longest, side, backend)
-
-
-def _pack_host(x: torch.Tensor, host: Sequence[int], longest: int, side: str, backend) -> RaggedTensor:
-    total = host[-1]
-    offsets = to_device(host, offsets_dtype_for(total), x.device)
-    impl = backends.select_spec("pack", backend, PackSpec(x.device, x.dtype))
-    values = PACK(x, offsets, total, side == "left", impl.backend)
-    return exact_ragged(values, offsets, host, longest)
+    return pack_rows(x, host, side, backend)
 
 
 def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
@@ -216,21 +208,8 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
         raise ValueError(f"{fn}(): expected {name} on {x.device} (the device of x), got {m.device}")
     if padding_side is not None:
         check_side(fn, padding_side)
-    if name == "mask":  # torch convention: True (or -inf) = padding
-        if m.dtype == torch.bool:
-            keep, bad = ~m, None
-        elif m.dtype.is_floating_point:
-            keep = m == 0
-            bad = ~(keep | torch.isneginf(m))
-        else:
-            # An integer mask is almost always a HuggingFace 0/1 mask (1 = token): read with
-            # the torch convention its lengths would come out inverted.
-            raise TypeError(f"{fn}(): expected mask of dtype bool (True = padding) or float (-inf = padding), "
-                            f"got {m.dtype}; for a 0/1 mask with 1 at tokens (HuggingFace convention) "
-                            "use attention_mask= instead")
-    else:  # HuggingFace convention: 1 = token, 0 = padding, nothing else (bool is 0/1 already)
-        keep = m != 0
-        bad = None if m.dtype == torch.bool else ~(keep == (m == 1))
+    # mask=: torch's convention (True or -inf = padding); attention_mask=: HuggingFace's (1 = token)
+    keep, bad = mask_keep(fn, name, m, "torch" if name == "mask" else "hf")
     host_lengths, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
         what = "0 (token) or -inf (padding)" if name == "mask" else "0 (padding) or 1 (token)"
@@ -238,9 +217,9 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
     host = host_offsets_from_lengths(fn, host_lengths)
     longest = max_length(host)
     if is_right and padding_side != "left":
-        return _pack_host(x, host, longest, "right", backend)
+        return pack_rows(x, host, "right", backend)
     if is_left and padding_side != "right":
-        return _pack_host(x, host, longest, "left", backend)
+        return pack_rows(x, host, "left", backend)
     if is_right or is_left:
         found = "right" if is_right else "left"
         raise ValueError(f"{fn}(): padding_side={padding_side!r} expects a {padding_side}-padded {name}, "
@@ -251,25 +230,6 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
     values = x[keep]
     offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
     return exact_ragged(values, offsets, host, longest)
-
-
-def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[list[int], bool, bool, bool]:
-    """The one device read of a mask-driven pack.
-
-    ``keep``: ``[B, M]`` bool, True at tokens. Returns the host lengths, whether every row's
-    tokens are one run at the start (right padding) or at the end (left padding) of the
-    row (full and empty rows are both), and whether ``bad`` (bool, any shape) holds a True.
-    """
-    batch, width = keep.shape
-    lengths = keep.sum(1)
-    j = torch.arange(width, device=keep.device)
-    right = (keep == (j < lengths.unsqueeze(1))).all()
-    left = (keep == (j >= width - lengths.unsqueeze(1))).all()
-    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
-                                                                                    device=keep.device)])
-    stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
-    host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
-    return host_lengths, bool(is_right), bool(is_left), bool(is_bad)
 
 
 def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
