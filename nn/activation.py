@@ -20,6 +20,8 @@ from ragged import RaggedTensor, attention, pack
 from ragged.padding import PaddedLayout, mask_keep, pack_by_layout, read_mask_layout
 from ragged.utils import describe
 
+from .layer import attention_dtype
+
 # --------------------------------------------------------------------------------------
 # Padded inputs: one read of the key padding mask, then packed with host lengths
 
@@ -308,13 +310,7 @@ class MultiheadAttention(nn.Module):
         kr = key.with_values(k)
         vr = kr.with_values(v) if value is key else value.with_values(v)
         p = self.dropout if self.training else 0.0
-        device = q.device.type
-        if torch.is_autocast_enabled(device):
-            # q, k, v already carry autocast's dtype (they come out of F.linear); attention runs
-            # in it, as SDPA does under autocast, and its float32 internals stay float32.
-            with torch.autocast(device, enabled=False):
-                out = attention(query.with_values(q), kr, vr, causal=causal, dropout_p=p)
-        else:
+        with attention_dtype(q):  # the layer core's rule under autocast
             out = attention(query.with_values(q), kr, vr, causal=causal, dropout_p=p)
         y = F.linear(out.values.reshape(-1, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
         return query.with_values(y), q, k

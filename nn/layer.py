@@ -27,6 +27,7 @@ this module asks them for their declared extras, never for a backend's name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Callable
@@ -43,7 +44,7 @@ from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer
 from .layer_backward import layer_backward
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
 
-__all__ = ["LayerKernels", "LayerSpec", "LayerWeights", "fused_backend", "run_layer", "run_stack"]
+__all__ = ["LayerKernels", "LayerSpec", "LayerWeights", "attention_dtype", "fused_backend", "run_layer", "run_stack"]
 
 _linear = F.linear  # 2-D: addmm(b, x, w^T) or mm(x, w^T), the transpose taken in C++
 
@@ -192,13 +193,7 @@ class Recorded:
     def attention(self, qkv, cu, max_len, spec, causal, p):
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
-        device = q.device.type
-        if torch.is_autocast_enabled(device):
-            # q, k, v carry autocast's dtype (F.linear's output): attention runs in it, as SDPA does
-            with torch.autocast(device, enabled=False):
-                o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
-                              -1, -1, self.attention_backend)[0]
-        else:
+        with attention_dtype(q):
             o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
                           -1, -1, self.attention_backend)[0]
         return o.reshape(n_tok, spec.d_model), ()
@@ -219,6 +214,15 @@ class Recorded:
 
 # --------------------------------------------------------------------------------------
 # One autograd node per layer
+
+
+def attention_dtype(q: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The block around an attention call on projections ``q`` (and k, v): under autocast the
+    projections already carry autocast's dtype (F.linear's output) and attention runs in it, as
+    SDPA does, with autocast off so that its float32 internals stay float32; otherwise nothing.
+    The layer core and ``ragged.nn.MultiheadAttention`` both call it."""
+    device = q.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
 class LayerFunction(torch.autograd.Function):
