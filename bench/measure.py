@@ -209,3 +209,19 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def cuda_graph(run: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``(graph, outputs)``: ``run`` captured in a CUDA graph after ``warmup`` calls on a side
+    stream (the allocator and lazy initialisations settle there); ``graph.replay()`` reruns it
+    into the same outputs. Whatever ``run`` reads must outlive the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out

@@ -63,6 +63,13 @@ REFERENCE_CHUNK_BYTES = 1 << 30
 # Workloads
 
 
+def lengths_text(dist: str, min_len: int, max_len: int) -> str:
+    """How a shape's lengths read in a case name (the attention and encoder suites)."""
+    if dist == "lognormal":
+        return f"L~lognormal({min_len}..{max_len})"
+    return f"L={min_len}..{max_len}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A batch of ``batch`` sequences with ``heads`` heads of dim ``head_dim``.
@@ -85,9 +92,7 @@ class Shape:
     note: str = ""
 
     def lengths_text(self) -> str:
-        if self.dist == "lognormal":
-            return f"L~lognormal({self.min_len}..{self.max_len})"
-        return f"L={self.min_len}..{self.max_len}"
+        return lengths_text(self.dist, self.min_len, self.max_len)
 
     def name(self) -> str:
         return f"{dtype_name(self.dtype)} B={self.batch} {self.lengths_text()} H={self.heads} D={self.head_dim}"

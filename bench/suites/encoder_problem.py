@@ -97,9 +97,7 @@ class Shape:
     note: str = ""
 
     def lengths_text(self) -> str:
-        if self.dist == "lognormal":
-            return f"L~lognormal({self.min_len}..{self.max_len})"
-        return f"L={self.min_len}..{self.max_len}"
+        return attention.lengths_text(self.dist, self.min_len, self.max_len)
 
     def name(self) -> str:
         return f"{dtype_name(self.dtype)} B={self.batch} {self.lengths_text()}"

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..harness import Impl
+from ..measure import cuda_graph
 
 GRAPH = ", CUDA graph"
 
@@ -20,15 +21,7 @@ GRAPH = ", CUDA graph"
 def _graphed(run: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
     """``run`` captured in a CUDA graph after warm-up calls on a side stream; the returned
     function replays it and returns the graph's own outputs (overwritten by the next replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = cuda_graph(run)
 
     def replay():
         graph.replay()
