@@ -125,17 +125,16 @@ class OpDef:
 def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, backward: Callable,
            spec: Callable, backward_signature: Callable | None = None, backward_fake: Callable | None = None,
            backward_present: Callable[..., Sequence[bool]] | None = None,
-           non_differentiable: Callable[[tuple, Any], Sequence[torch.Tensor]] | None = None,
-           gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")) -> OpDef:
+           non_differentiable: Callable[[tuple, Any], Sequence[torch.Tensor]] | None = None) -> OpDef:
     """Define op ``name`` (see the module docstring) and register it with :mod:`ragged.backends`.
 
     ``non_differentiable(inputs, outputs)``: the outputs autograd must treat as constants
     (statistics, indices); the ``torch.library`` op's outputs get a None gradient for them.
-    ``gpu_order``: the preference of ``"auto"`` on CUDA tensors (a tuple, or a function of the
-    spec returning one), fastest measured first.
+    Which implementation ``"auto"`` prefers on CUDA tensors is each implementation's measured
+    ``rank``, declared beside its kernels (:class:`ragged.backends.Implementation`).
     """
 
-    backends.declare_op(name, spec, gpu_order)
+    backends.declare_op(name, spec)
     impls = backends.implementations(name)  # filled as implementations are registered
 
     def run_forward(*args):

@@ -16,9 +16,10 @@ their own previous value. :func:`set_backend` changes the default of every threa
 Every implementation of an op is an :class:`Implementation`, declared beside its kernels
 with what it takes as data (dtypes, allowed values and maxima of the op's spec fields) and a
 ``check(spec)`` for the rest; :meth:`Implementation.reasons` returns the reasons it cannot
-take an input of a given spec (an empty list when it can). ``"auto"`` walks the op's
-preference order (measured; see ``bench/results/``) and takes the first implementation with
-no reasons; the pure-torch reference takes everything, so auto never fails. A forced backend
+take an input of a given spec (an empty list when it can). On CUDA inputs ``"auto"`` walks
+the op's implementations by the ``rank`` each declares beside its kernels (measured; see
+``bench/results/``; :meth:`OpEntry.gpu_preference`) and takes the first with no reasons (on
+other devices the reference); the pure-torch reference takes everything, so auto never fails. A forced backend
 that cannot take an input raises ``ValueError`` with its reasons. :func:`ragged.explain` (:mod:`ragged.explain`)
 reports every implementation's reasons for an input. :func:`select_spec` is the one place a backend
 is chosen. A new backend is :func:`register_backend` plus its implementations
@@ -40,6 +41,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import math
 import os
 import pkgutil
 from typing import Any, Callable, Iterator, Mapping
@@ -252,10 +254,21 @@ class Implementation:
     check: Callable[[Any], list[str]] | None = None
     backward_backend: str | None = None
     extras: Mapping[str, Callable | str] = dataclasses.field(default_factory=dict)
+    # The preference of "auto" on CUDA inputs, lower first, from measurements (bench/results):
+    # a number, or a function of the spec where the faster kernel depends on the shapes; None
+    # (the torch reference): after every ranked implementation.
+    rank: float | Callable[[Any], float] | None = None
 
     @property
     def name(self) -> str:
         return self.backend
+
+    def rank_for(self, spec) -> float:
+        """This implementation's place in ``"auto"``'s order for a CUDA input of ``spec``."""
+        rank = self.rank
+        if rank is None:
+            return math.inf
+        return rank(spec) if callable(rank) else rank
 
     @functools.cached_property
     def forward_fn(self) -> Callable:
@@ -315,18 +328,30 @@ class OpEntry:
 
     spec: Callable[..., Any]  # operands -> the op's frozen spec
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
-    # Preference of "auto" for CUDA inputs, fastest measured first: a tuple, or a function of
-    # the spec returning one (when the fastest kernel depends on the shapes).
-    gpu_order: tuple[str, ...] | Callable[..., tuple[str, ...]] = ("cuda", "triton", "torch")
+    # (implementation names, their order) while no rank depends on the spec
+    _static: tuple[tuple[str, ...], tuple[str, ...]] | None = dataclasses.field(default=None, repr=False)
+
+    def gpu_preference(self, spec) -> tuple[str, ...]:
+        """The backends of ``"auto"`` for a CUDA input of ``spec``, by their implementations'
+        measured ranks (lowest first; equal ranks in registration order)."""
+        impls = self.impls
+        names = tuple(impls)
+        static = self._static
+        if static is not None and static[0] == names:
+            return static[1]
+        order = tuple(sorted(names, key=lambda n: impls[n].rank_for(spec)))
+        if not any(callable(impls[n].rank) for n in names):
+            self._static = (names, order)
+        return order
 
 
 _OPS: dict[str, OpEntry] = {}
 _PENDING: dict[str, list[Implementation]] = {}  # implementations declared before their op
 
 
-def declare_op(op: str, spec: Callable[..., Any], gpu_order) -> None:
-    """Called by :func:`ragged._opdef.define`: the op, its spec function and its auto order."""
-    entry = _OPS[op] = OpEntry(spec, gpu_order=gpu_order if callable(gpu_order) else tuple(gpu_order))
+def declare_op(op: str, spec: Callable[..., Any]) -> None:
+    """Called by :func:`ragged._opdef.define`: the op and its spec function."""
+    entry = _OPS[op] = OpEntry(spec)
     for impl in _PENDING.pop(op, ()):
         entry.impls[impl.backend] = impl
 
@@ -430,11 +455,8 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
 
 
 def auto_choice(entry: OpEntry, spec) -> Implementation:
-    """``"auto"``: the first implementation of the op's preference order that takes ``spec``."""
-    if spec.device.type != "cuda":
-        order = ("torch",)
-    else:
-        order = entry.gpu_order(spec) if callable(entry.gpu_order) else entry.gpu_order
+    """``"auto"``: the first implementation, by measured rank on CUDA inputs, that takes ``spec``."""
+    order = entry.gpu_preference(spec) if spec.device.type == "cuda" else ("torch",)
     for candidate in order:
         impl = entry.impls.get(candidate)
         if impl is not None and not impl.reasons(spec):

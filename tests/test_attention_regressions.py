@@ -9,7 +9,7 @@ break a unit-stride or a size assumption.
   or write outside their tensors: NaN guard rows around every input and sentinel rows around
   every gradient buffer show it;
 * gradient buffers (``grads=``) whose feature dim is strided, taken by every backward;
-* the op's declarations: the spec, the auto order, no toolchain imported to declare.
+* the op's declarations: the spec, auto's order by the declared ranks, no toolchain imported to declare.
 
 The oracle is ``ragged.reference_attention`` in float64 (checked against an SDPA loop in
 ``test_attention.py``). Sizes stay small for the Triton interpreter.
@@ -437,11 +437,11 @@ def test_spec_and_the_auto_order_on_cuda():
     q, k, v = torch.zeros(9, 4, 32), torch.zeros(7, 2, 32), torch.zeros(7, 2, 32)
     spec = attention_spec(q, k, v, _cu([4, 5]), _cu([3, 4]), 5, 4, 1, 0, 0)
     assert spec == AttentionSpec(torch.device("cpu"), torch.float32, 32, 4, 2, 2, 5, 4, True, 0.0, False)
-    order = backends._OPS["attention"].gpu_order
+    order = backends.op_entry("attention").gpu_preference
     cuda = torch.device("cuda")
     for head_dim, longest, first in ((128, 64, "cuda"), (128, 65, "triton"), (64, 128, "cuda"), (64, 129, "triton")):
         s = AttentionSpec(cuda, torch.bfloat16, head_dim, 4, 4, 8, longest, 1, False, 0.0, False)
-        assert order(s)[0] == first and set(order(s)) == {"cuda", "triton", "torch"}
+        assert order(s)[0] == first and order(s)[-1] == "torch" and set(order(s)) == {"cuda", "triton", "torch"}
 
 
 def test_declarations_import_no_toolchain():

@@ -417,3 +417,19 @@ def test_no_test_module_overrides_the_profile():
             offenders += [f"{path.name}:{node.lineno} settings({kw.arg}=...)" for kw in node.keywords
                           if kw.arg in ("derandomize", "database")]
     assert not offenders, offenders
+
+
+def test_auto_on_cuda_follows_the_ranks_declared_beside_the_kernels():
+    """Every kernel implementation declares its measured rank; "auto" on CUDA inputs tries them
+    lowest first, the torch reference last (the orders measured in bench/results)."""
+    import ragged  # noqa: F401  (every backend registered)
+
+    expected = {"pack": ("cuda", "triton", "torch"), "unpack": ("cuda", "triton", "torch"),
+                "bias_act": ("cuda", "triton", "torch"), "add_layer_norm": ("cuda", "triton", "torch"),
+                "vocab_projection": ("triton", "torch"), "vocab_cross_entropy": ("triton", "torch"),
+                "pool": ("triton", "torch")}
+    for op, order in expected.items():
+        assert backends.op_entry(op).gpu_preference(None) == order, op
+    for op in backends.op_names():
+        for name, impl in backends.op_entry(op).impls.items():
+            assert (impl.rank is None) == (name == "torch"), f"{op}: {name} declares no rank"

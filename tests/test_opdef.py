@@ -64,7 +64,7 @@ OP = _opdef.define(NAME, _signature, spec=toy_spec, setup=_setup, backward=_rule
                    backward_signature=_backward_signature,
                    backward_fake=lambda grad, factor, need: (torch.empty_like(grad),),
                    backward_present=lambda grad, factor, need: (need,),
-                   non_differentiable=lambda inputs, out: (out[1],), gpu_order=("toy", "torch"))
+                   non_differentiable=lambda inputs, out: (out[1],))
 backends.register(Implementation(NAME, "torch", _forward, _backward))
 
 
@@ -77,7 +77,7 @@ def toy_backend(monkeypatch):
     monkeypatch.setattr(backends._OPS[NAME], "impls", backends._OPS[NAME].impls)
     backends.register_backend("toy", lambda d: None if d.type == "cpu" else f"toy runs on the CPU, got {d.type}")
     impl = Implementation(NAME, "toy", f"{__name__}:_forward", f"{__name__}:_backward", dtypes=(torch.float32,),
-                          limits={"width": (2, 4, 6, 8)}, maxima={"width": 6})
+                          limits={"width": (2, 4, 6, 8)}, maxima={"width": 6}, rank=0)
     monkeypatch.setitem(backends._OPS[NAME].impls, "toy", impl)
     yield impl
     monkeypatch.undo()

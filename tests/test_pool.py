@@ -358,7 +358,7 @@ def test_auto_takes_the_reference_on_cpu(monkeypatch):
         impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a)))
     ragged.pool(_ragged(torch.randn(4, 2), [1, 3]), "sum")
     assert ran == ["torch"]
-    assert entry.gpu_order == ("triton", "torch")
+    assert entry.gpu_preference(None) == ("triton", "torch")  # on CUDA inputs
 
 
 def test_docstring_examples_run():

@@ -274,20 +274,6 @@ def attention_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
                          bool(causal), float(dropout_p), bool(needs_grad), window)
 
 
-_CUDA_FIRST = ("cuda", "triton", "torch")
-_TRITON_FIRST = ("triton", "cuda", "torch")
-
-
-def _gpu_order(spec: AttentionSpec) -> tuple[str, ...]:
-    # The fused CUDA kernel was measured faster than Triton up to 64 tokens at every head dim
-    # and up to 128 at D <= 64, slower beyond (python -m bench --suite attention, the B=256
-    # short-sequence cases), so "auto" takes it only there.
-    longest = max(spec.max_q, spec.max_k)
-    if longest <= 64 or (spec.head_dim <= 64 and longest <= 128):
-        return _CUDA_FIRST
-    return _TRITON_FIRST
-
-
 def _signature(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
                scale: float, dropout_p: float, seed: int, window_left: int,
                window_right: int) -> tuple[Tensor, Tensor]: ...
@@ -318,8 +304,7 @@ ATTENTION = _opdef.define(
     fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
     backward_signature=_backward_signature,
     backward_fake=lambda do, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
-    non_differentiable=lambda inputs, output: (output[1],),
-    gpu_order=_gpu_order)
+    non_differentiable=lambda inputs, output: (output[1],))
 
 
 def _reference_mask(q, cu_q, max_k, dropout_p, seed):

@@ -374,11 +374,7 @@ BIAS_ACT = _opdef.define(
     "bias_act", _bias_act_signature, spec=bias_act_spec, setup=_bias_act_setup, backward=_bias_act_backward,
     fake=lambda x, bias, activation: x.new_empty(x.shape),
     backward_signature=_bias_act_backward_signature, backward_fake=_bias_act_backward_fake,
-    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias),
-    gpu_order=("cuda", "triton", "torch"))
-
-
-# --------------------------------------------------------------------------------------
+    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias))
 # add_layer_norm: the op and its autograd rule
 
 
@@ -464,8 +460,7 @@ ADD_LAYER_NORM = _opdef.define(
     backward_present=lambda dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias: (
         True, need_weight, need_bias),
     # constants to autograd: mean and rstd, and s unless it is returned (an empty placeholder)
-    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:],
-    gpu_order=("cuda", "triton", "torch"))
+    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:])
 
 backends.register(
     backends.Implementation("bias_act", "torch", _bias_act_torch_forward, _bias_act_torch_backward),

@@ -157,8 +157,7 @@ def _pack_backward(ctx, grad):
 
 PACK = _opdef.define(
     "pack", _pack_signature, spec=pack_spec, setup=_pack_setup, backward=_pack_backward,
-    fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])),
-    gpu_order=("cuda", "triton", "torch"))  # fastest measured first (bench/results/pack_*.md)
+    fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])))
 
 
 # padding_value is a Scalar, not a float: an int64 fill such as 2**62 + 1 stays exact.
@@ -181,8 +180,7 @@ def _unpack_backward(ctx, grad):
 UNPACK = _opdef.define(
     "unpack", _unpack_signature, spec=pack_spec, setup=_unpack_setup, backward=_unpack_backward,
     fake=lambda values, offsets, width, padding_value, left: values.new_empty(
-        (offsets.shape[0] - 1, width, *values.shape[1:])),
-    gpu_order=("cuda", "triton", "torch"))
+        (offsets.shape[0] - 1, width, *values.shape[1:])))
 
 backends.register(backends.Implementation("pack", "torch", reference_pack),
                   backends.Implementation("unpack", "torch", reference_unpack))

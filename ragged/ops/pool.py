@@ -234,8 +234,7 @@ POOL = _opdef.define(
     "pool", _pool_signature, spec=pool_spec, fake=_pool_fake, setup=_pool_setup, backward=_pool_backward,
     backward_signature=_pool_backward_signature,
     backward_fake=lambda grad, offsets, index, mode, total: (grad.new_empty((total, grad.shape[1])),),
-    non_differentiable=lambda inputs, outputs: (outputs[1],),
-    gpu_order=("triton", "torch"))
+    non_differentiable=lambda inputs, outputs: (outputs[1],))
 
 backends.register(backends.Implementation("pool", "torch", reference_pool, backward=reference_pool_backward))
 

@@ -182,11 +182,7 @@ VOCAB_PROJECTION = _opdef.define(
     backward_signature=_projection_backward_signature,
     backward_fake=lambda grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, nh, nw, nb, det:
         _gradient_fakes(grad, hidden, weight, nh, nw, nb),
-    backward_present=lambda *operands: operands[9:12],
-    gpu_order=("triton", "torch"))
-
-
-# --------------------------------------------------------------------------------------
+    backward_present=lambda *operands: operands[9:12])
 # ragged::vocab_cross_entropy: (loss [T], lse [T] in the compute dtype; local [T] int32, each
 # target's index among its sequence's candidates, -1 for ignore_index or a target outside
 # them; missing int64 [], the number of tokens whose target is neither) for global target
@@ -244,10 +240,7 @@ VOCAB_CROSS_ENTROPY = _opdef.define(
     backward_fake=lambda grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, logits, smoothing,
     max_t, max_v, nh, nw, nb, det, host_h, host_v: _gradient_fakes(grad, hidden, weight, nh, nw, nb),
     backward_present=lambda *operands: operands[15:18],
-    non_differentiable=lambda inputs, outputs: outputs[1:],
-    gpu_order=("triton", "torch"))
-
-# The reference indexes weight with the ids unmasked and reads the offsets on the host
+    non_differentiable=lambda inputs, outputs: outputs[1:])
 # anyway: the ids' checks run before it ("check_ids"), at no extra wait.
 backends.register(
     backends.Implementation("vocab_projection", "torch", _reference.projection_forward,

@@ -13,9 +13,11 @@ from ...utils import real_dtype_reasons
 _HERE = __name__
 
 
+# "auto"'s ranks on CUDA inputs (lower first), measured: bench/results/pack_*.md, attention_*.md,
+# fused_*.md. The CUDA pack and fused kernels beat Triton's at every measured size.
 register(
-    Implementation("pack", "cuda", f"{_HERE}.pack:pack", check=real_dtype_reasons),
-    Implementation("unpack", "cuda", f"{_HERE}.pack:unpack", check=real_dtype_reasons),
+    Implementation("pack", "cuda", f"{_HERE}.pack:pack", check=real_dtype_reasons, rank=0),
+    Implementation("unpack", "cuda", f"{_HERE}.pack:unpack", check=real_dtype_reasons, rank=0),
 )
 
 
@@ -51,8 +53,16 @@ def _attention_check(spec) -> list[str]:
     return out
 
 
+def _attention_rank(spec) -> int:
+    """Before Triton (rank 1) where the fused short-sequence kernel was measured faster: up to 64
+    tokens at every head dim and up to 128 at D <= 64 (``python -m bench --suite attention``,
+    the B=256 short-sequence cases); after it beyond."""
+    longest = max(spec.max_q, spec.max_k)
+    return 0 if longest <= 64 or (spec.head_dim <= 64 and longest <= 128) else 2
+
+
 register(Implementation(
-    "attention", "cuda", f"{_HERE}.attention:forward", dtypes=(torch.float16, torch.bfloat16),
+    "attention", "cuda", f"{_HERE}.attention:forward", dtypes=(torch.float16, torch.bfloat16), rank=_attention_rank,
     limits={"head_dim": ATTENTION_SHORT_HEAD_DIMS},
     maxima={"max_q": ATTENTION_SHORT_MAX_LEN, "max_k": ATTENTION_SHORT_MAX_LEN},
     check=_attention_check, backward_backend="triton",  # forward only; its inputs are Triton's too
@@ -123,9 +133,9 @@ def _add_layer_norm_check(spec) -> list[str]:
 # Forward kernels: the backward is Triton's, which reads the same saved tensors.
 register(
     Implementation("bias_act", "cuda", f"{_HERE}.fused:bias_act_forward", dtypes=tuple(FUSED_VECTOR),
-                   check=_bias_act_check, backward_backend="triton"),
+                   check=_bias_act_check, backward_backend="triton", rank=0),
     Implementation("add_layer_norm", "cuda", f"{_HERE}.fused:add_layer_norm_forward", dtypes=tuple(FUSED_VECTOR),
-                   check=_add_layer_norm_check, backward_backend="triton",
+                   check=_add_layer_norm_check, backward_backend="triton", rank=0,
                    # the forward without statistics, for inputs the caller has checked
                    extras={"inference": f"{_HERE}.fused:add_layer_norm_inference"}),
 )

@@ -15,9 +15,11 @@ from ...utils import real_dtype_reasons
 
 _HERE = __name__
 
+# "auto"'s ranks on CUDA inputs (lower first; see ragged/kernels/cuda/__init__.py for the CUDA
+# kernels'): rank 1 where a CUDA kernel was measured faster, 0 where Triton's is the only kernel.
 register(
-    Implementation("pack", "triton", f"{_HERE}.pack:pack", check=real_dtype_reasons),
-    Implementation("unpack", "triton", f"{_HERE}.pack:unpack", check=real_dtype_reasons),
+    Implementation("pack", "triton", f"{_HERE}.pack:pack", check=real_dtype_reasons, rank=1),
+    Implementation("unpack", "triton", f"{_HERE}.pack:unpack", check=real_dtype_reasons, rank=1),
 )
 
 
@@ -28,7 +30,7 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 register(Implementation("attention", "triton", f"{_HERE}.attention:forward", f"{_HERE}.attention:backward",
                         dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                        limits={"head_dim": ATTENTION_HEAD_DIMS}))
+                        limits={"head_dim": ATTENTION_HEAD_DIMS}, rank=1))
 
 
 # ---- fused -------------------------------------------------------------------
@@ -53,12 +55,12 @@ def _add_layer_norm_check(spec) -> list[str]:
 
 register(
     Implementation("bias_act", "triton", f"{_HERE}.fused:bias_act_forward", f"{_HERE}.fused:bias_act_backward",
-                   dtypes=FUSED_DTYPES, check=_bias_act_check,
+                   dtypes=FUSED_DTYPES, check=_bias_act_check, rank=1,
                    # the backward taking the gradient back through a dropout (mask=, p=) and writing
                    # its bias gradient's partial sums into a shared buffer (part=, part_col=)
                    extras={"dropout_backward": f"{_HERE}.fused:bias_act_backward"}),
     Implementation("add_layer_norm", "triton", f"{_HERE}.fused:add_layer_norm_forward",
-                   f"{_HERE}.fused:add_layer_norm_backward", dtypes=FUSED_DTYPES, check=_add_layer_norm_check,
+                   f"{_HERE}.fused:add_layer_norm_backward", dtypes=FUSED_DTYPES, check=_add_layer_norm_check, rank=1,
                    extras={"dropout_backward": f"{_HERE}.fused:add_layer_norm_dropout_backward",
                            "partial_groups": f"{_HERE}.fused:partial_groups",
                            "backward_fuses": f"{_HERE}.fused:layer_norm_backward_fuses"}),
@@ -82,10 +84,10 @@ def _vocab_kernels(module: str):
 
 register(
     Implementation("vocab_projection", "triton", f"{_HERE}.vocab:forward", f"{_HERE}.vocab:backward",
-                   dtypes=_VOCAB_DTYPES, check=_vocab_kernels(f"{_HERE}.vocab")),
+                   dtypes=_VOCAB_DTYPES, check=_vocab_kernels(f"{_HERE}.vocab"), rank=0),
     Implementation("vocab_cross_entropy", "triton", f"{_HERE}.vocab_cross_entropy:forward",
                    f"{_HERE}.vocab_cross_entropy:backward", dtypes=_VOCAB_DTYPES,
-                   check=_vocab_kernels(f"{_HERE}.vocab_cross_entropy")),
+                   check=_vocab_kernels(f"{_HERE}.vocab_cross_entropy"), rank=0),
 )
 
 
@@ -93,4 +95,4 @@ register(
 # Every mode; float16 / bfloat16 / float32 values (accumulated in float32). Integer, bool
 # and float64 values take the torch reference.
 register(Implementation("pool", "triton", f"{_HERE}.pool:pool", backward=f"{_HERE}.pool:pool_backward",
-                        dtypes=(torch.float16, torch.bfloat16, torch.float32)))
+                        dtypes=(torch.float16, torch.bfloat16, torch.float32), rank=0))
