@@ -40,6 +40,7 @@ from hf_attention_cases import (
 )
 
 
+# --------------------------------------------------------------------------------------
 # Flattened batches
 
 
@@ -269,6 +270,3 @@ def test_bert_flattened_equals_per_sequence():
         expected = reference(input_ids=torch.tensor([x])).last_hidden_state[0]
         _close(got[start:start + len(x)], expected)
         start += len(x)
-
-
-# --------------------------------------------------------------------------------------

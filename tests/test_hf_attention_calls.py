@@ -33,6 +33,7 @@ from hf_attention_cases import (
 )
 
 
+# --------------------------------------------------------------------------------------
 # What reaches ragged.varlen_attention
 
 
