@@ -12,8 +12,6 @@ import torch
 import ragged
 from ragged import backends
 
-pytestmark = pytest.mark.gpu
-
 DIMS = [32, 64, 80, 96, 128, 256]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-3}
