@@ -208,7 +208,7 @@ _AOT_BUILT = importlib.util.find_spec("ragged._C") is not None
 # A backend is a name and the reason it cannot run on a device (its toolchain); an
 # implementation is one backend's kernels for one op, declared beside them as data: the
 # dtypes, values and maxima of the op's spec fields it takes, plus a ``check`` for the rest.
-# Each op declares (ragged._opdef.define) the function that turns its operands into its
+# Each op declares (ragged.opdef.define) the function that turns its operands into its
 # frozen spec; every reason reads that spec, so the choice is made here and nowhere else.
 
 _BACKEND_REASONS: dict[str, Callable[[torch.device], str | None]] = {}
@@ -350,7 +350,7 @@ _PENDING: dict[str, list[Implementation]] = {}  # implementations declared befor
 
 
 def declare_op(op: str, spec: Callable[..., Any]) -> None:
-    """Called by :func:`ragged._opdef.define`: the op and its spec function."""
+    """Called by :func:`ragged.opdef.define`: the op and its spec function."""
     entry = _OPS[op] = OpEntry(spec)
     for impl in _PENDING.pop(op, ()):
         entry.impls[impl.backend] = impl

@@ -1,4 +1,4 @@
-"""ragged._opdef and the declared implementations of ragged.backends, on a toy op of their own:
+"""ragged.opdef and the declared implementations of ragged.backends, on a toy op of their own:
 one definition gives the eager path, the autograd Function and the torch.library ops, and all
 three compute the same values and gradients; a backend is one registration."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 import ragged
-from ragged import _opdef, backends
+from ragged import opdef, backends
 from ragged.backends import Implementation
 
 NAME = "opdef_test_scale"
@@ -59,7 +59,7 @@ def _rule(ctx, grad, _dstat):
     return dx, None
 
 
-OP = _opdef.define(NAME, _signature, spec=toy_spec, setup=_setup, backward=_rule,
+OP = opdef.define(NAME, _signature, spec=toy_spec, setup=_setup, backward=_rule,
                    fake=lambda x, factor: (torch.empty_like(x), x.new_empty(x.shape[:-1])),
                    backward_signature=_backward_signature,
                    backward_fake=lambda grad, factor, need: (torch.empty_like(grad),),
@@ -197,7 +197,7 @@ def test_backend_names_are_checked():
 def test_operands_that_are_lists_are_not_taken_for_tensors():
     def sig(a: Tensor, b: Tensor | None, c: list[Tensor], d: int) -> Tensor: ...
 
-    assert _opdef._tensor_positions(sig) == (0, 1)
+    assert opdef._tensor_positions(sig) == (0, 1)
 
 
 def test_ragged_backends_lists_a_registered_backend(toy_backend):

@@ -42,7 +42,7 @@ A query whose window holds no key of its sequence (Lq > Lk, say) gets zeros and 
 as under causal masking.
 
 One op carries the work, :data:`ATTENTION` (``ragged::attention`` and
-``ragged::attention_backward``, defined through :mod:`ragged._opdef`): operands ``(q, k, v,
+``ragged::attention_backward``, defined through :mod:`ragged.opdef`): operands ``(q, k, v,
 cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)`` ->
 ``(out, lse)``, ``lse`` a constant of the autograd graph; its backward takes ``(do, q, k, v,
 out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left,
@@ -67,7 +67,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _opdef, backends
+from .. import backends, opdef
 from . import attention_cpu
 from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager, no_autocast
 from ..tensor import RaggedTensor
@@ -299,7 +299,7 @@ def _backward(ctx, do, dlse):
     return (dq, dk, dv) + (None,) * 10
 
 
-ATTENTION = _opdef.define(
+ATTENTION = opdef.define(
     "attention", _signature, spec=attention_spec, setup=_setup, backward=_backward,
     fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
     backward_signature=_backward_signature,

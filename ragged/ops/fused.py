@@ -30,7 +30,7 @@ Second derivatives: both ops are twice differentiable on every backend. Under
 ``create_graph=True`` the backward runs as torch ops (the reference's written-out formulas,
 the layer norm's row statistics recomputed from the sum), which autograd records; otherwise
 it runs the chosen backend's kernels. One autograd rule per op serves the eager path and the
-``torch.library`` op (:mod:`ragged._opdef`).
+``torch.library`` op (:mod:`ragged.opdef`).
 
 The ops ``ragged::bias_act`` (:data:`BIAS_ACT`) and ``ragged::add_layer_norm``
 (:data:`ADD_LAYER_NORM`), each with a ``_backward`` op, have three implementations
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _opdef, backends
+from .. import backends, opdef
 from ..utils import check_tensor, check_vector, describe, eager, no_autocast
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
@@ -370,7 +370,7 @@ def _bias_act_backward(ctx, grad):
     return dx, dbias, None
 
 
-BIAS_ACT = _opdef.define(
+BIAS_ACT = opdef.define(
     "bias_act", _bias_act_signature, spec=bias_act_spec, setup=_bias_act_setup, backward=_bias_act_backward,
     fake=lambda x, bias, activation: x.new_empty(x.shape),
     backward_signature=_bias_act_backward_signature, backward_fake=_bias_act_backward_fake,
@@ -453,7 +453,7 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
     return dx, dres, dweight, dbias, None, None
 
 
-ADD_LAYER_NORM = _opdef.define(
+ADD_LAYER_NORM = opdef.define(
     "add_layer_norm", _add_layer_norm_signature, spec=add_layer_norm_spec, setup=_add_layer_norm_setup,
     backward=_add_layer_norm_backward, fake=_add_layer_norm_fake,
     backward_signature=_add_layer_norm_backward_signature, backward_fake=_add_layer_norm_backward_fake,

@@ -1,7 +1,7 @@
 """pack / unpack: padded ``[B, M, *F]`` <-> packed ``values [T, *F]``.
 
 Two ops carry the work (``ragged::pack``, ``ragged::unpack``, defined through
-:mod:`ragged._opdef`): the gradient of pack is unpack with zeros at padding, and the
+:mod:`ragged.opdef`): the gradient of pack is unpack with zeros at padding, and the
 gradient of unpack is pack. Each has three implementations, picked by :mod:`ragged.backends`:
 
 * ``"torch"``: :func:`reference_pack` / :func:`reference_unpack`, plain indexing;
@@ -42,7 +42,7 @@ import torch
 import torch.types
 from torch import Tensor
 
-from .. import _opdef, backends
+from .. import backends, opdef
 from ..utils import (
     check_int,
     check_offsets_tensor,
@@ -155,7 +155,7 @@ def _pack_backward(ctx, grad):
     return UNPACK(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left, backend), None, None, None
 
 
-PACK = _opdef.define(
+PACK = opdef.define(
     "pack", _pack_signature, spec=pack_spec, setup=_pack_setup, backward=_pack_backward,
     fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])))
 
@@ -177,7 +177,7 @@ def _unpack_backward(ctx, grad):
     return PACK(grad.contiguous(), offsets, ctx.total, ctx.left, backend), None, None, None, None
 
 
-UNPACK = _opdef.define(
+UNPACK = opdef.define(
     "unpack", _unpack_signature, spec=pack_spec, setup=_unpack_setup, backward=_unpack_backward,
     fake=lambda values, offsets, width, padding_value, left: values.new_empty(
         (offsets.shape[0] - 1, width, *values.shape[1:])))

@@ -2,7 +2,7 @@
 
 The op behind sentence embeddings (``"mean"``), CLS pooling (``"first"``) and decoder
 sequence classification (``"last"``). One op carries the work (``ragged::pool``, defined
-through :mod:`ragged._opdef`) on the features flattened to ``values [T, F]``; its backward
+through :mod:`ragged.opdef`) on the features flattened to ``values [T, F]``; its backward
 is a second op (``ragged::pool_backward``). Implementations, picked by :mod:`ragged.backends`:
 
 * ``"torch"``: :func:`reference_pool` / :func:`reference_pool_backward`, segment ops of
@@ -52,7 +52,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .. import _opdef, backends
+from .. import backends, opdef
 from ..utils import describe
 from ..tensor import RaggedTensor
 
@@ -230,7 +230,7 @@ def _pool_backward_signature(grad: Tensor, offsets: Tensor, index: Tensor, mode:
                              total: int) -> tuple[Tensor]: ...
 
 
-POOL = _opdef.define(
+POOL = opdef.define(
     "pool", _pool_signature, spec=pool_spec, fake=_pool_fake, setup=_pool_setup, backward=_pool_backward,
     backward_signature=_pool_backward_signature,
     backward_fake=lambda grad, offsets, index, mode, total: (grad.new_empty((total, grad.shape[1])),),

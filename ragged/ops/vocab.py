@@ -14,7 +14,7 @@ else is computed. The blocks are stored flat, row-major per sequence (the layout
 candidates, offsets ``v_off``) or a 1-D id tensor shared by the whole batch (then every
 ``V_b = S`` and ``v_off`` is None).
 
-Two ops carry the work (defined through :mod:`ragged._opdef`, each with its backward op):
+Two ops carry the work (defined through :mod:`ragged.opdef`, each with its backward op):
 ``ragged::vocab_projection`` (the flat logits) and ``ragged::vocab_cross_entropy`` (per-token
 losses for global target ids, the targets located among the candidates by the op). Every
 implementation of an op takes the same operands (see the signatures below):
@@ -56,7 +56,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .. import _opdef, backends
+from .. import backends, opdef
 from ..utils import describe
 from ..logits import RaggedLogits, compute_dtype
 from ..tensor import RaggedTensor
@@ -175,7 +175,7 @@ def _projection_backward(ctx, grad):
     return dh, None, dw, db, None, None, None, None, None, None
 
 
-VOCAB_PROJECTION = _opdef.define(
+VOCAB_PROJECTION = opdef.define(
     "vocab_projection", _projection_signature, spec=vocab_spec, setup=_projection_setup,
     backward=_projection_backward,
     fake=lambda hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v: hidden.new_empty((total,)),
@@ -234,7 +234,7 @@ def _ce_backward(ctx, grad, *_):
     return dh, None, dw, db, None, None, None, None, None, None, None, None, None
 
 
-VOCAB_CROSS_ENTROPY = _opdef.define(
+VOCAB_CROSS_ENTROPY = opdef.define(
     "vocab_cross_entropy", _ce_signature, spec=vocab_spec, setup=_ce_setup, backward=_ce_backward, fake=_ce_fake,
     backward_signature=_ce_backward_signature,
     backward_fake=lambda grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, logits, smoothing,
