@@ -8,7 +8,6 @@ holds :class:`PaddedLayout`) and recognising a causal attention mask (:func:`cau
 
 from __future__ import annotations
 
-import copy as _copy
 import math
 
 import torch
@@ -20,6 +19,7 @@ from ragged import RaggedTensor, attention, pack
 from ragged.padding import PaddedLayout, mask_keep, pack_by_layout, read_mask_layout
 from ragged.utils import describe
 
+from .accept import adopt, attention_features, module_attention_features
 from .layer import attention_dtype
 
 # --------------------------------------------------------------------------------------
@@ -121,41 +121,6 @@ def causal_flag(fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: 
     return True
 
 
-def adopt(fn: str, shell: nn.Module, source: nn.Module, copy: bool, memo: dict | None) -> nn.Module:
-    """Give ``shell`` (built on the meta device with ``source``'s configuration) the
-    Parameters and buffers of ``source`` at the same names: the same objects, or with
-    ``copy`` deep copies (``memo`` keeps tied tensors tied across a conversion). Every
-    submodule takes the training mode of its counterpart in ``source``.
-
-    ``source`` is never modified, also when this raises (a submodule ``shell`` shares with
-    ``source``, such as a custom activation module, already holds the right tensors and
-    modes and is left as it is)."""
-    if copy:
-        source = _copy.deepcopy(source, memo if memo is not None else {})
-    for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
-        ours = dict(getattr(shell, named)(remove_duplicate=False))
-        theirs = dict(getattr(source, named)(remove_duplicate=False))
-        if set(ours) != set(theirs):
-            raise TypeError(f"{fn}(): {type(source).__name__} has {kind}s {sorted(theirs)}, expected "
-                            f"{sorted(ours)}")
-    for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
-        ours = dict(getattr(shell, named)(remove_duplicate=False))
-        for name, tensor in getattr(source, named)(remove_duplicate=False):
-            if ours[name] is tensor:
-                continue
-            owner, _, leaf = name.rpartition(".")
-            target = shell.get_submodule(owner) if owner else shell
-            if kind == "parameter":
-                setattr(target, leaf, tensor)
-            else:
-                target.register_buffer(leaf, tensor, persistent=leaf not in target._non_persistent_buffers_set)
-    theirs = dict(source.named_modules(remove_duplicate=False))
-    for name, module in shell.named_modules(remove_duplicate=False):
-        if name in theirs:
-            module.training = theirs[name].training
-    return shell
-
-
 def to_batch_first(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
     return x if batch_first else x.transpose(0, 1)
 
@@ -207,12 +172,9 @@ class MultiheadAttention(nn.Module):
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
         fn = "ragged.nn.MultiheadAttention"
-        if add_bias_kv:
-            raise NotImplementedError(f"{fn}(): add_bias_kv=True (a learned key/value appended to every "
-                                      "sequence) is not supported")
-        if add_zero_attn:
-            raise NotImplementedError(f"{fn}(): add_zero_attn=True (a zero key/value appended to every "
-                                      "sequence) is not supported")
+        unsupported = attention_features(add_bias_kv, add_zero_attn)
+        if unsupported:
+            raise NotImplementedError(f"{fn}(): {unsupported} is not supported")
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"{fn}(): expected embed_dim and num_heads > 0, got embed_dim={embed_dim} and "
                              f"num_heads={num_heads}")
@@ -270,10 +232,9 @@ class MultiheadAttention(nn.Module):
         fn = "ragged.nn.MultiheadAttention.from_torch"
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"{fn}(): expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
-        if module.bias_k is not None or module.bias_v is not None:
-            raise NotImplementedError(f"{fn}(): modules built with add_bias_kv=True are not supported")
-        if module.add_zero_attn:
-            raise NotImplementedError(f"{fn}(): modules built with add_zero_attn=True are not supported")
+        unsupported = module_attention_features(module)
+        if unsupported:
+            raise NotImplementedError(f"{fn}(): modules built with {unsupported} are not supported")
         shell = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                     bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
                     batch_first=module.batch_first, device="meta")

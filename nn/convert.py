@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize, prune
 
 from ragged.utils import describe
 
+from .accept import its, module_attention_features
 from .activation import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 
@@ -41,29 +42,26 @@ _LAYER_CHILDREN: dict[str, type] = {
 }
 
 
-def _its(path: str) -> str:
-    return "it" if not path else f"its {path}"
-
-
 def _extras_reason(module: nn.Module) -> str | None:
     """Why something inside ``module`` (itself included) would be lost by a ragged module
     built from its Parameters: a parametrization, pruning, or any hook."""
     for path, sub in module.named_modules(remove_duplicate=False):
         if parametrize.is_parametrized(sub):
-            return f"{_its(path)} has a parametrization (torch.nn.utils.parametrize)"
+            return f"{its(path)} has a parametrization (torch.nn.utils.parametrize)"
         if any(isinstance(h, prune.BasePruningMethod) for h in sub._forward_pre_hooks.values()):
-            return f"{_its(path)} is pruned (torch.nn.utils.prune)"
+            return f"{its(path)} is pruned (torch.nn.utils.prune)"
         kinds = [name.strip("_").replace("_", " ") for name in _HOOKS if getattr(sub, name, None)]
         if kinds:
-            return f"{_its(path)} has {', '.join(kinds)} (a ragged module would not run them)"
+            return f"{its(path)} has {', '.join(kinds)} (a ragged module would not run them)"
     return None
 
 
 def _attention_reason(attn: nn.MultiheadAttention, path: str) -> str | None:
-    if attn.bias_k is not None or attn.bias_v is not None or attn.add_zero_attn:
-        return f"{_its(path)} uses add_bias_kv / add_zero_attn, which are not supported"
+    unsupported = module_attention_features(attn)
+    if unsupported:
+        return f"{its(path)} uses {unsupported}, which is not supported"
     if set(attn._modules) != {"out_proj"} or not isinstance(attn._modules["out_proj"], nn.Linear):
-        return f"{_its(path)} has submodules {sorted(attn._modules)}, expected only the out_proj Linear"
+        return f"{its(path)} has submodules {sorted(attn._modules)}, expected only the out_proj Linear"
     return None
 
 
@@ -76,7 +74,7 @@ def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
                     "layer would not run its code)")
     extra = sorted(set(layer._modules) - set(_LAYER_CHILDREN) - {"activation"})
     if extra:
-        return f"{_its(path)} has submodules {extra} that the ragged layer would not run"
+        return f"{its(path)} has submodules {extra} that the ragged layer would not run"
     attn = layer.self_attn
     why = _attention_reason(attn, prefix + "self_attn")
     if why:
@@ -275,7 +273,7 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
             if hit is not None:
                 del built[key]
                 owner = repr(hit[1]) if hit[1] else "the model"
-                refused[key] = (original, first_place[key], f"{_its(hit[0])} is also part of {owner}, which stays")
+                refused[key] = (original, first_place[key], f"{its(hit[0])} is also part of {owner}, which stays")
                 changed = True
 
     # A swapped module that also sits inside another swapped module: one ragged module at both.

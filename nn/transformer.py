@@ -24,9 +24,9 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe, eager
 
+from .accept import adopt, module_attention_features
 from .activation import (
     MultiheadAttention,
-    adopt,
     causal_flag,
     check_padding_mask,
     from_batch_first,
@@ -182,9 +182,12 @@ class TransformerEncoderLayer(nn.Module):
         if not isinstance(layer, nn.TransformerEncoderLayer):
             raise TypeError(f"{fn}(): expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
         attn = layer.self_attn
-        if type(attn) is not nn.MultiheadAttention or attn.bias_k is not None or attn.add_zero_attn:
-            raise NotImplementedError(f"{fn}(): the layer's self_attn is not a plain torch.nn.MultiheadAttention "
-                                      "(or uses add_bias_kv / add_zero_attn)")
+        if type(attn) is not nn.MultiheadAttention:
+            raise NotImplementedError(f"{fn}(): the layer's self_attn is not a plain torch.nn.MultiheadAttention, "
+                                      f"got {type(attn).__name__}")
+        unsupported = module_attention_features(attn)
+        if unsupported:
+            raise NotImplementedError(f"{fn}(): the layer's self_attn uses {unsupported}, which is not supported")
         if copy:
             memo = {} if memo is None else memo
             layer = _copy.deepcopy(layer, memo)
