@@ -96,3 +96,18 @@ def _real(x, mask):
 
 def _main(out, kind):
     return {"base": "last_hidden_state", "qa": "start_logits"}.get(kind, "logits")
+
+
+def _labels(kind, lengths, mask, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, m = mask.shape
+    if kind == "sequence":
+        return {"labels": torch.randint(0, 3, (b,), generator=g)}
+    if kind == "qa":
+        n = torch.tensor(lengths)
+        return {"start_positions": (torch.rand(b, generator=g) * n).long(),
+                "end_positions": (torch.rand(b, generator=g) * n).long()}
+    high = 3 if kind == "token" else VOCAB
+    labels = torch.randint(0, high, (b, m), generator=g)
+    labels[torch.rand(b, m, generator=g) < 0.3] = -100
+    return {"labels": labels.masked_fill(~mask.bool(), -100)}

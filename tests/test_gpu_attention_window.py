@@ -17,7 +17,7 @@ import torch
 
 import ragged
 from ragged import RaggedTensor, backends
-from test_gpu_attention import _assert_rule  # flash-attn's error rule, as the other GPU attention tests apply it
+from gpu_attention_cases import _assert_rule  # flash-attn's error rule, as the other GPU attention tests apply it
 
 pytestmark = pytest.mark.gpu
 

@@ -136,7 +136,7 @@ def test_graphed_hf_converted_models(family, kind):
 
 def _hf(family: str, kind: str):
     """A converted HuggingFace model (head dim 64) in bf16 on the GPU."""
-    from test_hf_convert import FAMILIES, KINDS, _config, _randomise
+    from hf_convert_cases import FAMILIES, KINDS, _config, _randomise
 
     over = (dict(dim=128, n_heads=2, hidden_dim=256) if family == "distilbert"
             else dict(hidden_size=128, num_attention_heads=2, intermediate_size=256))

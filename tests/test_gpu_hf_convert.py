@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ragged
-from test_hf_convert import FAMILIES, KINDS, _config, _labels, _randomise  # the CPU tests' models
+from hf_convert_cases import FAMILIES, KINDS, _config, _labels, _randomise  # the CPU tests' models
 
 tf = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ import torch
 
 import ragged
 from test_gpu_hf_convert import _batch, _close, _models, _values
-from test_hf_convert import _randomise
+from hf_convert_cases import _randomise
 
 tf = pytest.importorskip("transformers")
 

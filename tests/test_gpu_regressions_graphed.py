@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 tf = pytest.importorskip("transformers")
 
-from test_hf_convert import FAMILIES, KINDS, _config, _randomise  # noqa: E402
+from hf_convert_cases import FAMILIES, KINDS, _config, _randomise  # noqa: E402
 
 MAXPOS = 100  # not a power of two: the default length buckets run 16, 32, 64, 128, ...
 TOL = {torch.bfloat16: 3e-2, torch.float32: 2e-4}

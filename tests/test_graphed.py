@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ragged
-from test_hf_convert import _model  # the CPU tests' HuggingFace models
+from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 D, HEADS = 32, 4
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import ragged
 from nn import graphed_train
-from test_hf_convert import _model  # the CPU tests' HuggingFace models
+from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 D, HEADS = 32, 4
 

@@ -15,7 +15,7 @@ import torch
 
 import ragged
 from ragged.nn import hf_bert
-from test_hf_convert import LENGTHS, TOL, _batch, _model, _ragged, _real
+from hf_convert_cases import LENGTHS, TOL, _batch, _model, _ragged, _real
 
 tf = pytest.importorskip("transformers")
 # the module (torch.nn.parallel re-exports its function under the same name)

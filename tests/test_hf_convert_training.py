@@ -13,7 +13,7 @@ import ragged
 tf = pytest.importorskip("transformers")
 
 from hf_convert_cases import (  # noqa: E402
-    VOCAB,
+    _labels,
     _batch,
     FAMILIES,
     KINDS,
@@ -27,21 +27,6 @@ from hf_convert_cases import (  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Training
-
-
-def _labels(kind, lengths, mask, seed):
-    g = torch.Generator().manual_seed(seed)
-    b, m = mask.shape
-    if kind == "sequence":
-        return {"labels": torch.randint(0, 3, (b,), generator=g)}
-    if kind == "qa":
-        n = torch.tensor(lengths)
-        return {"start_positions": (torch.rand(b, generator=g) * n).long(),
-                "end_positions": (torch.rand(b, generator=g) * n).long()}
-    high = 3 if kind == "token" else VOCAB
-    labels = torch.randint(0, high, (b, m), generator=g)
-    labels[torch.rand(b, m, generator=g) < 0.3] = -100
-    return {"labels": labels.masked_fill(~mask.bool(), -100)}
 
 
 def _grads(model):

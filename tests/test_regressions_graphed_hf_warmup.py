@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ragged
-from test_hf_convert import FAMILIES, KINDS, _config, _randomise
+from hf_convert_cases import FAMILIES, KINDS, _config, _randomise
 
 tf = pytest.importorskip("transformers")
 
