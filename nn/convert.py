@@ -5,7 +5,7 @@ What is swapped is the table ``_SWAPS`` (torch.nn class -> ragged.nn class with 
 ``from_torch(module, copy=, memo=)`` classmethod); why a module of such a class stays as it is
 comes from ``_why_not`` (extra hooks and parametrizations, then the class's own rules).
 
-HuggingFace BERT-family models are converted by :mod:`ragged.nn.hf_bert` (their forward is
+HuggingFace BERT-family models are converted by :mod:`ragged.nn.hf` (their forward is
 patched, their modules stay); it is imported only when transformers is, so that converting a
 torch.nn model never imports transformers.
 """
@@ -121,21 +121,21 @@ def _left_whole(module: nn.Module) -> bool:
 
 
 def _hf_adapter():
-    """:mod:`ragged.nn.hf_bert` when transformers is loaded (a model of it can exist), else None."""
+    """:mod:`ragged.nn.hf` when transformers is loaded (a model of it can exist), else None."""
     if "transformers" not in sys.modules:
         return None
-    from . import hf_bert
+    from . import hf
 
-    return hf_bert
+    return hf
 
 
 def _sentence_adapter():
-    """:mod:`ragged.nn.hf_sentence` when sentence-transformers is loaded, else None."""
+    """:mod:`ragged.nn.hf.sentence` when sentence-transformers is loaded, else None."""
     if "sentence_transformers" not in sys.modules:
         return None
-    from . import hf_sentence
+    from .hf import sentence
 
-    return hf_sentence
+    return sentence
 
 
 def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
@@ -171,7 +171,7 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
 
     HuggingFace models (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT: base
     models and their sequence classification, token classification, masked LM and question
-    answering heads; see :mod:`ragged.nn.hf_bert`) keep their modules and Parameters: their
+    answering heads; see :mod:`ragged.nn.hf`) keep their modules and Parameters: their
     forward is patched to run padding-free and to take RaggedTensors. ``model`` itself such a
     model: converted in place and returned (``copy=True``: a converted deep copy), or refused
     with NotImplementedError naming the class and the feature, the model unchanged (whatever
@@ -180,7 +180,7 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     model is left as it is.
 
     A sentence-transformers ``SentenceTransformer`` whose first module is a ``Transformer`` over
-    one of these models is converted as a whole (see :mod:`ragged.nn.hf_sentence`): its
+    one of these models is converted as a whole (see :mod:`ragged.nn.hf.sentence`): its
     Transformer, Pooling and ``encode`` run on the packed tokens; Dense, Normalize and the other
     modules act on the sentence embeddings as before.
     """

@@ -101,11 +101,11 @@ def _model_max_len(module: nn.Module) -> tuple[int, str] | None:
     ``L`` is the rows of its position-embedding table, less ``padding_idx + 1`` in the RoBERTa
     family (its positions count from there): a bucket longer than ``L`` would hand the spare
     rows positions past the table."""
-    from . import hf_bert
+    from . import hf
 
-    if not (hf_bert.is_hf_model(module) and hf_bert.is_converted(module)):
+    if not (hf.is_hf_model(module) and hf.is_converted(module)):
         return None
-    ident = hf_bert.identify(module)
+    ident = hf.identify(module)
     if isinstance(ident, str):
         return None
     family = ident[0]
@@ -119,7 +119,7 @@ def _model_max_len(module: nn.Module) -> tuple[int, str] | None:
             return None
         what = f"max_position_embeddings={rows}"
     pad = getattr(embeddings, "padding_idx", None)
-    if family.style == "roberta" and isinstance(pad, int):
+    if family.positions_from_ids and isinstance(pad, int):
         return rows - (pad + 1), f"{what}, positions from padding_idx + 1 = {pad + 1}"
     return rows, what
 
@@ -510,7 +510,7 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     modules after it run eagerly on the graph's output); ``ragged.nn.graphed(st, ...)`` again
     replaces those graphs, and ``st[0].forward.graphed = None`` turns them off.
     """
-    from . import hf_sentence
+    from .hf import sentence as hf_sentence
 
     if hf_sentence.is_sentence_transformer(module):
         if not hf_sentence.is_converted(module):

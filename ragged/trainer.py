@@ -251,9 +251,9 @@ def _check_graphs(graphs, model):
     if graphs is False or graphs is None:
         return None
     import ragged.nn
-    from ragged.nn import hf_bert
+    from ragged.nn import hf
 
-    if not (hf_bert.is_hf_model(model) and hf_bert.is_converted(model)):
+    if not (hf.is_hf_model(model) and hf.is_converted(model)):
         raise ValueError(f"{_NAME}(): graphs= needs a model converted by ragged.nn.convert (its forward takes the "
                          f"RaggedTensor batches the graphs replay), got {type(model).__name__}, not converted")
     if graphs is True:

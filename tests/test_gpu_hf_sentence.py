@@ -26,7 +26,7 @@ from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
 from sentence_transformers.util import batch_to_device  # noqa: E402
 
-from ragged.nn import hf_sentence  # noqa: E402
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from test_hf_sentence import LONG, MODES, TEXTS, VOCAB, WORDS  # noqa: E402  (the CPU tests' tokenizer and texts)
 
 pytestmark = pytest.mark.gpu

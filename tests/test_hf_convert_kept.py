@@ -92,7 +92,7 @@ def test_model_with_torch_and_hf_parts():
     ref = copy.deepcopy(model)
     copied = ragged.nn.convert(model, copy=True)
     assert copied is model and model.text is not ref.text and isinstance(model.enc, ragged.nn.TransformerEncoder)
-    assert ragged.nn.hf_bert.is_converted(model.text)
+    assert ragged.nn.hf.is_converted(model.text)
     ids, mask = _batch(LENGTHS)
     with torch.no_grad():
         got = model.text(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -109,7 +109,7 @@ def test_subclass_defined_elsewhere_converts_its_base_model():
     _randomise(model, 3)
     ref = copy.deepcopy(model)
     assert ragged.nn.convert(model) is model
-    assert "forward" not in model.__dict__ and ragged.nn.hf_bert.is_converted(model.bert)
+    assert "forward" not in model.__dict__ and ragged.nn.hf.is_converted(model.bert)
     ids, mask = _batch(LENGTHS)
     with torch.no_grad():  # HuggingFace's head code on the converted base model's padded outputs
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,

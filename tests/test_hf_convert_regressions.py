@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ragged
-from ragged.nn import hf_bert
+from ragged.nn import hf as hf_convert
 from hf_convert_cases import LENGTHS, TOL, _batch, _model, _ragged, _real
 
 tf = pytest.importorskip("transformers")
@@ -141,7 +141,7 @@ def test_replicas_run_their_own_parameters(family, kind, monkeypatch):
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask)[main]
     first, second = _replicate(ours, 2, True, monkeypatch)
-    assert hf_bert.is_done(first) and hf_bert.is_done(second)
+    assert hf_convert.is_done(first) and hf_convert.is_done(second)
     # change the second replica's weights (its own tensors): only its output follows
     layers = (second.bert if kind == "sequence" else second).__getattr__(
         "transformer" if family == "distilbert" else "encoder").layer
@@ -206,7 +206,7 @@ def test_copies_of_a_converted_model_run_themselves(monkeypatch):
     torch.save(ours, buffer)
     buffer.seek(0)
     for other in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours)), torch.load(buffer, weights_only=False)):
-        assert hf_bert.is_done(other)
+        assert hf_convert.is_done(other)
         (replica,) = _replicate(other, 1, True, monkeypatch)
         replica.roberta.encoder.layer[1].attention.self.key.weight.zero_()
         with torch.no_grad():
@@ -215,9 +215,9 @@ def test_copies_of_a_converted_model_run_themselves(monkeypatch):
         torch.testing.assert_close(kept, want, **TOL)
         assert (moved - kept).abs().max() > 1e-3
     shallow = copy.copy(ours)
-    assert not hf_bert.is_converted(shallow) and hf_bert.is_done(ours)
-    assert ragged.nn.convert(shallow) is shallow and hf_bert.is_done(shallow)
+    assert not hf_convert.is_converted(shallow) and hf_convert.is_done(ours)
+    assert ragged.nn.convert(shallow) is shallow and hf_convert.is_done(shallow)
     plain = copy.deepcopy(hf)
     keys = set(plain.__dict__)
-    hf_bert.unpatch(hf_bert.patch(plain))
+    hf_convert.unpatch(hf_convert.patch(plain))
     assert set(plain.__dict__) == keys

@@ -124,7 +124,10 @@ def test_question_answering_loss_spans_real_tokens():
 
 
 def test_dropout_rates_and_activations():
-    from ragged.nn.hf_encoder import layer_spec
+    from ragged.nn import hf as convert_hf
+
+    def layer_spec(model, layer):
+        return convert_hf.identify(model)[0].layer_spec(layer)
 
     for family, over, style, rates in (
             ("bert", dict(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.2), "bert", (0.1, 0.2, 0.0, 0.2)),
@@ -132,13 +135,13 @@ def test_dropout_rates_and_activations():
         ours, _ = _model(family, **over)
         layers = (ours.transformer if style == "distil" else ours.encoder).layer
         ours.train()
-        assert layer_spec(style, layers[0]).dropout == rates
+        assert layer_spec(ours, layers[0]).dropout == rates
         ours.eval()
-        assert layer_spec(style, layers[0]).dropout == (0.0, 0.0, 0.0, 0.0)
+        assert layer_spec(ours, layers[0]).dropout == (0.0, 0.0, 0.0, 0.0)
     for act, fused in (("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"),
                        ("relu", "relu"), ("silu", None)):
         ours, hf = _model("bert", hidden_act=act)
-        spec = layer_spec("bert", ours.encoder.layer[0])
+        spec = layer_spec(ours, ours.encoder.layer[0])
         module = ours.encoder.layer[0].intermediate.intermediate_act_fn
         assert spec.activation == fused if fused else spec.activation is module
         ids, mask = _batch(LENGTHS)

@@ -31,7 +31,8 @@ pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
 
-from ragged.nn import hf_bert, hf_sentence  # noqa: E402
+from ragged.nn import hf
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 
 D, MAXLEN = 32, 64
 WORDS = ("the a of and to in is it that was for on are with as he she they be at one have this from or had by hot "
@@ -412,7 +413,7 @@ def test_modules_left_on_padded_token_embeddings(transformers_):
         ours = copy.deepcopy(original)
         with pytest.raises(NotImplementedError, match="padded token embeddings: '[12]'"):
             hf_sentence.convert_sentence_transformer(ours, strict=True)
-        assert _untouched(ours) and not hf_bert.is_converted(ours[0].auto_model)
+        assert _untouched(ours) and not hf.is_converted(ours[0].auto_model)
         with pytest.warns(UserWarning, match="run on padded token embeddings"):
             hf_sentence.convert_sentence_transformer(ours)
         pooling = next(m for m in ours if isinstance(m, M.Pooling))
@@ -444,7 +445,7 @@ def _refused(st, match, **kw):
         hf_sentence.convert_sentence_transformer(st, **kw)
     assert _patches(st) == before
     if len(st) and isinstance(st[0], M.Transformer):
-        assert not hf_bert.is_converted(st[0].auto_model)
+        assert not hf.is_converted(st[0].auto_model)
 
 
 def test_refusals(transformers_, folders):
@@ -478,7 +479,7 @@ def test_refusals(transformers_, folders):
 
 
 def test_is_sentence_transformer_imports_nothing():
-    code = ("import sys, torch, ragged.nn.hf_sentence as s;"
+    code = ("import sys, torch, ragged.nn.hf.sentence as s;"
             "assert not s.is_sentence_transformer(torch.nn.Linear(1, 1));"
             "import ragged.nn; ragged.nn.convert(torch.nn.Sequential(torch.nn.Linear(1, 1)));"
             "assert 'sentence_transformers' not in sys.modules, 'imported'")

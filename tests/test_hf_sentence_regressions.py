@@ -22,7 +22,7 @@ st_package = pytest.importorskip("sentence_transformers")
 from packaging.version import Version  # noqa: E402
 from sentence_transformers.sentence_transformer import modules as M  # noqa: E402
 
-from ragged.nn import hf_sentence  # noqa: E402
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from ragged.nn.activation import PaddedLayout  # noqa: E402
 from test_hf_sentence import D, TEXTS, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 

@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers.sentence_transformer import modules as M  # noqa: E402
 
-from ragged.nn import hf_bert, hf_sentence  # noqa: E402
+from ragged.nn import hf
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from test_hf_sentence import D, TEXTS, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 
 replicate_module = importlib.import_module("torch.nn.parallel.replicate")
@@ -56,7 +57,7 @@ def _owns_its_patches(st) -> bool:
     """Every converted forward, preprocess and encode of ``st`` holds ``st``'s own modules."""
     return (hf_sentence.is_converted(st) and st.encode.model is st and st[0].forward.module is st[0]
             and st[0].preprocess.module is st[0] and st[1].forward.module is st[1]
-            and hf_bert.is_done(st[0].auto_model))
+            and hf.is_done(st[0].auto_model))
 
 
 # --------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def convert_st(st):
     """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
     only the HuggingFace model inside would leave the batches padded in and out)."""
     import ragged.nn as rnn
-    from ragged.nn import hf_sentence
+    from ragged.nn.hf import sentence as hf_sentence
 
     converted = rnn.convert(st)
     if not hf_sentence.is_converted(converted):

@@ -1,11 +1,11 @@
 """Sentence-transformers models computed padding-free (what :func:`ragged.nn.convert` does to a
-``SentenceTransformer`` whose first module is a ``Transformer`` over a BERT-family model)::
+``SentenceTransformer`` whose first module is a ``Transformer`` over a model :mod:`ragged.nn.hf` converts)::
 
     st = ragged.nn.convert(SentenceTransformer(path))
     emb = st.encode(texts)          # the original's embeddings, computed on the real tokens only
 
-**Mechanism.** As for HuggingFace models (:mod:`ragged.nn.hf_bert`), conversion sets instance
-attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf_bert`; the
+**Mechanism.** As for HuggingFace models (:mod:`ragged.nn.hf`), conversion sets instance
+attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf`; the
 Transformer gets a ``forward`` (:class:`RaggedTransformerForward`) and a ``preprocess``
 (:class:`RaggedPreprocess`), each Pooling that reads the Transformer's token embeddings a
 ``forward`` (:class:`RaggedPooling`), the model an ``encode`` (:class:`RaggedEncode`). Classes,
@@ -54,7 +54,7 @@ overwrites: one thread only.
 **Pooling** (``cls``, ``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``, ``lasttoken``
 and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
 features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
-put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf_sentence_pooling`).
+put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf.sentence_pooling`).
 ``weightedmean`` weighs as the installed sentence-transformers does: by the columns of the padded
 batch before 6.2, by the place in the sequence from 6.2 (the two differ under left padding),
 read from its Pooling once. A sequence with no token pools to zeros (sentence-transformers:
@@ -71,7 +71,7 @@ on padded ``token_embeddings`` written on every call; conversion lists them in a
 ``Transformer`` (a Router, StaticEmbedding, a subclass), a backend other than torch, a task other
 than feature extraction, a text modality other than the model's forward to ``last_hidden_state``,
 flattened inputs for flash attention (``unpad_inputs``: set ``st[0].unpad_inputs = False`` first),
-query expansion with ``attend=False``, an ``auto_model`` that :mod:`ragged.nn.hf_bert` refuses (its
+query expansion with ``attend=False``, an ``auto_model`` that :mod:`ragged.nn.hf` refuses (its
 reason is given), ``forward`` / ``preprocess`` / ``encode`` already replaced by something else. At
 call time, inputs of another modality than text and flattened inputs (``cu_seq_lens_q``) raise
 NotImplementedError.
@@ -98,9 +98,9 @@ from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 from ragged.utils import describe
 
-from . import hf_bert
-from .hf_encoder import read_batch
-from .hf_sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
+from . import forward as hf_forward
+from .batch import read_batch
+from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
@@ -124,10 +124,10 @@ def encoding(forward: "RaggedTransformerForward", mode: str):
     batch on the host, tokenizing without padding where it can) or ``"tokens"`` (the padded
     batch packed from its host mask; the forward writes padded ``token_embeddings``)."""
     if not isinstance(forward, RaggedTransformerForward):
-        raise TypeError(f"ragged.nn.hf_sentence.encoding(): expected the forward of a converted Transformer, got "
+        raise TypeError(f"ragged.nn.hf.sentence.encoding(): expected the forward of a converted Transformer, got "
                         f"{describe(forward)}")
     if mode not in ("sentence", "tokens"):
-        raise ValueError(f"ragged.nn.hf_sentence.encoding(): expected mode 'sentence' or 'tokens', got {mode!r}")
+        raise ValueError(f"ragged.nn.hf.sentence.encoding(): expected mode 'sentence' or 'tokens', got {mode!r}")
     token = _ENCODING.set((*_ENCODING.get(), (forward, mode)))
     try:
         yield
@@ -195,7 +195,7 @@ class PackedInput:
         return PackedInput(move(self.ids), move(self.token_type_ids), move(self.position_ids), layout)
 
 
-def pack_input(fn: str, style: str, input_ids, attention_mask, token_type_ids, position_ids) -> PackedInput:
+def pack_input(fn: str, from_ids: bool, input_ids, attention_mask, token_type_ids, position_ids) -> PackedInput:
     """Pack padded ``input_ids [B, M]`` with their ``attention_mask`` (one read of the mask:
     free on the host, one device-to-host read on a GPU). Positions follow HuggingFace: the
     columns of the padded batch for BERT, ELECTRA and DistilBERT (a left-padded row starts
@@ -203,7 +203,7 @@ def pack_input(fn: str, style: str, input_ids, attention_mask, token_type_ids, p
     batch = read_batch(fn, "input_ids", input_ids, attention_mask, 0)
     types = batch.pack(fn, "token_type_ids", token_type_ids, 0, broadcast=True)
     positions = batch.pack(fn, "position_ids", position_ids, 0, broadcast=True)
-    if positions is None and batch.layout.side != "right" and style != "roberta":
+    if positions is None and batch.layout.side != "right" and not from_ids:
         positions = batch.columns()
     return PackedInput(batch.rt, types, positions, batch.layout)
 
@@ -217,9 +217,9 @@ class RaggedTransformerForward:
     ``pad_token_embeddings`` to True to have ``features["token_embeddings"]`` written on every
     call (conversion sets it when a module after the Transformer may read it)."""
 
-    def __init__(self, module: nn.Module, style: str, takes_types: bool, pad_token_embeddings: bool) -> None:
+    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool) -> None:
         self.module = module
-        self.style = style
+        self.from_ids = from_ids
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
         self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
@@ -230,7 +230,7 @@ class RaggedTransformerForward:
     def for_replica(self, replica: nn.Module) -> dict:
         """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
         hold this module's parameters)."""
-        return {"forward": RaggedTransformerForward(replica, self.style, self.takes_types, self.pad_token_embeddings)}
+        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings)}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "graphed": None}  # graphs are of this process
@@ -260,7 +260,7 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     elif not isinstance(ids, torch.Tensor):
         raise ValueError(f"{fn}(): expected features['input_ids'] to be a tensor [B, M], got {describe(ids)}")
     else:
-        packed = pack_input(fn, self.style, ids, merged.get("attention_mask"),
+        packed = pack_input(fn, self.from_ids, ids, merged.get("attention_mask"),
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
     inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
                                 ("position_ids", packed.position_ids)) if t is not None}
@@ -337,7 +337,7 @@ class RaggedPreprocess:
             for name in ("input_ids", "token_type_ids", "attention_mask"):
                 features.pop(name, None)
         elif _host_padded(features):
-            features[INPUT_KEY] = pack_input("Transformer.preprocess", forward.style, ids,
+            features[INPUT_KEY] = pack_input("Transformer.preprocess", forward.from_ids, ids,
                                              features.get("attention_mask"), types, features.get("position_ids"))
         return features
 
@@ -474,7 +474,7 @@ def _plan(model: nn.Module) -> _Plan | str:
     first = model[0]
     if type(first) is not c["Transformer"]:
         return (f"its first module is a {type(first).__name__}, not sentence-transformers' Transformer (ragged runs a "
-                "Transformer over a BERT-family model)")
+                "Transformer over a model ragged.nn.convert converts)")
     if first.backend != "torch":
         return f"its Transformer runs the {first.backend!r} backend, not torch"
     if first.transformer_task != "feature-extraction":
@@ -493,13 +493,13 @@ def _plan(model: nn.Module) -> _Plan | str:
         if _replaced(owner, name, ours):
             return f"{where} has its {name} replaced, which the converted model would not run"
     auto = first._modules.get("model")
-    if not hf_bert.is_hf_model(auto):
-        return f"its auto_model is a {type(auto).__name__}, not a transformers BERT-family model"
-    if not hf_bert.is_done(auto):
-        why = hf_bert.why_not(auto)
+    if not hf_forward.is_hf_model(auto):
+        return f"its auto_model is a {type(auto).__name__}, not a transformers model ragged.nn.convert converts"
+    if not hf_forward.is_done(auto):
+        why = hf_forward.why_not(auto)
         if why is not None:
             return f"its auto_model cannot be converted: {why}"
-    ident = hf_bert.identify(auto)
+    ident = hf_forward.identify(auto)
     if isinstance(ident, str) or ident[1] != "base":
         return f"its auto_model is a {type(auto).__name__}, not a base model (AutoModel)"
     poolings, padded, changed_by = [], [], None
@@ -575,12 +575,12 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
         plan = _plan(model)
     first = plan.transformer
     auto = first._modules["model"]
-    family, _ = hf_bert.identify(auto)
+    family, _ = hf_forward.identify(auto)
     takes_types = "token_type_ids" in inspect.signature(type(auto).forward).parameters
-    patched = [] if hf_bert.is_done(auto) else hf_bert.patch(auto)
+    patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
     # what a shallow copy shares with a converted model is its own already: kept as it is (graphs included)
     wanted = [(first, "forward", RaggedTransformerForward,
-               lambda: RaggedTransformerForward(first, family.style, takes_types, bool(plan.padded))),
+               lambda: RaggedTransformerForward(first, family.positions_from_ids, takes_types, bool(plan.padded))),
               (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
               (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
               *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings)]
@@ -593,6 +593,6 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
         for module, names in done:
             for name in names:
                 module.__dict__.pop(name, None)
-        hf_bert.unpatch(patched)
+        hf_forward.unpatch(patched)
         raise
     return model

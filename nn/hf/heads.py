@@ -1,8 +1,10 @@
-"""The task heads of converted HuggingFace BERT-family models (see :mod:`ragged.nn.hf_bert`).
+"""The task heads of converted HuggingFace models (see :mod:`ragged.nn.hf`), the same for every
+family: the family says which of its head modules give the logits
+(:class:`ragged.nn.hf.family.Family`), this module lays them out and computes the losses.
 
-Each head runs the model's own head modules: sequence-level heads on each sequence's first
-token (:func:`ragged.pool` ``"first"``, ``[B, d]``), token-level heads on the packed tokens
-``[T, d]``. Losses are HuggingFace's, on the real tokens:
+Sequence-level heads read each sequence's pooled tokens (its first token, :func:`ragged.pool`
+``"first"``, or its mean, ``[B, d]``), token-level heads the packed tokens ``[T, d]``.
+Losses are HuggingFace's, on the real tokens:
 
 * sequence classification: HuggingFace's ``problem_type`` rule (set on the config at the
   first call with labels, as HuggingFace does) and its MSE / cross-entropy / BCE losses;
@@ -22,55 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ragged
 from ragged.utils import describe
 
-from .hf_encoder import Encoded, Family
+from .encoder import Encoded
+from .family import Family
 
-__all__ = ["HEAD_MODULES", "KINDS", "head_outputs", "pooled_output"]
-
-# class-name suffix -> head kind
-KINDS = {"Model": "base", "ForSequenceClassification": "sequence", "ForTokenClassification": "token",
-         "ForMaskedLM": "masked_lm", "ForQuestionAnswering": "qa"}
-
-# (kind, style) -> the head's submodules this file calls
-HEAD_MODULES = {
-    ("sequence", "bert"): ("dropout", "classifier"),
-    ("sequence", "roberta"): ("classifier",),
-    ("sequence", "electra"): ("classifier",),
-    ("sequence", "distil"): ("pre_classifier", "dropout", "classifier"),
-    ("token", "bert"): ("dropout", "classifier"),
-    ("token", "roberta"): ("dropout", "classifier"),
-    ("token", "electra"): ("dropout", "classifier"),
-    ("token", "distil"): ("dropout", "classifier"),
-    ("masked_lm", "bert"): ("cls",),
-    ("masked_lm", "roberta"): ("lm_head",),
-    ("masked_lm", "electra"): ("generator_predictions", "generator_lm_head"),
-    ("masked_lm", "distil"): ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),
-    ("qa", "bert"): ("qa_outputs",),
-    ("qa", "roberta"): ("qa_outputs",),
-    ("qa", "electra"): ("qa_outputs",),
-    ("qa", "distil"): ("dropout", "qa_outputs"),
-}
-
-
-def pooled_output(base: nn.Module, enc: Encoded) -> torch.Tensor | None:
-    """``[B, d]``: the base model's pooler on each sequence's first token (None without one).
-    The pooler is called as HuggingFace calls it, on a ``[B, 1, d]`` batch."""
-    pooler = base._modules.get("pooler")
-    if pooler is None:
-        return None
-    return pooler(ragged.pool(enc.rt, "first").unsqueeze(1))
-
-
-def _sequence_logits(family: Family, model: nn.Module, base: nn.Module, enc: Encoded) -> torch.Tensor:
-    m = model._modules
-    if family.style == "bert":
-        return m["classifier"](m["dropout"](pooled_output(base, enc)))
-    first = ragged.pool(enc.rt, "first")
-    if family.style == "distil":
-        return m["classifier"](m["dropout"](F.relu(m["pre_classifier"](first))))
-    return m["classifier"](first.unsqueeze(1))  # RobertaClassificationHead / ElectraClassificationHead read [:, 0]
+__all__ = ["head_outputs"]
 
 
 def _sequence_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -93,17 +52,6 @@ def _sequence_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor)
     if config.problem_type == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits, labels)
     return None
-
-
-def _masked_lm_logits(family: Family, model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    m = model._modules
-    if family.style == "bert":
-        return m["cls"](h)
-    if family.style == "roberta":
-        return m["lm_head"](h)
-    if family.style == "electra":
-        return m["generator_lm_head"](m["generator_predictions"](h))
-    return m["vocab_projector"](m["vocab_layer_norm"](m["activation"](m["vocab_transform"](h))))
 
 
 def _positions(fn: str, name: str, t, batch: int) -> torch.Tensor:
@@ -153,25 +101,29 @@ def head_outputs(fn: str, kind: str, family: Family, model: nn.Module, base: nn.
     """The output fields of head ``kind`` (``loss`` None without labels): logits in the
     caller's form (a RaggedTensor for a RaggedTensor input, padded with zeros otherwise)."""
     if kind == "sequence":
-        logits = _sequence_logits(family, model, base, enc)
+        logits = family.sequence_logits(model, base, enc)
         loss = None if labels is None else _sequence_loss(model, logits, labels)
         return {"loss": loss, "logits": logits}
     h = enc.values
     if kind == "qa":
-        if family.style == "distil":
-            h = model._modules["dropout"](h)
-        logits = model._modules["qa_outputs"](h)
+        logits = family.qa_logits(model, h)
         start, end = logits[:, 0].contiguous(), logits[:, 1].contiguous()
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = _qa_loss(fn, enc, start, end, start_positions, end_positions)
         return {"loss": loss, "start_logits": enc.batch.out(start), "end_logits": enc.batch.out(end)}
+    target = None if labels is None else enc.batch.pack(fn, "labels", labels, 0).to(h.device)
     if kind == "token":
-        logits = model._modules["classifier"](model._modules["dropout"](h))
+        logits = family.token_logits(model, h)
     else:
-        logits = _masked_lm_logits(family, model, h)
+        chosen = family.masked_lm_tokens(model, target)
+        if chosen is not None:  # logits of the labelled tokens only, flat [N, V] (HuggingFace's sparse prediction)
+            logits = family.masked_lm_logits(model, h.index_select(0, chosen))
+            target = target.index_select(0, chosen)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
+            return {"loss": loss, "logits": logits}
+        logits = family.masked_lm_logits(model, h)
     loss = None
-    if labels is not None:
-        target = enc.batch.pack(fn, "labels", labels, 0).to(logits.device)
+    if target is not None:
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
     return {"loss": loss, "logits": enc.batch.out(logits)}

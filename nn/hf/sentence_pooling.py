@@ -1,4 +1,4 @@
-"""sentence-transformers' Pooling on packed tokens, for :mod:`ragged.nn.hf_sentence`.
+"""sentence-transformers' Pooling on packed tokens, for :mod:`ragged.nn.hf.sentence`.
 
 The converted Transformer writes ``features["ragged_token_embeddings"]`` (a
 :class:`TokenEmbeddings`); a converted Pooling (:class:`RaggedPooling`) reduces it with
@@ -148,7 +148,7 @@ def set_patches(module: nn.Module, patches: dict) -> list[str]:
 
 
 class RaggedPooling:
-    """The ``forward`` of a converted Pooling module: see :mod:`ragged.nn.hf_sentence`."""
+    """The ``forward`` of a converted Pooling module: see :mod:`ragged.nn.hf.sentence`."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
