@@ -251,7 +251,8 @@ def test_compile_fullgraph():
 
 
 # --------------------------------------------------------------------------------------
-# Regressions (their CPU versions: tests/test_vocab_regressions.py), on every backend and "auto"
+# Regressions (their CPU versions: tests/test_vocab_strided.py, tests/test_vocab_ids_and_gradients.py), on every
+# backend and "auto"
 
 REG_LENS, REG_COUNTS, REG_V, REG_D = [17, 0, 33, 1, 5], [40, 7, 0, 1, 129], 700, 64
 
