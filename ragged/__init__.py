@@ -7,6 +7,7 @@ Public API (see README.md for the table):
 * interop: :func:`from_nested`, :func:`from_packed_sequence`, :func:`from_attention_mask`
 * attention: :func:`attention` (RaggedTensors), :func:`varlen_attention` (cu_seqlens form)
 * fused per-token ops: :func:`bias_act` (bias + activation), :func:`add_layer_norm` (residual add + LayerNorm)
+* gated activation (GeGLU and the GLU family): :func:`gated_act`
 * per-sequence vocabularies: :func:`vocab_projection` -> :class:`RaggedLogits`, :func:`vocab_cross_entropy`,
   :func:`union_vocab`; the layer ``ragged.nn.VocabProjection``
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
@@ -17,6 +18,7 @@ from .backends import get_backend, set_backend, use_backend
 from .explain import explain
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
+from .ops.gated import gated_act, reference_gated_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
 from .ops.pack import pack_values, reference_pack, reference_unpack, unpack_values
 from .ops.pool import pool
@@ -43,6 +45,7 @@ __all__ = [
     "from_cu_seqlens",
     "from_nested",
     "from_packed_sequence",
+    "gated_act",
     "get_backend",
     "pack",
     "pack_values",
@@ -51,6 +54,7 @@ __all__ = [
     "reference_attention",
     "reference_attention_backward",
     "reference_bias_act",
+    "reference_gated_act",
     "reference_pack",
     "reference_unpack",
     "reference_vocab_projection",

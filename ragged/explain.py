@@ -159,7 +159,7 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
       up to the point where it picks a backend (its argument checks included, no kernel),
       and its op's reasons for the inputs it would pass are returned. A ``backend=``
       argument is ignored: every backend is reported.
-    * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``,
+    * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``, ``"gated_act"``,
       ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``, ``"pool"``),
       followed by the arguments the op's spec function takes, which are the op's internal
       operands, not the public function's:
@@ -172,6 +172,7 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
       ``attention``               ``q, k, v [T, H, D], cu_q, cu_k [B+1], max_q, max_k,
                                   causal, dropout_p, needs_grad, window_size``
       ``bias_act``                ``x [N, F], bias [F] or None, activation``
+      ``gated_act``               ``x [N, 2F], activation``
       ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
       ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,
       ``vocab_cross_entropy``     ids [N], v_off [B+1] or None``
@@ -201,6 +202,8 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
     []
     >>> h, b = torch.randn(5, 8), torch.zeros(8)
     >>> ragged.explain(ragged.bias_act, h, b, "gelu")["torch"], ragged.explain("bias_act", h, b, "gelu")["torch"]
+    ([], [])
+    >>> ragged.explain(ragged.gated_act, h, "gelu")["torch"], ragged.explain("gated_act", h, "gelu")["torch"]
     ([], [])
     >>> ragged.explain(ragged.add_layer_norm, h, h, None, None)["torch"]
     []

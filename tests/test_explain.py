@@ -13,7 +13,8 @@ import torch
 import ragged
 from ragged import backends
 
-OPS = ["add_layer_norm", "attention", "bias_act", "pack", "pool", "unpack", "vocab_cross_entropy", "vocab_projection"]
+OPS = ["add_layer_norm", "attention", "bias_act", "gated_act", "pack", "pool", "unpack", "vocab_cross_entropy",
+       "vocab_projection"]
 LENGTHS = [3, 0, 1, 7]  # a zero, a one, odd sizes
 
 
@@ -55,6 +56,8 @@ def _calls(op, dtype=torch.float32, device="cpu"):
     if op == "bias_act":
         bias = torch.randn(24, generator=g).to(device=device, dtype=dtype)
         return ragged.bias_act, (x, bias, "gelu_tanh"), {}, (x, bias, "gelu_tanh")
+    if op == "gated_act":
+        return ragged.gated_act, (x, "gelu"), {}, (x, "gelu")
     if op == "add_layer_norm":
         r = torch.randn(9, 24, generator=g).to(device=device, dtype=dtype)
         w = torch.randn(24, generator=g).to(device)
@@ -115,6 +118,7 @@ def test_missing_arguments_name_what_the_reasons_need(op):
     assert f"ragged.explain(ragged.{op}," in message  # the public form is suggested
     needs = {"attention": "q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad",
              "pack": "x, offsets", "pool": "values, offsets, mode", "unpack": "x, offsets", "bias_act": "x, bias, activation",
+             "gated_act": "x, activation",
              "add_layer_norm": "x, residual, weight, bias",
              "vocab_projection": "hidden, h_off, weight, bias, ids, v_off",
              "vocab_cross_entropy": "hidden, h_off, weight, bias, ids, v_off"}[op]

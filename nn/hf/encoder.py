@@ -105,6 +105,8 @@ def encode(fn: str, family: Family, base: nn.Module, input_ids, attention_mask, 
     collect = picks is not None and any(p is not None for p in picks)
     y, hidden = run_encoder(family, base, x, ctx, collect)
     y = family.finish(base, y)
+    if collect:
+        hidden[-1] = y  # the last hidden state is the output (after a final norm), as in HuggingFace
     if picks is not None:
         hidden = tuple(None if p is None else hidden[p] for p in picks)
     return Encoded(y, batch, hidden)

@@ -136,6 +136,7 @@ class Family:
     base_output = "BaseModelOutputWithPoolingAndCrossAttentions"
     head_modules: dict[str, tuple[str, ...]] = {}   # head kind -> the head's submodules called
     positions_from_ids = False     # positions counted from the ids (RoBERTa) rather than columns
+    float32_masked_lm_loss = False  # the masked-LM loss on float32 logits (HuggingFace's loss_function)
     refused_families = ()          # (module fragment, why) for classes near this family it refuses
 
     def __init__(self, name: str, module: str, prefix: str) -> None:

@@ -119,11 +119,17 @@ def head_outputs(fn: str, kind: str, family: Family, model: nn.Module, base: nn.
         chosen = family.masked_lm_tokens(model, target)
         if chosen is not None:  # logits of the labelled tokens only, flat [N, V] (HuggingFace's sparse prediction)
             logits = family.masked_lm_logits(model, h.index_select(0, chosen))
-            target = target.index_select(0, chosen)
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
-            return {"loss": loss, "logits": logits}
+            return {"loss": _token_loss(logits, target.index_select(0, chosen), family.float32_masked_lm_loss),
+                    "logits": logits}
         logits = family.masked_lm_logits(model, h)
-    loss = None
-    if target is not None:
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
+    upcast = kind == "masked_lm" and family.float32_masked_lm_loss
+    loss = None if target is None else _token_loss(logits, target, upcast)
     return {"loss": loss, "logits": enc.batch.out(logits)}
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor, upcast: bool) -> torch.Tensor:
+    """Cross-entropy over the labelled tokens (labels -100 ignored), in float32 with ``upcast``
+    (where the family's HuggingFace loss upcasts the logits)."""
+    if upcast:
+        logits = logits.float()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))

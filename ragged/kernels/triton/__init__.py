@@ -96,3 +96,10 @@ register(
 # and float64 values take the torch reference.
 register(Implementation("pool", "triton", f"{_HERE}.pool:pool", backward=f"{_HERE}.pool:pool_backward",
                         dtypes=(torch.float16, torch.bfloat16, torch.float32), rank=0))
+
+
+# ---- gated_act ---------------------------------------------------------------
+# act(x[:, :F]) * x[:, F:] and its gradient, elementwise in float32; Triton's is the only
+# kernel (rank 0). float64 takes the torch reference.
+register(Implementation("gated_act", "triton", f"{_HERE}.gated:gated_act_forward",
+                        f"{_HERE}.gated:gated_act_backward", dtypes=FUSED_DTYPES, rank=0))
