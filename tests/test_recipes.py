@@ -365,7 +365,8 @@ else:
 why = ragged.explain(ragged.pool, rt, "sum")
 assert why["toy"] == [] and why.chosen == "torch", why  # auto on the CPU: the reference
 assert why == ragged.explain("pool", rt.values, rt.offsets, "sum")
-assert ragged.explain("pool", rt.values, rt.offsets, "max")["toy"] == ["toy pool takes modes ('sum', 'mean'), got 'max'"]
+why = ragged.explain("pool", rt.values, rt.offsets, "max")
+assert why["toy"] == ["toy pool takes modes ('sum', 'mean'), got 'max'"], why
 with ragged.use_backend("toy"):
     assert ragged.explain(ragged.pool, rt, "mean").chosen == "toy"
 
