@@ -15,7 +15,7 @@ Public API (see README.md for the table):
 
 from . import backends as _backends
 from .backends import get_backend, set_backend, use_backend
-from .explain import explain
+from .explain import explain, set_public_namespace as _set_public_namespace
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .ops.gated import gated_act, reference_gated_act
@@ -29,6 +29,8 @@ from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_b
 from .warmup import warmup
 
 from .kernels import cuda as _cuda_backend, triton as _triton_backend  # noqa: F401  (they register)
+
+_set_public_namespace(globals())  # the names explain() gives public functions
 
 __version__ = "0.1.0"
 

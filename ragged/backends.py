@@ -43,7 +43,6 @@ import importlib
 import importlib.util
 import math
 import os
-import pkgutil
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -380,24 +379,14 @@ def implementation(op: str, backend: str) -> Implementation:
 
 
 def op_entry(op: str) -> OpEntry | None:
-    """The registry's entry of ``op`` (None when there is no such op)."""
-    if op not in _OPS:
-        _import_ops()
+    """The registry's entry of ``op`` (None when there is no such op). An op registers when its
+    module is imported, and ``import ragged`` imports every op module (``ragged/__init__.py``)."""
     return _OPS.get(op)
 
 
 def op_names() -> list[str]:
     """The names of the registered ops, sorted."""
-    _import_ops()
     return sorted(_OPS)
-
-
-def _import_ops() -> None:
-    # Ops register when their module is imported; ``import ragged`` imports them all, so
-    # this only matters if an op module is ever made lazy.
-    ops = importlib.import_module("ragged.ops")
-    for info in pkgutil.iter_modules(ops.__path__):
-        importlib.import_module(f"ragged.ops.{info.name}")
 
 
 class ChoiceCaptured(BaseException):

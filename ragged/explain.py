@@ -5,15 +5,27 @@ Kept apart from :mod:`ragged.backends` (the choice itself), whose public registr
 :func:`ragged.backends.capturing_choice`, so that :func:`ragged.backends.select_spec` stops it
 (raising ``ChoiceCaptured``) at the point where it would pick a backend, with the spec it would
 pick for.
+
+The names of public functions in its messages (``ragged.pack``, and ``ragged.<op>`` suggested for
+an op name) come from the package's namespace, which ``ragged/__init__.py`` (importing this
+module) hands over through :func:`set_public_namespace`: this module imports no layer above it.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Mapping
 
 from .backends import ChoiceCaptured, OpEntry, auto_choice, capturing_choice, get_backend, op_entry, op_names
+
+_PUBLIC: Mapping[str, object] = {}  # ragged's namespace (set_public_namespace)
+
+
+def set_public_namespace(namespace: Mapping[str, object]) -> None:
+    """Called by ``ragged/__init__.py`` with its own (live) namespace: the public functions that
+    :func:`explain` names in its messages and suggests for an op name."""
+    global _PUBLIC
+    _PUBLIC = namespace
 
 
 def _entry(fn: str, op: object) -> OpEntry:
@@ -27,9 +39,8 @@ def _entry(fn: str, op: object) -> OpEntry:
 
 
 def _public_name(fn: Callable) -> str:
-    ragged = importlib.import_module("ragged")
     name = getattr(fn, "__name__", None)
-    if name and getattr(ragged, name, None) is fn:
+    if name and _PUBLIC.get(name) is fn:
         return f"ragged.{name}"
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -60,7 +71,7 @@ def _bad_arguments(op: str, entry: OpEntry, args: tuple, kwargs: dict, why: str)
     """The TypeError of ``explain(op, ...)`` called with operands its spec cannot take."""
     msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
            f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})")
-    public = getattr(importlib.import_module("ragged"), op, None)
+    public = _PUBLIC.get(op)
     if callable(public):
         msg += (f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
                 f"{_parameter_list(public, skip=('backend',))})")
