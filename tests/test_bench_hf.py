@@ -62,7 +62,7 @@ def test_registered():
 
 def test_cpu_cases():
     cases = SUITES["hf"].cases(FAST)
-    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
     for case, shape in zip(cases, H.CPU_SHAPES):
         batches = H.case_lengths(shape)
         flat = [n for b in batches for n in b]
@@ -77,7 +77,7 @@ def test_gpu_cases():
     """The GPU workloads; listing cases allocates nothing on the device."""
     suite = SUITES["hf"]
     cases = suite.cases(Config(torch.device("cuda")))
-    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
     assert {c.params["dtype"] for c in cases} == {"bf16"}
     minilm, base = cases[0].params, cases[1].params
     assert minilm["model"] == H.Bert(6, 384, 12, 1536).name() and base["model"] == H.Bert(12, 768, 12, 3072).name()
@@ -90,9 +90,12 @@ def test_gpu_cases():
     lm = H.case_lengths(H.GPU_SHAPES[3])
     assert len(lm) == 4 and all(sum(b) <= 8192 or len(b) == 1 for b in lm)
     assert 0.45e9 <= cases[3].params["params"] <= 0.55e9 and cases[3].params["gradient_checkpointing"] is False
+    modern = H.case_lengths(H.GPU_SHAPES[4])[0]  # long-tailed: 16..1024, median 128
+    assert min(modern) == 16 and max(modern) == 1024 and 110 <= np.median(modern) <= 145
+    assert (cases[4].params["texts"], cases[4].params["batch"]) == (2048, 32)
     quick = suite.cases(Config(torch.device("cuda"), quick=True))
     assert [(c.group, c.params.get("texts"), c.params.get("steps")) for c in quick] == [
-        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2)]
+        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None)]
     fp16 = suite.cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))
     assert {c.params["dtype"] for c in fp16} == {"fp16"}
 
@@ -118,8 +121,8 @@ def test_suite_on_cpu(cpu_rows):
                 continue
             assert r.status == "ok", (r.impl, r.reason)
             assert r.flops and r.tflops == pytest.approx(r.flops / (r.median_ms * 1e-3) / 1e12)
-            if case.group == H.EMBEDDING:
-                assert float(r.extra[H.COSINE]) >= 1 - 1e-6  # fp32 against fp32 (eager attention)
+            if case.group in (H.EMBEDDING, H.MODERN):
+                assert float(r.extra[H.COSINE]) >= 1 - 1e-6  # fp32 against fp32
                 assert r.extra[H.TEXTS_S] == pytest.approx(case.params["texts"] / (r.median_ms / 1e3))
             else:
                 assert float(r.extra[H.LOSS_DIFF]) <= 1e-5
@@ -204,7 +207,7 @@ def test_broken_rows_are_reported(monkeypatch):
     """A ragged row whose setup fails is failed with the reason; the baselines still run; a case
     that cannot be built gives every row the reason and the next case still runs."""
     suite = SUITES["hf"]
-    tune, lm = [c for c in suite.cases(FAST) if c.group != H.EMBEDDING]
+    tune, lm = [c for c in suite.cases(FAST) if c.group in (H.FINE_TUNE, H.CAUSAL_LM)]
     monkeypatch.setattr(rnn, "convert", _refuse)
     rows = {r.impl: r for r in run([tune])}
     assert rows[H.RAGGED].status == "failed" and "ragged.nn.convert failed" in rows[H.RAGGED].reason

@@ -21,12 +21,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-import ragged
-
 from ..harness import Case, Config, Impl, Row, Skip, Suite, Workload, dtype_name, register
 from ..targets import speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
+from .hf_modernbert import build_modernbert
+from .hf_texts import MeanPooled, Texts, make_texts, padded_pass, ragged_pass, word_tokenizer  # noqa: F401
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
     _R,
@@ -62,6 +62,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     LOSS_VS_HF,
     min_cosine,
     MINILM,
+    MODERN,
     MODEL_VARIABLE,
     pad_batch,
     PEAK,
@@ -106,97 +107,6 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
 
 # --------------------------------------------------------------------------------------
 # Embedding
-
-
-def word_tokenizer(vocab: int):
-    """A BERT WordPiece tokenizer of ``vocab`` ids: the special tokens, then the words ``w0``, ``w1``, ..."""
-    from transformers import BertTokenizerFast
-
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(vocab - 5)]
-    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, model_max_length=512)
-
-
-def make_texts(tokenizer, lengths: list[int], seed: int = SEED) -> list[str]:
-    """Texts of random words of the tokenizer's vocabulary that tokenize to ``lengths`` tokens
-    (special tokens included, at least one word): only words that are one token are drawn."""
-    vocab = tokenizer.get_vocab()
-    candidates = sorted((w for w in vocab if w.isascii() and w.isalnum()), key=vocab.get)
-    ids = tokenizer(candidates, add_special_tokens=False)["input_ids"]
-    words = np.array([w for w, i in zip(candidates, ids) if i == [vocab[w]]])
-    if words.size == 0:
-        raise Skip("the tokenizer has no word that is one token")
-    specials, rng = len(tokenizer("")["input_ids"]), np.random.default_rng(seed)
-    return [" ".join(rng.choice(words, max(1, n - specials))) for n in lengths]
-
-
-class Texts:
-    """The tokenized texts as a dataset holds them (a dict of int64 arrays per text)."""
-
-    def __init__(self, tokenizer, texts: list[str], device: torch.device):
-        enc = tokenizer(texts)
-        self.keys = tuple(k for k in ("input_ids", "token_type_ids") if k in enc)
-        self.features = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in self.keys} for i in range(len(texts))]
-        self.lengths = np.array([len(x) for x in enc["input_ids"]], dtype=np.int64)
-        self.pad_id, self.texts, self.device = tokenizer.pad_token_id or 0, texts, device
-
-    def chunks(self, order: np.ndarray, size: int) -> list[np.ndarray]:
-        return [order[i:i + size] for i in range(0, order.size, size)]
-
-    def inverse(self, batches: list[np.ndarray]) -> torch.Tensor:
-        """Row of each text in the concatenation of the batches' outputs."""
-        return torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable")).to(self.device)
-
-
-def padded_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
-    """A pass of a HuggingFace model over padded batches: pad, move, run, masked mean; ``[N, d]``."""
-    inverse = data.inverse(batches)
-
-    @torch.inference_mode()
-    def run() -> torch.Tensor:
-        out = []
-        for idx in batches:
-            b = to_device(pad_batch([data.features[i] for i in idx], data.keys, data.pad_id), data.device)
-            h, mask = model(**b).last_hidden_state, b["attention_mask"]
-            out.append((h * mask.unsqueeze(-1).to(h.dtype)).sum(1).float() / mask.sum(1, keepdim=True).float())
-        return torch.cat(out).index_select(0, inverse)
-
-    return run
-
-
-class MeanPooled(torch.nn.Module):
-    """A converted model and ``ragged.pool(..., "mean")`` as one module (both inside a graph
-    when graphed): ``[B, d]`` embeddings of a collated batch."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, **batch):
-        return ragged.pool(self.model(**batch).last_hidden_state, "mean")
-
-
-def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = False) -> Callable[[], torch.Tensor]:
-    """A pass of a converted model: ``collate``, move, run on RaggedTensors, ``ragged.pool``; ``[N, d]``.
-    ``graphed``: the model and the pooling through ``ragged.nn.graphed`` (buckets up to the largest
-    batch's tokens and size)."""
-    import ragged.nn as rnn
-    from ragged.data import collate
-
-    inverse = data.inverse(batches)
-    embed = MeanPooled(model).eval()
-    if graphed:
-        tokens = max(int(data.lengths[idx].sum()) for idx in batches)
-        embed = rnn.graphed(embed, max_tokens=1 << tokens.bit_length(), max_batch_size=max(len(i) for i in batches))
-
-    @torch.inference_mode()
-    def run() -> torch.Tensor:
-        out = []
-        for idx in batches:
-            b = collate([data.features[i] for i in idx]).to(data.device, non_blocking=True)
-            out.append(embed(**b).float())
-        return torch.cat(out).index_select(0, inverse)
-
-    return run
 
 
 def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
@@ -497,6 +407,14 @@ flattened`: the same batches (skipped without flash-attn). transformers' `sdpa` 
 batch attends across sequences (measured: its loss is not the per-sequence loss), so it is no
 baseline. Target: tokens/s >= 2x HF padded, with the same loss.
 
+**ModernBERT**: `ModernBertModel` of the config shown (random weights, seeded; 22 layers,
+every third global, the others a 128-token window), `N` texts of long-tailed lengths (lognormal,
+median 128, sigma 1, 16..1024) from the generated tokenizer, embedded in batches of 32 texts as
+in **embedding**: `HF SDPA` (HuggingFace pads under sdpa and gives its local layers a sliding-window
+mask; it unpads only under flash_attention_2) in data order and sorted, compiled sorted, and the
+converted model (`ragged`) in data order, sorted and graphed. Reference: the float32 model
+(sdpa, sorted batches of 16). Target: ragged data order >= 3x HF SDPA data order.
+
 Training gate: the check call runs the steps in eval mode (no dropout); step 1's loss (before
 any update) against the float32 model's (eager; LM: one sequence at a time): error <=
 max(2e-2 (fp32: 1e-4) x max(1, |loss|), 3 x HF's bf16 error). `loss diff vs fp32`: that
@@ -530,7 +448,10 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                                       "lengths": shape.lengths.text(), "T": total,
                                       "mean_len": round(total / len(flat), 2), "M": max(flat)}
             checkpoint = None
-            if shape.workload == EMBEDDING:
+            if shape.workload == MODERN:
+                params.update(texts=shape.count, batch=shape.batch, checkpoint="random weights")
+                name = f"{MODERN} {shape.label} {kind} N={shape.count} mean={total / len(flat):.0f}"
+            elif shape.workload == EMBEDDING:
                 checkpoint, first, label = (path if first else None), False, shape.label
                 params.update(texts=shape.count, batch=shape.batch, checkpoint=checkpoint or "random weights")
                 if checkpoint is not None:
@@ -563,6 +484,8 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                 return build_embedding(shape, config.device, checkpoint)
             if shape.workload == FINE_TUNE:
                 return build_fine_tune(shape, config.device, self.dropout)
+            if shape.workload == MODERN:
+                return build_modernbert(shape, config.device)
             return build_causal_lm(shape, config.device)
         except (Skip, torch.OutOfMemoryError):
             raise
@@ -575,7 +498,7 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         shape, _, on_gpu = case.spec
         ok = {r.impl: r for r in rows if r.status == "ok"}
         for r in ok.values():
-            if shape.workload == EMBEDDING:
+            if shape.workload in (EMBEDDING, MODERN):
                 r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
             else:
                 r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps

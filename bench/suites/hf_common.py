@@ -23,8 +23,8 @@ from .encoder_problem import training_mode
 
 SEED = 0
 MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
-EMBEDDING, FINE_TUNE, CAUSAL_LM = "embedding", "fine-tune", "causal LM"
-WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM}
+EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN = "embedding", "fine-tune", "causal LM", "ModernBERT"
+WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN}
 
 # Row names (the rows' ``impl``).
 HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
@@ -46,6 +46,8 @@ ROWS = {
                 (RAG_GRAPHED_8, _R), (RAG_ST_GRAPHED, _R)),
     FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R), (RAG_GRAPHED_TRAIN, _R)),
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
+    MODERN: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
+             (RAG_GRAPHED_DATA, _R)),
 }
 
 # Extra columns.
@@ -59,6 +61,7 @@ TARGETS_BY_WORKLOAD = {
                 (RAG_GRAPHED_DATA, HF_COMPILED, 2.0), (RAG_GRAPHED_8, HF_DATA_8, 2.0)),
     FINE_TUNE: ((RAGGED, HF_PADDED, 2.5), (RAG_GRAPHED_TRAIN, HF_PADDED, 3.0)),
     CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
+    MODERN: ((RAG_DATA, HF_DATA, 3.0),),
 }
 COSINE_TARGET = 0.9999
 
@@ -86,6 +89,29 @@ class Bert:
 
         return BertConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
                           num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModernBert:
+    layers: int
+    hidden: int
+    heads: int
+    ff: int
+    vocab: int = 50368
+    local: int = 128        # local_attention: the window of the local layers, both sides together
+    every: int = 3          # global_attn_every_n_layers
+    init: float = 0.02
+
+    def name(self) -> str:
+        return f"ModernBERT {self.layers}x{self.hidden} h={self.heads} ff={self.ff} window={self.local}"
+
+    def config(self, **kw):
+        from transformers import ModernBertConfig
+
+        return ModernBertConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                                num_attention_heads=self.heads, intermediate_size=self.ff, local_attention=self.local,
+                                global_attn_every_n_layers=self.every, initializer_range=self.init, pad_token_id=0,
+                                bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +171,7 @@ class Shape:
     workload: str
     label: str
     dtype: torch.dtype
-    model: Any  # Bert | Llama
+    model: Any  # Bert | ModernBert | Llama
     lengths: Lengths
     count: int
     batch: int = 0
@@ -155,6 +181,8 @@ class Shape:
 # The tiny CPU models start from larger weights, so that the fp32 gates see every layer (with
 # std 0.02 a tiny model's logits stay near 0 whatever its layers compute).
 MINILM, BERT_BASE, TINY_BERT = Bert(6, 384, 12, 1536), Bert(12, 768, 12, 3072), Bert(2, 32, 2, 64, 1000, init=0.2)
+MODERNBERT_BASE, TINY_MODERNBERT = ModernBert(22, 768, 12, 1152), ModernBert(3, 32, 2, 48, 1000, local=16, init=0.2)
+LONG_TAILED = Lengths(16, 1024, 128, 1.0)
 LLAMA_05B, TINY_LLAMA = Llama(24, 1280, 20, 4, 3456), Llama(2, 64, 4, 2, 128, vocab=256, init=0.2)
 SENTENCES = Lengths(3, 256, 25, 0.8)
 GPU_SHAPES = (
@@ -162,13 +190,15 @@ GPU_SHAPES = (
     Shape(EMBEDDING, "BERT-base-size", torch.bfloat16, BERT_BASE, SENTENCES, 15000, batch=256),
     Shape(FINE_TUNE, "BERT-base-size", torch.bfloat16, BERT_BASE, Lengths(16, 512, 96, 1.0), 32, steps=8),
     Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
+    Shape(MODERN, "ModernBERT-base-size", torch.bfloat16, MODERNBERT_BASE, LONG_TAILED, 2048, batch=32),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2))
+                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512))
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
     Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
+    Shape(MODERN, "tiny", torch.float32, TINY_MODERNBERT, Lengths(4, 48, 12, 0.8), 32, batch=8),
 )
 
 
@@ -185,7 +215,7 @@ def checkpoint_model(path: str) -> str:
 def case_lengths(shape: Shape) -> list[list[int]]:
     """The lengths of a case: one list (embedding), or one per training step (LM: seeded lengths cut
     in order at the token budget by ``ragged.data.TokenBudgetSampler``)."""
-    if shape.workload == EMBEDDING:
+    if shape.workload in (EMBEDDING, MODERN):
         return [shape.lengths.draw(shape.count)]
     if shape.workload == FINE_TUNE:
         flat = shape.lengths.draw(shape.count * shape.steps)

@@ -1,0 +1,108 @@
+"""Texts for the hf suite's embedding workloads: a generated word-level tokenizer, texts of
+given token lengths, the tokenized dataset, and one pass of a HuggingFace model (padded
+batches) or of a converted one (collated RaggedTensors, optionally graphed) over it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+import ragged
+
+from ..harness import Skip
+from .hf_common import SEED, pad_batch, to_device
+
+__all__ = ["MeanPooled", "Texts", "make_texts", "padded_pass", "ragged_pass", "word_tokenizer"]
+
+
+def word_tokenizer(vocab: int):
+    """A BERT WordPiece tokenizer of ``vocab`` ids: the special tokens, then the words ``w0``, ``w1``, ..."""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(vocab - 5)]
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, model_max_length=512)
+
+
+def make_texts(tokenizer, lengths: list[int], seed: int = SEED) -> list[str]:
+    """Texts of random words of the tokenizer's vocabulary that tokenize to ``lengths`` tokens
+    (special tokens included, at least one word): only words that are one token are drawn."""
+    vocab = tokenizer.get_vocab()
+    candidates = sorted((w for w in vocab if w.isascii() and w.isalnum()), key=vocab.get)
+    ids = tokenizer(candidates, add_special_tokens=False)["input_ids"]
+    words = np.array([w for w, i in zip(candidates, ids) if i == [vocab[w]]])
+    if words.size == 0:
+        raise Skip("the tokenizer has no word that is one token")
+    specials, rng = len(tokenizer("")["input_ids"]), np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, max(1, n - specials))) for n in lengths]
+
+
+class Texts:
+    """The tokenized texts as a dataset holds them (a dict of int64 arrays per text)."""
+
+    def __init__(self, tokenizer, texts: list[str], device: torch.device):
+        enc = tokenizer(texts)
+        self.keys = tuple(k for k in ("input_ids", "token_type_ids") if k in enc)
+        self.features = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in self.keys} for i in range(len(texts))]
+        self.lengths = np.array([len(x) for x in enc["input_ids"]], dtype=np.int64)
+        self.pad_id, self.texts, self.device = tokenizer.pad_token_id or 0, texts, device
+
+    def chunks(self, order: np.ndarray, size: int) -> list[np.ndarray]:
+        return [order[i:i + size] for i in range(0, order.size, size)]
+
+    def inverse(self, batches: list[np.ndarray]) -> torch.Tensor:
+        """Row of each text in the concatenation of the batches' outputs."""
+        return torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable")).to(self.device)
+
+
+def padded_pass(model, data: Texts, batches: list[np.ndarray]) -> Callable[[], torch.Tensor]:
+    """A pass of a HuggingFace model over padded batches: pad, move, run, masked mean; ``[N, d]``."""
+    inverse = data.inverse(batches)
+
+    @torch.inference_mode()
+    def run() -> torch.Tensor:
+        out = []
+        for idx in batches:
+            b = to_device(pad_batch([data.features[i] for i in idx], data.keys, data.pad_id), data.device)
+            h, mask = model(**b).last_hidden_state, b["attention_mask"]
+            out.append((h * mask.unsqueeze(-1).to(h.dtype)).sum(1).float() / mask.sum(1, keepdim=True).float())
+        return torch.cat(out).index_select(0, inverse)
+
+    return run
+
+
+class MeanPooled(torch.nn.Module):
+    """A converted model and ``ragged.pool(..., "mean")`` as one module (both inside a graph
+    when graphed): ``[B, d]`` embeddings of a collated batch."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch):
+        return ragged.pool(self.model(**batch).last_hidden_state, "mean")
+
+
+def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = False) -> Callable[[], torch.Tensor]:
+    """A pass of a converted model: ``collate``, move, run on RaggedTensors, ``ragged.pool``; ``[N, d]``.
+    ``graphed``: the model and the pooling through ``ragged.nn.graphed`` (buckets up to the largest
+    batch's tokens and size)."""
+    import ragged.nn as rnn
+    from ragged.data import collate
+
+    inverse = data.inverse(batches)
+    embed = MeanPooled(model).eval()
+    if graphed:
+        tokens = max(int(data.lengths[idx].sum()) for idx in batches)
+        embed = rnn.graphed(embed, max_tokens=1 << tokens.bit_length(), max_batch_size=max(len(i) for i in batches))
+
+    @torch.inference_mode()
+    def run() -> torch.Tensor:
+        out = []
+        for idx in batches:
+            b = collate([data.features[i] for i in idx]).to(data.device, non_blocking=True)
+            out.append(embed(**b).float())
+        return torch.cat(out).index_select(0, inverse)
+
+    return run
