@@ -203,3 +203,28 @@ def test_state_dict_and_save_round_trip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(_real(ragged.nn.convert(loaded)(input_ids=ids, attention_mask=mask).logits, mask),
                                    _real(hf(input_ids=ids, attention_mask=mask).logits, mask), **TOL)
+
+
+def test_sentence_transformers_over_modernbert(tmp_path):
+    """A SentenceTransformer over ModernBERT is converted as a whole: encode's embeddings (every
+    pooling mode, with a padding tokenizer) equal the original's."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as M
+
+    from ragged.nn.hf import sentence as hf_sentence
+    from test_hf_sentence import MODES, TEXTS, VOCAB
+
+    (tmp_path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tf.BertTokenizerFast(str(tmp_path / "vocab.txt"), model_max_length=64).save_pretrained(str(tmp_path))
+    model = tf.ModernBertModel(_config(vocab_size=len(VOCAB), pad_token_id=0))
+    _randomise(model, 9)
+    model.save_pretrained(str(tmp_path))
+    for mode in MODES:
+        original = SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, mode)],
+                                       device="cpu").double().eval()
+        ours = copy.deepcopy(original)
+        assert hf_sentence.convert_sentence_transformer(ours) is ours
+        want = original.encode(TEXTS, convert_to_tensor=True, batch_size=3)
+        got = ours.encode(TEXTS, convert_to_tensor=True, batch_size=3)
+        torch.testing.assert_close(got, want, **TOL, msg=str(mode))
