@@ -7,6 +7,7 @@ Public API (see README.md for the table):
 * interop: :func:`from_nested`, :func:`from_packed_sequence`, :func:`from_attention_mask`
 * attention: :func:`attention` (RaggedTensors), :func:`varlen_attention` (cu_seqlens form)
 * fused per-token ops: :func:`bias_act` (bias + activation), :func:`add_layer_norm` (residual add + LayerNorm)
+* :func:`rotary_embedding` (rotary position embedding of packed heads)
 * gated activation (GeGLU and the GLU family): :func:`gated_act`
 * per-sequence vocabularies: :func:`vocab_projection` -> :class:`RaggedLogits`, :func:`vocab_cross_entropy`,
   :func:`union_vocab`; the layer ``ragged.nn.VocabProjection``
@@ -22,6 +23,7 @@ from .ops.gated import gated_act, reference_gated_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
 from .ops.pack import pack_values, reference_pack, reference_unpack, unpack_values
 from .ops.pool import pool
+from .ops.rotary import rotary_embedding
 from .tensor import RaggedTensor
 from .logits import RaggedLogits
 from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
@@ -61,6 +63,7 @@ __all__ = [
     "reference_unpack",
     "reference_vocab_projection",
     "reference_vocab_projection_backward",
+    "rotary_embedding",
     "set_backend",
     "union_vocab",
     "unpack",

@@ -171,7 +171,8 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
       and its op's reasons for the inputs it would pass are returned. A ``backend=``
       argument is ignored: every backend is reported.
     * an op name (``"pack"``, ``"unpack"``, ``"attention"``, ``"bias_act"``, ``"gated_act"``,
-      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``, ``"pool"``),
+      ``"add_layer_norm"``, ``"vocab_projection"``, ``"vocab_cross_entropy"``, ``"pool"``,
+      ``"rotary_embedding"``),
       followed by the arguments the op's spec function takes, which are the op's internal
       operands, not the public function's:
 
@@ -188,6 +189,7 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
       ``vocab_projection``,       ``hidden [T, d], h_off [B+1], weight [V, d], bias,
       ``vocab_cross_entropy``     ids [N], v_off [B+1] or None``
       ``pool``                    ``values [T, F], offsets [B+1], mode``
+      ``rotary_embedding``        ``x [T, N, D], positions [T], inv_freq [D/2], scaling``
       ==========================  ====================================================
 
     An unknown op name raises ``ValueError`` listing the ops; arguments the reasons cannot
@@ -234,6 +236,11 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
     >>> ragged.explain(ragged.pool, hidden, "max")["torch"], ragged.explain("pool", hidden.values, hidden.offsets,
     ...                                                                      "max")["torch"]
     ([], [])
+    >>> x, pos, inv_freq = torch.randn(5, 4, 8), torch.arange(5), torch.ones(4)
+    >>> ragged.explain(ragged.rotary_embedding, x, pos, inv_freq)["torch"]
+    []
+    >>> ragged.explain("rotary_embedding", x, pos, inv_freq, 1.0)["torch"]
+    []
     """
     if callable(op):
         return _explain_call(op, args, kwargs)

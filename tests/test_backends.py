@@ -427,7 +427,7 @@ def test_auto_on_cuda_follows_the_ranks_declared_beside_the_kernels():
     expected = {"pack": ("cuda", "triton", "torch"), "unpack": ("cuda", "triton", "torch"),
                 "bias_act": ("cuda", "triton", "torch"), "add_layer_norm": ("cuda", "triton", "torch"),
                 "vocab_projection": ("triton", "torch"), "vocab_cross_entropy": ("triton", "torch"),
-                "pool": ("triton", "torch"), "gated_act": ("triton", "torch")}
+                "pool": ("triton", "torch"), "rotary_embedding": ("triton", "torch"), "gated_act": ("triton", "torch")}
     for op, order in expected.items():
         assert backends.op_entry(op).gpu_preference(None) == order, op
     for op in backends.op_names():

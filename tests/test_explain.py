@@ -13,8 +13,8 @@ import torch
 import ragged
 from ragged import backends
 
-OPS = ["add_layer_norm", "attention", "bias_act", "gated_act", "pack", "pool", "unpack", "vocab_cross_entropy",
-       "vocab_projection"]
+OPS = ["add_layer_norm", "attention", "bias_act", "gated_act", "pack", "pool", "rotary_embedding", "unpack",
+       "vocab_cross_entropy", "vocab_projection"]
 LENGTHS = [3, 0, 1, 7]  # a zero, a one, odd sizes
 
 
@@ -46,6 +46,11 @@ def _calls(op, dtype=torch.float32, device="cpu"):
         rt = _seqs(LENGTHS, (6,), seed, dtype)
         rt = ragged.RaggedTensor(rt.values.to(device), rt.offsets.to(device), rt.max_len)
         return ragged.pool, (rt, "max"), {}, (rt.values, rt.offsets, "max")
+    if op == "rotary_embedding":
+        g = _gen(seed)
+        x = torch.randn(9, 6, 8, generator=g).to(device=device, dtype=dtype)
+        pos, inv_freq = torch.arange(9, device=device), torch.rand(4, generator=g).to(device)
+        return ragged.rotary_embedding, (x, pos, inv_freq), {}, (x, pos, inv_freq)
     if op == "attention":
         q = _seqs(LENGTHS, (2, 16), seed, dtype)
         q = ragged.RaggedTensor(q.values.to(device), q.offsets.to(device), q.max_len)
@@ -118,7 +123,7 @@ def test_missing_arguments_name_what_the_reasons_need(op):
     assert f"ragged.explain(ragged.{op}," in message  # the public form is suggested
     needs = {"attention": "q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad",
              "pack": "x, offsets", "pool": "values, offsets, mode", "unpack": "x, offsets", "bias_act": "x, bias, activation",
-             "gated_act": "x, activation",
+             "gated_act": "x, activation", "rotary_embedding": "x, positions, inv_freq, scaling",
              "add_layer_norm": "x, residual, weight, bias",
              "vocab_projection": "hidden, h_off, weight, bias, ids, v_off",
              "vocab_cross_entropy": "hidden, h_off, weight, bias, ids, v_off"}[op]

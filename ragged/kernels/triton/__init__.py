@@ -103,3 +103,11 @@ register(Implementation("pool", "triton", f"{_HERE}.pool:pool", backward=f"{_HER
 # kernel (rank 0). float64 takes the torch reference.
 register(Implementation("gated_act", "triton", f"{_HERE}.gated:gated_act_forward",
                         f"{_HERE}.gated:gated_act_backward", dtypes=FUSED_DTYPES, rank=0))
+
+
+# ---- rotary_embedding --------------------------------------------------------
+# Forward and backward in one kernel (the backward rotates by the opposite angle); float16 /
+# bfloat16 / float32 x, any strides, computed in float32. float64 takes the torch reference.
+register(Implementation("rotary_embedding", "triton", f"{_HERE}.rotary:rotary_embedding",
+                        backward=f"{_HERE}.rotary:rotary_embedding_backward",
+                        dtypes=(torch.float16, torch.bfloat16, torch.float32), rank=0))
