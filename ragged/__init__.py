@@ -21,7 +21,7 @@ from .ops.attention import attention, reference_attention, reference_attention_b
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .ops.gated import gated_act, reference_gated_act
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
-from .ops.pack import pack_values, reference_pack, reference_unpack, unpack_values
+from .packing import pack_values, reference_pack, reference_unpack, unpack_values
 from .ops.pool import pool
 from .ops.rotary import rotary_embedding
 from .tensor import RaggedTensor

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from . import backends
-from .ops.pack import PACK, PackSpec
+from .packing import PACK, PackSpec
 from .tensor import RaggedTensor, exact_ragged
 from .utils import max_length, offsets_dtype_for, to_device
 

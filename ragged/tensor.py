@@ -43,7 +43,7 @@ from .utils import (
     offsets_dtype_for,
     to_device,
 )
-from .ops.pack import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
+from .packing import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
 
 
 @dataclasses.dataclass(init=False, repr=False, eq=False)

@@ -42,8 +42,8 @@ import torch
 import torch.types
 from torch import Tensor
 
-from .. import backends, opdef
-from ..utils import (
+from . import backends, opdef
+from .utils import (
     check_int,
     check_offsets_tensor,
     check_side,
