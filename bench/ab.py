@@ -62,11 +62,31 @@ def commit_of(tree: Path) -> str:
     return os.environ.get("BENCH_GIT_COMMIT", tree.name)
 
 
+# The child's entry point: ``python -m bench`` with the package copy's ragged. An editable install
+# of any tree puts its import finder first on ``sys.meta_path``, ahead of ``PYTHONPATH``: left
+# there, it would hand both trees the installed tree's ``ragged`` and only ``bench/`` would differ.
+# The bootstrap drops such finders and refuses to run when ragged still comes from elsewhere.
+_BOOT = """\
+import importlib, os, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, "__module__", "")).startswith("__editable__")]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not str(getattr(h, "__module__", "")).startswith("__editable__")]
+sys.path_importer_cache.clear()
+pkg = os.path.realpath(sys.argv[1])
+for name in ("ragged", "ragged.nn", "bench"):
+    where = os.path.realpath(importlib.import_module(name).__file__)
+    if not where.startswith(pkg + os.sep):
+        raise SystemExit(f"bench.ab: {name} was imported from {where}, not from the copy {pkg}")
+sys.argv = ["bench", *sys.argv[2:]]
+runpy.run_module("bench", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_tree(pkg: Path, commit: str, args: list[str], log: Path) -> int:
-    """``python -m bench ARGS`` from the package copy ``pkg`` (its own ragged first on the path)."""
+    """``python -m bench ARGS`` from the package copy ``pkg``: its own ragged, ``ragged.nn`` and
+    bench, whatever tree is installed (see ``_BOOT``)."""
     env = dict(os.environ, BENCH_GIT_COMMIT=commit, PYTHONPATH=str(pkg))
     with log.open("w") as out:
-        return subprocess.run([sys.executable, "-m", "bench", *args], cwd=pkg, env=env, stdout=out,
+        return subprocess.run([sys.executable, "-c", _BOOT, str(pkg), *args], cwd=pkg, env=env, stdout=out,
                               stderr=subprocess.STDOUT).returncode
 
 

@@ -555,6 +555,23 @@ def test_ab_compares_the_ragged_rows_of_two_trees(tmp_path):
         assert (pkg / part).exists(), part
 
 
+def test_ab_runs_each_tree_from_its_copy_even_under_an_editable_install(tmp_path):
+    """The child of bench.ab imports the copy's ragged and ragged.nn, not the tree pip installed
+    (an editable install's finder comes first on sys.meta_path): a marker in the copy's
+    modules shows in the child's output."""
+    from bench import ab
+
+    pkg = ab.package(ab.ROOT, tmp_path / "pkg")
+    for part in ("ragged/__init__.py", "ragged/nn/__init__.py"):
+        path = pkg / part
+        path.write_text(path.read_text() + f"\nprint('loaded from the copy: {part}')\n")
+    log = tmp_path / "log.txt"
+    assert ab.run_tree(pkg, "abc", ["--list"], log) == 0, log.read_text()
+    text = log.read_text()
+    assert "loaded from the copy: ragged/__init__.py" in text
+    assert "loaded from the copy: ragged/nn/__init__.py" in text
+
+
 def test_overhead_rows_run_on_the_cpu():
     """bench.overhead's rows (on CPU tensors here): every row that names no GPU backend runs."""
     from bench import overhead
