@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..harness import Case, Config, Impl, Row, Skip, Suite, Workload, dtype_name, register
+from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, register
 from ..targets import speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
@@ -41,6 +41,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     COSINE,
     COSINE_FLOOR,
     COSINE_TARGET,
+    cosine_checks,
     CPU_SHAPES,
     EMBEDDING,
     FINE_TUNE,
@@ -224,18 +225,7 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
                 Run(encode_pass(st_converted, data.texts, batch))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
 
-    def compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
-        if tuple(out.shape) != tuple(ref.shape):
-            return f"embeddings of shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-        cos = min_cosine(out, ref)
-        return None if 1.0 - cos <= bound else f"min cosine {cos:.6f} < {1 - bound:.6f}"  # NaN fails too
-
-    def extra(impl: Impl) -> dict[str, Any]:
-        first = getattr(impl.fn, "first", None)
-        if first is None:
-            return {}
-        impl.fn.first = None  # [N, d]: not kept past the row
-        return {COSINE: f"{min_cosine(first, reference):.6f}"}
+    compare, extra = cosine_checks(reference, bound)
 
     c = model.config
     flops = encoder_flops(data.lengths.tolist(), EncoderModel(c.hidden_size, c.num_attention_heads,

@@ -386,3 +386,25 @@ def training_workload(impls: list[Impl], reference: float, hf_error: float, dtyp
         return out
 
     return Workload(impls, reference=reference, flops=flops, compare=compare, extra=extra)
+
+
+def cosine_checks(reference: torch.Tensor, bound: float):
+    """``(compare, extra)`` of an embedding workload: a row passes when ``1 - min cosine`` against
+    ``reference`` is at most ``bound``; its min cosine goes in the COSINE column (the row's first
+    output, dropped once read)."""
+
+    def compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+        if tuple(out.shape) != tuple(ref.shape):
+            return f"embeddings of shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+        cos = min_cosine(out, ref)
+        return None if 1.0 - cos <= bound else f"min cosine {cos:.6f} < {1 - bound:.6f}"  # NaN fails too
+
+    def extra(impl: Impl) -> dict[str, Any]:
+        first = getattr(impl.fn, "first", None)
+        if first is None:
+            return {}
+        impl.fn.first = None  # [N, d]: not kept past the row
+        return {COSINE: f"{min_cosine(first, reference):.6f}"}
+
+    return compare, extra
+

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..harness import Impl, Workload
+from ..harness import Workload
 from .encoder_problem import Model as EncoderModel, encoder_flops
-from .hf_common import (COSINE, COSINE_FLOOR, HF_COMPILED, HF_DATA, HF_SORTED, MODERN, RAG_DATA, RAG_GRAPHED_DATA,
-                        RAG_SORTED, SEED, SLACK, Run, Shape, assemble, attempt, broken, min_cosine, quiet)
+from .hf_common import (COSINE_FLOOR, HF_COMPILED, HF_DATA, HF_SORTED, MODERN, RAG_DATA, RAG_GRAPHED_DATA, RAG_SORTED,
+                        SEED, SLACK, Run, Shape, assemble, attempt, broken, cosine_checks, min_cosine, quiet)
 from .hf_texts import Texts, make_texts, padded_pass, ragged_pass, word_tokenizer
 
 __all__ = ["build_modernbert"]
@@ -58,18 +58,7 @@ def build_modernbert(shape: Shape, device: torch.device) -> Workload:
         fns[RAG_GRAPHED_DATA] = Run(ragged_pass(converted, data, data_order, graphed=True))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
 
-    def compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
-        if tuple(out.shape) != tuple(ref.shape):
-            return f"embeddings of shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-        cos = min_cosine(out, ref)
-        return None if 1.0 - cos <= bound else f"min cosine {cos:.6f} < {1 - bound:.6f}"  # NaN fails too
-
-    def extra(impl: Impl) -> dict[str, Any]:
-        first = getattr(impl.fn, "first", None)
-        if first is None:
-            return {}
-        impl.fn.first = None
-        return {COSINE: f"{min_cosine(first, reference):.6f}"}
+    compare, extra = cosine_checks(reference, bound)
 
     m = shape.model
     # the GEMM and full-attention flops of a BERT layer of the same sizes, GeGLU's extra input
