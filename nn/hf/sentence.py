@@ -100,6 +100,7 @@ from ragged.utils import describe
 
 from . import forward as hf_forward
 from .batch import read_batch
+from .sentence_plan import Plan, plan_conversion
 from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
 
@@ -109,7 +110,6 @@ __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPool
 
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
 _FN = "ragged.nn.convert"
-_TEXT = {"method": "forward", "method_output_name": "last_hidden_state"}
 
 # A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
 # ((forward, "sentence" or "tokens"), ...) of the encodes running, innermost last; preprocesses in their original.
@@ -148,13 +148,6 @@ def is_sentence_transformer(model: object) -> bool:
     sentence-transformers: a model of it exists only once the package is loaded."""
     mod = sys.modules.get("sentence_transformers.sentence_transformer.model")
     return mod is not None and isinstance(model, mod.SentenceTransformer)
-
-
-def _classes() -> dict[str, type]:
-    from sentence_transformers.sentence_transformer import modules
-
-    return {name: getattr(modules, name) for name in ("Transformer", "Pooling", "Dense", "Normalize", "Dropout",
-                                                      "LayerNorm")}
 
 
 # --------------------------------------------------------------------------------------
@@ -454,70 +447,8 @@ def _own_tokens(row: object) -> None:
 # Conversion
 
 
-@dataclasses.dataclass
-class _Plan:
-    transformer: nn.Module
-    poolings: list[nn.Module]                 # Pooling modules that read the Transformer's token embeddings
-    padded: list[tuple[str, str, str]]        # (name, class, why) of modules left on padded token embeddings
-
-
-def _replaced(module: nn.Module, name: str, ours: type) -> bool:
-    value = module.__dict__.get(name)
-    return value is not None and not isinstance(value, ours)
-
-
-def _plan(model: nn.Module) -> _Plan | str:
-    """What conversion does to ``model``, or why it cannot be converted (reads only)."""
-    if len(model) == 0:
-        return "it has no modules"
-    c = _classes()
-    first = model[0]
-    if type(first) is not c["Transformer"]:
-        return (f"its first module is a {type(first).__name__}, not sentence-transformers' Transformer (ragged runs a "
-                "Transformer over a model ragged.nn.convert converts)")
-    if first.backend != "torch":
-        return f"its Transformer runs the {first.backend!r} backend, not torch"
-    if first.transformer_task != "feature-extraction":
-        return f"its Transformer's task is {first.transformer_task!r}, not 'feature-extraction'"
-    if first.module_output_name != "token_embeddings" or first.modality_config.get("text") != _TEXT:
-        return (f"its Transformer maps text to {first.modality_config.get('text')!r} -> {first.module_output_name!r}, "
-                "not the model's forward's last_hidden_state -> token_embeddings")
-    if getattr(first, "can_flatten_inputs", False):
-        return "its Transformer flattens inputs for flash attention: set st[0].unpad_inputs = False first"
-    expansion = getattr(first, "query_expansion", None)
-    if expansion is not None and not expansion.get("attend", True):
-        return "its Transformer uses query expansion with attend=False (embeddings read at padding positions)"
-    for owner, name, ours, where in ((first, "forward", RaggedTransformerForward, "its Transformer"),
-                                     (first, "preprocess", RaggedPreprocess, "its Transformer"),
-                                     (model, "encode", RaggedEncode, "it")):
-        if _replaced(owner, name, ours):
-            return f"{where} has its {name} replaced, which the converted model would not run"
-    auto = first._modules.get("model")
-    if not hf_forward.is_hf_model(auto):
-        return f"its auto_model is a {type(auto).__name__}, not a transformers model ragged.nn.convert converts"
-    if not hf_forward.is_done(auto):
-        why = hf_forward.why_not(auto)
-        if why is not None:
-            return f"its auto_model cannot be converted: {why}"
-    ident = hf_forward.identify(auto)
-    if isinstance(ident, str) or ident[1] != "base":
-        return f"its auto_model is a {type(auto).__name__}, not a base model (AutoModel)"
-    poolings, padded, changed_by = [], [], None
-    for name, module in list(model._modules.items())[1:]:
-        kind = type(module)
-        if kind is c["Pooling"] and changed_by is None and not _replaced(module, "forward", RaggedPooling):
-            poolings.append(module)
-        elif kind in (c["Dropout"], c["LayerNorm"]) or (kind in (c["Dense"], c["Normalize"]) and "token_embeddings"
-                                                         not in (module.module_input_name, module.module_output_name)):
-            pass  # sentence-level: [B, d] in, [B, d] out
-        else:
-            if kind is c["Pooling"] and changed_by is not None:
-                why = f"it pools the token embeddings module {changed_by!r} wrote (sentence-transformers' pooling)"
-            else:
-                why = "it may read or change the token embeddings (it gets them padded)"
-                changed_by = name if changed_by is None else changed_by
-            padded.append((name, kind.__name__, why))
-    return _Plan(first, poolings, padded)
+def _plan(model: nn.Module) -> Plan | str:
+    return plan_conversion(model, (RaggedTransformerForward, RaggedPreprocess, RaggedEncode))
 
 
 def why_not(model: nn.Module) -> str | None:
