@@ -195,7 +195,7 @@ class Recorded:
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         with attention_dtype(q):
             o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
-                          -1, -1, self.attention_backend)[0]
+                          -1, -1, None, None, self.attention_backend)[0]
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):

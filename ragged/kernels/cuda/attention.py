@@ -7,7 +7,7 @@ tile (at most 32 queries and 32 keys): Q, K, V of the sequence go to shared memo
 registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
 128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
 (different q and k offsets) and bottom-right causal masking; no dropout, no sliding window,
-no backward. What it takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"``
+no relative-position bias, no backward. What it takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"``
 implementation of the attention op, whose backward is Triton's).
 
 The kernel is compiled at first use through NVRTC (CuPy) and launched on torch's current
@@ -121,11 +121,15 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     return out
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
+            bias_table=None, bias_buckets=None):
     """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. No sliding
-    window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``."""
+    window and no position bias: ``window_left`` / ``window_right`` and ``bias_table`` /
+    ``bias_buckets`` are the op's operands, and must be ``-1`` and None."""
     if dropout_p > 0:
         raise ValueError("the CUDA short-sequence attention kernel has no dropout")
+    if bias_table is not None or bias_buckets is not None:
+        raise ValueError("the CUDA short-sequence attention kernel takes no position_bias")
     if window_left != -1 or window_right != -1:
         raise ValueError(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
                          f"({window_left}, {window_right})")

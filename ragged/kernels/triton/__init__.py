@@ -28,9 +28,16 @@ register(
 # this list is left to the other backends rather than compiled for).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
+
+def _attention_check(spec) -> list[str]:
+    if spec.bias_buckets:
+        return ["the Triton attention kernels take no position_bias yet"]
+    return []
+
+
 register(Implementation("attention", "triton", f"{_HERE}.attention:forward", f"{_HERE}.attention:backward",
                         dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                        limits={"head_dim": ATTENTION_HEAD_DIMS}, rank=1))
+                        limits={"head_dim": ATTENTION_HEAD_DIMS}, check=_attention_check, rank=1))
 
 
 # ---- fused -------------------------------------------------------------------

@@ -133,7 +133,8 @@ def _seed(seed, cu_q):
     return seed, cu_q
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
+            bias_table=None, bias_buckets=None):
     """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
     lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
@@ -185,7 +186,7 @@ def _grad_buffers(grads, q, k, v):
 
 
 def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
-             window_right=-1, grads=None):
+             window_right=-1, bias_table=None, bias_buckets=None, grads=None):
     """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
     forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`).
 
