@@ -23,7 +23,7 @@ FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
        "cupy": None, "git_commit": None}
 HAS_ST = importlib.util.find_spec("sentence_transformers") is not None
-SKIPPED_ON_CPU = (H.HF_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED)
+SKIPPED_ON_CPU = (H.HF_COMPILED, H.HF_EAGER_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED)
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_registered():
 
 def test_cpu_cases():
     cases = SUITES["hf"].cases(FAST)
-    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN, H.MPNET]
     for case, shape in zip(cases, H.CPU_SHAPES):
         batches = H.case_lengths(shape)
         flat = [n for b in batches for n in b]
@@ -77,7 +77,7 @@ def test_gpu_cases():
     """The GPU workloads; listing cases allocates nothing on the device."""
     suite = SUITES["hf"]
     cases = suite.cases(Config(torch.device("cuda")))
-    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN, H.MPNET]
     assert {c.params["dtype"] for c in cases} == {"bf16"}
     minilm, base = cases[0].params, cases[1].params
     assert minilm["model"] == H.Bert(6, 384, 12, 1536).name() and base["model"] == H.Bert(12, 768, 12, 3072).name()
@@ -95,7 +95,8 @@ def test_gpu_cases():
     assert (cases[4].params["texts"], cases[4].params["batch"]) == (2048, 32)
     quick = suite.cases(Config(torch.device("cuda"), quick=True))
     assert [(c.group, c.params.get("texts"), c.params.get("steps")) for c in quick] == [
-        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None)]
+        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None),
+        (H.MPNET, 3000, None)]
     fp16 = suite.cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))
     assert {c.params["dtype"] for c in fp16} == {"fp16"}
 
@@ -121,7 +122,7 @@ def test_suite_on_cpu(cpu_rows):
                 continue
             assert r.status == "ok", (r.impl, r.reason)
             assert r.flops and r.tflops == pytest.approx(r.flops / (r.median_ms * 1e-3) / 1e12)
-            if case.group in (H.EMBEDDING, H.MODERN):
+            if case.group in (H.EMBEDDING, *H.FAMILY_WORKLOADS):
                 assert float(r.extra[H.COSINE]) >= 1 - 1e-6  # fp32 against fp32
                 assert r.extra[H.TEXTS_S] == pytest.approx(case.params["texts"] / (r.median_ms / 1e3))
             else:
@@ -270,5 +271,5 @@ def test_gpu_paths_at_tiny_size(monkeypatch):
             assert r.status == "skipped" and "flash_attn" in r.reason
         else:
             assert r.status == "ok", (r.impl, r.reason)
-        if r.status == "ok" and r.group not in (H.EMBEDDING, H.MODERN):  # inference rows measure no peak
+        if r.status == "ok" and r.group not in (H.EMBEDDING, *H.FAMILY_WORKLOADS):  # inference rows measure no peak
             assert r.extra[H.PEAK] > 0

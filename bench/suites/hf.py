@@ -25,7 +25,7 @@ from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, regi
 from ..targets import speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
-from .hf_modernbert import build_modernbert
+from .hf_families import build_family
 from .hf_texts import MeanPooled, Texts, make_texts, padded_pass, ragged_pass, word_tokenizer  # noqa: F401
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
@@ -64,6 +64,11 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     min_cosine,
     MINILM,
     MODERN,
+    MPNET,
+    HF_EAGER_COMPILED,
+    HF_EAGER_DATA,
+    HF_EAGER_SORTED,
+    FAMILY_WORKLOADS,
     MODEL_VARIABLE,
     pad_batch,
     PEAK,
@@ -406,6 +411,14 @@ converted model (`ragged`) in data order, sorted and graphed. Reference: the flo
 (sdpa, sorted batches of 16). Targets: ragged data order >= 3x HF SDPA data order; every
 ragged row's min cosine at least HF SDPA's own in the case's dtype (less 1e-5).
 
+**MPNet**: `MPNetModel` of the config shown (random weights, seeded; all-mpnet-base-v2's
+shape: 12 layers of 768, a relative-position bias in every layer's attention), the
+**embedding** workload's sentences (`N` texts, batches of 256): the same rows as ModernBERT's
+plus `ragged graphed, sorted`. HuggingFace's MPNet has no SDPA path (its attention adds the
+bias to eager scores): its rows are `HF eager, ...`. Targets: ragged data order >= 3x HF data order; ragged sorted >= 1.5x
+HF compiled sorted; ragged graphed (data order) >= 2x HF compiled sorted; min cosine at least
+HF's own.
+
 Training gate: the check call runs the steps in eval mode (no dropout); step 1's loss (before
 any update) against the float32 model's (eager; LM: one sequence at a time): error <=
 max(2e-2 (fp32: 1e-4) x max(1, |loss|), 3 x HF's bf16 error). `loss diff vs fp32`: that
@@ -439,9 +452,9 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                                       "lengths": shape.lengths.text(), "T": total,
                                       "mean_len": round(total / len(flat), 2), "M": max(flat)}
             checkpoint = None
-            if shape.workload == MODERN:
+            if shape.workload in FAMILY_WORKLOADS:
                 params.update(texts=shape.count, batch=shape.batch, checkpoint="random weights")
-                name = f"{MODERN} {shape.label} {kind} N={shape.count} mean={total / len(flat):.0f}"
+                name = f"{shape.workload} {shape.label} {kind} N={shape.count} mean={total / len(flat):.0f}"
             elif shape.workload == EMBEDDING:
                 checkpoint, first, label = (path if first else None), False, shape.label
                 params.update(texts=shape.count, batch=shape.batch, checkpoint=checkpoint or "random weights")
@@ -475,8 +488,8 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                 return build_embedding(shape, config.device, checkpoint)
             if shape.workload == FINE_TUNE:
                 return build_fine_tune(shape, config.device, self.dropout)
-            if shape.workload == MODERN:
-                return build_modernbert(shape, config.device)
+            if shape.workload in FAMILY_WORKLOADS:
+                return build_family(shape, config.device)
             return build_causal_lm(shape, config.device)
         except (Skip, torch.OutOfMemoryError):
             raise
@@ -489,17 +502,19 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         shape, _, on_gpu = case.spec
         ok = {r.impl: r for r in rows if r.status == "ok"}
         for r in ok.values():
-            if shape.workload in (EMBEDDING, MODERN):
+            if shape.workload in (EMBEDDING, *FAMILY_WORKLOADS):
                 r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
             else:
                 r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps
         notes = speedup_notes(TARGETS_BY_WORKLOAD[shape.workload], {k: r.median_ms for k, r in ok.items()}, on_gpu)
         # ModernBERT's embeddings: as close to float32 as HuggingFace's own in the case's dtype
-        own = ok[HF_DATA].extra.get(COSINE) if shape.workload == MODERN and HF_DATA in ok else None
+        family = shape.workload in FAMILY_WORKLOADS
+        first = ROWS[shape.workload][0][0]  # HuggingFace in data order
+        own = ok[first].extra.get(COSINE) if family and first in ok else None
         for r in ok.values():
             if r.kind == "ragged" and COSINE in r.extra:  # a check of the output: judged on CPU too
                 cos = float(r.extra[COSINE])
-                note = f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}" if shape.workload != MODERN else \
+                note = f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}" if not family else \
                     f"cos>=HF's own {float(own):.6f}: {verdict(cos >= float(own) - 1e-5)}" if own is not None else None
                 if note:
                     notes.setdefault(r.impl, []).append(note)

@@ -23,11 +23,15 @@ from .encoder_problem import training_mode
 
 SEED = 0
 MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
-EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN = "embedding", "fine-tune", "causal LM", "ModernBERT"
-WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN}
+EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN, MPNET = "embedding", "fine-tune", "causal LM", "ModernBERT", "MPNet"
+WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN, "mpnet": MPNET}
+FAMILY_WORKLOADS = (MODERN, MPNET)  # texts embedded by one model family (bench/suites/hf_families.py)
 
 # Row names (the rows' ``impl``).
 HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
+# a model with no SDPA path (MPNet: its attention adds a bias to eager scores)
+HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED = ("HF eager, data order", "HF eager, sorted",
+                                                     "HF eager compiled, sorted")
 ST_32, ST_256, ST_FA2 = "ST encode, batch 32", "ST encode, batch 256", "ST encode flash_attention_2, batch 256"
 RAG_DATA, RAG_SORTED = "ragged, data order", "ragged, sorted"
 RAG_BUDGET_DATA, RAG_BUDGET_SORTED = "ragged, data order, token budget", "ragged, sorted, token budget"
@@ -48,6 +52,8 @@ ROWS = {
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
     MODERN: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
              (RAG_GRAPHED_DATA, _R)),
+    MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
+            (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R)),
 }
 
 # Extra columns.
@@ -62,6 +68,8 @@ TARGETS_BY_WORKLOAD = {
     FINE_TUNE: ((RAGGED, HF_PADDED, 2.5), (RAG_GRAPHED_TRAIN, HF_PADDED, 3.0)),
     CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
     MODERN: ((RAG_DATA, HF_DATA, 3.0),),
+    MPNET: ((RAG_DATA, HF_EAGER_DATA, 3.0), (RAG_SORTED, HF_EAGER_COMPILED, 1.5),
+            (RAG_GRAPHED_DATA, HF_EAGER_COMPILED, 2.0)),
 }
 COSINE_TARGET = 0.9999
 
@@ -101,6 +109,8 @@ class ModernBert:
     local: int = 128        # local_attention: the window of the local layers, both sides together
     every: int = 3          # global_attn_every_n_layers
     init: float = 0.02
+    model_class = "ModernBertModel"
+    attention = "sdpa"
 
     def name(self) -> str:
         return f"ModernBERT {self.layers}x{self.hidden} h={self.heads} ff={self.ff} window={self.local}"
@@ -112,6 +122,27 @@ class ModernBert:
                                 num_attention_heads=self.heads, intermediate_size=self.ff, local_attention=self.local,
                                 global_attn_every_n_layers=self.every, initializer_range=self.init, pad_token_id=0,
                                 bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class MPNet:
+    layers: int
+    hidden: int
+    heads: int
+    ff: int
+    vocab: int = 30527
+    init: float = 0.02
+    model_class = "MPNetModel"
+    attention = "eager"  # HuggingFace's MPNet has no SDPA path
+
+    def name(self) -> str:
+        return f"MPNet {self.layers}x{self.hidden} h={self.heads} ff={self.ff}"
+
+    def config(self, **kw):
+        from transformers import MPNetConfig
+
+        return MPNetConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                           num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +202,7 @@ class Shape:
     workload: str
     label: str
     dtype: torch.dtype
-    model: Any  # Bert | ModernBert | Llama
+    model: Any  # Bert | ModernBert | MPNet | Llama
     lengths: Lengths
     count: int
     batch: int = 0
@@ -183,6 +214,7 @@ class Shape:
 MINILM, BERT_BASE, TINY_BERT = Bert(6, 384, 12, 1536), Bert(12, 768, 12, 3072), Bert(2, 32, 2, 64, 1000, init=0.2)
 MODERNBERT_BASE, TINY_MODERNBERT = ModernBert(22, 768, 12, 1152), ModernBert(3, 32, 2, 48, 1000, local=16, init=0.2)
 LONG_TAILED = Lengths(16, 1024, 128, 1.0)
+MPNET_BASE, TINY_MPNET = MPNet(12, 768, 12, 3072), MPNet(2, 32, 2, 64, 1000, init=0.2)
 LLAMA_05B, TINY_LLAMA = Llama(24, 1280, 20, 4, 3456), Llama(2, 64, 4, 2, 128, vocab=256, init=0.2)
 SENTENCES = Lengths(3, 256, 25, 0.8)
 GPU_SHAPES = (
@@ -191,14 +223,16 @@ GPU_SHAPES = (
     Shape(FINE_TUNE, "BERT-base-size", torch.bfloat16, BERT_BASE, Lengths(16, 512, 96, 1.0), 32, steps=8),
     Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
     Shape(MODERN, "ModernBERT-base-size", torch.bfloat16, MODERNBERT_BASE, LONG_TAILED, 2048, batch=32),
+    Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, SENTENCES, 15000, batch=256),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512))
+                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512), dataclasses.replace(GPU_SHAPES[5], count=3000))
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
     Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
     Shape(MODERN, "tiny", torch.float32, TINY_MODERNBERT, Lengths(4, 48, 12, 0.8), 32, batch=8),
+    Shape(MPNET, "tiny", torch.float32, TINY_MPNET, Lengths(3, 40, 10, 0.8), 48, batch=16),
 )
 
 
@@ -215,7 +249,7 @@ def checkpoint_model(path: str) -> str:
 def case_lengths(shape: Shape) -> list[list[int]]:
     """The lengths of a case: one list (embedding), or one per training step (LM: seeded lengths cut
     in order at the token budget by ``ragged.data.TokenBudgetSampler``)."""
-    if shape.workload in (EMBEDDING, MODERN):
+    if shape.workload in (EMBEDDING, *FAMILY_WORKLOADS):
         return [shape.lengths.draw(shape.count)]
     if shape.workload == FINE_TUNE:
         flat = shape.lengths.draw(shape.count * shape.steps)

@@ -1,0 +1,78 @@
+"""The hf suite's model-family workloads: texts embedded by one HuggingFace model family as
+HuggingFace runs it (``sdpa``, padded batches; compiled) and by the same weights converted by
+``ragged.nn.convert``: ModernBERT (rotary positions, alternating global and sliding-window
+layers, GeGLU; HuggingFace unpads it only under flash_attention_2) on long-tailed texts, MPNet
+(a relative-position bias in every layer's attention; HuggingFace runs it eagerly) on sentences."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..harness import Workload
+from .encoder_problem import Model as EncoderModel, encoder_flops
+from .hf_common import (COSINE_FLOOR, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
+                        HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED,
+                        RAG_SORTED, ROWS, SEED, SLACK, Run, Shape, assemble, attempt, broken, cosine_checks,
+                        min_cosine, quiet)
+from .hf_texts import Texts, make_texts, padded_pass, ragged_pass, word_tokenizer
+
+__all__ = ["build_family"]
+
+
+def build_family(shape: Shape, device: torch.device) -> Workload:
+    """Rows (those of ``ROWS[shape.workload]``): HuggingFace (``sdpa``, or eager for a model
+    without it: ``shape.model.attention``) in data order and sorted,
+    ``torch.compile`` of it (sorted, ``dynamic=True``; CUDA), the converted model in data order
+    and sorted, and graphed (CUDA). Batches of ``shape.batch`` texts; embeddings are the mean of
+    the last hidden state over each text's tokens, checked against the float32 model (``sdpa``,
+    sorted batches)."""
+    import transformers
+
+    import ragged.nn as rnn
+
+    fns: dict[str, Any] = {}
+    with quiet():
+        tokenizer = word_tokenizer(shape.model.vocab)
+        torch.manual_seed(SEED)
+        attention = shape.model.attention
+        reference_model = getattr(transformers, shape.model.model_class)(
+            shape.model.config(attn_implementation=attention))
+        data = Texts(tokenizer, make_texts(tokenizer, shape.lengths.draw(shape.count)), device)
+        order = np.argsort(data.lengths, kind="stable")
+        reference_model = reference_model.to(device).eval()
+        reference = padded_pass(reference_model, data, data.chunks(order, 16))()
+        model = copy.deepcopy(reference_model).to(shape.dtype).eval()
+        del reference_model
+    converted, convert_error = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
+    B = shape.batch
+    data_order, sorted_order = data.chunks(np.arange(len(data.texts)), B), data.chunks(order, B)
+    hf_error = 1.0 - min_cosine(padded_pass(model, data, sorted_order)(), reference)
+    hf_data, hf_sorted, hf_compiled = (HF_DATA, HF_SORTED, HF_COMPILED) if attention == "sdpa" else \
+        (HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED)
+    fns[hf_data] = Run(padded_pass(model, data, data_order))
+    fns[hf_sorted] = Run(padded_pass(model, data, sorted_order))
+    fns[hf_compiled] = Run(padded_pass(torch.compile(model, dynamic=True), data, sorted_order)) \
+        if device.type == "cuda" else "CPU smoke run: torch.compile builds for tens of seconds on a CPU (runs on CUDA)"
+    for name, batches in ((RAG_DATA, data_order), (RAG_SORTED, sorted_order)):
+        fns[name] = broken(convert_error) if converted is None else Run(ragged_pass(converted, data, batches))
+    for name, batches in ((RAG_GRAPHED_DATA, data_order), (RAG_GRAPHED_SORTED, sorted_order)):
+        if converted is None:
+            fns[name] = broken(convert_error)
+        elif device.type != "cuda":
+            fns[name] = "CUDA graphs: runs on CUDA"
+        else:
+            fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
+    bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
+
+    compare, extra = cosine_checks(reference, bound)
+
+    m = shape.model
+    # the GEMM and full-attention flops of a BERT layer of the same sizes, GeGLU's extra input
+    # projection left out: a lower bound of the useful work
+    flops = encoder_flops(data.lengths.tolist(), EncoderModel(m.hidden, m.heads, m.ff, m.layers), False)
+    fns = {name: fn for name, fn in fns.items() if name in dict(ROWS[shape.workload])}
+    return Workload(assemble(shape.workload, fns), reference=reference, flops=flops, compare=compare, extra=extra)
