@@ -1,8 +1,8 @@
 """HuggingFace encoder models computed padding-free (what :func:`ragged.nn.convert` does to them).
 
 Families, one file each: BERT (``bert.py``), RoBERTa, XLM-RoBERTa and CamemBERT
-(``roberta.py``), ELECTRA (``electra.py``), DistilBERT (``distilbert.py``) and ModernBERT
-(``modernbert.py``); for each the base model (``AutoModel``) and its
+(``roberta.py``), ELECTRA (``electra.py``), DistilBERT (``distilbert.py``), ModernBERT
+(``modernbert.py``) and MPNet (``mpnet.py``); for each the base model (``AutoModel``) and its
 ``ForSequenceClassification``, ``ForTokenClassification``, ``ForMaskedLM`` and
 ``ForQuestionAnswering`` heads. Sentence-transformers models over them: ``sentence.py``.
 
