@@ -517,7 +517,7 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
             raise ValueError("ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
                              "(its encode() packs the batches the graphs take), got one that is not converted")
         forward = module[0].__dict__["forward"]
-        forward.graphed = Graphed(module[0]._modules["model"], max_tokens, max_batch_size, token_buckets,
+        forward.graphed = Graphed(hf_sentence.graph_target(module), max_tokens, max_batch_size, token_buckets,
                                   batch_buckets, length_buckets, copy_outputs, max_len=max_len)
         return module
     return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,

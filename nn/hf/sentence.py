@@ -100,15 +100,19 @@ from ragged.utils import describe
 
 from . import forward as hf_forward
 from .batch import read_batch
+from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
 from .sentence_plan import Plan, plan_conversion
 from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
            "RaggedTransformerForward", "ReplicaForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding",
-           "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
+           "graph_target", "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
 
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
+_TEXT_MODALITIES = ("text", "message")  # a message modality's features are text too, unless media come with them
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length", "offset_mapping",
+                        "special_tokens_mask", "overflow_to_sample_mapping", "query_expansion_positions"})
 _FN = "ragged.nn.convert"
 
 # A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
@@ -208,13 +212,19 @@ def pack_input(fn: str, from_ids: bool, input_ids, attention_mask, token_type_id
 class RaggedTransformerForward:
     """The ``forward`` of a converted Transformer module (an instance attribute). Set
     ``pad_token_embeddings`` to True to have ``features["token_embeddings"]`` written on every
-    call (conversion sets it when a module after the Transformer may read it)."""
+    call (conversion sets it when a module after the Transformer may read it). ``decoder``: the
+    ``auto_model`` is a decoder run on the packed batch as one row (:mod:`ragged.nn.hf.decoder`),
+    not a converted encoder."""
 
-    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool) -> None:
+    decoder = False
+
+    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool,
+                 decoder: bool = False) -> None:
         self.module = module
         self.from_ids = from_ids
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
+        self.decoder = decoder
         self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
 
     def __call__(self, features: dict, **kwargs) -> dict:
@@ -223,13 +233,14 @@ class RaggedTransformerForward:
     def for_replica(self, replica: nn.Module) -> dict:
         """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
         hold this module's parameters)."""
-        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings)}
+        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings,
+                                                    self.decoder)}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "graphed": None}  # graphs are of this process
 
     def __repr__(self) -> str:
-        return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings})"
+        return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings}, decoder={self.decoder})"
 
 
 def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs: dict) -> dict:
@@ -238,8 +249,12 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
         raise TypeError(f"{fn}(): expected the features dict, got {describe(features)}")
     merged = {**features, **kwargs} if kwargs else features
     modality = merged.get("modality", "text")
-    if modality != "text":
+    if modality not in _TEXT_MODALITIES:
         raise NotImplementedError(f"{fn}(): the ragged forward takes text inputs, got modality {modality!r}")
+    media = [k for k, v in merged.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS] \
+        if modality == "message" else ()
+    if media:
+        raise NotImplementedError(f"{fn}(): the ragged forward takes text-only messages, got inputs {media}")
     if merged.get("cu_seq_lens_q") is not None:
         raise NotImplementedError(f"{fn}(): flattened inputs (cu_seq_lens_q, from unpad_inputs) are not taken by the "
                                   "ragged forward: set unpad_inputs = False on the Transformer")
@@ -261,6 +276,8 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
         inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
         out = graphed(**inputs, return_dict=True)
+    elif self.decoder:
+        out = run_packed(model, packed.ids, packed.position_ids)
     else:
         out = model(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
@@ -309,9 +326,9 @@ class RaggedPreprocess:
             return original(module, *args, **kwargs)
         forward = _own(module, "forward", RaggedTransformerForward)
         mode = None if forward is None else _mode(forward)
-        unpadded = mode == "sentence" and not forward.pad_token_embeddings and len(args) <= 2 \
-            and _unpadded_ok(module, kwargs)
-        if unpadded:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
+        side = _unpadded_side(module, kwargs) if mode == "sentence" and not forward.pad_token_embeddings \
+            and len(args) <= 2 else None
+        if side is not None:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
             pk = dict(kwargs.get("processing_kwargs") or {})
             kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **_UNPADDED}}}
         token = _PREPROCESSING.set((*inside, self))
@@ -320,13 +337,14 @@ class RaggedPreprocess:
                 features = original(module, *args, **kwargs)
         finally:
             _PREPROCESSING.reset(token)
-        if mode is None or not isinstance(features, MutableMapping) or features.get("modality", "text") != "text" \
-                or "cu_seq_lens_q" in features:
+        if mode is None or not isinstance(features, MutableMapping) or "cu_seq_lens_q" in features \
+                or features.get("modality", "text") not in _TEXT_MODALITIES:
             return features
         ids = features.get("input_ids")
         types = features.get("token_type_ids") if forward.takes_types else None
         if isinstance(ids, list) and all(isinstance(row, list) for row in ids):
-            features[INPUT_KEY] = _from_lists(ids, types if isinstance(types, list) else None)
+            features[INPUT_KEY] = _from_lists(ids, types if isinstance(types, list) else None, side or "right",
+                                              not forward.from_ids)
             for name in ("input_ids", "token_type_ids", "attention_mask"):
                 features.pop(name, None)
         elif _host_padded(features):
@@ -350,23 +368,30 @@ class RaggedPreprocess:
 _UNPADDED = {"padding": False, "return_tensors": None, "return_attention_mask": False}
 
 
-def _unpadded_ok(module: nn.Module, kwargs: dict) -> bool:
-    """Whether tokenizing without padding gives the padded batch's tokens and positions: a
-    tokenizer padding on the right, no padding side set through processing kwargs, and no
-    query expansion (it rewrites the padded tensors)."""
-    if getattr(module, "query_expansion", None) is not None:
-        return False
-    if getattr(module.tokenizer, "padding_side", "right") != "right" or module.processor is not module.tokenizer:
-        return False
+def _unpadded_side(module: nn.Module, kwargs: dict) -> str | None:
+    """The padding side of the batch when tokenizing without padding gives the padded batch's
+    tokens and positions (their columns follow from the lengths and the side); None when it may
+    not: a tokenizer that is not the processor, text rendered as chat messages, query expansion
+    (it rewrites the padded tensors), padding settings in the processing kwargs (a padding side;
+    for left padding a width other than the longest text's too)."""
+    side = getattr(module.tokenizer, "padding_side", "right")
+    if getattr(module, "query_expansion", None) is not None or side not in ("right", "left") \
+            or module.processor is not module.tokenizer or "message" in module.modality_config:
+        return None
+    if side == "left" and getattr(module.tokenizer, "pad_to_multiple_of", None) is not None:
+        return None
+    keys = {"padding_side"} if side == "right" else {"padding_side", "padding", "pad_to_multiple_of"}
     for pk in (module.processing_kwargs, kwargs.get("processing_kwargs")):
         if pk is not None and (not isinstance(pk, dict) or any(
-                isinstance(v, dict) and "padding_side" in v for v in pk.values())):
-            return False
-    return True
+                isinstance(v, dict) and keys & set(v) for v in pk.values())):
+            return None
+    return side
 
 
-def _from_lists(ids: list, types: list | None) -> PackedInput:
-    """A PackedInput from the tokenizer's per-sequence lists (host tensors, right-padding layout)."""
+def _from_lists(ids: list, types: list | None, side: str, columns: bool) -> PackedInput:
+    """A PackedInput from the tokenizer's per-sequence lists (host tensors) laid out as the
+    tokenizer pads on ``side``; ``columns``: positions are the padded batch's columns (given
+    where they are not each sequence's from 0: left padding)."""
     lengths = [len(row) for row in ids]
     total = sum(lengths)
 
@@ -376,7 +401,12 @@ def _from_lists(ids: list, types: list | None) -> PackedInput:
     rt = RaggedTensor.from_lengths(flat(ids), lengths)
     if types is not None and [len(row) for row in types] != lengths:
         types = None
-    return PackedInput(rt, None if types is None else flat(types), None, PaddedLayout(rt.max_len))
+    positions = None
+    if side == "left" and columns and total:
+        n = np.asarray(lengths, dtype=np.int64)
+        starts = np.repeat(np.cumsum(n) - n, n)  # each token's sequence start, then its column
+        positions = torch.from_numpy(np.arange(total, dtype=np.int64) - starts + np.repeat(rt.max_len - n, n))
+    return PackedInput(rt, None if types is None else flat(types), positions, PaddedLayout(rt.max_len, side))
 
 
 def _host_padded(features) -> bool:
@@ -469,10 +499,19 @@ def _own(module: nn.Module, name: str, cls: type):
 def is_converted(model: nn.Module) -> bool:
     """Whether the SentenceTransformer ``model`` is converted: its encode, its Transformer's
     forward and preprocess and its Poolings' ragged forwards are patches of their own module."""
-    return len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
+    own = len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
         (model, "encode", RaggedEncode), (model[0], "forward", RaggedTransformerForward),
         (model[0], "preprocess", RaggedPreprocess), *((m, "forward", RaggedPooling) for m in model._modules.values()
                                                       if isinstance(m.__dict__.get("forward"), RaggedPooling))))
+    # a decoder runs packed under "ragged" attention only: another set since is not converted
+    return own and (not model[0].forward.decoder or uses_ragged_attention(model[0]._modules["model"]))
+
+
+def graph_target(model: nn.Module) -> nn.Module:
+    """What :func:`ragged.nn.graphed` captures for the converted SentenceTransformer ``model``:
+    its ``auto_model`` (a converted encoder) or a :class:`ragged.nn.hf.decoder.PackedDecoder` of it."""
+    auto = model[0]._modules["model"]
+    return PackedDecoder(auto) if model[0].forward.decoder else auto
 
 
 def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
@@ -506,12 +545,16 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
         plan = _plan(model)
     first = plan.transformer
     auto = first._modules["model"]
-    family, _ = hf_forward.identify(auto)
     takes_types = "token_type_ids" in inspect.signature(type(auto).forward).parameters
-    patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
+    if plan.decoder:  # its own forward, on the packed batch as one row, under "ragged" attention
+        from_ids, patched, attention = False, [], use_ragged_attention(auto)
+    else:
+        from_ids, attention = hf_forward.identify(auto)[0].positions_from_ids, None
+        patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
     # what a shallow copy shares with a converted model is its own already: kept as it is (graphs included)
     wanted = [(first, "forward", RaggedTransformerForward,
-               lambda: RaggedTransformerForward(first, family.positions_from_ids, takes_types, bool(plan.padded))),
+               lambda: RaggedTransformerForward(first, from_ids, takes_types and not plan.decoder, bool(plan.padded),
+                                                plan.decoder)),
               (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
               (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
               *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings)]
@@ -525,5 +568,7 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
             for name in names:
                 module.__dict__.pop(name, None)
         hf_forward.unpatch(patched)
+        if plan.decoder:
+            restore_attention(auto, attention)
         raise
     return model

@@ -8,6 +8,7 @@ import dataclasses
 
 from torch import nn
 
+from . import decoder as hf_decoder
 from . import forward as hf_forward
 from .sentence_pooling import RaggedPooling
 
@@ -29,6 +30,7 @@ class Plan:
     transformer: nn.Module
     poolings: list[nn.Module]                 # Pooling modules that read the Transformer's token embeddings
     padded: list[tuple[str, str, str]]        # (name, class, why) of modules left on padded token embeddings
+    decoder: bool = False                     # the auto_model is a decoder run packed (ragged.nn.hf.decoder)
 
 
 def replaced(module: nn.Module, name: str, ours: type) -> bool:
@@ -55,6 +57,9 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
     if first.module_output_name != "token_embeddings" or first.modality_config.get("text") != TEXT:
         return (f"its Transformer maps text to {first.modality_config.get('text')!r} -> {first.module_output_name!r}, "
                 "not the model's forward's last_hidden_state -> token_embeddings")
+    message = first.modality_config.get("message")
+    if message is not None and {k: v for k, v in message.items() if k != "format"} != TEXT:
+        return f"its Transformer maps chat messages to {message!r}, not the model's forward's last_hidden_state"
     if getattr(first, "can_flatten_inputs", False):
         return "its Transformer flattens inputs for flash attention: set st[0].unpad_inputs = False first"
     expansion = getattr(first, "query_expansion", None)
@@ -69,13 +74,21 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
     auto = first._modules.get("model")
     if not hf_forward.is_hf_model(auto):
         return f"its auto_model is a {type(auto).__name__}, not a transformers model ragged.nn.convert converts"
-    if not hf_forward.is_done(auto):
-        why = hf_forward.why_not(auto)
+    decoder = hf_decoder.identify_decoder(auto) is not None
+    if decoder:
+        why = hf_decoder.why_not(auto)
         if why is not None:
-            return f"its auto_model cannot be converted: {why}"
-    ident = hf_forward.identify(auto)
-    if isinstance(ident, str) or ident[1] != "base":
-        return f"its auto_model is a {type(auto).__name__}, not a base model (AutoModel)"
+            return f"its auto_model cannot run on packed batches: {why}"
+    else:
+        if not hf_forward.is_done(auto):
+            why = hf_forward.why_not(auto)
+            if why is not None:
+                also = f"; decoders run on packed batches: {hf_decoder.supported()}" \
+                    if isinstance(hf_forward.identify(auto), str) else ""
+                return f"its auto_model cannot be converted: {why}{also}"
+        ident = hf_forward.identify(auto)
+        if isinstance(ident, str) or ident[1] != "base":
+            return f"its auto_model is a {type(auto).__name__}, not a base model (AutoModel)"
     poolings, padded, changed_by = [], [], None
     for name, module in list(model._modules.items())[1:]:
         kind = type(module)
@@ -91,4 +104,4 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
                 why = "it may read or change the token embeddings (it gets them padded)"
                 changed_by = name if changed_by is None else changed_by
             padded.append((name, kind.__name__, why))
-    return Plan(first, poolings, padded)
+    return Plan(first, poolings, padded, decoder)
