@@ -65,7 +65,7 @@ def _config(family: str, **overrides):
     return config
 
 
-def _tokenizer(style: str, chat: bool = False):
+def _tokenizer(style: str, chat: bool = False, max_length: int = 24):
     """A word-level tokenizer: ``"eos"`` ends every text with ``</s>`` (Qwen3-Embedding's), ``"bos"``
     starts it with ``<s>`` (Llama's); ``chat``: with a chat template (texts become messages)."""
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
@@ -75,7 +75,7 @@ def _tokenizer(style: str, chat: bool = False):
         ("<s> $A", "<s> $A $B", ("<s>", 2))
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=[special])
     out = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
-                                     bos_token="<s>", model_max_length=24)
+                                     bos_token="<s>", model_max_length=max_length)
     if chat:
         out.chat_template = "{% for m in messages %}<sys> {{ m['role'] }} : {{ m['content'] }} {% endfor %}"
     return out
