@@ -19,12 +19,13 @@ import zlib
 
 import pytest
 import torch
-from conftest import TRITON_ON_CPU
+from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
 from ragged import backends
 
-BACKENDS = ["torch"]  # the Triton kernels take no position bias yet
+BACKENDS = ["torch"]  # the Triton backward takes no position bias yet
+FORWARD_BACKENDS = cpu_backends()
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
 
 FWD_TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -224,6 +225,21 @@ def test_reference_takes_buckets_built_for_longer_queries():
 # Every backend against the oracle
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", FORWARD_BACKENDS)
+def test_backends_forward_without_grad(backend, case):
+    """Inference (nothing requires grad): full, causal and windowed, buckets built for longer
+    sequences than the batch's (``max_seqlen_*`` above the longest)."""
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    max_q, max_k = max(lq, default=0) + 2, max(lk, default=0) + 1
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "fwd"))
+    table, buckets = _bias(heads, max_q, max_k, _seed(case, "fwd-bias"))
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (2, 5)), (True, (3, -1))):
+        out, lse = _run(backend, q, k, v, lq, lk, table, buckets, max_q, max_k, causal, window)
+        exp, exp_lse = _oracle(q, k, v, lq, lk, table, buckets, max_q, causal, window)
+        _check(out, lse, exp, exp_lse, _blind(lq, lk, causal, window))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -419,6 +435,8 @@ def test_explain_both_forms_with_bias():
     by_name = ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, 5, 5, True, 0.0, False,
                              (-1, -1), bias)
     assert by_function == by_name and by_name["torch"] == []
+    if TRITON_ON_CPU:
+        assert by_name["triton"] == []
 
 
 # --------------------------------------------------------------------------------------

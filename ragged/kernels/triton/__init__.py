@@ -30,8 +30,8 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
 def _attention_check(spec) -> list[str]:
-    if spec.bias_buckets:
-        return ["the Triton attention kernels take no position_bias yet"]
+    if spec.bias_buckets and spec.needs_grad:
+        return ["the Triton attention kernels take position_bias in the forward only, got inputs that require grad"]
     return []
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from .attention_bias import distance_table
 from .attention_kernels import (
     _block_cum_kernel,
     _bwd_dkdv_kernel,
@@ -123,6 +124,11 @@ def _window(causal: bool, window_left: int, window_right: int, max_q: int, max_k
     return (max_k if left < 0 else left), (0 if causal else max_q if right < 0 else right)
 
 
+def _span(bias_buckets) -> int:
+    """The distance table's row length (0 without a bias)."""
+    return 0 if bias_buckets is None else bias_buckets.shape[0]
+
+
 def _seed(seed, cu_q):
     """``(seed int, seed pointer)`` for the kernels: a host int is passed as is (the pointer
     argument then is ``cu_q``, never read); a one-element int64 tensor on the device (what
@@ -139,7 +145,9 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
     lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
     trusted: see :mod:`.attention_kernels`). A sliding window (``window_left`` /
-    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only."""
+    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only.
+    ``bias_table [num_buckets, H]`` / ``bias_buckets [max_q + max_k - 1]``: the relative-position
+    bias, read per tile from one distance table (:mod:`.attention_bias`)."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
     total_q, heads, head_dim = q.shape
@@ -155,14 +163,16 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     seed, seed_ptr = _seed(seed, cu_q)
+    dist = lse if bias_table is None else distance_table(bias_table, bias_buckets)  # lse: a pointer never read
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
                       seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right,
+                      dist, max_q, _span(bias_buckets),
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1),
                       GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                       BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal and window is None, WINDOW=window is not None,
-                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype),
-                      INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, BIAS=bias_table is not None,
+                      PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
     return out, lse
 
 

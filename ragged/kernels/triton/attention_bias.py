@@ -1,0 +1,104 @@
+"""The relative-position bias of the attention kernels (``position_bias=(table, buckets)``, see
+:mod:`ragged.ops.attention`): read per tile in the forward and backward, its table gradient
+summed per bucket in the dQ kernel.
+
+Coordinates: ``rows`` / ``cols`` are query and key positions within a sequence; the bias of
+``(i, j)`` sits at distance index ``j - i + max_q - 1`` of ``buckets``.
+
+Forward. The launcher composes the table with the buckets once per call,
+``dist[h, d] = table[buckets[d], h]`` (``[H, max_q + max_k - 1]`` float32, one gather of a few
+thousand numbers, :func:`distance_table`), so that a tile's bias is one load per score from a
+row of ``dist`` that stays in L1: ``dist[h, cols - rows + max_q - 1]``, contiguous along the
+keys of each row (coalesced), no dependent second load and no mask (rows and columns are
+clamped into the sequence first, which keeps every index in ``[0, max_q + max_k - 1)``; a row
+or column past the sequence gets a finite bias that no result reads). It is added in the
+exp2 domain (times ``log2(e)``) to the scaled scores, before masking. Nothing of size
+``B x H x L x L`` exists.
+
+Table gradient. ``dtable[n, h]`` sums ``dS`` of head ``h`` over the pairs of bucket ``n``. A
+tile's ``dS [BLOCK_M, BLOCK_N]`` is first summed along its diagonals (all its pairs at one
+distance): a ``tl.gather`` skews row ``r`` by ``r`` into ``[BLOCK_M, WIDTH]`` (``WIDTH >=
+BLOCK_M + BLOCK_N - 1``) and a column sum gives the ``WIDTH`` diagonal sums; the buckets of the
+tile's distance range (one vector load) then send each diagonal sum to its bucket through a
+``[WIDTH, NUM_BUCKETS]`` compare-and-sum. That is about three passes over a tile's worth of
+elements whatever the bucket count, where a masked sum per bucket would be ``num_buckets``
+passes. Each program (one query block of one head) keeps its ``[NUM_BUCKETS]`` sums in
+registers and writes them once to its own row of a partial buffer; :func:`table_gradient`
+sums the rows in a fixed order. No atomics: the gradient is the same bits every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _bias_rows(dist, span, h, max_q, offs_m, q_len):
+    """``(pointer, rows [M])``: head ``h``'s row of the distance table at distance 0, and the rows
+    ``offs_m`` clamped into the sequence; the bias of ``(i, j)`` is at ``pointer + j - i``."""
+    return dist + h.to(tl.int64) * span + (max_q - 1), tl.minimum(offs_m, q_len - 1)
+
+
+@triton.jit
+def _bias_tile(bias_row, rows, cols, k_len, MASKED: tl.constexpr):
+    """``[M, N]`` float32 bias, in the exp2 domain, of ``rows [M]`` (see :func:`_bias_rows`) and
+    keys ``cols [N]`` (clamped into the sequence where ``MASKED``)."""
+    if MASKED:
+        cols = tl.minimum(cols, k_len - 1)
+    return tl.load(bias_row + (cols[None, :] - rows[:, None])) * 1.4426950408889634
+
+
+@triton.jit
+def _bias_tile_t(bias_row, cols, rows, q_len):
+    """``[N, M]`` float32 bias, in the exp2 domain, of keys ``cols [N]`` (clamped into the
+    sequence by the caller) and query rows ``rows [M]`` (clamped here), transposed for the dK/dV
+    kernel."""
+    rows = tl.minimum(rows, q_len - 1)
+    return tl.load(bias_row + (cols[:, None] - rows[None, :])) * 1.4426950408889634
+
+
+@triton.jit
+def _bucket_sums(acc, ds, buckets, span, pos0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WIDTH: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """``acc [NUM_BUCKETS]`` plus the sums of ``ds [BLOCK_M, BLOCK_N]`` per bucket. Element
+    ``(r, c)`` lies on diagonal ``x = c - r + BLOCK_M - 1``, at distance index ``pos0 + x`` of
+    ``buckets`` (``pos0 = first key - first row - BLOCK_M + max_q``). Distances outside
+    ``buckets`` hold only zeros of ``ds`` (pairs past the sequence) and count for no bucket."""
+    r = tl.arange(0, BLOCK_M)
+    x = tl.arange(0, WIDTH)
+    c = x[None, :] - (BLOCK_M - 1) + r[:, None]                                 # [BLOCK_M, WIDTH]
+    on = (c >= 0) & (c < BLOCK_N)
+    skewed = tl.gather(ds, tl.where(on, c, 0), 1)                              # skewed[r, x] = ds[r, c]
+    diagonal = tl.sum(tl.where(on, skewed, 0.0), 0)                            # [WIDTH]
+    pos = pos0 + x
+    bucket = tl.load(buckets + pos, mask=(pos >= 0) & (pos < span), other=-1)
+    n = tl.arange(0, NUM_BUCKETS)
+    return acc + tl.sum(tl.where(bucket[:, None] == n[None, :], diagonal[:, None], 0.0), 0)
+
+
+def distance_table(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """``[H, len(buckets)]`` float32, contiguous: ``table[buckets[d], h]`` at ``[h, d]`` (the
+    forward's and backward's bias rows; one gather on the device, no sync)."""
+    return table.detach().t().to(torch.float32)[:, buckets].contiguous()
+
+
+def partial_buffer(programs: int, heads: int, num_buckets: int, device: torch.device) -> torch.Tensor:
+    """``[programs, NUM_BUCKETS, H]`` float32 zeros: a row of bucket sums per dQ program (the
+    programs past the last query block write none)."""
+    return torch.zeros((programs, triton.next_power_of_2(num_buckets), heads), dtype=torch.float32, device=device)
+
+
+def table_gradient(partial: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``dtable`` in the table's shape and dtype: the programs' rows summed in a fixed order."""
+    return partial.sum(0)[:table.shape[0]].to(table.dtype)
+
+
+def gather_reason() -> str | None:
+    """Why this Triton cannot sum the table gradient (None when it can)."""
+    if hasattr(tl, "gather"):
+        return None
+    return f"the Triton attention kernels need tl.gather (Triton >= 3.2) for position_bias, got {triton.__version__}"
