@@ -506,7 +506,8 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     rules of a call.
 
     A SentenceTransformer converted by :func:`ragged.nn.convert` is returned itself, its
-    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (the pooling and the
+    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (over a decoder, of a
+    :class:`ragged.nn.hf.decoder.PackedDecoder` of it; the pooling and the
     modules after it run eagerly on the graph's output); ``ragged.nn.graphed(st, ...)`` again
     replaces those graphs, and ``st[0].forward.graphed = None`` turns them off.
     """

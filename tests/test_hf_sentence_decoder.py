@@ -82,7 +82,10 @@ def _tokenizer(style: str, chat: bool = False, max_length: int = 24):
 
 
 def _save(path, family, style="eos", chat=False, seed=0):
-    _tokenizer(style, chat).save_pretrained(str(path))
+    tok = _tokenizer(style, chat)
+    if style == "none":
+        tok._tokenizer.post_processor = None  # no special token: an empty text has no token
+    tok.save_pretrained(str(path))
     torch.manual_seed(seed)
     model = tf.AutoModel.from_config(_config(family))
     with torch.no_grad():
@@ -98,6 +101,7 @@ def folders(tmp_path_factory):
     out = {f: _save(tmp_path_factory.mktemp(f), f, seed=i) for i, f in enumerate(FAMILIES)}
     out["llama-bos"] = _save(tmp_path_factory.mktemp("llama-bos"), "llama", "bos", seed=20)
     out["qwen3-chat"] = _save(tmp_path_factory.mktemp("qwen3-chat"), "qwen3", chat=True, seed=21)
+    out["qwen2-plain"] = _save(tmp_path_factory.mktemp("qwen2-plain"), "qwen2", "none", seed=22)
     return out
 
 
@@ -172,6 +176,21 @@ def test_truncation(transformers_, side):
         for st in (original, ours):
             st.max_seq_length = length
         _close(ours.encode(TEXTS, batch_size=3, prompt=INSTRUCT), original.encode(TEXTS, batch_size=3, prompt=INSTRUCT))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_empty_text(transformers_, side):
+    """A tokenizer that adds no special token gives an empty text no token: it pools to zeros, as
+    sentence-transformers pools it by lasttoken and mean (max gives -inf there, cls a padding
+    position's embedding)."""
+    assert transformers_["qwen2-plain"].tokenizer("")["input_ids"] == []
+    for mode in ("lasttoken", "mean", "cls", "max"):
+        original, ours = _st(transformers_, "qwen2-plain", mode, side)
+        want, got = original.encode(TEXTS, batch_size=3), ours.encode(TEXTS, batch_size=3)
+        assert TEXTS[0] == "" and (got[0] == 0).all()
+        _close(got[1:], want[1:])
+        if mode in ("lasttoken", "mean"):
+            _close(got[0], want[0])
 
 
 def test_encode_packs_on_the_host(transformers_):

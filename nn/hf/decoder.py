@@ -135,8 +135,8 @@ def run_packed(model: nn.Module, input_ids: RaggedTensor, position_ids: torch.Te
     if not uses_ragged_attention(model):
         raise NotImplementedError(
             f"{fn}(): the packed batch needs attn_implementation={NAME!r}, but the model's is "
-            f"{getattr(model.config, '_attn_implementation', None)!r} (changed after conversion?): every sequence would "
-            "attend to the others; convert the model again")
+            f"{getattr(model.config, '_attn_implementation', None)!r} (changed after conversion?): every sequence "
+            "would attend to the others; convert the model again")
     if not isinstance(input_ids, RaggedTensor):
         raise TypeError(f"{fn}(): expected input_ids to be a RaggedTensor of token ids, got {describe(input_ids)}")
     if position_ids is None:

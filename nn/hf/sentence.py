@@ -1,11 +1,13 @@
 """Sentence-transformers models computed padding-free (what :func:`ragged.nn.convert` does to a
-``SentenceTransformer`` whose first module is a ``Transformer`` over a model :mod:`ragged.nn.hf` converts)::
+``SentenceTransformer`` whose first module is a ``Transformer`` over a model :mod:`ragged.nn.hf` converts,
+or over a decoder :mod:`ragged.nn.hf.decoder` runs on packed batches: Qwen3-Embedding, EmbeddingGemma)::
 
     st = ragged.nn.convert(SentenceTransformer(path))
     emb = st.encode(texts)          # the original's embeddings, computed on the real tokens only
 
 **Mechanism.** As for HuggingFace models (:mod:`ragged.nn.hf`), conversion sets instance
-attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf`; the
+attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf` (a decoder:
+below); the
 Transformer gets a ``forward`` (:class:`RaggedTransformerForward`) and a ``preprocess``
 (:class:`RaggedPreprocess`), each Pooling that reads the Transformer's token embeddings a
 ``forward`` (:class:`RaggedPooling`), the model an ``encode`` (:class:`RaggedEncode`). Classes,
@@ -19,16 +21,27 @@ its own parameters (eagerly: graphs hold the original's); a replica's output has
 ``"ragged_token_embeddings"``, which DataParallel's gather cannot concatenate. A shallow ``copy.copy``
 is not converted (:func:`is_converted`) until ``convert`` is called on it.
 
+**Decoders** (Qwen2, Qwen3, Llama, Mistral and Gemma 1 to 3 base models) keep their own forward:
+conversion sets ``attn_implementation="ragged"`` on the ``auto_model``, its one change there (``save``
+writes the original's config; ``copy=True`` and a refusal leave the original's implementation; one
+set after conversion makes the call raise until converted again), and the Transformer runs the
+model on the packed batch as one row with its offsets, each sequence attending within itself as
+the model attends (causally, or both ways for EmbeddingGemma). Positions are the padded batch's
+columns where it is left-padded (transformers' numbers), each sequence's from 0 otherwise.
+
 **Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the texts are
 tokenized without padding (sentence-transformers' preprocess with ``padding=False`` and no tensors,
-when the tokenizer pads on the right and no module reads padded token embeddings: faster than the
-tokenizer's padding and tensor conversion), otherwise as sentence-transformers tokenizes them and
-packed from the host mask. The Transformer moves the packed ids to the device (pinned, non-blocking
-on CUDA): no device read. Outside ``encode`` (``st(features)`` in training, losses, evaluators) the
-padded ``input_ids`` are packed with their ``attention_mask`` on the device: one device-to-host read
-of the mask (its lengths and layout, :func:`ragged.padding.read_mask_layout`). The ``auto_model``
-returns a RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout
-and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
+when no module reads padded token embeddings and the tokenizer pads on the right, or on the left
+to the longest text, the columns then computed from the lengths: faster than the tokenizer's
+padding and tensor conversion), otherwise (texts rendered as chat messages too) as
+sentence-transformers tokenizes them and packed from the host mask. The Transformer moves the
+packed ids to the device (pinned, non-blocking on CUDA): no device read (a decoder that builds its
+own masks, Llama's, makes transformers' one read per forward: :mod:`ragged.nn.hf.decoder`).
+Outside ``encode`` (``st(features)`` in training, losses, evaluators) the padded ``input_ids`` are
+packed with their ``attention_mask`` on the device: one device-to-host read of the mask (its
+lengths and layout, :func:`ragged.padding.read_mask_layout`). The ``auto_model`` returns a
+RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout and
+LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 
 **Threads.** What ``encode`` is doing (sentence or token embeddings) lives in the call's context
 (a ``contextvars`` variable: each thread and asyncio task has its own), never on the shared
@@ -55,12 +68,12 @@ overwrites: one thread only.
 and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
 features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
 put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf.sentence_pooling`).
-``weightedmean`` weighs as the installed sentence-transformers does: by the columns of the padded
-batch before 6.2, by the place in the sequence from 6.2 (the two differ under left padding),
-read from its Pooling once. A sequence with no token pools to zeros (sentence-transformers:
-``-inf`` for ``max``); tokenizers always add special tokens, so ``encode`` never meets one.
-``encode(output_value=None)`` gives each row its own text's ``[L, d]`` tokens as
-``"ragged_token_embeddings"``.
+``lasttoken`` reads each sequence's last token whatever the padding side. ``weightedmean`` weighs
+as the installed sentence-transformers does: by the columns of the padded batch before 6.2, by the
+place in the sequence from 6.2 (the two differ under left padding), read from its Pooling once. A
+sequence with no token (an empty text, where the tokenizer adds no special token) pools to zeros
+(sentence-transformers: ``-inf`` for ``max``). ``encode(output_value=None)`` gives each row its own
+text's ``[L, d]`` tokens as ``"ragged_token_embeddings"``.
 
 **Other modules** after the Transformer (LSTM, CNN, WordWeights, custom modules, Dense or
 Normalize on token embeddings, a Pooling after one of those, a Pooling subclass) keep working
@@ -69,12 +82,13 @@ on padded ``token_embeddings`` written on every call; conversion lists them in a
 
 **Refused**, with the model untouched: a first module other than sentence-transformers'
 ``Transformer`` (a Router, StaticEmbedding, a subclass), a backend other than torch, a task other
-than feature extraction, a text modality other than the model's forward to ``last_hidden_state``,
+than feature extraction, a text or chat-message modality other than the model's forward to
+``last_hidden_state``,
 flattened inputs for flash attention (``unpad_inputs``: set ``st[0].unpad_inputs = False`` first),
 query expansion with ``attend=False``, an ``auto_model`` that :mod:`ragged.nn.hf` refuses (its
-reason is given), ``forward`` / ``preprocess`` / ``encode`` already replaced by something else. At
-call time, inputs of another modality than text and flattened inputs (``cu_seq_lens_q``) raise
-NotImplementedError.
+reason is given; for a decoder :func:`ragged.nn.hf.decoder.why_not`'s), ``forward`` / ``preprocess``
+/ ``encode`` already replaced by something else. At call time, inputs of another modality than
+text (or text-only chat messages) and flattened inputs (``cu_seq_lens_q``) raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -111,8 +125,9 @@ __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPool
 
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
 _TEXT_MODALITIES = ("text", "message")  # a message modality's features are text too, unless media come with them
-_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length", "offset_mapping",
-                        "special_tokens_mask", "overflow_to_sample_mapping", "query_expansion_positions"})
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length",
+                        "offset_mapping", "special_tokens_mask", "overflow_to_sample_mapping",
+                        "query_expansion_positions"})
 _FN = "ragged.nn.convert"
 
 # A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
