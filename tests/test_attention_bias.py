@@ -24,8 +24,7 @@ from conftest import TRITON_ON_CPU, cpu_backends
 import ragged
 from ragged import backends
 
-BACKENDS = ["torch"]  # the Triton backward takes no position bias yet
-FORWARD_BACKENDS = cpu_backends()
+BACKENDS = FORWARD_BACKENDS = cpu_backends()
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
 
 FWD_TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -339,6 +338,44 @@ def test_table_without_grad_and_int32_buckets(backend):
     _check_grads(grads, ref)
 
 
+@needs_triton
+def test_triton_table_gradient_is_deterministic():
+    """Per-program partial sums reduced in a fixed order: two runs give the same bits."""
+    lq = [40, 3, 17, 33]
+    q, k, v = _qkv(lq, lq, 4, 2, 16, _seed("determinism"))
+    table, buckets = _bias(4, 40, 40, _seed("determinism-bias"))
+    up = _randn(q.shape, _seed("determinism-up"))
+    runs = [_forward_and_grads(lambda a, b, c, t: _run("triton", a, b, c, lq, lq, t, buckets, 40, 40, True),
+                               (q, k, v, table), up)[2] for _ in range(2)]
+    for name, a, b in zip(("q", "k", "v", "table"), *runs):
+        assert torch.equal(a, b), f"d{name} differs between two runs"
+
+
+@needs_triton
+@pytest.mark.parametrize("shapes", [((16, 32), (32, 16)), ((32, 16), (16, 64)), ((16, 16), (32, 32))], ids=str)
+def test_triton_tile_shapes(shapes, monkeypatch):
+    """The bias read and the per-bucket sums of dS on tiles that are not square (the skew of a
+    tile spans ``BLOCK_M + BLOCK_N - 1`` distances, rounded up to a power of two) and on the
+    tiles the GPU takes (32 query rows in the dQ kernel)."""
+    from ragged.kernels.triton import attention as ka
+
+    (fwd_m, fwd_n), (dq_m, dq_n) = shapes
+    monkeypatch.setattr(ka, "_fwd_config", lambda *_: (fwd_m, fwd_n, 4, 1))
+    monkeypatch.setattr(ka, "_bwd_config", lambda *_: ((16, 32, 4, 1), (dq_m, dq_n, 4, 1)))
+    lq, lk = [45, 3, 0, 20], [37, 9, 4, 20]
+    q, k, v = _qkv(lq, lk, 2, 1, 16, _seed("tiles", shapes))
+    table, buckets = _bias(2, 45, 37, _seed("tiles-bias", shapes))
+    up = _randn(q.shape, _seed("tiles-up", shapes))
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3))):
+        tensors = (q, k, v, table)
+        out, lse, got = _forward_and_grads(
+            lambda a, b, c, t: _run("triton", a, b, c, lq, lk, t, buckets, 45, 37, causal, window), tensors, up)
+        exp, exp_lse, ref = _forward_and_grads(
+            lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 45, causal, window), tensors, up)
+        _check(out, lse, exp, exp_lse, _blind(lq, lk, causal, window))
+        _check_grads(got, ref)
+
+
 # --------------------------------------------------------------------------------------
 # The op: torch.compile, opcheck, implementations called straight
 
@@ -424,6 +461,20 @@ def test_cuda_declaration_refuses_position_bias(monkeypatch):
         assert spec.bias_buckets == (BUCKETS if refused else 0)
         reasons = impl.check(dataclasses.replace(spec, device=torch.device("cuda", 0)))
         assert any("position_bias" in r for r in reasons) == refused, reasons
+    assert backends.implementation("attention", "torch").reasons(spec) == []
+
+
+def test_triton_declares_its_bucket_maximum():
+    """The dQ kernel keeps a sum per bucket in registers: tables of more rows go to the reference."""
+    from ragged.kernels.triton import ATTENTION_MAX_BUCKETS
+    from ragged.ops.attention import attention_spec
+
+    q = torch.zeros(10, 2, 16)
+    cu = _cu([4, 6])
+    table, buckets = _bias(2, 6, 6, 0, buckets=ATTENTION_MAX_BUCKETS + 1)
+    spec = attention_spec(q, q, q, cu, cu, 6, 6, False, 0.0, False, (-1, -1), (table, buckets))
+    reasons = backends.implementation("attention", "triton").reasons(spec)
+    assert any(f"bias buckets <= {ATTENTION_MAX_BUCKETS}" in r for r in reasons), reasons
     assert backends.implementation("attention", "torch").reasons(spec) == []
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
-from .attention_bias import distance_table
+from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
     _block_cum_kernel,
     _bwd_dkdv_kernel,
@@ -57,12 +57,23 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool):
+def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
+                bias: bool = False):
     """((BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel, the same of the dQ kernel), from
     ``bench/tune_attention.py --bwd`` on an H200 (bf16, D=128, lengths 256..4096): dK/dV
-    (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3)."""
+    (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3).
+
+    With a position bias (``bias``) the dQ kernel also skews each tile's dS into ``[BLOCK_M,
+    BLOCK_M + BLOCK_N]`` and compares its diagonals with every bucket: its query blocks are kept
+    to 32 rows (8 warps from 32 x 64 on) so that the tile fits the registers. Not timed yet
+    (sm_90 ptxas register counts only): bf16 at D=64, (32, 64, 8 warps) takes 221 registers and
+    no spill where (64, 64, 4 warps) spilled 944 bytes per thread; at D=128, 16 bytes where
+    (64, 64, 8 warps) spilled 408; float32 at D=64, (16, 32, 4 warps) none where (32, 32, 4
+    warps) spilled 688."""
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
+    if bias and dtype == torch.float32:
+        return (32, 32, 4, 1), (16, 32, 4, 1)
     if head_dim > 128 or dtype == torch.float32:
         return (32, 32, 4, 1), (32, 32, 4, 1)
     kv = (32, 64, 4, 2) if causal else (64, 64, 4, 2)
@@ -74,6 +85,9 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))),
               4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
+    if bias:
+        rows, cols = min(dq[0], 32), min(dq[1], 64)
+        dq = (rows, cols, 8 if rows * cols >= 2048 else dq[2], min(dq[3], 2))
     return kv, dq
 
 
@@ -198,7 +212,9 @@ def _grad_buffers(grads, q, k, v):
 def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
              window_right=-1, bias_table=None, bias_buckets=None, grads=None):
     """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
-    forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`).
+    forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`); with a
+    bias table, ``dtable`` (its shape and dtype) after them, summed per bucket in the dQ kernel
+    and reduced in a fixed order (:mod:`.attention_bias`: the same bits every run).
 
     ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of q, k, v) the gradients are
     written into and returned; any strides (views of one packed ``[T, 3, H, D]`` buffer are
@@ -209,42 +225,50 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     total_k, kv_heads, _ = k.shape
     batch = cu_q.shape[0] - 1
     (dq, dk, dv), result = _grad_buffers(grads, q, k, v)
-    if batch == 0 or (total_q == 0 and total_k == 0):
-        return result
-    if total_q == 0:
-        result[1].zero_(), result[2].zero_()
-        return result
+    bias = bias_table is not None
+    if batch == 0 or total_q == 0:
+        if batch and total_k:
+            result[1].zero_(), result[2].zero_()
+        return (*result, torch.zeros_like(bias_table)) if bias else result
     delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     out = _rows(out)
     lse = lse.contiguous()
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
-                                                                 _interpreted())
+                                                                 _interpreted(), bias_table is not None)
     group = heads // kv_heads
     window = _window(causal, window_left, window_right, max_q, max_k)
     win_left, win_right = window or (0, 0)
     seed, seed_ptr = _seed(seed, cu_q)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                   CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
-                  SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype))
+                  SEED_PTR=seed_ptr is not cu_q, BIAS=bias, PRECISION=_precision(q.dtype))
+    programs = triton.cdiv(total_q, q_m) + batch
+    dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
+    if bias:
+        dist, buckets = distance_table(bias_table, bias_buckets), bias_buckets.contiguous()
+        partial = partial_buffer(programs, heads, bias_table.shape[0], q.device)
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
-    _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
+    _bwd_dq_kernel[(programs, heads)](
         q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
         seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+        dist, buckets, partial, max_q, _span(bias_buckets),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
-        num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
+        num_stages=q_s, INLINE=inline, CHUNK=chunk, NUM_BUCKETS=partial.shape[1] if bias else 16,
+        BIAS_WIDTH=triton.next_power_of_2(q_m + q_n - 1) if bias else 16, **common)
     if total_k:
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
             seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+            dist, max_q, _span(bias_buckets),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
-    return result
+    return (*result, table_gradient(partial, bias_table)) if bias else result
 
 
 def dropout_keep_mask(seed: int, dropout_p: float, cu_q: torch.Tensor, heads: int, total_q: int, max_k: int,

@@ -33,20 +33,19 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
-def _bias_rows(dist, span, h, max_q, offs_m, q_len):
-    """``(pointer, rows [M])``: head ``h``'s row of the distance table at distance 0, and the rows
-    ``offs_m`` clamped into the sequence; the bias of ``(i, j)`` is at ``pointer + j - i``."""
-    return dist + h.to(tl.int64) * span + (max_q - 1), tl.minimum(offs_m, q_len - 1)
+def _bias_row(dist, span, h, max_q):
+    """Head ``h``'s row of the distance table at distance 0: the bias of ``(i, j)`` is at
+    ``pointer + j - i``."""
+    return dist + h.to(tl.int64) * span + (max_q - 1)
 
 
 @triton.jit
 def _bias_tile(bias_row, rows, cols, k_len, MASKED: tl.constexpr):
-    """``[M, N]`` float32 bias, in the exp2 domain, of ``rows [M]`` (see :func:`_bias_rows`) and
-    keys ``cols [N]`` (clamped into the sequence where ``MASKED``)."""
+    """``[M, N]`` float32 bias, in the exp2 domain, of query rows ``rows [M]`` (clamped into the
+    sequence by the caller) and keys ``cols [N]`` (clamped here where ``MASKED``: only a masked
+    block reaches past the sequence)."""
     if MASKED:
         cols = tl.minimum(cols, k_len - 1)
     return tl.load(bias_row + (cols[None, :] - rows[:, None])) * 1.4426950408889634
@@ -55,8 +54,8 @@ def _bias_tile(bias_row, rows, cols, k_len, MASKED: tl.constexpr):
 @triton.jit
 def _bias_tile_t(bias_row, cols, rows, q_len):
     """``[N, M]`` float32 bias, in the exp2 domain, of keys ``cols [N]`` (clamped into the
-    sequence by the caller) and query rows ``rows [M]`` (clamped here), transposed for the dK/dV
-    kernel."""
+    sequence by the caller) and query rows ``rows [M]`` (clamped here), for the transposed tiles
+    of the dK/dV kernel."""
     rows = tl.minimum(rows, q_len - 1)
     return tl.load(bias_row + (cols[:, None] - rows[None, :])) * 1.4426950408889634
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_bias import _bias_rows, _bias_tile
+from .attention_bias import _bias_row, _bias_tile, _bias_tile_t, _bucket_sums
 from .attention_common import (
     _bounds,
     _in_window,
@@ -131,9 +131,8 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
     qk_scale = sm_scale * 1.4426950408889634
-    bias_row, bias_rows = DIST, offs_m
-    if BIAS:
-        bias_row, bias_rows = _bias_rows(DIST, bias_span, h, max_q, offs_m, q_len)
+    bias_row = _bias_row(DIST, bias_span, h, max_q)
+    bias_rows = tl.minimum(offs_m, q_len - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -184,9 +183,10 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h, heads,
                 offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p,
-                total_q, max_k, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """dK/dV of one key block over query blocks [lo, hi) of head h.
+                total_q, bias_row, bias_cols, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                DROPOUT: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """dK/dV of one key block over query blocks [lo, hi) of head h (``BIAS``: the position bias of
+    keys ``bias_cols`` from head ``h``'s distance table row at ``bias_row``).
 
     Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly 0.
     Key rows past the sequence go unmasked: each key row of dK / dV sums its own row of P and
@@ -205,6 +205,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
         lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows that see no key: p = 0
         delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+        if BIAS:
+            s_t += _bias_tile_t(bias_row, bias_cols, rows, q_len)
         p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
         if MASKED:
             if WINDOW:
@@ -226,14 +228,15 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
+                               "bias_span"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
+                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads, DIST, max_q, bias_span,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
                      INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -256,6 +259,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
+    bias_cols = tl.minimum(offs_n, k_len - 1)
     begin = 0
     full = 0
     if WINDOW:
@@ -263,18 +267,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
                                                 shift, q_len, win_left, win_right, BLOCK_M)
         for g in range(GROUP):
             h = hk * GROUP + g
+            bias_row = _bias_row(DIST, bias_span, h, max_q)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
+                                 True, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, full_hi, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
+                                 True, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full_hi, end, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
+                                 True, DROPOUT, BIAS, PRECISION)
     else:
         if CAUSAL:
             # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
@@ -284,15 +289,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
             full = tl.maximum(full, begin)
         for g in range(GROUP):
             h = hk * GROUP + g
+            bias_row = _bias_row(DIST, bias_span, h, max_q)
             if CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
                                      win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh,
-                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True,
-                                     False, DROPOUT, PRECISION)
+                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols,
+                                     BLOCK_M, True, False, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, False, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
+                                 False, DROPOUT, BIAS, PRECISION)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -301,16 +307,21 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
-              offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dq, buckets_acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left,
+              win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, bias_row, bias_rows,
+              BUCKETS, bias_span, bias_pos, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+              NUM_BUCKETS: tl.constexpr, BIAS_WIDTH: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi). The masked blocks (MASKED: the sequence's
     last, ragged key block, the causal diagonal, the window's edges) zero P at every key past
     the sequence as well as outside the causal or window band. A key past the end loads as
     K = V = 0 and so scores 0: left in P it would give p = exp(-lse), which overflows dS in the
     cast for dS @ K when lse is very negative (float16 past 65504, any dtype once p is inf),
-    and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band."""
+    and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band.
+
+    ``BIAS``: the position bias of rows ``bias_rows`` added to the scores (head ``h``'s distance
+    table row at ``bias_row``), and ``dS`` summed per bucket into ``buckets_acc`` (the key block at
+    ``start_n`` starts at distance index ``start_n + bias_pos`` of ``BUCKETS``)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -320,6 +331,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
         k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if BIAS:
+            s += _bias_tile(bias_row, bias_rows, cols, k_len, MASKED)
         p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
             ok = (cols < k_len)[None, :]
@@ -333,22 +346,29 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
             keep = _keep(seed, dropout_p, h, tq, cols, total_q)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
+        if BIAS:
+            buckets_acc = _bucket_sums(buckets_acc, ds, BUCKETS, bias_span, start_n + bias_pos, BLOCK_M, BLOCK_N,
+                                       BIAS_WIDTH, NUM_BUCKETS)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq
+    return dq, buckets_acc
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
+                               "bias_span"])
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                    seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
+                   DIST, BUCKETS, PARTIAL, max_q, bias_span,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
-                   INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+                   BIAS_WIDTH: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
-    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
+    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one. ``BIAS``:
+    the position bias added (see :mod:`.attention_bias`), and this program's sums of dS per
+    bucket written to its row ``PARTIAL[item, :, h]`` (``[programs, NUM_BUCKETS, H]``)."""
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -379,33 +399,45 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     shift = k_len - q_len
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
+    bias_row = _bias_row(DIST, bias_span, h, max_q)
+    bias_rows = tl.minimum(offs_m, q_len - 1)
+    bias_pos = max_q - BLOCK_M - m_blk * BLOCK_M   # a key block's first distance index, less its first key
+    acc = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
     if WINDOW:
         lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
                                              shift, k_len, win_left, win_right, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, False, False, True, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
+        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
+                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False,
+                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
+        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len,
+                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, False,
+                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
+        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
+                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False,
+                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, win_left,
-                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                       BLOCK_N, False, CAUSAL, False, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, win_left,
-                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                       BLOCK_N, True, CAUSAL, False, DROPOUT, PRECISION)
+        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
+                            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False,
+                            CAUSAL, False, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
+        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
+                            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True,
+                            CAUSAL, False, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
+    if BIAS:
+        n = tl.arange(0, NUM_BUCKETS)
+        tl.store(PARTIAL + (item.to(tl.int64) * NUM_BUCKETS + n) * heads + h, acc)
 
 
 @cached_launch
