@@ -87,8 +87,10 @@ def distance_table(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
 
 def partial_buffer(programs: int, heads: int, num_buckets: int, device: torch.device) -> torch.Tensor:
     """``[programs, NUM_BUCKETS, H]`` float32 zeros: a row of bucket sums per dQ program (the
-    programs past the last query block write none)."""
-    return torch.zeros((programs, triton.next_power_of_2(num_buckets), heads), dtype=torch.float32, device=device)
+    programs past the last query block write none); ``NUM_BUCKETS``, the kernel's vector of
+    sums, is the table's row count rounded up to a power of two, at least 16."""
+    return torch.zeros((programs, max(16, triton.next_power_of_2(num_buckets)), heads), dtype=torch.float32,
+                       device=device)
 
 
 def table_gradient(partial: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
