@@ -9,8 +9,10 @@ the attention kernels from the table and a ``[2 L - 1]`` bucket per distance bui
 forward (:func:`ragged.varlen_attention`'s ``position_bias``), never as a ``[B, H, L, L]``
 tensor; its gradient reaches the Embedding's weight.
 
-One layer, on packed values ``x [T, d]``: ``x1 = LN1(drop(o(attn(q, k, v) + bias)) + x)``,
-``y = LN2(drop(W2 act(W1 x1)) + x1)``, the layer's own modules' parameters and rates.
+One layer is the layer core's post-norm layer (:func:`ragged.nn.layer.run_layer`, and
+:func:`ragged.nn.layer.run_stack` in inference) with the bias in its spec: inference runs the
+fused kernels; a training step runs every op under autograd (the layer core's one-node
+backward computes no table gradient).
 
 Heads: the sequence classifier (``MPNetClassificationHead``) reads each sequence's first
 token; token classification, masked LM (``lm_head``) and question answering on the packed
@@ -23,11 +25,7 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
-import ragged
-
-from ..layer import attention_dtype
 from .family import param, sub
 from .roberta import RobertaFamily
 
@@ -103,28 +101,11 @@ class MPNetFamily(RobertaFamily):
         table = param(sub(sub(base, "encoder"), "relative_attention_bias"), "weight")
         return Context(rt.offsets, rt.max_len, table, relative_buckets(distance).to(torch.int32))
 
-    def run_layer(self, layer, x, ctx):
+    def spec_of(self, layer, ctx):
         spec = self.layer_spec(layer)
-        w, m = spec.weights, self.layer_modules(layer)
-        total, width = x.shape[0], spec.d_model
-        p_attn, p1, _, p2 = spec.dropout
-        eps1, eps2 = spec.eps
-        q, k, v = F.linear(x, w.in_w, w.in_b).view(total, 3, spec.heads, spec.head_dim).unbind(1)
-        bias = {"position_bias": (ctx.table, ctx.buckets)} if ctx.max_len else {}  # no keys: nothing to bias
-        with attention_dtype(q):
-            o = ragged.varlen_attention(q, k, v, ctx.offsets, ctx.offsets, ctx.max_len, ctx.max_len,
-                                        dropout_p=p_attn, **bias)
-        sa = F.linear(o.reshape(total, width), w.out_w, w.out_b)
-        if p1:
-            sa = F.dropout(sa, p1, True)
-        x1 = F.layer_norm(sa + x, (width,), w.norm1_w, w.norm1_b, eps1)
-        f = F.linear(m["act"](F.linear(x1, w.ff1_w, w.ff1_b)), w.ff2_w, w.ff2_b)
-        if p2:
-            f = F.dropout(f, p2, True)
-        return F.layer_norm(f + x1, (width,), w.norm2_w, w.norm2_b, eps2)
-
-    def run_stack(self, layers, x, ctx):
-        return None
+        if not ctx.max_len:  # no keys: nothing to bias
+            return spec
+        return dataclasses.replace(spec, position_bias=(ctx.table, ctx.buckets))
 
 
 FAMILIES = (MPNetFamily("MPNet", "transformers.models.mpnet.modeling_mpnet", "MPNet"),)
