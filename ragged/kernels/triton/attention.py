@@ -30,7 +30,7 @@ __all__ = ["HEAD_DIMS", "backward", "dropout_keep_mask", "flops", "forward"]
 
 @functools.lru_cache(maxsize=None)
 def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
-                dropout: bool = False):
+                dropout: bool = False, bias: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, from sweeps of
     ``bench/tune_attention.py`` on an H200 (bf16):
 
@@ -39,6 +39,9 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
       dropout (128, 64, 8, 2) (with dropout the smaller tile slowed a 12-layer training step);
     * D=64, lengths 8..32: (16, 32, 4, 2), causal (32, 32, 4, 2) (host-bound: the shapes
       differ little there).
+
+    A position bias (``bias``) keeps D=128 causal at the 64-key tile: the bias tile's layout
+    conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200).
     """
     if interpreted:
         return 16, 16, 4, 1
@@ -50,7 +53,7 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         block_m = 32 if causal else 16
         return block_m, max(16, min(64, triton.next_power_of_2(max(max_k, 1)))), 4, 2
     if head_dim > 64:
-        return (128, 128, 8, 3) if causal else (128, 64, 8, 3)
+        return (128, 128, 8, 3) if causal and not bias else (128, 64, 8, 3)
     if max_q <= 512 and not causal and not dropout:
         return 64, 64, 4, 3
     return 128, 64, 8, 2
@@ -171,7 +174,7 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     if total_q == 0 or batch == 0:
         return out, lse
     block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
-                                                  dropout_p > 0)
+                                                  dropout_p > 0, bias_table is not None)
     window = _window(causal, window_left, window_right, max_q, max_k)
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
