@@ -66,8 +66,13 @@ def test_cpu_cases():
     for case, shape in zip(cases, H.CPU_SHAPES):
         batches = H.case_lengths(shape)
         flat = [n for b in batches for n in b]
-        assert case.params["T"] == sum(flat) and case.params["M"] == max(flat) <= shape.lengths.hi
-        assert min(flat) >= shape.lengths.lo and case.params["dtype"] == "fp32"
+        assert case.params["T"] == sum(flat) and case.params["dtype"] == "fp32"
+        if isinstance(shape.lengths, H.Corpus):  # the trained tokenizer's lengths of the corpus' first texts
+            tokenizer = shape.lengths.tokenizer()
+            assert flat == [len(tokenizer(t, truncation=True)["input_ids"]) for t in shape.lengths.texts(shape.count)]
+            assert case.params["M"] == max(flat) <= tokenizer.model_max_length and case.params["texts"] == len(flat)
+        else:
+            assert case.params["M"] == max(flat) <= shape.lengths.hi and min(flat) >= shape.lengths.lo
     assert cases[0].params["checkpoint"] == "random weights" and cases[0].params["texts"] == 48
     lm = cases[2].params
     assert lm["padded_tokens"] >= lm["T"] and lm["real_fraction"] == round(lm["T"] / lm["padded_tokens"], 4)

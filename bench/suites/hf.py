@@ -34,6 +34,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     attempt,
     Bert,
     BERT_BASE,
+    Corpus,
     broken,
     case_lengths,
     CAUSAL_LM,
@@ -413,7 +414,9 @@ ragged row's min cosine at least HF SDPA's own in the case's dtype (less 1e-5).
 
 **MPNet**: `MPNetModel` of the config shown (random weights, seeded; all-mpnet-base-v2's
 shape: 12 layers of 768, a relative-position bias in every layer's attention), the
-**embedding** workload's sentences (`N` texts, batches of 256): the same rows as ModernBERT's
+first `N` texts of `bench/corpus.py` (paragraphs of the Python standard library's docstrings:
+real prose, median 16 tokens, tail to 512) under a WordPiece tokenizer trained on them, batches
+of 256: the same rows as ModernBERT's
 plus `ragged graphed, sorted`. HuggingFace's MPNet has no SDPA path (its attention adds the
 bias to eager scores): its rows are `HF eager, ...`. Targets: ragged data order >= 3x HF data order; ragged sorted >= 1.5x
 HF compiled sorted; ragged graphed (data order) >= 2x HF compiled sorted; min cosine at least
@@ -453,8 +456,8 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                                       "mean_len": round(total / len(flat), 2), "M": max(flat)}
             checkpoint = None
             if shape.workload in FAMILY_WORKLOADS:
-                params.update(texts=shape.count, batch=shape.batch, checkpoint="random weights")
-                name = f"{shape.workload} {shape.label} {kind} N={shape.count} mean={total / len(flat):.0f}"
+                params.update(texts=len(flat), batch=shape.batch, checkpoint="random weights")
+                name = f"{shape.workload} {shape.label} {kind} N={len(flat)} mean={total / len(flat):.0f}"
             elif shape.workload == EMBEDDING:
                 checkpoint, first, label = (path if first else None), False, shape.label
                 params.update(texts=shape.count, batch=shape.batch, checkpoint=checkpoint or "random weights")

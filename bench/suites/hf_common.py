@@ -195,6 +195,34 @@ class Lengths:
 
 
 @dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The first texts of :mod:`bench.corpus` (real prose, no download) as a workload's texts,
+    tokenized by a tokenizer trained on the corpus (``kind``: ``"wordpiece"`` or ``"byte_bpe"``)
+    of at most ``vocab`` ids. ``draw(n)``: the token lengths of the first ``n`` texts."""
+
+    vocab: int
+    kind: str = "wordpiece"
+
+    def tokenizer(self):
+        from .. import corpus
+
+        return getattr(corpus, self.kind)(self.vocab)
+
+    def texts(self, n: int) -> list[str]:
+        from .. import corpus
+
+        return corpus.texts(n)
+
+    def draw(self, n: int, seed: int = SEED) -> list[int]:
+        return [len(ids) for ids in self.tokenizer()(self.texts(n), truncation=True)["input_ids"]]
+
+    def text(self) -> str:
+        from .. import corpus
+
+        return f"{corpus.describe()}, {self.kind} tokenizer trained on it ({len(self.tokenizer())} ids)"
+
+
+@dataclasses.dataclass(frozen=True)
 class Shape:
     """A case. ``count``: texts (embedding), sequences per step (fine-tune) or tokens per step (LM);
     ``batch``: texts per batch (embedding); ``steps``: training steps per timed call."""
@@ -203,7 +231,7 @@ class Shape:
     label: str
     dtype: torch.dtype
     model: Any  # Bert | ModernBert | MPNet | Llama
-    lengths: Lengths
+    lengths: Lengths | Corpus
     count: int
     batch: int = 0
     steps: int = 1
@@ -223,7 +251,7 @@ GPU_SHAPES = (
     Shape(FINE_TUNE, "BERT-base-size", torch.bfloat16, BERT_BASE, Lengths(16, 512, 96, 1.0), 32, steps=8),
     Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
     Shape(MODERN, "ModernBERT-base-size", torch.bfloat16, MODERNBERT_BASE, LONG_TAILED, 2048, batch=32),
-    Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, SENTENCES, 15000, batch=256),
+    Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, Corpus(MPNET_BASE.vocab), 12000, batch=256),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
                     dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512), dataclasses.replace(GPU_SHAPES[5], count=3000))
@@ -232,7 +260,7 @@ CPU_SHAPES = (
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
     Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
     Shape(MODERN, "tiny", torch.float32, TINY_MODERNBERT, Lengths(4, 48, 12, 0.8), 32, batch=8),
-    Shape(MPNET, "tiny", torch.float32, TINY_MPNET, Lengths(3, 40, 10, 0.8), 48, batch=16),
+    Shape(MPNET, "tiny", torch.float32, TINY_MPNET, Corpus(TINY_MPNET.vocab), 48, batch=16),
 )
 
 

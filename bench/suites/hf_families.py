@@ -14,7 +14,7 @@ import torch
 
 from ..harness import Workload
 from .encoder_problem import Model as EncoderModel, encoder_flops
-from .hf_common import (COSINE_FLOOR, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
+from .hf_common import (COSINE_FLOOR, Corpus, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
                         HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED,
                         RAG_SORTED, ROWS, SEED, SLACK, Run, Shape, assemble, attempt, broken, cosine_checks,
                         min_cosine, quiet)
@@ -36,12 +36,16 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
 
     fns: dict[str, Any] = {}
     with quiet():
-        tokenizer = word_tokenizer(shape.model.vocab)
+        if isinstance(shape.lengths, Corpus):
+            tokenizer, texts = shape.lengths.tokenizer(), shape.lengths.texts(shape.count)
+        else:
+            tokenizer = word_tokenizer(shape.model.vocab)
+            texts = make_texts(tokenizer, shape.lengths.draw(shape.count))
         torch.manual_seed(SEED)
         attention = shape.model.attention
         reference_model = getattr(transformers, shape.model.model_class)(
             shape.model.config(attn_implementation=attention))
-        data = Texts(tokenizer, make_texts(tokenizer, shape.lengths.draw(shape.count)), device)
+        data = Texts(tokenizer, texts, device)
         order = np.argsort(data.lengths, kind="stable")
         reference_model = reference_model.to(device).eval()
         reference = padded_pass(reference_model, data, data.chunks(order, 16))()

@@ -42,7 +42,7 @@ class Texts:
     """The tokenized texts as a dataset holds them (a dict of int64 arrays per text)."""
 
     def __init__(self, tokenizer, texts: list[str], device: torch.device):
-        enc = tokenizer(texts)
+        enc = tokenizer(texts, truncation=True)  # to the tokenizer's model_max_length
         self.keys = tuple(k for k in ("input_ids", "token_type_ids") if k in enc)
         self.features = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in self.keys} for i in range(len(texts))]
         self.lengths = np.array([len(x) for x in enc["input_ids"]], dtype=np.int64)
