@@ -25,6 +25,7 @@ from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, regi
 from ..targets import speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
+from .hf_decoder import build_decoder
 from .hf_families import build_family
 from .hf_texts import MeanPooled, Texts, make_texts, padded_pass, ragged_pass, word_tokenizer  # noqa: F401
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
@@ -35,9 +36,14 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     Bert,
     BERT_BASE,
     Corpus,
+    QWEN3_06B,
+    EMBEDDERS,
+    RAG_ST_GRAPHED_32,
+    ST_COMPILED_32,
     broken,
     case_lengths,
     CAUSAL_LM,
+    DECODER,
     checkpoint_model,
     COSINE,
     COSINE_FLOOR,
@@ -422,6 +428,16 @@ bias to eager scores): its rows are `HF eager, ...`. Targets: ragged data order 
 HF compiled sorted; ragged graphed (data order) >= 2x HF compiled sorted; min cosine at least
 HF's own.
 
+**decoder embedder**: a sentence-transformers model over `Qwen3Model` of the config shown
+(random weights, seeded; Qwen3-Embedding-0.6B's shape), last-token pooling and normalisation as
+Qwen3-Embedding's, over the first `N` texts of `bench/corpus.py` under a byte-level BPE tokenizer
+trained on them (`<|endoftext|>` appended, left padding). `ST encode`: `encode()` of the model in
+`sdpa`, batch 32 (its default) and 256, and with the transformer compiled (`dynamic=True`);
+`ragged ST encode`: the converted model's `encode()` (packed tokens, `attn_implementation="ragged"`),
+eager and graphed. Reference: the float32 original at batch 32. Targets: ragged at batch 32 >= 3x
+the original at batch 32, >= 1.5x the compiled original; graphed >= 2x the compiled original;
+min cosine at least the original's own.
+
 Training gate: the check call runs the steps in eval mode (no dropout); step 1's loss (before
 any update) against the float32 model's (eager; LM: one sequence at a time): error <=
 max(2e-2 (fp32: 1e-4) x max(1, |loss|), 3 x HF's bf16 error). `loss diff vs fp32`: that
@@ -455,7 +471,7 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                                       "lengths": shape.lengths.text(), "T": total,
                                       "mean_len": round(total / len(flat), 2), "M": max(flat)}
             checkpoint = None
-            if shape.workload in FAMILY_WORKLOADS:
+            if shape.workload in EMBEDDERS:
                 params.update(texts=len(flat), batch=shape.batch, checkpoint="random weights")
                 name = f"{shape.workload} {shape.label} {kind} N={len(flat)} mean={total / len(flat):.0f}"
             elif shape.workload == EMBEDDING:
@@ -493,6 +509,8 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                 return build_fine_tune(shape, config.device, self.dropout)
             if shape.workload in FAMILY_WORKLOADS:
                 return build_family(shape, config.device)
+            if shape.workload == DECODER:
+                return build_decoder(shape, config.device)
             return build_causal_lm(shape, config.device)
         except (Skip, torch.OutOfMemoryError):
             raise
@@ -505,14 +523,14 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         shape, _, on_gpu = case.spec
         ok = {r.impl: r for r in rows if r.status == "ok"}
         for r in ok.values():
-            if shape.workload in (EMBEDDING, *FAMILY_WORKLOADS):
+            if shape.workload in (EMBEDDING, *EMBEDDERS):
                 r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
             else:
                 r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps
         notes = speedup_notes(TARGETS_BY_WORKLOAD[shape.workload], {k: r.median_ms for k, r in ok.items()}, on_gpu)
         # ModernBERT's embeddings: as close to float32 as HuggingFace's own in the case's dtype
-        family = shape.workload in FAMILY_WORKLOADS
-        first = ROWS[shape.workload][0][0]  # HuggingFace in data order
+        family = shape.workload in EMBEDDERS
+        first = ROWS[shape.workload][0][0]  # the original model: HuggingFace in data order, or ST encode
         own = ok[first].extra.get(COSINE) if family and first in ok else None
         for r in ok.values():
             if r.kind == "ragged" and COSINE in r.extra:  # a check of the output: judged on CPU too

@@ -24,8 +24,12 @@ from .encoder_problem import training_mode
 SEED = 0
 MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
 EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN, MPNET = "embedding", "fine-tune", "causal LM", "ModernBERT", "MPNet"
-WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN, "mpnet": MPNET}
+DECODER = "decoder embedder"
+WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN, "mpnet": MPNET,
+                 "decoder": DECODER}
 FAMILY_WORKLOADS = (MODERN, MPNET)  # texts embedded by one model family (bench/suites/hf_families.py)
+# workloads that embed N texts and judge the embeddings against the original model's own error
+EMBEDDERS = (*FAMILY_WORKLOADS, DECODER)
 
 # Row names (the rows' ``impl``).
 HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
@@ -33,6 +37,8 @@ HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF 
 HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED = ("HF eager, data order", "HF eager, sorted",
                                                      "HF eager compiled, sorted")
 ST_32, ST_256, ST_FA2 = "ST encode, batch 32", "ST encode, batch 256", "ST encode flash_attention_2, batch 256"
+ST_COMPILED_32 = "ST encode, model compiled, batch 32"
+RAG_ST_GRAPHED_32 = "ragged graphed ST encode, batch 32"
 RAG_DATA, RAG_SORTED = "ragged, data order", "ragged, sorted"
 RAG_BUDGET_DATA, RAG_BUDGET_SORTED = "ragged, data order, token budget", "ragged, sorted, token budget"
 RAG_ST_32, RAG_ST_256 = "ragged ST encode, batch 32", "ragged ST encode, batch 256"
@@ -54,6 +60,8 @@ ROWS = {
              (RAG_GRAPHED_DATA, _R)),
     MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
             (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R)),
+    DECODER: ((ST_32, _B), (ST_COMPILED_32, _B), (ST_256, _B), (RAG_ST_32, _R), (RAG_ST_GRAPHED_32, _R),
+              (RAG_ST_256, _R)),
 }
 
 # Extra columns.
@@ -70,6 +78,7 @@ TARGETS_BY_WORKLOAD = {
     MODERN: ((RAG_DATA, HF_DATA, 3.0),),
     MPNET: ((RAG_DATA, HF_EAGER_DATA, 3.0), (RAG_SORTED, HF_EAGER_COMPILED, 1.5),
             (RAG_GRAPHED_DATA, HF_EAGER_COMPILED, 2.0)),
+    DECODER: ((RAG_ST_32, ST_32, 3.0), (RAG_ST_32, ST_COMPILED_32, 1.5), (RAG_ST_GRAPHED_32, ST_COMPILED_32, 2.0)),
 }
 COSINE_TARGET = 0.9999
 
@@ -178,6 +187,40 @@ class Llama:
 
 
 @dataclasses.dataclass(frozen=True)
+class Qwen3:
+    """A Qwen3 decoder as Qwen3-Embedding uses it (its 0.6B: 28 x 1024, 16 query and 8 key/value
+    heads of 128, tied embeddings)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ff: int
+    head_dim: int = 128
+    vocab: int = 151669
+    init: float = 0.02
+    model_class = "Qwen3Model"
+
+    def params(self) -> int:
+        kv, q = self.kv_heads * self.head_dim, self.heads * self.head_dim
+        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.ff + 2 * self.hidden
+        return self.layers * per_layer + self.vocab * self.hidden + self.hidden
+
+    def name(self) -> str:
+        return f"Qwen3 {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} " \
+               f"({self.params() / 1e6:.0f}M)"
+
+    def config(self, **kw):
+        from transformers import Qwen3Config
+
+        return Qwen3Config(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ff,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads, head_dim=self.head_dim, max_position_embeddings=4096,
+                           tie_word_embeddings=True, initializer_range=self.init, pad_token_id=0, eos_token_id=0,
+                           bos_token_id=0, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class Lengths:
     """Token lengths ``round(lognormal(log(median), sigma))`` clipped to ``[lo, hi]``, seeded."""
 
@@ -230,7 +273,7 @@ class Shape:
     workload: str
     label: str
     dtype: torch.dtype
-    model: Any  # Bert | ModernBert | MPNet | Llama
+    model: Any  # Bert | ModernBert | MPNet | Llama | Qwen3
     lengths: Lengths | Corpus
     count: int
     batch: int = 0
@@ -244,6 +287,7 @@ MODERNBERT_BASE, TINY_MODERNBERT = ModernBert(22, 768, 12, 1152), ModernBert(3, 
 LONG_TAILED = Lengths(16, 1024, 128, 1.0)
 MPNET_BASE, TINY_MPNET = MPNet(12, 768, 12, 3072), MPNet(2, 32, 2, 64, 1000, init=0.2)
 LLAMA_05B, TINY_LLAMA = Llama(24, 1280, 20, 4, 3456), Llama(2, 64, 4, 2, 128, vocab=256, init=0.2)
+QWEN3_06B, TINY_QWEN3 = Qwen3(28, 1024, 16, 8, 3072), Qwen3(2, 64, 4, 2, 128, head_dim=16, vocab=1000, init=0.2)
 SENTENCES = Lengths(3, 256, 25, 0.8)
 GPU_SHAPES = (
     Shape(EMBEDDING, "MiniLM-size", torch.bfloat16, MINILM, SENTENCES, 15000, batch=256),
@@ -252,15 +296,18 @@ GPU_SHAPES = (
     Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
     Shape(MODERN, "ModernBERT-base-size", torch.bfloat16, MODERNBERT_BASE, LONG_TAILED, 2048, batch=32),
     Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, Corpus(MPNET_BASE.vocab), 12000, batch=256),
+    Shape(DECODER, "Qwen3-Embedding-0.6B-size", torch.bfloat16, QWEN3_06B, Corpus(32000, "byte_bpe"), 4096, batch=32),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512), dataclasses.replace(GPU_SHAPES[5], count=3000))
+                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512), dataclasses.replace(GPU_SHAPES[5], count=3000),
+                    dataclasses.replace(GPU_SHAPES[6], count=1024))
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
     Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
     Shape(MODERN, "tiny", torch.float32, TINY_MODERNBERT, Lengths(4, 48, 12, 0.8), 32, batch=8),
     Shape(MPNET, "tiny", torch.float32, TINY_MPNET, Corpus(TINY_MPNET.vocab), 48, batch=16),
+    Shape(DECODER, "tiny", torch.float32, TINY_QWEN3, Corpus(TINY_QWEN3.vocab, "byte_bpe"), 40, batch=8),
 )
 
 
@@ -277,7 +324,7 @@ def checkpoint_model(path: str) -> str:
 def case_lengths(shape: Shape) -> list[list[int]]:
     """The lengths of a case: one list (embedding), or one per training step (LM: seeded lengths cut
     in order at the token budget by ``ragged.data.TokenBudgetSampler``)."""
-    if shape.workload in (EMBEDDING, *FAMILY_WORKLOADS):
+    if shape.workload in (EMBEDDING, *EMBEDDERS):
         return [shape.lengths.draw(shape.count)]
     if shape.workload == FINE_TUNE:
         flat = shape.lengths.draw(shape.count * shape.steps)
