@@ -230,11 +230,13 @@ def attention_dtype(q: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 class LayerFunction(torch.autograd.Function):
-    """``apply(x, cu, spec, kernels, max_len, causal, *spec.weights) -> y``: the layer's training
-    forward as one autograd node (the weights are passed again so that autograd sees them)."""
+    """``apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights) -> y``: the layer's
+    training forward as one autograd node (the weights, and the position bias's table or None,
+    are passed again so that autograd sees them; a table shared by several layers gets the sum
+    of their gradients)."""
 
     @staticmethod
-    def forward(ctx, x, cu, spec, kernels, max_len, causal, *weights):
+    def forward(ctx, x, cu, spec, kernels, max_len, causal, table, *weights):
         k = Saved(kernels)
         saved: list = []
         y = _forward(spec, x, cu, max_len, causal, k, saved)
@@ -250,8 +252,9 @@ class LayerFunction(torch.autograd.Function):
         weights = LayerWeights(*tensors[len(SAVED):])
         need = ctx.needs_input_grad
         grads = layer_backward(ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy,
-                               need[0], LayerWeights(*need[6:]))
-        return (grads[0], None, None, None, None, None, *grads[1:])
+                               need[0], LayerWeights(*need[7:]))
+        dtable = grads[-1] if need[6] else None
+        return (grads[0], None, None, None, None, None, dtable, *grads[1:-1])
 
 
 # --------------------------------------------------------------------------------------
@@ -334,7 +337,7 @@ def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
     w = spec.weights
     key = (id(kernels.attention), id(kernels.add_layer_norm), id(kernels.bias_act), x.dtype, x.device, x.shape[1],
            spec.heads, spec.norm_first, spec.activation, tuple(p > 0 for p in spec.dropout),
-           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length())
+           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length(), spec.position_bias is None)
     if key in _AHEAD:
         return
     if torch.cuda.is_current_stream_capturing():
@@ -367,9 +370,10 @@ def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, 
         ok, needs_grad = weights_take(spec, x, plain_only=False)
         if ok:
             kernels = choose_kernels(spec, x, cu, max_len, causal, fused, needs_grad)
-            if needs_grad and spec.position_bias is None:
+            if needs_grad:
                 _compile_ahead(spec, x, cu, max_len, causal, kernels)
-                return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, *spec.weights)
+                table = None if spec.position_bias is None else spec.position_bias[0]
+                return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights)
             if not needs_grad:
                 if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
                     return _forward(spec, x, cu, max_len, causal, Direct(kernels))

@@ -112,6 +112,37 @@ def test_loss_and_gradients_match_hf(kind):
     assert any(table in n and p.grad is not None and p.grad.abs().sum() > 0 for n, p in ours.named_parameters())
 
 
+def test_one_node_training_matches_hf(monkeypatch):
+    """The layers' one-autograd-node training step (the GPU path: the fused ops and the
+    hand-written layer backward, here through the torch backends) with the bias: every gradient,
+    the shared table's summed over the layers, equals HuggingFace's."""
+    import ragged.nn.hf.family as family
+    from ragged.nn import layer as layer_mod
+
+    monkeypatch.setattr(family, "fused_backend", lambda x: "torch")
+    nodes = []
+    real = layer_mod.LayerFunction.apply
+    monkeypatch.setattr(layer_mod.LayerFunction, "apply", lambda *a: nodes.append(a[6]) or real(*a))
+    ours, hf = _model("sequence", seed=4)
+    ours.train()
+    hf.train()
+    ids, mask = _batch(LENGTHS, seed=5)
+    extra = _labels("sequence", LENGTHS, mask, seed=6)
+    got, want = ours(input_ids=ids, attention_mask=mask, **extra), hf(input_ids=ids, attention_mask=mask, **extra)
+    table = ours.base_model.encoder.relative_attention_bias.weight
+    assert len(nodes) == 2 and all(t is table for t in nodes), "the one-node step was not taken with the table"
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    got.loss.backward()
+    want.loss.backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=name)
+    assert table.grad.abs().sum() > 0
+
+
 def test_refused_with_the_model_untouched():
     model = tf.MPNetModel(_config(relative_attention_num_buckets=16))
     with pytest.raises(NotImplementedError, match="relative_attention_num_buckets=16"):

@@ -11,8 +11,9 @@ tensor; its gradient reaches the Embedding's weight.
 
 One layer is the layer core's post-norm layer (:func:`ragged.nn.layer.run_layer`, and
 :func:`ragged.nn.layer.run_stack` in inference) with the bias in its spec: inference runs the
-fused kernels; a training step runs every op under autograd (the layer core's one-node
-backward computes no table gradient).
+fused kernels; a training step is one autograd node per layer (the layer core's hand-written
+backward, whose attention backward also returns the table's gradient; the table, shared by
+every layer, gets their sum).
 
 Heads: the sequence classifier (``MPNetClassificationHead``) reads each sequence's first
 token; token classification, masked LM (``lm_head``) and question answering on the packed
