@@ -6,13 +6,14 @@ Coordinates: ``rows`` / ``cols`` are query and key positions within a sequence; 
 ``(i, j)`` sits at distance index ``j - i + max_q - 1`` of ``buckets``.
 
 Forward. The launcher composes the table with the buckets once per call,
-``dist[h, d] = table[buckets[d], h]`` (``[H, max_q + max_k - 1]`` float32, one gather of a few
-thousand numbers, :func:`distance_table`), so that a tile's bias is one load per score from a
+``dist[h, d] = table[buckets[d], h] * log2(e)`` (``[H, max_q + max_k - 1]`` float32, one gather
+of a few thousand numbers, :func:`distance_table`; the scale puts it in the kernels' exp2
+domain once per call instead of once per score), so that a tile's bias is one load per score from a
 row of ``dist`` that stays in L1: ``dist[h, cols - rows + max_q - 1]``, contiguous along the
 keys of each row (coalesced), no dependent second load and no mask (rows and columns are
 clamped into the sequence first, which keeps every index in ``[0, max_q + max_k - 1)``; a row
-or column past the sequence gets a finite bias that no result reads). It is added in the
-exp2 domain (times ``log2(e)``) to the scaled scores, before masking. Nothing of size
+or column past the sequence gets a finite bias that no result reads). It is added to the
+scaled scores (exp2 domain), before masking. Nothing of size
 ``B x H x L x L`` exists.
 
 Table gradient. ``dtable[n, h]`` sums ``dS`` of head ``h`` over the pairs of bucket ``n``. A
@@ -48,7 +49,7 @@ def _bias_tile(bias_row, rows, cols, k_len, MASKED: tl.constexpr):
     block reaches past the sequence)."""
     if MASKED:
         cols = tl.minimum(cols, k_len - 1)
-    return tl.load(bias_row + (cols[None, :] - rows[:, None])) * 1.4426950408889634
+    return tl.load(bias_row + (cols[None, :] - rows[:, None]))
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _bias_tile_t(bias_row, cols, rows, q_len):
     sequence by the caller) and query rows ``rows [M]`` (clamped here), for the transposed tiles
     of the dK/dV kernel."""
     rows = tl.minimum(rows, q_len - 1)
-    return tl.load(bias_row + (cols[:, None] - rows[None, :])) * 1.4426950408889634
+    return tl.load(bias_row + (cols[:, None] - rows[None, :]))
 
 
 @triton.jit
@@ -79,10 +80,14 @@ def _bucket_sums(acc, ds, buckets, span, pos0, BLOCK_M: tl.constexpr, BLOCK_N: t
     return acc + tl.sum(tl.where(bucket[:, None] == n[None, :], diagonal[:, None], 0.0), 0)
 
 
+LOG2E = 1.4426950408889634
+
+
 def distance_table(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
-    """``[H, len(buckets)]`` float32, contiguous: ``table[buckets[d], h]`` at ``[h, d]`` (the
-    forward's and backward's bias rows; one gather on the device, no sync)."""
-    return table.detach().t().to(torch.float32)[:, buckets].contiguous()
+    """``[H, len(buckets)]`` float32, contiguous: ``table[buckets[d], h] * log2(e)`` at ``[h, d]``
+    (the forward's and backward's bias rows, already in the kernels' exp2 domain; one gather
+    and one scale on the device, no sync)."""
+    return (table.detach().t().to(torch.float32)[:, buckets] * LOG2E).contiguous()
 
 
 def partial_buffer(programs: int, heads: int, num_buckets: int, device: torch.device) -> torch.Tensor:
