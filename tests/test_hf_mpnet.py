@@ -155,9 +155,11 @@ def test_refused_with_the_model_untouched():
     assert "forward" not in model.__dict__
 
 
-def test_sentence_transformers_over_mpnet(tmp_path):
-    """A SentenceTransformer over MPNet (all-mpnet-base-v2's structure: mean pooling, then
-    Normalize) is converted as a whole: encode's embeddings equal the original's."""
+@pytest.mark.parametrize("mode", ["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken",
+                                  ("cls", "mean", "max")], ids=str)
+def test_sentence_transformers_over_mpnet(tmp_path, mode):
+    """A SentenceTransformer over MPNet (all-mpnet-base-v2's structure: a pooling, then
+    Normalize) is converted as a whole: encode's embeddings equal the original's, every pooling."""
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as M
@@ -170,7 +172,8 @@ def test_sentence_transformers_over_mpnet(tmp_path):
     model = tf.MPNetModel(_config(vocab_size=len(WORDS), pad_token_id=0))
     _randomise(model, 9)
     model.save_pretrained(str(tmp_path))
-    original = SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, "mean"), M.Normalize()],
+    modes = mode if isinstance(mode, tuple) else (mode,)
+    original = SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, modes), M.Normalize()],
                                    device="cpu").double().eval()
     ours = copy.deepcopy(original)
     assert hf_sentence.convert_sentence_transformer(ours) is ours
