@@ -445,9 +445,10 @@ def test_implementations_called_straight(backend):
 # Choosing a backend
 
 
-def test_cuda_declaration_refuses_position_bias(monkeypatch):
-    """The short-sequence kernel adds no bias: its check says so (the device's compute
-    capability stood in for: no GPU here), so "auto" passes it over."""
+def test_cuda_declaration_takes_position_bias_for_inference(monkeypatch):
+    """The short-sequence kernel adds the bias in its forward (its ``_bias`` kernels): its check
+    takes a table (the device's compute capability stood in for: no GPU here) and refuses only
+    what it refuses without one, a gradient among them."""
     import ragged.kernels.cuda as cuda_backend
     from ragged.ops.attention import attention_spec
 
@@ -456,12 +457,26 @@ def test_cuda_declaration_refuses_position_bias(monkeypatch):
     q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
     cu = _cu([4, 6])
     bias = _bias(2, 6, 6, 0)
-    for position_bias, refused in ((None, False), (bias, True)):
-        spec = attention_spec(q, q, q, cu, cu, 6, 6, False, 0.0, False, (-1, -1), position_bias)
-        assert spec.bias_buckets == (BUCKETS if refused else 0)
-        reasons = impl.check(dataclasses.replace(spec, device=torch.device("cuda", 0)))
-        assert any("position_bias" in r for r in reasons) == refused, reasons
+    for position_bias in (None, bias):
+        for needs_grad in (False, True):
+            spec = attention_spec(q, q, q, cu, cu, 6, 6, False, 0.0, needs_grad, (-1, -1), position_bias)
+            assert spec.bias_buckets == (0 if position_bias is None else BUCKETS)
+            reasons = impl.check(dataclasses.replace(spec, device=torch.device("cuda", 0)))
+            assert (reasons != []) == needs_grad and not any("position_bias" in r for r in reasons), reasons
     assert backends.implementation("attention", "torch").reasons(spec) == []
+
+
+def test_cuda_launcher_composes_the_distance_rows():
+    """The CUDA launcher's bias rows: ``table[buckets[d], h] * log2(e)`` at ``[h, d]``, float32,
+    contiguous, whatever the table's dtype (no GPU needed: the composition is torch's)."""
+    from ragged.kernels.cuda.attention import _distance_rows
+
+    table = torch.randn(32, 3, dtype=torch.float64).to(torch.bfloat16)
+    buckets = torch.randint(0, 32, (11,), dtype=torch.int32)
+    rows = _distance_rows(table, buckets)
+    assert rows.dtype == torch.float32 and rows.is_contiguous() and rows.shape == (3, 11)
+    want = table.double()[buckets.long()].t() * math.log2(math.e)
+    torch.testing.assert_close(rows.double(), want, rtol=1e-6, atol=0)
 
 
 def test_triton_declares_its_bucket_maximum():

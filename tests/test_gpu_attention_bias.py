@@ -201,21 +201,61 @@ def test_cuda_graph_capture():
         assert torch.equal(a, b), f"{name}: the replay differs from an eager call on the same values"
 
 
-def test_cuda_backend_refuses_and_auto_picks_triton():
-    """The short-sequence kernel adds no bias: forced, it raises with the reason; "auto" takes
-    Triton for inputs it would otherwise give the CUDA kernel."""
+# The CUDA short-sequence kernel's cases (<= 128 tokens): "many" reaches its pipelined kernel
+# (enough (sequence, head) pairs, every sequence <= 32 tokens), the others the per-head one.
+_MANY = torch.randint(0, 33, (240,), generator=torch.Generator().manual_seed(5)).tolist()
+CUDA_LENGTHS = {
+    "mpnet": LENGTHS["mpnet"],
+    "cross": ([3, 100, 0, 128, 1, 77], [50, 7, 9, 0, 128, 77]),
+    "many": (_MANY, _MANY),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("name", list(CUDA_LENGTHS))
+def test_cuda_forward_accuracy(name, dim, dtype, causal):
+    """The short-sequence kernel's forward with the bias (its ``_bias`` kernels) by the flash-attn
+    rule, out and lse; GQA (H = 12, H_kv = 4); the same kernel without the bias unchanged."""
+    _needs("cuda")
+    lq, lk = CUDA_LENGTHS[name]
+    gen = _gen("bias-cuda", name, dim, dtype, causal)
+    q, k, v = _qkv(lq, lk, 12, 4, dim, dtype, gen)
+    table = torch.randn(32, 12, generator=gen, device="cuda")
+    buckets = _mpnet_buckets(max(lq), max(lk))
+    args = (q, k, v, _cu(lq), _cu(lk), max(lq), max(lk))
+    with torch.no_grad():
+        out, lse = ragged.varlen_attention(*args, causal=causal, position_bias=(table, buckets), return_lse=True,
+                                           backend="cuda")
+        plain = ragged.varlen_attention(*args, causal=causal, backend="cuda")
+    ref, ref_lse = _reference(q, k, v, lq, lk, causal, table, buckets, torch.float64)
+    low, low_lse = _reference(q, k, v, lq, lk, causal, table, buckets, dtype)
+    tag = f"{name}/D={dim}/{dtype}/causal={causal}"
+    _assert_rule(f"{tag} out", out, ref, low, ATOL[dtype])
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{tag}: rows without keys differ"
+    _assert_rule(f"{tag} lse", lse[seen], ref_lse[seen], low_lse[seen].float(), ATOL[dtype])
+    unbiased = ragged.reference_attention(*(t.double() for t in (q, k, v)), _cu(lq), _cu(lk), causal,
+                                          compute_dtype=torch.float64)[0]
+    assert (plain.double() - unbiased).abs().max() < (out.double() - unbiased).abs().max(), \
+        f"{tag}: the bias changed nothing"
+
+
+def test_auto_takes_the_cuda_kernel_for_inference_only():
+    """With a bias, "auto" keeps the choice it makes without one for inference (the CUDA kernel at
+    MPNet's sizes) and takes Triton when a gradient is needed (the CUDA kernel is forward only)."""
     _needs("triton")
-    lq, lk, q, k, v, table, buckets = _inputs("mpnet", 12, 12, 64, torch.bfloat16, "refuse")
+    lq, lk, q, k, v, table, buckets = _inputs("mpnet", 12, 12, 64, torch.bfloat16, "auto")
     args = (q, k, v, _cu(lq), _cu(lk), max(lq), max(lk))
     plain = backends.select("attention", "auto", q.device, *args, False, 0.0, False)
-    biased = backends.select("attention", "auto", q.device, *args, False, 0.0, False, (-1, -1), (table, buckets))
-    assert biased.backend == "triton"
-    reasons = ragged.explain("attention", *args, False, 0.0, False, (-1, -1), (table, buckets))
-    assert reasons["triton"] == [] and reasons.chosen == "triton"
-    if backends.cuda_reason(q.device) is None and plain.backend == "cuda":
-        assert any("position_bias" in r for r in reasons["cuda"]), reasons["cuda"]
-        with pytest.raises(ValueError, match="takes no position_bias"):
-            ragged.varlen_attention(*args, position_bias=(table, buckets), backend="cuda")
+    inference = backends.select("attention", "auto", q.device, *args, False, 0.0, False, (-1, -1), (table, buckets))
+    training = backends.select("attention", "auto", q.device, *args, False, 0.0, True, (-1, -1), (table, buckets))
+    assert inference.backend == plain.backend and training.backend == "triton"
+    if backends.cuda_reason(q.device) is None:
+        assert inference.backend == "cuda"
+        reasons = ragged.explain("attention", *args, False, 0.0, True, (-1, -1), (table, buckets))
+        assert any("forward only" in r for r in reasons["cuda"]), reasons["cuda"]
 
 
 def test_validate_reads_the_buckets():

@@ -67,8 +67,8 @@ loop of per-sequence attention in float32, the tests' oracle; declared here), ``
 flash attention, forward and backward, key blocks outside a window skipped, the position bias
 read per tile; declared in :mod:`ragged.kernels.triton`) and
 ``"cuda"`` (a fused kernel for short sequences, forward only, its backward Triton's, no window,
-no position bias; declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it only where it is
-measured faster).
+the position bias read per score; declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it
+only where it is measured faster).
 """
 
 from __future__ import annotations
@@ -368,8 +368,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     within it) under head ``h`` score ``scale * q_i . k_j + table[buckets[j - i + max_seqlen_q -
     1], h]``, masked (causal, window) after. It combines with everything above and gives the
     table its gradient. The Triton kernels read it per tile from ``j - i`` (no ``[B, H, L, L]``
-    bias is built); the CUDA short-sequence kernel takes none (``"auto"`` passes it over and
-    ``ragged.explain`` says why). Buckets outside ``[0, num_buckets)`` raise ``ValueError`` where
+    bias is built), and so does the CUDA short-sequence kernel's forward (inference; a gradient
+    goes to Triton). Buckets outside ``[0, num_buckets)`` raise ``ValueError`` where
     that reads no GPU memory (CPU buckets, the ``"torch"`` backend, ``validate=True``); unchecked
     CUDA buckets out of range are the caller's error (a device-side indexing assert).
     Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.

@@ -45,9 +45,6 @@ def _attention_check(spec) -> list[str]:
                    f"{cap[0]}.{cap[1]}")
     if spec.dropout_p > 0:
         out.append(f"the CUDA short-sequence attention kernel has no dropout, got dropout_p={spec.dropout_p}")
-    if spec.bias_buckets:
-        out.append(f"the CUDA short-sequence attention kernel takes no position_bias, got a table of "
-                   f"{spec.bias_buckets} buckets")
     if spec.needs_grad:
         out.append("the CUDA short-sequence attention kernel is forward only (inputs require grad)")
     if spec.batch * spec.heads > 2**31 - 1:
