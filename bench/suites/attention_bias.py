@@ -19,8 +19,10 @@ from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, d
 from .attention import Problem, Shape, attention_flops, draw_lengths
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128  # MPNet's (HuggingFace's compute_position_bias)
+AUTO = "ragged"
 TRITON = "ragged triton"
-NO_BIAS = "ragged triton, no bias"
+CUDA = "ragged cuda"
+NO_BIAS = "ragged, no bias"
 EAGER = "eager, bias materialised (HF MPNet)"
 SDPA_BIAS = "SDPA padded, bias as float mask"
 FLEX_BIAS = "flex_attention score_mod (compiled)"
@@ -90,19 +92,22 @@ def _inputs(bp: BiasProblem, backward: bool) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().requires_grad_(backward) for t in (p.q, p.k, p.v, bp.table))
 
 
-def _ragged(bp: BiasProblem, backward: bool, bias: bool) -> Impl:
+def _ragged(bp: BiasProblem, backward: bool, name: str) -> Impl:
+    """``ragged`` (the backend "auto" picks), ``ragged triton`` / ``ragged cuda`` (forced), or
+    ``ragged, no bias`` (auto, the same call without the bias: q, k, v only; its outputs differ,
+    so it is not checked)."""
     p = bp.p
     inputs = _inputs(bp, backward)
+    backend = {TRITON: "triton", CUDA: "cuda"}.get(name)
 
     def forward(q, k, v, table):
-        return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, p.width, p.width, backend="triton",
-                                       position_bias=(table, bp.buckets) if bias else None)
+        return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, p.width, p.width, backend=backend,
+                                       position_bias=None if table is None else (table, bp.buckets))
 
-    if bias:
-        return Impl(TRITON, "ragged", _timed(forward, inputs, p.do if backward else None))
-    # the same call without the bias: q, k, v only (its outputs differ: not checked)
-    return Impl(NO_BIAS, "baseline", _timed(lambda q, k, v: forward(q, k, v, None), inputs[:3],
-                                            p.do if backward else None), check=False)
+    do = p.do if backward else None
+    if name == NO_BIAS:
+        return Impl(NO_BIAS, "baseline", _timed(lambda q, k, v: forward(q, k, v, None), inputs[:3], do), check=False)
+    return Impl(name, "ragged", _timed(forward, inputs, do))
 
 
 def _padded_do(bp: BiasProblem) -> torch.Tensor:
@@ -177,14 +182,21 @@ def build_workload(shape: Shape, backward: bool, device: torch.device, triton_sk
     ref = reference(bp, backward)
     impls = []
     p = bp.p
-    unable = ragged.explain("attention", p.q, p.k, p.v, p.offsets, p.offsets, p.width, p.width, False, 0.0,
-                            backward).get("triton", ["no triton attention is registered"])
-    for name, build in ((TRITON, lambda: _ragged(bp, backward, True)), (NO_BIAS, lambda: _ragged(bp, backward, False)),
+    reasons = ragged.explain("attention", p.q, p.k, p.v, p.offsets, p.offsets, p.width, p.width, False, 0.0,
+                             backward, (-1, -1), (bp.table, bp.buckets))
+    unable = {TRITON: reasons.get("triton", ["no triton attention is registered"]),
+              CUDA: reasons.get("cuda", ["no cuda attention is registered"])}
+    if device.type == "cpu":  # "auto" on CPU tensors is the torch reference, whose loop the CPU case times
+        unable[AUTO] = unable[NO_BIAS] = ["the CPU run measures the Triton rows (interpreted) and the baselines"]
+    for name, build in ((AUTO, lambda: _ragged(bp, backward, AUTO)), (TRITON, lambda: _ragged(bp, backward, TRITON)),
+                        (CUDA, lambda: _ragged(bp, backward, CUDA)), (NO_BIAS, lambda: _ragged(bp, backward, NO_BIAS)),
                         (EAGER, lambda: _eager(bp, backward)), (SDPA_BIAS, lambda: _sdpa(bp, backward)),
                         (FLEX_BIAS, lambda: _flex(bp, backward))):
-        kind = "ragged" if name == TRITON else "baseline"
-        why = (triton_skip or "; ".join(unable) or None) if name in (TRITON, NO_BIAS) else \
-            "compiled FlexAttention: CUDA only" if name == FLEX_BIAS and device.type != "cuda" else None
+        kind = "ragged" if name in (AUTO, TRITON, CUDA) else "baseline"
+        why = "compiled FlexAttention: CUDA only" if name == FLEX_BIAS and device.type != "cuda" else \
+            "; ".join(unable.get(name, [])) or None
+        if name == TRITON and triton_skip:
+            why = triton_skip
         if why:
             impls.append(Impl(name, kind, skip=why))
             continue
@@ -213,13 +225,15 @@ HuggingFace's MPNet computes them (32 buckets, max distance 128, both directions
 times the forward then `torch.autograd.grad` to q, k, v and the table with a fixed `do`.
 TFLOP/s count the attention's useful flops (the bias adds none).
 
-- `ragged triton`: `ragged.varlen_attention(..., position_bias=(table, buckets))`, the bias
-  read per tile inside the kernels from `j - i`, the table's gradient summed per bucket.
-- `ragged triton, no bias`: the same call without the bias, the ceiling (not checked: other
-  outputs). Target: `ragged triton` within 15% of it.
+- `ragged`: `ragged.varlen_attention(..., position_bias=(table, buckets))` with the backend
+  "auto" picks; `ragged triton` / `ragged cuda` forced: Triton reads the bias per tile inside
+  the kernels from `j - i` and sums the table's gradient per bucket; the CUDA short-sequence
+  kernel (forward only, sequences up to 128 tokens) reads it per score.
+- `ragged, no bias`: the same call without the bias, the ceiling (not checked: other outputs).
+  Target: `ragged` within 15% of it.
 - `eager, bias materialised (HF MPNet)`: HuggingFace MPNet's attention on padded `[B, H, M, D]`:
   `q @ k^T * scale + bias[None]` with the bias gathered to `[H, M, M]`, key padding masked,
-  float32 softmax, `@ v`. Target: `ragged triton` >= 3x.
+  float32 softmax, `@ v`. Target: `ragged` >= 3x.
 - `SDPA padded, bias as float mask`: `F.scaled_dot_product_attention` with `attn_mask` =
   the gathered bias plus `-inf` at the padded keys, `[B, H, M, M]` in the inputs' dtype.
 - `flex_attention score_mod (compiled)`: the packed tokens as a batch of one, a document
