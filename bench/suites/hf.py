@@ -27,7 +27,8 @@ from .encoder_problem import Model as EncoderModel, encoder_flops
 
 from .hf_decoder import build_decoder
 from .hf_families import build_family
-from .hf_texts import MeanPooled, Texts, make_texts, padded_pass, ragged_pass, word_tokenizer  # noqa: F401
+from .hf_texts import (MeanPooled, Texts, convert_st, encode_pass, load_st, make_texts, padded_pass,  # noqa: F401
+                       ragged_pass, word_tokenizer)
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
     _R,
@@ -120,35 +121,6 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
 
 # --------------------------------------------------------------------------------------
 # Embedding
-
-
-def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
-    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
-
-
-def load_st(src: str, dtype: torch.dtype, device: torch.device, dim: int, **model_kwargs):
-    """A SentenceTransformer of the folder ``src``: its own modules (modules.json), else the model
-    with mean pooling; weights in ``dtype``."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-
-    kwargs = {"dtype": dtype, **model_kwargs}
-    if os.path.exists(os.path.join(src, "modules.json")):
-        return SentenceTransformer(src, device=str(device), model_kwargs=kwargs)
-    modules = [Transformer(src, model_kwargs=kwargs), Pooling(dim, "mean")]
-    return SentenceTransformer(modules=modules, device=str(device))
-
-
-def convert_st(st):
-    """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
-    only the HuggingFace model inside would leave the batches padded in and out)."""
-    import ragged.nn as rnn
-    from ragged.nn.hf import sentence as hf_sentence
-
-    converted = rnn.convert(st)
-    if not hf_sentence.is_converted(converted):
-        raise RuntimeError("encode() was not converted (only the model inside: padded in and out)")
-    return converted
 
 
 def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Workload:
@@ -423,10 +395,13 @@ shape: 12 layers of 768, a relative-position bias in every layer's attention), t
 first `N` texts of `bench/corpus.py` (paragraphs of the Python standard library's docstrings:
 real prose, median 16 tokens, tail to 512) under a WordPiece tokenizer trained on them, batches
 of 256: the same rows as ModernBERT's
-plus `ragged graphed, sorted`. HuggingFace's MPNet has no SDPA path (its attention adds the
-bias to eager scores): its rows are `HF eager, ...`. Targets: ragged data order >= 3x HF data order; ragged sorted >= 1.5x
+plus `ragged graphed, sorted`, and texts in through sentence-transformers (the model and tokenizer
+saved, `Transformer` + mean `Pooling` + `Normalize`, all-mpnet-base-v2's structure): `ST encode`
+at batch 32 and 256, the converted one's at 32 and 256 and graphed at 256 (tokenization
+included). HuggingFace's MPNet has no SDPA path (its attention adds the bias to eager scores):
+its rows are `HF eager, ...`. Targets: ragged data order >= 3x HF data order; ragged sorted >= 1.5x
 HF compiled sorted; ragged graphed (data order) >= 2x HF compiled sorted; min cosine at least
-HF's own.
+HF's own (the sentence-transformers rows are reported beside them).
 
 **decoder embedder**: a sentence-transformers model over `Qwen3Model` of the config shown
 (random weights, seeded; Qwen3-Embedding-0.6B's shape), last-token pooling and normalisation as

@@ -58,8 +58,9 @@ ROWS = {
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
     MODERN: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
              (RAG_GRAPHED_DATA, _R)),
-    MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
-            (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R)),
+    MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (ST_32, _B), (ST_256, _B),
+            (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (RAG_ST_32, _R),
+            (RAG_ST_256, _R), (RAG_ST_GRAPHED, _R)),
     DECODER: ((ST_32, _B), (ST_COMPILED_32, _B), (ST_256, _B), (RAG_ST_32, _R), (RAG_ST_GRAPHED_32, _R),
               (RAG_ST_256, _R)),
 }

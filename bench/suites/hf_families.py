@@ -15,10 +15,12 @@ import torch
 from ..harness import Workload
 from .encoder_problem import Model as EncoderModel, encoder_flops
 from .hf_common import (COSINE_FLOOR, Corpus, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
-                        HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED,
-                        RAG_SORTED, ROWS, SEED, SLACK, Run, Shape, assemble, attempt, broken, cosine_checks,
-                        min_cosine, quiet)
-from .hf_texts import Texts, make_texts, padded_pass, ragged_pass, word_tokenizer
+                        HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED, RAG_ST_256, RAG_ST_32,
+                        RAG_ST_GRAPHED, RAG_SORTED, ROWS, SEED, SLACK, ST_256, ST_32, Run, Shape, assemble, attempt,
+                        broken, cosine_checks, min_cosine, quiet)
+from .hf_texts import Texts, convert_st, encode_pass, make_texts, padded_pass, ragged_pass, word_tokenizer
+
+ST_ROWS = (ST_32, ST_256, RAG_ST_32, RAG_ST_256, RAG_ST_GRAPHED)
 
 __all__ = ["build_family"]
 
@@ -70,6 +72,8 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
             fns[name] = "CUDA graphs: runs on CUDA"
         else:
             fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
+    if any(name in dict(ROWS[shape.workload]) for name in ST_ROWS):
+        fns.update(_sentence_rows(model, tokenizer, data, device))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
 
     compare, extra = cosine_checks(reference, bound)
@@ -80,3 +84,43 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
     flops = encoder_flops(data.lengths.tolist(), EncoderModel(m.hidden, m.heads, m.ff, m.layers), False)
     fns = {name: fn for name, fn in fns.items() if name in dict(ROWS[shape.workload])}
     return Workload(assemble(shape.workload, fns), reference=reference, flops=flops, compare=compare, extra=extra)
+
+
+def _sentence_rows(model, tokenizer, data: Texts, device: torch.device) -> dict[str, Any]:
+    """sentence-transformers over the model as a sentence model is shipped (the model and its
+    tokenizer saved, ``Transformer`` + mean ``Pooling`` + ``Normalize``: all-mpnet-base-v2's
+    structure): ``encode`` of the texts at batch 32 and 256, and of the converted model at 32,
+    256 and graphed at 256 (CUDA). Texts in, tokenization included."""
+    import importlib.util
+    import tempfile
+
+    import ragged.nn as rnn
+
+    if importlib.util.find_spec("sentence_transformers") is None:
+        return dict.fromkeys(ST_ROWS, "sentence-transformers is not installed")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    dim = model.config.hidden_size
+    with quiet(), tempfile.TemporaryDirectory(prefix="ragged_bench_st_") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        st, why = attempt("sentence-transformers could not load the model", lambda: SentenceTransformer(
+            modules=[Transformer(tmp, model_kwargs={"dtype": model.dtype}), Pooling(dim, "mean"), Normalize()],
+            device=str(device)).eval())
+    if st is None:
+        return dict.fromkeys(ST_ROWS, why)
+    converted, convert_error = attempt("ragged.nn.convert of the SentenceTransformer failed",
+                                       lambda: convert_st(copy.deepcopy(st)))
+    fns: dict[str, Any] = {ST_32: Run(encode_pass(st, data.texts, 32)), ST_256: Run(encode_pass(st, data.texts, 256))}
+    for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
+        fns[name] = broken(convert_error) if converted is None else Run(encode_pass(converted, data.texts, batch))
+    if converted is None:
+        fns[RAG_ST_GRAPHED] = broken(convert_error)
+    elif device.type != "cuda":
+        fns[RAG_ST_GRAPHED] = "CUDA graphs: runs on CUDA"
+    else:
+        top = 1 << int(256 * data.lengths.max()).bit_length()
+        fns[RAG_ST_GRAPHED] = Run(encode_pass(rnn.graphed(copy.deepcopy(converted), max_tokens=top,
+                                                          max_batch_size=256), data.texts, 256))
+    return fns

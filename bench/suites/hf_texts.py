@@ -4,6 +4,7 @@ batches) or of a converted one (collated RaggedTensors, optionally graphed) over
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
@@ -14,7 +15,8 @@ import ragged
 from ..harness import Skip
 from .hf_common import SEED, pad_batch, to_device
 
-__all__ = ["MeanPooled", "Texts", "make_texts", "padded_pass", "ragged_pass", "word_tokenizer"]
+__all__ = ["MeanPooled", "Texts", "convert_st", "encode_pass", "load_st", "make_texts", "padded_pass", "ragged_pass",
+           "word_tokenizer"]
 
 
 def word_tokenizer(vocab: int):
@@ -106,3 +108,32 @@ def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = F
         return torch.cat(out).index_select(0, inverse)
 
     return run
+
+
+def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
+    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
+
+
+def load_st(src: str, dtype: torch.dtype, device: torch.device, dim: int, **model_kwargs):
+    """A SentenceTransformer of the folder ``src``: its own modules (modules.json), else the model
+    with mean pooling; weights in ``dtype``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    kwargs = {"dtype": dtype, **model_kwargs}
+    if os.path.exists(os.path.join(src, "modules.json")):
+        return SentenceTransformer(src, device=str(device), model_kwargs=kwargs)
+    modules = [Transformer(src, model_kwargs=kwargs), Pooling(dim, "mean")]
+    return SentenceTransformer(modules=modules, device=str(device))
+
+
+def convert_st(st):
+    """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
+    only the HuggingFace model inside would leave the batches padded in and out)."""
+    import ragged.nn as rnn
+    from ragged.nn.hf import sentence as hf_sentence
+
+    converted = rnn.convert(st)
+    if not hf_sentence.is_converted(converted):
+        raise RuntimeError("encode() was not converted (only the model inside: padded in and out)")
+    return converted
