@@ -45,6 +45,12 @@ FAMILIES = ["qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "gemma3"]
 INSTRUCT = "Instruct: find the text that answers the question\nQuery: "
 
 
+# Families whose transformers code computes in float32 inside a float64 model (Gemma 2's RMSNorm
+# and eager softmax in transformers 5.24, not in 5.17), checked at float32's precision.
+FLOAT32_INSIDE = ("gemma2",)
+FLOAT32_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
 def _config(family: str, **overrides):
     common = dict(vocab_size=len(VOCAB), hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAXLEN, pad_token_id=0,
@@ -146,10 +152,16 @@ def test_encode_matches_original(transformers_, name, mode, side):
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family(transformers_, family, side):
-    """Each decoder class taken, lasttoken and mean pooling (sliding windows cut the long texts)."""
+    """Each decoder class taken, lasttoken and mean pooling (sliding windows cut the long texts).
+    Gemma 2 (transformers 5.24; not 5.17) runs its norms and its eager softmax in float32 whatever the
+    model's dtype: a padded batch's fully masked rows become NaN there, so its oracle is each
+    text alone (no padding), at float32's precision."""
     for mode in ("lasttoken", "mean"):
         original, ours = _st(transformers_, family, mode, side)
-        _close(ours.encode(TEXTS, batch_size=4), original.encode(TEXTS, batch_size=4))
+        if family in FLOAT32_INSIDE:
+            _close(ours.encode(TEXTS, batch_size=4), original.encode(TEXTS, batch_size=1), **FLOAT32_TOL)
+        else:
+            _close(ours.encode(TEXTS, batch_size=4), original.encode(TEXTS, batch_size=4))
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -377,9 +389,10 @@ def test_run_packed_equals_each_sequence_alone(family):
             if not len(x):
                 continue
             want = reference(input_ids=x[None])
-            _close(out["last_hidden_state"][b], want.last_hidden_state[0])
+            tol = FLOAT32_TOL if family in FLOAT32_INSIDE else {}
+            _close(out["last_hidden_state"][b], want.last_hidden_state[0], **tol)
             for g, w in zip(out["hidden_states"], want.hidden_states, strict=True):
-                _close(g[b], w[0])
+                _close(g[b], w[0], **tol)
         empty = hf_decoder.run_packed(model, _ids([0, 0]))
     assert empty["last_hidden_state"].values.shape == (0, D) and len(empty["hidden_states"]) == 3
 
