@@ -300,8 +300,8 @@ GPU_SHAPES = (
     Shape(DECODER, "Qwen3-Embedding-0.6B-size", torch.bfloat16, QWEN3_06B, Corpus(32000, "byte_bpe"), 4096, batch=32),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512), dataclasses.replace(GPU_SHAPES[5], count=3000),
-                    dataclasses.replace(GPU_SHAPES[6], count=1024))
+                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512),
+                    dataclasses.replace(GPU_SHAPES[5], count=3000), dataclasses.replace(GPU_SHAPES[6], count=1024))
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
