@@ -27,8 +27,8 @@ from .encoder_problem import Model as EncoderModel, encoder_flops
 
 from .hf_decoder import build_decoder
 from .hf_families import build_family
-from .hf_texts import (MeanPooled, Texts, convert_st, encode_pass, load_st, make_texts, padded_pass,  # noqa: F401
-                       ragged_pass, word_tokenizer)
+from .hf_texts import (MeanPooled, Texts, convert_st, encode_pass, graphed_encode_pass, load_st,  # noqa: F401
+                       make_texts, padded_pass, ragged_pass, word_tokenizer)
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
     _R,
@@ -37,6 +37,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     Bert,
     BERT_BASE,
     Corpus,
+    graphed_row,
     QWEN3_06B,
     EMBEDDERS,
     RAG_ST_GRAPHED_32,
@@ -186,23 +187,12 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
     fns[HF_DATA_8] = Run(padded_pass(model, data, data.chunks(data_order, 8)))
     fns[RAG_DATA_8] = broken(convert_error) if converted is None else Run(
         ragged_pass(converted, data, data.chunks(data_order, 8)))
-    for name, batches, size in ((RAG_GRAPHED_DATA, data.chunks(data_order, B), B),
-                                (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B), B),
-                                (RAG_GRAPHED_8, data.chunks(data_order, 8), 8)):
-        if converted is None:
-            fns[name] = broken(convert_error)
-        elif device.type != "cuda":
-            fns[name] = "CUDA graphs: runs on CUDA"
-        else:
-            fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
-    if st_converted is None:
-        fns[RAG_ST_GRAPHED] = broken(st_convert_error)
-    elif device.type != "cuda":
-        fns[RAG_ST_GRAPHED] = "CUDA graphs: runs on CUDA"
-    else:
-        top = 1 << int(256 * data.lengths.max()).bit_length()
-        st_graphed = rnn.graphed(copy.deepcopy(st_converted), max_tokens=top, max_batch_size=256)
-        fns[RAG_ST_GRAPHED] = Run(encode_pass(st_graphed, data.texts, 256))
+    for name, batches in ((RAG_GRAPHED_DATA, data.chunks(data_order, B)),
+                          (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B)), (RAG_GRAPHED_8, data.chunks(data_order, 8))):
+        fns[name] = graphed_row(converted, convert_error, device,
+                                lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True))
+    fns[RAG_ST_GRAPHED] = graphed_row(st_converted, st_convert_error, device,
+                                      lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())))
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         if name not in fns:
             fns[name] = broken(st_convert_error) if st_converted is None else \

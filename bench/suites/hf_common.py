@@ -386,6 +386,16 @@ def broken(reason: str) -> Callable[[], Any]:
     return fn
 
 
+def graphed_row(model: Any, error: str | None, device: torch.device, make: Callable[[Any], Callable[[], Any]]):
+    """A row that replays CUDA graphs of ``model``: ``Run(make(model))``; broken when the conversion
+    failed (``model`` None, ``error`` why), skipped off CUDA."""
+    if model is None:
+        return broken(error or "the model could not be converted")
+    if device.type != "cuda":
+        return "CUDA graphs: runs on CUDA"
+    return Run(make(model))
+
+
 def flash_attention_skip(device: torch.device) -> str | None:
     """Why the flash_attention_2 rows do not run here (checked before any load: transformers would
     otherwise look for the kernels on the network)."""

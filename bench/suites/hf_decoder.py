@@ -16,7 +16,8 @@ import torch
 from ..harness import Workload
 from .hf_common import (COSINE_FLOOR, DECODER, RAG_ST_256, RAG_ST_32, RAG_ST_GRAPHED_32, ROWS, SEED, SLACK,
                         ST_256, ST_32, ST_COMPILED_32, Run, Shape, assemble, attempt, broken, cosine_checks,
-                        min_cosine, quiet)
+                        graphed_row, min_cosine, quiet)
+from .hf_texts import encode_pass, graphed_encode_pass
 
 __all__ = ["build_decoder", "decoder_flops"]
 
@@ -29,10 +30,6 @@ def decoder_flops(lengths: list[int], model) -> float:
     tokens = sum(lengths)
     attention = sum(n * n for n in lengths) * 2.0 * model.heads * model.head_dim * model.layers
     return 2.0 * matmul * tokens + attention
-
-
-def _encode(st, texts: list[str], batch: int):
-    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
 
 
 def build_decoder(shape: Shape, device: torch.device) -> Workload:
@@ -60,29 +57,22 @@ def build_decoder(shape: Shape, device: torch.device) -> Workload:
                        Pooling(shape.model.hidden, "lasttoken"), Normalize()]
             return SentenceTransformer(modules=modules, device=str(device)).eval()
 
-        reference = _encode(load(torch.float32), texts, 32)()
+        reference = encode_pass(load(torch.float32), texts, 32)()
         st = load(shape.dtype)
     converted, convert_error = attempt("ragged.nn.convert of the SentenceTransformer failed",
                                        lambda: rnn.convert(copy.deepcopy(st)))
-    hf_error = 1.0 - min_cosine(_encode(st, texts, 32)(), reference)
-    fns[ST_32], fns[ST_256] = Run(_encode(st, texts, 32)), Run(_encode(st, texts, 256))
+    hf_error = 1.0 - min_cosine(encode_pass(st, texts, 32)(), reference)
+    fns[ST_32], fns[ST_256] = Run(encode_pass(st, texts, 32)), Run(encode_pass(st, texts, 256))
     if device.type == "cuda":
         compiled = copy.deepcopy(st)
         compiled[0].auto_model = torch.compile(compiled[0].auto_model, dynamic=True)
-        fns[ST_COMPILED_32] = Run(_encode(compiled, texts, 32))
+        fns[ST_COMPILED_32] = Run(encode_pass(compiled, texts, 32))
     else:
         fns[ST_COMPILED_32] = "CPU smoke run: torch.compile builds for tens of seconds on a CPU (runs on CUDA)"
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
-        fns[name] = broken(convert_error) if converted is None else Run(_encode(converted, texts, batch))
-    if converted is None:
-        fns[RAG_ST_GRAPHED_32] = broken(convert_error)
-    elif device.type != "cuda":
-        fns[RAG_ST_GRAPHED_32] = "CUDA graphs: runs on CUDA"
-    else:
-        longest = max(len(ids) for ids in converted.tokenizer(texts, truncation=True)["input_ids"])
-        graphed = rnn.graphed(copy.deepcopy(converted), max_tokens=1 << (32 * longest).bit_length(),
-                              max_batch_size=32)
-        fns[RAG_ST_GRAPHED_32] = Run(_encode(graphed, texts, 32))
+        fns[name] = broken(convert_error) if converted is None else Run(encode_pass(converted, texts, batch))
+    fns[RAG_ST_GRAPHED_32] = graphed_row(converted, convert_error, device, lambda m: graphed_encode_pass(
+        m, texts, 32, max(len(ids) for ids in m.tokenizer(texts, truncation=True)["input_ids"])))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
     compare, extra = cosine_checks(reference, bound)
     lengths = shape.lengths.draw(shape.count)

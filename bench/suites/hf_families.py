@@ -17,8 +17,8 @@ from .encoder_problem import Model as EncoderModel, encoder_flops
 from .hf_common import (COSINE_FLOOR, Corpus, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
                         HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED, RAG_ST_256, RAG_ST_32,
                         RAG_ST_GRAPHED, RAG_SORTED, ROWS, SEED, SLACK, ST_256, ST_32, Run, Shape, assemble, attempt,
-                        broken, cosine_checks, min_cosine, quiet)
-from .hf_texts import Texts, convert_st, encode_pass, make_texts, padded_pass, ragged_pass, word_tokenizer
+                        broken, cosine_checks, graphed_row, min_cosine, quiet)
+from .hf_texts import Texts, convert_st, encode_pass, graphed_encode_pass, make_texts, padded_pass, ragged_pass, word_tokenizer
 
 ST_ROWS = (ST_32, ST_256, RAG_ST_32, RAG_ST_256, RAG_ST_GRAPHED)
 
@@ -66,12 +66,8 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
     for name, batches in ((RAG_DATA, data_order), (RAG_SORTED, sorted_order)):
         fns[name] = broken(convert_error) if converted is None else Run(ragged_pass(converted, data, batches))
     for name, batches in ((RAG_GRAPHED_DATA, data_order), (RAG_GRAPHED_SORTED, sorted_order)):
-        if converted is None:
-            fns[name] = broken(convert_error)
-        elif device.type != "cuda":
-            fns[name] = "CUDA graphs: runs on CUDA"
-        else:
-            fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
+        fns[name] = graphed_row(converted, convert_error, device,
+                                lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True))
     if any(name in dict(ROWS[shape.workload]) for name in ST_ROWS):
         fns.update(_sentence_rows(model, tokenizer, data, device))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
@@ -94,8 +90,6 @@ def _sentence_rows(model, tokenizer, data: Texts, device: torch.device) -> dict[
     import importlib.util
     import tempfile
 
-    import ragged.nn as rnn
-
     if importlib.util.find_spec("sentence_transformers") is None:
         return dict.fromkeys(ST_ROWS, "sentence-transformers is not installed")
     from sentence_transformers import SentenceTransformer
@@ -115,12 +109,6 @@ def _sentence_rows(model, tokenizer, data: Texts, device: torch.device) -> dict[
     fns: dict[str, Any] = {ST_32: Run(encode_pass(st, data.texts, 32)), ST_256: Run(encode_pass(st, data.texts, 256))}
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         fns[name] = broken(convert_error) if converted is None else Run(encode_pass(converted, data.texts, batch))
-    if converted is None:
-        fns[RAG_ST_GRAPHED] = broken(convert_error)
-    elif device.type != "cuda":
-        fns[RAG_ST_GRAPHED] = "CUDA graphs: runs on CUDA"
-    else:
-        top = 1 << int(256 * data.lengths.max()).bit_length()
-        fns[RAG_ST_GRAPHED] = Run(encode_pass(rnn.graphed(copy.deepcopy(converted), max_tokens=top,
-                                                          max_batch_size=256), data.texts, 256))
+    fns[RAG_ST_GRAPHED] = graphed_row(converted, convert_error, device,
+                                      lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())))
     return fns

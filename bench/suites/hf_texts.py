@@ -15,8 +15,8 @@ import ragged
 from ..harness import Skip
 from .hf_common import SEED, pad_batch, to_device
 
-__all__ = ["MeanPooled", "Texts", "convert_st", "encode_pass", "load_st", "make_texts", "padded_pass", "ragged_pass",
-           "word_tokenizer"]
+__all__ = ["MeanPooled", "Texts", "convert_st", "encode_pass", "graphed_encode_pass", "load_st", "make_texts",
+           "padded_pass", "ragged_pass", "word_tokenizer"]
 
 
 def word_tokenizer(vocab: int):
@@ -108,6 +108,17 @@ def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = F
         return torch.cat(out).index_select(0, inverse)
 
     return run
+
+
+def graphed_encode_pass(st, texts: list[str], batch: int, longest: int) -> Callable[[], torch.Tensor]:
+    """``encode`` of a copy of the converted ``st`` through ``ragged.nn.graphed`` (buckets up to
+    ``batch`` texts of ``longest`` tokens)."""
+    import copy
+
+    import ragged.nn as rnn
+
+    top = 1 << int(batch * longest).bit_length()
+    return encode_pass(rnn.graphed(copy.deepcopy(st), max_tokens=top, max_batch_size=batch), texts, batch)
 
 
 def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
