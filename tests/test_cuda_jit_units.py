@@ -29,6 +29,8 @@ needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found")
 SAMPLE = (("attention_short.cu", "ragged_attention_short_pipe_bf16_d64_c32_h4"),
           ("fused.cu", "ragged_add_layer_norm_bf16_i3"),
           ("pack.cu", "ragged_unpack_v16_i32"))
+# ... and the position-bias variant MPNet's inference takes, compiled alone the same way
+BIAS_SAMPLE = ("attention_short.cu", "ragged_attention_short_pipe_bias_bf16_d64_c32_h4")
 
 
 # --------------------------------------------------------------------------------------
@@ -316,6 +318,6 @@ def test_a_sample_of_programs_compiles_alone_for_sm90(tmp_path):
     and its cubin holds its kernel and no other."""
     with _pool() as pool:
         futures = {item: pool.submit(_cubin_kernels, kc.program(*item).text, tmp_path / f"{item[1]}.cu")
-                   for item in SAMPLE}
+                   for item in (*SAMPLE, BIAS_SAMPLE)}
     for (src, kernel), future in futures.items():
         assert future.result() == {kernel}, f"kc.program({src!r}, {kernel!r}): the cubin has {future.result()}"
