@@ -227,11 +227,8 @@ __device__ __forceinline__ void strip_scores(StripState<D>& st, float (&s)[C / 8
             const int row = e < 2 ? r0 : r1;
             const bool ok = col < lk && (!causal || col <= row + shift);
             float b = 0.f;
-            if (BIAS && ok) {
-                const int at = min(max(col - row + bias_origin, 0), bias_span - 1);
-                b = __ldg(bias_row + at);
-            }
-            s[j][e] = ok ? s[j][e] * scale_log2 + b : neg_inf;
+            if (BIAS && ok) b = __ldg(bias_row + min(max(col - row + bias_origin, 0), bias_span - 1));
+            s[j][e] = ok ? (BIAS ? s[j][e] * scale_log2 + b : s[j][e] * scale_log2) : neg_inf;
         }
         mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
         mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
