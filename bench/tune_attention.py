@@ -76,8 +76,9 @@ def tune_bias():
     for ms, cfg in sorted(fwd)[:5]:
         print(f"  fwd bias {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
     kv_shapes = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2)]
-    dq_shapes = [(16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                 (64, 32, 4, 2), (16, 128, 4, 2)]
+    # the dQ kernel's rotation of dS needs BLOCK_M <= BLOCK_N
+    dq_shapes = [(16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2),
+                 (64, 64, 8, 2), (16, 128, 4, 2), (64, 128, 8, 2)]
     bwd = []
     for kv in kv_shapes:
         for dq in dq_shapes:

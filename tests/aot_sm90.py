@@ -47,7 +47,7 @@ def cases():
         for causal, dropout, group, dim, window, bias in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
                      CAUSAL=causal, WINDOW=window, DROPOUT=dropout, SEED_PTR=False, BIAS=bias, PRECISION=prec,
-                     INLINE=not dropout, CHUNK=256, NUM_BUCKETS=32 if bias else 16, BIAS_WIDTH=128 if bias else 16)
+                     INLINE=not dropout, CHUNK=256, NUM_BUCKETS=32 if bias else 16)
             # batch, n_steps, sm_scale, seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right
             scalars = ["i32", "i32", "fp32", "i32", "*i64", "fp32", "i32", "i32", "i32", "i32"]
             bias_args = ["*fp32", "i32", "i32"]  # the distance table, max_q, its row length
@@ -60,7 +60,7 @@ def cases():
             dq_bias_args = ["*fp32", "*i64", "*fp32", "i32", "i32"]
             yield ("attention bwd dq", ka._bwd_dq_kernel,
                    [dt] * 5 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + dq_bias_args
-                   + ["i32"] * 12, c)
+                   + ["i32"] * 12, {**c, "BLOCK_M": 32, "BLOCK_N": 64} if bias else c)
     yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]

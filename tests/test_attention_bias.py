@@ -352,11 +352,11 @@ def test_triton_table_gradient_is_deterministic():
 
 
 @needs_triton
-@pytest.mark.parametrize("shapes", [((16, 32), (32, 16)), ((32, 16), (16, 64)), ((16, 16), (32, 32))], ids=str)
+@pytest.mark.parametrize("shapes", [((16, 32), (16, 32)), ((32, 16), (16, 64)), ((16, 16), (32, 32))], ids=str)
 def test_triton_tile_shapes(shapes, monkeypatch):
-    """The bias read and the per-bucket sums of dS on tiles that are not square (the skew of a
-    tile spans ``BLOCK_M + BLOCK_N - 1`` distances, rounded up to a power of two) and on the
-    tiles the GPU takes (32 query rows in the dQ kernel)."""
+    """The bias read and the per-bucket sums of dS on tiles that are not square (a rotated row
+    of the dQ tile wraps within ``BLOCK_N`` keys, and the diagonal sums carried from one key
+    block to the next) and on the tiles the GPU takes (32 query rows in the dQ kernel)."""
     from ragged.kernels.triton import attention as ka
 
     (fwd_m, fwd_n), (dq_m, dq_n) = shapes
@@ -374,6 +374,21 @@ def test_triton_tile_shapes(shapes, monkeypatch):
             lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 45, causal, window), tensors, up)
         _check(out, lse, exp, exp_lse, _blind(lq, lk, causal, window))
         _check_grads(got, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_triton_dq_tiles_fit_the_rotation(dtype):
+    """The dQ kernel's rotation of dS needs ``BLOCK_M <= BLOCK_N``: every shape the GPU configs
+    give with a bias keeps it (cross-attention with short keys included)."""
+    from ragged.kernels.triton.attention import _bwd_config
+
+    for head_dim in (32, 64, 80, 128, 256):
+        for max_q in (1, 9, 16, 40, 64, 128, 4096):
+            for max_k in (1, 9, 16, 40, 64, 128, 4096):
+                for causal in (False, True):
+                    _, (rows, cols, _, _) = _bwd_config(head_dim, max_q, max_k, causal, dtype, False, True)
+                    assert rows <= cols, (head_dim, max_q, max_k, causal, rows, cols)
 
 
 # --------------------------------------------------------------------------------------

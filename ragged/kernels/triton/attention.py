@@ -66,13 +66,10 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     ``bench/tune_attention.py --bwd`` on an H200 (bf16, D=128, lengths 256..4096): dK/dV
     (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3).
 
-    With a position bias (``bias``) the dQ kernel also skews each tile's dS into ``[BLOCK_M,
-    BLOCK_M + BLOCK_N]`` and compares its diagonals with every bucket: its query blocks are kept
-    to 32 rows (8 warps from 32 x 64 on) so that the tile fits the registers. Not timed yet
-    (sm_90 ptxas register counts only): bf16 at D=64, (32, 64, 8 warps) takes 221 registers and
-    no spill where (64, 64, 4 warps) spilled 944 bytes per thread; at D=128, 16 bytes where
-    (64, 64, 8 warps) spilled 408; float32 at D=64, (16, 32, 4 warps) none where (32, 32, 4
-    warps) spilled 688."""
+    With a position bias (``bias``) the dQ kernel also rotates each tile's dS (needs BLOCK_M <=
+    BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`); its query
+    blocks are kept to 32 rows so that the tile fits the registers.
+    """
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
     if bias and dtype == torch.float32:
@@ -89,7 +86,8 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
               4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
     if bias:
-        rows, cols = min(dq[0], 32), min(dq[1], 64)
+        cols = min(dq[1], 64)
+        rows = min(dq[0], 32, cols)
         dq = (rows, cols, 8 if rows * cols >= 2048 else dq[2], min(dq[3], 2))
     return kv, dq
 
@@ -257,8 +255,7 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         dist, buckets, partial, max_q, _span(bias_buckets),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
-        num_stages=q_s, INLINE=inline, CHUNK=chunk, NUM_BUCKETS=partial.shape[1] if bias else 16,
-        BIAS_WIDTH=triton.next_power_of_2(q_m + q_n - 1) if bias else 16, **common)
+        num_stages=q_s, INLINE=inline, CHUNK=chunk, NUM_BUCKETS=partial.shape[1] if bias else 16, **common)
     if total_k:
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](

@@ -18,14 +18,18 @@ scaled scores (exp2 domain), before masking. Nothing of size
 
 Table gradient. ``dtable[n, h]`` sums ``dS`` of head ``h`` over the pairs of bucket ``n``. A
 tile's ``dS [BLOCK_M, BLOCK_N]`` is first summed along its diagonals (all its pairs at one
-distance): a ``tl.gather`` skews row ``r`` by ``r`` into ``[BLOCK_M, WIDTH]`` (``WIDTH >=
-BLOCK_M + BLOCK_N - 1``) and a column sum gives the ``WIDTH`` diagonal sums; the buckets of the
-tile's distance range (one vector load) then send each diagonal sum to its bucket through a
-``[WIDTH, NUM_BUCKETS]`` compare-and-sum. That is about three passes over a tile's worth of
-elements whatever the bucket count, where a masked sum per bucket would be ``num_buckets``
-passes. Each program (one query block of one head) keeps its ``[NUM_BUCKETS]`` sums in
-registers and writes them once to its own row of a partial buffer; :func:`table_gradient`
-sums the rows in a fixed order. No atomics: the gradient is the same bits every run.
+distance): a ``tl.gather`` rotates row ``r`` left by ``r`` within the tile, so that each column
+of the rotated tile holds two diagonals, ``c - r = y`` and ``c - r = y - BLOCK_N``, split at the
+wrap point into two column sums (:func:`_diagonal_sums`; needs ``BLOCK_M <= BLOCK_N``). The
+second lies in the distance range of the previous key block's first, so the dQ program walks
+its key blocks in order carrying one ``[BLOCK_N]`` vector: each distance's sum is complete once
+the next block has added its share, and is then sent to its bucket by a ``[BLOCK_N,
+NUM_BUCKETS]`` compare-and-sum against the buckets of that range (one vector load,
+:func:`_bucket_add`). That is about three passes over a tile's worth of elements whatever the
+bucket count, where a masked sum per bucket would be ``num_buckets`` passes. Each program (one
+query block of one head) keeps its ``[NUM_BUCKETS]`` sums in registers and writes them once to
+its own row of a partial buffer; :func:`table_gradient` sums the rows in a fixed order. No
+atomics: the gradient is the same bits every run.
 """
 
 from __future__ import annotations
@@ -62,22 +66,29 @@ def _bias_tile_t(bias_row, cols, rows, q_len):
 
 
 @triton.jit
-def _bucket_sums(acc, ds, buckets, span, pos0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WIDTH: tl.constexpr, NUM_BUCKETS: tl.constexpr):
-    """``acc [NUM_BUCKETS]`` plus the sums of ``ds [BLOCK_M, BLOCK_N]`` per bucket. Element
-    ``(r, c)`` lies on diagonal ``x = c - r + BLOCK_M - 1``, at distance index ``pos0 + x`` of
-    ``buckets`` (``pos0 = first key - first row - BLOCK_M + max_q``). Distances outside
-    ``buckets`` hold only zeros of ``ds`` (pairs past the sequence) and count for no bucket."""
-    r = tl.arange(0, BLOCK_M)
-    x = tl.arange(0, WIDTH)
-    c = x[None, :] - (BLOCK_M - 1) + r[:, None]                                 # [BLOCK_M, WIDTH]
-    on = (c >= 0) & (c < BLOCK_N)
-    skewed = tl.gather(ds, tl.where(on, c, 0), 1)                              # skewed[r, x] = ds[r, c]
-    diagonal = tl.sum(tl.where(on, skewed, 0.0), 0)                            # [WIDTH]
-    pos = pos0 + x
+def _diagonal_sums(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, hi)``, each ``[BLOCK_N]``: the sums of ``ds [BLOCK_M, BLOCK_N]`` (``BLOCK_M <=
+    BLOCK_N``) along its diagonals, ``lo[y]`` over the pairs with ``c - r = y`` and ``hi[y]`` over
+    those with ``c - r = y - BLOCK_N``. Row ``r`` is rotated left by ``r`` (one ``tl.gather`` of
+    the tile's own size), so that column ``y`` of the rotated tile holds both diagonals; the
+    wrap point splits them."""
+    tl.static_assert(BLOCK_M <= BLOCK_N)
+    r = tl.arange(0, BLOCK_M)[:, None]
+    y = tl.arange(0, BLOCK_N)[None, :]
+    rotated = tl.gather(ds, (y + r) & (BLOCK_N - 1), 1)                       # rotated[r, y] = ds[r, (y + r) % N]
+    wrapped = y + r >= BLOCK_N
+    return tl.sum(tl.where(wrapped, 0.0, rotated), 0), tl.sum(tl.where(wrapped, rotated, 0.0), 0)
+
+
+@triton.jit
+def _bucket_add(acc, sums, buckets, span, pos0, BLOCK_N: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """``acc [NUM_BUCKETS]`` plus ``sums [BLOCK_N]`` (the sums at distance indices ``pos0 ..
+    pos0 + BLOCK_N - 1``) sent to their buckets. An index outside ``buckets`` holds only zeros of
+    ``dS`` (pairs past the sequence) and counts for no bucket."""
+    pos = pos0 + tl.arange(0, BLOCK_N)
     bucket = tl.load(buckets + pos, mask=(pos >= 0) & (pos < span), other=-1)
     n = tl.arange(0, NUM_BUCKETS)
-    return acc + tl.sum(tl.where(bucket[:, None] == n[None, :], diagonal[:, None], 0.0), 0)
+    return acc + tl.sum(tl.where(bucket[:, None] == n[None, :], sums[:, None], 0.0), 0)
 
 
 LOG2E = 1.4426950408889634

@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_bias import _bias_row, _bias_tile, _bias_tile_t, _bucket_sums
+from .attention_bias import _bias_row, _bias_tile, _bias_tile_t, _bucket_add, _diagonal_sums
 from .attention_common import (
     _bounds,
     _in_window,
@@ -307,11 +307,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
 
 
 @triton.jit
-def _dq_inner(dq, buckets_acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left,
-              win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, bias_row, bias_rows,
-              BUCKETS, bias_span, bias_pos, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
-              NUM_BUCKETS: tl.constexpr, BIAS_WIDTH: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dq, buckets_acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi,
+              k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+              total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              DROPOUT: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi). The masked blocks (MASKED: the sequence's
     last, ragged key block, the causal diagonal, the window's edges) zero P at every key past
     the sequence as well as outside the causal or window band. A key past the end loads as
@@ -320,8 +320,10 @@ def _dq_inner(dq, buckets_acc, q, do, lse, delta, k_base, v_base, stride_kt, str
     and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band.
 
     ``BIAS``: the position bias of rows ``bias_rows`` added to the scores (head ``h``'s distance
-    table row at ``bias_row``), and ``dS`` summed per bucket into ``buckets_acc`` (the key block at
-    ``start_n`` starts at distance index ``start_n + bias_pos`` of ``BUCKETS``)."""
+    table row at ``bias_row``), and ``dS`` summed per bucket into ``buckets_acc``: pairs at
+    ``c - r = 0`` of the key block at ``start_n`` lie at distance index ``start_n + bias_pos`` of
+    ``BUCKETS``; ``carry`` holds the diagonal sums from distance index ``carry_pos`` on that still
+    miss the next key block's share (see :mod:`.attention_bias`)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -347,10 +349,13 @@ def _dq_inner(dq, buckets_acc, q, do, lse, delta, k_base, v_base, stride_kt, str
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if BIAS:
-            buckets_acc = _bucket_sums(buckets_acc, ds, BUCKETS, bias_span, start_n + bias_pos, BLOCK_M, BLOCK_N,
-                                       BIAS_WIDTH, NUM_BUCKETS)
+            lo_sums, hi_sums = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+            buckets_acc = _bucket_add(buckets_acc, carry + hi_sums, BUCKETS, bias_span, start_n + bias_pos - BLOCK_N,
+                                      BLOCK_N, NUM_BUCKETS)
+            carry = lo_sums
+            carry_pos = start_n + bias_pos
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq, buckets_acc
+    return dq, buckets_acc, carry, carry_pos
 
 
 @cached_launch
@@ -364,7 +369,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
-                   BIAS_WIDTH: tl.constexpr, PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
     (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one. ``BIAS``:
     the position bias added (see :mod:`.attention_bias`), and this program's sums of dS per
@@ -401,41 +406,49 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     v_base = V + k_start * stride_vt + hk * stride_vh
     bias_row = _bias_row(DIST, bias_span, h, max_q)
     bias_rows = tl.minimum(offs_m, q_len - 1)
-    bias_pos = max_q - BLOCK_M - m_blk * BLOCK_M   # a key block's first distance index, less its first key
+    bias_pos = max_q - 1 - m_blk * BLOCK_M   # distance index of a key block's pairs at c - r = 0, less its first key
     acc = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
+    carry = tl.zeros([BLOCK_N], dtype=tl.float32)
+    carry_pos = bias_pos
     if WINDOW:
         lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
                                              shift, k_len, win_left, win_right, BLOCK_N)
-        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
-                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False,
-                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
-        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len,
-                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, False,
-                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
-        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
-                            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False,
-                            True, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi,
+            k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
-                            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False,
-                            CAUSAL, False, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
-        dq, acc = _dq_inner(dq, acc, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
-                            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-                            total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True,
-                            CAUSAL, False, DROPOUT, BIAS, NUM_BUCKETS, BIAS_WIDTH, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
+            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, bias_row,
+            bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, CAUSAL, False, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, CAUSAL, False, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
     if BIAS:
+        acc = _bucket_add(acc, carry, BUCKETS, bias_span, carry_pos, BLOCK_N, NUM_BUCKETS)
         n = tl.arange(0, NUM_BUCKETS)
         tl.store(PARTIAL + (item.to(tl.int64) * NUM_BUCKETS + n) * heads + h, acc)
 
