@@ -114,9 +114,12 @@ def _padded_do(bp: BiasProblem) -> torch.Tensor:
     return bp.p.padded(bp.p.do)  # zeros at the padding
 
 
-def _eager(bp: BiasProblem, backward: bool) -> Impl:
+def _eager(bp: BiasProblem, backward: bool, names: tuple[str, ...]) -> Impl:
     """HuggingFace MPNet's attention: padded scores, the bias gathered to ``[1, H, M, M]`` and added,
-    the key padding masked to the dtype's minimum, softmax in float32, times v."""
+    the key padding masked to the dtype's minimum, softmax in float32, times v. The scores are
+    rounded to the input dtype before the softmax, as HF's are, which in bf16 puts its output
+    up to about 0.035 from the float32 reference at these shapes: its check allows 2.5x the
+    workload's tolerance (a missing bias or mask is still off by far more)."""
     p = bp.p
     inputs = _inputs(bp, backward)
     keep = p.key_valid[:, None, None, :]
@@ -128,7 +131,9 @@ def _eager(bp: BiasProblem, backward: bool) -> Impl:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
         return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
-    return Impl(EAGER, "baseline", _timed(forward, inputs, _padded_do(bp) if backward else None))
+    tol = 2.5 * TOLERANCE.get(bp.p.q.dtype, 2e-2)
+    return Impl(EAGER, "baseline", _timed(forward, inputs, _padded_do(bp) if backward else None),
+                compare=max_error_compare(names, bp.flatten, tol, absolute=("out",)))
 
 
 def _sdpa(bp: BiasProblem, backward: bool) -> Impl:
@@ -180,6 +185,7 @@ def _flex(bp: BiasProblem, backward: bool) -> Impl:
 def build_workload(shape: Shape, backward: bool, device: torch.device, triton_skip: str | None) -> Workload:
     bp = BiasProblem.make(shape, device)
     ref = reference(bp, backward)
+    names = ("out", "dq", "dk", "dv", "dtable") if backward else ("out",)
     impls = []
     p = bp.p
     reasons = ragged.explain("attention", p.q, p.k, p.v, p.offsets, p.offsets, p.width, p.width, False, 0.0,
@@ -190,7 +196,7 @@ def build_workload(shape: Shape, backward: bool, device: torch.device, triton_sk
         unable[AUTO] = unable[NO_BIAS] = ["the CPU run measures the Triton rows (interpreted) and the baselines"]
     for name, build in ((AUTO, lambda: _ragged(bp, backward, AUTO)), (TRITON, lambda: _ragged(bp, backward, TRITON)),
                         (CUDA, lambda: _ragged(bp, backward, CUDA)), (NO_BIAS, lambda: _ragged(bp, backward, NO_BIAS)),
-                        (EAGER, lambda: _eager(bp, backward)), (SDPA_BIAS, lambda: _sdpa(bp, backward)),
+                        (EAGER, lambda: _eager(bp, backward, names)), (SDPA_BIAS, lambda: _sdpa(bp, backward)),
                         (FLEX_BIAS, lambda: _flex(bp, backward))):
         kind = "ragged" if name in (AUTO, TRITON, CUDA) else "baseline"
         why = "compiled FlexAttention: CUDA only" if name == FLEX_BIAS and device.type != "cuda" else \
@@ -206,7 +212,6 @@ def build_workload(shape: Shape, backward: bool, device: torch.device, triton_sk
             impls.append(Impl(name, kind, skip=str(exc) or "out of memory while setting up"))
         except Exception as exc:  # noqa: BLE001  (the row says why; the suite goes on)
             impls.append(Impl(name, kind, skip=f"setup failed: {_error_text(exc)}"))
-    names = ("out", "dq", "dk", "dv", "dtable") if backward else ("out",)
     compare = max_error_compare(names, bp.flatten, TOLERANCE.get(shape.dtype, 2e-2), absolute=("out",))
     flops = attention_flops(bp.p.lengths, shape.heads, shape.head_dim, False, backward)
     return Workload(impls, reference=ref, flops=flops, compare=compare)

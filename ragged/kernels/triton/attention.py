@@ -41,7 +41,10 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
       differ little there).
 
     A position bias (``bias``) keeps D=128 causal at the 64-key tile: the bias tile's layout
-    conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200).
+    conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200). At
+    MPNet's shapes (D=64, 256 sentences of 8..128 tokens, ``tune_attention --bias``,
+    ``bench/results/tune_attention_bias_h200_71a3140.txt``) (64, 32, 4, 2) took 0.112 ms with
+    the bias where the no-bias shape (64, 64, 4, 3) took 0.24 or more.
     """
     if interpreted:
         return 16, 16, 4, 1
@@ -55,7 +58,7 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     if head_dim > 64:
         return (128, 128, 8, 3) if causal and not bias else (128, 64, 8, 3)
     if max_q <= 512 and not causal and not dropout:
-        return 64, 64, 4, 3
+        return (64, 32, 4, 2) if bias else (64, 64, 4, 3)
     return 128, 64, 8, 2
 
 
@@ -67,8 +70,12 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3).
 
     With a position bias (``bias``) the dQ kernel also rotates each tile's dS (needs BLOCK_M <=
-    BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`); its query
-    blocks are kept to 32 rows so that the tile fits the registers.
+    BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`). At MPNet's
+    shapes (D=64, 256 sentences of 8..128 tokens; ``tune_attention --bias``,
+    ``bench/results/tune_attention_bias_h200_71a3140.txt``) dK/dV (32, 64, 4, 2) with dQ (64,
+    64, 4, 2) took 0.817 ms forward and backward, against 0.871 without the bias at its own
+    shapes; above D=64 the dQ query blocks are kept to 32 rows so that the tile fits the
+    registers (sm_90 register counts, not timed).
     """
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
@@ -85,7 +92,12 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))),
               4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
-    if bias:
+    if bias and head_dim <= 64:
+        cols = min(dq[1], 64)
+        dq = (min(dq[0], cols), cols, 4, 2)
+        if max(max_q, max_k) > 64 and not causal:
+            kv = (32, 64, 4, 2)
+    elif bias:
         cols = min(dq[1], 64)
         rows = min(dq[0], 32, cols)
         dq = (rows, cols, 8 if rows * cols >= 2048 else dq[2], min(dq[3], 2))
