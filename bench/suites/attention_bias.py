@@ -23,6 +23,8 @@ AUTO = "ragged"
 TRITON = "ragged triton"
 CUDA = "ragged cuda"
 NO_BIAS = "ragged, no bias"
+TRITON_GRAPHED = "ragged triton, graphed"
+NO_BIAS_GRAPHED = "ragged, no bias, graphed"
 EAGER = "eager, bias materialised (HF MPNet)"
 SDPA_BIAS = "SDPA padded, bias as float mask"
 FLEX_BIAS = "flex_attention score_mod (compiled)"
@@ -110,6 +112,32 @@ def _ragged(bp: BiasProblem, backward: bool, name: str) -> Impl:
     return Impl(name, "ragged", _timed(forward, inputs, do))
 
 
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (forward, or forward and ``autograd.grad``) captured once in a CUDA graph and
+    replayed: the kernels' own time, without the host's per-call work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _ragged_graphed(bp: BiasProblem, backward: bool, name: str) -> Impl:
+    """``ragged triton`` (Triton forced) or ``ragged, no bias`` replayed from a CUDA graph."""
+    eager = _ragged(bp, backward, TRITON if name == TRITON_GRAPHED else NO_BIAS)
+    return Impl(name, eager.kind, _graphed(eager.fn), check=eager.check)
+
+
 def _padded_do(bp: BiasProblem) -> torch.Tensor:
     return bp.p.padded(bp.p.do)  # zeros at the padding
 
@@ -192,16 +220,20 @@ def build_workload(shape: Shape, backward: bool, device: torch.device, triton_sk
                              backward, (-1, -1), (bp.table, bp.buckets))
     unable = {TRITON: reasons.get("triton", ["no triton attention is registered"]),
               CUDA: reasons.get("cuda", ["no cuda attention is registered"])}
+    unable[TRITON_GRAPHED] = unable[TRITON]
     if device.type == "cpu":  # "auto" on CPU tensors is the torch reference, whose loop the CPU case times
         unable[AUTO] = unable[NO_BIAS] = ["the CPU run measures the Triton rows (interpreted) and the baselines"]
+        unable[TRITON_GRAPHED] = unable[NO_BIAS_GRAPHED] = ["CUDA graphs: CUDA only"]
     for name, build in ((AUTO, lambda: _ragged(bp, backward, AUTO)), (TRITON, lambda: _ragged(bp, backward, TRITON)),
                         (CUDA, lambda: _ragged(bp, backward, CUDA)), (NO_BIAS, lambda: _ragged(bp, backward, NO_BIAS)),
+                        (TRITON_GRAPHED, lambda: _ragged_graphed(bp, backward, TRITON_GRAPHED)),
+                        (NO_BIAS_GRAPHED, lambda: _ragged_graphed(bp, backward, NO_BIAS_GRAPHED)),
                         (EAGER, lambda: _eager(bp, backward, names)), (SDPA_BIAS, lambda: _sdpa(bp, backward)),
                         (FLEX_BIAS, lambda: _flex(bp, backward))):
-        kind = "ragged" if name in (AUTO, TRITON, CUDA) else "baseline"
+        kind = "ragged" if name in (AUTO, TRITON, CUDA, TRITON_GRAPHED) else "baseline"
         why = "compiled FlexAttention: CUDA only" if name == FLEX_BIAS and device.type != "cuda" else \
             "; ".join(unable.get(name, [])) or None
-        if name == TRITON and triton_skip:
+        if name in (TRITON, TRITON_GRAPHED) and triton_skip:
             why = triton_skip
         if why:
             impls.append(Impl(name, kind, skip=why))
@@ -236,6 +268,9 @@ TFLOP/s count the attention's useful flops (the bias adds none).
   kernel (forward only, sequences up to 128 tokens) reads it per score.
 - `ragged, no bias`: the same call without the bias, the ceiling (not checked: other outputs).
   Target: `ragged` within 15% of it.
+- `ragged triton, graphed` / `ragged, no bias, graphed`: the same calls (Triton forced with the
+  bias) captured once in a CUDA graph and replayed: the kernels' time without the host's
+  per-call work, which at these sizes can be as long as the kernels'.
 - `eager, bias materialised (HF MPNet)`: HuggingFace MPNet's attention on padded `[B, H, M, D]`:
   `q @ k^T * scale + bias[None]` with the bias gathered to `[H, M, M]`, key padding masked,
   float32 softmax, `@ v`. Target: `ragged` >= 3x.
