@@ -5,7 +5,7 @@ Development tool, run on a GPU: ``python -m bench.tune_attention [--bwd]``. Prin
 each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
 ``ragged/kernels/triton/attention.py``. ``--bias``: MPNet's shapes (256 sentences of 8..128
 tokens, 12 heads of 64) with its relative-position bias, forward and backward, each beside the
-same call without the bias.
+same call without the bias, each captured in a CUDA graph and replayed (the kernels' time).
 """
 
 import argparse
@@ -16,6 +16,8 @@ from triton.testing import do_bench
 
 import ragged
 from ragged.kernels.triton import attention as ka
+
+from .suites.attention_bias import graphed
 
 
 def workloads():
@@ -52,24 +54,30 @@ def tune_bias():
     fl = ka.flops(lengths, lengths, heads, dim, False)
     print(f"(mpnet) B=256 mean={total / 256:.0f} max={max_len} H={heads} D={dim} bias table [32, {heads}]", flush=True)
 
-    def call(bias, grad):
+    def eager(bias, grad):
         out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="triton",
                                       position_bias=(table, buckets) if bias else None)
         return torch.autograd.grad(out, (q, k, v, table) if bias else (q, k, v), do) if grad else out
 
+    def timed(bias, grad):
+        """Median ms of one call captured in a CUDA graph and replayed: the kernels' time (at
+        these sizes the host's per-call work is as long as the kernels' and would hide the
+        shapes' differences)."""
+        with torch.set_grad_enabled(grad):
+            replay = graphed(lambda: eager(bias, grad))
+        return do_bench(replay, return_mode="median")
+
     default_f, default_b = ka._fwd_config, ka._bwd_config
     for bias in (False, True):
-        with torch.no_grad():
-            ms = do_bench(lambda: call(bias, False), return_mode="median")
-        ms2 = do_bench(lambda: call(bias, True), return_mode="median")
+        ms = timed(bias, False)
+        ms2 = timed(bias, True)
         print(f"  default, bias={bias}: fwd {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s | fwd+bwd {ms2:.4f} ms "
               f"{3.5 * fl / ms2 / 1e9:6.1f} TF/s", flush=True)
     fwd = []
     for cfg in [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]:
         ka._fwd_config = lambda *a_, cfg=cfg: cfg
         try:
-            with torch.no_grad():
-                fwd.append((do_bench(lambda: call(True, False), return_mode="median"), cfg))
+            fwd.append((timed(True, False), cfg))
         except Exception as exc:  # out of resources etc.
             print(f"  fwd {cfg} failed: {type(exc).__name__}", flush=True)
     ka._fwd_config = default_f
@@ -84,7 +92,7 @@ def tune_bias():
         for dq in dq_shapes:
             ka._bwd_config = lambda *a_, pair=(kv, dq): pair
             try:
-                bwd.append((do_bench(lambda: call(True, True), return_mode="median"), kv, dq))
+                bwd.append((timed(True, True), kv, dq))
             except Exception as exc:
                 print(f"  bwd {kv} {dq} failed: {type(exc).__name__}", flush=True)
     ka._bwd_config = default_b

@@ -112,7 +112,7 @@ def _ragged(bp: BiasProblem, backward: bool, name: str) -> Impl:
     return Impl(name, "ragged", _timed(forward, inputs, do))
 
 
-def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` (forward, or forward and ``autograd.grad``) captured once in a CUDA graph and
     replayed: the kernels' own time, without the host's per-call work."""
     side = torch.cuda.Stream()
@@ -135,7 +135,7 @@ def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
 def _ragged_graphed(bp: BiasProblem, backward: bool, name: str) -> Impl:
     """``ragged triton`` (Triton forced) or ``ragged, no bias`` replayed from a CUDA graph."""
     eager = _ragged(bp, backward, TRITON if name == TRITON_GRAPHED else NO_BIAS)
-    return Impl(name, eager.kind, _graphed(eager.fn), check=eager.check)
+    return Impl(name, eager.kind, graphed(eager.fn), check=eager.check)
 
 
 def _padded_do(bp: BiasProblem) -> torch.Tensor:
