@@ -43,8 +43,9 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     A position bias (``bias``) keeps D=128 causal at the 64-key tile: the bias tile's layout
     conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200). At
     MPNet's shapes (D=64, 256 sentences of 8..128 tokens, ``tune_attention --bias``,
-    ``bench/results/tune_attention_bias_h200_71a3140.txt``) (64, 32, 4, 2) took 0.112 ms with
-    the bias where the no-bias shape (64, 64, 4, 3) took 0.24 or more.
+    ``bench/results/tune_attention_bias_h200_4aa04c8.txt``, replayed from CUDA graphs) (64, 32,
+    4, 2) took 0.111 ms with the bias, the best of 54 shapes, against 0.069 ms without the bias
+    at its own shape (64, 64, 4, 3).
     """
     if interpreted:
         return 16, 16, 4, 1
@@ -71,11 +72,11 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
 
     With a position bias (``bias``) the dQ kernel also rotates each tile's dS (needs BLOCK_M <=
     BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`). At MPNet's
-    shapes (D=64, 256 sentences of 8..128 tokens; ``tune_attention --bias``,
-    ``bench/results/tune_attention_bias_h200_71a3140.txt``) dK/dV (32, 64, 4, 2) with dQ (64,
-    64, 4, 2) took 0.817 ms forward and backward, against 0.871 without the bias at its own
-    shapes; above D=64 the dQ query blocks are kept to 32 rows so that the tile fits the
-    registers (sm_90 register counts, not timed).
+    shapes (D=64, 256 sentences of 8..128 tokens; ``tune_attention --bias`` replayed from CUDA
+    graphs, ``bench/results/tune_attention_bias_h200_4aa04c8.txt``) dK/dV (32, 64, 4, 2) with
+    dQ (32, 32, 4, 2) took 0.515 ms forward and backward (0.563 with dQ (64, 64, 4, 2)), against
+    0.269 without the bias at its own shapes; above D=64 the dQ query blocks are kept to 32 rows
+    so that the tile fits the registers (sm_90 register counts, not timed).
     """
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
@@ -93,7 +94,7 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
               4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
     if bias and head_dim <= 64:
-        cols = min(dq[1], 64)
+        cols = min(dq[1], 32)
         dq = (min(dq[0], cols), cols, 4, 2)
         if max(max_q, max_k) > 64 and not causal:
             kv = (32, 64, 4, 2)
