@@ -489,7 +489,7 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         ok = {r.impl: r for r in rows if r.status == "ok"}
         for r in ok.values():
             if shape.workload in (EMBEDDING, *EMBEDDERS):
-                r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
+                r.extra[TEXTS_S] = case.params["texts"] / (r.median_ms / 1e3)  # the texts embedded
             else:
                 r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps
         notes = speedup_notes(TARGETS_BY_WORKLOAD[shape.workload], {k: r.median_ms for k, r in ok.items()}, on_gpu)
