@@ -16,6 +16,7 @@ import argparse
 import datetime
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,8 +72,16 @@ def _run_with_progress(console, suite, config, ceiling):
     # timed calls for the interpreter.
     with Progress(*columns, console=console, transient=True, auto_refresh=False) as progress:
         task = progress.add_task("", total=len(cases), suite=suite.name)
+        started = time.perf_counter()
+
+        def on_impl(case, impl):
+            progress.update(task, description=f"{case.name} · {impl.name}", refresh=True)
+            if not console.is_terminal:  # a log: one line per row, so that a run cut short says where it was
+                console.print(f"[{time.perf_counter() - started:7.1f} s] {suite.name} · {case.name} · {impl.name}",
+                              highlight=False)
+
         hooks = Hooks(
-            on_impl=lambda case, impl: progress.update(task, description=f"{case.name} · {impl.name}", refresh=True),
+            on_impl=on_impl,
             on_case_done=lambda case: progress.update(task, advance=1, refresh=True),
             on_problem=lambda row: progress.console.print(
                 f"[bold red]FAILED[/] {row.suite} / {row.case} / {row.impl}: {row.reason}"),

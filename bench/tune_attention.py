@@ -3,7 +3,9 @@
 Development tool, run on a GPU: ``python -m bench.tune_attention [--bwd]``. Prints TFLOP/s
 (useful FLOPs: 4 * sum(L^2) * D * H forward, halved for causal; backward 2.5x that) for
 each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
-``ragged/kernels/triton/attention.py``.
+``ragged/kernels/triton/attention.py``. ``--bias``: MPNet's shapes (256 sentences of 8..128
+tokens, 12 heads of 64) with its relative-position bias, forward and backward, each beside the
+same call without the bias, each captured in a CUDA graph and replayed (the kernels' time).
 """
 
 import argparse
@@ -14,6 +16,8 @@ from triton.testing import do_bench
 
 import ragged
 from ragged.kernels.triton import attention as ka
+
+from .suites.attention_bias import graphed
 
 
 def workloads():
@@ -34,12 +38,78 @@ def varlen_attn_fn(q, k, v, cu, max_len, causal):
     return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
+def tune_bias():
+    """Forward and backward block shapes with MPNet's position bias, against no bias."""
+    from ragged.nn.hf.mpnet import relative_buckets
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, heads, dim = torch.randint(8, 129, (256,), generator=gen).tolist(), 12, 64
+    total, max_len = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    table = torch.randn(32, heads, device="cuda", requires_grad=True)
+    buckets = relative_buckets(torch.arange(-(max_len - 1), max_len, device="cuda")).to(torch.int32)
+    fl = ka.flops(lengths, lengths, heads, dim, False)
+    print(f"(mpnet) B=256 mean={total / 256:.0f} max={max_len} H={heads} D={dim} bias table [32, {heads}]", flush=True)
+
+    def eager(bias, grad):
+        out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="triton",
+                                      position_bias=(table, buckets) if bias else None)
+        return torch.autograd.grad(out, (q, k, v, table) if bias else (q, k, v), do) if grad else out
+
+    def timed(bias, grad):
+        """Median ms of one call captured in a CUDA graph and replayed: the kernels' time (at
+        these sizes the host's per-call work is as long as the kernels' and would hide the
+        shapes' differences)."""
+        with torch.set_grad_enabled(grad):
+            replay = graphed(lambda: eager(bias, grad))
+        return do_bench(replay, return_mode="median")
+
+    default_f, default_b = ka._fwd_config, ka._bwd_config
+    for bias in (False, True):
+        ms = timed(bias, False)
+        ms2 = timed(bias, True)
+        print(f"  default, bias={bias}: fwd {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s | fwd+bwd {ms2:.4f} ms "
+              f"{3.5 * fl / ms2 / 1e9:6.1f} TF/s", flush=True)
+    fwd = []
+    for cfg in [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]:
+        ka._fwd_config = lambda *a_, cfg=cfg: cfg
+        try:
+            fwd.append((timed(True, False), cfg))
+        except Exception as exc:  # out of resources etc.
+            print(f"  fwd {cfg} failed: {type(exc).__name__}", flush=True)
+    ka._fwd_config = default_f
+    for ms, cfg in sorted(fwd)[:5]:
+        print(f"  fwd bias {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
+    kv_shapes = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2)]
+    # the dQ kernel's rotation of dS needs BLOCK_M <= BLOCK_N
+    dq_shapes = [(16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2),
+                 (64, 64, 8, 2), (16, 128, 4, 2), (64, 128, 8, 2)]
+    bwd = []
+    for kv in kv_shapes:
+        for dq in dq_shapes:
+            ka._bwd_config = lambda *a_, pair=(kv, dq): pair
+            try:
+                bwd.append((timed(True, True), kv, dq))
+            except Exception as exc:
+                print(f"  bwd {kv} {dq} failed: {type(exc).__name__}", flush=True)
+    ka._bwd_config = default_b
+    for ms, kv, dq in sorted(bwd)[:6]:
+        print(f"  fwd+bwd bias, dk/dv {kv} dq {dq}: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bwd", action="store_true")
+    parser.add_argument("--bias", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
+    if args.bias:
+        tune_bias()
+        return
     for name, (lengths, heads, dim) in workloads().items():
         if args.only and name not in args.only:
             continue

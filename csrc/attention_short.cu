@@ -9,8 +9,9 @@
 //      memory, each warp its own 16-row strip of Q; rows past the sequence are zero-filled by
 //      the copy itself (src-size 0), so tokens of other sequences are never read;
 //   2. S = Q K^T with mma.sync m16n8k16 (fp32 accumulators), fragments through ldmatrix;
-//   3. masking (length, bottom-right causal) and the softmax in fp32 registers (exp2 with the
-//      scale folded in, row max / row sum across the four lanes of a quad);
+//   3. masking (length, bottom-right causal), an optional relative-position bias (one float per
+//      score from the head's row of a distance table, already in log2 units), and the softmax
+//      in fp32 registers (exp2 with the scale folded in, row max / row sum across a quad);
 //   4. O = P V with mma.sync, P taken straight from the S accumulators (the C fragment of two
 //      8-key tiles is the A fragment of one 16-key step), V through ldmatrix.trans;
 //   5. O / l goes back through the warp's Q strip in shared memory, then out in 16-byte rows;
@@ -34,6 +35,9 @@
 // launcher copies otherwise); token and head strides in elements. Offsets cu_q / cu_k [B+1] are
 // int32 or int64 (bit 0 / bit 1 of `offsets64`). Output out [Tq, H, D] contiguous, lse [Tq, H]
 // float32 (or nullptr: not written). Index arithmetic on tokens is 64-bit (T * H * D can pass 2**31).
+// Position bias (or bias = nullptr: none): bias [H, span] float32, the bias of query i and key j
+// of a sequence (positions within it) times log2(e) at bias[h * span + j - i + origin], the index
+// clamped into [0, span) (a row or key past max_seqlen hints reads an edge value, never outside).
 //
 // Needs sm_80+ (bf16 mma.sync, cp.async, ldmatrix). Compiles with nvcc (csrc compile check) and
 // NVRTC (CuPy, at first use): no headers, elements handled as raw 16-bit words.
@@ -191,10 +195,11 @@ struct StripState {
 // S = Q K^T for the first nkt 16-key steps of a key chunk (keys base.. of the sequence), the mask
 // (key < lk; causal: key <= row + shift), and the online-softmax update: on return s holds
 // P = exp2(S - m) (0 where masked) and o, l are rescaled to the new row max.
-template <typename T, int D, int C, int RS>
+template <typename T, int D, int C, int RS, bool BIAS>
 __device__ __forceinline__ void strip_scores(StripState<D>& st, float (&s)[C / 8][4], u32 q_frag, u32 k_frag,
                                              int nkt, int base, int lk, int row0, int shift, int causal,
-                                             float scale_log2, int lane) {
+                                             float scale_log2, const float* __restrict__ bias_row, int bias_span,
+                                             int bias_origin, int lane) {
     const float neg_inf = __int_as_float(0xff800000);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -221,7 +226,9 @@ __device__ __forceinline__ void strip_scores(StripState<D>& st, float (&s)[C / 8
             const int col = base + j * 8 + 2 * t + (e & 1);
             const int row = e < 2 ? r0 : r1;
             const bool ok = col < lk && (!causal || col <= row + shift);
-            s[j][e] = ok ? s[j][e] * scale_log2 : neg_inf;
+            float b = 0.f;
+            if (BIAS && ok) b = __ldg(bias_row + min(max(col - row + bias_origin, 0), bias_span - 1));
+            s[j][e] = ok ? (BIAS ? s[j][e] * scale_log2 + b : s[j][e] * scale_log2) : neg_inf;
         }
         mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
         mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
@@ -320,6 +327,12 @@ struct Problem {
     int heads, group, causal;
     float scale_log2;
     i64 total_q, total_k;  // rows of q and k: every offset is clipped to [0, total]
+    const float* bias;     // [heads, bias_span] or nullptr
+    int bias_span, bias_origin;
+
+    __device__ __forceinline__ const float* bias_row(int h) const {
+        return bias == nullptr ? nullptr : bias + (i64)h * bias_span;
+    }
 };
 
 struct Sequence {
@@ -350,7 +363,7 @@ __device__ __forceinline__ Sequence load_sequence(const void* cu_q, const void* 
 // queries per round; keys go through shared memory in chunks of C rows, K and V of a chunk
 // loaded once for all rounds when there is one chunk. s_q: W * 16 rows, s_k / s_v: C rows.
 
-template <typename T, int D, int C, int W>
+template <typename T, int D, int C, int W, bool BIAS>
 __device__ __forceinline__ void attend_head(const Problem& p, const Sequence& sq, int h, u16* s_q, u16* s_k,
                                             u16* s_v) {
     constexpr int RS = D + 8;
@@ -405,8 +418,8 @@ __device__ __forceinline__ void attend_head(const Problem& p, const Sequence& sq
             const bool work = active && vis > 0;     // warp-uniform
             const int nkt = (vis + 15) >> 4;         // 16-key steps to compute
             float s[C / 8][4];
-            if (work) strip_scores<T, D, C, RS>(st, s, q_frag, k_frag, nkt, base, lk, row0, shift, p.causal,
-                                                p.scale_log2, lane);
+            if (work) strip_scores<T, D, C, RS, BIAS>(st, s, q_frag, k_frag, nkt, base, lk, row0, shift, p.causal,
+                                                p.scale_log2, p.bias_row(h), p.bias_span, p.bias_origin, lane);
             copy_wait<0>();  // V has landed
             __syncthreads();
             if (work) strip_pv<T, D, C, RS>(st, s, v_frag, nkt);
@@ -417,7 +430,7 @@ __device__ __forceinline__ void attend_head(const Problem& p, const Sequence& sq
 }
 
 // One block per (sequence, query head).
-template <typename T, int D, int C, int W>
+template <typename T, int D, int C, int W, bool BIAS>
 __device__ __forceinline__ void attention_short(const Problem& p, const void* cu_q, const void* cu_k, int offsets64) {
     constexpr int RS = D + 8;
     __shared__ __align__(16) u16 s_q[W * 16 * RS];
@@ -427,7 +440,7 @@ __device__ __forceinline__ void attention_short(const Problem& p, const void* cu
     const int h = blockIdx.x - b * p.heads;
     const Sequence sq = load_sequence(cu_q, cu_k, offsets64, b, p.total_q, p.total_k);
     if (sq.lq <= 0) return;
-    attend_head<T, D, C, W>(p, sq, h, s_q, s_k, s_v);
+    attend_head<T, D, C, W, BIAS>(p, sq, h, s_q, s_k, s_v);
 }
 
 // --------------------------------------------------------------------------------------
@@ -437,7 +450,7 @@ __device__ __forceinline__ void attention_short(const Problem& p, const void* cu
 // the block's memory latency is paid about once instead of once per head. A sequence longer than
 // that (max_seqlen hints that were too small) takes the general path head by head.
 
-template <typename T, int D, int C, int W, int HPB>
+template <typename T, int D, int C, int W, int HPB, bool BIAS>
 __device__ __forceinline__ void attention_short_pipelined(const Problem& p, const void* cu_q, const void* cu_k,
                                                           int offsets64) {
     constexpr int RS = D + 8;
@@ -456,7 +469,7 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
     if (lq > QROWS || lk > C) {
         for (int j = 0; j < nh; ++j) {
             if (j > 0) __syncthreads();
-            attend_head<T, D, C, W>(p, sq, h0 + j, s_q[0], s_k[0], s_v[0]);
+            attend_head<T, D, C, W, BIAS>(p, sq, h0 + j, s_q[0], s_k[0], s_v[0]);
         }
         return;
     }
@@ -500,8 +513,10 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
             if (nkt > 0) {
                 float s[C / 8][4];
                 const u32 q_frag = smem_address(strip_smem) + q_lane_offset<RS>(lane);
-                strip_scores<T, D, C, RS>(st, s, q_frag, smem_address(s_k[stage]) + k_lane_offset<RS>(lane), nkt, 0,
-                                          lk, row0, shift, p.causal, p.scale_log2, lane);
+                strip_scores<T, D, C, RS, BIAS>(st, s, q_frag, smem_address(s_k[stage]) + k_lane_offset<RS>(lane), nkt,
+                                                0,
+                                          lk, row0, shift, p.causal, p.scale_log2, p.bias_row(h0 + j), p.bias_span,
+                                          p.bias_origin, lane);
                 strip_pv<T, D, C, RS>(st, s, smem_address(s_v[stage]) + v_lane_offset<RS>(lane), nkt);
             }
             strip_store<T, D, RS>(st, strip_smem, p.out, p.lse, sq.q_start, row0, lq, p.heads, h0 + j, lane);
@@ -512,9 +527,10 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
 
 // --------------------------------------------------------------------------------------
 // extern "C" entry points (the launcher, ragged/kernels/cuda/attention.py, keeps the same tables):
-//   ragged_attention_short_{bf16,f16}_d{D}_c{C}: W warps, one block per (sequence, head);
-//   ragged_attention_short_pipe_{bf16,f16}_d{D}_c{C}_h{HPB}: W warps, one block per (sequence,
-//   group of HPB heads), for max_seqlen_q <= 16 W and max_seqlen_k <= C.
+//   ragged_attention_short[_bias]_{bf16,f16}_d{D}_c{C}: W warps, one block per (sequence, head);
+//   ragged_attention_short_pipe[_bias]_{bf16,f16}_d{D}_c{C}_h{HPB}: W warps, one block per
+//   (sequence, group of HPB heads), for max_seqlen_q <= 16 W and max_seqlen_k <= C.
+//   _bias: with the position bias (the others never read `bias`).
 // MINB: at least that many blocks per multiprocessor (a register cap: these small tiles are
 // latency bound, and more resident blocks hide more of it).
 // NVRTC compiles each kernel on its own (ragged/kernels/cuda/launch.py): this file with the
@@ -525,33 +541,51 @@ __device__ __forceinline__ void attention_short_pipelined(const Problem& p, cons
 #define RAGGED_ATTENTION_PARAMS                                                                               \
     const u16 *q, const u16 *k, const u16 *v, u16 *out, float *lse, const void *cu_q, const void *cu_k,       \
         int offsets64, int heads, int group, i64 sq_t, i64 sq_h, i64 sk_t, i64 sk_h, i64 sv_t, i64 sv_h,      \
-        float scale_log2, int causal, i64 total_q, i64 total_k
+        float scale_log2, int causal, i64 total_q, i64 total_k, const float *bias, int bias_span, int bias_origin
 
 #define RAGGED_ATTENTION_PROBLEM \
     const Problem p = {q, k, v, out, lse, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, heads, group, causal, scale_log2, \
-                       total_q, total_k}
+                       total_q, total_k, bias, bias_span, bias_origin}
 
 #define RAGGED_ATTENTION_SHORT(TYPE, TNAME, D, C, W, MINB)                                                   \
     extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
         ragged_attention_short_##TNAME##_d##D##_c##C(RAGGED_ATTENTION_PARAMS) {                               \
         RAGGED_ATTENTION_PROBLEM;                                                                             \
-        attention_short<TYPE, D, C, W>(p, cu_q, cu_k, offsets64);                                             \
+        attention_short<TYPE, D, C, W, false>(p, cu_q, cu_k, offsets64);                                      \
+    }
+
+#define RAGGED_ATTENTION_SHORT_BIAS(TYPE, TNAME, D, C, W, MINB)                                              \
+    extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
+        ragged_attention_short_bias_##TNAME##_d##D##_c##C(RAGGED_ATTENTION_PARAMS) {                          \
+        RAGGED_ATTENTION_PROBLEM;                                                                             \
+        attention_short<TYPE, D, C, W, true>(p, cu_q, cu_k, offsets64);                                       \
     }
 
 #define RAGGED_ATTENTION_SHORT_PIPELINED(TYPE, TNAME, D, C, W, HPB, MINB)                                    \
     extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
         ragged_attention_short_pipe_##TNAME##_d##D##_c##C##_h##HPB(RAGGED_ATTENTION_PARAMS) {                 \
         RAGGED_ATTENTION_PROBLEM;                                                                             \
-        attention_short_pipelined<TYPE, D, C, W, HPB>(p, cu_q, cu_k, offsets64);                              \
+        attention_short_pipelined<TYPE, D, C, W, HPB, false>(p, cu_q, cu_k, offsets64);                       \
     }
 
-#define RAGGED_ATTENTION_SHORT_TYPES(D, C, W, MINB)   \
-    RAGGED_ATTENTION_SHORT(Bf16, bf16, D, C, W, MINB) \
-    RAGGED_ATTENTION_SHORT(F16, f16, D, C, W, MINB)
+#define RAGGED_ATTENTION_SHORT_PIPELINED_BIAS(TYPE, TNAME, D, C, W, HPB, MINB)                               \
+    extern "C" __global__ void __launch_bounds__(W * 32, MINB)                                                \
+        ragged_attention_short_pipe_bias_##TNAME##_d##D##_c##C##_h##HPB(RAGGED_ATTENTION_PARAMS) {            \
+        RAGGED_ATTENTION_PROBLEM;                                                                             \
+        attention_short_pipelined<TYPE, D, C, W, HPB, true>(p, cu_q, cu_k, offsets64);                        \
+    }
 
-#define RAGGED_ATTENTION_SHORT_PIPELINED_TYPES(D, C, W, HPB, MINB)   \
-    RAGGED_ATTENTION_SHORT_PIPELINED(Bf16, bf16, D, C, W, HPB, MINB) \
-    RAGGED_ATTENTION_SHORT_PIPELINED(F16, f16, D, C, W, HPB, MINB)
+#define RAGGED_ATTENTION_SHORT_TYPES(D, C, W, MINB)        \
+    RAGGED_ATTENTION_SHORT(Bf16, bf16, D, C, W, MINB)      \
+    RAGGED_ATTENTION_SHORT(F16, f16, D, C, W, MINB)        \
+    RAGGED_ATTENTION_SHORT_BIAS(Bf16, bf16, D, C, W, MINB) \
+    RAGGED_ATTENTION_SHORT_BIAS(F16, f16, D, C, W, MINB)
+
+#define RAGGED_ATTENTION_SHORT_PIPELINED_TYPES(D, C, W, HPB, MINB)        \
+    RAGGED_ATTENTION_SHORT_PIPELINED(Bf16, bf16, D, C, W, HPB, MINB)      \
+    RAGGED_ATTENTION_SHORT_PIPELINED(F16, f16, D, C, W, HPB, MINB)        \
+    RAGGED_ATTENTION_SHORT_PIPELINED_BIAS(Bf16, bf16, D, C, W, HPB, MINB) \
+    RAGGED_ATTENTION_SHORT_PIPELINED_BIAS(F16, f16, D, C, W, HPB, MINB)
 
 RAGGED_ATTENTION_SHORT_TYPES(32, 32, 2, 14)
 RAGGED_ATTENTION_SHORT_TYPES(32, 64, 4, 4)

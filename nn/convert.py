@@ -180,7 +180,9 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     model is left as it is.
 
     A sentence-transformers ``SentenceTransformer`` whose first module is a ``Transformer`` over
-    one of these models is converted as a whole (see :mod:`ragged.nn.hf.sentence`): its
+    one of these models, or over a decoder of :mod:`ragged.nn.hf.decoder` (Qwen3-Embedding,
+    EmbeddingGemma: set to ``attn_implementation="ragged"``, its forward unpatched), is converted
+    as a whole (see :mod:`ragged.nn.hf.sentence`): its
     Transformer, Pooling and ``encode`` run on the packed tokens; Dense, Normalize and the other
     modules act on the sentence embeddings as before.
     """

@@ -506,7 +506,8 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
     rules of a call.
 
     A SentenceTransformer converted by :func:`ragged.nn.convert` is returned itself, its
-    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (the pooling and the
+    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (over a decoder, of a
+    :class:`ragged.nn.hf.decoder.PackedDecoder` of it; the pooling and the
     modules after it run eagerly on the graph's output); ``ragged.nn.graphed(st, ...)`` again
     replaces those graphs, and ``st[0].forward.graphed = None`` turns them off.
     """
@@ -517,7 +518,7 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
             raise ValueError("ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
                              "(its encode() packs the batches the graphs take), got one that is not converted")
         forward = module[0].__dict__["forward"]
-        forward.graphed = Graphed(module[0]._modules["model"], max_tokens, max_batch_size, token_buckets,
+        forward.graphed = Graphed(hf_sentence.graph_target(module), max_tokens, max_batch_size, token_buckets,
                                   batch_buckets, length_buckets, copy_outputs, max_len=max_len)
         return module
     return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,

@@ -38,7 +38,7 @@ from torch import nn
 
 from ragged import backends
 from ragged.backends import Implementation
-from ragged.ops.attention import ATTENTION, dropout_seed
+from ragged.ops.attention import ATTENTION, NO_WINDOW, dropout_seed
 from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
 
 from .layer_backward import layer_backward
@@ -113,7 +113,8 @@ class Saved:
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         self.seed = dropout_seed(p, q.device)
-        o, lse = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, self.seed)
+        bias = () if spec.position_bias is None else (-1, -1, *spec.position_bias)
+        o, lse = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, self.seed, *bias)[:2]
         return o.reshape(n_tok, spec.d_model), (q, k, v, o, lse)
 
     def ff_in(self, h, w1, b1, act):
@@ -156,11 +157,13 @@ class Direct(Saved):
         return y, (s if return_sum else None), None, None
 
     def attention(self, qkv, cu, max_len, spec, causal, p):
-        if self._packed is not None:
+        bias = spec.position_bias
+        if self._packed is not None and bias is None:
             return self._packed(qkv, cu, max_len, spec.heads, causal, spec.scale), ()
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
-        o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, 0.0, 0)[0]
+        extra = () if bias is None else (-1, -1, *bias)
+        o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, 0.0, 0, *extra)[0]
         return o.reshape(n_tok, spec.d_model), ()
 
     @staticmethod
@@ -194,8 +197,9 @@ class Recorded:
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         with attention_dtype(q):
+            table, buckets = (None, None) if spec.position_bias is None else spec.position_bias
             o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
-                          -1, -1, self.attention_backend)[0]
+                          -1, -1, table, buckets, self.attention_backend)[0]
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):
@@ -226,11 +230,13 @@ def attention_dtype(q: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 class LayerFunction(torch.autograd.Function):
-    """``apply(x, cu, spec, kernels, max_len, causal, *spec.weights) -> y``: the layer's training
-    forward as one autograd node (the weights are passed again so that autograd sees them)."""
+    """``apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights) -> y``: the layer's
+    training forward as one autograd node (the weights, and the position bias's table or None,
+    are passed again so that autograd sees them; a table shared by several layers gets the sum
+    of their gradients)."""
 
     @staticmethod
-    def forward(ctx, x, cu, spec, kernels, max_len, causal, *weights):
+    def forward(ctx, x, cu, spec, kernels, max_len, causal, table, *weights):
         k = Saved(kernels)
         saved: list = []
         y = _forward(spec, x, cu, max_len, causal, k, saved)
@@ -246,8 +252,9 @@ class LayerFunction(torch.autograd.Function):
         weights = LayerWeights(*tensors[len(SAVED):])
         need = ctx.needs_input_grad
         grads = layer_backward(ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy,
-                               need[0], LayerWeights(*need[6:]))
-        return (grads[0], None, None, None, None, None, *grads[1:])
+                               need[0], LayerWeights(*need[7:]))
+        dtable = grads[-1] if need[6] else None
+        return (grads[0], None, None, None, None, None, dtable, *grads[1:-1])
 
 
 # --------------------------------------------------------------------------------------
@@ -262,7 +269,7 @@ def choose_kernels(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
     activation for the feed-forward width (cached: its reasons depend on nothing else here)."""
     heads = x.view(x.shape[0], spec.heads, spec.head_dim)
     attention = backends.select("attention", None, x.device, heads, heads, heads, cu, cu, max_len, max_len, causal,
-                                spec.dropout[0], needs_grad)
+                                spec.dropout[0], needs_grad, NO_WINDOW, spec.position_bias)
     width = spec.weights.ff1_w.shape[0]
     return LayerKernels(attention, backends.implementation("add_layer_norm", fused),
                         bias_act_for(x, width, spec.weights.ff1_b, spec.activation))
@@ -330,7 +337,7 @@ def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
     w = spec.weights
     key = (id(kernels.attention), id(kernels.add_layer_norm), id(kernels.bias_act), x.dtype, x.device, x.shape[1],
            spec.heads, spec.norm_first, spec.activation, tuple(p > 0 for p in spec.dropout),
-           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length())
+           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length(), spec.position_bias is None)
     if key in _AHEAD:
         return
     if torch.cuda.is_current_stream_capturing():
@@ -365,15 +372,17 @@ def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, 
             kernels = choose_kernels(spec, x, cu, max_len, causal, fused, needs_grad)
             if needs_grad:
                 _compile_ahead(spec, x, cu, max_len, causal, kernels)
-                return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, *spec.weights)
-            if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
-                return _forward(spec, x, cu, max_len, causal, Direct(kernels))
-            return _forward(spec, x, cu, max_len, causal, Saved(kernels))
+                table = None if spec.position_bias is None else spec.position_bias[0]
+                return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights)
+            if not needs_grad:
+                if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
+                    return _forward(spec, x, cu, max_len, causal, Direct(kernels))
+                return _forward(spec, x, cu, max_len, causal, Saved(kernels))
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         p is not None and p.requires_grad for p in spec.weights))
     view = x.view(x.shape[0], spec.heads, spec.head_dim)
     attention = backends.select("attention", None, x.device, view, view, view, cu, cu, max_len, max_len, causal,
-                                spec.dropout[0], needs_grad).backend
+                                spec.dropout[0], needs_grad, NO_WINDOW, spec.position_bias).backend
     bias_act = None
     if fused is not None and spec.fused_activation:
         bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).backend
@@ -397,7 +406,7 @@ def run_stack(specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len
         if not ok or needs_grad:
             return None
         key = (spec.heads, spec.head_dim, spec.activation, spec.weights.ff1_w.shape[0],
-               None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype)
+               None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype, spec.position_bias is None)
         k = sets.get(key)
         if k is None:
             k = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))

@@ -106,9 +106,10 @@ class _Steps:
 
 def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: dict, max_len: int, causal: bool,
                    seed: int, dy: torch.Tensor, need_x: bool, need: LayerWeights) -> tuple:
-    """``(dx, *dweights)`` of the layer for the gradient ``dy`` of its output; ``s``: the tensors
-    the forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight, whether its
-    gradient is wanted."""
+    """``(dx, *dweights, dtable)`` of the layer for the gradient ``dy`` of its output; ``s``: the
+    tensors the forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight,
+    whether its gradient is wanted; ``dtable``: the gradient of the position bias's table
+    (``spec.position_bias``), None without one."""
     norm_first = spec.norm_first
     p_attn, p1, p_ff, p2 = spec.dropout
     heads, head_dim = spec.heads, spec.head_dim
@@ -161,8 +162,10 @@ def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: d
     q, k, v = s["q"], s["k"], s["v"]
     da = torch.mm(dsa, w.out_w).view(n_tok, heads, head_dim)
     dqkv = torch.empty((n_tok, 3, heads, head_dim), dtype=q.dtype, device=q.device)
-    steps.attention(da, q, k, v, s["o"], s["lse"], cu, cu, max_len, max_len, causal, spec.scale, p_attn, seed,
-                    grads=dqkv.unbind(1))
+    bias = () if spec.position_bias is None else (-1, -1, *spec.position_bias)
+    got = steps.attention(da, q, k, v, s["o"], s["lse"], cu, cu, max_len, max_len, causal, spec.scale, p_attn, seed,
+                          *bias, grads=dqkv.unbind(1))
+    dtable = got[3] if bias else None
     dqkv = dqkv.view(n_tok, 3 * d)
     dw_in = torch.mm(dqkv.t(), s["h1"]) if need.in_w else None
     db_in = _bias_grad(dqkv, w.in_b, need.in_b)
@@ -186,4 +189,4 @@ def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: d
         dn1w, dn1b, dn2w, dn2b = got.get("n1w"), got.get("n1b"), got.get("n2w"), got.get("n2b")
         if not norm_first:
             db2 = got.get("b2")
-    return (dx, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b)
+    return (dx, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b, dtable)

@@ -41,7 +41,10 @@ class LayerSpec:
     :class:`Recorded`). ``dropout``: the rates of ``(attention probabilities, after the
     attention block, the feed-forward hidden layer, after the feed-forward block)``, zeros in
     eval mode. ``eps``: the two LayerNorms'. Bias flags are the weights that are None.
-    Self-attention over the packed in-projection; causal masking is chosen per call."""
+    Self-attention over the packed in-projection; causal masking is chosen per call.
+    ``position_bias``: ``(table, buckets)`` of :func:`ragged.varlen_attention` (a relative-position
+    bias added to the scores, MPNet's), or None; a layer with one trains through :class:`Recorded`
+    (the one-node backward computes no table gradient)."""
 
     heads: int
     head_dim: int
@@ -50,6 +53,7 @@ class LayerSpec:
     eps: tuple[float, float]
     dropout: tuple[float, float, float, float]
     weights: LayerWeights
+    position_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def d_model(self) -> int:

@@ -182,7 +182,8 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
       ``pack``                    ``padded [B, M, *F], offsets [B+1]``
       ``unpack``                  ``values [T, *F], offsets [B+1]``
       ``attention``               ``q, k, v [T, H, D], cu_q, cu_k [B+1], max_q, max_k,
-                                  causal, dropout_p, needs_grad, window_size``
+                                  causal, dropout_p, needs_grad, window_size,
+                                  position_bias (table, buckets) or None``
       ``bias_act``                ``x [N, F], bias [F] or None, activation``
       ``gated_act``               ``x [N, 2F], activation``
       ``add_layer_norm``          ``x [N, F], residual [N, F] or None, weight, bias``
@@ -212,6 +213,12 @@ def explain(op: str | Callable, /, *args, **kwargs) -> Explanation:
     []
     >>> ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len,
     ...                True, 0.0, False)["torch"]
+    []
+    >>> bias = (torch.zeros(32, 2), torch.zeros(2 * q.max_len - 1, dtype=torch.int32))
+    >>> ragged.explain(ragged.attention, q, q, q, position_bias=bias)["torch"]
+    []
+    >>> ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len,
+    ...                False, 0.0, False, (-1, -1), bias)["torch"]
     []
     >>> h, b = torch.randn(5, 8), torch.zeros(8)
     >>> ragged.explain(ragged.bias_act, h, b, "gelu")["torch"], ragged.explain("bias_act", h, b, "gelu")["torch"]

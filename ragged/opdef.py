@@ -12,7 +12,8 @@ An op of ragged is written once, as data handed to :func:`define`:
   ``torch.library`` op (``register_autograd``) and the eager path below;
 * optionally ``backward_signature`` / ``backward_fake``: a second op ``ragged::<name>_backward``
   for the backward kernels, so that a traced backward is one node too. Outputs a kernel may
-  leave out (``None``) travel through it as empty tensors, restored to None by
+  leave out (``None``, or trailing outputs it does not return: a gradient of an optional
+  operand that was not given) travel through it as empty tensors, restored to None by
   :meth:`OpDef.call_backward` from ``backward_present(*operands)``;
 * ``spec``: a function from the operands to the op's frozen spec object, which every
   implementation's ``reasons`` reads (see :mod:`ragged.backends`).
@@ -74,6 +75,14 @@ def _tensor_positions(signature: Callable) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _output_count(signature: Callable) -> int:
+    """How many tensors ``signature`` returns (1 for a lone tensor)."""
+    import typing
+
+    hint = typing.get_type_hints(signature).get("return")
+    return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpDef:
     """An op defined by :func:`define`: call it with the operands and a backend name."""
@@ -112,8 +121,10 @@ class OpDef:
 
     def call_backward(self, *args):
         """``OP.call_backward(*operands, backend)``: the backward implementation of ``backend``
-        (or the ``ragged::<name>_backward`` op while tracing)."""
-        tensors = [args[i] for i in self.backward_tensor_positions if args[i] is not None]
+        (or the ``ragged::<name>_backward`` op while tracing). Eager calls may leave out trailing
+        operands the implementations give defaults."""
+        last = len(args) - 1
+        tensors = [args[i] for i in self.backward_tensor_positions if i < last and args[i] is not None]
         if self.backward_op is None or eager(*tensors):
             return self.impls[args[-1]].backward_fn(*args[:-1])
         out = self.backward_op(*args)
@@ -156,11 +167,13 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
     backward_positions: tuple[int, ...] = ()
     if backward_signature is not None:
         backward_positions = _tensor_positions(backward_signature)
+        outputs = _output_count(backward_signature)
 
         def run_backward(*args):
-            out = impls[args[-1]].backward_fn(*args[:-1])
+            out = tuple(impls[args[-1]].backward_fn(*args[:-1]))
             # an op returns tensors only: a gradient a kernel leaves out travels as an empty tensor
             like = args[backward_positions[0]]
+            out += (None,) * (outputs - len(out))
             return tuple(like.new_empty(0) if t is None else t for t in out)
 
         backward_op = torch.library.custom_op(f"ragged::{name}_backward", run_backward, mutates_args=(),

@@ -39,21 +39,28 @@ def compile_kernel(fn, types, consts, num_warps=4, num_stages=2):
 def cases():
     for dt in ("*bf16", "*fp32"):
         prec = "ieee" if dt == "*fp32" else "tf32"
-        # (causal, dropout, group, head dim, sliding window; a causal window runs as WINDOW alone)
-        variants = ((False, False, 1, 64, False), (True, True, 2, 80, False), (True, False, 1, 128, False),
-                    (False, False, 4, 64, True), (False, True, 1, 64, True))
-        for causal, dropout, group, dim, window in variants if dt == "*bf16" else variants[1:2]:
+        # (causal, dropout, group, head dim, sliding window, position bias; a causal window runs as
+        # WINDOW alone)
+        variants = ((False, False, 1, 64, False, False), (True, True, 2, 80, False, True),
+                    (True, False, 1, 128, False, False), (False, False, 4, 64, True, True),
+                    (False, True, 1, 64, True, False), (False, False, 1, 64, False, True))
+        for causal, dropout, group, dim, window, bias in variants if dt == "*bf16" else variants[1:2]:
             c = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=64, BLOCK_N=32,
-                     CAUSAL=causal, WINDOW=window, DROPOUT=dropout, SEED_PTR=False, PRECISION=prec,
-                     INLINE=not dropout, CHUNK=256)
+                     CAUSAL=causal, WINDOW=window, DROPOUT=dropout, SEED_PTR=False, BIAS=bias, PRECISION=prec,
+                     INLINE=not dropout, CHUNK=256, NUM_BUCKETS=32 if bias else 16)
             # batch, n_steps, sm_scale, seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right
             scalars = ["i32", "i32", "fp32", "i32", "*i64", "fp32", "i32", "i32", "i32", "i32"]
+            bias_args = ["*fp32", "i32", "i32"]  # the distance table, max_q, its row length
             yield ("attention fwd", ka._fwd_kernel,
-                   [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + ["i32"] * 8, c)
+                   [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + bias_args + ["i32"] * 8, c)
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel,
-                   [dt] * 4 + ["*fp32", "*fp32", dt, dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
+                   [dt] * 4 + ["*fp32", "*fp32", dt, dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + bias_args
+                   + ["i32"] * 12, c)
+            # the distance table, the buckets, the partial bucket sums, max_q, the table's row length
+            dq_bias_args = ["*fp32", "*i64", "*fp32", "i32", "i32"]
             yield ("attention bwd dq", ka._bwd_dq_kernel,
-                   [dt] * 5 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + ["i32"] * 12, c)
+                   [dt] * 5 + ["*fp32", "*fp32", dt, "*i32", "*i32", "*i32"] + scalars + ["i32"] + dq_bias_args
+                   + ["i32"] * 12, {**c, "BLOCK_M": 32, "BLOCK_N": 64} if bias else c)
     yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]

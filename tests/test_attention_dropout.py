@@ -240,7 +240,7 @@ def test_opcheck(backend):
     lq, lk = [3, 0, 9], [4, 2, 9]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
     torch.library.opcheck(torch.ops.ragged.attention.default,
-                          (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1, backend))
+                          (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1, None, None, backend))
 
 
 # --------------------------------------------------------------------------------------

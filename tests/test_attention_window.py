@@ -352,7 +352,8 @@ def test_implementations_take_any_window_and_default_to_none(backend):
     out, lse = impl.forward_fn(*args, True, 0.25, 0.0, 0, 2, 5)   # causal: the right side is 0
     exp, exp_lse = _oracle(q, k, v, lengths, lengths, True, (2, 0), scale=0.25)
     _check(out, lse, exp, exp_lse, _blind(lengths, lengths, True, (2, 0)))
-    got = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, 2, 5, backend)
+    got = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, 2, 5, None, None,
+                                  backend)
     ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25,
                                               window_size=(2, 0))
     _check_grads(got, ref)
@@ -366,7 +367,7 @@ def test_opcheck(backend):
     lq, lk = [3, 0, 9], [4, 2, 9]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
     torch.library.opcheck(torch.ops.ragged.attention.default,
-                          (q, k, v, _cu(lq), _cu(lk), 9, 9, False, 0.25, 0.0, 0, 2, 1, backend))
+                          (q, k, v, _cu(lq), _cu(lk), 9, 9, False, 0.25, 0.0, 0, 2, 1, None, None, backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

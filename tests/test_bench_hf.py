@@ -23,7 +23,8 @@ FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
        "cupy": None, "git_commit": None}
 HAS_ST = importlib.util.find_spec("sentence_transformers") is not None
-SKIPPED_ON_CPU = (H.HF_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED)
+SKIPPED_ON_CPU = (H.HF_COMPILED, H.HF_EAGER_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED,
+                  H.ST_COMPILED_32, H.RAG_ST_GRAPHED_32)
 
 
 @pytest.fixture(autouse=True)
@@ -62,12 +63,17 @@ def test_registered():
 
 def test_cpu_cases():
     cases = SUITES["hf"].cases(FAST)
-    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN, H.MPNET, H.DECODER]
     for case, shape in zip(cases, H.CPU_SHAPES):
         batches = H.case_lengths(shape)
         flat = [n for b in batches for n in b]
-        assert case.params["T"] == sum(flat) and case.params["M"] == max(flat) <= shape.lengths.hi
-        assert min(flat) >= shape.lengths.lo and case.params["dtype"] == "fp32"
+        assert case.params["T"] == sum(flat) and case.params["dtype"] == "fp32"
+        if isinstance(shape.lengths, H.Corpus):  # the trained tokenizer's lengths of the corpus' first texts
+            tokenizer = shape.lengths.tokenizer()
+            assert flat == [len(tokenizer(t, truncation=True)["input_ids"]) for t in shape.lengths.texts(shape.count)]
+            assert case.params["M"] == max(flat) <= tokenizer.model_max_length and case.params["texts"] == len(flat)
+        else:
+            assert case.params["M"] == max(flat) <= shape.lengths.hi and min(flat) >= shape.lengths.lo
     assert cases[0].params["checkpoint"] == "random weights" and cases[0].params["texts"] == 48
     lm = cases[2].params
     assert lm["padded_tokens"] >= lm["T"] and lm["real_fraction"] == round(lm["T"] / lm["padded_tokens"], 4)
@@ -77,8 +83,12 @@ def test_gpu_cases():
     """The GPU workloads; listing cases allocates nothing on the device."""
     suite = SUITES["hf"]
     cases = suite.cases(Config(torch.device("cuda")))
-    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN]
+    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN, H.MPNET,
+                                        H.DECODER]
     assert {c.params["dtype"] for c in cases} == {"bf16"}
+    decoder = cases[-1].params
+    assert 550e6 <= H.QWEN3_06B.params() <= 650e6 and decoder["model"] == H.QWEN3_06B.name()
+    assert (decoder["texts"], decoder["batch"]) == (4096, 32) and 10 <= decoder["mean_len"] <= 60
     minilm, base = cases[0].params, cases[1].params
     assert minilm["model"] == H.Bert(6, 384, 12, 1536).name() and base["model"] == H.Bert(12, 768, 12, 3072).name()
     for p in (minilm, base):
@@ -95,7 +105,8 @@ def test_gpu_cases():
     assert (cases[4].params["texts"], cases[4].params["batch"]) == (2048, 32)
     quick = suite.cases(Config(torch.device("cuda"), quick=True))
     assert [(c.group, c.params.get("texts"), c.params.get("steps")) for c in quick] == [
-        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None)]
+        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None),
+        (H.MPNET, 3000, None), (H.DECODER, 1024, None)]
     fp16 = suite.cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))
     assert {c.params["dtype"] for c in fp16} == {"fp16"}
 
@@ -104,8 +115,8 @@ def test_workload_variable(monkeypatch):
     suite = SUITES["hf"]
     monkeypatch.setenv(H.WORKLOADS_VARIABLE, "lm, fine-tune")
     assert [c.group for c in suite.cases(FAST)] == [H.FINE_TUNE, H.CAUSAL_LM]
-    monkeypatch.setenv(H.WORKLOADS_VARIABLE, "lm,decoder")
-    with pytest.raises(ValueError, match=f"{H.WORKLOADS_VARIABLE}: expected workloads among .*got decoder"):
+    monkeypatch.setenv(H.WORKLOADS_VARIABLE, "lm,encoder")
+    with pytest.raises(ValueError, match=f"{H.WORKLOADS_VARIABLE}: expected workloads among .*got encoder"):
         suite.cases(FAST)
 
 
@@ -121,7 +132,7 @@ def test_suite_on_cpu(cpu_rows):
                 continue
             assert r.status == "ok", (r.impl, r.reason)
             assert r.flops and r.tflops == pytest.approx(r.flops / (r.median_ms * 1e-3) / 1e12)
-            if case.group in (H.EMBEDDING, H.MODERN):
+            if case.group in (H.EMBEDDING, *H.EMBEDDERS):
                 assert float(r.extra[H.COSINE]) >= 1 - 1e-6  # fp32 against fp32
                 assert r.extra[H.TEXTS_S] == pytest.approx(case.params["texts"] / (r.median_ms / 1e3))
             else:
@@ -270,5 +281,5 @@ def test_gpu_paths_at_tiny_size(monkeypatch):
             assert r.status == "skipped" and "flash_attn" in r.reason
         else:
             assert r.status == "ok", (r.impl, r.reason)
-        if r.status == "ok" and r.group not in (H.EMBEDDING, H.MODERN):  # inference rows measure no peak
+        if r.status == "ok" and r.group not in (H.EMBEDDING, *H.EMBEDDERS):  # inference rows measure no peak
             assert r.extra[H.PEAK] > 0

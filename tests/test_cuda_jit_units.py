@@ -29,6 +29,8 @@ needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found")
 SAMPLE = (("attention_short.cu", "ragged_attention_short_pipe_bf16_d64_c32_h4"),
           ("fused.cu", "ragged_add_layer_norm_bf16_i3"),
           ("pack.cu", "ragged_unpack_v16_i32"))
+# ... and the position-bias variant MPNet's inference takes, compiled alone the same way
+BIAS_SAMPLE = ("attention_short.cu", "ragged_attention_short_pipe_bias_bf16_d64_c32_h4")
 
 
 # --------------------------------------------------------------------------------------
@@ -60,6 +62,9 @@ def _ask_every_kernel():
                 for max_len in (1, 16, 32, 33, 64, 65, 128):
                     q = torch.empty((batch, heads, head_dim), dtype=dtype)
                     ca.forward(q, q, q, cu, cu, max_len, max_len, False, None, 0.0, 0)
+                    buckets = torch.zeros(2 * max_len - 1, dtype=torch.int32)
+                    ca.forward(q, q, q, cu, cu, max_len, max_len, False, None, 0.0, 0, -1, -1,
+                               torch.zeros((32, heads)), buckets)
                     qkv = torch.empty((batch, 3 * heads * head_dim), dtype=dtype)
                     ca.packed_self_attention(qkv, cu, max_len, heads, True, 0.125)
     for dtype, (_, vec) in cf._TYPES.items():
@@ -85,7 +90,8 @@ def test_every_launcher_kernel_has_a_program_and_every_program_a_launcher(launch
     declared = {(src, kernel) for src in SOURCES for kernel in kc.programs(src)}
     assert asked - declared == set(), f"kc.programs(): launchers ask for kernels no source defines: {asked - declared}"
     assert declared - asked == set(), f"kc.programs(): kernels no launcher asks for: {declared - asked}"
-    assert len(kc.programs("attention_short.cu")) == 2 * (sum(map(len, ca._CONFIGS.values())) + len(ca._PIPELINED))
+    # two dtypes, with and without the position bias
+    assert len(kc.programs("attention_short.cu")) == 4 * (sum(map(len, ca._CONFIGS.values())) + len(ca._PIPELINED))
     assert len(kc.programs("fused.cu")) == 3 * (len(cf.LN_ITERS) + len(cf.ACTIVATION_NAMES))
     assert len(kc.programs("pack.cu")) == 2 * 2 * len(kp._VEC_NAMES)
 
@@ -312,6 +318,6 @@ def test_a_sample_of_programs_compiles_alone_for_sm90(tmp_path):
     and its cubin holds its kernel and no other."""
     with _pool() as pool:
         futures = {item: pool.submit(_cubin_kernels, kc.program(*item).text, tmp_path / f"{item[1]}.cu")
-                   for item in SAMPLE}
+                   for item in (*SAMPLE, BIAS_SAMPLE)}
     for (src, kernel), future in futures.items():
         assert future.result() == {kernel}, f"kc.program({src!r}, {kernel!r}): the cubin has {future.result()}"

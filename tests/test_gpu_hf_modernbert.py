@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ragged
-from hf_convert_cases import _labels, _randomise
-from test_gpu_hf_convert import _close, _values
+from gpu_family_cases import check_no_sync_and_graphs, check_outputs, check_training
+from hf_convert_cases import _randomise
 
 tf = pytest.importorskip("transformers")
 if not hasattr(tf, "ModernBertModel"):
@@ -23,7 +23,6 @@ if not hasattr(tf, "ModernBertModel"):
 
 pytestmark = pytest.mark.gpu
 
-LENGTHS = [37, 3, 130, 1, 64]  # local window: 32 tokens each side
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
          "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
@@ -44,72 +43,17 @@ def _models(kind: str, dtype: torch.dtype, **over):
     return oracle, theirs, ours
 
 
-def _batch(lengths=LENGTHS, seed=22):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, 50, (len(lengths), width), generator=g)
-    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long()
-    return ids.masked_fill(mask == 0, 1).cuda(), mask.cuda()
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_gpu_modernbert_outputs_match_hf(kind, dtype):
-    oracle, theirs, ours = _models(kind, dtype)
-    ids, mask = _batch()
-    rt = ragged.pack([row[m.bool()] for row, m in zip(ids, mask)])
-    with torch.no_grad():
-        want = oracle(input_ids=ids, attention_mask=mask)
-        hf = theirs(input_ids=ids, attention_mask=mask)
-        for got in (ours(input_ids=ids, attention_mask=mask), ours(input_ids=rt)):
-            for key in want.keys():
-                _close(_values(got[key], mask), _values(hf[key], mask), _values(want[key], mask), dtype, key)
+    check_outputs(_models, kind, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["sequence", "token", "masked_lm"])
 def test_gpu_modernbert_training_gradients_match_hf(kind, dtype):
-    """Train mode (dropout 0), a RaggedTensor input: loss and every parameter's gradient."""
-    oracle, theirs, ours = _models(kind, dtype)
-    ids, mask = _batch()
-    labels = {k: v.cuda() for k, v in _labels(kind, LENGTHS, mask.cpu(), 23).items()}
-    if kind == "masked_lm":
-        labels["labels"] = labels["labels"].clamp(max=49)
-    rt = ragged.pack([row[m.bool()] for row, m in zip(ids, mask)])
-    rlabels = {k: (ragged.pack([row[m.bool()] for row, m in zip(v, mask)]) if v.dim() == 2 else v)
-               for k, v in labels.items()}
-    losses = {}
-    for name, model in (("oracle", oracle), ("theirs", theirs), ("ours", ours)):
-        model.train()
-        loss = model(input_ids=rt, **rlabels).loss if name == "ours" else \
-            model(input_ids=ids, attention_mask=mask, **labels).loss
-        loss.backward()
-        losses[name] = loss.detach()
-    _close(losses["ours"], losses["theirs"], losses["oracle"], dtype, "loss")
-    grads = {n: p.grad for n, p in oracle.named_parameters()}
-    hf_grads = {n: p.grad for n, p in theirs.named_parameters()}
-    for n, p in ours.named_parameters():
-        if grads[n] is None:
-            assert p.grad is None or torch.all(p.grad == 0), n
-            continue
-        _close(p.grad, hf_grads[n], grads[n], dtype, f"d {n}")
+    check_training(_models, kind, dtype)
 
 
 def test_gpu_modernbert_inference_does_not_sync_and_graphs():
-    """A RaggedTensor input reads nothing from the GPU; a graphed model gives the eager outputs."""
-    _, _, ours = _models("base", torch.bfloat16)
-    rt = ragged.pack([torch.randint(3, 50, (n,), device="cuda") for n in [37, 0, 130, 1, 64]])
-    with torch.no_grad():
-        want = ours(input_ids=rt).last_hidden_state
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            ours(input_ids=rt)
-            ours(input_ids=rt, output_hidden_states=True)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        graphed = ragged.nn.graphed(ours, max_tokens=512, max_batch_size=8)
-        for _ in range(2):  # capture, then replay
-            got = graphed(input_ids=rt).last_hidden_state
-            assert got.host_lengths() == want.host_lengths()
-            torch.testing.assert_close(got.values, want.values, rtol=2e-2, atol=2e-2)
+    check_no_sync_and_graphs(_models)

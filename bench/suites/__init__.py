@@ -6,6 +6,7 @@ subclass decorated with :func:`bench.harness.register`, and import it below.
 
 from . import pack  # noqa: F401  (first: registration order is the run order)
 from . import attention  # noqa: F401
+from . import attention_bias  # noqa: F401
 from . import vocab  # noqa: F401
 from . import encoder  # noqa: F401
 from . import pool  # noqa: F401

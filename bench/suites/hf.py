@@ -25,8 +25,10 @@ from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, regi
 from ..targets import speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
-from .hf_modernbert import build_modernbert
-from .hf_texts import MeanPooled, Texts, make_texts, padded_pass, ragged_pass, word_tokenizer  # noqa: F401
+from .hf_decoder import build_decoder
+from .hf_families import build_family
+from .hf_texts import (MeanPooled, Texts, convert_st, encode_pass, graphed_encode_pass, load_st,  # noqa: F401
+                       make_texts, padded_pass, ragged_pass, word_tokenizer)
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
     _R,
@@ -34,9 +36,16 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     attempt,
     Bert,
     BERT_BASE,
+    Corpus,
+    graphed_row,
+    QWEN3_06B,
+    EMBEDDERS,
+    RAG_ST_GRAPHED_32,
+    ST_COMPILED_32,
     broken,
     case_lengths,
     CAUSAL_LM,
+    DECODER,
     checkpoint_model,
     COSINE,
     COSINE_FLOOR,
@@ -64,6 +73,11 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     min_cosine,
     MINILM,
     MODERN,
+    MPNET,
+    HF_EAGER_COMPILED,
+    HF_EAGER_DATA,
+    HF_EAGER_SORTED,
+    FAMILY_WORKLOADS,
     MODEL_VARIABLE,
     pad_batch,
     PEAK,
@@ -108,35 +122,6 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
 
 # --------------------------------------------------------------------------------------
 # Embedding
-
-
-def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
-    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
-
-
-def load_st(src: str, dtype: torch.dtype, device: torch.device, dim: int, **model_kwargs):
-    """A SentenceTransformer of the folder ``src``: its own modules (modules.json), else the model
-    with mean pooling; weights in ``dtype``."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-
-    kwargs = {"dtype": dtype, **model_kwargs}
-    if os.path.exists(os.path.join(src, "modules.json")):
-        return SentenceTransformer(src, device=str(device), model_kwargs=kwargs)
-    modules = [Transformer(src, model_kwargs=kwargs), Pooling(dim, "mean")]
-    return SentenceTransformer(modules=modules, device=str(device))
-
-
-def convert_st(st):
-    """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
-    only the HuggingFace model inside would leave the batches padded in and out)."""
-    import ragged.nn as rnn
-    from ragged.nn.hf import sentence as hf_sentence
-
-    converted = rnn.convert(st)
-    if not hf_sentence.is_converted(converted):
-        raise RuntimeError("encode() was not converted (only the model inside: padded in and out)")
-    return converted
 
 
 def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Workload:
@@ -202,23 +187,12 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
     fns[HF_DATA_8] = Run(padded_pass(model, data, data.chunks(data_order, 8)))
     fns[RAG_DATA_8] = broken(convert_error) if converted is None else Run(
         ragged_pass(converted, data, data.chunks(data_order, 8)))
-    for name, batches, size in ((RAG_GRAPHED_DATA, data.chunks(data_order, B), B),
-                                (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B), B),
-                                (RAG_GRAPHED_8, data.chunks(data_order, 8), 8)):
-        if converted is None:
-            fns[name] = broken(convert_error)
-        elif device.type != "cuda":
-            fns[name] = "CUDA graphs: runs on CUDA"
-        else:
-            fns[name] = Run(ragged_pass(converted, data, batches, graphed=True))
-    if st_converted is None:
-        fns[RAG_ST_GRAPHED] = broken(st_convert_error)
-    elif device.type != "cuda":
-        fns[RAG_ST_GRAPHED] = "CUDA graphs: runs on CUDA"
-    else:
-        top = 1 << int(256 * data.lengths.max()).bit_length()
-        st_graphed = rnn.graphed(copy.deepcopy(st_converted), max_tokens=top, max_batch_size=256)
-        fns[RAG_ST_GRAPHED] = Run(encode_pass(st_graphed, data.texts, 256))
+    for name, batches in ((RAG_GRAPHED_DATA, data.chunks(data_order, B)),
+                          (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B)), (RAG_GRAPHED_8, data.chunks(data_order, 8))):
+        fns[name] = graphed_row(converted, convert_error, device,
+                                lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True))
+    fns[RAG_ST_GRAPHED] = graphed_row(st_converted, st_convert_error, device,
+                                      lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())))
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         if name not in fns:
             fns[name] = broken(st_convert_error) if st_converted is None else \
@@ -406,6 +380,29 @@ converted model (`ragged`) in data order, sorted and graphed. Reference: the flo
 (sdpa, sorted batches of 16). Targets: ragged data order >= 3x HF SDPA data order; every
 ragged row's min cosine at least HF SDPA's own in the case's dtype (less 1e-5).
 
+**MPNet**: `MPNetModel` of the config shown (random weights, seeded; all-mpnet-base-v2's
+shape: 12 layers of 768, a relative-position bias in every layer's attention), the
+first `N` texts of `bench/corpus.py` (paragraphs of the Python standard library's docstrings:
+real prose, median 16 tokens, tail to 512) under a WordPiece tokenizer trained on them, batches
+of 256: the same rows as ModernBERT's
+plus `ragged graphed, sorted`, and texts in through sentence-transformers (the model and tokenizer
+saved, `Transformer` + mean `Pooling` + `Normalize`, all-mpnet-base-v2's structure): `ST encode`
+at batch 32 and 256, the converted one's at 32 and 256 and graphed at 256 (tokenization
+included). HuggingFace's MPNet has no SDPA path (its attention adds the bias to eager scores):
+its rows are `HF eager, ...`. Targets: ragged data order >= 3x HF data order; ragged sorted >= 1.5x
+HF compiled sorted; ragged graphed (data order) >= 2x HF compiled sorted; min cosine at least
+HF's own (the sentence-transformers rows are reported beside them).
+
+**decoder embedder**: a sentence-transformers model over `Qwen3Model` of the config shown
+(random weights, seeded; Qwen3-Embedding-0.6B's shape), last-token pooling and normalisation as
+Qwen3-Embedding's, over the first `N` texts of `bench/corpus.py` under a byte-level BPE tokenizer
+trained on them (`<|endoftext|>` appended, left padding). `ST encode`: `encode()` of the model in
+`sdpa`, batch 32 (its default) and 256, and with the transformer compiled (`dynamic=True`);
+`ragged ST encode`: the converted model's `encode()` (packed tokens, `attn_implementation="ragged"`),
+eager and graphed. Reference: the float32 original at batch 32. Targets: ragged at batch 32 >= 3x
+the original at batch 32, >= 1.5x the compiled original; graphed >= 2x the compiled original;
+min cosine at least the original's own.
+
 Training gate: the check call runs the steps in eval mode (no dropout); step 1's loss (before
 any update) against the float32 model's (eager; LM: one sequence at a time): error <=
 max(2e-2 (fp32: 1e-4) x max(1, |loss|), 3 x HF's bf16 error). `loss diff vs fp32`: that
@@ -439,9 +436,9 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                                       "lengths": shape.lengths.text(), "T": total,
                                       "mean_len": round(total / len(flat), 2), "M": max(flat)}
             checkpoint = None
-            if shape.workload == MODERN:
-                params.update(texts=shape.count, batch=shape.batch, checkpoint="random weights")
-                name = f"{MODERN} {shape.label} {kind} N={shape.count} mean={total / len(flat):.0f}"
+            if shape.workload in EMBEDDERS:
+                params.update(texts=len(flat), batch=shape.batch, checkpoint="random weights")
+                name = f"{shape.workload} {shape.label} {kind} N={len(flat)} mean={total / len(flat):.0f}"
             elif shape.workload == EMBEDDING:
                 checkpoint, first, label = (path if first else None), False, shape.label
                 params.update(texts=shape.count, batch=shape.batch, checkpoint=checkpoint or "random weights")
@@ -475,8 +472,10 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                 return build_embedding(shape, config.device, checkpoint)
             if shape.workload == FINE_TUNE:
                 return build_fine_tune(shape, config.device, self.dropout)
-            if shape.workload == MODERN:
-                return build_modernbert(shape, config.device)
+            if shape.workload in FAMILY_WORKLOADS:
+                return build_family(shape, config.device)
+            if shape.workload == DECODER:
+                return build_decoder(shape, config.device)
             return build_causal_lm(shape, config.device)
         except (Skip, torch.OutOfMemoryError):
             raise
@@ -489,17 +488,19 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         shape, _, on_gpu = case.spec
         ok = {r.impl: r for r in rows if r.status == "ok"}
         for r in ok.values():
-            if shape.workload in (EMBEDDING, MODERN):
-                r.extra[TEXTS_S] = shape.count / (r.median_ms / 1e3)
+            if shape.workload in (EMBEDDING, *EMBEDDERS):
+                r.extra[TEXTS_S] = case.params["texts"] / (r.median_ms / 1e3)  # the texts embedded
             else:
                 r.extra[TOKENS_S], r.extra[STEP_MS] = case.params["T"] / (r.median_ms / 1e3), r.median_ms / shape.steps
         notes = speedup_notes(TARGETS_BY_WORKLOAD[shape.workload], {k: r.median_ms for k, r in ok.items()}, on_gpu)
         # ModernBERT's embeddings: as close to float32 as HuggingFace's own in the case's dtype
-        own = ok[HF_DATA].extra.get(COSINE) if shape.workload == MODERN and HF_DATA in ok else None
+        family = shape.workload in EMBEDDERS
+        first = ROWS[shape.workload][0][0]  # the original model: HuggingFace in data order, or ST encode
+        own = ok[first].extra.get(COSINE) if family and first in ok else None
         for r in ok.values():
             if r.kind == "ragged" and COSINE in r.extra:  # a check of the output: judged on CPU too
                 cos = float(r.extra[COSINE])
-                note = f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}" if shape.workload != MODERN else \
+                note = f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}" if not family else \
                     f"cos>=HF's own {float(own):.6f}: {verdict(cos >= float(own) - 1e-5)}" if own is not None else None
                 if note:
                     notes.setdefault(r.impl, []).append(note)

@@ -23,12 +23,22 @@ from .encoder_problem import training_mode
 
 SEED = 0
 MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
-EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN = "embedding", "fine-tune", "causal LM", "ModernBERT"
-WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN}
+EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN, MPNET = "embedding", "fine-tune", "causal LM", "ModernBERT", "MPNet"
+DECODER = "decoder embedder"
+WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN, "mpnet": MPNET,
+                 "decoder": DECODER}
+FAMILY_WORKLOADS = (MODERN, MPNET)  # texts embedded by one model family (bench/suites/hf_families.py)
+# workloads that embed N texts and judge the embeddings against the original model's own error
+EMBEDDERS = (*FAMILY_WORKLOADS, DECODER)
 
 # Row names (the rows' ``impl``).
 HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
+# a model with no SDPA path (MPNet: its attention adds a bias to eager scores)
+HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED = ("HF eager, data order", "HF eager, sorted",
+                                                     "HF eager compiled, sorted")
 ST_32, ST_256, ST_FA2 = "ST encode, batch 32", "ST encode, batch 256", "ST encode flash_attention_2, batch 256"
+ST_COMPILED_32 = "ST encode, model compiled, batch 32"
+RAG_ST_GRAPHED_32 = "ragged graphed ST encode, batch 32"
 RAG_DATA, RAG_SORTED = "ragged, data order", "ragged, sorted"
 RAG_BUDGET_DATA, RAG_BUDGET_SORTED = "ragged, data order, token budget", "ragged, sorted, token budget"
 RAG_ST_32, RAG_ST_256 = "ragged ST encode, batch 32", "ragged ST encode, batch 256"
@@ -48,6 +58,11 @@ ROWS = {
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
     MODERN: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
              (RAG_GRAPHED_DATA, _R)),
+    MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (ST_32, _B), (ST_256, _B),
+            (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (RAG_ST_32, _R),
+            (RAG_ST_256, _R), (RAG_ST_GRAPHED, _R)),
+    DECODER: ((ST_32, _B), (ST_COMPILED_32, _B), (ST_256, _B), (RAG_ST_32, _R), (RAG_ST_GRAPHED_32, _R),
+              (RAG_ST_256, _R)),
 }
 
 # Extra columns.
@@ -62,6 +77,9 @@ TARGETS_BY_WORKLOAD = {
     FINE_TUNE: ((RAGGED, HF_PADDED, 2.5), (RAG_GRAPHED_TRAIN, HF_PADDED, 3.0)),
     CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
     MODERN: ((RAG_DATA, HF_DATA, 3.0),),
+    MPNET: ((RAG_DATA, HF_EAGER_DATA, 3.0), (RAG_SORTED, HF_EAGER_COMPILED, 1.5),
+            (RAG_GRAPHED_DATA, HF_EAGER_COMPILED, 2.0)),
+    DECODER: ((RAG_ST_32, ST_32, 3.0), (RAG_ST_32, ST_COMPILED_32, 1.5), (RAG_ST_GRAPHED_32, ST_COMPILED_32, 2.0)),
 }
 COSINE_TARGET = 0.9999
 
@@ -101,6 +119,8 @@ class ModernBert:
     local: int = 128        # local_attention: the window of the local layers, both sides together
     every: int = 3          # global_attn_every_n_layers
     init: float = 0.02
+    model_class = "ModernBertModel"
+    attention = "sdpa"
 
     def name(self) -> str:
         return f"ModernBERT {self.layers}x{self.hidden} h={self.heads} ff={self.ff} window={self.local}"
@@ -112,6 +132,27 @@ class ModernBert:
                                 num_attention_heads=self.heads, intermediate_size=self.ff, local_attention=self.local,
                                 global_attn_every_n_layers=self.every, initializer_range=self.init, pad_token_id=0,
                                 bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class MPNet:
+    layers: int
+    hidden: int
+    heads: int
+    ff: int
+    vocab: int = 30527
+    init: float = 0.02
+    model_class = "MPNetModel"
+    attention = "eager"  # HuggingFace's MPNet has no SDPA path
+
+    def name(self) -> str:
+        return f"MPNet {self.layers}x{self.hidden} h={self.heads} ff={self.ff}"
+
+    def config(self, **kw):
+        from transformers import MPNetConfig
+
+        return MPNetConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                           num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +188,40 @@ class Llama:
 
 
 @dataclasses.dataclass(frozen=True)
+class Qwen3:
+    """A Qwen3 decoder as Qwen3-Embedding uses it (its 0.6B: 28 x 1024, 16 query and 8 key/value
+    heads of 128, tied embeddings)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ff: int
+    head_dim: int = 128
+    vocab: int = 151669
+    init: float = 0.02
+    model_class = "Qwen3Model"
+
+    def params(self) -> int:
+        kv, q = self.kv_heads * self.head_dim, self.heads * self.head_dim
+        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.ff + 2 * self.hidden
+        return self.layers * per_layer + self.vocab * self.hidden + self.hidden
+
+    def name(self) -> str:
+        return f"Qwen3 {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} " \
+               f"({self.params() / 1e6:.0f}M)"
+
+    def config(self, **kw):
+        from transformers import Qwen3Config
+
+        return Qwen3Config(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ff,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads, head_dim=self.head_dim, max_position_embeddings=4096,
+                           tie_word_embeddings=True, initializer_range=self.init, pad_token_id=0, eos_token_id=0,
+                           bos_token_id=0, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class Lengths:
     """Token lengths ``round(lognormal(log(median), sigma))`` clipped to ``[lo, hi]``, seeded."""
 
@@ -164,6 +239,34 @@ class Lengths:
 
 
 @dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The first texts of :mod:`bench.corpus` (real prose, no download) as a workload's texts,
+    tokenized by a tokenizer trained on the corpus (``kind``: ``"wordpiece"`` or ``"byte_bpe"``)
+    of at most ``vocab`` ids. ``draw(n)``: the token lengths of the first ``n`` texts."""
+
+    vocab: int
+    kind: str = "wordpiece"
+
+    def tokenizer(self):
+        from .. import corpus
+
+        return getattr(corpus, self.kind)(self.vocab)
+
+    def texts(self, n: int) -> list[str]:
+        from .. import corpus
+
+        return corpus.texts(n)
+
+    def draw(self, n: int, seed: int = SEED) -> list[int]:
+        return [len(ids) for ids in self.tokenizer()(self.texts(n), truncation=True)["input_ids"]]
+
+    def text(self) -> str:
+        from .. import corpus
+
+        return f"{corpus.describe()}, {self.kind} tokenizer trained on it ({len(self.tokenizer())} ids)"
+
+
+@dataclasses.dataclass(frozen=True)
 class Shape:
     """A case. ``count``: texts (embedding), sequences per step (fine-tune) or tokens per step (LM);
     ``batch``: texts per batch (embedding); ``steps``: training steps per timed call."""
@@ -171,8 +274,8 @@ class Shape:
     workload: str
     label: str
     dtype: torch.dtype
-    model: Any  # Bert | ModernBert | Llama
-    lengths: Lengths
+    model: Any  # Bert | ModernBert | MPNet | Llama | Qwen3
+    lengths: Lengths | Corpus
     count: int
     batch: int = 0
     steps: int = 1
@@ -183,7 +286,9 @@ class Shape:
 MINILM, BERT_BASE, TINY_BERT = Bert(6, 384, 12, 1536), Bert(12, 768, 12, 3072), Bert(2, 32, 2, 64, 1000, init=0.2)
 MODERNBERT_BASE, TINY_MODERNBERT = ModernBert(22, 768, 12, 1152), ModernBert(3, 32, 2, 48, 1000, local=16, init=0.2)
 LONG_TAILED = Lengths(16, 1024, 128, 1.0)
+MPNET_BASE, TINY_MPNET = MPNet(12, 768, 12, 3072), MPNet(2, 32, 2, 64, 1000, init=0.2)
 LLAMA_05B, TINY_LLAMA = Llama(24, 1280, 20, 4, 3456), Llama(2, 64, 4, 2, 128, vocab=256, init=0.2)
+QWEN3_06B, TINY_QWEN3 = Qwen3(28, 1024, 16, 8, 3072), Qwen3(2, 64, 4, 2, 128, head_dim=16, vocab=1000, init=0.2)
 SENTENCES = Lengths(3, 256, 25, 0.8)
 GPU_SHAPES = (
     Shape(EMBEDDING, "MiniLM-size", torch.bfloat16, MINILM, SENTENCES, 15000, batch=256),
@@ -191,14 +296,19 @@ GPU_SHAPES = (
     Shape(FINE_TUNE, "BERT-base-size", torch.bfloat16, BERT_BASE, Lengths(16, 512, 96, 1.0), 32, steps=8),
     Shape(CAUSAL_LM, "Llama-style ~0.5B", torch.bfloat16, LLAMA_05B, Lengths(32, 2048, 256, 1.0), 8192, steps=4),
     Shape(MODERN, "ModernBERT-base-size", torch.bfloat16, MODERNBERT_BASE, LONG_TAILED, 2048, batch=32),
+    Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, Corpus(MPNET_BASE.vocab), 12000, batch=256),
+    Shape(DECODER, "Qwen3-Embedding-0.6B-size", torch.bfloat16, QWEN3_06B, Corpus(32000, "byte_bpe"), 4096, batch=32),
 )
 GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512))
+                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512),
+                    dataclasses.replace(GPU_SHAPES[5], count=3000), dataclasses.replace(GPU_SHAPES[6], count=1024))
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
     Shape(CAUSAL_LM, "tiny", torch.float32, TINY_LLAMA, Lengths(4, 64, 16, 0.8), 128, steps=2),
     Shape(MODERN, "tiny", torch.float32, TINY_MODERNBERT, Lengths(4, 48, 12, 0.8), 32, batch=8),
+    Shape(MPNET, "tiny", torch.float32, TINY_MPNET, Corpus(TINY_MPNET.vocab), 48, batch=16),
+    Shape(DECODER, "tiny", torch.float32, TINY_QWEN3, Corpus(TINY_QWEN3.vocab, "byte_bpe"), 40, batch=8),
 )
 
 
@@ -215,7 +325,7 @@ def checkpoint_model(path: str) -> str:
 def case_lengths(shape: Shape) -> list[list[int]]:
     """The lengths of a case: one list (embedding), or one per training step (LM: seeded lengths cut
     in order at the token budget by ``ragged.data.TokenBudgetSampler``)."""
-    if shape.workload in (EMBEDDING, MODERN):
+    if shape.workload in (EMBEDDING, *EMBEDDERS):
         return [shape.lengths.draw(shape.count)]
     if shape.workload == FINE_TUNE:
         flat = shape.lengths.draw(shape.count * shape.steps)
@@ -274,6 +384,16 @@ def broken(reason: str) -> Callable[[], Any]:
         raise RuntimeError(reason)
 
     return fn
+
+
+def graphed_row(model: Any, error: str | None, device: torch.device, make: Callable[[Any], Callable[[], Any]]):
+    """A row that replays CUDA graphs of ``model``: ``Run(make(model))``; broken when the conversion
+    failed (``model`` None, ``error`` why), skipped off CUDA."""
+    if model is None:
+        return broken(error or "the model could not be converted")
+    if device.type != "cuda":
+        return "CUDA graphs: runs on CUDA"
+    return Run(make(model))
 
 
 def flash_attention_skip(device: torch.device) -> str | None:

@@ -4,6 +4,7 @@ batches) or of a converted one (collated RaggedTensors, optionally graphed) over
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
@@ -14,7 +15,8 @@ import ragged
 from ..harness import Skip
 from .hf_common import SEED, pad_batch, to_device
 
-__all__ = ["MeanPooled", "Texts", "make_texts", "padded_pass", "ragged_pass", "word_tokenizer"]
+__all__ = ["MeanPooled", "Texts", "convert_st", "encode_pass", "graphed_encode_pass", "load_st", "make_texts",
+           "padded_pass", "ragged_pass", "word_tokenizer"]
 
 
 def word_tokenizer(vocab: int):
@@ -42,7 +44,7 @@ class Texts:
     """The tokenized texts as a dataset holds them (a dict of int64 arrays per text)."""
 
     def __init__(self, tokenizer, texts: list[str], device: torch.device):
-        enc = tokenizer(texts)
+        enc = tokenizer(texts, truncation=True)  # to the tokenizer's model_max_length
         self.keys = tuple(k for k in ("input_ids", "token_type_ids") if k in enc)
         self.features = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in self.keys} for i in range(len(texts))]
         self.lengths = np.array([len(x) for x in enc["input_ids"]], dtype=np.int64)
@@ -106,3 +108,43 @@ def ragged_pass(model, data: Texts, batches: list[np.ndarray], graphed: bool = F
         return torch.cat(out).index_select(0, inverse)
 
     return run
+
+
+def graphed_encode_pass(st, texts: list[str], batch: int, longest: int) -> Callable[[], torch.Tensor]:
+    """``encode`` of a copy of the converted ``st`` through ``ragged.nn.graphed`` (buckets up to
+    ``batch`` texts of ``longest`` tokens)."""
+    import copy
+
+    import ragged.nn as rnn
+
+    top = 1 << int(batch * longest).bit_length()
+    return encode_pass(rnn.graphed(copy.deepcopy(st), max_tokens=top, max_batch_size=batch), texts, batch)
+
+
+def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:
+    return lambda: st.encode(texts, batch_size=batch, convert_to_tensor=True, show_progress_bar=False).float()
+
+
+def load_st(src: str, dtype: torch.dtype, device: torch.device, dim: int, **model_kwargs):
+    """A SentenceTransformer of the folder ``src``: its own modules (modules.json), else the model
+    with mean pooling; weights in ``dtype``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    kwargs = {"dtype": dtype, **model_kwargs}
+    if os.path.exists(os.path.join(src, "modules.json")):
+        return SentenceTransformer(src, device=str(device), model_kwargs=kwargs)
+    modules = [Transformer(src, model_kwargs=kwargs), Pooling(dim, "mean")]
+    return SentenceTransformer(modules=modules, device=str(device))
+
+
+def convert_st(st):
+    """``ragged.nn.convert(st)``, refused unless its ``encode()`` became the packed one (converting
+    only the HuggingFace model inside would leave the batches padded in and out)."""
+    import ragged.nn as rnn
+    from ragged.nn.hf import sentence as hf_sentence
+
+    converted = rnn.convert(st)
+    if not hf_sentence.is_converted(converted):
+        raise RuntimeError("encode() was not converted (only the model inside: padded in and out)")
+    return converted

@@ -1,10 +1,13 @@
 """HuggingFace encoder models computed padding-free (what :func:`ragged.nn.convert` does to them).
 
 Families, one file each: BERT (``bert.py``), RoBERTa, XLM-RoBERTa and CamemBERT
-(``roberta.py``), ELECTRA (``electra.py``), DistilBERT (``distilbert.py``) and ModernBERT
-(``modernbert.py``); for each the base model (``AutoModel``) and its
+(``roberta.py``), ELECTRA (``electra.py``), DistilBERT (``distilbert.py``), ModernBERT
+(``modernbert.py``) and MPNet (``mpnet.py``); for each the base model (``AutoModel``) and its
 ``ForSequenceClassification``, ``ForTokenClassification``, ``ForMaskedLM`` and
-``ForQuestionAnswering`` heads. Sentence-transformers models over them: ``sentence.py``.
+``ForQuestionAnswering`` heads. Sentence-transformers models over them, or over the decoders
+``decoder.py`` runs on packed batches under ``attn_implementation="ragged"`` (Qwen3-Embedding,
+EmbeddingGemma): ``sentence.py`` (what conversion does, read first: ``sentence_plan.py``; the pooling:
+``sentence_pooling.py``).
 
 **Layout of this package.** ``family.py`` says what a family declares (its layer modules,
 attention shape, embeddings, heads, outputs and what it refuses) and holds the machinery the

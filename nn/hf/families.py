@@ -4,9 +4,9 @@ line here."""
 
 from __future__ import annotations
 
-from . import bert, distilbert, electra, modernbert, roberta
+from . import bert, distilbert, electra, modernbert, mpnet, roberta
 
 __all__ = ["FAMILIES"]
 
 # modeling module in transformers -> its family
-FAMILIES = {f.module: f for m in (bert, roberta, electra, distilbert, modernbert) for f in m.FAMILIES}
+FAMILIES = {f.module: f for m in (bert, roberta, electra, distilbert, modernbert, mpnet) for f in m.FAMILIES}

@@ -309,8 +309,12 @@ class SpecFamily(Family):
     def context(self, fn, base, batch, x, position_ids):
         return batch.rt
 
+    def spec_of(self, layer: nn.Module, ctx) -> LayerSpec:
+        """The layer's spec in this forward (:meth:`layer_spec`, plus what ``ctx`` adds)."""
+        return self.layer_spec(layer)
+
     def run_layer(self, layer, x, ctx):
-        spec = self.layer_spec(layer)
+        spec = self.spec_of(layer, ctx)
         is_eager = eager(x, ctx.offsets, *[w for w in spec.weights if w is not None])
         return run_layer(spec, x, ctx.offsets, ctx.max_len, False, fused_backend(x), is_eager)
 
@@ -318,7 +322,7 @@ class SpecFamily(Family):
         fused = fused_backend(x)
         if fused is None or not eager(x, ctx.offsets):
             return None
-        return run_stack([self.layer_spec(layer) for layer in layers], x, ctx.offsets, ctx.max_len, False, fused)
+        return run_stack([self.spec_of(layer, ctx) for layer in layers], x, ctx.offsets, ctx.max_len, False, fused)
 
     def layer_reason(self, layer, path, hidden):
         why = exact(layer, self.cls(self.layer_class), path, f"transformers {self.layer_class}")

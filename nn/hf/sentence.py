@@ -1,11 +1,13 @@
 """Sentence-transformers models computed padding-free (what :func:`ragged.nn.convert` does to a
-``SentenceTransformer`` whose first module is a ``Transformer`` over a model :mod:`ragged.nn.hf` converts)::
+``SentenceTransformer`` whose first module is a ``Transformer`` over a model :mod:`ragged.nn.hf` converts,
+or over a decoder :mod:`ragged.nn.hf.decoder` runs on packed batches: Qwen3-Embedding, EmbeddingGemma)::
 
     st = ragged.nn.convert(SentenceTransformer(path))
     emb = st.encode(texts)          # the original's embeddings, computed on the real tokens only
 
 **Mechanism.** As for HuggingFace models (:mod:`ragged.nn.hf`), conversion sets instance
-attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf`; the
+attributes and nothing else: the ``auto_model`` is converted by :mod:`ragged.nn.hf` (a decoder:
+below); the
 Transformer gets a ``forward`` (:class:`RaggedTransformerForward`) and a ``preprocess``
 (:class:`RaggedPreprocess`), each Pooling that reads the Transformer's token embeddings a
 ``forward`` (:class:`RaggedPooling`), the model an ``encode`` (:class:`RaggedEncode`). Classes,
@@ -19,16 +21,27 @@ its own parameters (eagerly: graphs hold the original's); a replica's output has
 ``"ragged_token_embeddings"``, which DataParallel's gather cannot concatenate. A shallow ``copy.copy``
 is not converted (:func:`is_converted`) until ``convert`` is called on it.
 
+**Decoders** (Qwen2, Qwen3, Llama, Mistral and Gemma 1 to 3 base models) keep their own forward:
+conversion sets ``attn_implementation="ragged"`` on the ``auto_model``, its one change there (``save``
+writes the original's config; ``copy=True`` and a refusal leave the original's implementation; one
+set after conversion makes the call raise until converted again), and the Transformer runs the
+model on the packed batch as one row with its offsets, each sequence attending within itself as
+the model attends (causally, or both ways for EmbeddingGemma). Positions are the padded batch's
+columns where it is left-padded (transformers' numbers), each sequence's from 0 otherwise.
+
 **Data flow.** In ``encode`` each batch is packed on the host: for sentence embeddings the texts are
 tokenized without padding (sentence-transformers' preprocess with ``padding=False`` and no tensors,
-when the tokenizer pads on the right and no module reads padded token embeddings: faster than the
-tokenizer's padding and tensor conversion), otherwise as sentence-transformers tokenizes them and
-packed from the host mask. The Transformer moves the packed ids to the device (pinned, non-blocking
-on CUDA): no device read. Outside ``encode`` (``st(features)`` in training, losses, evaluators) the
-padded ``input_ids`` are packed with their ``attention_mask`` on the device: one device-to-host read
-of the mask (its lengths and layout, :func:`ragged.padding.read_mask_layout`). The ``auto_model``
-returns a RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout
-and LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
+when no module reads padded token embeddings and the tokenizer pads on the right, or on the left
+to the longest text, the columns then computed from the lengths: faster than the tokenizer's
+padding and tensor conversion), otherwise (texts rendered as chat messages too) as
+sentence-transformers tokenizes them and packed from the host mask. The Transformer moves the
+packed ids to the device (pinned, non-blocking on CUDA): no device read (a decoder that builds its
+own masks, Llama's, makes transformers' one read per forward: :mod:`ragged.nn.hf.decoder`).
+Outside ``encode`` (``st(features)`` in training, losses, evaluators) the padded ``input_ids`` are
+packed with their ``attention_mask`` on the device: one device-to-host read of the mask (its
+lengths and layout, :func:`ragged.padding.read_mask_layout`). The ``auto_model`` returns a
+RaggedTensor, which Pooling reduces with :func:`ragged.pool`; Dense, Normalize, Dropout and
+LayerNorm act on the ``[B, d]`` sentence embeddings as they are.
 
 **Threads.** What ``encode`` is doing (sentence or token embeddings) lives in the call's context
 (a ``contextvars`` variable: each thread and asyncio task has its own), never on the shared
@@ -55,12 +68,12 @@ overwrites: one thread only.
 and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
 features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
 put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf.sentence_pooling`).
-``weightedmean`` weighs as the installed sentence-transformers does: by the columns of the padded
-batch before 6.2, by the place in the sequence from 6.2 (the two differ under left padding),
-read from its Pooling once. A sequence with no token pools to zeros (sentence-transformers:
-``-inf`` for ``max``); tokenizers always add special tokens, so ``encode`` never meets one.
-``encode(output_value=None)`` gives each row its own text's ``[L, d]`` tokens as
-``"ragged_token_embeddings"``.
+``lasttoken`` reads each sequence's last token whatever the padding side. ``weightedmean`` weighs
+as the installed sentence-transformers does: by the columns of the padded batch before 6.2, by the
+place in the sequence from 6.2 (the two differ under left padding), read from its Pooling once. A
+sequence with no token (an empty text, where the tokenizer adds no special token) pools to zeros
+(sentence-transformers: ``-inf`` for ``max``). ``encode(output_value=None)`` gives each row its own
+text's ``[L, d]`` tokens as ``"ragged_token_embeddings"``.
 
 **Other modules** after the Transformer (LSTM, CNN, WordWeights, custom modules, Dense or
 Normalize on token embeddings, a Pooling after one of those, a Pooling subclass) keep working
@@ -69,12 +82,13 @@ on padded ``token_embeddings`` written on every call; conversion lists them in a
 
 **Refused**, with the model untouched: a first module other than sentence-transformers'
 ``Transformer`` (a Router, StaticEmbedding, a subclass), a backend other than torch, a task other
-than feature extraction, a text modality other than the model's forward to ``last_hidden_state``,
+than feature extraction, a text or chat-message modality other than the model's forward to
+``last_hidden_state``,
 flattened inputs for flash attention (``unpad_inputs``: set ``st[0].unpad_inputs = False`` first),
 query expansion with ``attend=False``, an ``auto_model`` that :mod:`ragged.nn.hf` refuses (its
-reason is given), ``forward`` / ``preprocess`` / ``encode`` already replaced by something else. At
-call time, inputs of another modality than text and flattened inputs (``cu_seq_lens_q``) raise
-NotImplementedError.
+reason is given; for a decoder :func:`ragged.nn.hf.decoder.why_not`'s), ``forward`` / ``preprocess``
+/ ``encode`` already replaced by something else. At call time, inputs of another modality than
+text (or text-only chat messages) and flattened inputs (``cu_seq_lens_q``) raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -100,16 +114,21 @@ from ragged.utils import describe
 
 from . import forward as hf_forward
 from .batch import read_batch
+from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
+from .sentence_plan import Plan, plan_conversion
 from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
 
 __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
            "RaggedTransformerForward", "ReplicaForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding",
-           "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
+           "graph_target", "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
 
 INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
+_TEXT_MODALITIES = ("text", "message")  # a message modality's features are text too, unless media come with them
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length",
+                        "offset_mapping", "special_tokens_mask", "overflow_to_sample_mapping",
+                        "query_expansion_positions"})
 _FN = "ragged.nn.convert"
-_TEXT = {"method": "forward", "method_output_name": "last_hidden_state"}
 
 # A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
 # ((forward, "sentence" or "tokens"), ...) of the encodes running, innermost last; preprocesses in their original.
@@ -148,13 +167,6 @@ def is_sentence_transformer(model: object) -> bool:
     sentence-transformers: a model of it exists only once the package is loaded."""
     mod = sys.modules.get("sentence_transformers.sentence_transformer.model")
     return mod is not None and isinstance(model, mod.SentenceTransformer)
-
-
-def _classes() -> dict[str, type]:
-    from sentence_transformers.sentence_transformer import modules
-
-    return {name: getattr(modules, name) for name in ("Transformer", "Pooling", "Dense", "Normalize", "Dropout",
-                                                      "LayerNorm")}
 
 
 # --------------------------------------------------------------------------------------
@@ -215,13 +227,19 @@ def pack_input(fn: str, from_ids: bool, input_ids, attention_mask, token_type_id
 class RaggedTransformerForward:
     """The ``forward`` of a converted Transformer module (an instance attribute). Set
     ``pad_token_embeddings`` to True to have ``features["token_embeddings"]`` written on every
-    call (conversion sets it when a module after the Transformer may read it)."""
+    call (conversion sets it when a module after the Transformer may read it). ``decoder``: the
+    ``auto_model`` is a decoder run on the packed batch as one row (:mod:`ragged.nn.hf.decoder`),
+    not a converted encoder."""
 
-    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool) -> None:
+    decoder = False
+
+    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool,
+                 decoder: bool = False) -> None:
         self.module = module
         self.from_ids = from_ids
         self.takes_types = takes_types
         self.pad_token_embeddings = pad_token_embeddings
+        self.decoder = decoder
         self.graphed = None  # a ragged.nn.Graphed of the model (set by ragged.nn.graphed): run when it can
 
     def __call__(self, features: dict, **kwargs) -> dict:
@@ -230,13 +248,14 @@ class RaggedTransformerForward:
     def for_replica(self, replica: nn.Module) -> dict:
         """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
         hold this module's parameters)."""
-        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings)}
+        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings,
+                                                    self.decoder)}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "graphed": None}  # graphs are of this process
 
     def __repr__(self) -> str:
-        return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings})"
+        return f"RaggedTransformerForward(pad_token_embeddings={self.pad_token_embeddings}, decoder={self.decoder})"
 
 
 def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs: dict) -> dict:
@@ -245,8 +264,12 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
         raise TypeError(f"{fn}(): expected the features dict, got {describe(features)}")
     merged = {**features, **kwargs} if kwargs else features
     modality = merged.get("modality", "text")
-    if modality != "text":
+    if modality not in _TEXT_MODALITIES:
         raise NotImplementedError(f"{fn}(): the ragged forward takes text inputs, got modality {modality!r}")
+    media = [k for k, v in merged.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS] \
+        if modality == "message" else ()
+    if media:
+        raise NotImplementedError(f"{fn}(): the ragged forward takes text-only messages, got inputs {media}")
     if merged.get("cu_seq_lens_q") is not None:
         raise NotImplementedError(f"{fn}(): flattened inputs (cu_seq_lens_q, from unpad_inputs) are not taken by the "
                                   "ragged forward: set unpad_inputs = False on the Transformer")
@@ -268,6 +291,8 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
         inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
         out = graphed(**inputs, return_dict=True)
+    elif self.decoder:
+        out = run_packed(model, packed.ids, packed.position_ids)
     else:
         out = model(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
@@ -316,9 +341,9 @@ class RaggedPreprocess:
             return original(module, *args, **kwargs)
         forward = _own(module, "forward", RaggedTransformerForward)
         mode = None if forward is None else _mode(forward)
-        unpadded = mode == "sentence" and not forward.pad_token_embeddings and len(args) <= 2 \
-            and _unpadded_ok(module, kwargs)
-        if unpadded:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
+        side = _unpadded_side(module, kwargs) if mode == "sentence" and not forward.pad_token_embeddings \
+            and len(args) <= 2 else None
+        if side is not None:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
             pk = dict(kwargs.get("processing_kwargs") or {})
             kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **_UNPADDED}}}
         token = _PREPROCESSING.set((*inside, self))
@@ -327,13 +352,14 @@ class RaggedPreprocess:
                 features = original(module, *args, **kwargs)
         finally:
             _PREPROCESSING.reset(token)
-        if mode is None or not isinstance(features, MutableMapping) or features.get("modality", "text") != "text" \
-                or "cu_seq_lens_q" in features:
+        if mode is None or not isinstance(features, MutableMapping) or "cu_seq_lens_q" in features \
+                or features.get("modality", "text") not in _TEXT_MODALITIES:
             return features
         ids = features.get("input_ids")
         types = features.get("token_type_ids") if forward.takes_types else None
         if isinstance(ids, list) and all(isinstance(row, list) for row in ids):
-            features[INPUT_KEY] = _from_lists(ids, types if isinstance(types, list) else None)
+            features[INPUT_KEY] = _from_lists(ids, types if isinstance(types, list) else None, side or "right",
+                                              not forward.from_ids)
             for name in ("input_ids", "token_type_ids", "attention_mask"):
                 features.pop(name, None)
         elif _host_padded(features):
@@ -357,23 +383,30 @@ class RaggedPreprocess:
 _UNPADDED = {"padding": False, "return_tensors": None, "return_attention_mask": False}
 
 
-def _unpadded_ok(module: nn.Module, kwargs: dict) -> bool:
-    """Whether tokenizing without padding gives the padded batch's tokens and positions: a
-    tokenizer padding on the right, no padding side set through processing kwargs, and no
-    query expansion (it rewrites the padded tensors)."""
-    if getattr(module, "query_expansion", None) is not None:
-        return False
-    if getattr(module.tokenizer, "padding_side", "right") != "right" or module.processor is not module.tokenizer:
-        return False
+def _unpadded_side(module: nn.Module, kwargs: dict) -> str | None:
+    """The padding side of the batch when tokenizing without padding gives the padded batch's
+    tokens and positions (their columns follow from the lengths and the side); None when it may
+    not: a tokenizer that is not the processor, text rendered as chat messages, query expansion
+    (it rewrites the padded tensors), padding settings in the processing kwargs (a padding side;
+    for left padding a width other than the longest text's too)."""
+    side = getattr(module.tokenizer, "padding_side", "right")
+    if getattr(module, "query_expansion", None) is not None or side not in ("right", "left") \
+            or module.processor is not module.tokenizer or "message" in module.modality_config:
+        return None
+    if side == "left" and getattr(module.tokenizer, "pad_to_multiple_of", None) is not None:
+        return None
+    keys = {"padding_side"} if side == "right" else {"padding_side", "padding", "pad_to_multiple_of"}
     for pk in (module.processing_kwargs, kwargs.get("processing_kwargs")):
         if pk is not None and (not isinstance(pk, dict) or any(
-                isinstance(v, dict) and "padding_side" in v for v in pk.values())):
-            return False
-    return True
+                isinstance(v, dict) and keys & set(v) for v in pk.values())):
+            return None
+    return side
 
 
-def _from_lists(ids: list, types: list | None) -> PackedInput:
-    """A PackedInput from the tokenizer's per-sequence lists (host tensors, right-padding layout)."""
+def _from_lists(ids: list, types: list | None, side: str, columns: bool) -> PackedInput:
+    """A PackedInput from the tokenizer's per-sequence lists (host tensors) laid out as the
+    tokenizer pads on ``side``; ``columns``: positions are the padded batch's columns (given
+    where they are not each sequence's from 0: left padding)."""
     lengths = [len(row) for row in ids]
     total = sum(lengths)
 
@@ -383,7 +416,12 @@ def _from_lists(ids: list, types: list | None) -> PackedInput:
     rt = RaggedTensor.from_lengths(flat(ids), lengths)
     if types is not None and [len(row) for row in types] != lengths:
         types = None
-    return PackedInput(rt, None if types is None else flat(types), None, PaddedLayout(rt.max_len))
+    positions = None
+    if side == "left" and columns and total:
+        n = np.asarray(lengths, dtype=np.int64)
+        starts = np.repeat(np.cumsum(n) - n, n)  # each token's sequence start, then its column
+        positions = torch.from_numpy(np.arange(total, dtype=np.int64) - starts + np.repeat(rt.max_len - n, n))
+    return PackedInput(rt, None if types is None else flat(types), positions, PaddedLayout(rt.max_len, side))
 
 
 def _host_padded(features) -> bool:
@@ -454,70 +492,8 @@ def _own_tokens(row: object) -> None:
 # Conversion
 
 
-@dataclasses.dataclass
-class _Plan:
-    transformer: nn.Module
-    poolings: list[nn.Module]                 # Pooling modules that read the Transformer's token embeddings
-    padded: list[tuple[str, str, str]]        # (name, class, why) of modules left on padded token embeddings
-
-
-def _replaced(module: nn.Module, name: str, ours: type) -> bool:
-    value = module.__dict__.get(name)
-    return value is not None and not isinstance(value, ours)
-
-
-def _plan(model: nn.Module) -> _Plan | str:
-    """What conversion does to ``model``, or why it cannot be converted (reads only)."""
-    if len(model) == 0:
-        return "it has no modules"
-    c = _classes()
-    first = model[0]
-    if type(first) is not c["Transformer"]:
-        return (f"its first module is a {type(first).__name__}, not sentence-transformers' Transformer (ragged runs a "
-                "Transformer over a model ragged.nn.convert converts)")
-    if first.backend != "torch":
-        return f"its Transformer runs the {first.backend!r} backend, not torch"
-    if first.transformer_task != "feature-extraction":
-        return f"its Transformer's task is {first.transformer_task!r}, not 'feature-extraction'"
-    if first.module_output_name != "token_embeddings" or first.modality_config.get("text") != _TEXT:
-        return (f"its Transformer maps text to {first.modality_config.get('text')!r} -> {first.module_output_name!r}, "
-                "not the model's forward's last_hidden_state -> token_embeddings")
-    if getattr(first, "can_flatten_inputs", False):
-        return "its Transformer flattens inputs for flash attention: set st[0].unpad_inputs = False first"
-    expansion = getattr(first, "query_expansion", None)
-    if expansion is not None and not expansion.get("attend", True):
-        return "its Transformer uses query expansion with attend=False (embeddings read at padding positions)"
-    for owner, name, ours, where in ((first, "forward", RaggedTransformerForward, "its Transformer"),
-                                     (first, "preprocess", RaggedPreprocess, "its Transformer"),
-                                     (model, "encode", RaggedEncode, "it")):
-        if _replaced(owner, name, ours):
-            return f"{where} has its {name} replaced, which the converted model would not run"
-    auto = first._modules.get("model")
-    if not hf_forward.is_hf_model(auto):
-        return f"its auto_model is a {type(auto).__name__}, not a transformers model ragged.nn.convert converts"
-    if not hf_forward.is_done(auto):
-        why = hf_forward.why_not(auto)
-        if why is not None:
-            return f"its auto_model cannot be converted: {why}"
-    ident = hf_forward.identify(auto)
-    if isinstance(ident, str) or ident[1] != "base":
-        return f"its auto_model is a {type(auto).__name__}, not a base model (AutoModel)"
-    poolings, padded, changed_by = [], [], None
-    for name, module in list(model._modules.items())[1:]:
-        kind = type(module)
-        if kind is c["Pooling"] and changed_by is None and not _replaced(module, "forward", RaggedPooling):
-            poolings.append(module)
-        elif kind in (c["Dropout"], c["LayerNorm"]) or (kind in (c["Dense"], c["Normalize"]) and "token_embeddings"
-                                                         not in (module.module_input_name, module.module_output_name)):
-            pass  # sentence-level: [B, d] in, [B, d] out
-        else:
-            if kind is c["Pooling"] and changed_by is not None:
-                why = f"it pools the token embeddings module {changed_by!r} wrote (sentence-transformers' pooling)"
-            else:
-                why = "it may read or change the token embeddings (it gets them padded)"
-                changed_by = name if changed_by is None else changed_by
-            padded.append((name, kind.__name__, why))
-    return _Plan(first, poolings, padded)
+def _plan(model: nn.Module) -> Plan | str:
+    return plan_conversion(model, (RaggedTransformerForward, RaggedPreprocess, RaggedEncode))
 
 
 def why_not(model: nn.Module) -> str | None:
@@ -538,10 +514,19 @@ def _own(module: nn.Module, name: str, cls: type):
 def is_converted(model: nn.Module) -> bool:
     """Whether the SentenceTransformer ``model`` is converted: its encode, its Transformer's
     forward and preprocess and its Poolings' ragged forwards are patches of their own module."""
-    return len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
+    own = len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
         (model, "encode", RaggedEncode), (model[0], "forward", RaggedTransformerForward),
         (model[0], "preprocess", RaggedPreprocess), *((m, "forward", RaggedPooling) for m in model._modules.values()
                                                       if isinstance(m.__dict__.get("forward"), RaggedPooling))))
+    # a decoder runs packed under "ragged" attention only: another set since is not converted
+    return own and (not model[0].forward.decoder or uses_ragged_attention(model[0]._modules["model"]))
+
+
+def graph_target(model: nn.Module) -> nn.Module:
+    """What :func:`ragged.nn.graphed` captures for the converted SentenceTransformer ``model``:
+    its ``auto_model`` (a converted encoder) or a :class:`ragged.nn.hf.decoder.PackedDecoder` of it."""
+    auto = model[0]._modules["model"]
+    return PackedDecoder(auto) if model[0].forward.decoder else auto
 
 
 def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
@@ -575,12 +560,16 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
         plan = _plan(model)
     first = plan.transformer
     auto = first._modules["model"]
-    family, _ = hf_forward.identify(auto)
     takes_types = "token_type_ids" in inspect.signature(type(auto).forward).parameters
-    patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
+    if plan.decoder:  # its own forward, on the packed batch as one row, under "ragged" attention
+        from_ids, patched, attention = False, [], use_ragged_attention(auto)
+    else:
+        from_ids, attention = hf_forward.identify(auto)[0].positions_from_ids, None
+        patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
     # what a shallow copy shares with a converted model is its own already: kept as it is (graphs included)
     wanted = [(first, "forward", RaggedTransformerForward,
-               lambda: RaggedTransformerForward(first, family.positions_from_ids, takes_types, bool(plan.padded))),
+               lambda: RaggedTransformerForward(first, from_ids, takes_types and not plan.decoder, bool(plan.padded),
+                                                plan.decoder)),
               (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
               (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
               *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings)]
@@ -594,5 +583,7 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
             for name in names:
                 module.__dict__.pop(name, None)
         hf_forward.unpatch(patched)
+        if plan.decoder:
+            restore_attention(auto, attention)
         raise
     return model

@@ -41,22 +41,34 @@ window is ``(left, 0)``). For Lq = Lk = 5 and ``window_size=(1, 2)``::
 A query whose window holds no key of its sequence (Lq > Lk, say) gets zeros and ``lse = -inf``,
 as under causal masking.
 
+Relative-position bias (``position_bias=(table, buckets)``, MPNet's and T5's bucketed form):
+``table [num_buckets, H]`` (any float dtype, read as float32; one column per query head),
+``buckets [max_q + max_k - 1]`` int32/int64 on q's device, and the score of query ``i`` and key
+``j`` of a sequence (positions within it, no causal alignment) under head ``h`` is
+``scale * q_i . k_j + table[buckets[j - i + max_q - 1], h]``, before masking and the softmax.
+The kernels read it per tile from ``j - i``; no ``[B, H, L, L]`` bias exists. The gradient
+flows to ``table`` (``buckets`` is an index).
+
 One op carries the work, :data:`ATTENTION` (``ragged::attention`` and
 ``ragged::attention_backward``, defined through :mod:`ragged.opdef`): operands ``(q, k, v,
-cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)`` ->
-``(out, lse)``, ``lse`` a constant of the autograd graph; its backward takes ``(do, q, k, v,
-out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left,
-window_right)`` -> ``(dq, dk, dv)``, and every backward implementation also takes
-``grads=(dq, dk, dv)``, preallocated buffers it fills and returns. Every implementation gives
-``window_left`` / ``window_right`` the default ``-1`` (no window), so callers of an
-implementation's functions that never use a window may leave them out.
+cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right,
+bias_table, bias_buckets)`` -> ``(out, lse)``, ``lse`` a constant of the autograd graph; its
+backward takes ``(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
+seed, window_left, window_right, bias_table, bias_buckets)`` -> ``(dq, dk, dv, dtable)``. Every
+backward implementation returns ``(dq, dk, dv)``, with ``dtable`` after them when given a table,
+and also takes ``grads=(dq, dk, dv)``, preallocated buffers it fills and returns. Every
+implementation gives ``window_left`` / ``window_right`` the default ``-1`` (no window) and
+``bias_table`` / ``bias_buckets`` the default None (no bias), so callers of an implementation's
+functions that use neither may leave them out.
 Implementations (:mod:`ragged.backends`, chosen from :class:`AttentionSpec`): ``"torch"``
 (forward on the CPU: :mod:`ragged.ops.attention_cpu`, lengths grouped into calls of torch's
 fused CPU kernel; elsewhere, with dropout, and every backward: :func:`reference_attention`, a
-loop of per-sequence attention in float32, the tests' oracle; declared here), ``"triton"`` (varlen flash attention, forward and
-backward, key blocks outside a window skipped; declared in :mod:`ragged.kernels.triton`) and
-``"cuda"`` (a fused kernel for short sequences, forward only, its backward Triton's, no window;
-declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it only where it is measured faster).
+loop of per-sequence attention in float32, the tests' oracle; declared here), ``"triton"`` (varlen
+flash attention, forward and backward, key blocks outside a window skipped, the position bias
+read per tile; declared in :mod:`ragged.kernels.triton`) and
+``"cuda"`` (a fused kernel for short sequences, forward only, its backward Triton's, no window,
+the position bias read per score; declared in :mod:`ragged.kernels.cuda`; ``"auto"`` takes it
+only where it is measured faster).
 """
 
 from __future__ import annotations
@@ -69,171 +81,11 @@ from torch import Tensor
 
 from .. import backends, opdef
 from . import attention_cpu
-from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager, no_autocast
+from .attention_reference import (NO_WINDOW, check_bucket_values, check_position_bias, check_window,
+                                  effective_window, reference_attention, reference_attention_backward,
+                                  reference_dropout_mask)
+from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager
 from ..tensor import RaggedTensor
-
-# --------------------------------------------------------------------------------------
-# Reference
-
-
-NO_WINDOW = (-1, -1)  # window_size of attention without a sliding window
-
-
-def check_window(fn: str, window_size: object) -> tuple[int, int]:
-    """``window_size`` as ``(left, right)`` Python ints, each ``>= -1`` (``-1``: that side is
-    unbounded): a tuple or list of two ints, else ``TypeError`` / ``ValueError`` naming ``fn``."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"{fn}(): expected window_size to be a tuple (left, right) of two ints, got "
-                        f"{describe(window_size)}")
-    left = check_int(fn, "window_size[0]", window_size[0], minimum=-1)
-    right = check_int(fn, "window_size[1]", window_size[1], minimum=-1)
-    return left, right
-
-
-def effective_window(window_size: tuple[int, int], causal: bool, max_q: int, max_k: int) -> tuple[int, int]:
-    """The window that masks the same keys with every side that bounds nothing set to ``-1``:
-    ``causal`` already bounds the right side (at 0), a left side ``>= max_k - 1`` or a right side
-    ``>= max_q - 1`` leaves every key of a sequence in reach of every query (the aligned
-    position of query ``i`` of a sequence is ``i + Lk - Lq``, from ``Lk - Lq`` to ``Lk - 1``).
-    ``(-1, -1)``: no window at all. Host ints only: no tensor is read."""
-    left, right = window_size
-    if left >= max_k - 1:
-        left = -1
-    if causal or right >= max_q - 1:
-        right = -1
-    return left, right
-
-
-def _visible(lq: int, lk: int, causal: bool, window: tuple[int, int], device: torch.device) -> torch.Tensor | None:
-    """``[Lq, Lk]`` bool, True where query ``i`` sees key ``j`` (positions within the sequence),
-    or None where every query sees every key."""
-    left, right = window
-    if not causal and left < 0 and right < 0:
-        return None
-    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)                # aligned query positions
-    j = torch.arange(lk, device=device).unsqueeze(0)
-    return attention_cpu.band(i, j, causal, window)
-
-
-@no_autocast
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
-                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        compute_dtype: torch.dtype | None = None,
-                        window_size: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence attention in ``compute_dtype`` (float32 by default; float64 for float64 inputs).
-
-    Differentiable through torch autograd. Reads the offsets on the host (one sync on
-    CUDA): this is an oracle and the CPU path, not the GPU hot path. ``dropout_mask``
-    (optional, ``[H, Tq, max_k]`` bool, True = keep) applies attention dropout with
-    probability ``dropout_p`` exactly as the kernels draw it. ``window_size``: ``(left, right)``
-    sliding window (see the module docstring), combined with ``causal``.
-    Returns ``(out [Tq, H, D] in q.dtype, lse [Tq, H] float32)``.
-    """
-    window = check_window("ragged.reference_attention", window_size)
-    heads, head_dim = q.shape[1], q.shape[2]
-    group = heads // k.shape[1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    dtype = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    cq = cu_seqlens_q.tolist()
-    ck = cu_seqlens_k.tolist()
-    outs, lses = [], []
-    for b in range(len(cq) - 1):
-        qb = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)                       # [H, Lq, D]
-        kb = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        vb = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        lq, lk = qb.shape[1], kb.shape[1]
-        s = torch.matmul(qb, kb.transpose(1, 2)) * scale                         # [H, Lq, Lk]
-        seen = _visible(lq, lk, causal, window, q.device)
-        if seen is not None:
-            s = s.masked_fill(~seen, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                         # [H, Lq]; -inf if no key
-        p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(dtype).min))
-        p = torch.nan_to_num(p, nan=0.0)
-        if dropout_mask is not None and dropout_p > 0:
-            keep = dropout_mask[:, cq[b]:cq[b + 1], :lk]
-            p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros((), dtype=dtype, device=p.device))
-        outs.append(torch.matmul(p, vb).transpose(0, 1))
-        lses.append(lse.transpose(0, 1))
-    if not outs:  # B = 0 (so T = 0): empty results that stay in the autograd graph
-        return q * 0, torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
-    out = torch.cat(outs).to(q.dtype)
-    return out, torch.cat(lses).to(torch.float32)
-
-
-@no_autocast
-def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
-                                 scale: float | None = None, dropout_mask: torch.Tensor | None = None,
-                                 dropout_p: float = 0.0, window_size: tuple[int, int] = (-1, -1)
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`reference_attention` (float32; float64 for float64 inputs), written out.
-
-    With ``P = softmax(S)``, ``Z`` the dropout keep mask scaled by ``1 / (1 - p)`` and
-    ``O = (P * Z) V``: ``dV = (P * Z)^T dO``, ``dP = (dO V^T) * Z``,
-    ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; for
-    GQA the key/value gradients are summed over each group's query heads. Explicit
-    formulas rather than autograd: this also runs inside the ``ragged::attention_backward``
-    op, where autograd is off.
-    """
-    window = check_window("ragged.reference_attention_backward", window_size)
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    cq = cu_seqlens_q.tolist()
-    ck = cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        lq, lk = qe - qs, ke - ks
-        if lq == 0 or lk == 0:
-            continue
-        qb = q[qs:qe].to(dtype).transpose(0, 1)                                  # [H, Lq, D]
-        kb = k[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)     # [H, Lk, D]
-        vb = v[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        dob = do[qs:qe].to(dtype).transpose(0, 1)
-        s = torch.matmul(qb, kb.transpose(1, 2)) * scale
-        seen = _visible(lq, lk, causal, window, q.device)
-        if seen is not None:
-            s = s.masked_fill(~seen, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        p = torch.nan_to_num(torch.exp(s - lse.clamp_min(torch.finfo(dtype).min)), nan=0.0)
-        zp = p
-        if dropout_mask is not None and dropout_p > 0:
-            keep = dropout_mask[:, qs:qe, :lk].to(dtype) / (1.0 - dropout_p)
-            zp = p * keep
-        out = torch.matmul(zp, vb)
-        dvb = torch.matmul(zp.transpose(1, 2), dob)                              # [H, Lk, D]
-        dp = torch.matmul(dob, vb.transpose(1, 2))
-        if zp is not p:
-            dp = dp * keep
-        ds = p * (dp - (dob * out).sum(-1, keepdim=True))
-        dq[qs:qe] = (torch.matmul(ds, kb) * scale).transpose(0, 1)
-        dkb = torch.matmul(ds.transpose(1, 2), qb) * scale
-        dk[ks:ke] = dkb.view(kv_heads, group, lk, head_dim).sum(1).transpose(0, 1)
-        dv[ks:ke] = dvb.view(kv_heads, group, lk, head_dim).sum(1).transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tensor, heads: int, total_q: int,
-                           max_k: int, device: torch.device) -> torch.Tensor:
-    """``[H, Tq, max_k]`` keep mask for ``seed``: the Triton kernels' own mask wherever Triton
-    can run on ``device`` (so the reference and the kernels drop the same entries), else
-    one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern).
-    A seed drawn on the device (see :func:`dropout_seed`) is read back first: outside a graph
-    capture only (the reference cannot be captured)."""
-    if isinstance(seed, torch.Tensor):
-        seed = int(seed.reshape(-1)[0].item())
-    if backends.triton_reason(device) is None:
-        from ..kernels.triton.attention import dropout_keep_mask
-
-        return dropout_keep_mask(seed, dropout_p, cu_seqlens_q, heads, total_q, max_k, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.rand((heads, total_q, max(max_k, 1)), generator=gen, device=device) >= dropout_p
 
 
 # --------------------------------------------------------------------------------------
@@ -245,8 +97,9 @@ class AttentionSpec:
     """What an implementation of attention is asked to take: q's device and dtype, the head dim
     ``D``, the query and key/value heads, the batch size ``B``, the longest query and key
     sequences (host ints), bottom-right causal masking, the dropout probability, whether a
-    backward will follow (some query, key or value requires grad), and the sliding window
-    ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none)."""
+    backward will follow (some query, key, value or bias table requires grad), the sliding window
+    ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none), and the rows of
+    the relative-position bias table (0: no position bias)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -260,50 +113,65 @@ class AttentionSpec:
     dropout_p: float
     needs_grad: bool
     window_size: tuple[int, int] = NO_WINDOW
+    bias_buckets: int = 0
 
 
 def attention_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    max_q: int, max_k: int, causal: bool, dropout_p: float, needs_grad: bool,
-                   window_size: tuple[int, int] = NO_WINDOW) -> AttentionSpec:
+                   window_size: tuple[int, int] = NO_WINDOW,
+                   position_bias: tuple[Tensor, Tensor] | None = None) -> AttentionSpec:
     """The spec of attention over ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]``, ``cu_q, cu_k [B+1]``
     (these are also the arguments of ``ragged.explain("attention", ...)``); ``window_size`` is
-    taken as :func:`effective_window` makes it."""
+    taken as :func:`effective_window` makes it; ``position_bias``: ``(table, buckets)`` or None."""
     window = NO_WINDOW if window_size is NO_WINDOW else effective_window(
         (int(window_size[0]), int(window_size[1])), bool(causal), max_q, max_k)
+    buckets = 0 if position_bias is None else int(position_bias[0].shape[0])
     return AttentionSpec(q.device, q.dtype, q.shape[2], q.shape[1], k.shape[1], cu_q.shape[0] - 1, max_q, max_k,
-                         bool(causal), float(dropout_p), bool(needs_grad), window)
+                         bool(causal), float(dropout_p), bool(needs_grad), window, buckets)
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
-               scale: float, dropout_p: float, seed: int, window_left: int,
-               window_right: int) -> tuple[Tensor, Tensor]: ...
+               scale: float, dropout_p: float, seed: int, window_left: int, window_right: int,
+               bias_table: Tensor | None, bias_buckets: Tensor | None) -> tuple[Tensor, Tensor]: ...
 
 
 def _backward_signature(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
                         cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float,
-                        seed: int, window_left: int, window_right: int) -> tuple[Tensor, Tensor, Tensor]: ...
+                        seed: int, window_left: int, window_right: int, bias_table: Tensor | None,
+                        bias_buckets: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, backend = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, backend)
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, bias_table,
+     bias_buckets, backend) = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, bias_table, bias_buckets)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)
+    ctx.backend = backend
 
 
 def _backward(ctx, do, dlse):
     # lse is a constant of the graph (non_differentiable below): dlse is never used.
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, bias_table, bias_buckets = ctx.saved_tensors
     # The backend's backward follows its declaration (the forward-only CUDA kernel: Triton's).
-    dq, dk, dv = ATTENTION.call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    # no gradient for cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right
-    return (dq, dk, dv) + (None,) * 10
+    grads = ATTENTION.call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args, bias_table,
+                                    bias_buckets, ctx.backend)
+    dtable = grads[3] if len(grads) > 3 else None  # an implementation's dtable follows (dq, dk, dv) when given
+    # no gradient for cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, nor
+    # bias_buckets (an index)
+    return (*grads[:3], *(None,) * 10, dtable, None)
+
+
+def _backward_fake(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left,
+                   window_right, bias_table, bias_buckets):
+    dtable = q.new_empty(0) if bias_table is None else torch.empty_like(bias_table)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 ATTENTION = opdef.define(
     "attention", _signature, spec=attention_spec, setup=_setup, backward=_backward,
     fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
-    backward_signature=_backward_signature,
-    backward_fake=lambda do, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    backward_signature=_backward_signature, backward_fake=_backward_fake,
+    backward_present=lambda *operands: (True, True, True, operands[16] is not None),
     non_differentiable=lambda inputs, output: (output[1],))
 
 
@@ -314,16 +182,19 @@ def _reference_mask(q, cu_q, max_k, dropout_p, seed):
 
 
 def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
-                       window_right=-1):
+                       window_right=-1, bias_table=None, bias_buckets=None):
+    bias = None if bias_table is None else (bias_table, bias_buckets)
     if attention_cpu.available(q, dropout_p):  # one fused call per group of lengths, not per sequence
         with torch.no_grad():
             out, lse = attention_cpu.grouped_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale,
-                                                       (window_left, window_right))
+                                                       (window_left, window_right),
+                                                       None if bias is None else (*bias, max_q))
     else:
         mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
         with torch.no_grad():
             out, lse = reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                           window_size=(window_left, window_right))
+                                           window_size=(window_left, window_right), position_bias=bias,
+                                           max_seqlen_q=max_q)
     spare = q.shape[0] - out.shape[0]  # rows past the last offset (a graphed bucket's): zeros, as the op's shape
     if spare > 0:
         out = torch.cat([out, out.new_zeros((spare, *out.shape[1:]))])
@@ -332,12 +203,14 @@ def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout
 
 
 def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                        window_left=-1, window_right=-1, grads=None):
-    """The op's backward by :func:`reference_attention_backward`; ``grads``: optional
-    preallocated ``(dq, dk, dv)`` (shapes of q, k, v, any strides) copied into and returned."""
+                        window_left=-1, window_right=-1, bias_table=None, bias_buckets=None, grads=None):
+    """The op's backward by :func:`reference_attention_backward`: ``(dq, dk, dv)``, and ``dtable``
+    after them with a bias table; ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of
+    q, k, v, any strides) copied into and returned."""
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
+    bias = None if bias_table is None else (bias_table, bias_buckets)
     result = reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                          (window_left, window_right))
+                                          (window_left, window_right), position_bias=bias, max_seqlen_q=max_q)
     if grads is None:
         return result
     fn = "ragged.ops.attention._reference_backward"
@@ -348,7 +221,7 @@ def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
             raise ValueError(f"{fn}(): expected {name} of shape {tuple(grad.shape)}, got "
                              f"{tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}")
         buf.copy_(grad)
-    return tuple(grads)
+    return (*grads, *result[3:])
 
 
 backends.register(backends.Implementation("attention", "torch", _reference_forward, _reference_backward))
@@ -477,7 +350,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
                      scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
                      backend: str | None = None, *, window_size: tuple[int, int] = NO_WINDOW,
-                     validate: bool = False):
+                     position_bias: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = False):
     """Attention in flash-attn's varlen convention (see the module docstring for shapes).
 
     ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (Python or numpy; no sync). ``dropout_p > 0``
@@ -488,6 +361,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     combines with ``causal``, ``dropout_p``, GQA and ``scale``. Queries whose window holds no
     key get zeros and ``lse = -inf``. The Triton kernels skip the key blocks outside every
     window; the CUDA short-sequence kernel takes no window (``ragged.explain`` says so).
+    ``position_bias=(table, buckets)``: a relative-position bias added to every score, MPNet's
+    and T5's bucketed form: ``table [num_buckets, H]`` float (one column per query head; any
+    float dtype, read as float32; it may require grad), ``buckets [max_seqlen_q + max_seqlen_k -
+    1]`` int32/int64, both on q's device, and query ``i`` and key ``j`` of a sequence (positions
+    within it) under head ``h`` score ``scale * q_i . k_j + table[buckets[j - i + max_seqlen_q -
+    1], h]``, masked (causal, window) after. It combines with everything above and gives the
+    table its gradient. The Triton kernels read it per tile from ``j - i`` (no ``[B, H, L, L]``
+    bias is built), and so does the CUDA short-sequence kernel's forward (inference; a gradient
+    goes to Triton). Buckets outside ``[0, num_buckets)`` raise ``ValueError`` where
+    that reads no GPU memory (CPU buckets, the ``"torch"`` backend, ``validate=True``); unchecked
+    CUDA buckets out of range are the caller's error (a device-side indexing assert).
     Returns ``out [Tq, H, D]``, or ``(out, lse [Tq, H] float32)`` with ``return_lse``.
 
     Contract on the offsets: ``cu_seqlens_*[0] == 0``, non-decreasing, ``cu_seqlens_q[-1] ==
@@ -503,11 +387,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     :func:`attention`) where they may be wrong.
     """
     return _varlen(_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                   dropout_p, return_lse, backend, validate, window_size)
+                   dropout_p, return_lse, backend, validate, window_size, position_bias)
 
 
 def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, return_lse, backend, validate,
-            window_size, host_q=None, host_k=None):
+            window_size, position_bias, host_q=None, host_k=None):
     """Both public forms: ``caller`` names their arguments; ``host_q`` / ``host_k``: the offsets
     as host ints when known (a RaggedTensor's), else None."""
     cu_q, cu_k, max_q, max_k = _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p)
@@ -515,10 +399,16 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
         window = NO_WINDOW
     else:
         window = effective_window(check_window(caller.fn, window_size), bool(causal), max_q, max_k)
+    table = buckets = None
+    if position_bias is not None:
+        table, buckets = check_position_bias(caller.fn, position_bias, q.shape[1], q.device, max(max_q + max_k - 1, 0),
+                                             f"{caller.max_q} + {caller.max_k} - 1")
     # Offsets on the CPU cost nothing to read (and cannot be read while tracing: eager() is False).
     checked = bool(validate) or (cu_q.device.type == "cpu" and eager(cu_q, cu_k))
     if checked:
         _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+        if buckets is not None:
+            check_bucket_values(caller.fn, table, buckets)
     else:
         if host_q is not None:
             _check_host_ends(caller.fn, host_q, q.shape[0], caller.cu_q, caller.total_q)
@@ -526,28 +416,34 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
             _check_host_ends(caller.fn, host_k, k.shape[0], caller.cu_k, caller.total_k)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     causal, dropout_p = bool(causal), float(dropout_p)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (table is not None and table.requires_grad))
     backend = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
-                              needs_grad, window, fn=caller.fn).backend
+                              needs_grad, window, position_bias, fn=caller.fn).backend
     if not checked and backend == "torch" and eager(cu_q, cu_k):
         # The reference reads the offsets on the host anyway: check them rather than return
-        # a wrong number of rows.
+        # a wrong number of rows (and the buckets rather than index out of the table).
         _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+        if buckets is not None:
+            check_bucket_values(caller.fn, table, buckets)
     seed = dropout_seed(dropout_p, q.device)
     out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window[0], window[1],
-                         backend)
+                         table, buckets, backend)
     return (out, lse) if return_lse else out
 
 
 def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = False, scale: float | None = None,
               dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None, *,
-              window_size: tuple[int, int] = NO_WINDOW, validate: bool = False):
+              window_size: tuple[int, int] = NO_WINDOW, position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+              validate: bool = False):
     """Padding-free attention over RaggedTensors (``values [T, H, D]``).
 
     ``k`` and ``v`` share their sequences; ``q`` may have other lengths (cross-attention)
     with the same batch size. Returns a RaggedTensor with q's sequences, or
     ``(out, lse)`` with ``return_lse`` (``lse``: ``[Tq, H]`` float32 tensor).
-    ``window_size=(left, right)``: sliding-window attention, as in :func:`varlen_attention`.
+    ``window_size=(left, right)``: sliding-window attention, and ``position_bias=(table,
+    buckets)``: a relative-position bias (``buckets [q.max_len + k.max_len - 1]``), as in
+    :func:`varlen_attention`.
 
     The offsets are checked as in :func:`varlen_attention`; in addition, offsets the
     RaggedTensors hold on the host (from :func:`ragged.pack`, ``from_lengths``, ...) are checked
@@ -568,7 +464,8 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
     result = _varlen(_RAGGED, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, validate, window_size, q.known_host_offsets, k.known_host_offsets)
+                     dropout_p, return_lse, backend, validate, window_size, position_bias, q.known_host_offsets,
+                     k.known_host_offsets)
     if return_lse:
         out, lse = result
         return q.with_values(out), lse

@@ -12,8 +12,10 @@ attention is a handful of ops on whole batches, whose parallel regions pay off.
 
 Same contract as the reference: ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (GQA: query head ``h``
 reads key/value head ``h // (H / H_kv)``), bottom-right aligned causal masking and sliding
-window, zeros and ``lse = -inf`` for a query that sees no key, the math in float32 (float64 for
-float64 inputs). No dropout: the caller keeps the reference for that.
+window, the relative-position bias (one ``[H, max_q, max_k]`` block per group, the same for each
+of its sequences: positions within a sequence start at 0), zeros and ``lse = -inf`` for a query
+that sees no key, the math in float32 (float64 for float64 inputs). No dropout: the caller keeps
+the reference for that.
 """
 
 from __future__ import annotations
@@ -106,13 +108,19 @@ def _mask(lq: list[int], lk: list[int], mq: int, mk: int, causal: bool, window: 
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: list[int], ck: list[int],
-                      causal: bool, scale: float, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, scale: float, window: tuple[int, int],
+                      position_bias: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the packed sequences of offsets ``cq`` / ``ck`` (host ints), one kernel call
-    per group of :func:`plan`. Returns ``(out [cq[-1], H, D] in q.dtype, lse [cq[-1], H]
-    float32)``, as :func:`ragged.ops.attention.reference_attention` does."""
+    per group of :func:`plan`. ``position_bias``: ``(table [num_buckets, H], buckets, max_q)``,
+    see :mod:`ragged.ops.attention_reference`. Returns ``(out [cq[-1], H, D] in q.dtype,
+    lse [cq[-1], H] float32)``, as :func:`ragged.ops.attention.reference_attention` does."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if position_bias is not None:
+        table, buckets, max_q = position_bias
+        table = table.to(dtype).t()                                              # [H, num_buckets]
     total = cq[-1]
     groups = plan(cq, ck)
     whole = len(groups) == 1 and len(groups[0]) == len(cq) - 1
@@ -129,9 +137,15 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: lis
         kg, vg = _gather(k, rows_k, dtype, group), _gather(v, rows_k, dtype, group)
         # Where every sequence has as many queries as keys, causal masking needs no mask: a
         # query of a sequence of length L never reaches the padding keys past L.
-        self_causal = causal and window == (-1, -1) and lq == lk
+        self_causal = causal and window == (-1, -1) and lq == lk and position_bias is None
         seen = None if self_causal else _mask(lq, lk, mq, mk, causal, window)
-        bias = None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
+        if position_bias is None:
+            bias = None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
+        else:
+            rel = torch.arange(mk).unsqueeze(0) - torch.arange(mq).unsqueeze(1) + (max_q - 1)
+            bias = table[:, buckets[rel]].unsqueeze(0)                           # [1, H, mq, mk]
+            if seen is not None:
+                bias = bias.masked_fill(~seen, float("-inf"))
         o, s = _FLASH(qg, kg, vg, 0.0, self_causal, attn_mask=bias, scale=scale)  # [n,H,mq,D], [n,H,mq]
         o, s = o.transpose(1, 2)[valid_q], s.transpose(1, 2)[valid_q].to(torch.float32)
         if seen is not None and seen.shape[2] > 1:

@@ -6,8 +6,10 @@ tile (at most 32 queries and 32 keys): Q, K, V of the sequence go to shared memo
 ``S = Q K^T`` and ``O = P V`` run on the tensor cores (``mma.sync``), the softmax in fp32
 registers, and O and lse are written in one pass. It takes fp16/bf16, head dims 32, 64 and
 128, sequences of at most :data:`MAX_LEN` tokens (queries and keys), GQA, cross-attention
-(different q and k offsets) and bottom-right causal masking; no dropout, no sliding window,
-no backward. What it takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"``
+(different q and k offsets), bottom-right causal masking and a relative-position bias
+(``position_bias``: the ``_bias`` kernels read one float per score from the head's row of a
+distance table, ``table[buckets[d], h] * log2(e)``, composed once per call); no dropout, no
+sliding window, no backward. What it takes is declared in :mod:`ragged.kernels.cuda` (the ``"cuda"``
 implementation of the attention op, whose backward is Triton's).
 
 The kernel is compiled at first use through NVRTC (CuPy) and launched on torch's current
@@ -29,8 +31,8 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SOURCE = "attention_short.cu"
 _LOG2E = 1.4426950408889634
 # (q, k, v, out, lse, cu_q, cu_k, offsets64, heads, group, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scale_log2,
-#  causal, total_q, total_k): RAGGED_ATTENTION_PARAMS of the source
-PARAMS = Params("PPPPPPPiiiqqqqqqfiqq")
+#  causal, total_q, total_k, bias, bias_span, bias_origin): RAGGED_ATTENTION_PARAMS of the source
+PARAMS = Params("PPPPPPPiiiqqqqqqfiqqPii")
 
 # Head dim -> ((key rows per shared-memory chunk C, warps per block W), ...), smallest C first;
 # the same (D, C, W) list as the RAGGED_ATTENTION_SHORT_TYPES lines of the source. The launcher
@@ -86,15 +88,23 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel(dtype: torch.dtype, head_dim: int, heads: int, batch: int, max_q: int, max_k: int,
-            device: torch.device) -> tuple[str, int, int]:
+            device: torch.device, bias: bool = False) -> tuple[str, int, int]:
     """(kernel name, heads per block, warps per block)."""
+    tag = "_bias" if bias else ""
     pipe = _PIPELINED.get(head_dim) if PIPELINED_HEADS else None
     if (pipe is not None and max_q <= 16 * pipe[1] and max_k <= pipe[0]
             and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(device)):
         (chunk, warps), per_block = pipe, PIPELINED_HEADS
-        return f"ragged_attention_short_pipe_{_DTYPES[dtype]}_d{head_dim}_c{chunk}_h{per_block}", per_block, warps
+        return (f"ragged_attention_short_pipe{tag}_{_DTYPES[dtype]}_d{head_dim}_c{chunk}_h{per_block}", per_block,
+                warps)
     chunk, warps = _config(head_dim, max_k)
-    return f"ragged_attention_short_{_DTYPES[dtype]}_d{head_dim}_c{chunk}", 1, warps
+    return f"ragged_attention_short{tag}_{_DTYPES[dtype]}_d{head_dim}_c{chunk}", 1, warps
+
+
+def _distance_rows(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """``[H, len(buckets)]`` float32, contiguous: ``table[buckets[d], h] * log2(e)`` at ``[h, d]``
+    (the bias kernels' rows, in their log2 units; one gather on the device, no sync)."""
+    return (table.detach().t().to(torch.float32)[:, buckets.long()] * _LOG2E).contiguous()
 
 
 def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, heads: int, causal: bool,
@@ -116,16 +126,21 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     step = d * qkv.element_size()
     wide = 3 if cu.dtype == torch.int64 else 0
     args = (p, p + step, p + 2 * step, out.data_ptr(), 0, cu.data_ptr(), cu.data_ptr(), wide, heads, 1, width,
-            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal), total, total)
+            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal), total, total, 0, 0, 0)
     launch(_SOURCE, kernel, qkv.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
+            bias_table=None, bias_buckets=None):
     """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. No sliding
-    window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``."""
+    window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``. A
+    position bias (``bias_table [num_buckets, H]``, ``bias_buckets [max_q + max_k - 1]``) runs
+    the ``_bias`` kernels."""
     if dropout_p > 0:
         raise ValueError("the CUDA short-sequence attention kernel has no dropout")
+    if (bias_table is None) != (bias_buckets is None):
+        raise ValueError("the CUDA short-sequence attention kernel takes bias_table and bias_buckets together")
     if window_left != -1 or window_right != -1:
         raise ValueError(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
                          f"({window_left}, {window_right})")
@@ -137,11 +152,14 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
         return out, lse
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernel reads cu[b] at cu + b
-    kernel, per_block, warps = _kernel(q.dtype, head_dim, heads, batch, max_q, max_k, q.device)
+    bias = bias_table is not None
+    kernel, per_block, warps = _kernel(q.dtype, head_dim, heads, batch, max_q, max_k, q.device, bias)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    rows = _distance_rows(bias_table, bias_buckets) if bias else None
+    bias_args = (rows.data_ptr(), rows.shape[1], max_q - 1) if bias else (0, 0, 0)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(),
             cu_k.data_ptr(), wide, heads, heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale * _LOG2E, int(causal), total_q, k.shape[0])
+            v.stride(0), v.stride(1), scale * _LOG2E, int(causal), total_q, k.shape[0], *bias_args)
     launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out, lse

@@ -28,9 +28,25 @@ register(
 # this list is left to the other backends rather than compiled for).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
+
+# The most rows of a position-bias table: the dQ kernel keeps a sum per bucket in registers and
+# compares each of a tile's distances with every bucket (MPNet and T5 use 32).
+ATTENTION_MAX_BUCKETS = 128
+
+
+def _attention_check(spec) -> list[str]:
+    if spec.bias_buckets and spec.needs_grad:
+        from .attention_bias import gather_reason  # imports Triton: only for a bias with a backward
+
+        reason = gather_reason()
+        return [reason] if reason else []
+    return []
+
+
 register(Implementation("attention", "triton", f"{_HERE}.attention:forward", f"{_HERE}.attention:backward",
                         dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                        limits={"head_dim": ATTENTION_HEAD_DIMS}, rank=1))
+                        limits={"head_dim": ATTENTION_HEAD_DIMS}, maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
+                        check=_attention_check, rank=1))
 
 
 # ---- fused -------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
     _block_cum_kernel,
     _bwd_dkdv_kernel,
@@ -29,7 +30,7 @@ __all__ = ["HEAD_DIMS", "backward", "dropout_keep_mask", "flops", "forward"]
 
 @functools.lru_cache(maxsize=None)
 def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
-                dropout: bool = False):
+                dropout: bool = False, bias: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, from sweeps of
     ``bench/tune_attention.py`` on an H200 (bf16):
 
@@ -38,6 +39,13 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
       dropout (128, 64, 8, 2) (with dropout the smaller tile slowed a 12-layer training step);
     * D=64, lengths 8..32: (16, 32, 4, 2), causal (32, 32, 4, 2) (host-bound: the shapes
       differ little there).
+
+    A position bias (``bias``) keeps D=128 causal at the 64-key tile: the bias tile's layout
+    conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200). At
+    MPNet's shapes (D=64, 256 sentences of 8..128 tokens, ``tune_attention --bias``,
+    ``bench/results/tune_attention_bias_h200_4aa04c8.txt``, replayed from CUDA graphs) (64, 32,
+    4, 2) took 0.111 ms with the bias, the best of 54 shapes, against 0.069 ms without the bias
+    at its own shape (64, 64, 4, 3).
     """
     if interpreted:
         return 16, 16, 4, 1
@@ -49,19 +57,31 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         block_m = 32 if causal else 16
         return block_m, max(16, min(64, triton.next_power_of_2(max(max_k, 1)))), 4, 2
     if head_dim > 64:
-        return (128, 128, 8, 3) if causal else (128, 64, 8, 3)
+        return (128, 128, 8, 3) if causal and not bias else (128, 64, 8, 3)
     if max_q <= 512 and not causal and not dropout:
-        return 64, 64, 4, 3
+        return (64, 32, 4, 2) if bias else (64, 64, 4, 3)
     return 128, 64, 8, 2
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool):
+def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
+                bias: bool = False):
     """((BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel, the same of the dQ kernel), from
     ``bench/tune_attention.py --bwd`` on an H200 (bf16, D=128, lengths 256..4096): dK/dV
-    (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3)."""
+    (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3).
+
+    With a position bias (``bias``) the dQ kernel also rotates each tile's dS (needs BLOCK_M <=
+    BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`). At MPNet's
+    shapes (D=64, 256 sentences of 8..128 tokens; ``tune_attention --bias`` replayed from CUDA
+    graphs, ``bench/results/tune_attention_bias_h200_4aa04c8.txt``) dK/dV (32, 64, 4, 2) with
+    dQ (32, 32, 4, 2) took 0.515 ms forward and backward (0.563 with dQ (64, 64, 4, 2)), against
+    0.269 without the bias at its own shapes; above D=64 the dQ query blocks are kept to 32 rows
+    so that the tile fits the registers (sm_90 register counts, not timed).
+    """
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
+    if bias and dtype == torch.float32:
+        return (32, 32, 4, 1), (16, 32, 4, 1)
     if head_dim > 128 or dtype == torch.float32:
         return (32, 32, 4, 1), (32, 32, 4, 1)
     kv = (32, 64, 4, 2) if causal else (64, 64, 4, 2)
@@ -73,6 +93,15 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
         kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))),
               4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
+    if bias and head_dim <= 64:
+        cols = min(dq[1], 32)
+        dq = (min(dq[0], cols), cols, 4, 2)
+        if max(max_q, max_k) > 64 and not causal:
+            kv = (32, 64, 4, 2)
+    elif bias:
+        cols = min(dq[1], 64)
+        rows = min(dq[0], 32, cols)
+        dq = (rows, cols, 8 if rows * cols >= 2048 else dq[2], min(dq[3], 2))
     return kv, dq
 
 
@@ -123,6 +152,11 @@ def _window(causal: bool, window_left: int, window_right: int, max_q: int, max_k
     return (max_k if left < 0 else left), (0 if causal else max_q if right < 0 else right)
 
 
+def _span(bias_buckets) -> int:
+    """The distance table's row length (0 without a bias)."""
+    return 0 if bias_buckets is None else bias_buckets.shape[0]
+
+
 def _seed(seed, cu_q):
     """``(seed int, seed pointer)`` for the kernels: a host int is passed as is (the pointer
     argument then is ``cu_q``, never read); a one-element int64 tensor on the device (what
@@ -133,12 +167,15 @@ def _seed(seed, cu_q):
     return seed, cu_q
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
+            bias_table=None, bias_buckets=None):
     """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
     lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
     trusted: see :mod:`.attention_kernels`). A sliding window (``window_left`` /
-    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only."""
+    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only.
+    ``bias_table [num_buckets, H]`` / ``bias_buckets [max_q + max_k - 1]``: the relative-position
+    bias, read per tile from one distance table (:mod:`.attention_bias`)."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
     total_q, heads, head_dim = q.shape
@@ -148,20 +185,22 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     if total_q == 0 or batch == 0:
         return out, lse
     block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
-                                                  dropout_p > 0)
+                                                  dropout_p > 0, bias_table is not None)
     window = _window(causal, window_left, window_right, max_q, max_k)
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     seed, seed_ptr = _seed(seed, cu_q)
+    dist = lse if bias_table is None else distance_table(bias_table, bias_buckets)  # lse: a pointer never read
     _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
                       seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right,
+                      dist, max_q, _span(bias_buckets),
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1),
                       GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                       BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal and window is None, WINDOW=window is not None,
-                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype),
-                      INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, BIAS=bias_table is not None,
+                      PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -185,9 +224,11 @@ def _grad_buffers(grads, q, k, v):
 
 
 def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
-             window_right=-1, grads=None):
+             window_right=-1, bias_table=None, bias_buckets=None, grads=None):
     """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
-    forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`).
+    forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`); with a
+    bias table, ``dtable`` (its shape and dtype) after them, summed per bucket in the dQ kernel
+    and reduced in a fixed order (:mod:`.attention_bias`: the same bits every run).
 
     ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of q, k, v) the gradients are
     written into and returned; any strides (views of one packed ``[T, 3, H, D]`` buffer are
@@ -198,42 +239,49 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     total_k, kv_heads, _ = k.shape
     batch = cu_q.shape[0] - 1
     (dq, dk, dv), result = _grad_buffers(grads, q, k, v)
-    if batch == 0 or (total_q == 0 and total_k == 0):
-        return result
-    if total_q == 0:
-        result[1].zero_(), result[2].zero_()
-        return result
+    bias = bias_table is not None
+    if batch == 0 or total_q == 0:
+        if batch and total_k:
+            result[1].zero_(), result[2].zero_()
+        return (*result, torch.zeros_like(bias_table)) if bias else result
     delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     out = _rows(out)
     lse = lse.contiguous()
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
-                                                                 _interpreted())
+                                                                 _interpreted(), bias_table is not None)
     group = heads // kv_heads
     window = _window(causal, window_left, window_right, max_q, max_k)
     win_left, win_right = window or (0, 0)
     seed, seed_ptr = _seed(seed, cu_q)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                   CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
-                  SEED_PTR=seed_ptr is not cu_q, PRECISION=_precision(q.dtype))
+                  SEED_PTR=seed_ptr is not cu_q, BIAS=bias, PRECISION=_precision(q.dtype))
+    programs = triton.cdiv(total_q, q_m) + batch
+    dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
+    if bias:
+        dist, buckets = distance_table(bias_table, bias_buckets), bias_buckets.contiguous()
+        partial = partial_buffer(programs, heads, bias_table.shape[0], q.device)
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
-    _bwd_dq_kernel[(triton.cdiv(total_q, q_m) + batch, heads)](
+    _bwd_dq_kernel[(programs, heads)](
         q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
         seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+        dist, buckets, partial, max_q, _span(bias_buckets),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
-        num_stages=q_s, INLINE=inline, CHUNK=chunk, **common)
+        num_stages=q_s, INLINE=inline, CHUNK=chunk, NUM_BUCKETS=partial.shape[1] if bias else 16, **common)
     if total_k:
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
             seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
+            dist, max_q, _span(bias_buckets),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
-    return result
+    return (*result, table_gradient(partial, bias_table)) if bias else result
 
 
 def dropout_keep_mask(seed: int, dropout_p: float, cu_q: torch.Tensor, heads: int, total_q: int, max_k: int,

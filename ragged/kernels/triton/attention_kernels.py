@@ -43,152 +43,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention_bias import _bias_row, _bias_tile, _bias_tile_t, _bucket_add, _diagonal_sums
+from .attention_common import (
+    _bounds,
+    _in_window,
+    _keep,
+    _keep_t,
+    _key_span,
+    _locate,
+    _query_span,
+)
 from .launch import cached_launch
 
 
 @triton.jit
-def _find(cum, batch, n_steps, item):
-    """Largest b in [0, batch) with cum[b] <= item (scalar binary search)."""
-    lo = item * 0
-    hi = lo + batch - 1
-    for _ in range(n_steps):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(cum + mid) <= item
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    return lo
-
-
-@triton.jit
-def _locate(cu, block_cum, batch, n_steps, item, BLOCK: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
-    """Work item -> (sequence b, block index within b, blocks of b, total items).
-
-    INLINE (moderate B): each program sums ceil(L / BLOCK) over the offsets itself (vector
-    prefix sums, a few loads per sequence from L2), which saves the host a kernel launch
-    per call. Otherwise ``block_cum`` (built by _block_cum_kernel) is binary-searched.
-    """
-    if INLINE:
-        carry = item * 0
-        count = item * 0
-        before = item * 0
-        after = item * 0 + 2147483647
-        for start in range(0, batch, CHUNK):
-            idx = start + tl.arange(0, CHUNK)
-            ok = idx < batch
-            length = tl.load(cu + idx + 1, mask=ok, other=0) - tl.load(cu + idx, mask=ok, other=0)
-            incl = tl.cumsum(((length + (BLOCK - 1)) // BLOCK).to(tl.int32), 0) + carry
-            done = ok & (incl <= item)
-            count += tl.sum(done.to(tl.int32), 0)
-            before = tl.maximum(before, tl.max(tl.where(done, incl, 0), 0))
-            after = tl.minimum(after, tl.min(tl.where(ok & (incl > item), incl, 2147483647), 0))
-            carry = tl.max(tl.where(ok, incl, carry), 0)
-        return count, item - before, after - before, carry
-    else:
-        total = tl.load(block_cum + batch)
-        b = _find(block_cum, batch, n_steps, item)
-        first = tl.load(block_cum + b)
-        return b, item - first, tl.load(block_cum + b + 1) - first, total
-
-
-@triton.jit
-def _bounds(cu_q, cu_k, b):
-    """First packed token (int64) and length of sequence b on the query and key sides."""
-    q_start = tl.load(cu_q + b).to(tl.int64)
-    k_start = tl.load(cu_k + b).to(tl.int64)
-    q_len = (tl.load(cu_q + b + 1) - q_start).to(tl.int32)
-    k_len = (tl.load(cu_k + b + 1) - k_start).to(tl.int32)
-    return q_start, q_len, k_start, k_len
-
-
-@triton.jit
-def _fmix32(x):
-    """A bijective 32-bit mixer (every input bit flips each output bit with probability ~1/2)."""
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _keep_rows(seed, h, t_global, total_q):
-    """Per-row dropout keys of head ``h`` and query tokens ``t_global``: mixed with the seed."""
-    rows = (h * total_q + t_global).to(tl.int64)
-    hi = _fmix32((rows >> 32).to(tl.uint32) + seed.to(tl.uint32))
-    return _fmix32((rows & 0xFFFFFFFF).to(tl.uint32) ^ hi)
-
-
-@triton.jit
-def _keep(seed, dropout_p, h, t_global, j_local, total_q):
-    """``[M, N]`` dropout keep mask for query tokens ``t_global [M]`` x keys ``j_local [N]``
-    (indices within the sequence) of head ``h``.
-
-    A counter-based hash, one per element (no state, no ordering between programs): row key
-    ``r = fmix(lo32(h * Tq + t) ^ fmix(hi32(h * Tq + t) + seed))``, element draw
-    ``fmix(r + j * 0x9E3779B1)`` (mod 2**32); kept when its top 24 bits, as a fraction of
-    2**24, are >= dropout_p. About ten integer operations per element: half the cost of
-    Philox-10 at eight keys per call in the forward kernel, and no shuffles to spread one
-    call's draws over neighbouring keys."""
-    r = _keep_rows(seed, h, t_global, total_q)
-    x = _fmix32(r[:, None] + j_local.to(tl.uint32)[None, :] * 0x9E3779B1)
-    return (x >> 8).to(tl.float32) >= dropout_p * 16777216.0
-
-
-@triton.jit
-def _keep_t(seed, dropout_p, h, t_global, j_local, total_q):
-    """The transpose of :func:`_keep`, ``[N, M]``, drawn in that layout."""
-    r = _keep_rows(seed, h, t_global, total_q)
-    x = _fmix32(r[None, :] + j_local.to(tl.uint32)[:, None] * 0x9E3779B1)
-    return (x >> 8).to(tl.float32) >= dropout_p * 16777216.0
-
-
-@triton.jit
-def _in_window(rows, cols, shift, win_left, win_right):
-    """``[M, N]``: whether query rows ``rows [M]`` see keys ``cols [N]`` (positions within the
-    sequence) under the window."""
-    rel = cols[None, :] - (rows[:, None] + shift)
-    return (rel >= -win_left) & (rel <= win_right)
-
-
-@triton.jit
-def _key_span(first_row, last_row, shift, k_len, win_left, win_right, BLOCK_N: tl.constexpr):
-    """The key blocks of query rows ``first_row..last_row`` (the block's rows in the sequence)
-    under the window: ``(lo, full_lo, full_hi, hi)``, masked blocks in ``[lo, full_lo)``,
-    blocks that every row sees whole in ``[full_lo, full_hi)``, masked ones in ``[full_hi, hi)``.
-    ``lo``, ``full_lo``, ``full_hi`` are multiples of BLOCK_N (divisions of non-negative ints
-    only), ``full_hi <= k_len``; empty when no row sees a key."""
-    lo = (tl.maximum(first_row + shift - win_left, 0) // BLOCK_N) * BLOCK_N
-    hi = tl.maximum(tl.minimum(k_len, last_row + shift + win_right + 1), 0)
-    # a block [c, c + BLOCK_N) is whole for every row when c >= last_row + shift - win_left and
-    # c + BLOCK_N <= first_row + shift + win_right + 1 and c + BLOCK_N <= k_len
-    full_lo = tl.maximum(lo, ((tl.maximum(last_row + shift - win_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
-    full_hi = tl.minimum((k_len // BLOCK_N) * BLOCK_N,
-                         (tl.maximum(first_row + shift + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
-    return lo, full_lo, tl.maximum(full_lo, full_hi), hi
-
-
-@triton.jit
-def _query_span(first_col, last_col, shift, q_len, win_left, win_right, BLOCK_M: tl.constexpr):
-    """The query blocks that see keys ``first_col..last_col`` (the block's keys in the sequence)
-    under the window: ``(lo, full_lo, full_hi, hi)`` as in :func:`_key_span`, the rows of
-    ``[full_lo, full_hi)`` seeing every key of the block; ``full_hi <= q_len`` (rows past the
-    sequence add 0 in the dK/dV kernel)."""
-    lo = (tl.maximum(first_col - shift - win_right, 0) // BLOCK_M) * BLOCK_M
-    hi = tl.maximum(tl.minimum(q_len, last_col - shift + win_left + 1), 0)
-    # a row block [r, r + BLOCK_M) sees the whole key block when r >= last_col - shift - win_right
-    # and r + BLOCK_M <= first_col - shift + win_left + 1
-    full_lo = tl.maximum(lo, ((tl.maximum(last_col - shift - win_right, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
-    full_hi = tl.minimum(q_len, (tl.maximum(first_col - shift + win_left + 1, 0) // BLOCK_M) * BLOCK_M)
-    return lo, full_lo, tl.maximum(full_lo, full_hi), hi
-
-
-@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
-               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, max_k,
+               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, bias_row, bias_rows,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               DROPOUT: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key blocks [lo, hi), masked (keys past the sequence, the causal
-    diagonal, the window's edges) or not."""
+    diagonal, the window's edges) or not; ``BIAS``: the position bias of rows ``bias_rows`` added
+    (head ``h``'s distance table row at ``bias_row``)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -201,6 +76,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
             k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if BIAS:
+            s += _bias_tile(bias_row, bias_rows, cols, k_len, MASKED)
         if MASKED:
             ok = col_ok[None, :]
             if CAUSAL:
@@ -222,14 +99,17 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
+                               "bias_span"])
 def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right,
+                seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, DIST, max_q, bias_span,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
                 INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """One query block of one head. ``BIAS``: the relative-position bias of the distance table
+    ``DIST [H, bias_span]`` (see :mod:`.attention_bias`) added to every score."""
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -251,6 +131,8 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
     qk_scale = sm_scale * 1.4426950408889634
+    bias_row = _bias_row(DIST, bias_span, h, max_q)
+    bias_rows = tl.minimum(offs_m, q_len - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -262,16 +144,16 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
                                              shift, k_len, win_left, win_right, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
                                    shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, True, False, True, DROPOUT,
-                                   PRECISION)
+                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, True, False, True,
+                                   DROPOUT, BIAS, PRECISION)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len,
                                    shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, False, False, True, DROPOUT,
-                                   PRECISION)
+                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, False, False, True,
+                                   DROPOUT, BIAS, PRECISION)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
                                    shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, max_k, BLOCK_N, True, False, True, DROPOUT,
-                                   PRECISION)
+                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, True, False, True,
+                                   DROPOUT, BIAS, PRECISION)
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
@@ -283,10 +165,12 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
 
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
                                    win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
-                                   q_start, total_q, max_k, BLOCK_N, False, CAUSAL, False, DROPOUT, PRECISION)
+                                   q_start, total_q, bias_row, bias_rows, BLOCK_N, False, CAUSAL, False, DROPOUT, BIAS,
+                                   PRECISION)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
                                    win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
-                                   q_start, total_q, max_k, BLOCK_N, True, CAUSAL, False, DROPOUT, PRECISION)
+                                   q_start, total_q, bias_row, bias_rows, BLOCK_N, True, CAUSAL, False, DROPOUT, BIAS,
+                                   PRECISION)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -299,9 +183,10 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h, heads,
                 offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p,
-                total_q, max_k, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """dK/dV of one key block over query blocks [lo, hi) of head h.
+                total_q, bias_row, bias_cols, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                DROPOUT: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """dK/dV of one key block over query blocks [lo, hi) of head h (``BIAS``: the position bias of
+    keys ``bias_cols`` from head ``h``'s distance table row at ``bias_row``).
 
     Query rows past the sequence load as q = dO = 0 and lse = +inf, so they add exactly 0.
     Key rows past the sequence go unmasked: each key row of dK / dV sums its own row of P and
@@ -320,6 +205,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
         lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows that see no key: p = 0
         delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+        if BIAS:
+            s_t += _bias_tile_t(bias_row, bias_cols, rows, q_len)
         p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
         if MASKED:
             if WINDOW:
@@ -341,14 +228,15 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
+                               "bias_span"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
+                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads, DIST, max_q, bias_span,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
+                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
                      INLINE: tl.constexpr, CHUNK: tl.constexpr):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -371,6 +259,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
+    bias_cols = tl.minimum(offs_n, k_len - 1)
     begin = 0
     full = 0
     if WINDOW:
@@ -378,18 +267,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
                                                 shift, q_len, win_left, win_right, BLOCK_M)
         for g in range(GROUP):
             h = hk * GROUP + g
+            bias_row = _bias_row(DIST, bias_span, h, max_q)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
+                                 True, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, full_hi, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
+                                 True, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full_hi, end, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True, True, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
+                                 True, DROPOUT, BIAS, PRECISION)
     else:
         if CAUSAL:
             # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
@@ -399,15 +289,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
             full = tl.maximum(full, begin)
         for g in range(GROUP):
             h = hk * GROUP + g
+            bias_row = _bias_row(DIST, bias_span, h, max_q)
             if CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
                                      win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh,
-                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, True,
-                                     False, DROPOUT, PRECISION)
+                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols,
+                                     BLOCK_M, True, False, DROPOUT, BIAS, PRECISION)
             dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, win_left,
                                  win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, max_k, BLOCK_M, False, False, DROPOUT,
-                                 PRECISION)
+                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
+                                 False, DROPOUT, BIAS, PRECISION)
     dk = dk * sm_scale
     tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -416,16 +307,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
-              offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
+def _dq_inner(dq, buckets_acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi,
+              k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
+              total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi). The masked blocks (MASKED: the sequence's
     last, ragged key block, the causal diagonal, the window's edges) zero P at every key past
     the sequence as well as outside the causal or window band. A key past the end loads as
     K = V = 0 and so scores 0: left in P it would give p = exp(-lse), which overflows dS in the
     cast for dS @ K when lse is very negative (float16 past 65504, any dtype once p is inf),
-    and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band."""
+    and inf * 0 is NaN. The unmasked blocks lie within the sequence and the band.
+
+    ``BIAS``: the position bias of rows ``bias_rows`` added to the scores (head ``h``'s distance
+    table row at ``bias_row``), and ``dS`` summed per bucket into ``buckets_acc``: pairs at
+    ``c - r = 0`` of the key block at ``start_n`` lie at distance index ``start_n + bias_pos`` of
+    ``BUCKETS``; ``carry`` holds the diagonal sums from distance index ``carry_pos`` on that still
+    miss the next key block's share (see :mod:`.attention_bias`)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -435,6 +333,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
         k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if BIAS:
+            s += _bias_tile(bias_row, bias_rows, cols, k_len, MASKED)
         p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
             ok = (cols < k_len)[None, :]
@@ -448,22 +348,32 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
             keep = _keep(seed, dropout_p, h, tq, cols, total_q)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
+        if BIAS:
+            lo_sums, hi_sums = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+            buckets_acc = _bucket_add(buckets_acc, carry + hi_sums, BUCKETS, bias_span, start_n + bias_pos - BLOCK_N,
+                                      BLOCK_N, NUM_BUCKETS)
+            carry = lo_sums
+            carry_pos = start_n + bias_pos
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq
+    return dq, buckets_acc, carry, carry_pos
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
+                               "bias_span"])
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                    seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
+                   DIST, BUCKETS, PARTIAL, max_q, bias_span,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, PRECISION: tl.constexpr,
-                   INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+                   PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
-    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one."""
+    (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one. ``BIAS``:
+    the position bias added (see :mod:`.attention_bias`), and this program's sums of dS per
+    bucket written to its row ``PARTIAL[item, :, h]`` (``[programs, NUM_BUCKETS, H]``)."""
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -494,33 +404,53 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     shift = k_len - q_len
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
+    bias_row = _bias_row(DIST, bias_span, h, max_q)
+    bias_rows = tl.minimum(offs_m, q_len - 1)
+    bias_pos = max_q - 1 - m_blk * BLOCK_M   # distance index of a key block's pairs at c - r = 0, less its first key
+    acc = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
+    carry = tl.zeros([BLOCK_N], dtype=tl.float32)
+    carry_pos = bias_pos
     if WINDOW:
         lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
                                              shift, k_len, win_left, win_right, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, False, False, True, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len, shift,
-                       win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-                       max_k, BLOCK_N, True, False, True, DROPOUT, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi,
+            k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift, win_left,
-                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                       BLOCK_N, False, CAUSAL, False, DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift, win_left,
-                       win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, max_k,
-                       BLOCK_N, True, CAUSAL, False, DROPOUT, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
+            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, bias_row,
+            bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, CAUSAL, False, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
+        dq, acc, carry, carry_pos = _dq_inner(
+            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len,
+            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
+            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, CAUSAL, False, DROPOUT, BIAS,
+            NUM_BUCKETS, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
+    if BIAS:
+        acc = _bucket_add(acc, carry, BUCKETS, bias_span, carry_pos, BLOCK_N, NUM_BUCKETS)
+        n = tl.arange(0, NUM_BUCKETS)
+        tl.store(PARTIAL + (item.to(tl.int64) * NUM_BUCKETS + n) * heads + h, acc)
 
 
 @cached_launch
