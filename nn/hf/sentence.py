@@ -111,6 +111,7 @@ from ragged.utils import describe
 from . import forward as hf_forward
 from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
 from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
+from .sentence_pipeline import Pipeline, finish, reason, run
 from .sentence_plan import Plan, plan_conversion
 from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
@@ -328,7 +329,9 @@ class RaggedPreprocess:
 
 
 class RaggedEncode:
-    """The ``encode`` of a converted SentenceTransformer: sentence-transformers' own, with the
+    """The ``encode`` of a converted SentenceTransformer: on a GPU the overlapped pipeline of
+    :mod:`.sentence_pipeline` (settings in ``.pipeline``, a :class:`.sentence_pipeline.Pipeline`);
+    otherwise, and for the calls the pipeline does not take, sentence-transformers' own, with the
     batches packed on the host and the padded token embeddings written only when
     ``output_value`` asks for them."""
 
@@ -336,9 +339,17 @@ class RaggedEncode:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.pipeline = Pipeline()
 
     def for_replica(self, replica: nn.Module) -> dict:
         return {"encode": RaggedEncode(replica), "forward": ReplicaForward(replica)}
+
+    def pipelined(self, arguments: dict, settings: Pipeline | None = None, on_batch=None) -> torch.Tensor:
+        """``[N, d]`` embeddings of ``arguments["inputs"]`` through the pipeline (``arguments``:
+        encode's, by name), on the device, in the input order, before truncation and normalisation."""
+        model = self.model
+        return run(model, model[0].forward, self.pipeline if settings is None else settings, arguments,
+                   lambda: graph_target(model), encoding, on_batch)
 
     def __call__(self, *args, **kwargs):
         model = self.model
@@ -353,7 +364,11 @@ class RaggedEncode:
             bound = sig.bind_partial(model, *args, **kwargs)
             value = bound.arguments.get("output_value", sig.parameters["output_value"].default)
         except (TypeError, KeyError):
-            value = "unknown"  # let encode raise its own error; pad meanwhile
+            bound, value = None, "unknown"  # let encode raise its own error; pad meanwhile
+        if bound is not None:
+            arguments = {k: v for k, v in bound.arguments.items() if k != next(iter(sig.parameters))}
+            if reason(model, forward, self.pipeline, arguments) is None:
+                return finish(model, self.pipelined(arguments), arguments, isinstance(arguments["inputs"], str))
         with encoding(forward, "sentence" if value == "sentence_embedding" else "tokens"):
             out = encode(model, *args, **kwargs)
         if value is None and isinstance(out, list):
