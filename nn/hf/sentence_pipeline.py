@@ -74,6 +74,9 @@ class Pipeline:
     * ``graphs``: replay the model from CUDA graphs on a GPU (kept in ``cache`` per device and
       budget; :meth:`reset` drops them);
     * ``workers``: tokenization threads.
+
+    On a GPU one pipelined call runs at a time per model (``running``): a graph is captured on
+    first use, and a capture fails if another thread runs GPU work meanwhile.
     """
 
     enabled: Any = "auto"
@@ -83,6 +86,7 @@ class Pipeline:
     workers: int = 2
     cache: dict = dataclasses.field(default_factory=dict, repr=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    running: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False)
 
     def reset(self) -> None:
         """Drop the graphs kept for later calls (after moving or replacing the model's parameters)."""
@@ -90,13 +94,13 @@ class Pipeline:
             self.cache.clear()
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("cache", "lock")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("cache", "lock", "running")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.cache, self.lock = {}, threading.Lock()
+        self.cache, self.lock, self.running = {}, threading.Lock(), threading.RLock()
 
-    def __deepcopy__(self, memo) -> "Pipeline":
+    def __deepcopy__(self, memo) -> "Pipeline":  # settings only: graphs are of the model copied
         return Pipeline(self.enabled, self.max_tokens, self.max_batch, self.graphs, self.workers)
 
 
@@ -233,6 +237,14 @@ def run(model: nn.Module, forward, settings: Pipeline, arguments: dict, target: 
     """``[N, d]`` sentence embeddings of ``arguments["inputs"]`` (before ``truncate_dim`` and
     normalisation), on the device, in the input order. ``target()``: what the graphs capture;
     ``encoding``: :func:`ragged.nn.hf.sentence.encoding`."""
+    device = torch.device(model.device if arguments.get("device") is None else arguments["device"])
+    if device.type != "cuda":
+        return _run(model, forward, settings, arguments, target, encoding, on_batch)
+    with settings.running:
+        return _run(model, forward, settings, arguments, target, encoding, on_batch)
+
+
+def _run(model, forward, settings, arguments, target, encoding, on_batch):
     inputs = arguments["inputs"]
     texts = [inputs] if isinstance(inputs, str) else list(inputs)
     prompt = model._resolve_prompt(arguments.get("prompt"), arguments.get("prompt_name"))
@@ -371,7 +383,7 @@ def embed(st: nn.Module, texts: list[str], *, prompt: str | None = None, prompt_
         width = getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension
         return np.zeros((0, width() or 0), dtype=np.float32)
     settings = dataclasses.replace(encode.pipeline, enabled=True, cache=encode.pipeline.cache,
-                                   lock=encode.pipeline.lock)
+                                   lock=encode.pipeline.lock, running=encode.pipeline.running)
     if max_tokens is not None:
         settings.max_tokens = int(max_tokens)
     arguments = {"inputs": list(texts), "prompt": prompt, "prompt_name": prompt_name, "batch_size": batch_size,
