@@ -57,6 +57,7 @@ from ragged.utils import describe
 
 from . import graphed_train
 from .graphed_train import smallest as _smallest
+from .hf import sentence_pipeline
 
 __all__ = ["Graphed", "graphed", "powers_of_two"]
 
@@ -523,3 +524,6 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
         return module
     return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,
                    max_len=max_len)
+
+
+sentence_pipeline.GRAPHS = Graphed  # the graphs of a converted SentenceTransformer's encode pipeline

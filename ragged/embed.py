@@ -276,7 +276,7 @@ def _open_parts(parts: str, manifest: dict) -> set[int]:
                              f"{remove}") from None
         keys = sorted(set(old) | set(manifest))
         diff = [f"{k}: {old.get(k)!r} there, {manifest.get(k)!r} now" for k in keys if old.get(k) != manifest.get(k)]
-        if False:
+        if diff:
             raise EmbedError(f"{PROG}: {parts} holds the chunks of another run ({'; '.join(diff)}); {remove}, "
                              "or run again with that run's arguments and input")
     elif found:

@@ -220,6 +220,7 @@ def test_empty_corpus_and_empty_lines(model_dir, reference, tmp_path, capsys):
     assert np.load(tmp_path / "e.npy").shape == (0, D) and _final(stdout)[:2] == (0, 0)
     lines = tmp_path / "lines.txt"
     lines.write_bytes(b"\n\r\nlast line without a newline")    # an empty text, one from \r\n, then one more
+    assert E.read_texts(str(lines)) == ["", "", "last line without a newline"]
     assert _run(capsys, model_dir, lines, tmp_path / "l.npy", *CPU)[0] == 0
     np.testing.assert_allclose(np.load(tmp_path / "l.npy"), reference.encode(["", "", "last line without a newline"]),
                                **TOL)
@@ -359,6 +360,39 @@ def test_resume_after_interruption(model_dir, reference, tmp_path, capsys, monke
     assert "resuming: 1 of 3 chunks already done" in stdout and _final(stdout)[0] == len(TEXTS) - 4
     np.testing.assert_allclose(np.load(out), reference.encode(TEXTS), **TOL)
     assert not parts.exists()
+
+
+def test_output_replaced_only_when_complete(model_dir, reference, tmp_path, capsys, monkeypatch):
+    """An interruption while OUTPUT is written leaves the earlier OUTPUT and every chunk; the next
+    run only writes OUTPUT."""
+    corpus = _write(tmp_path / "corpus.txt", TEXTS)
+    out, parts = tmp_path / "emb.npy", tmp_path / "emb.npy.parts"
+    out.write_bytes(b"an earlier output")
+    argv = [model_dir, corpus, out, "--chunk", CHUNK, *CPU]
+    real = E._write_atomic
+
+    def interrupted(path, write, folder=None):
+        if folder is None:                       # the manifest and the chunks
+            return real(path, write, folder)
+
+        def half(f):
+            write(f)
+            f.truncate(f.tell() // 2)
+            raise KeyboardInterrupt
+
+        return real(path, half, folder)
+
+    with monkeypatch.context() as m:
+        m.setattr(E, "_write_atomic", interrupted)
+        assert _run(capsys, *argv)[0] == 130
+    assert out.read_bytes() == b"an earlier output"
+    assert sorted(p.name for p in parts.iterdir()) == ["chunk_000000.npy", "chunk_000001.npy", "chunk_000002.npy",
+                                                       "manifest.json"]
+    rc, stdout, err = _run(capsys, *argv)
+    assert rc == 0, err
+    assert stdout.splitlines()[0] == "resuming: 3 of 3 chunks already done" and _final(stdout)[:2] == (0, 0)
+    np.testing.assert_allclose(np.load(out), reference.encode(TEXTS), **TOL)
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "emb.npy"]
 
 
 @pytest.mark.parametrize("change", ["input", "normalize", "model", "no manifest", "bad manifest"])

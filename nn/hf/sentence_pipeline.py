@@ -220,15 +220,20 @@ def _packed(lengths: np.ndarray, flat: np.ndarray, types, starts: np.ndarray, ro
                        PaddedLayout(rt.max_len, side))
 
 
+GRAPHS: Callable | None = None
+"""What the pipeline's graphs are made with: :class:`ragged.nn.Graphed`, which sets this when it
+is imported (it sits above this package: it captures converted models). None: no graphs."""
+
+
 def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.device):
     """The pipeline's graphs of the model on ``device`` (made on first use), or None."""
-    from ..graphed import Graphed
-
+    if GRAPHS is None:
+        return None
     key = (str(device), settings.max_tokens, settings.max_batch)
     with settings.lock:
         graphed = settings.cache.get(key)
         if graphed is None:
-            graphed = settings.cache[key] = Graphed(target(), settings.max_tokens, settings.max_batch)
+            graphed = settings.cache[key] = GRAPHS(target(), settings.max_tokens, settings.max_batch)
     return graphed
 
 
