@@ -26,7 +26,8 @@ host work overlaps it. Here the same call runs as a pipeline:
 * **One pinned transfer per tensor of a batch**, without blocking, then the model: replayed
   from CUDA graphs (:func:`ragged.nn.graphed` of the model, kept with the converted ``encode``
   for later calls, one set per device and budget) where ``encode`` runs on a GPU, or the
-  model's own graphs when :func:`ragged.nn.graphed` was called on it.
+  model's own graphs when :func:`ragged.nn.graphed` was called on it (the batches then sized
+  to its largest bucket).
 * **Results** go into one preallocated ``[N, d]`` tensor on the device, at their texts' places
   in the input order (``index_copy_``): nothing is read back until the whole call is done.
 
@@ -268,8 +269,11 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
     batch_size = int(arguments.get("batch_size", 32))
     chunks = [order[i:i + batch_size * 64] for i in range(0, order.size, batch_size * 64)] if own_batches \
         else _chunks(order, chars)
-    graphed = None
-    if device.type == "cuda" and settings.graphs and forward.graphed is None and not own_batches:
+    graphed, max_tokens, max_batch = None, settings.max_tokens, settings.max_batch
+    if forward.graphed is not None:  # the model's own graphs (ragged.nn.graphed): batches they take
+        max_tokens = min(max_tokens, forward.graphed.max_tokens)
+        max_batch = min(max_batch, forward.graphed.max_batch_size)
+    elif device.type == "cuda" and settings.graphs and not own_batches:
         graphed = _graphs(settings, target, device)
     bar = _progress(arguments.get("show_progress_bar"), len(texts))
     out = None
@@ -287,7 +291,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
                 starts = np.cumsum(lengths) - lengths
                 local_order = np.arange(lengths.size)
                 runs = [(s, min(s + batch_size, lengths.size)) for s in range(0, lengths.size, batch_size)] \
-                    if own_batches else _budget_batches(lengths, settings.max_tokens, settings.max_batch)
+                    if own_batches else _budget_batches(lengths, max_tokens, max_batch)
                 for s, e in runs:
                     rows = local_order[s:e]
                     packed = _packed(lengths, flat, types, starts, rows, side, not forward.from_ids)
