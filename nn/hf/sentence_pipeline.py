@@ -234,7 +234,8 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
     with settings.lock:
         graphed = settings.cache.get(key)
         if graphed is None:
-            graphed = settings.cache[key] = GRAPHS(target(), settings.max_tokens, settings.max_batch)
+            # one token over the budget: a full batch with spare sequences keeps a spare row
+            graphed = settings.cache[key] = GRAPHS(target(), settings.max_tokens + 1, settings.max_batch)
     return graphed
 
 
@@ -271,7 +272,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
         else _chunks(order, chars)
     graphed, max_tokens, max_batch = None, settings.max_tokens, settings.max_batch
     if forward.graphed is not None:  # the model's own graphs (ragged.nn.graphed): batches they take
-        max_tokens = min(max_tokens, forward.graphed.max_tokens)
+        max_tokens = min(max_tokens, forward.graphed.max_tokens - 1)  # a spare row for spare sequences
         max_batch = min(max_batch, forward.graphed.max_batch_size)
     elif device.type == "cuda" and settings.graphs and not own_batches:
         graphed = _graphs(settings, target, device)
