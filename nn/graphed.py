@@ -406,7 +406,9 @@ class Graphed(nn.Module):
                 self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
+        # meanwhile; this thread's own calls are checked as in the default mode
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
         entry.graph = graph
         self._memory[key] = torch.cuda.memory_reserved(device) - before

@@ -33,8 +33,10 @@ was) or complete.
 model. ``--devices all`` (every visible GPU) or ``--devices 0,1``: the model loaded once, a copy
 and a thread per GPU, the threads taking chunks from one queue (rows stay in input order: each
 chunk file carries its index). A chunk is embedded by ``ragged.nn.hf.sentence_pipeline.embed``
-(batches of at most ``--batch-size`` texts and ``--max-tokens`` tokens) or, where that cannot be
-imported, by sentence-transformers' ``encode`` (batches of ``--batch-size`` texts).
+(the encode pipeline: batches of at most ``--max-tokens`` real tokens; ``--batch-size`` sizes
+them only under a left-padding tokenizer, whose batches are sentence-transformers' own) or,
+where that cannot be imported, by sentence-transformers' ``encode`` (batches of ``--batch-size``
+texts).
 
 **Reporting.** rich's progress bar (texts done, texts/s, tokens/s) when stdout is a terminal,
 unless ``--no-progress``; always a last line ``embedded N texts (T tokens) in S s: X texts/s, Y
@@ -390,8 +392,9 @@ def _run_chunks(replicas: list[tuple[str, object]], texts: list[str], todo: list
 
     def one(st, i: int) -> None:
         part = texts[i * chunk:(i + 1) * chunk]
-        with torch.inference_mode():
-            emb = np.asarray(embed(st, part, on_batch=on_batch, **options), dtype=np.float32)
+        # no inference_mode: the pipeline's graphs, kept with the model, are filled in place by later
+        # calls (of encode too), which an inference tensor would refuse outside that mode
+        emb = np.asarray(embed(st, part, on_batch=on_batch, **options), dtype=np.float32)
         if emb.ndim != 2 or emb.shape[0] != len(part):
             raise RuntimeError(f"{PROG}: expected [{len(part)}, d] embeddings for chunk {i}, got shape {emb.shape}")
         _write_atomic(os.path.join(parts, chunk_name(i)), lambda f: np.save(f, emb))
@@ -565,10 +568,7 @@ def _run(args: argparse.Namespace) -> int:
             raise EmbedError(f"{PROG}: expected --prompt-name among the model's prompts {sorted(prompts)}, got "
                              f"{args.prompt_name!r}")
         if count == 0:
-            import torch
-
-            with torch.inference_mode():
-                dim = int(np.asarray(_embedder()(models[0], [""], **options)).shape[1])
+            dim = int(np.asarray(_embedder()(models[0], [""], **options)).shape[1])
         _start_parts(parts, manifest)
         with progress:
             _run_chunks(list(zip(devices, models)), texts, todo, chunk, parts, options, progress)
