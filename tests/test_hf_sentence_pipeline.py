@@ -197,3 +197,15 @@ def test_embed(transformers_):
     assert sp.embed(ours, []).shape == (0, base.D)
     with pytest.raises(ValueError, match="converted"):
         sp.embed(original, texts)
+
+
+def test_several_devices_run_sentence_transformers_processes(transformers_, pipeline_everywhere):
+    """``encode(device=[...])``: sentence-transformers' processes, each with the converted model
+    (pickled; in a process on a GPU its pipeline runs there), results in input order."""
+    original, ours = _st(transformers_, "bert", "mean")
+    original, ours = original.float(), ours.float()
+    texts = _texts(40, 6)
+    got = ours.encode(texts, device=["cpu", "cpu"], chunk_size=7)
+    assert pipeline_everywhere == []  # this process only hands the texts out
+    _close(torch.from_numpy(np.asarray(got)), torch.from_numpy(np.asarray(original.encode(texts))), rtol=1e-5,
+           atol=1e-6)
