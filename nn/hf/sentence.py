@@ -270,11 +270,12 @@ class RaggedPreprocess:
     and the per-token lists are dropped from the features; otherwise the padded batch is kept
     and packed from its host mask."""
 
-    def __init__(self, module: nn.Module, lock: threading.Lock | None = None) -> None:
+    def __init__(self, module: nn.Module, lock: threading.RLock | None = None) -> None:
         self.module = module
         # a fast tokenizer keeps its padding setting in shared state, set by every call before it
-        # tokenizes, and encode's calls set another than the others': one call at a time
-        self.lock = threading.Lock() if lock is None else lock
+        # tokenizes, and encode's calls set another than the others': one call at a time (re-entrant:
+        # the encode pipeline holds it around the original preprocess, which may call this one)
+        self.lock = threading.RLock() if lock is None else lock
 
     def for_replica(self, replica: nn.Module) -> dict:
         """The preprocess of ``replica``, a DataParallel replica of this module: it holds the same
@@ -322,7 +323,7 @@ class RaggedPreprocess:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def __repr__(self) -> str:
         return "RaggedPreprocess()"

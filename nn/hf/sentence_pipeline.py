@@ -8,12 +8,13 @@ host work overlaps it. Here the same call runs as a pipeline:
 * **Order.** The texts are sorted once by length in characters, longest first (as
   sentence-transformers sorts them), and go through the pipeline in that order, so that each
   batch holds texts of similar lengths and the largest batches come first.
-* **Tokenization** in background threads, in chunks of the sorted order: each thread has its
-  own copy of the tokenizer (a fast tokenizer keeps its padding setting in shared state), calls
-  the Transformer's own ``preprocess`` (prompt, truncation, special tokens as the original)
-  without padding and flattens the ids to one array per chunk. The fast tokenizers release
-  the interpreter while they work, so the chunks after the current one are being tokenized
-  while its batches run.
+* **Tokenization** in a background thread, in chunks of the sorted order: the Transformer's own
+  ``preprocess`` (prompt, truncation, special tokens as the original) without padding, the ids
+  flattened to one array per chunk. A fast tokenizer spreads a batch over the cores and
+  releases the interpreter while it works, so the chunks after the current one are being
+  tokenized while its batches run. Calls take the converted preprocess's lock (the tokenizer
+  keeps its padding setting in shared state; a copy per thread would cost tens of milliseconds
+  per call to make and could miss later changes to the original).
 * **Batches by token budget.** Consecutive texts of the sorted order fill a batch up to
   ``max_tokens`` real tokens (a longer text alone) and ``max_batch`` texts, the rules of
   :class:`ragged.data.TokenBudgetSampler`; with packed batches nothing is padded, so the count
@@ -41,7 +42,6 @@ sentence-transformers' own loop (:func:`reason`).
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import dataclasses
 import itertools
 import os
@@ -74,7 +74,8 @@ class Pipeline:
     * ``max_tokens``: real tokens per batch (default 16384), ``max_batch``: texts per batch;
     * ``graphs``: replay the model from CUDA graphs on a GPU (kept in ``cache`` per device and
       budget; :meth:`reset` drops them);
-    * ``workers``: tokenization threads.
+    * ``workers``: tokenization threads (chunks tokenized ahead of the one running; the calls
+      themselves take turns on the tokenizer).
 
     On a GPU one pipelined call runs at a time per model (``running``): a graph is captured on
     first use, and a capture fails if another thread runs GPU work meanwhile.
@@ -84,7 +85,7 @@ class Pipeline:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_batch: int = MAX_BATCH
     graphs: bool = True
-    workers: int = 2
+    workers: int = 1
     cache: dict = dataclasses.field(default_factory=dict, repr=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     running: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False)
@@ -151,21 +152,14 @@ def reason(model: nn.Module, forward, settings: Pipeline, arguments: dict) -> st
     return None
 
 
-def _tokenizer_copy(module: nn.Module, local: threading.local) -> nn.Module:
-    """This thread's shallow copy of the Transformer ``module`` with its own tokenizer."""
-    mine = getattr(local, "module", None)
-    if mine is None:
-        mine = copy.copy(module)
-        mine.__dict__["processor"] = copy.deepcopy(module.processor)
-        local.module = mine
-    return mine
-
-
-def _tokenize(module: nn.Module, local: threading.local, texts: list[str], prompt: str | None):
+def _tokenize(module: nn.Module, lock: threading.Lock, texts: list[str], prompt: str | None):
     """(lengths [n] int64, ids [sum] int64, token types or None, the other features) of
-    ``texts`` tokenized without padding by the Transformer's own preprocess."""
-    mine = _tokenizer_copy(module, local)
-    features = type(module).preprocess(mine, texts, prompt=prompt, processing_kwargs={"common": dict(UNPADDED)})
+    ``texts`` tokenized without padding by the Transformer's own preprocess. ``lock``: the
+    converted preprocess's (a fast tokenizer keeps its padding setting in shared state, which
+    every call sets); the tokenizer itself spreads a batch over the cores."""
+    with lock:
+        features = type(module).preprocess(module, texts, prompt=prompt,
+                                           processing_kwargs={"common": dict(UNPADDED)})
     ids = features.pop("input_ids")
     types = features.pop("token_type_ids", None)
     features.pop("attention_mask", None)
@@ -278,17 +272,17 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
         graphed = _graphs(settings, target, device)
     bar = _progress(arguments.get("show_progress_bar"), len(texts))
     out = None
-    local = threading.local()
+    lock = getattr(module.__dict__.get("preprocess"), "lock", None) or threading.Lock()
     workers = max(1, min(settings.workers, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ragged-tokenize") as pool:
-        pending = [pool.submit(_tokenize, module, local, [texts[i] for i in c], prompt)
+        pending = [pool.submit(_tokenize, module, lock, [texts[i] for i in c], prompt)
                    for c in chunks[:workers + 1]]
         try:
             for k, rows_in_input in enumerate(chunks):
                 lengths, flat, types, extra = pending[k].result()
                 if k + workers + 1 < len(chunks):
                     nxt = chunks[k + workers + 1]
-                    pending.append(pool.submit(_tokenize, module, local, [texts[i] for i in nxt], prompt))
+                    pending.append(pool.submit(_tokenize, module, lock, [texts[i] for i in nxt], prompt))
                 starts = np.cumsum(lengths) - lengths
                 local_order = np.arange(lengths.size)
                 runs = [(s, min(s + batch_size, lengths.size)) for s in range(0, lengths.size, batch_size)] \
