@@ -59,7 +59,7 @@ def test_gpu_pipeline_by_default(gpu_folders, calls, family, dtype):
     again = ours.encode(texts[::-1], convert_to_tensor=True)
     assert calls == [len(texts), len(texts)]
     assert got.dtype == dtype and got.device.type == "cuda"
-    assert len(ours.encode.pipeline.cache) == 1 and next(iter(ours.encode.pipeline.cache.values())).num_graphs >= 2
+    assert len(ours.encode.pipeline.cache) == 1 and next(iter(ours.encode.pipeline.cache.values()))[1].num_graphs >= 2
     _close(got, hf, want, dtype, "pipelined sentence_embedding")
     _close(again.flip(0), hf, want, dtype, "pipelined, reversed input")
     numpy = ours.encode(texts, normalize_embeddings=True)
@@ -68,6 +68,24 @@ def test_gpu_pipeline_by_default(gpu_folders, calls, family, dtype):
     _close(torch.from_numpy(np.asarray(numpy, dtype=np.float64)),
            theirs.encode(texts, normalize_embeddings=True, convert_to_tensor=True),
            oracle.encode(texts, normalize_embeddings=True, convert_to_tensor=True), dtype, "normalized")
+
+
+def test_gpu_pipeline_after_moving_the_model(gpu_folders):
+    """Moving the model off the GPU and back gives it new parameter tensors (encode(device="cpu")
+    moves it too): the graphs of the old ones are dropped and captured again, never replayed on
+    freed memory (here overwritten before the next encode)."""
+    _, _, ours = _models(gpu_folders["bert"], "mean", torch.float32)
+    texts = _texts(80, 5)
+    first = ours.encode(texts, convert_to_tensor=True)
+    graphs = next(iter(ours.encode.pipeline.cache.values()))[1]
+    ours.encode(texts[:5], device="cpu")  # sentence-transformers' loop on the CPU (the pipeline: CUDA only)
+    ours.to("cpu")
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # reuses the freed parameter memory
+    ours.to("cuda")
+    again = ours.encode(texts, convert_to_tensor=True)
+    del junk
+    assert next(iter(ours.encode.pipeline.cache.values()))[1] is not graphs
+    torch.testing.assert_close(again, first, rtol=1e-5, atol=1e-6)
 
 
 def test_gpu_pipeline_does_not_sync(gpu_folders):

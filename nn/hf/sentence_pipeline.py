@@ -224,13 +224,18 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
     """The pipeline's graphs of the model on ``device`` (made on first use), or None."""
     if GRAPHS is None:
         return None
+    module = target()
+    # graphs hold the addresses of the parameters: a model moved or cast since (encode(device=...)
+    # moves it) gets new graphs, never a replay reading freed memory
+    stamp = tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()))
     key = (str(device), settings.max_tokens, settings.max_batch)
     with settings.lock:
-        graphed = settings.cache.get(key)
-        if graphed is None:
+        held = settings.cache.get(key)
+        if held is None or held[0] != stamp:
+            settings.cache.clear()  # graphs of the old parameters: their memory pools go too
             # one token over the budget: a full batch with spare sequences keeps a spare row
-            graphed = settings.cache[key] = GRAPHS(target(), settings.max_tokens + 1, settings.max_batch)
-    return graphed
+            held = settings.cache[key] = (stamp, GRAPHS(module, settings.max_tokens + 1, settings.max_batch))
+    return held[1]
 
 
 def run(model: nn.Module, forward, settings: Pipeline, arguments: dict, target: Callable[[], nn.Module],
