@@ -19,11 +19,16 @@ host work overlaps it. Here the same call runs as a pipeline:
   ``max_tokens`` real tokens (a longer text alone) and ``max_batch`` texts, the rules of
   :class:`ragged.data.TokenBudgetSampler`; with packed batches nothing is padded, so the count
   of texts per batch (``batch_size``) does not matter to the GPU. Under a left-padding
-  tokenizer a text's result may depend on its batch (positions that are the padded batch's
-  columns, in decoders without position ids; ``weightedmean``'s weights before
-  sentence-transformers 6.2): there the batches are sentence-transformers' own, the same texts
-  in the same batches as the original's ``encode``, so that the embeddings are the same (and
-  the pipeline's graphs are not used: those batches are not sized by tokens).
+  tokenizer a text's positions are the padded batch's columns (HuggingFace's numbers for a
+  left-padded batch without position ids): an encoder's absolute position embeddings then make
+  a text's result depend on its batch, and so do ``weightedmean``'s weights before
+  sentence-transformers 6.2, so the batches are sentence-transformers' own, the same texts in
+  the same batches as the original's ``encode`` (the pipeline's graphs are not used: those
+  batches are not sized by tokens). A decoder's rotary positions enter attention only as
+  differences within a sequence, so a decoder takes token-budget batches there too, each text
+  at positions from 0: what the original gives for each text alone (``batch_size=1``); the
+  original's own padded batches move its results by float32's rounding of the rotary angles
+  (HuggingFace computes them in float32), about 1e-7 relative.
 * **One pinned transfer per tensor of a batch**, without blocking, then the model: replayed
   from CUDA graphs (:func:`ragged.nn.graphed` of the model, kept with the converted ``encode``
   for later calls, one set per device and budget) where ``encode`` runs on a GPU, or the
@@ -173,6 +178,17 @@ def _tokenize(module: nn.Module, lock: threading.Lock, texts: list[str], prompt:
     return lengths, flat, types, features
 
 
+def _weights_by_column(model: nn.Module) -> bool:
+    """Whether a Pooling of ``model`` weighs tokens by their column in the padded batch
+    (``weightedmean`` before sentence-transformers 6.2)."""
+    modes = [m.pooling_mode for m in model if isinstance(getattr(m, "pooling_mode", None), (str, tuple, list))]
+    if not any("weightedmean" in ((mode,) if isinstance(mode, str) else mode) for mode in modes):
+        return False
+    from .sentence_pooling import weightedmean_origin
+
+    return weightedmean_origin() != "sequence"
+
+
 def _chunks(order: np.ndarray, chars: np.ndarray) -> list[np.ndarray]:
     """The sorted order cut into tokenization chunks of about ``_CHUNK_TOKENS`` tokens (4
     characters a token), the first smaller so that the GPU starts early."""
@@ -259,9 +275,8 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
     model.eval()
     module = model[0]
     side = unpadded_side(module, {})
-    # left padding: positions (without position ids) and weightedmean's weights (before
-    # sentence-transformers 6.2) may be the padded batch's columns: its own batches, then
-    own_batches = side == "left"
+    own_batches = side == "left" and not (forward.decoder and not _weights_by_column(model))
+    columns = own_batches and not forward.from_ids  # positions: the padded batch's columns, else from 0
     chars = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
     order = np.argsort(-chars)  # sentence-transformers' sort, so that its own batches are the same
     if own_batches and getattr(model, "_can_flatten_inputs", lambda: False)():
@@ -294,7 +309,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
                     if own_batches else _budget_batches(lengths, max_tokens, max_batch)
                 for s, e in runs:
                     rows = local_order[s:e]
-                    packed = _packed(lengths, flat, types, starts, rows, side, not forward.from_ids)
+                    packed = _packed(lengths, flat, types, starts, rows, side, columns)
                     features = {**extra, INPUT_KEY: packed}
                     with torch.no_grad(), encoding(forward, "sentence", graphed):
                         emb = model(features)["sentence_embedding"]
