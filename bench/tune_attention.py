@@ -17,7 +17,7 @@ from triton.testing import do_bench
 import ragged
 from ragged.kernels.triton import attention as ka
 
-from .suites.attention_bias import graphed
+from .measure import graphed_replay
 
 
 def workloads():
@@ -64,7 +64,7 @@ def tune_bias():
         these sizes the host's per-call work is as long as the kernels' and would hide the
         shapes' differences)."""
         with torch.set_grad_enabled(grad):
-            replay = graphed(lambda: eager(bias, grad))
+            replay = graphed_replay(lambda: eager(bias, grad))
         return do_bench(replay, return_mode="median")
 
     default_f, default_b = ka._fwd_config, ka._bwd_config

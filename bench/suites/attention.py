@@ -257,7 +257,7 @@ def make_compare(p: Problem, tol: float) -> Callable[[Any, Any], str | None]:
 # Implementations
 
 
-def _forward_or_backward(forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+def forward_or_backward(forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
                          grad_out: torch.Tensor | None) -> Callable[[], Any]:
     """The timed callable: ``forward(*inputs)``, or forward then ``autograd.grad`` with
     ``grad_out`` (``inputs`` are then leaves requiring grad); returns ``out`` or
@@ -298,7 +298,7 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
         if why:
             impls.append(Impl(name, "ragged", skip="; ".join(why)))
         else:
-            impls.append(Impl(name, "ragged", _forward_or_backward(forward, inputs, p.do if backward else None)))
+            impls.append(Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None)))
     if device.type == "cuda":
         impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
@@ -331,7 +331,7 @@ def _graphed_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.
                 return static
     except Exception as exc:  # noqa: BLE001 - a row that cannot be captured says why
         return Impl(GRAPHED, "ragged", skip=f"capture failed: {_error_text(exc)}")
-    return Impl(GRAPHED, "ragged", _forward_or_backward(run, inputs, p.do if backward else None))
+    return Impl(GRAPHED, "ragged", forward_or_backward(run, inputs, p.do if backward else None))
 
 
 def _sdpa_masked(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -345,7 +345,7 @@ def _sdpa_masked(p: Problem, causal: bool, backward: bool, device: torch.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     grad_out = p.padded(p.do) if backward else None
-    return Impl(SDPA_MASKED, "baseline", _forward_or_backward(forward, inputs, grad_out))
+    return Impl(SDPA_MASKED, "baseline", forward_or_backward(forward, inputs, grad_out))
 
 
 def _sdpa_no_mask(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -356,7 +356,7 @@ def _sdpa_no_mask(p: Problem, causal: bool, backward: bool, device: torch.device
 
     grad_out = p.padded(p.do) if backward else None
     # Attends to the padding: its output is wrong by design, so it is not checked.
-    return Impl(SDPA_NO_MASK, "baseline", _forward_or_backward(forward, inputs, grad_out), check=False)
+    return Impl(SDPA_NO_MASK, "baseline", forward_or_backward(forward, inputs, grad_out), check=False)
 
 
 def _sdpa_nested(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -372,7 +372,7 @@ def _sdpa_nested(p: Problem, causal: bool, backward: bool, device: torch.device)
         out = F.scaled_dot_product_attention(nested(q), nested(k), nested(v), is_causal=causal)
         return out.transpose(1, 2).values()  # [T, H, D]
 
-    return Impl(SDPA_NESTED, "baseline", _forward_or_backward(forward, inputs, p.do if backward else None))
+    return Impl(SDPA_NESTED, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 def _varlen_attn(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -396,7 +396,7 @@ def _varlen_attn(p: Problem, causal: bool, backward: bool, device: torch.device)
         out = varlen_attn(q, k, v, p.offsets, p.offsets, M, M, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    return Impl(VARLEN_ATTN, "baseline", _forward_or_backward(forward, inputs, p.do if backward else None))
+    return Impl(VARLEN_ATTN, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 def _flex(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -426,7 +426,7 @@ def _flex(p: Problem, causal: bool, backward: bool, device: torch.device) -> Imp
                        v.transpose(0, 1).unsqueeze(0), block_mask=block_mask)
         return out.squeeze(0).transpose(0, 1)  # [T, H, D] view
 
-    return Impl(FLEX, "baseline", _forward_or_backward(forward, inputs, p.do if backward else None))
+    return Impl(FLEX, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 BASELINE_BUILDERS = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,8 @@ import ragged
 
 from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, interpreter_skip,
                        max_error_compare, register, workload_shapes)
-from .attention import Problem, Shape, attention_flops, draw_lengths
+from ..measure import graphed_replay
+from .attention import Problem, Shape, attention_flops, draw_lengths, forward_or_backward
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128  # MPNet's (HuggingFace's compute_position_bias)
 AUTO = "ragged"
@@ -78,17 +79,6 @@ def reference(bp: BiasProblem, backward: bool) -> tuple[torch.Tensor, ...]:
     return (out.detach(), *torch.autograd.grad(out, leaves, p.do.float()))
 
 
-def _timed(forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], do: torch.Tensor | None):
-    if do is None:
-        return lambda: forward(*inputs)
-
-    def fwd_bwd():
-        out = forward(*inputs)
-        return (out, *torch.autograd.grad(out, inputs, do))
-
-    return fwd_bwd
-
-
 def _inputs(bp: BiasProblem, backward: bool) -> tuple[torch.Tensor, ...]:
     p = bp.p
     return tuple(t.detach().requires_grad_(backward) for t in (p.q, p.k, p.v, bp.table))
@@ -108,34 +98,14 @@ def _ragged(bp: BiasProblem, backward: bool, name: str) -> Impl:
 
     do = p.do if backward else None
     if name == NO_BIAS:
-        return Impl(NO_BIAS, "baseline", _timed(lambda q, k, v: forward(q, k, v, None), inputs[:3], do), check=False)
-    return Impl(name, "ragged", _timed(forward, inputs, do))
-
-
-def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` (forward, or forward and ``autograd.grad``) captured once in a CUDA graph and
-    replayed: the kernels' own time, without the host's per-call work."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
+        return Impl(NO_BIAS, "baseline", forward_or_backward(lambda q, k, v: forward(q, k, v, None), inputs[:3], do), check=False)
+    return Impl(name, "ragged", forward_or_backward(forward, inputs, do))
 
 
 def _ragged_graphed(bp: BiasProblem, backward: bool, name: str) -> Impl:
     """``ragged triton`` (Triton forced) or ``ragged, no bias`` replayed from a CUDA graph."""
     eager = _ragged(bp, backward, TRITON if name == TRITON_GRAPHED else NO_BIAS)
-    return Impl(name, eager.kind, graphed(eager.fn), check=eager.check)
+    return Impl(name, eager.kind, graphed_replay(eager.fn), check=eager.check)
 
 
 def _padded_do(bp: BiasProblem) -> torch.Tensor:
@@ -160,7 +130,7 @@ def _eager(bp: BiasProblem, backward: bool, names: tuple[str, ...]) -> Impl:
         return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
     tol = 2.5 * TOLERANCE.get(bp.p.q.dtype, 2e-2)
-    return Impl(EAGER, "baseline", _timed(forward, inputs, _padded_do(bp) if backward else None),
+    return Impl(EAGER, "baseline", forward_or_backward(forward, inputs, _padded_do(bp) if backward else None),
                 compare=max_error_compare(names, bp.flatten, tol, absolute=("out",)))
 
 
@@ -175,7 +145,7 @@ def _sdpa(bp: BiasProblem, backward: bool) -> Impl:
         mask = (bp.dense_bias(table)[None] + padding[:, None, None, :]).to(q.dtype)
         return F.scaled_dot_product_attention(p.padded(q), p.padded(k), p.padded(v), attn_mask=mask)
 
-    return Impl(SDPA_BIAS, "baseline", _timed(forward, inputs, _padded_do(bp) if backward else None))
+    return Impl(SDPA_BIAS, "baseline", forward_or_backward(forward, inputs, _padded_do(bp) if backward else None))
 
 
 def _flex(bp: BiasProblem, backward: bool) -> Impl:
@@ -207,7 +177,7 @@ def _flex(bp: BiasProblem, backward: bool) -> Impl:
                        v.transpose(0, 1).unsqueeze(0), score_mod=bias, block_mask=block_mask)
         return out.squeeze(0).transpose(0, 1)
 
-    return Impl(FLEX_BIAS, "baseline", _timed(forward, inputs, p.do if backward else None))
+    return Impl(FLEX_BIAS, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 def build_workload(shape: Shape, backward: bool, device: torch.device, triton_skip: str | None) -> Workload:
