@@ -90,15 +90,8 @@ def test_hidden_states_match_hf():
         torch.testing.assert_close(_real(g, mask), _real(w, mask), **TOL)
 
 
-@pytest.mark.parametrize("kind", ["sequence", "token", "masked_lm", "qa"])
-def test_loss_and_gradients_match_hf(kind):
-    ours, hf = _model(kind, seed=1)
-    ours.train()
-    hf.train()
-    lengths = [6, 6, 6] if kind == "qa" else LENGTHS  # HuggingFace's QA softmax spans padding too
-    ids, mask = _batch(lengths, seed=2)
-    extra = _labels(kind, lengths, mask, seed=3)
-    got, want = ours(input_ids=ids, attention_mask=mask, **extra), hf(input_ids=ids, attention_mask=mask, **extra)
+def _same_loss_and_gradients(got, want, ours, hf):
+    """HuggingFace's loss, and after backward every parameter's gradient (None where HF's is)."""
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     got.loss.backward()
     want.loss.backward()
@@ -108,6 +101,18 @@ def test_loss_and_gradients_match_hf(kind):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token", "masked_lm", "qa"])
+def test_loss_and_gradients_match_hf(kind):
+    ours, hf = _model(kind, seed=1)
+    ours.train()
+    hf.train()
+    lengths = [6, 6, 6] if kind == "qa" else LENGTHS  # HuggingFace's QA softmax spans padding too
+    ids, mask = _batch(lengths, seed=2)
+    extra = _labels(kind, lengths, mask, seed=3)
+    got, want = ours(input_ids=ids, attention_mask=mask, **extra), hf(input_ids=ids, attention_mask=mask, **extra)
+    _same_loss_and_gradients(got, want, ours, hf)
     table = "relative_attention_bias.weight"
     assert any(table in n and p.grad is not None and p.grad.abs().sum() > 0 for n, p in ours.named_parameters())
 
@@ -131,15 +136,7 @@ def test_one_node_training_matches_hf(monkeypatch):
     got, want = ours(input_ids=ids, attention_mask=mask, **extra), hf(input_ids=ids, attention_mask=mask, **extra)
     table = ours.base_model.encoder.relative_attention_bias.weight
     assert len(nodes) == 2 and all(t is table for t in nodes), "the one-node step was not taken with the table"
-    torch.testing.assert_close(got.loss, want.loss, **TOL)
-    got.loss.backward()
-    want.loss.backward()
-    theirs = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        q = theirs[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=name)
+    _same_loss_and_gradients(got, want, ours, hf)
     assert table.grad.abs().sum() > 0
 
 
