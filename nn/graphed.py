@@ -398,7 +398,6 @@ class Graphed(nn.Module):
     def _capture(self, entry: _Graph, args, kwargs, rts, seqs, l_b: int, device, key) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -408,10 +407,12 @@ class Graphed(nn.Module):
         graph = torch.cuda.CUDAGraph()
         # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
         # meanwhile; this thread's own calls are checked as in the default mode
+        # the pool's growth is read inside the capture: entering it empties the allocator's cache
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            before = torch.cuda.memory_reserved(device)
             entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+            self._memory[key] = torch.cuda.memory_reserved(device) - before
         entry.graph = graph
-        self._memory[key] = torch.cuda.memory_reserved(device) - before
 
     def _train_params(self) -> list:
         """The parameters that require grad (listed once; a change of which ones do, or of the
@@ -437,7 +438,6 @@ class Graphed(nn.Module):
             return _cut(out, first, t_b, b_b, False)
         device = first.values.device
         if entry.graph is None:
-            before = torch.cuda.memory_reserved(device)
             inputs = list(entry.values)
 
             def call():
@@ -450,7 +450,7 @@ class Graphed(nn.Module):
                 raise RuntimeError(f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
                                    f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
                                    "itself to train it eagerly") from e
-            self._memory[key] = torch.cuda.memory_reserved(device) - before
+            self._memory[key] = entry.graph.memory
         user_inputs = [rts[i][1].values for i in grad_inputs]
         return self._train.replay(entry.graph, first, size, user_inputs)
 

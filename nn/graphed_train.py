@@ -187,7 +187,7 @@ def _rows(entry, b_b: int, n_tok: int, batch: int) -> tuple[int | None, ...]:
 
 class _Entry:
     __slots__ = ("fwd", "bwd", "spec", "outputs", "ragged", "diff", "grad_outs", "used", "grad_inputs",
-                 "generation")
+                 "generation", "memory")
 
     def __init__(self) -> None:
         self.generation = 0
@@ -337,12 +337,17 @@ class TrainGraphs:
 
         entry = _Entry()
         entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # the pool's growth, read inside each capture: entering one empties the allocator's cache,
+        # so a reading taken before it could even come out negative
         with torch.cuda.graph(entry.fwd, pool=g._pool):
+            before = torch.cuda.memory_reserved(device)
             spec, leaves, ragged, diff = differentiable(run())
+            entry.memory = torch.cuda.memory_reserved(device) - before
         entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
         entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
         persistent = [self.persistent_grad(p) for p in params]
         with torch.cuda.graph(entry.bwd, pool=g._pool):
+            before = torch.cuda.memory_reserved(device)
             grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
                                         allow_unused=True)
             n_in = len(grad_inputs)
@@ -350,6 +355,7 @@ class TrainGraphs:
             if pairs:
                 torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
             entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
+            entry.memory += torch.cuda.memory_reserved(device) - before
         entry.used = [(p, acc) for p, acc, d in zip(params, persistent, grads[n_in:]) if d is not None]
         for i in grad_inputs:
             inputs[i].requires_grad_(False)

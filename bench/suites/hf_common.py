@@ -448,8 +448,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def min_cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Smallest cosine similarity between a row of ``out`` and the same row of ``ref`` (in float64)."""
-    return float(F.cosine_similarity(out.double(), ref.double(), dim=1).min())
+    """Smallest cosine similarity between a row of ``out`` and the same row of ``ref`` (in float64,
+    on ``ref``'s device: a path may return its rows on the host)."""
+    return float(F.cosine_similarity(out.to(ref.device, torch.float64), ref.double(), dim=1).min())
 
 
 def train_steps(model, opt, batches: list, make: Callable[[Any], dict], call=None) -> torch.Tensor:

@@ -10,7 +10,8 @@ host work overlaps it. Here the same call runs as a pipeline:
   batch holds texts of similar lengths and the largest batches come first.
 * **Tokenization** in a background thread, in chunks of the sorted order: the Transformer's own
   ``preprocess`` (prompt, truncation, special tokens as the original) without padding, the ids
-  flattened to one array per chunk. A fast tokenizer spreads a batch over the cores and
+  flattened to one array per chunk (a fast tokenizer's read straight into arrays,
+  :mod:`ragged.nn.hf.sentence_tokens`). A fast tokenizer spreads a batch over the cores and
   releases the interpreter while it works, so the chunks after the current one are being
   tokenized while its batches run. Calls take the converted preprocess's lock (the tokenizer
   keeps its padding setting in shared state; a copy per thread would cost tens of milliseconds
@@ -62,6 +63,7 @@ from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
 from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
+from .sentence_tokens import Flat, flat_ids
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_BATCH", "Pipeline", "embed", "reason"]
 
@@ -162,12 +164,14 @@ def _tokenize(module: nn.Module, lock: threading.Lock, texts: list[str], prompt:
     ``texts`` tokenized without padding by the Transformer's own preprocess. ``lock``: the
     converted preprocess's (a fast tokenizer keeps its padding setting in shared state, which
     every call sets); the tokenizer itself spreads a batch over the cores."""
-    with lock:
+    with lock, flat_ids(module):
         features = type(module).preprocess(module, texts, prompt=prompt,
                                            processing_kwargs={"common": dict(UNPADDED)})
     ids = features.pop("input_ids")
     types = features.pop("token_type_ids", None)
     features.pop("attention_mask", None)
+    if isinstance(ids, Flat):  # a fast tokenizer's ids, read straight into arrays
+        return ids.lengths, ids.ids, ids.types, features
     lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
     if isinstance(types, list) and len(types) == len(ids):
