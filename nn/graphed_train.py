@@ -338,15 +338,16 @@ class TrainGraphs:
         entry = _Entry()
         entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # the pool's growth, read inside each capture: entering one empties the allocator's cache,
-        # so a reading taken before it could even come out negative
-        with torch.cuda.graph(entry.fwd, pool=g._pool):
+        # so a reading taken before it could even come out negative. The captures run on the warm-up's
+        # stream (torch.cuda.graph's default stream is one for the process, shared by threads)
+        with torch.cuda.graph(entry.fwd, pool=g._pool, stream=stream):
             before = torch.cuda.memory_reserved(device)
             spec, leaves, ragged, diff = differentiable(run())
             entry.memory = torch.cuda.memory_reserved(device) - before
         entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
         entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
         persistent = [self.persistent_grad(p) for p in params]
-        with torch.cuda.graph(entry.bwd, pool=g._pool):
+        with torch.cuda.graph(entry.bwd, pool=g._pool, stream=stream):
             before = torch.cuda.memory_reserved(device)
             grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
                                         allow_unused=True)

@@ -7,8 +7,9 @@ call, whose per-text lists are then flattened). Lengths, ids, token types and th
 features must be equal, and the fast path must have run (each case counts its calls): for the
 WordPiece tokenizers of the encoder tests, the byte-level BPE tokenizers of the decoder tests
 (left and right padding, an end-of-text token added), prompts, truncation, lowercasing,
-special-token strings inside a text, ``split_special_tokens``, empty texts, and the calls it
-must leave alone.
+special-token strings inside a text, ``split_special_tokens``, empty texts, texts that look
+like media file names or URLs (text to a model that takes no media), and the calls it must
+leave alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ragged.nn.hf import sentence_tokens as stok  # noqa: E402
 from test_hf_sentence import folders, transformers_  # noqa: E402,F401
 
 TEXTS = [*enc.TEXTS, "Mixed CASE Words", "  padded  spaces  ", "a [SEP] inside [CLS] text", "ünïcödé ß 東京",
-         "the " * 70, "", "x"]
+         "the " * 70, "", "x", "photo.jpg", "https://example.com/cat.png", "song.mp3", "clip.mp4"]
 
 
 @pytest.fixture
@@ -153,3 +154,26 @@ def test_nested_prompt_length_call(transformers_, fast_calls):
     fast, slow = _both(module, TEXTS[:5], "passage: ")
     _same(fast, slow)
     assert fast[3].get("prompt_length") is not None and len(fast_calls) == 1
+
+
+def test_media_lookalikes_are_text_without_the_search(transformers_, fast_calls):
+    """A text-only model's list of strings skips sentence-transformers' per-string media search
+    (the same result: text); a formatter that supports images keeps its own parse."""
+    module = copy.deepcopy(transformers_["bert"])
+    formatter = module.input_formatter
+    seen = []
+    real = type(formatter).parse_inputs
+
+    def counted(self, inputs):
+        seen.append(len(inputs))
+        return real(self, inputs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(formatter), "parse_inputs", counted)
+        fast, slow = _both(module, TEXTS[-4:] + TEXTS[:3])
+        _same(fast, slow)
+        assert seen == [7]  # the original's own call only, from the run without the fast path
+        formatter.supported_modalities = [*formatter.supported_modalities, "image"]
+        lock = threading.RLock()
+        sp._tokenize(module, lock, ["hello world", "a"], None)
+        assert seen == [7, 2] and "parse_inputs" not in vars(formatter)

@@ -10,14 +10,16 @@ flat ``int64`` array of ids and the lengths. :func:`flat_ids` gives it that: whi
 active, the module's tokenizer call for plain texts without padding (the call the pipeline
 makes) sets the tokenizer's truncation and special-token state the way the tokenizer's own
 call does (its own methods), encodes with the Rust tokenizer, and reads only the ids (and the
-token types where the tokenizer returns them) into arrays. Everything before the tokenizer
-call stays sentence-transformers' own: prompts, the text modality's handling, the
-truncation length. Any other call (a padded one, pairs, a slow tokenizer, extra tokenizer
+token types where the tokenizer returns them) into arrays. A list of strings for a model that
+takes no media is text without sentence-transformers' per-string search for a media URL or
+file name (which ends in text for such a model anyway). Everything else stays
+sentence-transformers' own: prompts, the text modality's handling, the truncation length. Any other call (a padded one, pairs, a slow tokenizer, extra tokenizer
 arguments, no truncation) goes to sentence-transformers unchanged.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from typing import Iterator
@@ -31,6 +33,7 @@ __all__ = ["Flat", "flat_ids"]
 # text defaults); any other argument sends the call to sentence-transformers
 _PLAIN = {"padding": False, "return_tensors": None, "return_attention_mask": False}
 _TAKEN = {*_PLAIN, "truncation", "max_length"}
+_MEDIA = {"image", "video", "audio"}
 
 
 class Flat:
@@ -112,8 +115,26 @@ def flat_ids(module: nn.Module) -> Iterator[None]:
                 return {"input_ids": flat}
         return original(modality, processor_inputs, modality_kwargs, common_kwargs)
 
+    formatter = getattr(module, "input_formatter", None)
+    parse = getattr(formatter, "parse_inputs", None)
+    supported = getattr(formatter, "supported_modalities", None)
+    text_only = parse is not None and "parse_inputs" not in vars(formatter) and supported is not None \
+        and not _MEDIA & set(supported)
+
+    def parse_inputs(inputs):
+        # sentence-transformers reads each string for a media URL or file name first (several us a
+        # text), then calls it text anyway when the model takes no media: a list of strings for
+        # such a model is text, without the reading
+        if isinstance(inputs, list) and inputs and all(type(t) is str for t in inputs):
+            return "text", {"text": list(inputs)}, collections.defaultdict(dict)
+        return parse(inputs)
+
     module.__dict__["_call_single_modality_processor"] = call
+    if text_only:
+        formatter.__dict__["parse_inputs"] = parse_inputs
     try:
         yield
     finally:
         module.__dict__.pop("_call_single_modality_processor", None)
+        if text_only:
+            formatter.__dict__.pop("parse_inputs", None)
