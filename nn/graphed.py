@@ -398,24 +398,25 @@ class Graphed(nn.Module):
     def _capture(self, entry: _Graph, args, kwargs, rts, seqs, l_b: int, device, key) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
-        # meanwhile; this thread's own calls are checked as in the default mode
-        # the pool's growth is read inside the capture: entering it empties the allocator's cache.
-        # The capture runs on this call's own stream: torch.cuda.graph's default is one stream for
-        # the whole process, which two threads capturing at once (two GPUs, or two models on one)
-        # would share, and a capture began on a stream already capturing fails
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            before = torch.cuda.memory_reserved(device)
-            entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
-            self._memory[key] = torch.cuda.memory_reserved(device) - before
-        entry.graph = graph
+        with graphed_train.capture_lock(device):  # one capture at a time per GPU
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
+            # meanwhile; this thread's own calls are checked as in the default mode
+            # the pool's growth is read inside the capture: entering it empties the allocator's cache.
+            # The capture runs on this call's own stream: torch.cuda.graph's default is one stream for
+            # the whole process, which two threads capturing at once (two GPUs, or two models on one)
+            # would share, and a capture began on a stream already capturing fails
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                before = torch.cuda.memory_reserved(device)
+                entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+                self._memory[key] = torch.cuda.memory_reserved(device) - before
+            entry.graph = graph
 
     def _train_params(self) -> list:
         """The parameters that require grad (listed once; a change of which ones do, or of the

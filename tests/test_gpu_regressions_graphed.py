@@ -192,11 +192,12 @@ def test_warmup_restores_the_cuda_state_of_the_modules_device():
 
 
 def test_graphs_captured_from_two_threads_at_once():
-    """Two graphed models capturing from two threads at the same time (python -m ragged.embed
-    --devices runs a thread per GPU; two models may share one): each capture has its own stream
-    (torch.cuda.graph's default capture stream is one per process, and a capture begun on a
-    stream that is capturing fails), the replays equal the eager models, and a later capture on
-    torch's default stream still works."""
+    """Two graphed models on one GPU asked to capture from two threads at the same time (python
+    -m ragged.embed --devices runs a thread per GPU; two models may share one): each capture has
+    its own stream (torch.cuda.graph's default capture stream is one per process, and a capture
+    begun on a stream that is capturing fails) and captures on one GPU take turns (two at once
+    share the GPU's random generator and allocator capture state, and fail); the replays equal
+    the eager models, and a later capture on torch's default stream still works."""
     import threading
 
     models = [_hf("bert", "base", torch.bfloat16) for _ in range(2)]

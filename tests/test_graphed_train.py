@@ -198,3 +198,12 @@ def test_outputs_flatten_rebuild_and_cut():
     assert torch.equal(back.logits, out.logits[:2])
     for got, want in zip(back.hidden_states, hidden):
         assert got.offsets is first.offsets and torch.equal(got.values, want.values[:8])
+
+
+def test_capture_lock_is_one_per_gpu():
+    """Captures on one GPU take one lock (re-entrant), those of two GPUs two."""
+    a, b = graphed_train.capture_lock("cuda:0"), graphed_train.capture_lock(torch.device("cuda", 1))
+    assert a is graphed_train.capture_lock(torch.device("cuda:0")) and a is not b
+    with a:
+        assert a.acquire(blocking=False)  # the same thread again
+        a.release()

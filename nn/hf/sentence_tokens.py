@@ -13,8 +13,9 @@ call does (its own methods), encodes with the Rust tokenizer, and reads only the
 token types where the tokenizer returns them) into arrays. A list of strings for a model that
 takes no media is text without sentence-transformers' per-string search for a media URL or
 file name (which ends in text for such a model anyway). Everything else stays
-sentence-transformers' own: prompts, the text modality's handling, the truncation length. Any other call (a padded one, pairs, a slow tokenizer, extra tokenizer
-arguments, no truncation) goes to sentence-transformers unchanged.
+sentence-transformers' own: prompts, the text modality's handling, the truncation length.
+Any other call (a padded one, pairs, a slow tokenizer, extra tokenizer arguments, no
+truncation) goes to sentence-transformers unchanged.
 """
 
 from __future__ import annotations
