@@ -409,10 +409,10 @@ class Graphed(nn.Module):
             # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
             # meanwhile; this thread's own calls are checked as in the default mode
             # the pool's growth is read inside the capture: entering it empties the allocator's cache.
-            # The capture runs on this call's own stream: torch.cuda.graph's default is one stream for
-            # the whole process, which two threads capturing at once (two GPUs, or two models on one)
-            # would share, and a capture began on a stream already capturing fails
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            # The capture runs on this GPU's capture stream: torch.cuda.graph's default is one stream
+            # for the whole process, which threads capturing on two GPUs at once would share
+            capture = graphed_train.capture_stream(device)
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture, capture_error_mode="thread_local"):
                 before = torch.cuda.memory_reserved(device)
                 entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
                 self._memory[key] = torch.cuda.memory_reserved(device) - before

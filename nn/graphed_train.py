@@ -201,6 +201,22 @@ def capture_lock(device) -> threading.RLock:
         return _CAPTURE_LOCKS.setdefault(index, threading.RLock())
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """The stream the captures on ``device`` run on, under :func:`capture_lock`: one per GPU, apart
+    from the warm-up's (torch.cuda.graph's default is one stream for the whole process, made on
+    whichever GPU was current first, which threads on two GPUs would share)."""
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _CAPTURE_LOCKS_GUARD:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+        return stream
+
+
 class _Entry:
     __slots__ = ("fwd", "bwd", "spec", "outputs", "ragged", "diff", "grad_outs", "used", "grad_inputs",
                  "generation", "memory")
@@ -357,14 +373,14 @@ class TrainGraphs:
             # the pool's growth, read inside each capture: entering one empties the allocator's cache,
             # so a reading taken before it could even come out negative. The captures run on the warm-up's
             # stream (torch.cuda.graph's default stream is one for the process, shared by threads)
-            with torch.cuda.graph(entry.fwd, pool=g._pool, stream=stream):
+            with torch.cuda.graph(entry.fwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
                 spec, leaves, ragged, diff = differentiable(run())
                 entry.memory = torch.cuda.memory_reserved(device) - before
             entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
             entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
             persistent = [self.persistent_grad(p) for p in params]
-            with torch.cuda.graph(entry.bwd, pool=g._pool, stream=stream):
+            with torch.cuda.graph(entry.bwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
                 grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
                                             allow_unused=True)
