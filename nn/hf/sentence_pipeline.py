@@ -226,7 +226,7 @@ def _packed(lengths: np.ndarray, flat: np.ndarray, types, starts: np.ndarray, ro
     total = int(n.sum())
     first = np.repeat(starts[rows] - (np.cumsum(n) - n), n)
     take = np.arange(total, dtype=np.int64) + first
-    rt = RaggedTensor.from_lengths(torch.from_numpy(flat[take]), n.tolist())
+    rt = RaggedTensor.from_lengths(torch.from_numpy(flat[take]), n)
     positions = None
     if side == "left" and columns and total:
         begin = np.repeat(np.cumsum(n) - n, n)
