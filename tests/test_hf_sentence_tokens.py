@@ -177,3 +177,22 @@ def test_media_lookalikes_are_text_without_the_search(transformers_, fast_calls)
         lock = threading.RLock()
         sp._tokenize(module, lock, ["hello world", "a"], None)
         assert seen == [7, 2] and "parse_inputs" not in vars(formatter)
+
+
+def test_tokenizer_classes_with_their_own_call(transformers_, fast_calls):
+    """A tokenizer class that overrides a step of the call (as CodeLlama's and the layout models'
+    do) keeps sentence-transformers' path, with the same result."""
+    module = copy.deepcopy(transformers_["bert"])
+    base = type(module.tokenizer)
+    seen = []
+
+    class Own(base):
+        def _encode_plus(self, *args, **kwargs):
+            seen.append(1)
+            return super()._encode_plus(*args, **kwargs)
+
+    module.tokenizer.__class__ = Own
+    assert module.processor is module.tokenizer
+    fast, slow = _both(module, TEXTS)
+    _same(fast, slow)
+    assert not fast_calls and len(seen) == 2

@@ -35,6 +35,10 @@ __all__ = ["Flat", "flat_ids"]
 _PLAIN = {"padding": False, "return_tensors": None, "return_attention_mask": False}
 _TAKEN = {*_PLAIN, "truncation", "max_length"}
 _MEDIA = {"image", "video", "audio"}
+# the methods between a tokenizer's __call__ and its Rust tokenizer
+_CALL_PATH = ("__call__", "_call_one", "encode_plus", "batch_encode_plus", "_encode_plus", "_batch_encode_plus",
+              "_convert_encoding", "set_truncation_and_padding", "_get_padding_truncation_strategies",
+              "prepare_for_tokenization", "tokenize", "_tokenize")
 
 
 class Flat:
@@ -55,9 +59,15 @@ def _fast(tokenizer) -> bool:
         from transformers import PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - sentence-transformers needs transformers
         return False
-    return isinstance(tokenizer, PreTrainedTokenizerFast) and all(
-        callable(getattr(tokenizer, name, None))
-        for name in ("_get_padding_truncation_strategies", "set_truncation_and_padding"))
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or not all(
+            callable(getattr(tokenizer, name, None))
+            for name in ("_get_padding_truncation_strategies", "set_truncation_and_padding")):
+        return False
+    # a tokenizer class that changes the call on its way to the Rust tokenizer (CodeLlama's, the
+    # layout models', ...) keeps its own call
+    cls = type(tokenizer)
+    return all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name)
+               for name in _CALL_PATH if hasattr(PreTrainedTokenizerFast, name))
 
 
 def _flatten(rows: list, total: int) -> np.ndarray:
