@@ -371,8 +371,8 @@ class TrainGraphs:
             entry = _Entry()
             entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             # the pool's growth, read inside each capture: entering one empties the allocator's cache,
-            # so a reading taken before it could even come out negative. The captures run on the warm-up's
-            # stream (torch.cuda.graph's default stream is one for the process, shared by threads)
+            # so a reading taken before it could even come out negative. The captures run on this GPU's
+            # capture stream (torch.cuda.graph's default stream is one for the process, shared by threads)
             with torch.cuda.graph(entry.fwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
                 spec, leaves, ragged, diff = differentiable(run())
