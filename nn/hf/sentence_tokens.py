@@ -118,8 +118,8 @@ def flat_ids(module: nn.Module) -> Iterator[None]:
         kwargs = {**modality_kwargs.get("text", {}), **common_kwargs}
         texts = processor_inputs.get("text")
         if modality == "text" and module.processor is tokenizer and set(processor_inputs) == {"text"} \
-                and set(kwargs) <= _TAKEN and all(kwargs.get(k, v) is v for k, v in _PLAIN.items()) \
-                and all(k in kwargs for k in _PLAIN) and isinstance(texts, list) \
+                and set(kwargs) <= _TAKEN and all(k in kwargs and kwargs[k] is v for k, v in _PLAIN.items()) \
+                and isinstance(texts, list) \
                 and all(type(t) is str for t in texts):
             flat = encode(tokenizer, texts, kwargs.get("truncation"), kwargs.get("max_length"))
             if flat is not None:
