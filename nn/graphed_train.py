@@ -54,6 +54,8 @@ in eval mode record no backward: evaluation replays the inference graphs under `
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 
 import torch
@@ -199,6 +201,31 @@ def capture_lock(device) -> threading.RLock:
     index = torch.cuda.current_device() if index is None else index
     with _CAPTURE_LOCKS_GUARD:
         return _CAPTURE_LOCKS.setdefault(index, threading.RLock())
+
+
+_GC_PAUSES = [0, False]  # [captures under way in the process, whether the collector was on before]
+
+
+@contextlib.contextmanager
+def capturing(device):
+    """A capture's turn on ``device``: :func:`capture_lock`, and Python's cyclic garbage collector
+    paused in the process until every capture under way has ended. A collection inside a capture
+    (any thread's allocation can start one) may free the graphs of modules that are garbage, and
+    destroying a graph there invalidates the capture ("operation failed due to a previous error
+    during capture"); torch.cuda.graph collects once before it begins, as nothing does after."""
+    with capture_lock(device):
+        with _CAPTURE_LOCKS_GUARD:
+            if _GC_PAUSES[0] == 0:
+                _GC_PAUSES[1] = gc.isenabled()
+                gc.disable()
+            _GC_PAUSES[0] += 1
+        try:
+            yield
+        finally:
+            with _CAPTURE_LOCKS_GUARD:
+                _GC_PAUSES[0] -= 1
+                if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                    gc.enable()
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -354,7 +381,7 @@ class TrainGraphs:
             diff = [i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()]
             return spec, leaves, ragged, diff
 
-        with capture_lock(device):
+        with capturing(device):
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):

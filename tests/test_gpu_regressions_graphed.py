@@ -196,7 +196,9 @@ def test_graphs_captured_from_two_threads_at_once():
     -m ragged.embed --devices runs a thread per GPU; two models may share one): each capture has
     its own stream (torch.cuda.graph's default capture stream is one per process, and a capture
     begun on a stream that is capturing fails) and captures on one GPU take turns (two at once
-    share the GPU's random generator and allocator capture state, and fail); the replays equal
+    share the GPU's random generator and allocator capture state, and fail) and the calls' work
+    on that GPU takes turns with captures, with Python's garbage collector paused meanwhile (a
+    collection that frees a graph inside a capture invalidates it); the replays equal
     the eager models, and a later capture on torch's default stream still works."""
     import threading
 
@@ -213,8 +215,9 @@ def test_graphs_captured_from_two_threads_at_once():
             with torch.no_grad():
                 for ids in rounds:
                     barrier.wait(timeout=60)
-                    results[i].append(graphs[i](input_ids=ids).last_hidden_state.values.clone())
-            torch.cuda.current_stream().synchronize()
+                    # copy_outputs (the default): the rows come out as a copy made under the
+                    # module's turn, so no work of this thread overlaps the other's capture
+                    results[i].append(graphs[i](input_ids=ids).last_hidden_state.values)
         except BaseException as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
             barrier.abort()
@@ -224,6 +227,7 @@ def test_graphs_captured_from_two_threads_at_once():
         t.start()
     for t in threads:
         t.join()
+    torch.cuda.synchronize()
     assert not errors, errors
     assert graphs[0].num_graphs == graphs[1].num_graphs >= 2
     with torch.no_grad():
