@@ -42,10 +42,20 @@ several threads take turns, and calls that run eagerly (off the GPU, over the la
 do not wait. With ``copy_outputs=False`` the outputs are the graphs' buffers themselves, which
 the next call from any thread may overwrite: hold ``g.lock`` around the call and the reads of
 its outputs.
+
+Captures on one GPU take turns with the work of every graphed module's calls on that GPU (one
+lock per GPU, held by a call inside its own ``lock``; threads that drive different GPUs do not
+wait on each other), and Python's cyclic garbage collector is paused while a capture runs: a
+collection inside a capture (any thread's allocation can start one) that frees the graphs of
+modules that are garbage invalidates the capture ("operation failed due to a previous error
+during capture": one two-thread run in a few dozen to a few hundred without the pause, none
+in 2,200 with it). Eager CUDA work of your own in another thread on the same GPU is not held back: keep it
+apart from a bucket's first call, when its graph is captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -57,6 +67,7 @@ from ragged.utils import describe
 
 from . import graphed_train
 from .graphed_train import smallest as _smallest
+from .hf import sentence_pipeline
 
 __all__ = ["Graphed", "graphed", "powers_of_two"]
 
@@ -277,7 +288,10 @@ class Graphed(nn.Module):
                tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs), grad_inputs, key_args)
         if training:
             params = self._train_params()
-        with self.lock:  # the bucket's buffers are shared by every thread's calls
+        # the bucket's buffers are shared by every thread's calls, and the calls on one GPU take
+        # turns with its captures (module docstring)
+        turn = graphed_train.capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
+        with self.lock, turn:
             entry = self._graphs.get(key)
             with torch.no_grad():
                 if entry is None:
@@ -397,18 +411,25 @@ class Graphed(nn.Module):
     def _capture(self, entry: _Graph, args, kwargs, rts, seqs, l_b: int, device, key) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved(device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
-        entry.graph = graph
-        self._memory[key] = torch.cuda.memory_reserved(device) - before
+        with graphed_train.capturing(device):  # one capture at a time per GPU, no collection meanwhile
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: threads driving other GPUs (python -m ragged.embed --devices) may go on
+            # meanwhile; this thread's own calls are checked as in the default mode
+            # the pool's growth is read inside the capture: entering it empties the allocator's cache.
+            # The capture runs on this GPU's capture stream: torch.cuda.graph's default is one stream
+            # for the whole process, which threads capturing on two GPUs at once would share
+            capture = graphed_train.capture_stream(device)
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture, capture_error_mode="thread_local"):
+                before = torch.cuda.memory_reserved(device)
+                entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+                self._memory[key] = torch.cuda.memory_reserved(device) - before
+            entry.graph = graph
 
     def _train_params(self) -> list:
         """The parameters that require grad (listed once; a change of which ones do, or of the
@@ -434,7 +455,6 @@ class Graphed(nn.Module):
             return _cut(out, first, t_b, b_b, False)
         device = first.values.device
         if entry.graph is None:
-            before = torch.cuda.memory_reserved(device)
             inputs = list(entry.values)
 
             def call():
@@ -447,7 +467,7 @@ class Graphed(nn.Module):
                 raise RuntimeError(f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
                                    f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
                                    "itself to train it eagerly") from e
-            self._memory[key] = torch.cuda.memory_reserved(device) - before
+            self._memory[key] = entry.graph.memory
         user_inputs = [rts[i][1].values for i in grad_inputs]
         return self._train.replay(entry.graph, first, size, user_inputs)
 
@@ -523,3 +543,6 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
         return module
     return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,
                    max_len=max_len)
+
+
+sentence_pipeline.GRAPHS = Graphed  # the graphs of a converted SentenceTransformer's encode pipeline

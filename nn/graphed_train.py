@@ -54,6 +54,10 @@ in eval mode record no backward: evaluation replays the inference graphs under `
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
+
 import torch
 
 from ragged import RaggedTensor
@@ -185,9 +189,64 @@ def _rows(entry, b_b: int, n_tok: int, batch: int) -> tuple[int | None, ...]:
 # The graphs of one bucket
 
 
+_CAPTURE_LOCKS: dict[int, threading.RLock] = {}
+_CAPTURE_LOCKS_GUARD = threading.Lock()
+
+
+def capture_lock(device) -> threading.RLock:
+    """The lock that the captures on ``device`` take, one at a time in the process: two threads
+    capturing on one GPU at once share its random generator's capture state and the
+    allocator's, which fails (threads on other GPUs, and eager work, go on meanwhile)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    with _CAPTURE_LOCKS_GUARD:
+        return _CAPTURE_LOCKS.setdefault(index, threading.RLock())
+
+
+_GC_PAUSES = [0, False]  # [captures under way in the process, whether the collector was on before]
+
+
+@contextlib.contextmanager
+def capturing(device):
+    """A capture's turn on ``device``: :func:`capture_lock`, and Python's cyclic garbage collector
+    paused in the process until every capture under way has ended. A collection inside a capture
+    (any thread's allocation can start one) may free the graphs of modules that are garbage, and
+    destroying a graph there invalidates the capture ("operation failed due to a previous error
+    during capture"); torch.cuda.graph collects once before it begins, as nothing does after."""
+    with capture_lock(device):
+        with _CAPTURE_LOCKS_GUARD:
+            if _GC_PAUSES[0] == 0:
+                _GC_PAUSES[1] = gc.isenabled()
+                gc.disable()
+            _GC_PAUSES[0] += 1
+        try:
+            yield
+        finally:
+            with _CAPTURE_LOCKS_GUARD:
+                _GC_PAUSES[0] -= 1
+                if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                    gc.enable()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """The stream the captures on ``device`` run on, under :func:`capture_lock`: one per GPU, apart
+    from the warm-up's (torch.cuda.graph's default is one stream for the whole process, made on
+    whichever GPU was current first, which threads on two GPUs would share)."""
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _CAPTURE_LOCKS_GUARD:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+        return stream
+
+
 class _Entry:
     __slots__ = ("fwd", "bwd", "spec", "outputs", "ragged", "diff", "grad_outs", "used", "grad_inputs",
-                 "generation")
+                 "generation", "memory")
 
     def __init__(self) -> None:
         self.generation = 0
@@ -322,34 +381,42 @@ class TrainGraphs:
             diff = [i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()]
             return spec, leaves, ragged, diff
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
-                spec, leaves, _, diff = differentiable(run())
-                if not diff:
-                    raise ValueError("ragged.nn.Graphed: the module's outputs need no gradient in training mode "
-                                     "(no parameter requires grad?)")
-                outs = [leaves[i] for i in diff]
-                torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
-                del spec, leaves, outs
-        torch.cuda.current_stream(device).wait_stream(stream)
+        with capturing(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
+                    spec, leaves, _, diff = differentiable(run())
+                    if not diff:
+                        raise ValueError("ragged.nn.Graphed: the module's outputs need no gradient in training mode "
+                                         "(no parameter requires grad?)")
+                    outs = [leaves[i] for i in diff]
+                    torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
+                    del spec, leaves, outs
+            torch.cuda.current_stream(device).wait_stream(stream)
 
-        entry = _Entry()
-        entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.fwd, pool=g._pool):
-            spec, leaves, ragged, diff = differentiable(run())
-        entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
-        entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
-        persistent = [self.persistent_grad(p) for p in params]
-        with torch.cuda.graph(entry.bwd, pool=g._pool):
-            grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
-                                        allow_unused=True)
-            n_in = len(grad_inputs)
-            pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
-            if pairs:
-                torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
-            entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
+            entry = _Entry()
+            entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            # the pool's growth, read inside each capture: entering one empties the allocator's cache,
+            # so a reading taken before it could even come out negative. The captures run on this GPU's
+            # capture stream (torch.cuda.graph's default stream is one for the process, shared by threads)
+            with torch.cuda.graph(entry.fwd, pool=g._pool, stream=capture_stream(device)):
+                before = torch.cuda.memory_reserved(device)
+                spec, leaves, ragged, diff = differentiable(run())
+                entry.memory = torch.cuda.memory_reserved(device) - before
+            entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
+            entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
+            persistent = [self.persistent_grad(p) for p in params]
+            with torch.cuda.graph(entry.bwd, pool=g._pool, stream=capture_stream(device)):
+                before = torch.cuda.memory_reserved(device)
+                grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
+                                            allow_unused=True)
+                n_in = len(grad_inputs)
+                pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
+                if pairs:
+                    torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
+                entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
+                entry.memory += torch.cuda.memory_reserved(device) - before
         entry.used = [(p, acc) for p, acc, d in zip(params, persistent, grads[n_in:]) if d is not None]
         for i in grad_inputs:
             inputs[i].requires_grad_(False)

@@ -93,11 +93,22 @@ class RaggedTensor:
         check_tensor(fn, "values", values)
         if values.dim() < 1:
             raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
-        host = host_offsets_from_lengths(fn, host_lengths_of(fn, lengths))
+        if isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu" \
+                and not torch.compiler.is_compiling():
+            # integer arrays (a data pipeline's batches) in whole-array steps, the same checks
+            negative = np.flatnonzero(lengths < 0)
+            if negative.size:
+                i = int(negative[0])
+                raise ValueError(f"{fn}(): expected lengths >= 0, got lengths[{i}] = {int(lengths[i])}")
+            host = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
+            longest = int(lengths.max()) if lengths.size else 0
+        else:
+            host = host_offsets_from_lengths(fn, host_lengths_of(fn, lengths))
+            longest = None
         total = host[-1]
         if total != values.shape[0]:
             raise ValueError(f"{fn}(): expected sum(lengths) == values.shape[0] ({values.shape[0]}), got {total}")
-        longest = max_length(host)
+        longest = max_length(host) if longest is None else longest
         width = longest
         if max_len is not None:
             width = check_int(fn, "max_len", max_len, minimum=0)

@@ -140,7 +140,7 @@ def test_gpu_graphed_encode_matches_eager(gpu_folders, family, side):
         got = ours.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True, prompt=INSTRUCT)
         again = ours.encode(GPU_TEXTS[::-1], batch_size=3, convert_to_tensor=True, prompt=INSTRUCT)
     assert not [w for w in caught if "running eagerly" in str(w.message)]  # every batch replayed a graph
-    assert graphs.num_graphs >= 2
+    assert graphs.num_graphs >= 1  # right padding: the encode pipeline's token-budget batches, one bucket or more
     want = oracle.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True, prompt=INSTRUCT)
     hf = theirs.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True, prompt=INSTRUCT)
     _close(got, hf, want, dtype, "graphed sentence_embedding")

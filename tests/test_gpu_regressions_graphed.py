@@ -189,3 +189,53 @@ def test_warmup_restores_the_cuda_state_of_the_modules_device():
         assert torch.equal(v, before[k]), k
     assert net.training and net.lin.weight.grad is grad and torch.equal(grad, grad_values)
     assert net.lin.bias.grad is None
+
+
+def test_graphs_captured_from_two_threads_at_once():
+    """Two graphed models on one GPU asked to capture from two threads at the same time (python
+    -m ragged.embed --devices runs a thread per GPU; two models may share one): each capture has
+    its own stream (torch.cuda.graph's default capture stream is one per process, and a capture
+    begun on a stream that is capturing fails) and captures on one GPU take turns (two at once
+    share the GPU's random generator and allocator capture state, and fail) and the calls' work
+    on that GPU takes turns with captures, with Python's garbage collector paused meanwhile (a
+    collection that frees a graph inside a capture invalidates it); the replays equal
+    the eager models, and a later capture on torch's default stream still works."""
+    import threading
+
+    models = [_hf("bert", "base", torch.bfloat16) for _ in range(2)]
+    graphs = [ragged.nn.graphed(m, max_tokens=1024, max_batch_size=16) for m in models]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rounds = [_ids(lengths, gen) for lengths in ([5, 9, 3], [40, 1, 17, 60], [90, 2], [30] * 12)]
+    barrier = threading.Barrier(2)
+    results: list = [[], []]
+    errors: list = []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for ids in rounds:
+                    barrier.wait(timeout=60)
+                    # copy_outputs (the default): the rows come out as a copy made under the
+                    # module's turn, so no work of this thread overlaps the other's capture
+                    results[i].append(graphs[i](input_ids=ids).last_hidden_state.values)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    assert graphs[0].num_graphs == graphs[1].num_graphs >= 2
+    with torch.no_grad():
+        for i, model in enumerate(models):
+            for ids, got in zip(rounds, results[i]):
+                _close(got, model(input_ids=ids).last_hidden_state.values, torch.bfloat16, f"model {i}")
+    graph, x = torch.cuda.CUDAGraph(), torch.ones(4, device="cuda")
+    with torch.cuda.graph(graph):
+        y = x * 2
+    graph.replay()
+    assert y.sum().item() == 8

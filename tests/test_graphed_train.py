@@ -198,3 +198,50 @@ def test_outputs_flatten_rebuild_and_cut():
     assert torch.equal(back.logits, out.logits[:2])
     for got, want in zip(back.hidden_states, hidden):
         assert got.offsets is first.offsets and torch.equal(got.values, want.values[:8])
+
+
+def test_captures_pause_the_garbage_collector_until_the_last_one_ends():
+    """The collector is off while any capture's turn runs (nested, or on two GPUs at once), back
+    on when the last ends, also after an error; a collector the caller had turned off stays off."""
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other_gpu():
+        with graphed_train.capturing("cuda:1"):
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other_gpu)
+    t.start()
+    inside.wait(10)
+    with pytest.raises(RuntimeError, match="inside"):
+        with graphed_train.capturing("cuda:0"):
+            assert not gc.isenabled()
+            with graphed_train.capturing("cuda:0"):  # re-entrant on one thread
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert not gc.isenabled()  # the other GPU's capture is still under way
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with graphed_train.capturing("cuda:0"):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_capture_lock_is_one_per_gpu():
+    """Captures on one GPU take one lock (re-entrant), those of two GPUs two."""
+    a, b = graphed_train.capture_lock("cuda:0"), graphed_train.capture_lock(torch.device("cuda", 1))
+    assert a is graphed_train.capture_lock(torch.device("cuda:0")) and a is not b
+    with a:
+        assert a.acquire(blocking=False)  # the same thread again
+        a.release()

@@ -135,6 +135,26 @@ def test_from_lengths_host_forms(form):
     assert rt.host_lengths() == lengths
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint16, np.uint64])
+def test_from_lengths_numpy_arrays_match_lists(dtype):
+    """Integer arrays take whole-array steps: the same offsets, max_len and host lengths as the
+    list, an empty batch included, and the same error for a negative length."""
+    rng = np.random.default_rng(11)
+    for lengths in ([], [0], [3], rng.integers(0, 40, 57).tolist(), [0, 0, 5, 0]):
+        values = torch.randn(sum(lengths), 3, generator=_gen(2))
+        got = RaggedTensor.from_lengths(values, np.asarray(lengths, dtype=dtype))
+        want = RaggedTensor.from_lengths(values, list(lengths))
+        assert got.offsets.tolist() == want.offsets.tolist() and got.offsets.dtype == want.offsets.dtype
+        assert got.max_len == want.max_len and got.host_lengths() == want.host_lengths() == list(lengths)
+        assert all(type(n) is int for n in got.host_lengths())
+    if np.issubdtype(dtype, np.signedinteger):
+        values = torch.randn(4, 3)
+        with pytest.raises(ValueError, match=r"from_lengths\(\): expected lengths >= 0, got lengths\[1\] = -2"):
+            RaggedTensor.from_lengths(values, np.asarray([3, -2, 3], dtype=dtype))
+        with pytest.raises(ValueError, match=r"expected lengths >= 0, got lengths\[1\] = -2"):
+            RaggedTensor.from_lengths(values, [3, -2, 3])
+
+
 def test_from_lengths_max_len_override():
     values = torch.randn(6, 2, generator=_gen(1))
     rt = RaggedTensor.from_lengths(values, [2, 4], max_len=9)

@@ -15,7 +15,7 @@ import ragged
 from ..harness import Skip
 from .hf_common import SEED, pad_batch, to_device
 
-__all__ = ["MeanPooled", "Texts", "convert_st", "encode_pass", "graphed_encode_pass", "load_st", "make_texts",
+__all__ = ["MeanPooled", "Texts", "convert_st", "embed_file_pass", "encode_pass", "graphed_encode_pass", "load_st", "make_texts",
            "padded_pass", "ragged_pass", "word_tokenizer"]
 
 
@@ -119,6 +119,29 @@ def graphed_encode_pass(st, texts: list[str], batch: int, longest: int) -> Calla
 
     top = 1 << int(batch * longest).bit_length()
     return encode_pass(rnn.graphed(copy.deepcopy(st), max_tokens=top, max_batch_size=batch), texts, batch)
+
+
+def embed_file_pass(st, texts: list[str]) -> Callable[[], torch.Tensor]:
+    """``python -m ragged.embed``'s work on a loaded converted model, one chunk: the texts read
+    from a JSONL file (checked line by line, :func:`ragged.embed.read_texts`), embedded by the
+    encode pipeline (:func:`ragged.nn.hf.sentence_pipeline.embed`), saved as ``.npy``; returns
+    the saved embeddings read back."""
+    import json
+    import tempfile
+
+    from ragged.embed import read_texts
+    from ragged.nn.hf.sentence_pipeline import embed
+
+    folder = tempfile.mkdtemp(prefix="ragged_bench_embed_")
+    src, out = os.path.join(folder, "texts.jsonl"), os.path.join(folder, "embeddings.npy")
+    with open(src, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+
+    def run() -> torch.Tensor:
+        np.save(out, embed(st, read_texts(src, "text")))
+        return torch.from_numpy(np.load(out))
+
+    return run
 
 
 def encode_pass(st, texts: list[str], batch: int) -> Callable[[], torch.Tensor]:

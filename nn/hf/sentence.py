@@ -96,25 +96,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy as copying
-import dataclasses
 import inspect
-import itertools
 import sys
 import threading
 import warnings
 from collections.abc import MutableMapping
 
-import numpy as np
 import torch
 from torch import nn
 
 from ragged import RaggedTensor
-from ragged.padding import PaddedLayout
 from ragged.utils import describe
 
 from . import forward as hf_forward
-from .batch import read_batch
 from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
+from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
+from .sentence_pipeline import Pipeline, finish, reason, run
 from .sentence_plan import Plan, plan_conversion
 from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
                                   set_patches, weightedmean_origin)
@@ -123,7 +120,6 @@ __all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPool
            "RaggedTransformerForward", "ReplicaForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding",
            "graph_target", "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
 
-INPUT_KEY = "ragged_input"  # the host-packed batch from preprocess, consumed by the Transformer's forward
 _TEXT_MODALITIES = ("text", "message")  # a message modality's features are text too, unless media come with them
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length",
                         "offset_mapping", "special_tokens_mask", "overflow_to_sample_mapping",
@@ -137,28 +133,31 @@ _PREPROCESSING: contextvars.ContextVar[tuple] = contextvars.ContextVar("ragged_s
 
 
 @contextlib.contextmanager
-def encoding(forward: "RaggedTransformerForward", mode: str):
+def encoding(forward: "RaggedTransformerForward", mode: str, graphed=None):
     """Within the block, in this thread or task only, the converted Transformer whose forward
     is ``forward`` runs as inside ``encode``: ``mode`` ``"sentence"`` (its preprocess packs the
     batch on the host, tokenizing without padding where it can) or ``"tokens"`` (the padded
-    batch packed from its host mask; the forward writes padded ``token_embeddings``)."""
+    batch packed from its host mask; the forward writes padded ``token_embeddings``).
+    ``graphed``: a :class:`ragged.nn.Graphed` of the model the forward replays in eval mode
+    (the encode pipeline's own, :mod:`.sentence_pipeline`) where ``forward.graphed`` is None."""
     if not isinstance(forward, RaggedTransformerForward):
         raise TypeError(f"ragged.nn.hf.sentence.encoding(): expected the forward of a converted Transformer, got "
                         f"{describe(forward)}")
     if mode not in ("sentence", "tokens"):
         raise ValueError(f"ragged.nn.hf.sentence.encoding(): expected mode 'sentence' or 'tokens', got {mode!r}")
-    token = _ENCODING.set((*_ENCODING.get(), (forward, mode)))
+    token = _ENCODING.set((*_ENCODING.get(), (forward, mode, graphed)))
     try:
         yield
     finally:
         _ENCODING.reset(token)
 
 
-def _mode(forward: "RaggedTransformerForward") -> str | None:
-    """The mode of the innermost encode of ``forward`` in this context; None outside encode."""
-    for owner, mode in reversed(_ENCODING.get()):
-        if owner is forward:
-            return mode
+def _mode(forward: "RaggedTransformerForward", index: int = 1):
+    """The mode (``index`` 2: the graphs) of the innermost encode of ``forward`` in this
+    context; None outside encode."""
+    for entry in reversed(_ENCODING.get()):
+        if entry[0] is forward:
+            return entry[index]
     return None
 
 
@@ -167,57 +166,6 @@ def is_sentence_transformer(model: object) -> bool:
     sentence-transformers: a model of it exists only once the package is loaded."""
     mod = sys.modules.get("sentence_transformers.sentence_transformer.model")
     return mod is not None and isinstance(model, mod.SentenceTransformer)
-
-
-# --------------------------------------------------------------------------------------
-# Packed inputs and outputs
-
-
-@dataclasses.dataclass
-class PackedInput:
-    """One batch of token ids packed: ``ids`` (RaggedTensor of ``[T]`` ids), ``token_type_ids``
-    and ``position_ids`` (``[T]`` or None) and ``layout`` (where the tokens sat in the padded
-    ``[B, M]`` batch)."""
-
-    ids: RaggedTensor
-    token_type_ids: torch.Tensor | None
-    position_ids: torch.Tensor | None
-    layout: PaddedLayout
-
-    def matches(self, input_ids: object) -> bool:
-        """Whether this batch was packed from padded ids of ``input_ids``' shape."""
-        return isinstance(input_ids, torch.Tensor) and tuple(input_ids.shape) == (self.ids.batch_size,
-                                                                                  self.layout.width)
-
-    def to(self, device: torch.device) -> "PackedInput":
-        """On ``device``; host tensors go to CUDA through pinned memory, without blocking."""
-        if self.ids.device == device:
-            return self
-        cuda = device.type == "cuda" and self.ids.device.type == "cpu"
-
-        def move(t):
-            if t is None:
-                return None
-            if cuda:
-                t = t.pin_memory()
-            return t.to(device, non_blocking=cuda)
-
-        index = self.layout.index
-        layout = self.layout if index is None else dataclasses.replace(self.layout, index=tuple(move(i) for i in index))
-        return PackedInput(move(self.ids), move(self.token_type_ids), move(self.position_ids), layout)
-
-
-def pack_input(fn: str, from_ids: bool, input_ids, attention_mask, token_type_ids, position_ids) -> PackedInput:
-    """Pack padded ``input_ids [B, M]`` with their ``attention_mask`` (one read of the mask:
-    free on the host, one device-to-host read on a GPU). Positions follow HuggingFace: the
-    columns of the padded batch for BERT, ELECTRA and DistilBERT (a left-padded row starts
-    past 0), counted from the ids for RoBERTa-style models (the converted model does that)."""
-    batch = read_batch(fn, "input_ids", input_ids, attention_mask, 0)
-    types = batch.pack(fn, "token_type_ids", token_type_ids, 0, broadcast=True)
-    positions = batch.pack(fn, "position_ids", position_ids, 0, broadcast=True)
-    if positions is None and batch.layout.side != "right" and not from_ids:
-        positions = batch.columns()
-    return PackedInput(batch.rt, types, positions, batch.layout)
 
 
 # --------------------------------------------------------------------------------------
@@ -287,7 +235,7 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
     inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
                                 ("position_ids", packed.position_ids)) if t is not None}
-    graphed = self.graphed
+    graphed = self.graphed if self.graphed is not None else _mode(self, 2)
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
         inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
         out = graphed(**inputs, return_dict=True)
@@ -322,11 +270,12 @@ class RaggedPreprocess:
     and the per-token lists are dropped from the features; otherwise the padded batch is kept
     and packed from its host mask."""
 
-    def __init__(self, module: nn.Module, lock: threading.Lock | None = None) -> None:
+    def __init__(self, module: nn.Module, lock: threading.RLock | None = None) -> None:
         self.module = module
         # a fast tokenizer keeps its padding setting in shared state, set by every call before it
-        # tokenizes, and encode's calls set another than the others': one call at a time
-        self.lock = threading.Lock() if lock is None else lock
+        # tokenizes, and encode's calls set another than the others': one call at a time (re-entrant:
+        # the encode pipeline holds it around the original preprocess, which may call this one)
+        self.lock = threading.RLock() if lock is None else lock
 
     def for_replica(self, replica: nn.Module) -> dict:
         """The preprocess of ``replica``, a DataParallel replica of this module: it holds the same
@@ -341,11 +290,11 @@ class RaggedPreprocess:
             return original(module, *args, **kwargs)
         forward = _own(module, "forward", RaggedTransformerForward)
         mode = None if forward is None else _mode(forward)
-        side = _unpadded_side(module, kwargs) if mode == "sentence" and not forward.pad_token_embeddings \
+        side = unpadded_side(module, kwargs) if mode == "sentence" and not forward.pad_token_embeddings \
             and len(args) <= 2 else None
         if side is not None:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
             pk = dict(kwargs.get("processing_kwargs") or {})
-            kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **_UNPADDED}}}
+            kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **UNPADDED}}}
         token = _PREPROCESSING.set((*inside, self))
         try:
             with self.lock:
@@ -358,11 +307,11 @@ class RaggedPreprocess:
         ids = features.get("input_ids")
         types = features.get("token_type_ids") if forward.takes_types else None
         if isinstance(ids, list) and all(isinstance(row, list) for row in ids):
-            features[INPUT_KEY] = _from_lists(ids, types if isinstance(types, list) else None, side or "right",
+            features[INPUT_KEY] = from_lists(ids, types if isinstance(types, list) else None, side or "right",
                                               not forward.from_ids)
             for name in ("input_ids", "token_type_ids", "attention_mask"):
                 features.pop(name, None)
-        elif _host_padded(features):
+        elif host_padded(features):
             features[INPUT_KEY] = pack_input("Transformer.preprocess", forward.from_ids, ids,
                                              features.get("attention_mask"), types, features.get("position_ids"))
         return features
@@ -374,66 +323,16 @@ class RaggedPreprocess:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def __repr__(self) -> str:
         return "RaggedPreprocess()"
 
 
-_UNPADDED = {"padding": False, "return_tensors": None, "return_attention_mask": False}
-
-
-def _unpadded_side(module: nn.Module, kwargs: dict) -> str | None:
-    """The padding side of the batch when tokenizing without padding gives the padded batch's
-    tokens and positions (their columns follow from the lengths and the side); None when it may
-    not: a tokenizer that is not the processor, text rendered as chat messages, query expansion
-    (it rewrites the padded tensors), padding settings in the processing kwargs (a padding side;
-    for left padding a width other than the longest text's too)."""
-    side = getattr(module.tokenizer, "padding_side", "right")
-    if getattr(module, "query_expansion", None) is not None or side not in ("right", "left") \
-            or module.processor is not module.tokenizer or "message" in module.modality_config:
-        return None
-    if side == "left" and getattr(module.tokenizer, "pad_to_multiple_of", None) is not None:
-        return None
-    keys = {"padding_side"} if side == "right" else {"padding_side", "padding", "pad_to_multiple_of"}
-    for pk in (module.processing_kwargs, kwargs.get("processing_kwargs")):
-        if pk is not None and (not isinstance(pk, dict) or any(
-                isinstance(v, dict) and keys & set(v) for v in pk.values())):
-            return None
-    return side
-
-
-def _from_lists(ids: list, types: list | None, side: str, columns: bool) -> PackedInput:
-    """A PackedInput from the tokenizer's per-sequence lists (host tensors) laid out as the
-    tokenizer pads on ``side``; ``columns``: positions are the padded batch's columns (given
-    where they are not each sequence's from 0: left padding)."""
-    lengths = [len(row) for row in ids]
-    total = sum(lengths)
-
-    def flat(rows):
-        return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total))
-
-    rt = RaggedTensor.from_lengths(flat(ids), lengths)
-    if types is not None and [len(row) for row in types] != lengths:
-        types = None
-    positions = None
-    if side == "left" and columns and total:
-        n = np.asarray(lengths, dtype=np.int64)
-        starts = np.repeat(np.cumsum(n) - n, n)  # each token's sequence start, then its column
-        positions = torch.from_numpy(np.arange(total, dtype=np.int64) - starts + np.repeat(rt.max_len - n, n))
-    return PackedInput(rt, None if types is None else flat(types), positions, PaddedLayout(rt.max_len, side))
-
-
-def _host_padded(features) -> bool:
-    """Whether ``features`` holds a padded batch on the host that can be packed there."""
-    ids = features.get("input_ids")
-    tensors = [features.get(k) for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids")]
-    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and all(
-        t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu") for t in tensors)
-
-
 class RaggedEncode:
-    """The ``encode`` of a converted SentenceTransformer: sentence-transformers' own, with the
+    """The ``encode`` of a converted SentenceTransformer: on a GPU the overlapped pipeline of
+    :mod:`.sentence_pipeline` (settings in ``.pipeline``, a :class:`.sentence_pipeline.Pipeline`);
+    otherwise, and for the calls the pipeline does not take, sentence-transformers' own, with the
     batches packed on the host and the padded token embeddings written only when
     ``output_value`` asks for them."""
 
@@ -441,9 +340,17 @@ class RaggedEncode:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.pipeline = Pipeline()
 
     def for_replica(self, replica: nn.Module) -> dict:
         return {"encode": RaggedEncode(replica), "forward": ReplicaForward(replica)}
+
+    def pipelined(self, arguments: dict, settings: Pipeline | None = None, on_batch=None) -> torch.Tensor:
+        """``[N, d]`` embeddings of ``arguments["inputs"]`` through the pipeline (``arguments``:
+        encode's, by name), on the device, in the input order, before truncation and normalisation."""
+        model = self.model
+        return run(model, model[0].forward, self.pipeline if settings is None else settings, arguments,
+                   lambda: graph_target(model), encoding, on_batch)
 
     def __call__(self, *args, **kwargs):
         model = self.model
@@ -458,7 +365,11 @@ class RaggedEncode:
             bound = sig.bind_partial(model, *args, **kwargs)
             value = bound.arguments.get("output_value", sig.parameters["output_value"].default)
         except (TypeError, KeyError):
-            value = "unknown"  # let encode raise its own error; pad meanwhile
+            bound, value = None, "unknown"  # let encode raise its own error; pad meanwhile
+        if bound is not None:
+            arguments = {k: v for k, v in bound.arguments.items() if k != next(iter(sig.parameters))}
+            if reason(model, forward, self.pipeline, arguments) is None:
+                return finish(model, self.pipelined(arguments), arguments, isinstance(arguments["inputs"], str))
         with encoding(forward, "sentence" if value == "sentence_embedding" else "tokens"):
             out = encode(model, *args, **kwargs)
         if value is None and isinstance(out, list):

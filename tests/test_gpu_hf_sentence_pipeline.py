@@ -1,0 +1,149 @@
+"""The overlapped encode of converted sentence-transformers models on the GPU (its default there).
+
+Run with ``pytest -m gpu``. The models and the oracle of ``tests/test_gpu_hf_sentence.py``:
+the converted model's embeddings must be as close to the float64 oracle as the unconverted
+model's in the same dtype (flash-attn's rule). Checked here: the pipeline runs by default with
+its own graphs, in input order over many batches, without reading the GPU inside the loop,
+from several threads at once on a model with no graph captured yet, under a left-padding
+tokenizer (sentence-transformers' own batches), and ``embed``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentence_transformers")
+
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
+from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
+from test_gpu_hf_sentence import GPU_TEXTS, _close, _models, gpu_folders  # noqa: E402,F401
+from test_hf_sentence import WORDS  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 120))) for _ in range(n)]
+    return out + GPU_TEXTS
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = hf_sentence.run
+
+    def counted(*args, **kwargs):
+        seen.append(len(args[3]["inputs"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_sentence, "run", counted)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_gpu_pipeline_by_default(gpu_folders, calls, family, dtype):
+    oracle, theirs, ours = _models(gpu_folders[family], ("mean", "cls"), dtype)
+    ours.encode.pipeline.max_tokens = 256  # many batches, several graph buckets
+    texts = _texts(300, 1)
+    want = oracle.encode(texts, convert_to_tensor=True)
+    hf = theirs.encode(texts, convert_to_tensor=True)
+    got = ours.encode(texts, convert_to_tensor=True)
+    again = ours.encode(texts[::-1], convert_to_tensor=True)
+    assert calls == [len(texts), len(texts)]
+    assert got.dtype == dtype and got.device.type == "cuda"
+    assert len(ours.encode.pipeline.cache) == 1 and next(iter(ours.encode.pipeline.cache.values()))[1].num_graphs >= 2
+    _close(got, hf, want, dtype, "pipelined sentence_embedding")
+    _close(again.flip(0), hf, want, dtype, "pipelined, reversed input")
+    numpy = ours.encode(texts, normalize_embeddings=True)
+    assert isinstance(numpy, np.ndarray) and numpy.dtype == (np.float32 if dtype == torch.bfloat16 else
+                                                             torch.empty(0, dtype=dtype).numpy().dtype)
+    _close(torch.from_numpy(np.asarray(numpy, dtype=np.float64)),
+           theirs.encode(texts, normalize_embeddings=True, convert_to_tensor=True),
+           oracle.encode(texts, normalize_embeddings=True, convert_to_tensor=True), dtype, "normalized")
+
+
+def test_gpu_pipeline_after_moving_the_model(gpu_folders):
+    """Moving the model off the GPU and back gives it new parameter tensors (encode(device="cpu")
+    moves it too): the graphs of the old ones are dropped and captured again, never replayed on
+    freed memory (here overwritten before the next encode)."""
+    _, _, ours = _models(gpu_folders["bert"], "mean", torch.float32)
+    texts = _texts(80, 5)
+    first = ours.encode(texts, convert_to_tensor=True)
+    graphs = next(iter(ours.encode.pipeline.cache.values()))[1]
+    ours.encode(texts[:5], device="cpu")  # sentence-transformers' loop on the CPU (the pipeline: CUDA only)
+    ours.to("cpu")
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # reuses the freed parameter memory
+    ours.to("cuda")
+    again = ours.encode(texts, convert_to_tensor=True)
+    del junk
+    assert next(iter(ours.encode.pipeline.cache.values()))[1] is not graphs
+    torch.testing.assert_close(again, first, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_pipeline_does_not_sync(gpu_folders):
+    """After the first call (compiles, captures), a pipelined call reads nothing from the GPU
+    until its result is asked for on the host."""
+    _, _, ours = _models(gpu_folders["bert"], "mean", torch.bfloat16)
+    texts = _texts(200, 2)
+    arguments = {"inputs": texts}
+    ours.encode.pipelined(arguments)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ours.encode.pipelined(arguments)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape[0] == len(texts) and out.is_cuda
+
+
+def test_gpu_pipeline_threads_before_any_capture(gpu_folders):
+    """Threads encoding at once on a freshly converted model: graphs are captured while the
+    other threads wait (one pipelined call at a time per model on a GPU); each thread gets its
+    own texts' embeddings."""
+    oracle, theirs, ours = _models(gpu_folders["roberta"], "mean", torch.bfloat16)
+    sets = [_texts(60, s) for s in range(4)]
+    got = [None] * len(sets)
+    barrier = threading.Barrier(len(sets))
+
+    def work(i):
+        barrier.wait()
+        got[i] = ours.encode(sets[i], convert_to_tensor=True)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for texts, g in zip(sets, got):
+        _close(g, theirs.encode(texts, convert_to_tensor=True), oracle.encode(texts, convert_to_tensor=True),
+               torch.bfloat16, "threads")
+
+
+def test_gpu_pipeline_left_padding(gpu_folders, calls):
+    """A left-padding tokenizer: sentence-transformers' own batches, no pipeline graphs."""
+    oracle, theirs, ours = _models(gpu_folders["bert"], "mean", torch.float16)
+    for st in (oracle, theirs, ours):
+        st.tokenizer.padding_side = "left"
+    texts = _texts(50, 3)
+    got = ours.encode(texts, batch_size=7, convert_to_tensor=True)
+    assert calls == [len(texts)] and not ours.encode.pipeline.cache
+    _close(got, theirs.encode(texts, batch_size=7, convert_to_tensor=True),
+           oracle.encode(texts, batch_size=7, convert_to_tensor=True), torch.float16, "left padding")
+
+
+def test_gpu_embed(gpu_folders):
+    oracle, theirs, ours = _models(gpu_folders["distilbert"], "mean", torch.bfloat16)
+    texts = _texts(120, 4)
+    tokens = []
+    out = sp.embed(ours, texts, on_batch=lambda n, t: tokens.append(t), max_tokens=512)
+    assert out.dtype == np.float32 and out.shape[0] == len(texts) and len(tokens) > 2
+    _close(torch.from_numpy(out), theirs.encode(texts, convert_to_tensor=True),
+           oracle.encode(texts, convert_to_tensor=True), torch.bfloat16, "embed")
