@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None, suite_names: list[str]) -> argparse.Names
                         help="only cases of these dtypes (e.g. bf16 fp32); on CPU, the tiny cases in these dtypes")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (default: cuda when available)")
+    parser.add_argument("--rows", nargs="+", metavar="TEXT",
+                        help="only the rows whose names contain one of these texts (e.g. \"ST encode\" cuDNN); "
+                             "the others are listed as skipped")
     return parser.parse_args(argv)
 
 
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = None if args.dtype is None else tuple(dict.fromkeys(parse_dtype(d) for d in args.dtype))
     except ValueError as exc:
         raise SystemExit(f"python -m bench: {exc}") from None
-    config = Config(device=_device(args.device), quick=args.quick, dtypes=dtypes)
+    config = Config(device=_device(args.device), quick=args.quick, dtypes=dtypes,
+                    rows=tuple(args.rows) if args.rows else None)
     chosen = [SUITES[name] for name in (args.suite or SUITES)]
     # Piped to a file or a log, rich would wrap the text at 80 columns; the result tables are
     # then printed as wide as their content (bench.tables), in a terminal fitted to its width.

@@ -220,6 +220,7 @@ class Config:
     quick: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None
     timing: Timing | None = None
+    rows: tuple[str, ...] | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -232,6 +233,10 @@ class Config:
     def wants(self, dtype: torch.dtype) -> bool:
         """Whether ``--dtype`` (if given) lets cases of this dtype run."""
         return self.dtypes is None or dtype in self.dtypes
+
+    def measures(self, impl: Impl) -> bool:
+        """Whether ``--rows`` (if given: substrings of row names) lets this row run."""
+        return self.rows is None or any(part in impl.name for part in self.rows)
 
 
 class Suite:
@@ -413,6 +418,9 @@ def run_impl(impl: Impl, workload: Workload, row: Row, config: Config) -> Row:
     """Check then time one implementation, filling ``row``."""
     if impl.skip is not None:
         row.status, row.reason = "skipped", impl.skip
+        return row
+    if not config.measures(impl):
+        row.status, row.reason = "skipped", f"not among --rows {' '.join(config.rows)}"
         return row
     try:
         out = _call(impl, config.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,17 @@ def test_wrong_output_fails_and_is_not_timed():
     assert rows["copy (same bytes)"].status == "ok" and rows["copy (same bytes)"].pct_of_copy is not None
 
 
+def test_rows_filter_runs_only_the_named_rows():
+    """``--rows``: rows whose names contain none of the texts are skipped, never called (the
+    row that raises is not reached), and say why; the named ones run as usual."""
+    rows = {r.impl: r for r in run_suite(_Toy(), dataclasses.replace(FAST, rows=("righ", "copy")), CEILING)}
+    assert rows["right"].status == "ok" and rows["right"].median_ms is not None
+    assert rows["copy (same bytes)"].status == "ok"
+    for name in ("wrong", "raises", "missing baseline"):
+        assert rows[name].status == "skipped" and rows[name].reason == "not among --rows righ copy", name
+    assert rows["not here"].reason == "needs a GPU"  # its own reason first
+
+
 def test_reports(tmp_path):
     suite = _Toy()
     rows = run_suite(suite, FAST, CEILING)
@@ -106,6 +118,7 @@ def test_cli(capsys):
     assert "pack" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--dtype", "nonsense", "--list"])
+    assert main(["--rows", "ragged", "ST encode", "--list"]) == 0
 
 
 def test_more_rounds_report_the_median_and_spread_round_robin(monkeypatch):
