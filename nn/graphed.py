@@ -49,8 +49,8 @@ wait on each other), and Python's cyclic garbage collector is paused while a cap
 collection inside a capture (any thread's allocation can start one) that frees the graphs of
 modules that are garbage invalidates the capture ("operation failed due to a previous error
 during capture": one two-thread run in a few dozen to a few hundred without the pause, none
-in 2,200 with it). Eager CUDA work of your own in another thread on the same GPU is not held back: keep it
-apart from a bucket's first call, when its graph is captured.
+in 2,200 with it). Eager CUDA work of your own in another thread on the same GPU is not held
+back: keep it apart from a bucket's first call, when its graph is captured.
 """
 
 from __future__ import annotations
