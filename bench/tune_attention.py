@@ -6,6 +6,9 @@ each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
 ``ragged/kernels/triton/attention.py``. ``--bias``: MPNet's shapes (256 sentences of 8..128
 tokens, 12 heads of 64) with its relative-position bias, forward and backward, each beside the
 same call without the bias, each captured in a CUDA graph and replayed (the kernels' time).
+``--hopper`` (sm_90): the shapes of the TMA forward (``attention_hopper.CONFIGS``, warp
+specialisation on and off) on workload c at head dims 128 and 64, beside the portable kernel
+and cuDNN's dense kernel; the chosen shapes live in ``attention_hopper.config``.
 """
 
 import argparse
@@ -100,15 +103,69 @@ def tune_bias():
         print(f"  fwd+bwd bias, dk/dv {kv} dq {dq}: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
 
 
+def tune_hopper(only=None):
+    """Every shape of the sm_90 forward (``attention_hopper.CONFIGS``) on workload c at head dims
+    128 and 64, full and causal, beside the portable kernel's chosen shape and cuDNN's dense
+    kernel on the padded batch (no mask: the ceiling)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ragged.kernels.triton import attention_hopper as hopper
+
+    lengths = workloads()["c"][0]
+    total, max_len, batch = sum(lengths), max(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    default = hopper.config
+    for dim in (128, 64):
+        if only and f"c{dim}" not in only:
+            continue
+        heads = 16
+        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        padded = torch.randn(batch, heads, max_len, dim, device="cuda", dtype=torch.bfloat16)
+        for causal in (False, True):
+            fl = ka.flops(lengths, lengths, heads, dim, causal)
+            dense = ka.flops([max_len] * batch, [max_len] * batch, heads, dim, causal)
+            print(f"(c{dim}) B={batch} mean={total / batch:.0f} max={max_len} H={heads} D={dim} causal={causal}",
+                  flush=True)
+
+            def call():
+                return ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
+
+            with hopper.forced(False):
+                ms = do_bench(call, return_mode="median")
+            print(f"  portable {ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)}: {ms:.4f} ms "
+                  f"{fl / ms / 1e9:6.1f} TF/s", flush=True)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ms = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(padded, padded, padded,
+                                                                                       is_causal=causal),
+                              return_mode="median")
+            print(f"  cuDNN dense padded [{batch}, {heads}, {max_len}, {dim}]: {ms:.4f} ms "
+                  f"{dense / ms / 1e9:6.1f} TF/s (dense flops)", flush=True)
+            results = []
+            for cfg in hopper.CONFIGS:
+                hopper.config = lambda *a_, cfg=cfg: cfg
+                try:
+                    with hopper.forced(True):
+                        results.append((do_bench(call, return_mode="median"), cfg))
+                except Exception as exc:  # out of resources, no warp specialisation in this build, etc.
+                    print(f"  hopper {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            hopper.config = default
+            for ms, cfg in sorted(results)[:6]:
+                print(f"  hopper {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bwd", action="store_true")
     parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--hopper", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     if args.bias:
         tune_bias()
+        return
+    if args.hopper:
+        tune_hopper(args.only)
         return
     for name, (lengths, heads, dim) in workloads().items():
         if args.only and name not in args.only:

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from . import attention_hopper
 from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
     _block_cum_kernel,
@@ -184,9 +185,16 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
-                                                  dropout_p > 0, bias_table is not None)
     window = _window(causal, window_left, window_right, max_q, max_k)
+    interpreted = _interpreted()
+    if attention_hopper.usable(q, k, v, scale, dropout_p, window, bias_table, interpreted):
+        shape = attention_hopper.config(head_dim, max_q, causal, interpreted)
+        cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
+        attention_hopper.forward(q, k, v, out, lse, cu_q, cu_k, cum, inline, chunk, n_steps, max_q, causal, scale,
+                                 interpreted, shape)
+        return out, lse
+    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, interpreted,
+                                                  dropout_p > 0, bias_table is not None)
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)

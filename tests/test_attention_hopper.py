@@ -1,0 +1,134 @@
+"""The Hopper forward (TMA descriptors, ``ragged.kernels.triton.attention_hopper``) on CPU,
+through the Triton interpreter, against the float64 per-sequence oracle.
+
+``RAGGED_ATTENTION_HOPPER=1`` routes the calls it takes to it; each test counts that it ran.
+float16 only here: the interpreter (Triton 3.9) computes the transposed dot of a bfloat16 tile
+loaded through a descriptor wrongly (a bf16 copy through descriptors is exact; ``dot(x, x.T)``
+is not), so bfloat16 is checked on the GPU (``test_gpu_attention_hopper.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragged
+from ragged.kernels.triton import attention_hopper
+from attention_cases import _blind_rows, _cu, _loop_attention, _qkv, _seed, needs_triton
+
+pytestmark = needs_triton
+
+# name: (query lengths, key lengths, H, H_kv, D)
+CASES = {
+    "mixed": ([5, 0, 31, 12, 1], [5, 0, 31, 12, 1], 2, 2, 64),
+    "gqa": ([5, 0, 31, 12], [5, 0, 31, 12], 4, 2, 64),
+    "mqa_d128": ([3, 17, 1], [3, 17, 1], 2, 1, 128),
+    "cross": ([2, 7, 1, 16], [5, 19, 3, 33], 2, 2, 64),
+    "cross_q_longer": ([5, 20, 3], [2, 7, 3], 2, 1, 128),
+    "empty_keys": ([4, 3, 6], [3, 0, 5], 2, 2, 64),
+    "one_long": ([70], [70], 1, 1, 64),
+}
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The Hopper forward switched on; the list counts its launches."""
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
+    calls = []
+    real = attention_hopper.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hopper, "forward", spy)
+    return calls
+
+
+def _error_bound(q, k, v, lq, lk, causal, exp):
+    """The flash-attention rule: twice the error of the computation in float16 (the reference
+    op in float16), plus a floor for float16's rounding of the output."""
+    ref16, _ = ragged.reference_attention(q, k, v, _cu(lq), _cu(lk), causal, compute_dtype=torch.float16)
+    return 2 * (ref16.double() - exp).abs().max().item() + 2e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hopper_forward_matches_the_oracle(case, causal, hopper):
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper"), torch.float16)
+    out, lse = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                       return_lse=True, backend="triton")
+    assert hopper, "the Hopper forward did not run"
+    exp, exp_lse = _loop_attention(q, k, v, lq, lk, causal)
+    blind = _blind_rows(lq, lk, causal)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    err = (out.double() - exp).abs().max().item()
+    assert err <= _error_bound(q, k, v, lq, lk, causal, exp), err
+    assert torch.all(out[blind] == 0)
+    assert torch.all(torch.isneginf(lse[blind])) and torch.all(torch.isfinite(lse[~blind]))
+    torch.testing.assert_close(lse[~blind].double(), exp_lse[~blind], atol=2e-3, rtol=2e-3)
+
+
+def test_hopper_forward_reads_nothing_of_other_sequences(hopper):
+    """Key and value rows past the last sequence hold NaN, and one sequence is NaN throughout: the
+    other sequences' rows equal those computed without the poison (each program's descriptors
+    end at its own sequence, and the TMA fills what lies past with zeros)."""
+    lq = lk = [9, 20, 7]
+    q, k, v = _qkv(lq, lk, 2, 2, 64, _seed("poison"), torch.float16)
+    want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), 20, 20, backend="triton")
+    buf = torch.full((2, k.shape[0] + 5, 2, 64), float("nan"), dtype=torch.float16)
+    buf[0, :k.shape[0]], buf[1, :k.shape[0]] = k, v
+    buf[:, 9:29] = float("nan")  # the second sequence's keys and values
+    got = ragged.varlen_attention(q, buf[0, :k.shape[0]], buf[1, :k.shape[0]], _cu(lq), _cu(lk), 20, 20,
+                                  backend="triton")
+    assert len(hopper) == 2
+    ok = torch.ones(q.shape[0], dtype=torch.bool)
+    ok[9:29] = False
+    assert torch.equal(got[ok], want[ok])
+    assert torch.isnan(got[~ok]).all()
+
+
+def test_hopper_forward_takes_strided_views_of_a_packed_projection(hopper):
+    """q, k, v as views of one ``[T, 3, H, D]`` projection (token stride 3 H D)."""
+    lq = [6, 1, 23]
+    qkv = _qkv([sum(lq)], [sum(lq)], 3 * 2, 3 * 2, 64, _seed("packed"), torch.float16)[0].view(-1, 3, 2, 64)
+    q, k, v = qkv.unbind(1)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 23, 23, backend="triton")
+    assert hopper
+    exp, _ = _loop_attention(q, k, v, lq, lq)
+    assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lq, False, exp)
+
+
+def _usable(q, k=None, v=None, scale=0.125, dropout_p=0.0, window=None, bias=None):
+    return attention_hopper.usable(q, q if k is None else k, q if v is None else v, scale, dropout_p, window,
+                                   bias, True)
+
+
+def test_usable_takes_only_what_the_kernel_does(monkeypatch):
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
+    assert not _usable(q)
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
+    assert _usable(q) and _usable(q.bfloat16())
+    assert _usable(torch.zeros(8, 2, 128, dtype=torch.float16))
+    assert not _usable(q.float())                                          # fp16 / bf16 only
+    assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))         # head dims 64, 128
+    assert not _usable(q, dropout_p=0.1)
+    assert not _usable(q, window=(4, 0))
+    assert not _usable(q, bias=torch.zeros(3, 2))
+    assert not _usable(q, scale=-0.125) and not _usable(q, scale=0.0)
+    flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
+    assert not _usable(flat[1:].view(8, 2, 64))                            # 2 bytes off 16-byte alignment
+    odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]             # token stride 130 elements
+    assert not _usable(odd)
+    assert not _usable(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
+
+
+def test_calls_it_does_not_take_run_the_portable_kernel(hopper):
+    lq = [5, 9]
+    q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("fallback"), torch.float16)
+    out = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 9, 9, window_size=(2, 0), backend="triton")
+    assert not hopper
+    exp, _ = _loop_attention(q, k, v, lq, lq)  # a sanity check that a result came: the window test files own it
+    assert out.shape == exp.shape and torch.isfinite(out).all()

@@ -1,0 +1,97 @@
+"""The Hopper forward (``ragged.kernels.triton.attention_hopper``, ``RAGGED_ATTENTION_HOPPER=1``)
+on an sm_90 GPU: flash-attn's error rule against the float64 reference (see
+``test_gpu_attention.py``), the gradients through the portable backward, no host sync, CUDA
+graphs, and the calls it does not take. Skipped on other GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragged
+from ragged.kernels.triton import attention_hopper
+
+pytestmark = pytest.mark.gpu
+
+from gpu_attention_cases import LENGTHS as CASES, _check_backward, _check_forward, _cu, _gen, _needs, _qkv
+
+# zero-length sequences, length 1, lengths off the tiles, cross lengths, one long sequence
+LENGTHS = {"self": CASES["self"], "cross": CASES["cross"],
+           "long_tail": ([4000, 3, 1, 129, 0, 700], [4000, 3, 1, 129, 0, 700])}
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    _needs("triton")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward runs on sm_90 only")
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
+    calls = []
+    real = attention_hopper.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hopper, "forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_hopper_forward_accuracy(dim, dtype, causal, heads, hopper):
+    for name, (lq, lk) in LENGTHS.items():
+        q, k, v = _qkv(lq, lk, *heads, dim, dtype, _gen("hopper", dim, dtype, causal, name, heads))
+        before = len(hopper)
+        _check_forward("triton", lq, lk, q, k, v, causal, f"hopper/{name}/D={dim}/{dtype}/causal={causal}")
+        assert len(hopper) == before + 1, f"{name}: the Hopper forward did not run"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_forward_under_the_portable_backward(causal, hopper):
+    lq, lk = LENGTHS["cross"]
+    q, k, v = _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-bwd", causal))
+    _check_backward(lq, lk, q, k, v, causal, f"hopper-bwd/causal={causal}")
+    assert hopper
+
+
+def test_hopper_forward_is_graph_safe_and_sync_free(hopper):
+    """No host sync in a call; captured in a CUDA graph, a replay with new offsets and values in
+    the same buffers gives the eager result (the descriptors are made on the device, per call)."""
+    lq = [300, 1, 77, 0, 512]
+    q, k, v = _qkv(lq, lq, 4, 4, 128, torch.bfloat16, _gen("hopper-graph"))
+    cu = _cu(lq)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ragged.varlen_attention(q, k, v, cu, cu, 512, 512, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ragged.varlen_attention(q, k, v, cu, cu, 512, 512, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ragged.varlen_attention(q, k, v, cu, cu, 512, 512, backend="triton")
+    lq2 = [512, 0, 1, 300, 77]
+    cu.copy_(_cu(lq2))
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=_gen("hopper-graph-2", t.shape), device="cuda").to(t.dtype))
+    graph.replay()
+    want = ragged.varlen_attention(q, k, v, _cu(lq2), _cu(lq2), 512, 512, backend="triton")
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_hopper_forward_not_taken_where_the_kernel_does_not_go(hopper):
+    lq = [40, 9]
+    q, k, v = _qkv(lq, lq, 2, 2, 64, torch.bfloat16, _gen("hopper-not"))
+    cu = _cu(lq)
+    ragged.varlen_attention(q, k, v, cu, cu, 40, 40, window_size=(8, 0), backend="triton")
+    ragged.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 40, 40, backend="triton")
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    flat.copy_(q)
+    ragged.varlen_attention(flat, k, v, cu, cu, 40, 40, backend="triton")
+    assert not hopper
