@@ -141,7 +141,7 @@ def tune_hopper(only=None):
             print(f"  cuDNN dense padded [{batch}, {heads}, {max_len}, {dim}]: {ms:.4f} ms "
                   f"{dense / ms / 1e9:6.1f} TF/s (dense flops)", flush=True)
             results = []
-            for cfg in hopper.CONFIGS:
+            for cfg in hopper.CONFIGS[dim]:
                 hopper.config = lambda *a_, cfg=cfg: cfg
                 try:
                     with hopper.forced(True):

@@ -70,6 +70,23 @@ def test_hopper_forward_matches_the_oracle(case, causal, hopper):
     torch.testing.assert_close(lse[~blind].double(), exp_lse[~blind], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
+def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
+    """The persistent grid (a few programs, each looping over (block, head) pairs) gives the
+    same rows as one program per pair."""
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, True))
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "persistent"), torch.float16)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
+    want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert len(hopper) == 2
+    assert torch.equal(got, want)
+    exp, _ = _loop_attention(q, k, v, lq, lk, causal)
+    assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lk, causal, exp)
+
+
 def test_hopper_forward_reads_nothing_of_other_sequences(hopper):
     """Key and value rows past the last sequence hold NaN, and one sequence is NaN throughout: the
     other sequences' rows equal those computed without the poison (each program's descriptors

@@ -74,77 +74,102 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, offs_m, o
     return acc, l_i, m_i
 
 
+@triton.jit
+def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, item, h, heads,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WS: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """Work item ``item`` (one query block of the work list of ``_fwd_kernel``) of head ``h``;
+    nothing past the list's end."""
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
+    if item < n_items:
+        q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+        if CAUSAL:  # the heaviest (last) blocks of a sequence first
+            m_blk = n_blocks - 1 - m_blk
+        hk = h // GROUP
+        row0 = m_blk * BLOCK_M
+        q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
+        k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[kv_rows, HEAD_DIM],
+                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[kv_rows, HEAD_DIM],
+                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        q = q_desc.load([row0, 0])
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        qk_scale = sm_scale * 1.4426950408889634
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        shift = k_len - q_len  # causal: row i sees keys j <= i + shift
+        end = k_len
+        full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
+            full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+        acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n,
+                                   qk_scale, BLOCK_N, False, CAUSAL, WS)
+        acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n,
+                                   qk_scale, BLOCK_N, True, CAUSAL, WS)
+
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        o_desc = tl.make_tensor_descriptor(O + q_start * stride_ot + h * stride_oh, shape=[q_len, HEAD_DIM],
+                                           strides=[stride_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        o_desc.store([row0, 0], out.to(O.dtype.element_ty))
+        tl.store(LSE + (q_start + offs_m) * heads + h, lse, mask=offs_m < q_len)
+
+
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps"])
-def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
+@triton.jit(do_not_specialize=["batch", "n_steps", "n_work"])
+def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads, n_work,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, WS: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
-    """One query block of one head (the work list of ``_fwd_kernel``)."""
-    item = tl.program_id(0)
-    h = tl.program_id(1)
-    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
-    if item >= n_items:
-        return
-    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
-    if CAUSAL:  # the heaviest (last) blocks of a sequence first
-        m_blk = n_blocks - 1 - m_blk
-    hk = h // GROUP
-    row0 = m_blk * BLOCK_M
-    q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
-    k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[kv_rows, HEAD_DIM],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[kv_rows, HEAD_DIM],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    q = q_desc.load([row0, 0])
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    qk_scale = sm_scale * 1.4426950408889634
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    shift = k_len - q_len  # causal: row i sees keys j <= i + shift
-    end = k_len
-    full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
-        full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-    acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n, qk_scale,
-                               BLOCK_N, False, CAUSAL, WS)
-    acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n, qk_scale,
-                               BLOCK_N, True, CAUSAL, WS)
-
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_desc = tl.make_tensor_descriptor(O + q_start * stride_ot + h * stride_oh, shape=[q_len, HEAD_DIM],
-                                       strides=[stride_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    o_desc.store([row0, 0], out.to(O.dtype.element_ty))
-    tl.store(LSE + (q_start + offs_m) * tl.num_programs(1) + h, lse, mask=offs_m < q_len)
+                    CAUSAL: tl.constexpr, WS: tl.constexpr, PERSISTENT: tl.constexpr, INLINE: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Grid ``(items, heads)``: one query block of one head per program. ``PERSISTENT``: a grid of
+    a few programs per multiprocessor, each taking the (item, head) pairs ``pid, pid + grid, ...``
+    of the ``n_work = items x heads`` (the heads of one query block next to each other: under
+    GQA they read the same keys, which the L2 then holds)."""
+    if PERSISTENT:
+        for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+            _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, w // heads, w % heads,
+                       heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WS, INLINE, CHUNK)
+    else:
+        _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, tl.program_id(0),
+                   tl.program_id(1), heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WS, INLINE, CHUNK)
 
 
 # --------------------------------------------------------------------------------------
 # Launcher
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp-specialised) the tuning sweep tries
-CONFIGS = tuple((m, n, w, s, ws) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)
-                for ws in (False, True) if not (m == 64 and w == 8))
-
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp-specialised, persistent) the tuning sweep tries,
+# per head dim (at 64 x 64 tiles 8 warps leave each too little work; stages past 3 do not fit a
+# 128-row D=128 tile's pipeline in shared memory)
+CONFIGS = {
+    128: tuple((128, n, 8, s, ws, pe) for n in (64, 128) for s in (2, 3) for ws in (False, True)
+               for pe in (False, True)),
+    64: tuple((m, n, 8 if m == 128 else 4, s, ws, pe) for m in (64, 128) for n in (64, 128) for s in (2, 3)
+              for ws in (False, True) for pe in (False, True) if not (m == 64 and n == 128)),
+}
+PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
 @functools.lru_cache(maxsize=None)
-def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool]:
+def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool, bool]:
     """The shape a call runs with: a starting point (the portable kernel's best shapes at D=128
     on an H200, without warp specialisation) until the sweep of ``bench/tune_attention.py
     --hopper`` replaces it with measured ones."""
     if interpreted:
-        return 16, 16, 4, 1, False
+        return 16, 16, 4, 1, False, False
     if head_dim == 128:
-        return (128, 128, 8, 3, False) if causal else (128, 64, 8, 3, False)
-    return (64, 64, 4, 3, False) if max_q <= 512 else (128, 64, 8, 3, False)
+        return (128, 128, 8, 3, False, False) if causal else (128, 64, 8, 3, False, False)
+    return (64, 64, 4, 3, False, False) if max_q <= 512 else (128, 64, 8, 3, False, False)
 
 
 _threads = threading.local()
@@ -205,18 +230,33 @@ def _ensure_allocator() -> None:
     _threads.ready = True
 
 
+_SMS: dict = {}
+
+
+def _programs(device: torch.device, interpreted: bool) -> int:
+    """A persistent grid's size on ``device``."""
+    if interpreted:
+        return 3  # a few programs, each looping over several items (the loop is what is tested)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return PROGRAMS_PER_SM * _SMS[index]
+
+
 def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_steps: int, max_q: int, causal: bool,
             scale: float, interpreted: bool, shape=None) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (the launcher of :mod:`.attention` has made
     them, the work list ``cum`` too); ``shape``: a tuning sweep's ``(BLOCK_M, BLOCK_N, warps,
-    stages, ws)`` instead of :func:`config`'s."""
-    block_m, block_n, warps, stages, ws = shape or config(q.shape[-1], max_q, causal, interpreted)
+    stages, ws, persistent)`` instead of :func:`config`'s."""
+    block_m, block_n, warps, stages, ws, persistent = shape or config(q.shape[-1], max_q, causal, interpreted)
     if not interpreted:
         _ensure_allocator()
-    batch = cu_q.shape[0] - 1
-    grid = (triton.cdiv(q.shape[0], block_m) + batch, q.shape[1])
-    _fwd_tma_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
+    batch, heads = cu_q.shape[0] - 1, q.shape[1]
+    items = triton.cdiv(q.shape[0], block_m) + batch  # an upper bound of the work list (no sync)
+    grid = (min(items * heads, _programs(q.device, interpreted)),) if persistent else (items, heads)
+    _fwd_tma_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale, heads, items * heads,
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           out.stride(0), out.stride(1),
-                          GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
-                          CAUSAL=causal, WS=ws, INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+                          GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
+                          CAUSAL=causal, WS=ws, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
+                          num_warps=warps, num_stages=stages)
