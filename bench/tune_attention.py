@@ -6,9 +6,10 @@ each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
 ``ragged/kernels/triton/attention.py``. ``--bias``: MPNet's shapes (256 sentences of 8..128
 tokens, 12 heads of 64) with its relative-position bias, forward and backward, each beside the
 same call without the bias, each captured in a CUDA graph and replayed (the kernels' time).
-``--hopper`` (sm_90): the shapes of the TMA forward (``attention_hopper.CONFIGS``, warp
-specialisation on and off) on workload c at head dims 128 and 64, beside the portable kernel
-and cuDNN's dense kernel; the chosen shapes live in ``attention_hopper.config``.
+``--hopper`` (sm_90): the shapes of the TMA forward (``attention_hopper.CONFIGS``, one program
+per block and persistent) on workload c at head dims 128 and 64, beside the portable kernel
+and cuDNN's dense kernel, then the backward's (``attention_hopper_bwd.CONFIGS``) after the best
+forward; the chosen shapes live in the two modules' ``config``.
 """
 
 import argparse
@@ -103,6 +104,40 @@ def tune_bias():
         print(f"  fwd+bwd bias, dk/dv {kv} dq {dq}: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
 
 
+def _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, forward_shape):
+    """The backward shapes (``attention_hopper_bwd.CONFIGS``) after the best forward shape,
+    beside the portable backward: fwd+bwd TF/s (3.5x the forward's flops)."""
+    from ragged.kernels.triton import attention_hopper as hopper
+    from ragged.kernels.triton import attention_hopper_bwd as hopper_bwd
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def step():
+        out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    with hopper.forced(False):
+        ms = do_bench(step, return_mode="median")
+    print(f"  portable fwd+bwd: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+    if forward_shape is None:
+        return
+    default_f, default_b = hopper.config, hopper_bwd.config
+    hopper.config = lambda *a_: forward_shape
+    results = []
+    for pair in hopper_bwd.CONFIGS[q.shape[-1]]:
+        hopper_bwd.config = lambda *a_, pair=pair: pair
+        try:
+            with hopper.forced(True):
+                results.append((do_bench(step, return_mode="median"), pair))
+        except Exception as exc:  # out of resources etc.
+            print(f"  hopper bwd {pair} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    hopper.config, hopper_bwd.config = default_f, default_b
+    for ms, pair in sorted(results)[:4]:
+        print(f"  hopper fwd {forward_shape} + bwd dk/dv {pair[0]} dq {pair[1]}: {ms:.4f} ms "
+              f"{3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+
+
 def tune_hopper(only=None):
     """Every shape of the sm_90 forward (``attention_hopper.CONFIGS``) on workload c at head dims
     128 and 64, full and causal, beside the portable kernel's chosen shape and cuDNN's dense
@@ -146,11 +181,13 @@ def tune_hopper(only=None):
                 try:
                     with hopper.forced(True):
                         results.append((do_bench(call, return_mode="median"), cfg))
-                except Exception as exc:  # out of resources, no warp specialisation in this build, etc.
+                except Exception as exc:  # out of resources (shared memory) etc.
                     print(f"  hopper {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             hopper.config = default
             for ms, cfg in sorted(results)[:6]:
                 print(f"  hopper {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
+            best = min(results)[1] if results else None
+            _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, best)
 
 
 def main():

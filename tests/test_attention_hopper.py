@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ragged
-from ragged.kernels.triton import attention_hopper
-from attention_cases import _blind_rows, _cu, _loop_attention, _qkv, _seed, needs_triton
+from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
+from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton
 
 pytestmark = needs_triton
 
@@ -42,6 +42,13 @@ def hopper(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention_hopper, "forward", spy)
+
+    def spy_bwd(*args, **kwargs):
+        calls.append(("backward", args[0].shape))
+        return real_bwd(*args, **kwargs)
+
+    real_bwd = attention_hopper_bwd.backward
+    monkeypatch.setattr(attention_hopper_bwd, "backward", spy_bwd)
     return calls
 
 
@@ -71,15 +78,37 @@ def test_hopper_forward_matches_the_oracle(case, causal, hopper):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hopper_backward_matches_the_oracle(case, causal, hopper):
+    """dq, dk, dv through the sm_90 backward kernels against float64, under flash-attn's rule
+    (twice the error of the float16 reference's own gradients, plus a floor)."""
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-bwd"), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-up"), torch.float16)
+    got = _grads(lambda a, b, c: ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                                         backend="triton"), q, k, v, up)
+    assert ("backward", q.shape) in hopper, "the Hopper backward did not run"
+    ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(), v.double(),
+                 up.double())
+    low = _grads(lambda a, b, c: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal,
+                                                            compute_dtype=torch.float16)[0], q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        assert g.dtype == torch.float16 and torch.isfinite(g).all(), name
+        err = (g.double() - r).abs().max().item() if g.numel() else 0.0
+        bound = 2 * ((lo.double() - r).abs().max().item() if g.numel() else 0.0) + 5e-3
+        assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
 def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
     """The persistent grid (a few programs, each looping over (block, head) pairs) gives the
     same rows as one program per pair."""
-    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, True))
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, True))
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "persistent"), torch.float16)
     got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
-    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False))
     want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
     assert len(hopper) == 2
     assert torch.equal(got, want)

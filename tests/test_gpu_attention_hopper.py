@@ -1,7 +1,7 @@
-"""The Hopper forward (``ragged.kernels.triton.attention_hopper``, ``RAGGED_ATTENTION_HOPPER=1``)
-on an sm_90 GPU: flash-attn's error rule against the float64 reference (see
-``test_gpu_attention.py``), the gradients through the portable backward, no host sync, CUDA
-graphs, and the calls it does not take. Skipped on other GPUs."""
+"""The Hopper kernels (``ragged.kernels.triton.attention_hopper`` and ``attention_hopper_bwd``,
+``RAGGED_ATTENTION_HOPPER=1``) on an sm_90 GPU: flash-attn's error rule against the float64
+reference (see ``test_gpu_attention.py``) for the output and every gradient, no host sync, CUDA
+graphs, and the calls they do not take. Skipped on other GPUs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ragged
-from ragged.kernels.triton import attention_hopper
+from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,13 @@ def hopper(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention_hopper, "forward", spy)
+    real_bwd = attention_hopper_bwd.backward
+
+    def spy_bwd(*args, **kwargs):
+        calls.append(("backward", args[0].shape))
+        return real_bwd(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hopper_bwd, "backward", spy_bwd)
     return calls
 
 
@@ -50,11 +57,25 @@ def test_hopper_forward_accuracy(dim, dtype, causal, heads, hopper):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_forward_under_the_portable_backward(causal, hopper):
-    lq, lk = LENGTHS["cross"]
-    q, k, v = _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-bwd", causal))
-    _check_backward(lq, lk, q, k, v, causal, f"hopper-bwd/causal={causal}")
-    assert hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_backward_accuracy(dim, dtype, causal, hopper):
+    """dq, dk, dv under flash-attn's rule, GQA, self, cross and long-tailed lengths."""
+    for name, (lq, lk) in LENGTHS.items():
+        q, k, v = _qkv(lq, lk, 4, 2, dim, dtype, _gen("hopper-bwd", dim, dtype, causal, name))
+        _check_backward(lq, lk, q, k, v, causal, f"hopper-bwd/{name}/D={dim}/{dtype}/causal={causal}")
+        assert ("backward", q.shape) in hopper, f"{name}: the Hopper backward did not run"
+
+
+def test_hopper_backward_is_deterministic(hopper):
+    """Two backward passes give the same bits (one program writes each gradient element)."""
+    lq, lk = LENGTHS["long_tail"]
+    q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-det")))
+    do = torch.randn(q.shape, generator=_gen("hopper-det-do"), device="cuda").to(q.dtype)
+    runs = [torch.autograd.grad(ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True,
+                                                        backend="triton"), (q, k, v), do) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_hopper_forward_is_graph_safe_and_sync_free(hopper):

@@ -308,8 +308,8 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
 
 
 def _hopper_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why) -> Impl:
-    """``ragged triton hopper``: the triton row with the sm_90 forward (TMA descriptors) switched
-    on (the backward is the portable one); skipped where the kernel does not take the call."""
+    """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
+    backward) switched on; skipped where they do not take the call."""
     from ragged.kernels.triton import attention_hopper as hopper
 
     M = p.width
@@ -537,8 +537,9 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   bound for padded compute. It attends to the padding, so its output is not checked.
 - `SDPA padded, no mask (cuDNN)`: the same under `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`:
   cuDNN's dense kernel, the ceiling a padded batch reaches (not checked either).
-- `ragged triton hopper` (sm_90): the triton row with the TMA forward of
-  `ragged.kernels.triton.attention_hopper` switched on (`RAGGED_ATTENTION_HOPPER=1`).
+- `ragged triton hopper` (sm_90): the triton row with the TMA kernels of
+  `ragged.kernels.triton.attention_hopper` (forward) and `attention_hopper_bwd` switched on
+  (`RAGGED_ATTENTION_HOPPER=1`).
 - `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
   max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
   SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA

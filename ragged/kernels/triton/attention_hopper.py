@@ -14,14 +14,16 @@ same outputs):
   rescaled registers instead of adding a second product.
 * **The scale applied after the row maximum** (positive scales only): the maximum is taken
   over the raw scores and ``exp2(s * scale - m)`` is one fused multiply-add per score.
-* ``WS``: the key loop asks Triton for warp specialisation (producer warps issue the TMA
-  loads, consumers do the matrix products and the softmax), where the Triton build supports it.
+* No warp specialisation: asked of the key loop (``tl.range(..., warp_specialize=True)``),
+  Triton 3.9's sm_90 compile gave the same code as without (registers, shared memory, SASS),
+  and at one shape (D=64, 64 x 64 tiles, 4 warps, 2 stages) its compiler aborted the process.
 
 It takes fp16/bf16 at head dims 64 and 128 without dropout, windows or a position bias, on
 sm_90 (or under ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head
 strides are multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
-Everything else runs the portable kernels. ``RAGGED_ATTENTION_HOPPER``: ``0`` (the default
-until the H200 sweep of ``bench/tune_attention.py --hopper`` picks it) or ``1``.
+Everything else runs the portable kernels. The backward of the calls it takes is
+:mod:`.attention_hopper_bwd`'s. ``RAGGED_ATTENTION_HOPPER``: ``0`` (the default until the H200
+sweep of ``bench/tune_attention.py --hopper`` picks it) or ``1``.
 
 Device descriptors need a global scratch buffer per launch: Triton asks its allocator
 (``triton.set_allocator``, one per thread); where a thread has none, the launcher sets one
@@ -51,10 +53,10 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 @triton.jit
 def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, offs_m, offs_n, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WS: tl.constexpr):
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi); MASKED: keys past the sequence (zeros from
     the TMA) and, CAUSAL, those right of the diagonal score -inf."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         k = k_desc.load([start_n, 0])
         s = tl.dot(q, k.T)
         if MASKED:
@@ -78,7 +80,7 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, offs_m, o
 def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, item, h, heads,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, WS: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+               CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """Work item ``item`` (one query block of the work list of ``_fwd_kernel``) of head ``h``;
     nothing past the list's end."""
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -111,9 +113,9 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
             end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
         acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n,
-                                   qk_scale, BLOCK_N, False, CAUSAL, WS)
+                                   qk_scale, BLOCK_N, False, CAUSAL)
         acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n,
-                                   qk_scale, BLOCK_N, True, CAUSAL, WS)
+                                   qk_scale, BLOCK_N, True, CAUSAL)
 
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -129,7 +131,7 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
 def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads, n_work,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, WS: tl.constexpr, PERSISTENT: tl.constexpr, INLINE: tl.constexpr,
+                    CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr, INLINE: tl.constexpr,
                     CHUNK: tl.constexpr):
     """Grid ``(items, heads)``: one query block of one head per program. ``PERSISTENT``: a grid of
     a few programs per multiprocessor, each taking the (item, head) pairs ``pid, pid + grid, ...``
@@ -139,37 +141,36 @@ def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_s
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, w // heads, w % heads,
                        heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WS, INLINE, CHUNK)
+                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INLINE, CHUNK)
     else:
         _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, tl.program_id(0),
                    tl.program_id(1), heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WS, INLINE, CHUNK)
+                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INLINE, CHUNK)
 
 
 # --------------------------------------------------------------------------------------
 # Launcher
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp-specialised, persistent) the tuning sweep tries,
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent) the tuning sweep tries,
 # per head dim (at 64 x 64 tiles 8 warps leave each too little work; stages past 3 do not fit a
 # 128-row D=128 tile's pipeline in shared memory)
 CONFIGS = {
-    128: tuple((128, n, 8, s, ws, pe) for n in (64, 128) for s in (2, 3) for ws in (False, True)
-               for pe in (False, True)),
-    64: tuple((m, n, 8 if m == 128 else 4, s, ws, pe) for m in (64, 128) for n in (64, 128) for s in (2, 3)
-              for ws in (False, True) for pe in (False, True) if not (m == 64 and n == 128)),
+    128: tuple((128, n, 8, s, pe) for n in (64, 128) for s in (2, 3) for pe in (False, True)),
+    64: tuple((m, n, 8 if m == 128 else 4, s, pe) for m in (64, 128) for n in (64, 128) for s in (2, 3, 4)
+              for pe in (False, True) if not (m == 64 and n == 128)),
 }
 PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
 @functools.lru_cache(maxsize=None)
-def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool, bool]:
+def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool]:
     """The shape a call runs with: a starting point (the portable kernel's best shapes at D=128
     on an H200, without warp specialisation) until the sweep of ``bench/tune_attention.py
     --hopper`` replaces it with measured ones."""
     if interpreted:
-        return 16, 16, 4, 1, False, False
+        return 16, 16, 4, 1, False
     if head_dim == 128:
-        return (128, 128, 8, 3, False, False) if causal else (128, 64, 8, 3, False, False)
-    return (64, 64, 4, 3, False, False) if max_q <= 512 else (128, 64, 8, 3, False, False)
+        return (128, 128, 8, 3, False) if causal else (128, 64, 8, 3, False)
+    return (64, 64, 4, 3, False) if max_q <= 512 else (128, 64, 8, 3, False)
 
 
 _threads = threading.local()
@@ -247,8 +248,8 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
             scale: float, interpreted: bool, shape=None) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (the launcher of :mod:`.attention` has made
     them, the work list ``cum`` too); ``shape``: a tuning sweep's ``(BLOCK_M, BLOCK_N, warps,
-    stages, ws, persistent)`` instead of :func:`config`'s."""
-    block_m, block_n, warps, stages, ws, persistent = shape or config(q.shape[-1], max_q, causal, interpreted)
+    stages, persistent)`` instead of :func:`config`'s."""
+    block_m, block_n, warps, stages, persistent = shape or config(q.shape[-1], max_q, causal, interpreted)
     if not interpreted:
         _ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
@@ -258,5 +259,5 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           out.stride(0), out.stride(1),
                           GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
-                          CAUSAL=causal, WS=ws, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
+                          CAUSAL=causal, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
                           num_warps=warps, num_stages=stages)

@@ -1,0 +1,237 @@
+"""The varlen attention backward for Hopper (sm_90): the dQ and the dK/dV kernels of
+:mod:`.attention_kernels` with their tiles moved by TMA through per-sequence tensor
+descriptors (see :mod:`.attention_hopper`) and the products accumulated in place.
+
+Same split, same order, same numbers as the portable backward: the dQ kernel runs first, one
+program per (query block, head), and also stores ``delta = rowsum(O * dO)``; the dK/dV kernel
+then runs one program per (key block, key head), summing over the group's query heads. Each
+gradient element is written by exactly one program, so the results are deterministic (no
+atomics). Rows past a sequence come in as zeros from the TMA; their ``lse`` loads as ``+inf``,
+so they add exactly 0; keys past a sequence are masked out of P in the dQ kernel's last block
+(a zero key scores 0, and ``exp(-lse)`` would overflow the cast of dS) and left in the dK/dV
+kernel, where they reach only rows that are never stored (the TMA store clips at the
+sequence's end).
+
+Takes what :func:`.attention_hopper.usable` takes, and gradient buffers the TMA can store into
+(:func:`usable`); dropout, windows and the position bias stay with the portable kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from . import attention_hopper
+from .attention_common import _bounds, _locate
+from .launch import cached_launch
+
+__all__ = ["CONFIGS", "backward", "config", "usable"]
+
+@triton.jit
+def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, offs_m, offs_n, qk_scale,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        p = tl.math.exp2(tl.dot(q, k.T) * qk_scale - lse2[:, None])
+        if MASKED:
+            cols = start_n + offs_n
+            ok = cols[None, :] < k_len
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            p = tl.where(ok, p, 0.0)
+        ds = p * (tl.dot(do, v.T) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["batch", "n_steps"])
+def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                       stride_dot, stride_doh, stride_dqt, stride_dqh,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """dQ of one query block of one head, and the block's ``delta`` (fp32 ``[Tq, H]``)."""
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    if CAUSAL:  # the heaviest (last) blocks of a sequence first
+        m_blk = n_blocks - 1 - m_blk
+    hk = h // GROUP
+    row0 = m_blk * BLOCK_M
+    q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_len, HEAD_DIM],
+                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DO + q_start * stride_dot + h * stride_doh, shape=[q_len, HEAD_DIM],
+                                        strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(O + q_start * stride_ot + h * stride_oh, shape=[q_len, HEAD_DIM],
+                                       strides=[stride_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
+    k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[kv_rows, HEAD_DIM],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[kv_rows, HEAD_DIM],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    r_ok = offs_m < q_len
+    tq = q_start + offs_m
+    q = q_desc.load([row0, 0])
+    do = do_desc.load([row0, 0])
+    o = o_desc.load([row0, 0])
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + tq * heads + h, delta, mask=r_ok)
+    lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: p = 0
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    end = k_len
+    full = (k_len // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
+        full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n, qk_scale,
+                       BLOCK_N, False, CAUSAL)
+    dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n, qk_scale,
+                       BLOCK_N, True, CAUSAL)
+    dq_desc = tl.make_tensor_descriptor(DQ + q_start * stride_dqt + h * stride_dqh, shape=[q_len, HEAD_DIM],
+                                        strides=[stride_dqt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq_desc.store([row0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, q_len, shift, h, heads, offs_n,
+                    offs_m, qk_scale, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        r_ok = rows < q_len
+        tq = q_start + rows
+        q = q_desc.load([start_m, 0])
+        do = do_desc.load([start_m, 0])
+        lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, q.T) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:  # the causal diagonal
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        ds_t = p_t * (tl.dot(v, do.T) - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["batch", "n_steps"])
+def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                         stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+    """dK and dV of one key block of one key head, over the group's query heads."""
+    item = tl.program_id(0)
+    hk = tl.program_id(1)
+    b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
+    if item >= n_items:
+        return
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    col0 = n_blk * BLOCK_N
+    k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[k_len, HEAD_DIM],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[k_len, HEAD_DIM],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    k = k_desc.load([col0, 0])
+    v = v_desc.load([col0, 0])
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = k_len - q_len
+    q_rows = tl.maximum(q_len, 1)  # a descriptor has no empty dim; no query block is read then
+    begin = 0
+    full = 0
+    if CAUSAL:
+        # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
+        begin = (tl.maximum(col0 - shift, 0) // BLOCK_M) * BLOCK_M
+        full = tl.minimum(((tl.maximum(col0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
+                          ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        full = tl.maximum(full, begin)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_rows, HEAD_DIM],
+                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(DO + q_start * stride_dot + h * stride_doh, shape=[q_rows, HEAD_DIM],
+                                            strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        if CAUSAL:
+            dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, begin, full, q_start, q_len, shift,
+                                     h, heads, offs_n, offs_m, qk_scale, BLOCK_M, True)
+        dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full, q_len, q_start, q_len, shift, h,
+                                 heads, offs_n, offs_m, qk_scale, BLOCK_M, False)
+    dk_desc = tl.make_tensor_descriptor(DK + k_start * stride_dkt + hk * stride_dkh, shape=[k_len, HEAD_DIM],
+                                        strides=[stride_dkt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dv_desc = tl.make_tensor_descriptor(DV + k_start * stride_dvt + hk * stride_dvh, shape=[k_len, HEAD_DIM],
+                                        strides=[stride_dvt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dk_desc.store([col0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
+    dv_desc.store([col0, 0], dv.to(DV.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------
+# Launcher
+
+# ((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ) the tuning sweep tries. No dK/dV
+# tile of 128 keys: its two fp32 accumulators spill at 128 x 128 (sm_90 compile of Triton 3.9,
+# ``python -m bench.kernel_resources --only hopper-bwd``: 688 bytes a thread at D=128, 968 causal)
+CONFIGS = {
+    128: tuple((kv, dq) for kv in ((64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2))
+               for dq in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2))),
+    64: tuple((kv, dq) for kv in ((64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 2))
+              for dq in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def config(head_dim: int, causal: bool, interpreted: bool):
+    """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: shapes that compile for
+    sm_90 without spilling (D=128: dK/dV at 64 x 64 with 8 warps, 208 and 237 registers full and
+    causal; dQ 128 x 64, 156 and 160), a starting point until ``bench/tune_attention.py
+    --hopper`` measures the sweep."""
+    if interpreted:
+        return (16, 16, 4, 1), (16, 16, 4, 1)
+    return ((64, 64, 8, 2), (128, 64, 8, 2)) if head_dim == 128 else ((64, 128, 8, 2), (128, 64, 8, 2))
+
+
+def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
+    """Whether this backward takes the call: the forward's conditions, and ``do``, ``out`` and
+    the gradient buffers (``grads``: the dq, dk, dv the kernels write) TMA-aligned too."""
+    if not attention_hopper.usable(q, k, v, scale, dropout_p, window, bias, interpreted):
+        return False
+    return all(attention_hopper._aligned(t) for t in (do, out, *grads))
+
+
+def backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, worklist, causal: bool, scale: float,
+             interpreted: bool, shape=None) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (and ``delta``); ``worklist(cu, block)``: the launcher's work
+    list builder; ``shape``: a tuning sweep's pair instead of :func:`config`'s."""
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(q.shape[-1], causal, interpreted)
+    if not interpreted:
+        attention_hopper._ensure_allocator()
+    batch, heads = cu_q.shape[0] - 1, q.shape[1]
+    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], CAUSAL=causal)
+    cum, inline, chunk, n_steps = worklist(cu_q, q_m)
+    _bwd_dq_tma_kernel[(triton.cdiv(q.shape[0], q_m) + batch, heads)](
+        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum, batch, n_steps, scale, heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        BLOCK_M=q_m, BLOCK_N=q_n, INLINE=inline, CHUNK=chunk, num_warps=q_w, num_stages=q_s, **common)
+    if k.shape[0]:
+        cum, inline, chunk, n_steps = worklist(cu_k, kv_n)
+        _bwd_dkdv_tma_kernel[(triton.cdiv(k.shape[0], kv_n) + batch, k.shape[1])](
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum, batch, n_steps, scale, heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            BLOCK_M=kv_m, BLOCK_N=kv_n, INLINE=inline, CHUNK=chunk, num_warps=kv_w, num_stages=kv_s, **common)
