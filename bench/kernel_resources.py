@@ -1,7 +1,8 @@
 """What the attention kernels cost the hardware, compiled for a GPU without one: registers,
 spills, shared memory and the machine instructions that matter, per kernel and shape.
 
-Development tool: ``python -m bench.kernel_resources [--arch 90] [--only portable hopper bwd hopper-bwd]``
+Development tool: ``python -m bench.kernel_resources [--arch 90] [--only portable hopper bwd hopper-bwd]
+[--chosen]``
 runs on any machine with Triton (its bundled ``ptxas`` and ``cuobjdump`` compile and read the
 binary). For each kernel at each shape it prints:
 
@@ -20,6 +21,7 @@ that does not, by an amount only a GPU measures (``bench/tune_attention.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -133,6 +135,24 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
     return out
 
 
+def chosen(arch: int) -> list[dict]:
+    """The shapes the sm_90 launchers pick (``config``) at head dims 64 and 128, full and causal:
+    one record per kernel with its resources (what ``tests/test_kernel_resources.py`` checks)."""
+    out = []
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            bm, bn, w, s, persistent = hopper.config(head_dim, 4096, causal, False)
+            runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent))]
+            kv, dq = hopper_bwd.config(head_dim, causal, False)
+            runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
+            for name, (bm, bn, w, s), kernel, extra in runs:
+                constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INLINE=True,
+                                 CHUNK=16, **extra)
+                out.append(dict(kernel=name, head_dim=head_dim, causal=causal, shape=[bm, bn, w, s],
+                                **resources(compile_for(kernel, constants, arch, w, s))))
+    return out
+
+
 def _line(name, shape, res) -> str:
     if isinstance(res, str):
         return f"{name:36s} {str(shape):26s} failed: {res}"
@@ -145,7 +165,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: sm_90)")
     parser.add_argument("--only", nargs="*", choices=("portable", "hopper", "bwd", "hopper-bwd"), default=None)
+    parser.add_argument("--chosen", action="store_true", help="the launchers' chosen sm_90 shapes, as JSON lines")
     args = parser.parse_args()
+    if args.chosen:
+        for record in chosen(args.arch):
+            print(json.dumps(record), flush=True)
+        return
     print(f"# Triton {triton.__version__}, sm_{args.arch}, bf16, compiled without a GPU", flush=True)
     rows(args.arch, args.only)
 
