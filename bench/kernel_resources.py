@@ -111,8 +111,8 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
                 for shape in hopper.CONFIGS[head_dim]:
                     bm, bn, w, s, persistent = shape
                     add(f"forward (sm_90 TMA) {tag}", shape, hopper._fwd_tma_kernel,
-                        dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-                             PERSISTENT=persistent, INLINE=True, CHUNK=16), w, s)
+                        dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WINDOW=False,
+                             DROPOUT=False, SEED_PTR=False, PERSISTENT=persistent, INLINE=True, CHUNK=16), w, s)
             if not only or "bwd" in only:
                 kv, dq = launcher._bwd_config(head_dim, 4096, 4096, causal, None, False)
                 common = dict(_portable_forward(head_dim, causal))
@@ -123,7 +123,8 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
             if not only or "hopper-bwd" in only:
                 seen = set()
                 for kv, dq in hopper_bwd.CONFIGS[head_dim]:
-                    tma = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, INLINE=True, CHUNK=16)
+                    tma = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, WINDOW=False, DROPOUT=False,
+                               SEED_PTR=False, INLINE=True, CHUNK=16)
                     if ("kv", kv) not in seen:
                         seen.add(("kv", kv))
                         add(f"backward dK/dV (sm_90 TMA) {tag}", kv, hopper_bwd._bwd_dkdv_tma_kernel,
@@ -136,20 +137,23 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
 
 
 def chosen(arch: int) -> list[dict]:
-    """The shapes the sm_90 launchers pick (``config``) at head dims 64 and 128, full and causal:
-    one record per kernel with its resources (what ``tests/test_kernel_resources.py`` checks)."""
+    """The shapes the sm_90 launchers pick (``config``) at head dims 64 and 128, full and causal,
+    and with a window or dropout at 128: one record per kernel with its resources (what
+    ``tests/test_kernel_resources.py`` checks)."""
     out = []
-    for head_dim in (64, 128):
-        for causal in (False, True):
-            bm, bn, w, s, persistent = hopper.config(head_dim, 4096, causal, False)
-            runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent))]
-            kv, dq = hopper_bwd.config(head_dim, causal, False)
-            runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
-            for name, (bm, bn, w, s), kernel, extra in runs:
-                constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INLINE=True,
-                                 CHUNK=16, **extra)
-                out.append(dict(kernel=name, head_dim=head_dim, causal=causal, shape=[bm, bn, w, s],
-                                **resources(compile_for(kernel, constants, arch, w, s))))
+    variants = [(d, c, "plain") for d in (64, 128) for c in (False, True)] + [(128, False, "window"),
+                                                                               (128, True, "dropout")]
+    for head_dim, causal, variant in variants:
+        bm, bn, w, s, persistent = hopper.config(head_dim, 4096, causal, False)
+        runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent))]
+        kv, dq = hopper_bwd.config(head_dim, causal, False)
+        runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
+        for name, (bm, bn, w, s), kernel, extra in runs:
+            constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal and variant != "window",
+                             WINDOW=variant == "window", DROPOUT=variant == "dropout", SEED_PTR=False, INLINE=True,
+                             CHUNK=16, **extra)
+            out.append(dict(kernel=name, head_dim=head_dim, causal=causal, variant=variant, shape=[bm, bn, w, s],
+                            **resources(compile_for(kernel, constants, arch, w, s))))
     return out
 
 

@@ -99,6 +99,80 @@ def test_hopper_backward_matches_the_oracle(case, causal, hopper):
         assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
 
 
+def _drawn_seed(manual_seed: int) -> int:
+    """The dropout seed a call draws after ``torch.manual_seed(manual_seed)`` (one CPU int)."""
+    torch.manual_seed(manual_seed)
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def _check_against(got, ref, low, what):
+    err = (got.double() - ref).abs().max().item() if got.numel() else 0.0
+    bound = 2 * ((low.double() - ref).abs().max().item() if got.numel() else 0.0) + 5e-3
+    assert torch.isfinite(got).all() and err <= bound, f"{what}: {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 5), (0, 0), (40, 1)], ids=str)
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long", "gqa"])
+def test_hopper_window_matches_the_reference(case, window, hopper):
+    """Sliding windows (causal folded in where the right side is 0): the output and every
+    gradient against the float64 reference with the same window."""
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-window", window), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-window-up"), torch.float16)
+    cq, ck = _cu(lq), _cu(lk)
+
+    def ours(a, b, c):
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), window_size=window, backend="triton")
+
+    def reference(dtype):
+        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, False, window_size=window,
+                                                          compute_dtype=dtype)[0]
+
+    _check_against(ours(q, k, v), reference(torch.float64)(q.double(), k.double(), v.double()),
+                   reference(torch.float16)(q, k, v), "out")
+    got = _grads(ours, q, k, v, up)
+    assert ("backward", q.shape) in hopper and q.shape in hopper
+    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
+    low = _grads(reference(torch.float16), q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        _check_against(g, r, lo, f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "gqa"])
+def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
+    """Dropout through the TMA kernels keeps what the portable kernels' hash keeps: the output
+    and every gradient against the float64 reference given that keep mask."""
+    from ragged.kernels.triton.attention import dropout_keep_mask
+
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-drop"), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-drop-up"), torch.float16)
+    cq, ck, p = _cu(lq), _cu(lk), 0.3
+    mask = dropout_keep_mask(_drawn_seed(77), p, cq, heads, q.shape[0], max(lk), q.device)
+
+    def ours(a, b, c):
+        torch.manual_seed(77)
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), causal=causal, dropout_p=p,
+                                       backend="triton")
+
+    def reference(dtype):
+        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, causal, None, mask, p,
+                                                          compute_dtype=dtype)[0]
+
+    out = ours(q, k, v)
+    _check_against(out, reference(torch.float64)(q.double(), k.double(), v.double()),
+                   reference(torch.float16)(q, k, v), "out")
+    assert not torch.allclose(out, ragged.varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal,
+                                                           backend="triton")), "dropout changed nothing"
+    got = _grads(ours, q, k, v, up)
+    assert ("backward", q.shape) in hopper
+    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
+    low = _grads(reference(torch.float16), q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        _check_against(g, r, lo, f"d{name}")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
 def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
@@ -114,6 +188,25 @@ def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
     assert torch.equal(got, want)
     exp, _ = _loop_attention(q, k, v, lq, lk, causal)
     assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lk, causal, exp)
+
+
+def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):
+    """The seed read from a device tensor (what a CUDA graph replays) gives the mask of the same
+    seed passed from the host, forward and backward."""
+    from ragged.kernels.triton import attention as launcher
+
+    lq = [7, 20, 1]
+    q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("seed-ptr"), torch.float16)
+    cu, do = _cu(lq), _randn(q.shape, _seed("seed-ptr-do"), torch.float16)
+    host = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
+    device = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    g_host = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
+    g_device = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
+    assert all(torch.equal(a, b) for a, b in zip(g_host, g_device))
+    other = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 54321)
+    assert not torch.equal(host[0], other[0])
+    assert len([c for c in hopper if c == q.shape]) == 3 and hopper.count(("backward", q.shape)) == 2
 
 
 def test_hopper_forward_reads_nothing_of_other_sequences(hopper):
@@ -160,8 +253,7 @@ def test_usable_takes_only_what_the_kernel_does(monkeypatch):
     assert _usable(torch.zeros(8, 2, 128, dtype=torch.float16))
     assert not _usable(q.float())                                          # fp16 / bf16 only
     assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))         # head dims 64, 128
-    assert not _usable(q, dropout_p=0.1)
-    assert not _usable(q, window=(4, 0))
+    assert _usable(q, dropout_p=0.1) and _usable(q, window=(4, 0))
     assert not _usable(q, bias=torch.zeros(3, 2))
     assert not _usable(q, scale=-0.125) and not _usable(q, scale=0.0)
     flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
@@ -172,9 +264,13 @@ def test_usable_takes_only_what_the_kernel_does(monkeypatch):
 
 
 def test_calls_it_does_not_take_run_the_portable_kernel(hopper):
+    """float32, head dim 32 and a position bias stay with the portable kernels."""
     lq = [5, 9]
     q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("fallback"), torch.float16)
-    out = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 9, 9, window_size=(2, 0), backend="triton")
+    ragged.varlen_attention(q.float(), k.float(), v.float(), _cu(lq), _cu(lq), 9, 9, backend="triton")
+    q32, k32, v32 = _qkv(lq, lq, 2, 2, 32, _seed("fallback32"), torch.float16)
+    ragged.varlen_attention(q32, k32, v32, _cu(lq), _cu(lq), 9, 9, backend="triton")
+    table = torch.randn(8, 2)
+    buckets = torch.randint(0, 8, (2 * 9 - 1,), dtype=torch.int32)
+    ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 9, 9, position_bias=(table, buckets), backend="triton")
     assert not hopper
-    exp, _ = _loop_attention(q, k, v, lq, lq)  # a sanity check that a result came: the window test files own it
-    assert out.shape == exp.shape and torch.isfinite(out).all()

@@ -13,7 +13,8 @@ from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
 
 pytestmark = pytest.mark.gpu
 
-from gpu_attention_cases import LENGTHS as CASES, _check_backward, _check_forward, _cu, _gen, _needs, _qkv
+from gpu_attention_cases import (ATOL, LENGTHS as CASES, _assert_rule, _check_backward, _check_forward, _cu, _gen,
+                                 _needs, _qkv)
 
 # zero-length sequences, length 1, lengths off the tiles, cross lengths, one long sequence
 LENGTHS = {"self": CASES["self"], "cross": CASES["cross"],
@@ -106,12 +107,71 @@ def test_hopper_forward_is_graph_safe_and_sync_free(hopper):
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
-def test_hopper_forward_not_taken_where_the_kernel_does_not_go(hopper):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [(64, 0), (100, 37), (0, 0)], ids=str)
+def test_hopper_window_accuracy(window, dtype, hopper):
+    """Sliding windows: output and gradients against the float64 reference with the window."""
+    lq, lk = LENGTHS["long_tail"]
+    q, k, v = _qkv(lq, lk, 4, 2, 128, dtype, _gen("hopper-window", window, dtype))
+    cu = _cu(lq)
+    up = torch.randn(q.shape, generator=_gen("hopper-window-up"), device="cuda").to(dtype)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, up.to(cast)))
+
+    got = grads(lambda a, b, c: ragged.varlen_attention(a, b, c, cu, cu, max(lq), max(lq), window_size=window,
+                                                        backend="triton"), dtype)
+    ref = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window)[0],
+                torch.float64)
+    low = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window,
+                                                           compute_dtype=dtype)[0], dtype)
+    assert q.shape in hopper and ("backward", q.shape) in hopper
+    for name, g, r, lo in zip(("out", "dq", "dk", "dv"), got, ref, low):
+        _assert_rule(f"window {window} {name}", g, r, lo, ATOL[dtype])
+
+
+def test_hopper_dropout_accuracy(hopper):
+    """Dropout: output and gradients against the float64 reference given the kernels' keep mask."""
+    from ragged.kernels.triton.attention import dropout_keep_mask
+
+    lq, lk = LENGTHS["cross"]
+    dtype, p = torch.bfloat16, 0.2
+    q, k, v = _qkv(lq, lk, 4, 2, 128, dtype, _gen("hopper-dropout"))
+    cq, ck = _cu(lq), _cu(lk)
+    torch.manual_seed(31)
+    seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+    mask = dropout_keep_mask(seed, p, cq, 4, q.shape[0], max(lk), q.device)
+    up = torch.randn(q.shape, generator=_gen("hopper-dropout-up"), device="cuda").to(dtype)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, up.to(cast)))
+
+    def ours(a, b, c):
+        torch.manual_seed(31)
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), causal=True, dropout_p=p, backend="triton")
+
+    got = grads(ours, dtype)
+    ref = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, True, None, mask, p)[0], torch.float64)
+    low = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, True, None, mask, p,
+                                                           compute_dtype=dtype)[0], dtype)
+    assert q.shape in hopper and ("backward", q.shape) in hopper
+    for name, g, r, lo in zip(("out", "dq", "dk", "dv"), got, ref, low):
+        _assert_rule(f"dropout {name}", g, r, lo, ATOL[dtype])
+
+
+def test_hopper_kernels_not_taken_where_they_do_not_go(hopper):
+    """float32, a position bias and operands off the TMA's 16-byte alignment stay portable."""
     lq = [40, 9]
     q, k, v = _qkv(lq, lq, 2, 2, 64, torch.bfloat16, _gen("hopper-not"))
     cu = _cu(lq)
-    ragged.varlen_attention(q, k, v, cu, cu, 40, 40, window_size=(8, 0), backend="triton")
     ragged.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 40, 40, backend="triton")
+    table = torch.randn(8, 2, device="cuda")
+    buckets = torch.randint(0, 8, (2 * 40 - 1,), dtype=torch.int32, device="cuda")
+    ragged.varlen_attention(q, k, v, cu, cu, 40, 40, position_bias=(table, buckets), backend="triton")
     flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
     flat.copy_(q)
     ragged.varlen_attention(flat, k, v, cu, cu, 40, 40, backend="triton")

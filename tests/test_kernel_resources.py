@@ -32,14 +32,16 @@ def records():
 
 
 def test_every_chosen_shape_compiled(records):
-    kinds = {(r["kernel"], r["head_dim"], r["causal"]) for r in records}
-    assert kinds == {(k, d, c) for k in ("forward", "dkdv", "dq") for d in (64, 128) for c in (False, True)}
+    kinds = {(r["kernel"], r["head_dim"], r["causal"], r["variant"]) for r in records}
+    plain = {(k, d, c, "plain") for k in ("forward", "dkdv", "dq") for d in (64, 128) for c in (False, True)}
+    assert kinds == plain | {(k, 128, c, v) for k in ("forward", "dkdv", "dq")
+                             for c, v in ((False, "window"), (True, "dropout"))}
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
 def test_chosen_shapes_use_tma_and_wgmma_without_spills(records, kernel):
     for r in (r for r in records if r["kernel"] == kernel):
-        tag = f"{kernel} D={r['head_dim']} causal={r['causal']} {r['shape']}"
+        tag = f"{kernel} D={r['head_dim']} causal={r['causal']} {r['variant']} {r['shape']}"
         assert r["UTMALDG"] > 0, f"{tag}: no TMA loads"
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, f"{tag}: not wgmma"
         assert r["stack"] == 0 and r["LDL"] == 0, f"{tag}: spills {r['stack']} bytes a thread"

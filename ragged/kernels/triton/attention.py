@@ -190,8 +190,10 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     if attention_hopper.usable(q, k, v, scale, dropout_p, window, bias_table, interpreted):
         shape = attention_hopper.config(head_dim, max_q, causal, interpreted)
         cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
+        host_seed, seed_ptr = _seed(seed, cu_q)
         attention_hopper.forward(q, k, v, out, lse, cu_q, cu_k, cum, inline, chunk, n_steps, max_q, causal, scale,
-                                 interpreted, shape)
+                                 interpreted, window, dropout_p, host_seed, None if seed_ptr is cu_q else seed_ptr,
+                                 shape)
         return out, lse
     block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, interpreted,
                                                   dropout_p > 0, bias_table is not None)
@@ -259,8 +261,10 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     interpreted = _interpreted()
     if attention_hopper_bwd.usable(q, k, v, do, out, (dq, dk, dv), scale, dropout_p, window, bias_table,
                                    interpreted):
+        host_seed, seed_ptr = _seed(seed, cu_q)
         attention_hopper_bwd.backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, _worklist, causal, scale,
-                                      interpreted)
+                                      interpreted, window, dropout_p, host_seed,
+                                      None if seed_ptr is cu_q else seed_ptr)
         for mine, theirs in zip((dq, dk, dv), result):
             if mine is not theirs:
                 theirs.copy_(mine)

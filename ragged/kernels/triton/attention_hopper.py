@@ -18,8 +18,8 @@ same outputs):
   Triton 3.9's sm_90 compile gave the same code as without (registers, shared memory, SASS),
   and at one shape (D=64, 64 x 64 tiles, 4 warps, 2 stages) its compiler aborted the process.
 
-It takes fp16/bf16 at head dims 64 and 128 without dropout, windows or a position bias, on
-sm_90 (or under ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head
+It takes fp16/bf16 at head dims 64 and 128, with causal masks, sliding windows and dropout
+(the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head
 strides are multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
 Everything else runs the portable kernels. The backward of the calls it takes is
 :mod:`.attention_hopper_bwd`'s. ``RAGGED_ATTENTION_HOPPER``: ``0`` (the default until the H200
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import _bounds, _locate
+from .attention_common import _bounds, _in_window, _keep, _key_span, _locate
 from .launch import cached_launch
 
 __all__ = ["CONFIGS", "config", "forced", "forward", "usable"]
@@ -52,24 +52,31 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, offs_m, offs_n, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n, qk_scale,
+               seed, dropout_p, h, q_start, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over the key blocks [lo, hi); MASKED: keys past the sequence (zeros from
-    the TMA) and, CAUSAL, those right of the diagonal score -inf."""
+    the TMA), right of the causal diagonal or outside the window score -inf. ``DROPOUT``: the
+    probabilities dropped after the row sums, with the portable kernels' hash (same mask)."""
     for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
         k = k_desc.load([start_n, 0])
         s = tl.dot(q, k.T)
         if MASKED:
-            cols = start_n + offs_n
             ok = cols[None, :] < k_len
             if CAUSAL:
                 ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            if WINDOW:
+                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, q_start + offs_m, cols, total_q)
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = v_desc.load([start_n, 0])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -78,9 +85,11 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, offs_m, o
 
 @triton.jit
 def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, item, h, heads,
+               win_left, win_right, seed, dropout_p, total_q,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, INLINE: tl.constexpr,
+               CHUNK: tl.constexpr):
     """Work item ``item`` (one query block of the work list of ``_fwd_kernel``) of head ``h``;
     nothing past the list's end."""
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -107,15 +116,30 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
         shift = k_len - q_len  # causal: row i sees keys j <= i + shift
-        end = k_len
-        full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
-        if CAUSAL:
-            end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
-            full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-        acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n,
-                                   qk_scale, BLOCK_N, False, CAUSAL)
-        acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n,
-                                   qk_scale, BLOCK_N, True, CAUSAL)
+        if WINDOW:  # masked blocks at both ends of the window's span, whole ones between
+            lo, full_lo, full_hi, hi = _key_span(row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len,
+                                                 win_left, win_right, BLOCK_N)
+            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, full_lo, k_len, shift, win_left,
+                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
+                                       BLOCK_N, True, False, True, DROPOUT)
+            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, k_len, shift, win_left,
+                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
+                                       BLOCK_N, False, False, True, DROPOUT)
+            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, k_len, shift, win_left,
+                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
+                                       BLOCK_N, True, False, True, DROPOUT)
+        else:
+            end = k_len
+            full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
+            if CAUSAL:
+                end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
+                full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, win_left, win_right,
+                                       offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q, BLOCK_N,
+                                       False, CAUSAL, False, DROPOUT)
+            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, win_left,
+                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
+                                       BLOCK_N, True, CAUSAL, False, DROPOUT)
 
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -127,25 +151,31 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "n_work"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "n_work", "win_left", "win_right", "seed", "total_q"])
 def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads, n_work,
+                    win_left, win_right, seed, seed_ptr, dropout_p, total_q,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr, INLINE: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
+                    PERSISTENT: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """Grid ``(items, heads)``: one query block of one head per program. ``PERSISTENT``: a grid of
     a few programs per multiprocessor, each taking the (item, head) pairs ``pid, pid + grid, ...``
     of the ``n_work = items x heads`` (the heads of one query block next to each other: under
-    GQA they read the same keys, which the L2 then holds)."""
+    GQA they read the same keys, which the L2 then holds). The window, dropout and seed
+    arguments are those of ``_fwd_kernel``."""
+    if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
+        seed = tl.load(seed_ptr).to(tl.int32)
     if PERSISTENT:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
             _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, w // heads, w % heads,
-                       heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INLINE, CHUNK)
+                       heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                       CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK)
     else:
         _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, tl.program_id(0),
-                   tl.program_id(1), heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, INLINE, CHUNK)
+                   tl.program_id(1), heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M,
+                   BLOCK_N, CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK)
 
 
 # --------------------------------------------------------------------------------------
@@ -203,7 +233,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, drop
            interpreted: bool, force: bool = False) -> bool:
     """Whether this forward takes the call (see the module docstring): host facts only;
     ``force``: as if it were switched on."""
-    if not (force or _enabled()) or dropout_p > 0 or window is not None or bias is not None or not scale > 0:
+    if not (force or _enabled()) or bias is not None or not scale > 0:
         return False
     if q.dtype not in _DTYPES or q.shape[-1] not in HEAD_DIMS:
         return False
@@ -245,9 +275,12 @@ def _programs(device: torch.device, interpreted: bool) -> int:
 
 
 def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_steps: int, max_q: int, causal: bool,
-            scale: float, interpreted: bool, shape=None) -> None:
+            scale: float, interpreted: bool, window=None, dropout_p: float = 0.0, seed: int = 0, seed_ptr=None,
+            shape=None) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (the launcher of :mod:`.attention` has made
-    them, the work list ``cum`` too); ``shape``: a tuning sweep's ``(BLOCK_M, BLOCK_N, warps,
+    them, the work list ``cum`` too). ``window``: the launcher's ``(win_left, win_right)`` (causal
+    folded in) or None; ``seed`` / ``seed_ptr``: a host seed, or a one-element device tensor read
+    by the kernel (None: the host seed); ``shape``: a tuning sweep's ``(BLOCK_M, BLOCK_N, warps,
     stages, persistent)`` instead of :func:`config`'s."""
     block_m, block_n, warps, stages, persistent = shape or config(q.shape[-1], max_q, causal, interpreted)
     if not interpreted:
@@ -255,9 +288,12 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
     items = triton.cdiv(q.shape[0], block_m) + batch  # an upper bound of the work list (no sync)
     grid = (min(items * heads, _programs(q.device, interpreted)),) if persistent else (items, heads)
+    win_left, win_right = window or (0, 0)
     _fwd_tma_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale, heads, items * heads,
+                          win_left, win_right, seed, cu_q if seed_ptr is None else seed_ptr, dropout_p, q.shape[0],
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           out.stride(0), out.stride(1),
                           GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
-                          CAUSAL=causal, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
+                          CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
+                          SEED_PTR=seed_ptr is not None, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
                           num_warps=warps, num_stages=stages)

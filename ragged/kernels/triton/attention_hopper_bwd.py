@@ -12,8 +12,9 @@ so they add exactly 0; keys past a sequence are masked out of P in the dQ kernel
 kernel, where they reach only rows that are never stored (the TMA store clips at the
 sequence's end).
 
-Takes what :func:`.attention_hopper.usable` takes, and gradient buffers the TMA can store into
-(:func:`usable`); dropout, windows and the position bias stay with the portable kernels.
+Takes what :func:`.attention_hopper.usable` takes (causal masks, windows and dropout with the
+portable kernels' masks and hash), and gradient buffers the TMA can store into
+(:func:`usable`); the position bias stays with the portable kernels.
 """
 
 from __future__ import annotations
@@ -24,42 +25,53 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from .attention_common import _bounds, _locate
+from .attention_common import _bounds, _in_window, _keep, _keep_t, _key_span, _locate, _query_span
 from .launch import cached_launch
 
 __all__ = ["CONFIGS", "backward", "config", "usable"]
 
 @triton.jit
-def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, offs_m, offs_n, qk_scale,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n,
+                  qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
         k = k_desc.load([start_n, 0])
         v = v_desc.load([start_n, 0])
         p = tl.math.exp2(tl.dot(q, k.T) * qk_scale - lse2[:, None])
         if MASKED:
-            cols = start_n + offs_n
             ok = cols[None, :] < k_len
             if CAUSAL:
                 ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
+            if WINDOW:
+                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
             p = tl.where(ok, p, 0.0)
-        ds = p * (tl.dot(do, v.T) - delta[:, None])
+        dp = tl.dot(do, v.T)
+        if DROPOUT:
+            keep = _keep(seed, dropout_p, h, tq, cols, total_q)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "win_left", "win_right", "seed", "total_q"])
 def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
+                       win_left, win_right, seed, seed_ptr, dropout_p, total_q,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                        stride_dot, stride_doh, stride_dqt, stride_dqh,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
+                       INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dQ of one query block of one head, and the block's ``delta`` (fp32 ``[Tq, H]``)."""
     item = tl.program_id(0)
     h = tl.program_id(1)
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item >= n_items:
         return
+    if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
+        seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     if CAUSAL:  # the heaviest (last) blocks of a sequence first
         m_blk = n_blocks - 1 - m_blk
@@ -89,24 +101,39 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: p = 0
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
-    end = k_len
-    full = (k_len // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
-        full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, k_len, shift, offs_m, offs_n, qk_scale,
-                       BLOCK_N, False, CAUSAL)
-    dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full, end, k_len, shift, offs_m, offs_n, qk_scale,
-                       BLOCK_N, True, CAUSAL)
+    if WINDOW:
+        lo, full_lo, full_hi, hi = _key_span(row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len, win_left,
+                                             win_right, BLOCK_N)
+        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, full_lo, k_len, shift, win_left, win_right,
+                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, False, True,
+                           DROPOUT)
+        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full_lo, full_hi, k_len, shift, win_left,
+                           win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, False, False,
+                           True, DROPOUT)
+        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full_hi, hi, k_len, shift, win_left, win_right,
+                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, False, True,
+                           DROPOUT)
+    else:
+        end = k_len
+        full = (k_len // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
+            full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
+        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, k_len, shift, win_left, win_right, offs_m,
+                           offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, False, CAUSAL, False, DROPOUT)
+        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full, end, k_len, shift, win_left, win_right,
+                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, CAUSAL, False,
+                           DROPOUT)
     dq_desc = tl.make_tensor_descriptor(DQ + q_start * stride_dqt + h * stride_dqh, shape=[q_len, HEAD_DIM],
                                         strides=[stride_dqt, 1], block_shape=[BLOCK_M, HEAD_DIM])
     dq_desc.store([row0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
 @triton.jit
-def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, q_len, shift, h, heads, offs_n,
-                    offs_m, qk_scale, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h,
+                    heads, offs_n, offs_m, qk_scale, seed, dropout_p, total_q, BLOCK_M: tl.constexpr,
+                    MASKED: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -117,27 +144,42 @@ def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, 
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, q.T) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
-        if MASKED:  # the causal diagonal
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + shift, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        ds_t = p_t * (tl.dot(v, do.T) - delta[None, :])
+        if MASKED:  # the causal diagonal, or the window's edges
+            rel = offs_n[:, None] - (rows[None, :] + shift)
+            if WINDOW:
+                p_t = tl.where((rel >= -win_left) & (rel <= win_right), p_t, 0.0)
+            else:
+                p_t = tl.where(rel <= 0, p_t, 0.0)
+        dp_t = tl.dot(v, do.T)
+        if DROPOUT:
+            keep = _keep_t(seed, dropout_p, h, tq, offs_n, total_q)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot(tl.where(keep, p_t * scale_keep, 0.0).to(do.dtype), do, dv)
+            dp_t = tl.where(keep, dp_t * scale_keep, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+        ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps"])
+@triton.jit(do_not_specialize=["batch", "n_steps", "win_left", "win_right", "seed", "total_q"])
 def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
+                         win_left, win_right, seed, seed_ptr, dropout_p, total_q,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
+                         INLINE: tl.constexpr, CHUNK: tl.constexpr):
     """dK and dV of one key block of one key head, over the group's query heads."""
     item = tl.program_id(0)
     hk = tl.program_id(1)
     b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
     if item >= n_items:
         return
+    if SEED_PTR:
+        seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     col0 = n_blk * BLOCK_N
     k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[k_len, HEAD_DIM],
@@ -151,9 +193,15 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
     qk_scale = sm_scale * 1.4426950408889634
     shift = k_len - q_len
     q_rows = tl.maximum(q_len, 1)  # a descriptor has no empty dim; no query block is read then
+    # query blocks: masked in [begin, full) (and [full_hi, end) under a window), whole in [full, full_hi)
     begin = 0
     full = 0
-    if CAUSAL:
+    full_hi = q_len
+    end = q_len
+    if WINDOW:
+        begin, full, full_hi, end = _query_span(col0, tl.minimum(col0 + BLOCK_N, k_len) - 1, shift, q_len, win_left,
+                                                win_right, BLOCK_M)
+    elif CAUSAL:
         # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
         begin = (tl.maximum(col0 - shift, 0) // BLOCK_M) * BLOCK_M
         full = tl.minimum(((tl.maximum(col0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
@@ -167,11 +215,17 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
                                            strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
         do_desc = tl.make_tensor_descriptor(DO + q_start * stride_dot + h * stride_doh, shape=[q_rows, HEAD_DIM],
                                             strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        if CAUSAL:
+        if CAUSAL or WINDOW:
             dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, begin, full, q_start, q_len, shift,
-                                     h, heads, offs_n, offs_m, qk_scale, BLOCK_M, True)
-        dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full, q_len, q_start, q_len, shift, h,
-                                 heads, offs_n, offs_m, qk_scale, BLOCK_M, False)
+                                     win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
+                                     total_q, BLOCK_M, True, WINDOW, DROPOUT)
+        dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full, full_hi, q_start, q_len, shift,
+                                 win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p, total_q,
+                                 BLOCK_M, False, WINDOW, DROPOUT)
+        if WINDOW:
+            dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full_hi, end, q_start, q_len, shift,
+                                     win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
+                                     total_q, BLOCK_M, True, WINDOW, DROPOUT)
     dk_desc = tl.make_tensor_descriptor(DK + k_start * stride_dkt + hk * stride_dkh, shape=[k_len, HEAD_DIM],
                                         strides=[stride_dkt, 1], block_shape=[BLOCK_N, HEAD_DIM])
     dv_desc = tl.make_tensor_descriptor(DV + k_start * stride_dvt + hk * stride_dvh, shape=[k_len, HEAD_DIM],
@@ -183,13 +237,15 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
 # --------------------------------------------------------------------------------------
 # Launcher
 
-# ((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ) the tuning sweep tries. No dK/dV
-# tile of 128 keys: its two fp32 accumulators spill at 128 x 128 (sm_90 compile of Triton 3.9,
-# ``python -m bench.kernel_resources --only hopper-bwd``: 688 bytes a thread at D=128, 968 causal)
+# ((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ) the tuning sweep tries. The dK/dV
+# shapes keep 32 query rows a step: at 64 its two fp32 accumulators and the transposed scores
+# spill at D=128 once a causal mask, a window or dropout is on (sm_90 compile of Triton 3.9,
+# ``python -m bench.kernel_resources``: (64, 64, 8, 2) 8, 104 and 152 bytes a thread; (32, 128,
+# 8, 2) none, 213 to 248 registers)
 CONFIGS = {
-    128: tuple((kv, dq) for kv in ((64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2))
+    128: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 3))
                for dq in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2))),
-    64: tuple((kv, dq) for kv in ((64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 2))
+    64: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
               for dq in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))),
 }
 
@@ -197,12 +253,11 @@ CONFIGS = {
 @functools.lru_cache(maxsize=None)
 def config(head_dim: int, causal: bool, interpreted: bool):
     """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: shapes that compile for
-    sm_90 without spilling (D=128: dK/dV at 64 x 64 with 8 warps, 208 and 237 registers full and
-    causal; dQ 128 x 64, 156 and 160), a starting point until ``bench/tune_attention.py
-    --hopper`` measures the sweep."""
+    sm_90 without spilling with or without masks and dropout (``tests/test_kernel_resources.py``),
+    a starting point until ``bench/tune_attention.py --hopper`` measures the sweep."""
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
-    return ((64, 64, 8, 2), (128, 64, 8, 2)) if head_dim == 128 else ((64, 128, 8, 2), (128, 64, 8, 2))
+    return (32, 128, 8, 2), (128, 64, 8, 2)
 
 
 def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
@@ -214,24 +269,29 @@ def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias
 
 
 def backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, worklist, causal: bool, scale: float,
-             interpreted: bool, shape=None) -> None:
+             interpreted: bool, window=None, dropout_p: float = 0.0, seed: int = 0, seed_ptr=None,
+             shape=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (and ``delta``); ``worklist(cu, block)``: the launcher's work
-    list builder; ``shape``: a tuning sweep's pair instead of :func:`config`'s."""
+    list builder; ``window``, ``dropout_p``, ``seed``, ``seed_ptr``: as for
+    :func:`.attention_hopper.forward`; ``shape``: a tuning sweep's pair instead of :func:`config`'s."""
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(q.shape[-1], causal, interpreted)
     if not interpreted:
         attention_hopper._ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
-    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], CAUSAL=causal)
+    win_left, win_right = window or (0, 0)
+    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], CAUSAL=causal and window is None,
+                  WINDOW=window is not None, DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not None)
+    runtime = (win_left, win_right, seed, cu_q if seed_ptr is None else seed_ptr, dropout_p, q.shape[0])
     cum, inline, chunk, n_steps = worklist(cu_q, q_m)
     _bwd_dq_tma_kernel[(triton.cdiv(q.shape[0], q_m) + batch, heads)](
-        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum, batch, n_steps, scale, heads,
+        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum, batch, n_steps, scale, heads, *runtime,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         BLOCK_M=q_m, BLOCK_N=q_n, INLINE=inline, CHUNK=chunk, num_warps=q_w, num_stages=q_s, **common)
     if k.shape[0]:
         cum, inline, chunk, n_steps = worklist(cu_k, kv_n)
         _bwd_dkdv_tma_kernel[(triton.cdiv(k.shape[0], kv_n) + batch, k.shape[1])](
-            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum, batch, n_steps, scale, heads,
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum, batch, n_steps, scale, heads, *runtime,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, INLINE=inline, CHUNK=chunk, num_warps=kv_w, num_stages=kv_s, **common)
