@@ -229,6 +229,17 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(1) * size) % 16 == 0)
 
 
+_MAJOR: dict = {}
+
+
+def _major(device: torch.device) -> int:
+    """The compute capability's major number of a CUDA device (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, window, bias,
            interpreted: bool, force: bool = False) -> bool:
     """Whether this forward takes the call (see the module docstring): host facts only;
@@ -237,7 +248,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, drop
         return False
     if q.dtype not in _DTYPES or q.shape[-1] not in HEAD_DIMS:
         return False
-    if not interpreted and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9):
+    if not interpreted and (q.device.type != "cuda" or _major(q.device) != 9):
         return False
     return _aligned(q) and _aligned(k) and _aligned(v)
 
