@@ -146,7 +146,7 @@ def chosen(arch: int) -> list[dict]:
     for head_dim, causal, variant in variants:
         bm, bn, w, s, persistent = hopper.config(head_dim, 4096, causal, False)
         runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent))]
-        kv, dq = hopper_bwd.config(head_dim, causal, False)
+        kv, dq = hopper_bwd.config(head_dim, causal, False, variant == "window", variant == "dropout")
         runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
         for name, (bm, bn, w, s), kernel, extra in runs:
             constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal and variant != "window",

@@ -251,13 +251,21 @@ CONFIGS = {
 
 
 @functools.lru_cache(maxsize=None)
-def config(head_dim: int, causal: bool, interpreted: bool):
+def config(head_dim: int, causal: bool, interpreted: bool, window: bool = False, dropout: bool = False):
     """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: shapes that compile for
-    sm_90 without spilling with or without masks and dropout (``tests/test_kernel_resources.py``),
-    a starting point until ``bench/tune_attention.py --hopper`` measures the sweep."""
+    sm_90 without spilling in Triton 3.6 and 3.9 (``python -m bench.kernel_resources --chosen``,
+    ``tests/test_kernel_resources.py``), a starting point until ``bench/tune_attention.py
+    --hopper`` measures the sweep. At D=128 the dK/dV kernel's masks and hash cost registers:
+    with a window it steps 16 query rows at a time (32 spill 48 bytes a thread in Triton 3.6),
+    with dropout over 64 keys (128 spill 16 bytes)."""
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
-    return (32, 128, 8, 2), (128, 64, 8, 2)
+    kv = (32, 128, 8, 2)
+    if head_dim == 128 and window:
+        kv = (16, 128, 8, 2)
+    elif head_dim == 128 and dropout:
+        kv = (32, 64, 8, 2)
+    return kv, (128, 64, 8, 2)
 
 
 def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
@@ -274,7 +282,8 @@ def backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, worklist, cau
     """Fill ``dq``, ``dk``, ``dv`` (and ``delta``); ``worklist(cu, block)``: the launcher's work
     list builder; ``window``, ``dropout_p``, ``seed``, ``seed_ptr``: as for
     :func:`.attention_hopper.forward`; ``shape``: a tuning sweep's pair instead of :func:`config`'s."""
-    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(q.shape[-1], causal, interpreted)
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(q.shape[-1], causal, interpreted,
+                                                                      window is not None, dropout_p > 0)
     if not interpreted:
         attention_hopper._ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
