@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ragged
-from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
-from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton
+from ragged.kernels.triton import attention_hopper
+from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton, spy_hopper
 
 pytestmark = needs_triton
 
@@ -32,24 +32,8 @@ CASES = {
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """The Hopper forward switched on; the list counts its launches."""
-    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
-    calls = []
-    real = attention_hopper.forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_hopper, "forward", spy)
-
-    def spy_bwd(*args, **kwargs):
-        calls.append(("backward", args[0].shape))
-        return real_bwd(*args, **kwargs)
-
-    real_bwd = attention_hopper_bwd.backward
-    monkeypatch.setattr(attention_hopper_bwd, "backward", spy_bwd)
-    return calls
+    """The sm_90 kernels switched on; the list counts their launches."""
+    return spy_hopper(monkeypatch)
 
 
 def _error_bound(q, k, v, lq, lk, causal, exp):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import ragged
-from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
 
 pytestmark = pytest.mark.gpu
 
+from attention_cases import spy_hopper
 from gpu_attention_cases import (ATOL, LENGTHS as CASES, _assert_rule, _check_backward, _check_forward, _cu, _gen,
                                  _needs, _qkv)
 
@@ -25,24 +25,8 @@ LENGTHS = {"self": CASES["self"], "cross": CASES["cross"],
 def hopper(monkeypatch):
     _needs("triton")
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper forward runs on sm_90 only")
-    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
-    calls = []
-    real = attention_hopper.forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_hopper, "forward", spy)
-    real_bwd = attention_hopper_bwd.backward
-
-    def spy_bwd(*args, **kwargs):
-        calls.append(("backward", args[0].shape))
-        return real_bwd(*args, **kwargs)
-
-    monkeypatch.setattr(attention_hopper_bwd, "backward", spy_bwd)
-    return calls
+        pytest.skip("the Hopper kernels run on sm_90 only")
+    return spy_hopper(monkeypatch)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

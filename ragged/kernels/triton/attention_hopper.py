@@ -52,6 +52,15 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _rows(base, start, stride_t, head, stride_h, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor of one sequence's ``rows`` tokens of one head (from token ``start``):
+    ``[rows, HEAD_DIM]`` with the token stride, moved ``BLOCK`` rows at a time; rows past the
+    end load as zeros and are not stored. ``rows`` must be at least 1."""
+    return tl.make_tensor_descriptor(base + start * stride_t + head * stride_h, shape=[rows, HEAD_DIM],
+                                     strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
 def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n, qk_scale,
                seed, dropout_p, h, q_start, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
@@ -99,13 +108,10 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
             m_blk = n_blocks - 1 - m_blk
         hk = h // GROUP
         row0 = m_blk * BLOCK_M
-        q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
         kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
-        k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[kv_rows, HEAD_DIM],
-                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[kv_rows, HEAD_DIM],
-                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        k_desc = _rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N)
+        v_desc = _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N)
         q = q_desc.load([row0, 0])
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -144,8 +150,7 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        o_desc = tl.make_tensor_descriptor(O + q_start * stride_ot + h * stride_oh, shape=[q_len, HEAD_DIM],
-                                           strides=[stride_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        o_desc = _rows(O, q_start, stride_ot, h, stride_oh, q_len, HEAD_DIM, BLOCK_M)
         o_desc.store([row0, 0], out.to(O.dtype.element_ty))
         tl.store(LSE + (q_start + offs_m) * heads + h, lse, mask=offs_m < q_len)
 

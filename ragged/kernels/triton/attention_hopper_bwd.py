@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
+from .attention_hopper import _rows
 from .attention_common import _bounds, _in_window, _keep, _keep_t, _key_span, _locate, _query_span
 from .launch import cached_launch
 
@@ -77,17 +78,12 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
         m_blk = n_blocks - 1 - m_blk
     hk = h // GROUP
     row0 = m_blk * BLOCK_M
-    q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_len, HEAD_DIM],
-                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DO + q_start * stride_dot + h * stride_doh, shape=[q_len, HEAD_DIM],
-                                        strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(O + q_start * stride_ot + h * stride_oh, shape=[q_len, HEAD_DIM],
-                                       strides=[stride_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
+    do_desc = _rows(DO, q_start, stride_dot, h, stride_doh, q_len, HEAD_DIM, BLOCK_M)
+    o_desc = _rows(O, q_start, stride_ot, h, stride_oh, q_len, HEAD_DIM, BLOCK_M)
     kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
-    k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[kv_rows, HEAD_DIM],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[kv_rows, HEAD_DIM],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    k_desc = _rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N)
+    v_desc = _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     r_ok = offs_m < q_len
@@ -125,8 +121,7 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
         dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full, end, k_len, shift, win_left, win_right,
                            offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, CAUSAL, False,
                            DROPOUT)
-    dq_desc = tl.make_tensor_descriptor(DQ + q_start * stride_dqt + h * stride_dqh, shape=[q_len, HEAD_DIM],
-                                        strides=[stride_dqt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq_desc = _rows(DQ, q_start, stride_dqt, h, stride_dqh, q_len, HEAD_DIM, BLOCK_M)
     dq_desc.store([row0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
@@ -182,10 +177,8 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
         seed = tl.load(seed_ptr).to(tl.int32)
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
     col0 = n_blk * BLOCK_N
-    k_desc = tl.make_tensor_descriptor(K + k_start * stride_kt + hk * stride_kh, shape=[k_len, HEAD_DIM],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + k_start * stride_vt + hk * stride_vh, shape=[k_len, HEAD_DIM],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    k_desc = _rows(K, k_start, stride_kt, hk, stride_kh, k_len, HEAD_DIM, BLOCK_N)
+    v_desc = _rows(V, k_start, stride_vt, hk, stride_vh, k_len, HEAD_DIM, BLOCK_N)
     k = k_desc.load([col0, 0])
     v = v_desc.load([col0, 0])
     offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -211,10 +204,8 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_desc = tl.make_tensor_descriptor(Q + q_start * stride_qt + h * stride_qh, shape=[q_rows, HEAD_DIM],
-                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        do_desc = tl.make_tensor_descriptor(DO + q_start * stride_dot + h * stride_doh, shape=[q_rows, HEAD_DIM],
-                                            strides=[stride_dot, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_rows, HEAD_DIM, BLOCK_M)
+        do_desc = _rows(DO, q_start, stride_dot, h, stride_doh, q_rows, HEAD_DIM, BLOCK_M)
         if CAUSAL or WINDOW:
             dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, begin, full, q_start, q_len, shift,
                                      win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
@@ -226,10 +217,8 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
             dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full_hi, end, q_start, q_len, shift,
                                      win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
                                      total_q, BLOCK_M, True, WINDOW, DROPOUT)
-    dk_desc = tl.make_tensor_descriptor(DK + k_start * stride_dkt + hk * stride_dkh, shape=[k_len, HEAD_DIM],
-                                        strides=[stride_dkt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    dv_desc = tl.make_tensor_descriptor(DV + k_start * stride_dvt + hk * stride_dvh, shape=[k_len, HEAD_DIM],
-                                        strides=[stride_dvt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dk_desc = _rows(DK, k_start, stride_dkt, hk, stride_dkh, k_len, HEAD_DIM, BLOCK_N)
+    dv_desc = _rows(DV, k_start, stride_dvt, hk, stride_dvh, k_len, HEAD_DIM, BLOCK_N)
     dk_desc.store([col0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
     dv_desc.store([col0, 0], dv.to(DV.dtype.element_ty))
 
