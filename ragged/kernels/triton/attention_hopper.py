@@ -191,8 +191,8 @@ def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_s
 # 128-row D=128 tile's pipeline in shared memory)
 CONFIGS = {
     128: tuple((128, n, 8, s, pe) for n in (64, 128) for s in (2, 3) for pe in (False, True)),
-    64: tuple((m, n, 8 if m == 128 else 4, s, pe) for m in (64, 128) for n in (64, 128) for s in (2, 3, 4)
-              for pe in (False, True) if not (m == 64 and n == 128)),
+    64: tuple((m, n, 8 if m == 128 else 4, s, pe) for m, n in ((64, 64), (128, 64), (128, 128)) for s in (2, 3)
+              for pe in (False, True)),
 }
 PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
