@@ -19,8 +19,9 @@ same outputs):
   and at one shape (D=64, 64 x 64 tiles, 4 warps, 2 stages) its compiler aborted the process.
 
 It takes fp16/bf16 at head dims 64 and 128, with causal masks, sliding windows and dropout
-(the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head
-strides are multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
+(the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under
+``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head strides are
+multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
 Everything else runs the portable kernels. The backward of the calls it takes is
 :mod:`.attention_hopper_bwd`'s. ``RAGGED_ATTENTION_HOPPER``: ``0`` (the default until the H200
 sweep of ``bench/tune_attention.py --hopper`` picks it) or ``1``.
@@ -195,6 +196,7 @@ CONFIGS = {
               for pe in (False, True)),
 }
 PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
+
 
 @functools.lru_cache(maxsize=None)
 def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool]:
