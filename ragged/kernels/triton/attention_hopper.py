@@ -62,6 +62,18 @@ def _rows(base, start, stride_t, head, stride_h, rows, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
+def _seen(rows, cols, k_len, shift, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[M, N]``: whether query ``rows`` see keys ``cols`` (positions in the sequence): keys within
+    the sequence, left of the causal diagonal (CAUSAL) or inside the window (WINDOW)."""
+    ok = cols[None, :] < k_len
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None] + shift)
+    if WINDOW:
+        ok = ok & _in_window(rows, cols, shift, win_left, win_right)
+    return ok
+
+
+@triton.jit
 def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n, qk_scale,
                seed, dropout_p, h, q_start, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
@@ -73,12 +85,7 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left,
         k = k_desc.load([start_n, 0])
         s = tl.dot(q, k.T)
         if MASKED:
-            ok = cols[None, :] < k_len
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
-            if WINDOW:
-                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
-            s = tl.where(ok, s, float("-inf"))
+            s = tl.where(_seen(offs_m, cols, k_len, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from .attention_hopper import _rows
-from .attention_common import _bounds, _in_window, _keep, _keep_t, _key_span, _locate, _query_span
+from .attention_hopper import _rows, _seen
+from .attention_common import _bounds, _keep, _keep_t, _key_span, _locate, _query_span
 from .launch import cached_launch
 
 __all__ = ["CONFIGS", "backward", "config", "usable"]
@@ -41,12 +41,7 @@ def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, 
         v = v_desc.load([start_n, 0])
         p = tl.math.exp2(tl.dot(q, k.T) * qk_scale - lse2[:, None])
         if MASKED:
-            ok = cols[None, :] < k_len
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= offs_m[:, None] + shift)
-            if WINDOW:
-                ok = ok & _in_window(offs_m, cols, shift, win_left, win_right)
-            p = tl.where(ok, p, 0.0)
+            p = tl.where(_seen(offs_m, cols, k_len, shift, win_left, win_right, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, v.T)
         if DROPOUT:
             keep = _keep(seed, dropout_p, h, tq, cols, total_q)
