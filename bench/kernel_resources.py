@@ -109,10 +109,11 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
                     dict(_portable_forward(head_dim, causal), BLOCK_M=bm, BLOCK_N=bn), w, s)
             if not only or "hopper" in only:
                 for shape in hopper.CONFIGS[head_dim]:
-                    bm, bn, w, s, persistent = shape
+                    bm, bn, w, s, persistent, pipe = shape
                     add(f"forward (sm_90 TMA) {tag}", shape, hopper._fwd_tma_kernel,
                         dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WINDOW=False,
-                             DROPOUT=False, SEED_PTR=False, PERSISTENT=persistent, INLINE=True, CHUNK=16), w, s)
+                             DROPOUT=False, SEED_PTR=False, PERSISTENT=persistent, INLINE=True, CHUNK=16,
+                             PIPE=pipe), w, s)
             if not only or "bwd" in only:
                 kv, dq = launcher._bwd_config(head_dim, 4096, 4096, causal, None, False)
                 common = dict(_portable_forward(head_dim, causal))
@@ -144,8 +145,8 @@ def chosen(arch: int) -> list[dict]:
     variants = [(d, c, "plain") for d in (64, 128) for c in (False, True)] + [(128, False, "window"),
                                                                                (128, True, "dropout")]
     for head_dim, causal, variant in variants:
-        bm, bn, w, s, persistent = hopper.config(head_dim, 4096, causal, False)
-        runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent))]
+        bm, bn, w, s, persistent, pipe = hopper.config(head_dim, 4096, causal, False)
+        runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent, PIPE=pipe))]
         kv, dq = hopper_bwd.config(head_dim, causal, False, variant == "window", variant == "dropout")
         runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
         for name, (bm, bn, w, s), kernel, extra in runs:

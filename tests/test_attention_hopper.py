@@ -162,16 +162,35 @@ def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
 def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
     """The persistent grid (a few programs, each looping over (block, head) pairs) gives the
     same rows as one program per pair."""
-    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, True))
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, True, False))
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "persistent"), torch.float16)
     got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
-    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False))
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
     want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
     assert len(hopper) == 2
     assert torch.equal(got, want)
     exp, _ = _loop_attention(q, k, v, lq, lk, causal)
     assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lk, causal, exp)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
+def test_the_pipelined_key_loop_matches_the_oracle(case, causal, hopper, monkeypatch):
+    """The key loop with the products issued one block apart (scores of block j beside P @ V of
+    block j - 1; the first softmax and the last product peeled) gives the oracle's rows and the
+    plain loop's, to rounding."""
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, True))
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "pipelined"), torch.float16)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert len(hopper) == 1
+    exp, _ = _loop_attention(q, k, v, lq, lk, causal)
+    bound = _error_bound(q, k, v, lq, lk, causal, exp)
+    assert (got.double() - exp).abs().max().item() <= bound
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
+    plain = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert (got.double() - plain.double()).abs().max().item() <= bound
 
 
 def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):

@@ -74,29 +74,60 @@ def _seen(rows, cols, k_len, shift, win_left, win_right, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
+def _softmax(l_i, m_i, s, cols, k_len, shift, win_left, win_right, offs_m, qk_scale, seed, dropout_p, h, q_start,
+             total_q, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+    """One key block of the online softmax: the scores ``s`` of keys ``cols`` into the running
+    maximum and sum; returns ``(p, alpha, l_i, m_i)``: the block's probabilities (fp32) and the
+    factor the accumulator is rescaled by. MASKED: keys past the sequence (zeros from the TMA),
+    right of the causal diagonal or outside the window score -inf. ``DROPOUT``: ``p`` dropped
+    after the row sums, with the portable kernels' hash (same mask)."""
+    if MASKED:
+        s = tl.where(_seen(offs_m, cols, k_len, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        keep = _keep(seed, dropout_p, h, q_start + offs_m, cols, total_q)
+        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
 def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n, qk_scale,
                seed, dropout_p, h, q_start, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi); MASKED: keys past the sequence (zeros from
-    the TMA), right of the causal diagonal or outside the window score -inf. ``DROPOUT``: the
-    probabilities dropped after the row sums, with the portable kernels' hash (same mask)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = k_desc.load([start_n, 0])
-        s = tl.dot(q, k.T)
-        if MASKED:
-            s = tl.where(_seen(offs_m, cols, k_len, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            keep = _keep(seed, dropout_p, h, q_start + offs_m, cols, total_q)
-            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-        v = v_desc.load([start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, PIPE: tl.constexpr = False):
+    """The online softmax over the key blocks [lo, hi) (:func:`_softmax`), ``acc += P @ V``.
+    ``PIPE``: the products are issued one block apart, the scores of block j and ``P @ V`` of
+    block j - 1 back to back, so that the softmax of block j runs while the tensor cores do the
+    second (the wgmma is asynchronous); the first softmax and the last product are peeled off."""
+    if PIPE:
+        if lo < hi:
+            s = tl.dot(q, k_desc.load([lo, 0]).T)
+            p, alpha, l_i, m_i = _softmax(l_i, m_i, s, lo + offs_n, k_len, shift, win_left, win_right, offs_m,
+                                          qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL, WINDOW,
+                                          DROPOUT)
+            acc = acc * alpha[:, None]
+            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+                s = tl.dot(q, k_desc.load([start_n, 0]).T)
+                v = v_desc.load([start_n - BLOCK_N, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+                p, alpha, l_i, m_i = _softmax(l_i, m_i, s, start_n + offs_n, k_len, shift, win_left, win_right,
+                                              offs_m, qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL,
+                                              WINDOW, DROPOUT)
+                acc = acc * alpha[:, None]
+            last = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N
+            v = v_desc.load([last, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            s = tl.dot(q, k_desc.load([start_n, 0]).T)
+            p, alpha, l_i, m_i = _softmax(l_i, m_i, s, start_n + offs_n, k_len, shift, win_left, win_right, offs_m,
+                                          qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL, WINDOW,
+                                          DROPOUT)
+            v = v_desc.load([start_n, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_i
 
 
@@ -106,7 +137,7 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, INLINE: tl.constexpr,
-               CHUNK: tl.constexpr):
+               CHUNK: tl.constexpr, PIPE: tl.constexpr):
     """Work item ``item`` (one query block of the work list of ``_fwd_kernel``) of head ``h``;
     nothing past the list's end."""
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
@@ -138,7 +169,7 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                                        BLOCK_N, True, False, True, DROPOUT)
             acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, k_len, shift, win_left,
                                        win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
-                                       BLOCK_N, False, False, True, DROPOUT)
+                                       BLOCK_N, False, False, True, DROPOUT, PIPE)
             acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, k_len, shift, win_left,
                                        win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
                                        BLOCK_N, True, False, True, DROPOUT)
@@ -150,7 +181,7 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
                 full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
             acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, win_left, win_right,
                                        offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q, BLOCK_N,
-                                       False, CAUSAL, False, DROPOUT)
+                                       False, CAUSAL, False, DROPOUT, PIPE)
             acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, win_left,
                                        win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
                                        BLOCK_N, True, CAUSAL, False, DROPOUT)
@@ -170,7 +201,7 @@ def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_s
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
-                    PERSISTENT: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+                    PERSISTENT: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr, PIPE: tl.constexpr):
     """Grid ``(items, heads)``: one query block of one head per program. ``PERSISTENT``: a grid of
     a few programs per multiprocessor, each taking the (item, head) pairs ``pid, pid + grid, ...``
     of the ``n_work = items x heads`` (the heads of one query block next to each other: under
@@ -183,38 +214,41 @@ def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_s
             _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, w // heads, w % heads,
                        heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh, stride_kt,
                        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                       CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK)
+                       CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK, PIPE)
     else:
         _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, tl.program_id(0),
                    tl.program_id(1), heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh,
                    stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M,
-                   BLOCK_N, CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK)
+                   BLOCK_N, CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK, PIPE)
 
 
 # --------------------------------------------------------------------------------------
 # Launcher
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent) the tuning sweep tries,
-# per head dim (at 64 x 64 tiles 8 warps leave each too little work; stages past 3 do not fit a
-# 128-row D=128 tile's pipeline in shared memory)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, pipelined) the tuning sweep tries, per
+# head dim: 128-row tiles over two warpgroups, and 64-row tiles over one (two programs share a
+# multiprocessor, one's softmax beside the other's products). At 64 x 64 tiles 8 warps leave each
+# too little work; stages past 3 do not fit a 128-row D=128 tile's pipeline in shared memory.
+_FLAGS = tuple((pe, pi) for pe in (False, True) for pi in (False, True))
 CONFIGS = {
-    128: tuple((128, n, 8, s, pe) for n in (64, 128) for s in (2, 3) for pe in (False, True)),
-    64: tuple((m, n, 8 if m == 128 else 4, s, pe) for m, n in ((64, 64), (128, 64), (128, 128)) for s in (2, 3)
-              for pe in (False, True)),
+    128: tuple((128, n, 8, s, pe, pi) for n in (64, 128) for s in (2, 3) for pe, pi in _FLAGS)
+    + tuple((64, n, 4, s, False, pi) for n in (64, 128) for s in (2, 3) for pi in (False, True)),
+    64: tuple((m, n, 8 if m == 128 else 4, s, pe, pi) for m, n in ((64, 64), (128, 64), (128, 128)) for s in (2, 3)
+              for pe, pi in _FLAGS),
 }
 PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
 
 @functools.lru_cache(maxsize=None)
-def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool]:
+def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool, bool]:
     """The shape a call runs with: a starting point (the portable kernel's best shapes at D=128
     on an H200, without warp specialisation) until the sweep of ``bench/tune_attention.py
     --hopper`` replaces it with measured ones."""
     if interpreted:
-        return 16, 16, 4, 1, False
+        return 16, 16, 4, 1, False, False
     if head_dim == 128:
-        return (128, 128, 8, 3, False) if causal else (128, 64, 8, 3, False)
-    return (64, 64, 4, 3, False) if max_q <= 512 else (128, 64, 8, 3, False)
+        return (128, 128, 8, 3, False, False) if causal else (128, 64, 8, 3, False, False)
+    return (64, 64, 4, 3, False, False) if max_q <= 512 else (128, 64, 8, 3, False, False)
 
 
 _threads = threading.local()
@@ -306,8 +340,8 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
     them, the work list ``cum`` too). ``window``: the launcher's ``(win_left, win_right)`` (causal
     folded in) or None; ``seed`` / ``seed_ptr``: a host seed, or a one-element device tensor read
     by the kernel (None: the host seed); ``shape``: a tuning sweep's ``(BLOCK_M, BLOCK_N, warps,
-    stages, persistent)`` instead of :func:`config`'s."""
-    block_m, block_n, warps, stages, persistent = shape or config(q.shape[-1], max_q, causal, interpreted)
+    stages, persistent, pipelined)`` instead of :func:`config`'s."""
+    block_m, block_n, warps, stages, persistent, pipe = shape or config(q.shape[-1], max_q, causal, interpreted)
     if not interpreted:
         _ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
@@ -321,4 +355,4 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
                           GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
                           CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
                           SEED_PTR=seed_ptr is not None, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
-                          num_warps=warps, num_stages=stages)
+                          PIPE=pipe, num_warps=warps, num_stages=stages)
