@@ -193,6 +193,28 @@ def test_the_pipelined_key_loop_matches_the_oracle(case, causal, hopper, monkeyp
     assert (got.double() - plain.double()).abs().max().item() <= bound
 
 
+def test_forced_holds_for_every_thread_of_the_process(monkeypatch):
+    """``forced`` is seen by other threads too (autograd runs a CUDA backward on a thread of its
+    own), and the block's end restores what the environment says."""
+    import threading
+
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
+    seen = []
+
+    def look():
+        seen.append(attention_hopper._enabled())
+
+    with attention_hopper.forced(True):
+        worker = threading.Thread(target=look)
+        worker.start()
+        worker.join()
+        with attention_hopper.forced(False):
+            look()
+        look()
+    look()
+    assert seen == [True, False, True, False]
+
+
 def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):
     """The seed read from a device tensor (what a CUDA graph replays) gives the mask of the same
     seed passed from the host, forward and backward."""

@@ -241,33 +241,38 @@ PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
 @functools.lru_cache(maxsize=None)
 def config(head_dim: int, max_q: int, causal: bool, interpreted: bool) -> tuple[int, int, int, int, bool, bool]:
-    """The shape a call runs with: a starting point (the portable kernel's best shapes at D=128
-    on an H200, without warp specialisation) until the sweep of ``bench/tune_attention.py
-    --hopper`` replaces it with measured ones."""
+    """The shape a call runs with: the fastest of :data:`CONFIGS` on workload (c) of
+    ``bench/tune_attention.py --hopper`` (16 sequences of 256..4096 tokens, 16 heads, bf16) on
+    an H200 (``bench/results/tune_attention_hopper_h200_*.txt``). D=128: 128-row tiles over two
+    warpgroups with the pipelined key loop (448 TF/s against 417 of the portable kernel);
+    causal, and D=64: 64-row tiles, one warpgroup, two programs a multiprocessor (385 against
+    348; 354 against 324; causal D=64 304 against 172)."""
     if interpreted:
         return 16, 16, 4, 1, False, False
     if head_dim == 128:
-        return (128, 128, 8, 3, False, False) if causal else (128, 64, 8, 3, False, False)
-    return (64, 64, 4, 3, False, False) if max_q <= 512 else (128, 64, 8, 3, False, False)
+        return (64, 64, 4, 3, False, False) if causal else (128, 128, 8, 3, False, True)
+    return 64, 64, 4, 2, False, False
 
 
 _threads = threading.local()
+_FORCED: list = [None]  # forced(): on / off for the whole process, None: the environment decides
 
 
 @contextlib.contextmanager
 def forced(on: bool):
-    """In this block (this thread), the Hopper forward on or off whatever the environment says
-    (the benchmarks' rows of both kernels in one process)."""
-    before = getattr(_threads, "forced", None)
-    _threads.forced = bool(on)
+    """In this block, the sm_90 kernels on or off whatever the environment says (the benchmarks'
+    rows of both kernels in one process). Process-wide, not per thread: the backward of a call
+    made inside the block runs on autograd's own thread and must see the same choice."""
+    before = _FORCED[0]
+    _FORCED[0] = bool(on)
     try:
         yield
     finally:
-        _threads.forced = before
+        _FORCED[0] = before
 
 
 def _enabled() -> bool:
-    on = getattr(_threads, "forced", None)
+    on = _FORCED[0]
     return os.environ.get("RAGGED_ATTENTION_HOPPER", "0") == "1" if on is None else on
 
 

@@ -227,7 +227,7 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
 # ``python -m bench.kernel_resources``: (64, 64, 8, 2) 8, 104 and 152 bytes a thread; (32, 128,
 # 8, 2) none, 213 to 248 registers)
 CONFIGS = {
-    128: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2))
+    128: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
                for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))),
     64: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2))
               for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))),
