@@ -202,7 +202,7 @@ def test_forced_holds_for_every_thread_of_the_process(monkeypatch):
     seen = []
 
     def look():
-        seen.append(attention_hopper._enabled())
+        seen.append(attention_hopper.mode() == "on")
 
     with attention_hopper.forced(True):
         worker = threading.Thread(target=look)
@@ -286,6 +286,28 @@ def test_usable_takes_only_what_the_kernel_does(monkeypatch):
     odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]             # token stride 130 elements
     assert not _usable(odd)
     assert not _usable(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
+
+
+def test_auto_takes_no_interpreted_call_and_long_ones_only(monkeypatch):
+    """``auto`` (the default) and an unset variable: the interpreter keeps the portable kernels;
+    the sm_90 forward would need the longest query at ``AUTO_MIN_LEN`` or more (the GPU half is
+    tests/test_gpu_attention_hopper.py)."""
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
+    assert attention_hopper.mode() == "auto"
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "auto")
+    assert attention_hopper.mode() == "auto"
+    assert not attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, max_q=attention_hopper.AUTO_MIN_LEN)
+    assert attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, force=True)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "", "on"])
+def test_a_bad_switch_value_says_what_it_takes(value, monkeypatch):
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", value)
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of .*got"):
+        ragged.varlen_attention(q, q, q, torch.tensor([0, 8], dtype=torch.int32),
+                                torch.tensor([0, 8], dtype=torch.int32), 8, 8, backend="triton")
 
 
 def test_calls_it_does_not_take_run_the_portable_kernel(hopper):

@@ -39,6 +39,7 @@ from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, d
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 GRAPHED = "ragged graphed"
 HOPPER = "ragged triton hopper"
+PORTABLE = "ragged triton portable"
 SEED = 0
 
 # Baseline names (the rows' ``impl``).
@@ -303,26 +304,30 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
             impls.append(Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None)))
     if device.type == "cuda":
         impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip))
+        impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip, on=False))
         impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
 
 
-def _hopper_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why) -> Impl:
+def _hopper_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why,
+                 on: bool = True) -> Impl:
     """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
-    backward) switched on; skipped where they do not take the call."""
+    backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
+    portable``, the same with them off (the portable kernels, what other GPUs run)."""
     from ragged.kernels.triton import attention_hopper as hopper
 
     M = p.width
-    if not why and not hopper.usable(*inputs, p.q.shape[-1] ** -0.5, 0.0, None, None, False, force=True):
+    name = HOPPER if on else PORTABLE
+    if on and not why and not hopper.usable(*inputs, p.q.shape[-1] ** -0.5, 0.0, None, None, False, force=True):
         why = "the sm_90 forward does not take this call (GPU, dtype, head dim or alignment)"
     if why:
-        return Impl(HOPPER, "ragged", skip=why if isinstance(why, str) else "; ".join(why))
+        return Impl(name, "ragged", skip=why if isinstance(why, str) else "; ".join(why))
 
     def forward(q, k, v):
-        with hopper.forced(True):
+        with hopper.forced(on):
             return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, M, M, causal=causal, backend="triton")
 
-    return Impl(HOPPER, "ragged", forward_or_backward(forward, inputs, p.do if backward else None))
+    return Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 def _graphed_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...]) -> Impl:
@@ -537,9 +542,13 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   bound for padded compute. It attends to the padding, so its output is not checked.
 - `SDPA padded, no mask (cuDNN)`: the same under `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`:
   cuDNN's dense kernel, the ceiling a padded batch reaches (not checked either).
+- `ragged triton` takes the default (`RAGGED_ATTENTION_HOPPER=auto`): on sm_90 the TMA
+  forward of `ragged.kernels.triton.attention_hopper` for batches whose longest sequence has
+  1024 tokens or more, the portable kernels otherwise and for every backward.
 - `ragged triton hopper` (sm_90): the triton row with the TMA kernels of
-  `ragged.kernels.triton.attention_hopper` (forward) and `attention_hopper_bwd` switched on
-  (`RAGGED_ATTENTION_HOPPER=1`).
+  `attention_hopper` (forward) and `attention_hopper_bwd` switched on for every call they take
+  (`RAGGED_ATTENTION_HOPPER=1`); `ragged triton portable`: switched off (`=0`), the kernels
+  other GPUs run.
 - `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
   max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
   SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA

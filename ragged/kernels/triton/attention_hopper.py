@@ -22,9 +22,11 @@ It takes fp16/bf16 at head dims 64 and 128, with causal masks, sliding windows a
 (the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under
 ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head strides are
 multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
-Everything else runs the portable kernels. The backward of the calls it takes is
-:mod:`.attention_hopper_bwd`'s. ``RAGGED_ATTENTION_HOPPER``: ``0`` (the default until the H200
-sweep of ``bench/tune_attention.py --hopper`` picks it) or ``1``.
+Everything else runs the portable kernels. ``RAGGED_ATTENTION_HOPPER`` (:func:`mode`):
+``auto`` (the default) takes the forward of long batches, where the H200 sweep of
+``bench/tune_attention.py --hopper`` measured it faster, and leaves their backward to the
+portable kernels; ``1`` takes every call it can, its backward with :mod:`.attention_hopper_bwd`;
+``0`` none.
 
 Device descriptors need a global scratch buffer per launch: Triton asks its allocator
 (``triton.set_allocator``, one per thread); where a thread has none, the launcher sets one
@@ -271,9 +273,25 @@ def forced(on: bool):
         _FORCED[0] = before
 
 
-def _enabled() -> bool:
+AUTO_MIN_LEN = 1024  # "auto": the sm_90 forward from this longest query on (see :func:`mode`)
+_MODES = {"auto": "auto", "1": "on", "0": "off"}
+
+
+def mode() -> str:
+    """``"on"``, ``"off"`` or ``"auto"``: :func:`forced`'s block, else ``RAGGED_ATTENTION_HOPPER``
+    (``1``, ``0``, or ``auto``, the default). ``auto`` takes the forward of the calls whose
+    longest query has :data:`AUTO_MIN_LEN` tokens or more on an sm_90 GPU, where the H200 sweep
+    measured it faster than the portable kernel at every head dim and mask; shorter batches
+    (measured: no gain or a loss) and every backward (the sm_90 one measured no faster than the
+    portable one) stay with the portable kernels. ``1`` takes every call it can, backward too."""
     on = _FORCED[0]
-    return os.environ.get("RAGGED_ATTENTION_HOPPER", "0") == "1" if on is None else on
+    if on is not None:
+        return "on" if on else "off"
+    value = os.environ.get("RAGGED_ATTENTION_HOPPER", "auto")
+    if value not in _MODES:
+        raise ValueError(f"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of {sorted(_MODES)}, "
+                         f"got {value!r}")
+    return _MODES[value]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -294,10 +312,13 @@ def _major(device: torch.device) -> int:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, window, bias,
-           interpreted: bool, force: bool = False) -> bool:
-    """Whether this forward takes the call (see the module docstring): host facts only;
-    ``force``: as if it were switched on."""
-    if not (force or _enabled()) or bias is not None or not scale > 0:
+           interpreted: bool, force: bool = False, max_q: int = 0) -> bool:
+    """Whether this forward takes the call (see the module docstring and :func:`mode`): host
+    facts only; ``force``: as if it were switched on; ``max_q``: the longest query (``auto``)."""
+    chosen = "on" if force else mode()
+    if chosen == "off" or (chosen == "auto" and (interpreted or max_q < AUTO_MIN_LEN)):
+        return False
+    if bias is not None or not scale > 0:
         return False
     if q.dtype not in _DTYPES or q.shape[-1] not in HEAD_DIMS:
         return False

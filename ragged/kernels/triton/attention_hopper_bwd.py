@@ -14,7 +14,9 @@ sequence's end).
 
 Takes what :func:`.attention_hopper.usable` takes (causal masks, windows and dropout with the
 portable kernels' masks and hash), and gradient buffers the TMA can store into
-(:func:`usable`); the position bias stays with the portable kernels.
+(:func:`usable`), when switched on (``RAGGED_ATTENTION_HOPPER=1``; under ``auto`` the portable
+backward runs, which the H200 sweep measured as fast); the position bias stays with the
+portable kernels.
 """
 
 from __future__ import annotations
@@ -255,6 +257,8 @@ def config(head_dim: int, causal: bool, interpreted: bool, window: bool = False,
 def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
     """Whether this backward takes the call: the forward's conditions, and ``do``, ``out`` and
     the gradient buffers (``grads``: the dq, dk, dv the kernels write) TMA-aligned too."""
+    if attention_hopper.mode() != "on":  # "auto": the portable backward (measured as fast)
+        return False
     if not attention_hopper.usable(q, k, v, scale, dropout_p, window, bias, interpreted):
         return False
     return all(attention_hopper._aligned(t) for t in (do, out, *grads))
