@@ -145,7 +145,7 @@ def chosen(arch: int) -> list[dict]:
     variants = [(d, c, "plain") for d in (64, 128) for c in (False, True)] + [(128, False, "window"),
                                                                                (128, True, "dropout")]
     for head_dim, causal, variant in variants:
-        bm, bn, w, s, persistent, pipe = hopper.config(head_dim, 4096, causal, False)
+        bm, bn, w, s, persistent, pipe = hopper.config(head_dim, 4096, causal, False, variant == "window")
         runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent, PIPE=pipe))]
         kv, dq = hopper_bwd.config(head_dim, causal, False, variant == "window", variant == "dropout")
         runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]

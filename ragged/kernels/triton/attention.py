@@ -188,7 +188,7 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     window = _window(causal, window_left, window_right, max_q, max_k)
     interpreted = _interpreted()
     if attention_hopper.usable(q, k, v, scale, dropout_p, window, bias_table, interpreted, max_q=max_q):
-        shape = attention_hopper.config(head_dim, max_q, causal, interpreted)
+        shape = attention_hopper.config(head_dim, max_q, causal, interpreted, window is not None)
         cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
         host_seed, seed_ptr = _seed(seed, cu_q)
         attention_hopper.forward(q, k, v, out, lse, cu_q, cu_k, cum, inline, chunk, n_steps, max_q, causal, scale,

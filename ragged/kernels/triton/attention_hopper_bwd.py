@@ -223,11 +223,10 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
 # --------------------------------------------------------------------------------------
 # Launcher
 
-# ((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ) the tuning sweep tries. The dK/dV
-# shapes keep 32 query rows a step: at 64 its two fp32 accumulators and the transposed scores
-# spill at D=128 once a causal mask, a window or dropout is on (sm_90 compile of Triton 3.9,
-# ``python -m bench.kernel_resources``: (64, 64, 8, 2) 8, 104 and 152 bytes a thread; (32, 128,
-# 8, 2) none, 213 to 248 registers)
+# ((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ) the tuning sweep tries: 16 to 64
+# query rows a step over 64 or 128 keys (at 64 rows and 8 warps the two fp32 accumulators and the
+# transposed scores spill at D=128 once a window or dropout is on: sm_90 compile of Triton 3.9,
+# ``python -m bench.kernel_resources``)
 CONFIGS = {
     128: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
                for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))),
@@ -238,20 +237,24 @@ CONFIGS = {
 
 @functools.lru_cache(maxsize=None)
 def config(head_dim: int, causal: bool, interpreted: bool, window: bool = False, dropout: bool = False):
-    """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: shapes that compile for
-    sm_90 without spilling in Triton 3.6 and 3.9 (``python -m bench.kernel_resources --chosen``,
-    ``tests/test_kernel_resources.py``), a starting point until ``bench/tune_attention.py
-    --hopper`` measures the sweep. At D=128 the dK/dV kernel's masks and hash cost registers:
-    with a window it steps 16 query rows at a time (32 spill 48 bytes a thread in Triton 3.6),
-    with dropout over 64 keys (128 spill 16 bytes)."""
+    """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: the fastest pair of
+    :data:`CONFIGS` that does not spill (Triton 3.6's sm_90 compile), after the chosen forward
+    on workload (c) of ``bench/tune_attention.py --hopper-backward`` on an H200
+    (``bench/results/tune_attention_hopper_bwd_h200_*.txt``; pairs within about 5% of each
+    other swap places between runs). With a window or dropout
+    (not swept) at D=128, shapes that compile for sm_90 without spilling in Triton 3.6 and 3.9
+    (``python -m bench.kernel_resources --chosen``, ``tests/test_kernel_resources.py``): the
+    masks and the hash cost the dK/dV kernel registers, so it steps 16 query rows at a time
+    with a window (32 spill 48 bytes a thread in Triton 3.6) and 64 keys with dropout."""
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
-    kv = (32, 128, 8, 2)
     if head_dim == 128 and window:
-        kv = (16, 128, 8, 2)
-    elif head_dim == 128 and dropout:
-        kv = (32, 64, 8, 2)
-    return kv, (128, 64, 8, 2)
+        return (16, 128, 8, 2), (128, 64, 8, 2)
+    if head_dim == 128 and dropout:
+        return (32, 64, 8, 2), (128, 64, 8, 2)
+    if head_dim == 128:  # (64, 128, 8, 2) / (64, 64, 4, 2) of dK/dV measured up to 4% faster, but spill
+        return (32, 128, 8, 2), (64, 64, 4, 2)
+    return ((64, 128, 8, 2), (64, 64, 4, 2)) if causal else ((64, 128, 8, 2), (128, 64, 8, 2))
 
 
 def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
