@@ -14,9 +14,19 @@ same outputs):
   rescaled registers instead of adding a second product.
 * **The scale applied after the row maximum** (positive scales only): the maximum is taken
   over the raw scores and ``exp2(s * scale - m)`` is one fused multiply-add per score.
-* No warp specialisation: asked of the key loop (``tl.range(..., warp_specialize=True)``),
-  Triton 3.9's sm_90 compile gave the same code as without (registers, shared memory, SASS),
-  and at one shape (D=64, 64 x 64 tiles, 4 warps, 2 stages) its compiler aborted the process.
+* **The pipelined key loop** (``PIPE``, the chosen shape at D=128 without a mask): the scores
+  of block j and ``P @ V`` of block j - 1 are issued back to back, the softmax after both.
+* **One-warpgroup tiles** (64 rows, 4 warps, two programs a multiprocessor): one program's
+  softmax runs beside the other's products (the chosen shape for causal masks and D=64).
+
+What it does not reach (``bench/results/ncu_attention_sm90_*.txt``): the tensor pipe is busy
+44-49% of the forward's cycles. Triton 3.6 and 3.9 wait for every wgmma right after issuing
+it (``warp_group_dot_wait {pendings = 0}`` in the TTGIR, also in the pipelined loop), so a
+warpgroup's softmax never overlaps its own products, and ``tl.range(...,
+warp_specialize=True)`` gives the same code as without at sm_90 (at one shape, D=64, 64 x 64
+tiles, 4 warps, 2 stages, Triton 3.9's compiler aborted). The overlap FlashAttention-3 gets
+from producer and consumer warpgroups needs explicit asynchronous wgmma and barriers (Gluon or
+CUDA C++).
 
 It takes fp16/bf16 at head dims 64 and 128, with causal masks, sliding windows and dropout
 (the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under
