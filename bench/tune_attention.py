@@ -6,6 +6,11 @@ each (BLOCK_M, BLOCK_N, num_warps, num_stages); the chosen shapes live in
 ``ragged/kernels/triton/attention.py``. ``--bias``: MPNet's shapes (256 sentences of 8..128
 tokens, 12 heads of 64) with its relative-position bias, forward and backward, each beside the
 same call without the bias, each captured in a CUDA graph and replayed (the kernels' time).
+``--hopper`` (sm_90): the shapes of the TMA forward (``attention_hopper.CONFIGS``, one program
+per block and persistent) on workload c at head dims 128 and 64, beside the portable kernel
+and cuDNN's dense kernel, then the backward's (``attention_hopper_bwd.CONFIGS``) after the best
+forward; the chosen shapes live in the two modules' ``config``. ``--hopper-backward``: only the
+backward's, after the chosen forward.
 """
 
 import argparse
@@ -100,15 +105,116 @@ def tune_bias():
         print(f"  fwd+bwd bias, dk/dv {kv} dq {dq}: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
 
 
+def _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, forward_shape):
+    """The backward shapes (``attention_hopper_bwd.CONFIGS``) after the best forward shape,
+    beside the portable backward: fwd+bwd TF/s (3.5x the forward's flops)."""
+    from ragged.kernels.triton import attention_hopper as hopper
+    from ragged.kernels.triton import attention_hopper_bwd as hopper_bwd
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def step():
+        out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    with hopper.forced(False):
+        ms = do_bench(step, return_mode="median")
+    print(f"  portable fwd+bwd: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+    if forward_shape is None:
+        return
+    default_f, default_b, run = hopper.config, hopper_bwd.config, hopper_bwd.backward
+    hopper.config = lambda *a_: forward_shape
+    calls = []
+    hopper_bwd.backward = lambda *a_, **k_: (calls.append(1), run(*a_, **k_))[1]
+    results = []
+    try:
+        for pair in hopper_bwd.CONFIGS[q.shape[-1]]:
+            hopper_bwd.config = lambda *a_, pair=pair: pair
+            try:
+                with hopper.forced(True):
+                    results.append((do_bench(step, return_mode="median"), pair))
+            except Exception as exc:  # out of resources etc.
+                print(f"  hopper bwd {pair} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    finally:
+        hopper.config, hopper_bwd.config, hopper_bwd.backward = default_f, default_b, run
+    if results and not calls:
+        raise RuntimeError("the sm_90 backward never ran: the timings above are of the portable one")
+    for ms, pair in sorted(results):
+        print(f"  hopper fwd {forward_shape} + bwd dk/dv {pair[0]} dq {pair[1]}: {ms:.4f} ms "
+              f"{3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+
+
+def tune_hopper(only=None, backward_only=False):
+    """Every shape of the sm_90 forward (``attention_hopper.CONFIGS``) on workload c at head dims
+    128 and 64, full and causal, beside the portable kernel's chosen shape and cuDNN's dense
+    kernel on the padded batch (no mask: the ceiling). ``backward_only``: only the backward's
+    shapes, after the forward's chosen one (``attention_hopper.config``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ragged.kernels.triton import attention_hopper as hopper
+
+    lengths = workloads()["c"][0]
+    total, max_len, batch = sum(lengths), max(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    default = hopper.config
+    for dim in (128, 64):
+        if only and f"c{dim}" not in only:
+            continue
+        heads = 16
+        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        padded = torch.randn(batch, heads, max_len, dim, device="cuda", dtype=torch.bfloat16)
+        for causal in (False, True):
+            fl = ka.flops(lengths, lengths, heads, dim, causal)
+            dense = ka.flops([max_len] * batch, [max_len] * batch, heads, dim, causal)
+            print(f"(c{dim}) B={batch} mean={total / batch:.0f} max={max_len} H={heads} D={dim} causal={causal}",
+                  flush=True)
+            if backward_only:
+                _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, default(dim, max_len, causal, False))
+                continue
+
+            def call():
+                return ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
+
+            with hopper.forced(False):
+                ms = do_bench(call, return_mode="median")
+            print(f"  portable {ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)}: {ms:.4f} ms "
+                  f"{fl / ms / 1e9:6.1f} TF/s", flush=True)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ms = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(padded, padded, padded,
+                                                                                       is_causal=causal),
+                              return_mode="median")
+            print(f"  cuDNN dense padded [{batch}, {heads}, {max_len}, {dim}]: {ms:.4f} ms "
+                  f"{dense / ms / 1e9:6.1f} TF/s (dense flops)", flush=True)
+            results = []
+            for cfg in hopper.CONFIGS[dim]:
+                hopper.config = lambda *a_, cfg=cfg: cfg
+                try:
+                    with hopper.forced(True):
+                        results.append((do_bench(call, return_mode="median"), cfg))
+                except Exception as exc:  # out of resources (shared memory) etc.
+                    print(f"  hopper {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            hopper.config = default
+            for ms, cfg in sorted(results):
+                print(f"  hopper {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
+            best = min(results)[1] if results else None
+            _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, best)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bwd", action="store_true")
     parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--hopper", action="store_true")
+    parser.add_argument("--hopper-backward", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     if args.bias:
         tune_bias()
+        return
+    if args.hopper or args.hopper_backward:
+        tune_hopper(args.only, backward_only=args.hopper_backward)
         return
     for name, (lengths, heads, dim) in workloads().items():
         if args.only and name not in args.only:

@@ -150,3 +150,25 @@ def _check_lse(lse, expected, blind):
     assert torch.all(torch.isneginf(lse[blind])), "a query that sees no key must get lse = -inf"
     assert torch.all(torch.isfinite(lse[~blind]))
     torch.testing.assert_close(lse[~blind].double(), expected[~blind], **FWD_TOL)
+
+
+def spy_hopper(monkeypatch) -> list:
+    """Switch the sm_90 attention kernels on (``RAGGED_ATTENTION_HOPPER=1``) and count their
+    launches: the list gets q's shape per forward, ``("backward", q's shape)`` per backward."""
+    from ragged.kernels.triton import attention_hopper, attention_hopper_bwd
+
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
+    calls: list = []
+    forward, backward = attention_hopper.forward, attention_hopper_bwd.backward
+
+    def spy_forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return forward(*args, **kwargs)
+
+    def spy_backward(*args, **kwargs):
+        calls.append(("backward", args[0].shape))
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hopper, "forward", spy_forward)
+    monkeypatch.setattr(attention_hopper_bwd, "backward", spy_backward)
+    return calls

@@ -38,15 +38,18 @@ from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, d
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 GRAPHED = "ragged graphed"
+HOPPER = "ragged triton hopper"
+PORTABLE = "ragged triton portable"
 SEED = 0
 
 # Baseline names (the rows' ``impl``).
 SDPA_MASKED = "SDPA padded + mask"
 SDPA_NO_MASK = "SDPA padded, no mask"
+CUDNN = "SDPA padded, no mask (cuDNN)"
 SDPA_NESTED = "SDPA nested (NJT)"
 VARLEN_ATTN = "varlen_attn"
 FLEX = "flex_attention (compiled)"
-BASELINES = (SDPA_MASKED, SDPA_NO_MASK, SDPA_NESTED, VARLEN_ATTN, FLEX)
+BASELINES = (SDPA_MASKED, SDPA_NO_MASK, CUDNN, SDPA_NESTED, VARLEN_ATTN, FLEX)
 CPU_BASELINES = (SDPA_MASKED, SDPA_NO_MASK)
 """Measured on CPU (tiny cases); the others are GPU baselines and show as skipped there."""
 
@@ -300,8 +303,31 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
         else:
             impls.append(Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None)))
     if device.type == "cuda":
+        impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip))
+        impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip, on=False))
         impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
+
+
+def _hopper_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why,
+                 on: bool = True) -> Impl:
+    """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
+    backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
+    portable``, the same with them off (the portable kernels, what other GPUs run)."""
+    from ragged.kernels.triton import attention_hopper as hopper
+
+    M = p.width
+    name = HOPPER if on else PORTABLE
+    if on and not why and not hopper.usable(*inputs, p.q.shape[-1] ** -0.5, 0.0, None, None, False, force=True):
+        why = "the sm_90 forward does not take this call (GPU, dtype, head dim or alignment)"
+    if why:
+        return Impl(name, "ragged", skip=why if isinstance(why, str) else "; ".join(why))
+
+    def forward(q, k, v):
+        with hopper.forced(on):
+            return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, M, M, causal=causal, backend="triton")
+
+    return Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None))
 
 
 def _graphed_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...]) -> Impl:
@@ -357,6 +383,20 @@ def _sdpa_no_mask(p: Problem, causal: bool, backward: bool, device: torch.device
     grad_out = p.padded(p.do) if backward else None
     # Attends to the padding: its output is wrong by design, so it is not checked.
     return Impl(SDPA_NO_MASK, "baseline", forward_or_backward(forward, inputs, grad_out), check=False)
+
+
+def _cudnn(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inputs = _leaves(tuple(p.padded(t) for t in (p.q, p.k, p.v)), backward)
+
+    def forward(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    grad_out = p.padded(p.do) if backward else None
+    # The dense ceiling: padded, no mask (attends to the padding, not checked, as SDPA_NO_MASK).
+    return Impl(CUDNN, "baseline", forward_or_backward(forward, inputs, grad_out), check=False)
 
 
 def _sdpa_nested(p: Problem, causal: bool, backward: bool, device: torch.device) -> Impl:
@@ -432,6 +472,7 @@ def _flex(p: Problem, causal: bool, backward: bool, device: torch.device) -> Imp
 BASELINE_BUILDERS = {
     SDPA_MASKED: _sdpa_masked,
     SDPA_NO_MASK: _sdpa_no_mask,
+    CUDNN: _cudnn,
     SDPA_NESTED: _sdpa_nested,
     VARLEN_ATTN: _varlen_attn,
     FLEX: _flex,
@@ -499,6 +540,15 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   outside the timed region). For the backward, `do` is zero at the padding.
 - `SDPA padded, no mask`: the same without a mask (`is_causal=True` for causal): a lower
   bound for padded compute. It attends to the padding, so its output is not checked.
+- `SDPA padded, no mask (cuDNN)`: the same under `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`:
+  cuDNN's dense kernel, the ceiling a padded batch reaches (not checked either).
+- `ragged triton` takes the default (`RAGGED_ATTENTION_HOPPER=auto`): on sm_90 the TMA
+  forward of `ragged.kernels.triton.attention_hopper` for batches whose longest sequence has
+  1024 tokens or more, the portable kernels otherwise and for every backward.
+- `ragged triton hopper` (sm_90): the triton row with the TMA kernels of
+  `attention_hopper` (forward) and `attention_hopper_bwd` switched on for every call they take
+  (`RAGGED_ATTENTION_HOPPER=1`); `ragged triton portable`: switched off (`=0`), the kernels
+  other GPUs run.
 - `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
   max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
   SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from . import attention_hopper, attention_hopper_bwd
 from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
     _block_cum_kernel,
@@ -184,9 +185,18 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, _interpreted(),
-                                                  dropout_p > 0, bias_table is not None)
     window = _window(causal, window_left, window_right, max_q, max_k)
+    interpreted = _interpreted()
+    if attention_hopper.usable(q, k, v, scale, dropout_p, window, bias_table, interpreted, max_q=max_q):
+        shape = attention_hopper.config(head_dim, max_q, causal, interpreted, window is not None)
+        cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
+        host_seed, seed_ptr = _seed(seed, cu_q)
+        attention_hopper.forward(q, k, v, out, lse, cu_q, cu_k, cum, inline, chunk, n_steps, max_q, causal, scale,
+                                 interpreted, window, dropout_p, host_seed, None if seed_ptr is cu_q else seed_ptr,
+                                 shape)
+        return out, lse
+    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, interpreted,
+                                                  dropout_p > 0, bias_table is not None)
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
@@ -247,10 +257,21 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     out = _rows(out)
     lse = lse.contiguous()
-    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
-                                                                 _interpreted(), bias_table is not None)
-    group = heads // kv_heads
     window = _window(causal, window_left, window_right, max_q, max_k)
+    interpreted = _interpreted()
+    if attention_hopper_bwd.usable(q, k, v, do, out, (dq, dk, dv), scale, dropout_p, window, bias_table,
+                                   interpreted):
+        host_seed, seed_ptr = _seed(seed, cu_q)
+        attention_hopper_bwd.backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, _worklist, causal, scale,
+                                      interpreted, window, dropout_p, host_seed,
+                                      None if seed_ptr is cu_q else seed_ptr)
+        for mine, theirs in zip((dq, dk, dv), result):
+            if mine is not theirs:
+                theirs.copy_(mine)
+        return result
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
+                                                                 interpreted, bias_table is not None)
+    group = heads // kv_heads
     win_left, win_right = window or (0, 0)
     seed, seed_ptr = _seed(seed, cu_q)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),

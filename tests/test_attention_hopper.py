@@ -1,0 +1,323 @@
+"""The Hopper forward (TMA descriptors, ``ragged.kernels.triton.attention_hopper``) on CPU,
+through the Triton interpreter, against the float64 per-sequence oracle.
+
+``RAGGED_ATTENTION_HOPPER=1`` routes the calls it takes to it; each test counts that it ran.
+float16 only here: the interpreter (Triton 3.9) computes the transposed dot of a bfloat16 tile
+loaded through a descriptor wrongly (a bf16 copy through descriptors is exact; ``dot(x, x.T)``
+is not), so bfloat16 is checked on the GPU (``test_gpu_attention_hopper.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragged
+from ragged.kernels.triton import attention_hopper
+from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton, spy_hopper
+
+pytestmark = needs_triton
+
+# name: (query lengths, key lengths, H, H_kv, D)
+CASES = {
+    "mixed": ([5, 0, 31, 12, 1], [5, 0, 31, 12, 1], 2, 2, 64),
+    "gqa": ([5, 0, 31, 12], [5, 0, 31, 12], 4, 2, 64),
+    "mqa_d128": ([3, 17, 1], [3, 17, 1], 2, 1, 128),
+    "cross": ([2, 7, 1, 16], [5, 19, 3, 33], 2, 2, 64),
+    "cross_q_longer": ([5, 20, 3], [2, 7, 3], 2, 1, 128),
+    "empty_keys": ([4, 3, 6], [3, 0, 5], 2, 2, 64),
+    "one_long": ([70], [70], 1, 1, 64),
+}
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The sm_90 kernels switched on; the list counts their launches."""
+    return spy_hopper(monkeypatch)
+
+
+def _error_bound(q, k, v, lq, lk, causal, exp):
+    """The flash-attention rule: twice the error of the computation in float16 (the reference
+    op in float16), plus a floor for float16's rounding of the output."""
+    ref16, _ = ragged.reference_attention(q, k, v, _cu(lq), _cu(lk), causal, compute_dtype=torch.float16)
+    return 2 * (ref16.double() - exp).abs().max().item() + 2e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hopper_forward_matches_the_oracle(case, causal, hopper):
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper"), torch.float16)
+    out, lse = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                       return_lse=True, backend="triton")
+    assert hopper, "the Hopper forward did not run"
+    exp, exp_lse = _loop_attention(q, k, v, lq, lk, causal)
+    blind = _blind_rows(lq, lk, causal)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    err = (out.double() - exp).abs().max().item()
+    assert err <= _error_bound(q, k, v, lq, lk, causal, exp), err
+    assert torch.all(out[blind] == 0)
+    assert torch.all(torch.isneginf(lse[blind])) and torch.all(torch.isfinite(lse[~blind]))
+    torch.testing.assert_close(lse[~blind].double(), exp_lse[~blind], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hopper_backward_matches_the_oracle(case, causal, hopper):
+    """dq, dk, dv through the sm_90 backward kernels against float64, under flash-attn's rule
+    (twice the error of the float16 reference's own gradients, plus a floor)."""
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-bwd"), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-up"), torch.float16)
+    got = _grads(lambda a, b, c: ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                                         backend="triton"), q, k, v, up)
+    assert ("backward", q.shape) in hopper, "the Hopper backward did not run"
+    ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(), v.double(),
+                 up.double())
+    low = _grads(lambda a, b, c: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal,
+                                                            compute_dtype=torch.float16)[0], q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        assert g.dtype == torch.float16 and torch.isfinite(g).all(), name
+        err = (g.double() - r).abs().max().item() if g.numel() else 0.0
+        bound = 2 * ((lo.double() - r).abs().max().item() if g.numel() else 0.0) + 5e-3
+        assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
+
+
+def _drawn_seed(manual_seed: int) -> int:
+    """The dropout seed a call draws after ``torch.manual_seed(manual_seed)`` (one CPU int)."""
+    torch.manual_seed(manual_seed)
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def _check_against(got, ref, low, what):
+    err = (got.double() - ref).abs().max().item() if got.numel() else 0.0
+    bound = 2 * ((low.double() - ref).abs().max().item() if got.numel() else 0.0) + 5e-3
+    assert torch.isfinite(got).all() and err <= bound, f"{what}: {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 5), (0, 0), (40, 1)], ids=str)
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long", "gqa"])
+def test_hopper_window_matches_the_reference(case, window, hopper):
+    """Sliding windows (causal folded in where the right side is 0): the output and every
+    gradient against the float64 reference with the same window."""
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-window", window), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-window-up"), torch.float16)
+    cq, ck = _cu(lq), _cu(lk)
+
+    def ours(a, b, c):
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), window_size=window, backend="triton")
+
+    def reference(dtype):
+        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, False, window_size=window,
+                                                          compute_dtype=dtype)[0]
+
+    _check_against(ours(q, k, v), reference(torch.float64)(q.double(), k.double(), v.double()),
+                   reference(torch.float16)(q, k, v), "out")
+    got = _grads(ours, q, k, v, up)
+    assert ("backward", q.shape) in hopper and q.shape in hopper
+    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
+    low = _grads(reference(torch.float16), q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        _check_against(g, r, lo, f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "gqa"])
+def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
+    """Dropout through the TMA kernels keeps what the portable kernels' hash keeps: the output
+    and every gradient against the float64 reference given that keep mask."""
+    from ragged.kernels.triton.attention import dropout_keep_mask
+
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-drop"), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-drop-up"), torch.float16)
+    cq, ck, p = _cu(lq), _cu(lk), 0.3
+    mask = dropout_keep_mask(_drawn_seed(77), p, cq, heads, q.shape[0], max(lk), q.device)
+
+    def ours(a, b, c):
+        torch.manual_seed(77)
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), causal=causal, dropout_p=p,
+                                       backend="triton")
+
+    def reference(dtype):
+        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, causal, None, mask, p,
+                                                          compute_dtype=dtype)[0]
+
+    out = ours(q, k, v)
+    _check_against(out, reference(torch.float64)(q.double(), k.double(), v.double()),
+                   reference(torch.float16)(q, k, v), "out")
+    assert not torch.allclose(out, ragged.varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal,
+                                                           backend="triton")), "dropout changed nothing"
+    got = _grads(ours, q, k, v, up)
+    assert ("backward", q.shape) in hopper
+    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
+    low = _grads(reference(torch.float16), q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        _check_against(g, r, lo, f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
+def test_persistent_grid_matches_the_oracle(case, causal, hopper, monkeypatch):
+    """The persistent grid (a few programs, each looping over (block, head) pairs) gives the
+    same rows as one program per pair."""
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, True, False))
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "persistent"), torch.float16)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
+    want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert len(hopper) == 2
+    assert torch.equal(got, want)
+    exp, _ = _loop_attention(q, k, v, lq, lk, causal)
+    assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lk, causal, exp)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "cross", "one_long"])
+def test_the_pipelined_key_loop_matches_the_oracle(case, causal, hopper, monkeypatch):
+    """The key loop with the products issued one block apart (scores of block j beside P @ V of
+    block j - 1; the first softmax and the last product peeled) gives the oracle's rows and the
+    plain loop's, to rounding."""
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, True))
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "pipelined"), torch.float16)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert len(hopper) == 1
+    exp, _ = _loop_attention(q, k, v, lq, lk, causal)
+    bound = _error_bound(q, k, v, lq, lk, causal, exp)
+    assert (got.double() - exp).abs().max().item() <= bound
+    monkeypatch.setattr(attention_hopper, "config", lambda *a: (16, 16, 4, 1, False, False))
+    plain = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton")
+    assert (got.double() - plain.double()).abs().max().item() <= bound
+
+
+def test_forced_holds_for_every_thread_of_the_process(monkeypatch):
+    """``forced`` is seen by other threads too (autograd runs a CUDA backward on a thread of its
+    own), and the block's end restores what the environment says."""
+    import threading
+
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
+    seen = []
+
+    def look():
+        seen.append(attention_hopper.mode() == "on")
+
+    with attention_hopper.forced(True):
+        worker = threading.Thread(target=look)
+        worker.start()
+        worker.join()
+        with attention_hopper.forced(False):
+            look()
+        look()
+    look()
+    assert seen == [True, False, True, False]
+
+
+def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):
+    """The seed read from a device tensor (what a CUDA graph replays) gives the mask of the same
+    seed passed from the host, forward and backward."""
+    from ragged.kernels.triton import attention as launcher
+
+    lq = [7, 20, 1]
+    q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("seed-ptr"), torch.float16)
+    cu, do = _cu(lq), _randn(q.shape, _seed("seed-ptr-do"), torch.float16)
+    host = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
+    device = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    g_host = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
+    g_device = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
+    assert all(torch.equal(a, b) for a, b in zip(g_host, g_device))
+    other = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 54321)
+    assert not torch.equal(host[0], other[0])
+    assert len([c for c in hopper if c == q.shape]) == 3 and hopper.count(("backward", q.shape)) == 2
+
+
+def test_hopper_forward_reads_nothing_of_other_sequences(hopper):
+    """Key and value rows past the last sequence hold NaN, and one sequence is NaN throughout: the
+    other sequences' rows equal those computed without the poison (each program's descriptors
+    end at its own sequence, and the TMA fills what lies past with zeros)."""
+    lq = lk = [9, 20, 7]
+    q, k, v = _qkv(lq, lk, 2, 2, 64, _seed("poison"), torch.float16)
+    want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), 20, 20, backend="triton")
+    buf = torch.full((2, k.shape[0] + 5, 2, 64), float("nan"), dtype=torch.float16)
+    buf[0, :k.shape[0]], buf[1, :k.shape[0]] = k, v
+    buf[:, 9:29] = float("nan")  # the second sequence's keys and values
+    got = ragged.varlen_attention(q, buf[0, :k.shape[0]], buf[1, :k.shape[0]], _cu(lq), _cu(lk), 20, 20,
+                                  backend="triton")
+    assert len(hopper) == 2
+    ok = torch.ones(q.shape[0], dtype=torch.bool)
+    ok[9:29] = False
+    assert torch.equal(got[ok], want[ok])
+    assert torch.isnan(got[~ok]).all()
+
+
+def test_hopper_forward_takes_strided_views_of_a_packed_projection(hopper):
+    """q, k, v as views of one ``[T, 3, H, D]`` projection (token stride 3 H D)."""
+    lq = [6, 1, 23]
+    qkv = _qkv([sum(lq)], [sum(lq)], 3 * 2, 3 * 2, 64, _seed("packed"), torch.float16)[0].view(-1, 3, 2, 64)
+    q, k, v = qkv.unbind(1)
+    got = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 23, 23, backend="triton")
+    assert hopper
+    exp, _ = _loop_attention(q, k, v, lq, lq)
+    assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lq, False, exp)
+
+
+def _usable(q, k=None, v=None, scale=0.125, dropout_p=0.0, window=None, bias=None):
+    return attention_hopper.usable(q, q if k is None else k, q if v is None else v, scale, dropout_p, window,
+                                   bias, True)
+
+
+def test_usable_takes_only_what_the_kernel_does(monkeypatch):
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
+    assert not _usable(q)
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
+    assert _usable(q) and _usable(q.bfloat16())
+    assert _usable(torch.zeros(8, 2, 128, dtype=torch.float16))
+    assert not _usable(q.float())                                          # fp16 / bf16 only
+    assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))         # head dims 64, 128
+    assert _usable(q, dropout_p=0.1) and _usable(q, window=(4, 0))
+    assert not _usable(q, bias=torch.zeros(3, 2))
+    assert not _usable(q, scale=-0.125) and not _usable(q, scale=0.0)
+    flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
+    assert not _usable(flat[1:].view(8, 2, 64))                            # 2 bytes off 16-byte alignment
+    odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]             # token stride 130 elements
+    assert not _usable(odd)
+    assert not _usable(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
+
+
+def test_auto_takes_no_interpreted_call_and_long_ones_only(monkeypatch):
+    """``auto`` (the default) and an unset variable: the interpreter keeps the portable kernels;
+    the sm_90 forward would need the longest query at ``AUTO_MIN_LEN`` or more (the GPU half is
+    tests/test_gpu_attention_hopper.py)."""
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
+    assert attention_hopper.mode() == "auto"
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "auto")
+    assert attention_hopper.mode() == "auto"
+    assert not attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, max_q=attention_hopper.AUTO_MIN_LEN)
+    assert attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, force=True)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "", "on"])
+def test_a_bad_switch_value_says_what_it_takes(value, monkeypatch):
+    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", value)
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of .*got"):
+        ragged.varlen_attention(q, q, q, torch.tensor([0, 8], dtype=torch.int32),
+                                torch.tensor([0, 8], dtype=torch.int32), 8, 8, backend="triton")
+
+
+def test_calls_it_does_not_take_run_the_portable_kernel(hopper):
+    """float32, head dim 32 and a position bias stay with the portable kernels."""
+    lq = [5, 9]
+    q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("fallback"), torch.float16)
+    ragged.varlen_attention(q.float(), k.float(), v.float(), _cu(lq), _cu(lq), 9, 9, backend="triton")
+    q32, k32, v32 = _qkv(lq, lq, 2, 2, 32, _seed("fallback32"), torch.float16)
+    ragged.varlen_attention(q32, k32, v32, _cu(lq), _cu(lq), 9, 9, backend="triton")
+    table = torch.randn(8, 2)
+    buckets = torch.randint(0, 8, (2 * 9 - 1,), dtype=torch.int32)
+    ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 9, 9, position_bias=(table, buckets), backend="triton")
+    assert not hopper

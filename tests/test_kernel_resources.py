@@ -1,0 +1,49 @@
+"""The sm_90 attention kernels compiled for sm_90 without a GPU (``python -m
+bench.kernel_resources --chosen``, in a process without ``TRITON_INTERPRET``, which would turn
+the kernels into interpreted functions): at the shapes the launchers pick, they move their tiles
+with TMA, multiply with wgmma, do not spill and fit an H100's shared memory. A change that loses
+any of these fails here, before it costs time on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SHARED_LIMIT = 232448  # bytes of shared memory an H100 / H200 block may use
+
+
+@pytest.fixture(scope="module")
+def records():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--chosen"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode and "No such file or directory" in run.stderr and ("ptxas" in run.stderr
+                                                                          or "cuobjdump" in run.stderr):
+        pytest.skip("this Triton build has no NVIDIA tools (ptxas, cuobjdump)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_chosen_shape_compiled(records):
+    kinds = {(r["kernel"], r["head_dim"], r["causal"], r["variant"]) for r in records}
+    plain = {(k, d, c, "plain") for k in ("forward", "dkdv", "dq") for d in (64, 128) for c in (False, True)}
+    assert kinds == plain | {(k, 128, c, v) for k in ("forward", "dkdv", "dq")
+                             for c, v in ((False, "window"), (True, "dropout"))}
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+def test_chosen_shapes_use_tma_and_wgmma_without_spills(records, kernel):
+    for r in (r for r in records if r["kernel"] == kernel):
+        tag = f"{kernel} D={r['head_dim']} causal={r['causal']} {r['variant']} {r['shape']}"
+        assert r["UTMALDG"] > 0, f"{tag}: no TMA loads"
+        assert r["HGMMA"] > 0 and r["HMMA"] == 0, f"{tag}: not wgmma"
+        assert r["stack"] == 0 and r["LDL"] == 0, f"{tag}: spills {r['stack']} bytes a thread"
+        assert r["shared"] <= _SHARED_LIMIT, f"{tag}: {r['shared']} bytes of shared memory"
+        assert r["UTMASTG"] > 0, f"{tag}: no TMA store"
