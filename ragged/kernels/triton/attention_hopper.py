@@ -74,6 +74,16 @@ def _rows(base, start, stride_t, head, stride_h, rows, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
+def _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """The K and V descriptors of one sequence's keys of key head ``hk`` (one row when it has
+    none: a descriptor has no empty dim; no key block is read then)."""
+    kv_rows = tl.maximum(k_len, 1)
+    return (_rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N),
+            _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N))
+
+
+@triton.jit
 def _seen(rows, cols, k_len, shift, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """``[M, N]``: whether query ``rows`` see keys ``cols`` (positions in the sequence): keys within
     the sequence, left of the causal diagonal (CAUSAL) or inside the window (WINDOW)."""
@@ -160,9 +170,8 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
         hk = h // GROUP
         row0 = m_blk * BLOCK_M
         q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
-        kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
-        k_desc = _rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N)
-        v_desc = _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N)
+        k_desc, v_desc = _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
+                                   BLOCK_N)
         q = q_desc.load([row0, 0])
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from .attention_hopper import _rows, _seen
+from .attention_hopper import _key_rows, _rows, _seen
 from .attention_common import _bounds, _keep, _keep_t, _key_span, _locate, _query_span
 from .launch import cached_launch
 
@@ -78,9 +78,7 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
     q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
     do_desc = _rows(DO, q_start, stride_dot, h, stride_doh, q_len, HEAD_DIM, BLOCK_M)
     o_desc = _rows(O, q_start, stride_ot, h, stride_oh, q_len, HEAD_DIM, BLOCK_M)
-    kv_rows = tl.maximum(k_len, 1)  # a descriptor has no empty dim; no key block is read then
-    k_desc = _rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N)
-    v_desc = _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N)
+    k_desc, v_desc = _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     r_ok = offs_m < q_len
