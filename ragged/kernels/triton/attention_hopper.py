@@ -74,6 +74,17 @@ def _rows(base, start, stride_t, head, stride_h, rows, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
+def _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Where a query block of the work list reads: ``(q_start, q_len, k_start, k_len, key head,
+    first row)``; under CAUSAL the heaviest (last) blocks of a sequence come first."""
+    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
+    if CAUSAL:
+        m_blk = n_blocks - 1 - m_blk
+    return q_start, q_len, k_start, k_len, h // GROUP, m_blk * BLOCK_M
+
+
+@triton.jit
 def _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """The K and V descriptors of one sequence's keys of key head ``hk`` (one row when it has
@@ -164,11 +175,8 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
     nothing past the list's end."""
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item < n_items:
-        q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
-        if CAUSAL:  # the heaviest (last) blocks of a sequence first
-            m_blk = n_blocks - 1 - m_blk
-        hk = h // GROUP
-        row0 = m_blk * BLOCK_M
+        q_start, q_len, k_start, k_len, hk, row0 = _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP, BLOCK_M,
+                                                                CAUSAL)
         q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
         k_desc, v_desc = _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
                                    BLOCK_N)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from .attention_hopper import _key_rows, _rows, _seen
+from .attention_hopper import _key_rows, _query_block, _rows, _seen
 from .attention_common import _bounds, _keep, _keep_t, _key_span, _locate, _query_span
 from .launch import cached_launch
 
@@ -70,11 +70,7 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
         return
     if SEED_PTR:  # the seed drawn on the device (a CUDA graph replays a new one each time)
         seed = tl.load(seed_ptr).to(tl.int32)
-    q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
-    if CAUSAL:  # the heaviest (last) blocks of a sequence first
-        m_blk = n_blocks - 1 - m_blk
-    hk = h // GROUP
-    row0 = m_blk * BLOCK_M
+    q_start, q_len, k_start, k_len, hk, row0 = _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP, BLOCK_M, CAUSAL)
     q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
     do_desc = _rows(DO, q_start, stride_dot, h, stride_doh, q_len, HEAD_DIM, BLOCK_M)
     o_desc = _rows(O, q_start, stride_ot, h, stride_oh, q_len, HEAD_DIM, BLOCK_M)
