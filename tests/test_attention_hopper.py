@@ -95,6 +95,15 @@ def _check_against(got, ref, low, what):
     assert torch.isfinite(got).all() and err <= bound, f"{what}: {err:.3g} > {bound:.3g}"
 
 
+def _check_grads(got, reference, q, k, v, up):
+    """dq, dk, dv (``got``) against ``reference(dtype)``'s in float64, under the rule of
+    :func:`_check_against` with its float16 gradients."""
+    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
+    low = _grads(reference(torch.float16), q, k, v, up)
+    for name, g, r, lo in zip("qkv", got, ref, low):
+        _check_against(g, r, lo, f"d{name}")
+
+
 @pytest.mark.parametrize("window", [(3, 0), (2, 5), (0, 0), (40, 1)], ids=str)
 @pytest.mark.parametrize("case", ["mixed", "cross", "one_long", "gqa"])
 def test_hopper_window_matches_the_reference(case, window, hopper):
@@ -116,10 +125,7 @@ def test_hopper_window_matches_the_reference(case, window, hopper):
                    reference(torch.float16)(q, k, v), "out")
     got = _grads(ours, q, k, v, up)
     assert ("backward", q.shape) in hopper and q.shape in hopper
-    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
-    low = _grads(reference(torch.float16), q, k, v, up)
-    for name, g, r, lo in zip("qkv", got, ref, low):
-        _check_against(g, r, lo, f"d{name}")
+    _check_grads(got, reference, q, k, v, up)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -151,10 +157,7 @@ def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
                                                            backend="triton")), "dropout changed nothing"
     got = _grads(ours, q, k, v, up)
     assert ("backward", q.shape) in hopper
-    ref = _grads(reference(torch.float64), q.double(), k.double(), v.double(), up.double())
-    low = _grads(reference(torch.float16), q, k, v, up)
-    for name, g, r, lo in zip("qkv", got, ref, low):
-        _check_against(g, r, lo, f"d{name}")
+    _check_grads(got, reference, q, k, v, up)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
