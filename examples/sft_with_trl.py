@@ -9,8 +9,8 @@ synthetic language (each sequence counts up from a random start, so the loss can
 script checks, before training, that the padding-free loss of a batch equals the mean of the
 same model's per-sequence losses (to float32 rounding), then trains and prints the loss curve.
 
-Needs ``trl`` (``pip install trl``; it brings ``datasets``); exits with a message where it is
-missing.
+Needs this project's ``trl`` extra (``pip install -e ".[trl]"`` from a checkout: TRL, which brings
+``datasets``); where a module of it is missing, exits with status 1 naming the module and that line.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def counting_dataset(n: int, vocab: int, rng: np.random.Generator) -> list[dict]
 
 
 def tokenizer(vocab: int):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
@@ -68,8 +68,10 @@ def main(argv=None) -> int:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
     except ImportError as e:
-        print(f"this example needs trl (pip install trl): {e}")
-        return 0
+        missing = e.name or str(e)
+        print(f"sft_with_trl.py: the module '{missing}' could not be imported ({e}); it comes with this project's "
+              f'trl extra: pip install -e ".[trl]" (from the checkout)', file=sys.stderr)
+        return 1
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     import ragged.hf  # noqa: F401  (registers attn_implementation="ragged")

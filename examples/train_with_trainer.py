@@ -12,6 +12,14 @@ On a GPU, ``--graphs`` replays each training and evaluation step from CUDA graph
 
 Data parallel: ``torchrun --nproc-per-node 2 examples/train_with_trainer.py`` (gloo on CPU): each
 rank takes its own token-budget batches, the same number of steps on every rank.
+
+The model is told that its loss takes no ``num_items_in_batch`` (``model.accepts_loss_kwargs =
+False``): a sequence classifier's loss is the mean over its batch, and transformers' ``Trainer``,
+seeing a ``forward`` with ``**kwargs``, would otherwise take that loss as normalised over all the
+accumulated batches. It would then add up the ``--grad-accum`` batches' mean losses (logging, and
+stepping on, twice the mean at ``--grad-accum 2``) and multiply the loss by the number of processes
+under ``torchrun`` (the eval loss too), as it does for the unconverted HuggingFace model. With the
+flag, the logged training loss is the mean over the accumulated batches, on the eval loss's scale.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ def synthetic_dataset(size: int, vocab: int, marker: int, gen: np.random.Generat
 
 
 class PrintLosses(TrainerCallback):
-    """Trainer's logged loss: with accumulation, as Trainer reports it for the unconverted model."""
+    """Trainer's logged loss: the mean over the batches accumulated into each optimizer step, averaged
+    over the steps since the last log (``accepts_loss_kwargs = False``, see the module's docstring)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
@@ -67,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                         intermediate_size=128, num_labels=2)
     torch.manual_seed(0)
     model = ragged.nn.convert(AutoModelForSequenceClassification.from_config(config))
+    # The classifier's loss is its batch's mean: Trainer must average the accumulated batches'
+    # losses itself, not add them up (see the module's docstring).
+    model.accepts_loss_kwargs = False
     data = synthetic_dataset(args.examples + 128, config.vocab_size, config.vocab_size - 1, np.random.default_rng(0))
     train, val = data[:args.examples], data[args.examples:]
 
@@ -77,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             report_to=[], disable_tqdm=True, use_cpu=args.cpu or not torch.cuda.is_available(), seed=0)
         trainer = RaggedTrainer(model, training, train_dataset=train, eval_dataset=val, max_tokens=args.max_tokens,
                                 compute_metrics=accuracy, callbacks=[PrintLosses()], graphs=args.graphs)
+        if training.process_index == 0:
+            print(f"training loss: the mean over the {args.grad_accum} batch(es) accumulated per optimizer step, "
+                  "comparable with the eval loss (the model's loss is a per-batch mean: accepts_loss_kwargs=False)")
         before = trainer.evaluate()
         result = trainer.train()
         after = trainer.evaluate()
