@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole GPU test suite (pytest -m gpu) on one machine, in two parts run one after the other, with
+# the ahead-of-time build installed first; the log names the tree, the GPUs and the host CPU.
+#   bash bench/gpu_suite.sh TREE LOG [part]    part: a | b | all (default)
+# Part a: the kernel tests (attention, pack, pool, vocab, aot); part b: every other -m gpu test.
+set -u
+tree=${1:?tree}
+log=${2:?log file}
+part=${3:-all}
+cd "$(dirname "$0")/.."
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+name=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))")
+cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
+vers=$(python3 -c "import torch, triton, transformers, sentence_transformers as s; print(f'torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, sentence-transformers {s.__version__}')")
+echo "# GPU tests at $tree on $gpus x $name, host CPU $cpu ($(nproc) cores), $vers" | tee -a "$log"
+start=$(date +%s)
+RAGGED_BUILD_CUDA=1 RAGGED_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . >>"$log" 2>&1
+python3 -c "import ragged._C as C; print('ragged._C built, sm', C.archs())" 2>&1 | tee -a "$log"
+workers=$(( $(nproc) - 1 ))
+mapfile -t A < <(ls tests/test_gpu_attention*.py tests/test_gpu_pack.py tests/test_gpu_pool.py tests/test_gpu_vocab.py tests/test_gpu_aot.py)
+mapfile -t ALL < <(grep -l "mark.gpu" tests/test_*.py)
+B=()
+for f in "${ALL[@]}"; do
+    case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
+done
+run() {
+    echo; echo "## part $1 ($(( $# - 1 )) files, -n $workers)"
+    shift
+    python3 -m pytest -m gpu -q -n "$workers" "$@" 2>&1 | tail -n 60
+    echo "exit ${PIPESTATUS[0]}"
+}
+if [ "$part" = a ] || [ "$part" = all ]; then run A "${A[@]}" | tee -a "$log"; fi
+if [ "$part" = b ] || [ "$part" = all ]; then run B "${B[@]}" | tee -a "$log"; fi
+echo "wall $(( $(date +%s) - start )) s" | tee -a "$log"
