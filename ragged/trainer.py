@@ -231,16 +231,40 @@ class RaggedTrainer(Trainer):
 
 
 class _GraphedCall:
-    """The model as ``Trainer.compute_loss`` calls it, through its graphs: ``num_items_in_batch``
-    is dropped (the converted heads' losses do not take it; a graph cannot key on its value);
-    every attribute is the model's."""
+    """The model as ``Trainer.compute_loss`` calls it, through its graphs, which do not take
+    ``num_items_in_batch`` (a graph cannot key on its value): most heads' losses ignore it, as
+    HuggingFace's do; a masked-LM loss that divides by it (HuggingFace's ``loss_function``:
+    :func:`ragged.nn.hf.forward.loss_function_head`) is the graphs' mean times the count of
+    labelled tokens it averages, over ``num_items_in_batch``; another such head runs eagerly.
+    Every attribute is the model's."""
 
     def __init__(self, graphs, model) -> None:
+        from ragged.nn.hf import forward
+
         self._graphs, self._model = graphs, model
+        self._takes_items = forward.loss_function_head(model) is not None
 
     def __call__(self, **inputs):
-        inputs.pop("num_items_in_batch", None)
-        return self._graphs(**inputs)
+        items = inputs.pop("num_items_in_batch", None)
+        if items is None or not self._takes_items:
+            return self._graphs(**inputs)
+        from ragged.nn.hf import forward
+
+        count = forward.loss_items(self._model, inputs.get("labels"))
+        if count is None:
+            return self._model(**inputs, num_items_in_batch=items)
+        out = self._graphs(**inputs)
+        loss = out["loss"] if isinstance(out, Mapping) else out[0]
+        if torch.is_tensor(items):
+            items = items.to(loss.device)
+        # a batch of no labelled token: the mean is NaN, HuggingFace's sum over none is 0
+        scaled = torch.where(count > 0, loss * count / items, torch.zeros_like(loss))
+        if not isinstance(out, Mapping):
+            return (scaled, *out[1:])
+        fresh = type(out)()  # a new output object: the graphs may hand out the same one again
+        for key, value in out.items():
+            fresh[key] = scaled if key == "loss" else value
+        return fresh
 
     def __getattr__(self, name):
         return getattr(self._model, name)

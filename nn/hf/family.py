@@ -11,7 +11,8 @@ A family is one object (a :class:`Family`) declared in its own file of this pack
   :meth:`Family.run_stack` where a stack of layers runs faster as one call);
 * its embeddings (:meth:`Family.embed`, positions included) and what follows the last layer
   (:meth:`Family.finish`);
-* its heads: the submodules each head kind calls (``head_modules``) and their logits;
+* its heads: the submodules each head kind calls (``head_modules``) and their logits, and the
+  heads whose HuggingFace loss is the model's ``loss_function`` (``loss_function_heads``);
 * its outputs: the base model's output class and fields (:meth:`Family.base_fields`);
 * what it refuses: :meth:`Family.config_reason`, :meth:`Family.model_reason` and the modules
   the converted forward does not call, which must carry no hooks (:meth:`Family.bypassed`).
@@ -28,6 +29,7 @@ read (the layers' Linear and LayerNorm parameters); classes are looked up in ``s
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -134,9 +136,11 @@ class Family:
     kinds = KINDS
     layer_path = "encoder.layer"   # from the base model to the ModuleList of layers
     base_output = "BaseModelOutputWithPoolingAndCrossAttentions"
-    head_modules: dict[str, tuple[str, ...]] = {}   # head kind -> the head's submodules called
+    head_modules: ClassVar[dict[str, tuple[str, ...]]] = {}   # head kind -> the head's submodules called
     positions_from_ids = False     # positions counted from the ids (RoBERTa) rather than columns
-    float32_masked_lm_loss = False  # the masked-LM loss on float32 logits (HuggingFace's loss_function)
+    # head kinds ("masked_lm", "qa") whose HuggingFace loss is ``self.loss_function(..., **kwargs)``: the
+    # forward's other keyword arguments reach it (num_items_in_batch, ignore_index), as in the converted head
+    loss_function_heads: tuple[str, ...] = ()
     refused_families = ()          # (module fragment, why) for classes near this family it refuses
 
     def __init__(self, name: str, module: str, prefix: str) -> None:
@@ -273,7 +277,7 @@ class SpecFamily(Family):
         inter, out = sub(layer, "intermediate"), sub(layer, "output")
         return {"attn": attn, "q": sub(attn, "query"), "k": sub(attn, "key"), "v": sub(attn, "value"),
                 "out": sub(self_out, "dense"), "norm1": sub(self_out, "LayerNorm"), "drop1": sub(self_out, "dropout"),
-                "ff1": sub(inter, "dense"), "act": getattr(inter, "intermediate_act_fn"), "ff2": sub(out, "dense"),
+                "ff1": sub(inter, "dense"), "act": inter.intermediate_act_fn, "ff2": sub(out, "dense"),
                 "drop2": sub(out, "dropout"), "norm2": sub(out, "LayerNorm")}
 
     def attention_shape(self, attn: nn.Module) -> tuple[int, int]:

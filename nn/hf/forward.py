@@ -13,7 +13,10 @@ import operator
 import sys
 from collections.abc import Iterable
 
+import torch
 from torch import nn
+
+from ragged import RaggedTensor
 
 from .encoder import encode
 from .families import FAMILIES
@@ -21,7 +24,7 @@ from .family import Family, hook_kinds
 from .heads import head_outputs
 
 __all__ = ["FAMILIES", "RaggedForward", "convert_model", "hidden_picks", "identify", "is_converted", "is_done",
-           "is_hf_model", "patch", "unpatch", "why_not"]
+           "is_hf_model", "loss_function_head", "loss_items", "patch", "unpatch", "why_not"]
 
 # Keyword arguments HuggingFace's forward takes whose meaning the converted forward does not compute.
 _REFUSED = {
@@ -68,6 +71,34 @@ def identify(model: nn.Module) -> tuple[Family, str] | str:
             return family, kind
     heads = ", ".join(family.prefix + s for s in family.kinds)
     return f"{cls.__name__} is not a supported {family.name} class (supported: {heads})"
+
+
+def loss_function_head(model: nn.Module) -> str | None:
+    """The head kind of ``model`` (a transformers model) when its HuggingFace loss is the model's
+    ``loss_function`` with the forward's other keyword arguments (``num_items_in_batch``,
+    ``ignore_index``: :mod:`ragged.nn.hf.heads`), as the converted head's is; None otherwise."""
+    ident = identify(model)
+    if isinstance(ident, str) or ident[1] not in ident[0].loss_function_heads:
+        return None
+    return ident[1]
+
+
+def loss_items(model: nn.Module, labels) -> torch.Tensor | None:
+    """What the masked-LM loss of ``model`` averages over when called without
+    ``num_items_in_batch``: the count (a 0-d tensor on the labels' device, nothing read) of
+    ``labels`` (padded with -100, or a RaggedTensor) that are not -100 among the tokens the head
+    predicts. The loss times it, divided by ``num_items_in_batch``, is the loss with it. None
+    unless ``model`` is a masked-LM head of :func:`loss_function_head` and ``labels`` a tensor."""
+    if loss_function_head(model) != "masked_lm":
+        return None
+    values = labels.values if isinstance(labels, RaggedTensor) else labels
+    if not isinstance(values, torch.Tensor):
+        return None
+    flat = values.reshape(-1)
+    chosen = identify(model)[0].masked_lm_tokens(model, flat)
+    if chosen is not None:
+        flat = flat.index_select(0, chosen)
+    return (flat != -100).sum()
 
 
 def _its(path: str) -> str:
@@ -184,7 +215,7 @@ def is_done(model: nn.Module) -> bool:
 def patch(model: nn.Module) -> list[nn.Module]:
     """Set the converted forward on ``model`` (and its base model); returns the modules
     changed. ``model`` must have passed :func:`why_not`."""
-    family, kind = identify(model)
+    kind = identify(model)[1]
     targets = [(model, kind)]
     if kind != "base":
         targets.append((model._modules[type(model).base_model_prefix], "base"))
@@ -223,15 +254,32 @@ def convert_model(model: nn.Module, copy: bool) -> nn.Module:
 # --------------------------------------------------------------------------------------
 # The converted forward
 
-_PARAMETERS: dict[type, tuple[str, ...]] = {}  # class -> its forward's positional parameter names
+# class -> its forward's positional parameter names, and every name it declares (not **kwargs)
+_PARAMETERS: dict[type, tuple[tuple[str, ...], frozenset[str]]] = {}
 
 
-def _bind(fn: str, cls: type, args: tuple, kwargs: dict) -> dict:
+def _parameters(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
     names = _PARAMETERS.get(cls)
     if names is None:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
-        names = _PARAMETERS[cls] = tuple(p.name for p in params if p.kind in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        names = _PARAMETERS[cls] = (
+            tuple(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)),
+            frozenset(p.name for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                               inspect.Parameter.VAR_KEYWORD)))
+    return names
+
+
+def _loss_kwargs(cls: type, kw: dict) -> dict:
+    """What HuggingFace's forward of ``cls`` hands its ``loss_function`` from the call's keyword
+    arguments ``kw``: those its signature does not name (its ``**kwargs``), less ``return_dict``
+    (taken by the output decorator, ``can_return_tuple``, before the forward runs)."""
+    named = _parameters(cls)[1]
+    return {k: v for k, v in kw.items() if k not in named and k != "return_dict"}
+
+
+def _bind(fn: str, cls: type, args: tuple, kwargs: dict) -> dict:
+    names = _parameters(cls)[0]
     if len(args) > len(names):
         raise TypeError(f"{fn}() takes {len(names)} positional arguments but {len(args)} were given")
     out = dict(kwargs)
@@ -333,8 +381,9 @@ def _forward(model: nn.Module, kind: str, args: tuple, kwargs: dict):
         fields = {"last_hidden_state": enc.batch.out(enc.values), **family.base_fields(base, enc)}
         name = family.base_output
     else:
+        loss_kwargs = _loss_kwargs(cls, kw) if kind in family.loss_function_heads else None
         fields = head_outputs(fn, kind, family, model, base, enc, kw.get("labels"), kw.get("start_positions"),
-                              kw.get("end_positions"))
+                              kw.get("end_positions"), loss_kwargs)
         name = _HEAD_OUTPUTS[kind]
     fields["hidden_states"] = enc.hidden_states()
     return _output(name, fields, return_dict)

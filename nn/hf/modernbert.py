@@ -69,7 +69,7 @@ def _linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 class ModernBertFamily(Family):
     layer_path = "layers"
     base_output = "BaseModelOutput"
-    float32_masked_lm_loss = True
+    loss_function_heads = ("masked_lm", "qa")
     head_modules = {"sequence": ("head", "drop", "classifier"), "token": ("head", "drop", "classifier"),
                     "masked_lm": ("head", "decoder"), "qa": ("head", "drop", "classifier")}
 
