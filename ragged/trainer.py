@@ -307,10 +307,16 @@ def _padded(x):
 
 
 def _check_dataset(dataset) -> None:
-    if dataset is not None and (isinstance(dataset, torch.utils.data.IterableDataset)
-                                or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__")):
+    if dataset is None:
+        return
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") \
+            or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"{_NAME}(): expected train_dataset with a length and items by index (token-budget "
                         f"batches are planned over the whole dataset), got {describe(dataset)}")
+    if len(dataset) == 0:
+        # Trainer would fail later, on the empty loader's missing max_steps, without naming the dataset
+        raise ValueError(f"{_NAME}(): expected a train_dataset with at least one sequence, got an empty "
+                         f"{type(dataset).__name__}")
 
 
 def _is_hf_dataset(dataset) -> bool:
