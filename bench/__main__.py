@@ -1,12 +1,15 @@
 """``python -m bench``: run the benchmark suites and write their results.
 
     python -m bench [--suite NAME ...] [--list] [--quick] [--out DIR] [--no-plots]
-                    [--dtype DTYPE ...] [--device {auto,cpu,cuda}]
+                    [--dtype DTYPE ...] [--device {auto,cpu,cuda}] [--wide] [--rows TEXT ...]
 
 On a CUDA GPU every suite runs its full set of cases; without one, each runs a few CPU
 cases sized past the per-call overhead, on one thread (well under a minute in all;
 --quick: tiny smoke cases, seconds). Each suite prints a table and writes ``<suite>.json``,
-``<suite>.md`` and ``<suite>.png`` to ``--out`` (default ``results/<timestamp>/``).
+``<suite>.md`` and ``<suite>.png`` to ``--out`` (default ``results/<timestamp>/``). On CPU the
+tables are compact (at most ``bench.console.WIDTH`` columns: the measured rows, the skipped ones
+grouped by reason; ``--wide``: the full tables); every ragged row's status says whether it was
+faster or slower than its fastest baseline, and a summary line ends the run.
 The exit status is 1 when any implementation failed its correctness check.
 """
 
@@ -35,6 +38,8 @@ def parse_args(argv: list[str] | None, suite_names: list[str]) -> argparse.Names
                         help="only cases of these dtypes (e.g. bf16 fp32); on CPU, the tiny cases in these dtypes")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (default: cuda when available)")
+    parser.add_argument("--wide", action="store_true",
+                        help="on CPU too, the full tables (every column, skipped rows, the speedup tables) as on a GPU")
     parser.add_argument("--rows", nargs="+", metavar="TEXT",
                         help="only the rows whose names contain one of these texts (e.g. \"ST encode\" cuDNN); "
                              "the others are listed as skipped")
@@ -62,13 +67,16 @@ def _list(console, suites, config) -> None:
     console.print(table)
 
 
-def _run_with_progress(console, suite, config, ceiling):
-    """``run_suite`` under a progress bar over the suite's cases."""
+def _run_with_progress(console, suite, config, ceiling, log_rows=True):
+    """``run_suite`` under a progress bar over the suite's cases; where the output is not a
+    terminal, one line per row when ``log_rows``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .harness import Hooks, run_suite
 
     cases = suite.cases(config)
+    if not log_rows and not console.is_terminal:  # a log: the suite's table follows, failures in it
+        return run_suite(suite, config, ceiling, cases)
     columns = (TextColumn("[bold]{task.fields[suite]}[/]"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.description}"))
     # Refreshed by hand, between measurements: a refresh thread would compete with the
@@ -79,7 +87,7 @@ def _run_with_progress(console, suite, config, ceiling):
 
         def on_impl(case, impl):
             progress.update(task, description=f"{case.name} · {impl.name}", refresh=True)
-            if not console.is_terminal:  # a log: one line per row, so that a run cut short says where it was
+            if log_rows and not console.is_terminal:  # a log: one line per row: a run cut short says where
                 console.print(f"[{time.perf_counter() - started:7.1f} s] {suite.name} · {case.name} · {impl.name}",
                               highlight=False)
 
@@ -95,6 +103,7 @@ def _run_with_progress(console, suite, config, ceiling):
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
+    from . import console as compact
     from . import env as envmod
     from . import report, tables
     from .harness import SUITES, Config, measure_copy_ceiling, parse_dtype
@@ -114,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         _list(console, chosen, config)
         return 0
+    # A CPU run prints compact tables fitted to the terminal (at most compact.WIDTH columns);
+    # the full ones, as on a GPU, go to the files (and to the terminal with --wide).
+    brief = not config.on_gpu and not args.wide
+    width = compact.WIDTH if free else min(console.width, compact.WIDTH)
+
+    def say(text: str, style: str | None = None) -> None:
+        for line in (compact.wrap(text, width) if brief else [text]):
+            console.print(line, style=style, highlight=False, markup=False, soft_wrap=brief)
 
     # torch.nested logs a one-time notice about fx tracing that would cut through the progress bar.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -124,33 +141,41 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     env = envmod.collect(config.device)
     source = " (BENCH_GIT_COMMIT)" if env["git_commit_source"] == envmod.COMMIT_VARIABLE else ""
-    console.print(f"[bold]device[/]: {envmod.device_label(env)} ({config.device})  "
-                  f"torch {env['torch']}  triton {env['triton']}  "
-                  f"commit {(env['git_commit'] or 'unknown')[:12]}{source}", highlight=False)
+    say(f"device: {envmod.device_label(env)} ({config.device})  torch {env['torch']}  triton {env['triton']}  "
+        f"commit {(env['git_commit'] or 'unknown')[:12]}{source}", "bold")
     if not config.on_gpu:
-        console.print(f"[yellow]{report.cpu_run_note(env)}"
-                      + (f" --quick: {report.QUICK_CPU}" if config.quick else "") + "[/]", highlight=False)
+        say(report.cpu_run_note(env) + (f" --quick: {report.QUICK_CPU}" if config.quick else ""), "yellow")
         if env["triton_interpret"] and not config.quick:
-            console.print("[yellow]TRITON_INTERPRET=1: the Triton rows are skipped outside --quick, but ragged.nn "
-                          "(encoder suite) may still pick interpreted kernels: slow[/]", highlight=False)
+            say("TRITON_INTERPRET=1: the Triton rows are skipped outside --quick, but ragged.nn "
+                "(encoder suite) may still pick interpreted kernels: slow", "yellow")
     ceiling = measure_copy_ceiling(config)
-    console.print(report.ceiling_text(ceiling), highlight=False)
+    if not brief:  # a CPU run's tables say what their % copy is over
+        say(report.ceiling_text(ceiling))
 
     out = args.out or Path("results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    failed, total = 0, compact.Tally()
     for suite in chosen:
-        rows = _run_with_progress(console, suite, config, ceiling)
-        tables.show(console, report.sheet(suite, rows, ceiling, env), free)
-        if suite.speedup_table and (speedups := report.speedup_sheet(suite, rows, env)) is not None:
-            tables.show(console, speedups, free)
+        rows = _run_with_progress(console, suite, config, ceiling, log_rows=not brief)
+        if brief:
+            console.print()
+            for line in compact.compact_lines(suite, rows, env, width):
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
+        else:
+            tables.show(console, report.sheet(suite, rows, ceiling, env), free)
+            if suite.speedup_table and (speedups := report.speedup_sheet(suite, rows, env)) is not None:
+                tables.show(console, speedups, free)
+            say(compact.summary_text(compact.tally(rows), label=suite.name))
         failed += sum(r.status == "failed" for r in rows)
+        total.add(rows)
 
         report.write_json(out / f"{suite.name}.json", report.suite_document(suite, rows, config, env, ceiling))
         (out / f"{suite.name}.md").write_text(report.markdown(suite, rows, env, ceiling, config))
         if not args.no_plots:
             report.plot(out / f"{suite.name}.png", suite, rows, env, ceiling)
-    console.print(f"results written to [bold]{out}[/]")
+    console.print()
+    say(compact.summary_text(total, out=f"{out}/ (JSON and Markdown: every column and row)"
+                             + ("" if args.no_plots else ", PNG plots")), "bold")
     if failed:
         console.print(f"[bold red]{failed} implementation(s) failed their correctness check or raised[/]")
     return 1 if failed else 0

@@ -122,7 +122,10 @@ class Impl:
     (ceilings). ``is_copy``: a plain copy of the case's bytes (:func:`copy_impl`), the
     reference of the case's % copy where no device-wide ceiling is given. ``compare``: this
     row's own correctness check in place of the workload's (a baseline whose published
-    numerics are looser than the workload's tolerance, said where it is built).
+    numerics are looser than the workload's tolerance, said where it is built). ``versus``
+    (ragged rows): the names of the baselines this row does the same work as (the same batches,
+    the same inputs), the only ones its speedups are taken over; ``None``: every baseline of
+    the case.
     """
 
     name: str
@@ -132,6 +135,7 @@ class Impl:
     check: bool = True
     is_copy: bool = False
     compare: Callable[[Any, Any], str | None] | None = None
+    versus: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -277,6 +281,11 @@ class Suite:
     def annotate(self, case: Case, rows: list["Row"]) -> None:
         """Called with the rows of ``case`` after speedups are derived (default: nothing)."""
 
+    def console_notes(self, rows: list["Row"]) -> list[str]:
+        """Lines printed under the suite's compact table (CPU runs), for what its ``extra``
+        columns say that the table leaves out (default: none)."""
+        return []
+
 
 SUITES: dict[str, Suite] = {}
 """Registered suites by name, in registration order."""
@@ -386,6 +395,9 @@ class Row:
     copy_gbps: float | None = None
     """The copy rate ``pct_of_copy`` is taken against: the device's copy ceiling, or (CPU)
     the case's own ``copy (same bytes)`` row."""
+    versus: list[str] | None = None
+    """Ragged rows: the baselines ``speedup`` may be taken over (:attr:`Impl.versus`); ``None``:
+    every baseline of the case."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -513,7 +525,8 @@ def _retime_copy(fn: Callable[[], Any], row: Row, config: Config) -> None:
 
 def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: bool,
                  case_copy: Row | None = None) -> None:
-    """% copy (memory-bound suites) and speedups of ragged rows over baselines.
+    """% copy (memory-bound suites) and speedups of ragged rows over baselines (those of
+    ``Row.versus`` where a row names them).
 
     % copy divides a row's GB/s by ``ceiling``'s when given, else by that of
     ``case_copy`` (the case's plain copy of the same bytes) when it ran."""
@@ -527,7 +540,8 @@ def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: boo
             r.copy_gbps = copy_gbps
             r.pct_of_copy = 100.0 * r.gbps / copy_gbps
         if r.kind == "ragged":
-            r.speedup = {name: ms / r.median_ms for name, ms in baselines.items()}
+            r.speedup = {name: ms / r.median_ms for name, ms in baselines.items()
+                         if r.versus is None or name in r.versus}
 
 
 def run_suite(suite: Suite, config: Config, ceiling: CopyCeiling | None, cases: Iterable[Case] | None = None,
@@ -557,7 +571,8 @@ def _run_case(suite: Suite, case: Case, config: Config, hooks: Hooks) -> tuple[l
     for impl in workload.impls:
         hooks.on_impl(case, impl)
         row = Row(**base, impl=impl.name, kind=impl.kind, status="skipped",
-                  bytes=workload.bytes_moved, flops=workload.flops)
+                  bytes=workload.bytes_moved, flops=workload.flops,
+                  versus=None if impl.versus is None else list(impl.versus))
         row = run_impl(impl, workload, row, config)
         if row.status == "failed":
             hooks.on_problem(row)

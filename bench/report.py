@@ -69,6 +69,20 @@ def _fmt_extra(value: Any) -> str:
     return f"{value:.0f}" if magnitude >= 100 else f"{value:.1f}" if magnitude >= 10 else f"{value:.2f}"
 
 
+FASTER, SLOWER, NO_BASELINE = "faster", "slower", "no baseline"
+
+
+def verdict(row: Row) -> str | None:
+    """A measured ragged row against the fastest baseline it is compared with (``Row.speedup``):
+    ``faster`` (or as fast), ``slower``, or ``no baseline`` where none of them ran; ``None`` for
+    every other row."""
+    if row.kind != "ragged" or row.status != "ok":
+        return None
+    if not row.speedup:
+        return NO_BASELINE
+    return FASTER if min(row.speedup.values()) >= 1.0 else SLOWER
+
+
 def extra_keys(rows: list[Row]) -> list[str]:
     """The keys of the rows' ``extra`` dicts, in order of first appearance: one column each."""
     return list(dict.fromkeys(key for r in rows for key in r.extra))
@@ -83,14 +97,15 @@ def columns(suite: Suite, rows: list[Row]) -> list[Column]:
     """Columns of the result table; GB/s, % copy and TFLOP/s only where they apply, then
     one column per key of the rows' ``extra`` measurements (:func:`extra_keys`).
 
-    The status cell of a skipped or failed row points to its footnote in :func:`reasons`.
+    The status cell of a skipped or failed row points to its footnote in :func:`reasons`; that
+    of a measured ragged row is its :func:`verdict` against its fastest baseline.
     """
     has = lambda attr: any(getattr(r, attr) is not None for r in rows)  # noqa: E731
     note = {reason: i + 1 for i, reason in enumerate(reasons(rows))}
 
     def status(r: Row) -> str:
         if r.status == "ok":
-            return "ok"
+            return verdict(r) or "ok"
         word = "FAILED" if r.status == "failed" else r.status
         return f"{word} [{note[r.reason]}]" if r.reason in note else word
 
@@ -114,11 +129,12 @@ def columns(suite: Suite, rows: list[Row]) -> list[Column]:
 
 
 def speedup_table(rows: list[Row]) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
-    """The speedup of each measured ragged row over each baseline of its case.
+    """The speedup of each measured ragged row over each baseline of its case that it is
+    compared with (``Row.versus``).
 
     Returns the baseline names (the columns, in order of appearance) and one
     ``(case, impl, cells)`` per ragged row that ran; a cell is ``"1.23x"`` or ``""`` where
-    that baseline did not run.
+    that baseline did not run or does other work than the row.
     """
     baselines = list(dict.fromkeys(r.impl for r in rows if r.kind == "baseline"))
     table = []
@@ -317,7 +333,8 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
         baselines, body = speedup_table(rows)
         if body and baselines:
             lines += ["", "## Speedup over each baseline", "",
-                      "Baseline median ms / ragged median ms, per case (empty: that baseline did not run).", "",
+                      "Baseline median ms / ragged median ms, per case (empty: that baseline did not run, "
+                      "or does other work than the row: other batches or inputs).", "",
                       "| case | implementation | " + " | ".join(f"`{_md_escape(b)}`" for b in baselines) + " |",
                       "| --- | --- | " + " | ".join("---:" for _ in baselines) + " |"]
             previous = None

@@ -24,7 +24,8 @@ ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton
        "cupy": None, "git_commit": None}
 HAS_ST = importlib.util.find_spec("sentence_transformers") is not None
 SKIPPED_ON_CPU = (H.HF_COMPILED, H.HF_EAGER_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED,
-                  H.ST_COMPILED_32, H.RAG_ST_GRAPHED_32)
+                  H.ST_COMPILED_32, H.RAG_ST_GRAPHED_32, H.RAG_GRAPHED_TRAIN)
+GRAPHED = tuple(name for name in SKIPPED_ON_CPU if "graphed" in name)
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +130,8 @@ def test_suite_on_cpu(cpu_rows):
         for r in case_rows.values():
             if r.impl in SKIPPED_ON_CPU or (not HAS_ST and "ST" in r.impl):
                 assert r.status == "skipped", (r.impl, r.status, r.reason)
+                if r.impl in GRAPHED:  # no graph to replay off CUDA: skipped, never timed eagerly
+                    assert r.reason == H.GRAPHS_ON_CUDA and r.median_ms is None, (r.impl, r.reason)
                 continue
             assert r.status == "ok", (r.impl, r.reason)
             assert r.flops and r.tflops == pytest.approx(r.flops / (r.median_ms * 1e-3) / 1e12)
@@ -141,9 +144,11 @@ def test_suite_on_cpu(cpu_rows):
                 assert r.extra[H.TOKENS_S] == pytest.approx(case.params["T"] / (r.median_ms / 1e3))
                 if r.kind == "ragged":  # the same steps from the same weights as HF padded
                     assert float(r.extra[H.LOSS_VS_HF]) <= 1e-5
-            if r.kind == "ragged":
+            if r.kind == "ragged":  # over the baselines that ran and do the same work (VERSUS), only
                 ran = {b for b, row in case_rows.items() if row.kind == "baseline" and row.status == "ok"}
-                assert set(r.speedup) == ran
+                same = H.VERSUS.get(case.group, {}).get(r.impl)
+                assert set(r.speedup) == (ran if same is None else ran & set(same)), (r.impl, r.speedup)
+                assert r.versus == (None if same is None else list(same))
         for rag, _, _ in H.TARGETS_BY_WORKLOAD[case.group]:  # GPU targets: not judged on CPU
             if case_rows[rag].status == "ok":
                 text = case_rows[rag].extra[H.TARGETS]
@@ -152,6 +157,27 @@ def test_suite_on_cpu(cpu_rows):
     assert embedding and all("cos>=0.9999: met" in r.extra[H.TARGETS] for r in embedding)
     md = report.markdown(suite, rows, ENV, None)
     assert f"| {H.COSINE} |" in md and f"`{H.RAG_BUDGET_SORTED}`" in md and "torch.compile" in md
+
+
+def test_ragged_rows_are_compared_with_baselines_of_the_same_work():
+    """A batch-8 row against the batch-8 baseline only; the rows on tokenized batches against the
+    HuggingFace rows of those batches, not the sentence-transformers rows (texts in, other batches)."""
+    for workload, rows in H.ROWS.items():
+        impls = {i.name: i for i in H.assemble(workload, dict.fromkeys((name for name, _ in rows), "skip"))}
+        for name, kind in rows:
+            versus = impls[name].versus
+            if kind == "baseline" or versus is None:
+                assert versus is None or kind == "ragged"
+                continue
+            assert set(versus) <= {n for n, k in rows if k == "baseline"}, (workload, name, versus)
+            batch = [word for word in name.split() if word.isdigit()]  # "batch 8", "batch 256", ...
+            for base in versus:
+                if batch or "ST encode" not in base:  # texts in by ragged.embed: any ST batch size
+                    assert [w for w in base.split() if w.isdigit()] in ([], batch), (workload, name, base)
+                assert ("ST encode" in base) == ("ST encode" in name or "embed" in name), (workload, name, base)
+    embedding = {i.name: i for i in H.assemble(H.EMBEDDING, dict.fromkeys((n for n, _ in H.ROWS[H.EMBEDDING]), "-"))}
+    assert embedding[H.RAG_DATA_8].versus == (H.HF_DATA_8,) and embedding[H.RAG_GRAPHED_8].versus == (H.HF_DATA_8,)
+    assert H.HF_DATA_8 not in embedding[H.RAG_DATA].versus
 
 
 def test_params_and_flops_by_hand():

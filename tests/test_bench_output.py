@@ -1,5 +1,7 @@
-"""What the benchmark tools print and write on CPU: result tables whose cells are never cut
-(in a file, and in a terminal of 80 columns), no verdict on the GPU targets, the exit status."""
+"""What the benchmark tools print and write on CPU: compact result tables whose numbers are never
+cut and whose lines fit 120 columns (80 in a terminal of 80), a status that says when a ragged row
+is slower than its baseline, skipped rows with their reasons, a summary line whose counts match
+the rows, no verdict on the GPU targets, the exit status."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 pytest.importorskip("rich")
 pytest.importorskip("transformers")
 
+from bench import console as C  # noqa: E402
 from bench import ddp as D  # noqa: E402
 from bench import harness, overhead, report  # noqa: E402
 from bench.__main__ import main  # noqa: E402
@@ -60,31 +63,50 @@ def hf_run(request, tmp_path_factory):
     return request.param, code, text, rows, (tmp / "out" / "hf.md").read_text()
 
 
-def _numbers(suite, rows) -> set[str]:
-    """Every word with a digit in the cells of the result and speedup tables."""
-    cells = [r.case for r in rows] + [c.cell(r) for c in report.columns(suite, rows) for r in rows]
-    cells += [cell for _, _, line in report.speedup_table(rows)[1] for cell in line]
+def _numbers(rows) -> set[str]:
+    """Every word with a digit of the compact table: case names, medians, speedups."""
+    cells = [r.case for r in rows] + [report._fmt_ms(r.median_ms) for r in rows if r.median_ms is not None]
+    cells += [f"{min(r.speedup.values()):.2f}x" for r in rows if r.speedup]
     return {word for cell in cells for word in cell.split() if any(ch.isdigit() for ch in word)}
 
 
 def test_hf_tables_keep_every_number_whole(hf_run):
     columns, code, text, rows, _ = hf_run
-    suite = SUITES["hf"]
     assert code == 0, [(r.impl, r.reason) for r in rows if r.status == "failed"]
-    cut = sorted(word for word in _numbers(suite, rows) if word not in text)
+    cut = sorted(word for word in _numbers(rows) if word not in text)
     assert cut == [], f"cut across lines: {cut}"
-    if columns is not None:
-        assert max(len(line) for line in text.splitlines()) <= columns
-    else:  # as wide as the content: a row's name and its time on one line
-        for r in rows:
-            if r.status == "ok" and len(r.impl) <= 40:
-                assert any(r.impl in line and report._fmt_ms(r.median_ms) in line for line in text.splitlines()), r.impl
+    assert max(len(line) for line in text.splitlines()) <= (columns or C.WIDTH)
+    for r in rows:  # a row's name and its time on one line
+        if r.status == "ok" and len(r.impl) <= C.MIN_NAME:
+            assert any(r.impl in line and report._fmt_ms(r.median_ms) in line for line in text.splitlines()), r.impl
+
+
+def test_hf_output_is_short_and_true(hf_run):
+    """Skipped rows are not table lines (one line per reason names them), the graphed fine-tune row
+    is skipped rather than timed, every ragged row's status is its verdict, and the summary line
+    counts what the rows hold."""
+    columns, _, text, rows, _ = hf_run
+    lines = text.splitlines()
+    assert len(lines) <= 40 + 2 * len(rows), len(lines)
+    graphed = [r for r in rows if r.impl == H.RAG_GRAPHED_TRAIN]
+    assert graphed and all(r.status == "skipped" and r.reason == H.GRAPHS_ON_CUDA for r in graphed)
+    flat = " ".join(text.split())
+    assert re.search(rf"skipped [^:]*`{H.RAG_GRAPHED_TRAIN}`[^:]*: {H.GRAPHS_ON_CUDA}", flat), flat
+    for r in rows:
+        if r.kind == "ragged" and r.status == "ok" and len(r.impl) <= C.MIN_NAME:
+            found = [x for x in lines if x.startswith(f"  {r.impl} ") and report._fmt_ms(r.median_ms) in x]
+            assert found and all(x.endswith(report.verdict(r)) for x in found), (r.impl, found)
+    summary = " ".join(text[text.index("\nsummary: ") + 1:].split())
+    t = C.tally(rows)
+    assert f"{t.faster + t.slower} ragged rows timed against a baseline: {t.faster} faster, {t.slower} slower" \
+        in summary, summary
+    assert f"{t.failed} failed" in summary and f"{sum(t.skipped.values())} rows skipped" in summary, summary
 
 
 def test_hf_gives_no_gpu_verdict_on_cpu(hf_run):
     _, _, text, rows, md = hf_run
     assert "MISSED" not in text and "MISSED" not in md
-    assert "GPU targets, not evaluated on CPU" in text
+    assert "GPU targets, not evaluated on CPU" in " ".join(text.split())
     speed = {(workload, rag) for workload, targets in H.TARGETS_BY_WORKLOAD.items() for rag, _, _ in targets}
     for r in rows:
         if r.kind == "ragged" and r.status == "ok" and (r.group, r.impl) in speed:
@@ -149,3 +171,99 @@ def test_speedup_targets_are_judged_on_a_gpu_only():
         H.RAG_DATA: [f">=4x {H.HF_DATA}: 2.00x MISSED"]}
     assert speedup_notes(targets, medians, on_gpu=False) == {H.RAG_SORTED: [NOT_EVALUATED],
                                                              H.RAG_DATA: [NOT_EVALUATED]}
+
+
+# --------------------------------------------------------------------------------------
+# The compact CPU table and the summary, on rows made here (their numbers chosen)
+
+CPU_ENV = {"device_name": "Test CPU", "device": "cpu", "cpu_name": "Test CPU", "date": "d", "torch": "t",
+           "triton": "t", "cuda": None, "cupy": None, "git_commit": None}
+LONG = "a baseline with a very long name that no terminal column of the compact table can hold whole"
+
+
+class _Made(Suite):
+    """Not registered: a suite whose rows are made by :func:`_made_rows`."""
+
+    name = "made"
+    description = "rows with chosen times"
+    memory_bound = False
+
+
+def _row(case, impl, kind, ms=None, status="ok", reason=None, versus=None):
+    return Row("made", case, "g", {}, impl, kind, status, reason=reason, median_ms=ms, flops=None if ms is None
+               else 10**9, tflops=None if ms is None else 1e-3 / ms, versus=versus)
+
+
+def _made_rows():
+    """Case 1: a faster and a slower ragged row, a graphed row skipped off CUDA, a failed row and a
+    baseline whose name is too long for any column. Case 2 (batch 8 beside batch 256): the ragged
+    batch-8 row is compared with the batch-8 baseline only."""
+    one = [_row("case one B=4", "padded", "baseline", 2.0), _row("case one B=4", LONG, "baseline", 1.0),
+           _row("case one B=4", "ragged fast", "ragged", 0.5), _row("case one B=4", "ragged slow", "ragged", 4.0),
+           _row("case one B=4", "ragged graphed", "ragged", status="skipped", reason="CUDA graphs: runs on CUDA"),
+           _row("case one B=4", "ragged broken", "ragged", status="failed", reason="wrong output: 3 of 8 differ")]
+    two = [_row("case two", "HF, batch 8", "baseline", 1.0), _row("case two", "HF, batch 256", "baseline", 0.1),
+           _row("case two", "ragged, batch 8", "ragged", 0.8, versus=["HF, batch 8"])]
+    for rows in (one, two):
+        harness._add_derived(rows, None, False)
+    return one + two
+
+
+@pytest.mark.parametrize("width", [C.WIDTH, 100, 80])
+def test_compact_table_says_slower_and_sums_up(width):
+    rows = _made_rows()
+    lines = C.compact_lines(_Made(), rows, CPU_ENV, width)
+    assert max(map(len, lines)) <= width, max(lines, key=len)
+
+    def line_of(impl):
+        (found,) = [x for x in lines if x.startswith(f"  {impl} ")]
+        return found
+
+    assert line_of("ragged fast").endswith("faster") and "2.00x" in line_of("ragged fast")
+    assert line_of("ragged slow").endswith("slower") and "0.25x" in line_of("ragged slow")
+    assert line_of("ragged, batch 8").endswith("faster") and "1.25x HF, batch 8" in line_of("ragged, batch 8")
+    assert line_of("padded").endswith("baseline") and not any(x.endswith(" ok") for x in lines)
+    assert any(x.startswith("  a baseline with") and C.ELLIPSIS in x for x in lines)  # too long: cut, marked
+    assert "ragged graphed" not in " ".join(x for x in lines if x.startswith("  "))  # skipped: not a table line
+    skipped = [x for x in lines if x.startswith("skipped ")]
+    assert skipped == ["skipped `ragged graphed` (1 of 2 cases): CUDA graphs: runs on CUDA"]
+    # footnotes: each [n] of a row has its note, and each note its row
+    marks = {m for x in lines if x.startswith("  ") for m in re.findall(r"FAILED \[(\d+)\]", x)}
+    notes = {m for x in lines for m in re.findall(r"^\[(\d+)\] ", x)}
+    assert marks == notes == {"1"} and any(x.startswith("[1] wrong output: 3 of 8 differ") for x in lines)
+    summary = " ".join(" ".join(lines[next(i for i, x in enumerate(lines) if x.startswith("made: ")):]).split())
+    assert summary.startswith("made: 3 ragged rows timed against a baseline: 2 faster, 1 slower than their "
+                              "fastest baseline"), summary
+    geomean = (2.0 * 0.25 * 1.25) ** (1 / 3)
+    assert f"(geomean speedup {geomean:.2f}x)" in summary and "1 failed" in summary, summary
+    assert "1 rows skipped (1 need CUDA)" in summary, summary
+
+
+def test_wide_table_says_slower_too():
+    """The GPU table (and the Markdown file) carry the same status as the compact one."""
+    rows = _made_rows()
+    cols = report.columns(_Made(), rows)
+    status = next(c for c in cols if c.header == "status")
+    by_impl = {r.impl: status.cell(r) for r in rows}
+    assert by_impl["ragged slow"] == "slower" and by_impl["ragged fast"] == "faster" and by_impl["padded"] == "ok"
+    assert by_impl["ragged, batch 8"] == "faster"  # 1.25x its batch-8 baseline, not 0.12x the batch-256 one
+    md = report.markdown(_Made(), rows, CPU_ENV, None)
+    assert "| slower |" in md and "| faster |" in md
+
+
+def test_cli_output_on_cpu_fits_and_ends_with_a_summary(tmp_path, monkeypatch):
+    """``python -m bench`` on CPU, its output to a file: every line within 120 columns, the skipped
+    rows on one line per reason, the last lines a summary naming the results folder."""
+    out = tmp_path / "o"
+    code, text = _run(tmp_path, monkeypatch, ["--suite", "pack", "pool", "--quick", "--no-plots", "--out", str(out)],
+                      None)
+    lines = text.splitlines()
+    assert code == 0 and max(map(len, lines)) <= C.WIDTH, max(lines, key=len)
+    rows = [Row(**r) for name in ("pack", "pool") for r in json.loads((out / f"{name}.json").read_text())["rows"]]
+    summary = " ".join(text[text.index("\nsummary: ") + 1:].split())
+    t = C.tally(rows)
+    assert summary.startswith(f"summary: {t.faster + t.slower} ragged rows timed against a baseline: {t.faster} "
+                              f"faster, {t.slower} slower"), summary
+    assert str(out) in summary and f"{sum(t.skipped.values())} rows skipped" in summary
+    assert not any(line.rstrip().endswith(" ok") for line in lines)
+    assert len(lines) < 30 + len([r for r in rows if r.status != "skipped"]) + len({r.case for r in rows})

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, register
-from ..targets import speedup_notes, verdict
+from ..targets import NOT_EVALUATED, speedup_notes, verdict
 from .encoder_problem import Model as EncoderModel, encoder_flops
 
 from .hf_decoder import build_decoder
@@ -55,6 +55,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     EMBEDDING,
     FINE_TUNE,
     flash_attention_skip,
+    GRAPHS_ON_CUDA,
     GPU_QUICK_SHAPES,
     GPU_SHAPES,
     HF_COMPILED,
@@ -114,6 +115,7 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     to_device,
     TOKENS_S,
     train_steps,
+    VERSUS,
     training_run,
     training_workload,
     WORKLOAD_KEYS,
@@ -249,12 +251,15 @@ def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workl
     fns = {HF_PADDED: training_run(model, device, batches, padded),
            RAGGED: broken(why) if converted is None else training_run(converted, device, batches, packed)}
     # the same converted model through the training graphs (its own copy: the graphs hold its
-    # parameters); on the CPU the bucketed batches run eagerly (what the graphs would replay)
+    # parameters); skipped off CUDA, where there is no graph to replay (timing the bucketed batches
+    # run eagerly would time another row under this one's name)
     if converted is None:
         fns[RAG_GRAPHED_TRAIN] = broken(why)
+    elif device.type != "cuda":
+        fns[RAG_GRAPHED_TRAIN] = GRAPHS_ON_CUDA
     else:
         twin = copy.deepcopy(converted)
-        graphs = rnn.Graphed(twin, max(map(sum, lengths)), shape.count, capture=device.type == "cuda")
+        graphs = rnn.Graphed(twin, max(map(sum, lengths)), shape.count)
         fns[RAG_GRAPHED_TRAIN] = training_run(twin, device, batches, packed, call=graphs)
     m = shape.model
     flops = encoder_flops([n for b in lengths for n in b], EncoderModel(m.hidden, m.heads, m.ff, m.layers), True)
@@ -492,6 +497,25 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         except Exception as exc:  # noqa: BLE001  (every row says why; the suite goes on)
             why = f"case not built: {type(exc).__name__}: {str(exc).strip()[:300]}"
             return Workload(assemble(shape.workload, {name: broken(why) for name, _ in ROWS[shape.workload]}))
+
+    def console_notes(self, rows: list[Row]) -> list[str]:
+        """What the ``targets`` cells say, counted: whether the speed targets were judged, and how
+        many of the output checks (cosine) held."""
+        cells = [item.strip() for r in rows if r.kind == "ragged" and r.status == "ok"
+                 for item in str(r.extra.get(TARGETS, "")).split(";") if item.strip()]
+        if not cells:
+            return []
+        unjudged = any(c == NOT_EVALUATED for c in cells)
+        checks = [c for c in cells if c.startswith("cos>=")]
+        speed = [c for c in cells if c != NOT_EVALUATED and not c.startswith("cos>=")]
+        parts = [f"speed targets: {NOT_EVALUATED}"] if unjudged else []
+        if speed:
+            parts.append(f"speed targets: {sum(c.endswith(' met') for c in speed)} met, "
+                         f"{sum('MISSED' in c for c in speed)} missed of {len(speed)}")
+        if checks:
+            parts.append(f"output checks (min cosine): {sum(c.endswith(': met') for c in checks)} met, "
+                         f"{sum('MISSED' in c for c in checks)} missed of {len(checks)}")
+        return [f"targets (the `{TARGETS}` column of {self.name}.md): " + "; ".join(parts)]
 
     def annotate(self, case: Case, rows: list[Row]) -> None:
         """Throughput, time per step and the targets (the speed targets judged on a GPU only)."""

@@ -66,6 +66,22 @@ ROWS = {
               (RAG_ST_256, _R)),
 }
 
+# The baselines each ragged row does the same work as (``Impl.versus``: its speedups are over these
+# only): the same batches of tokenized texts (batch 8 beside batch 8), or texts in through
+# sentence-transformers at the same ``batch_size``. A row not named here does the same work as
+# every baseline of its case.
+_TOKENIZED, _EAGER = (HF_DATA, HF_SORTED, HF_COMPILED), (HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED)
+VERSUS = {
+    EMBEDDING: {**dict.fromkeys((RAG_DATA, RAG_SORTED, RAG_BUDGET_DATA, RAG_BUDGET_SORTED, RAG_GRAPHED_DATA,
+                                 RAG_GRAPHED_SORTED), _TOKENIZED),
+                **dict.fromkeys((RAG_DATA_8, RAG_GRAPHED_8), (HF_DATA_8,)),
+                RAG_ST_32: (ST_32,), RAG_ST_256: (ST_256, ST_FA2), RAG_ST_GRAPHED: (ST_256, ST_FA2),
+                RAG_EMBED_FILE: (ST_32, ST_256, ST_FA2)},
+    MPNET: {**dict.fromkeys((RAG_DATA, RAG_SORTED, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED), _EAGER),
+            RAG_ST_32: (ST_32,), RAG_ST_256: (ST_256,), RAG_ST_GRAPHED: (ST_256,)},
+    DECODER: {RAG_ST_32: (ST_32, ST_COMPILED_32), RAG_ST_GRAPHED_32: (ST_32, ST_COMPILED_32), RAG_ST_256: (ST_256,)},
+}
+
 # Extra columns.
 COSINE, TEXTS_S, TOKENS_S, STEP_MS = "min cosine vs fp32", "texts/s", "tokens/s", "ms/step"
 LOSS_DIFF, LOSS_VS_HF, PEAK, TARGETS = "loss diff vs fp32", "max loss diff vs HF", "peak GiB", "targets"
@@ -388,13 +404,16 @@ def broken(reason: str) -> Callable[[], Any]:
     return fn
 
 
+GRAPHS_ON_CUDA = "CUDA graphs: runs on CUDA"
+
+
 def graphed_row(model: Any, error: str | None, device: torch.device, make: Callable[[Any], Callable[[], Any]]):
     """A row that replays CUDA graphs of ``model``: ``Run(make(model))``; broken when the conversion
     failed (``model`` None, ``error`` why), skipped off CUDA."""
     if model is None:
         return broken(error or "the model could not be converted")
     if device.type != "cuda":
-        return "CUDA graphs: runs on CUDA"
+        return GRAPHS_ON_CUDA
     return Run(make(model))
 
 
@@ -407,9 +426,11 @@ def flash_attention_skip(device: torch.device) -> str | None:
 
 
 def assemble(workload: str, fns: dict[str, Any]) -> list[Impl]:
-    """The workload's rows in order: ``fns[name]`` a callable, or a string (the reason to skip)."""
-    return [Impl(name, kind, skip=fns[name]) if isinstance(fns[name], str) else Impl(name, kind, fns[name])
-            for name, kind in ROWS[workload]]
+    """The workload's rows in order: ``fns[name]`` a callable, or a string (the reason to skip);
+    each ragged row compared with the baselines of :data:`VERSUS`."""
+    versus = VERSUS.get(workload, {})
+    return [Impl(name, kind, skip=fns[name], versus=versus.get(name)) if isinstance(fns[name], str) else
+            Impl(name, kind, fns[name], versus=versus.get(name)) for name, kind in ROWS[workload]]
 
 
 class Run:

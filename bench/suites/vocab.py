@@ -440,6 +440,11 @@ than the full one; the cell gives `full h@W.T only` ms / this row's ms for
         shape, group = case.spec
         return build_workload(shape, group, config.device)
 
+    def console_notes(self, rows: list[Row]) -> list[str]:
+        """The claim cells of the ragged rows, one line each."""
+        return [f"{key}: {r.impl}, {r.case}: {r.extra[key]}" for r in rows if r.kind == "ragged"
+                for key in r.extra if key.startswith("claim:")]
+
     def annotate(self, case: Case, rows: list[Row]) -> None:
         """Claim cases: the full projection's time over that of the ragged torch row (with
         whether the claim holds) and of the loop baseline (the ratio alone: the claim is
