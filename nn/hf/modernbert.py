@@ -34,12 +34,16 @@ HuggingFace's (the checks of :meth:`ModernBertFamily.layer_reason`).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ragged
+from ragged import backends
+from ragged.ops.attention import ATTENTION, NO_WINDOW, dropout_seed, effective_window
 
 from ..layer import attention_dtype
 from .family import Family, exact, fused_activation, param, sub
@@ -66,12 +70,33 @@ def _linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return F.linear(x, param(linear, "weight"), param(linear, "bias"))
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context, window: tuple[int, int],
+               p: float) -> torch.Tensor:
+    """Attention of one layer over the batch's sequences: ``q, k, v [rows, H, D]``, ``window``
+    (``(left, right)`` or ``NO_WINDOW``), dropout ``p``; ``[rows, H, D]``.
+
+    The op itself, as the layer core calls it, not :func:`ragged.varlen_attention`: under
+    :func:`ragged.nn.graphed` the rows past ``offsets[-1]`` are a bucket's spare rows (computed
+    by the per-token steps, read by no real token), which the public function refuses where it
+    checks offsets on the CPU. The offsets are the batch's own, as trusted as every layer trusts
+    them."""
+    max_len = ctx.max_len
+    if window is not NO_WINDOW:
+        window = effective_window(window, False, max_len, max_len)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    backend = backends.select("attention", None, q.device, q, k, v, ctx.offsets, ctx.offsets, max_len, max_len,
+                              False, p, needs_grad, window, None).backend
+    return ATTENTION(q, k, v, ctx.offsets, ctx.offsets, max_len, max_len, False, 1.0 / math.sqrt(q.shape[2]), p,
+                     dropout_seed(p, q.device), window[0], window[1], None, None, backend)[0]
+
+
 class ModernBertFamily(Family):
     layer_path = "layers"
     base_output = "BaseModelOutput"
     loss_function_heads = ("masked_lm", "qa")
-    head_modules = {"sequence": ("head", "drop", "classifier"), "token": ("head", "drop", "classifier"),
-                    "masked_lm": ("head", "decoder"), "qa": ("head", "drop", "classifier")}
+    head_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "sequence": ("head", "drop", "classifier"), "token": ("head", "drop", "classifier"),
+        "masked_lm": ("head", "decoder"), "qa": ("head", "drop", "classifier")}
 
     def bypassed(self, base):
         out = [(f"layers.{p}" if p else "layers", s) for p, s in base._modules["layers"].named_modules(
@@ -179,13 +204,10 @@ class ModernBertFamily(Family):
         qkv = _linear(h, attn._modules["Wqkv"]).view(total, 3, heads, head_dim)
         inv_freq, scaling = ctx.rotary[layer.attention_type]
         qk = ragged.rotary_embedding(qkv[:, :2].flatten(1, 2), ctx.positions, inv_freq, scaling)
-        window = {}
-        if layer.attention_type == "sliding_attention":
-            window = {"window_size": (ctx.window, ctx.window)}
+        window = (ctx.window, ctx.window) if layer.attention_type == "sliding_attention" else NO_WINDOW
         p = attn.attention_dropout if attn.training else 0.0
         with attention_dtype(qk):
-            o = ragged.varlen_attention(qk[:, :heads], qk[:, heads:], qkv[:, 2], ctx.offsets, ctx.offsets,
-                                        ctx.max_len, ctx.max_len, dropout_p=p, **window)
+            o = _attention(qk[:, :heads], qk[:, heads:], qkv[:, 2], ctx, window, p)
         x = x + attn._modules["out_drop"](_linear(o.reshape(total, heads * head_dim), attn._modules["Wo"]))
         g = _linear(m["mlp_norm"](x), mlp._modules["Wi"])
         act = fused_activation(mlp.act)
