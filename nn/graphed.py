@@ -14,9 +14,13 @@ writes a real token's result. The outputs are cut back to ``T`` tokens and ``B``
 Rules of the wrapped call, checked on every call (host ints only, no device read):
 
 * arguments are RaggedTensors of one batch (offsets trusted equal to the first one's),
-  per-sequence tensors ``[B, ...]`` (``labels``, say: the spare entries of labels are ignored
-  by the losses, see :mod:`.graphed_train`) and constants (None, bool, int, float, str), which
-  are part of the graph's key; the first RaggedTensor sets the batch;
+  per-sequence tensors ``[B, ...]`` (``labels``, say) and constants (None, bool, int, float,
+  str), which are part of the graph's key; the first RaggedTensor sets the batch;
+* no loss sees a spare sequence or row, in training and in evaluation (see :mod:`.graphed_train`):
+  a cross-entropy in the graph ignores them (integer labels, -100 at the spare entries); the
+  regression and multi-label losses of a converted HuggingFace sequence-classification head and
+  the span loss of its question-answering head are computed after the graph, on the logits cut
+  to the caller's batch; labels of floating dtype for anything else are refused;
 * in eval mode the call runs under ``torch.no_grad()``; in train mode (with gradients enabled)
   it replays the training graphs, and ``backward`` their backward;
 * outputs: a RaggedTensor comes back with the caller's offsets and ``T`` rows; a tensor whose
@@ -147,7 +151,7 @@ class _Graph:
     """A bucket's static buffers and its graph (inference: a ``CUDAGraph``; training: the
     forward and backward graphs of :mod:`.graphed_train`)."""
 
-    __slots__ = ("graph", "values", "offsets", "output", "seqs")
+    __slots__ = ("graph", "offsets", "output", "seqs", "values")
 
     def __init__(self, graph, values, offsets, output, seqs=()) -> None:
         self.graph, self.values, self.offsets, self.output, self.seqs = graph, values, offsets, output, seqs
@@ -254,6 +258,11 @@ class Graphed(nn.Module):
 
     def forward(self, *args, **kwargs):
         fn = "ragged.nn.Graphed.forward"
+        outside = graphed_train.outside_loss(fn, self.module, args, kwargs)
+        if outside is not None:  # a loss that would average a bucket's spare sequences in: the graph gives the logits
+            out = self.forward(*outside.args, **outside.kwargs)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.module.training):
+                return outside.finish(self.module, out)
         rts, seqs, key_args = self._read_args(fn, args, kwargs)
         first = rts[0][1]
         training = self.module.training
@@ -266,7 +275,7 @@ class Graphed(nn.Module):
             raise ValueError(f"{fn}(): expected sequences of at most {self.max_len} tokens, the longest "
                              f"{type(self.module).__name__} takes ({self._max_len_why}), got a batch whose max_len "
                              f"is {max_len}")
-        fills = [graphed_train.fill_value(fn, slot, t.values if isinstance(t, RaggedTensor) else t, training)
+        fills = [graphed_train.fill_value(fn, slot, t.values if isinstance(t, RaggedTensor) else t)
                  for slot, t in [*rts, *seqs]]
         device = first.values.device
         if self.capture and device.type != "cuda":
