@@ -84,9 +84,10 @@ def test_installed_package_wins_over_a_folder_named_ragged(tmp_path):
     package, not the clone folder as an empty namespace package."""
     import importlib.metadata
 
-    # The build leaves a ragged.egg-info in the checkout, which a run from the checkout also finds.
+    # The distribution is ragged-kernels (the import name is ragged). A build can leave an egg-info
+    # in the checkout, which a run from the checkout also finds: it has no direct_url.json.
     urls = [d.read_text("direct_url.json") for d in importlib.metadata.distributions()
-            if d.metadata["Name"] == "ragged"]
+            if d.metadata["Name"] == "ragged-kernels"]
     if not any(json.loads(u).get("dir_info", {}).get("editable") for u in urls if u):
         pytest.skip("ragged is not installed in editable mode")
     (tmp_path / "ragged" / "nn").mkdir(parents=True)  # a clone: folders without __init__.py
