@@ -172,8 +172,9 @@ class PackedDecoder(nn.Module):
     """``model`` as a module of RaggedTensors (what :func:`ragged.nn.graphed` captures for a
     converted SentenceTransformer over a decoder): ``forward(input_ids, position_ids=None)``
     with ``input_ids`` a RaggedTensor of ids and ``position_ids`` one of positions (or None), the
-    :func:`run_packed` output out (``return_dict`` is taken and ignored: always a dict). Its mode
-    is the model's.
+    :func:`run_packed` output out (``return_dict`` is taken and ignored: always a dict;
+    ``token_type_ids`` too, as the decoders' own forward ignores the token types a BERT-style
+    tokenizer gives). Its mode is the model's.
 
     A graph's bucket holds rows past ``offsets[-1]`` (see :mod:`ragged.nn.graphed`), which
     :func:`ragged.varlen_attention` takes only inside a sequence: the call gives them sequences of
@@ -195,7 +196,7 @@ class PackedDecoder(nn.Module):
         pass  # train() / eval() set the model's own, which this reads
 
     def forward(self, input_ids: RaggedTensor, position_ids: RaggedTensor | None = None,
-                return_dict: bool = True) -> dict:
+                return_dict: bool = True, token_type_ids: RaggedTensor | None = None) -> dict:
         if not isinstance(input_ids, RaggedTensor):
             raise TypeError(f"PackedDecoder.forward(): expected input_ids to be a RaggedTensor of token ids, got "
                             f"{describe(input_ids)}")

@@ -233,7 +233,10 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     else:
         packed = pack_input(fn, self.from_ids, ids, merged.get("attention_mask"),
                             merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
-    inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", packed.token_type_ids),
+    # token types only for a model that takes them: the others' forward ignores them (its **kwargs),
+    # and so must the graphs' module, which would take them as inputs of its bucket
+    types = packed.token_type_ids if self.takes_types else None
+    inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", types),
                                 ("position_ids", packed.position_ids)) if t is not None}
     graphed = self.graphed if self.graphed is not None else _mode(self, 2)
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
