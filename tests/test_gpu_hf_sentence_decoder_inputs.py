@@ -24,7 +24,7 @@ from ragged.nn.hf import sentence as hf_sentence
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as M
 from test_gpu_hf_sentence import _close
-from test_hf_sentence_decoder import TEXTS, D
+from test_hf_sentence_decoder import TEXTS
 from test_hf_sentence_decoder_inputs import save_model
 
 import ragged
@@ -32,11 +32,12 @@ import ragged
 pytestmark = pytest.mark.gpu
 
 DTYPE = torch.bfloat16
+HIDDEN = 128  # heads of 32 features: the GPU kernels' head sizes (the CPU file's 8 run only the reference)
 
 
 @pytest.fixture(scope="module")
 def gpu_folders(tmp_path_factory):
-    return {family: save_model(tmp_path_factory.mktemp(f"gpu_{family}"), family, seed=30 + i)
+    return {family: save_model(tmp_path_factory.mktemp(f"gpu_{family}"), family, seed=30 + i, hidden=HIDDEN)
             for i, family in enumerate(("qwen3", "distilbert"))}
 
 
@@ -46,7 +47,7 @@ def _models(path: str, side: str):
         warnings.simplefilter("ignore")
         tr = M.Transformer(path)
     tr.tokenizer.padding_side = side
-    oracle = SentenceTransformer(modules=[tr, M.Pooling(D, "mean")], device="cuda").double().eval()
+    oracle = SentenceTransformer(modules=[tr, M.Pooling(HIDDEN, "mean")], device="cuda").double().eval()
     theirs = copy.deepcopy(oracle).to(DTYPE)
     ours = hf_sentence.convert_sentence_transformer(copy.deepcopy(theirs))
     assert "token_type_ids" in theirs.preprocess(TEXTS[:2])

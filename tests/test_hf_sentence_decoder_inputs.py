@@ -48,22 +48,26 @@ def typed_tokenizer(max_length: int = 24):
                                       model_max_length=max_length, model_input_names=TYPED)
 
 
-def _encoder_config(family: str):
+def _encoder_config(family: str, hidden: int):
     if family == "distilbert":
-        return tf.DistilBertConfig(vocab_size=len(VOCAB), dim=D, n_layers=2, n_heads=4, hidden_dim=2 * D,
+        return tf.DistilBertConfig(vocab_size=len(VOCAB), dim=hidden, n_layers=2, n_heads=4, hidden_dim=2 * hidden,
                                    max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
-    return tf.ModernBertConfig(vocab_size=len(VOCAB), hidden_size=D, intermediate_size=48, num_hidden_layers=2,
+    return tf.ModernBertConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
                                num_attention_heads=2, global_attn_every_n_layers=2, local_attention=8,
                                max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                                cls_token_id=2, sep_token_id=3, attention_dropout=0.0, mlp_dropout=0.0,
                                embedding_dropout=0.0, attn_implementation="sdpa")
 
 
-def save_model(path, family: str, seed: int = 0, **config) -> str:
-    """A tiny model of ``family`` with random weights and the typed tokenizer, saved to ``path``."""
+def save_model(path, family: str, seed: int = 0, hidden: int = D) -> str:
+    """A tiny model of ``family`` (``hidden`` features, 4 heads; ModernBERT 2) with random
+    weights and the typed tokenizer, saved to ``path``."""
     typed_tokenizer().save_pretrained(str(path))
     torch.manual_seed(seed)
-    cfg = _config(family, **config) if family in ("qwen3", "llama") else _encoder_config(family)
+    if family in ("qwen3", "llama"):
+        cfg = _config(family, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=hidden // 4)
+    else:
+        cfg = _encoder_config(family, hidden)
     model = tf.AutoModel.from_config(cfg)
     with torch.no_grad():
         for p in model.parameters():
