@@ -125,7 +125,7 @@ def test_converted_model_training_step_equals_eager(family, kind):
         _same_grads(_grads(mine), _grads(model), 1e-8)
 
 
-def test_float_labels_are_refused_in_training_and_spare_labels_ignored_in_eval():
+def test_float_labels_no_loss_takes_are_refused_and_spare_labels_ignored_in_eval():
     model = _model("bert", "sequence", seed=4)[0].train()
     g = ragged.nn.Graphed(model, 256, 8, capture=False)
     ids = ragged.pack([torch.randint(5, 50, (n,)) for n in (4, 9, 2)])

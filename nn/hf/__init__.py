@@ -75,7 +75,9 @@ layer core, with the dropout rates of the layers' own Dropout modules in trainin
 the feed-forward hidden layer, as in HuggingFace) and HuggingFace's gradient checkpointing
 honoured. ``output_hidden_states`` gives HuggingFace's tuple (the input of every layer, then
 the last output), padded or ragged like the output; indices select as the installed
-transformers selects them (see :func:`hidden_picks`). Other keyword arguments are accepted
+transformers selects them (see :func:`hidden_picks`). Loss keyword arguments (``num_items_in_batch``,
+``ignore_index``) reach the loss of the heads whose HuggingFace loss takes them (the family's
+``loss_function_heads``, see :mod:`ragged.nn.hf.heads`). Other keyword arguments are accepted
 and ignored, as HuggingFace's attention ignores them, except those below.
 
 **Refused**, with the model untouched: other transformers classes (DeBERTa's relative
