@@ -6,11 +6,12 @@ error of them."""
 
 from __future__ import annotations
 
+import functools
+
+import distributed_cases as cases
 import numpy as np
 import pytest
 import torch
-
-import distributed_cases as cases
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -27,16 +28,28 @@ def _compare(got, want, rtol, atol, what):
         np.testing.assert_allclose(g, ref, rtol=rtol, atol=atol, err_msg=f"{what}: {name}")
 
 
-@pytest.mark.parametrize("kind", cases.KINDS)
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+# Each case starts two processes; the HuggingFace models' worlds take the longest: `-m slow`, which
+# CI runs right after the README's command. The ragged.nn encoder keeps DDP and FSDP2 in the default run.
+SLOW = pytest.mark.slow
+
+
+@functools.cache
+def _world(kind, mode):
+    """``cases.run_world``, once per (kind, mode) in this process: the tests only read its results."""
+    return cases.run_world(kind, mode)
+
+
+@pytest.mark.parametrize(("mode", "kind"), [pytest.param(mode, kind, marks=() if kind == "encoder" else SLOW)
+                                            for mode in ("ddp", "fsdp") for kind in cases.KINDS])
 def test_gradients_equal_one_process_on_the_union(kind, mode):
     if kind != "encoder":
         pytest.importorskip("transformers")
     want = cases.union_grads(kind)
-    got, plans = cases.run_world(kind, mode)
+    got, _ = _world(kind, mode)
     _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), f"{mode} {kind}")
 
 
+@SLOW
 def test_fsdp_bf16_parameter_policy_trains_within_bf16_error():
     pytest.importorskip("transformers")
     want = cases.union_grads("bert")
@@ -50,7 +63,7 @@ def test_fsdp_bf16_parameter_policy_trains_within_bf16_error():
 
 
 def test_sampler_replicas_default_to_the_process_group():
-    _, plans = cases.run_world("encoder", "ddp")
+    _, plans = _world("encoder", "ddp")
     assert [p[:2] for p in plans] == [(2, 0), (2, 1)]
     assert len(plans[0][2]) == len(plans[1][2]) > 0  # the same number of steps on every rank
     seen = sorted(i for p in plans for batch in p[2] for i in batch)
