@@ -168,7 +168,7 @@ def import_error(module: str) -> str | None:
             importlib.import_module(module)
             _import_errors[module] = None
         except Exception as exc:
-            hint = "; install ragged[cuda]" if module == "cupy" else ""
+            hint = '; install ragged-kernels[cuda] (pip install -e ".[cuda]" from a clone)' if module == "cupy" else ""
             _import_errors[module] = f"{module} cannot be imported ({type(exc).__name__}: {exc}){hint}"
     return _import_errors[module]
 

@@ -11,7 +11,6 @@ import concurrent.futures
 import sys
 import threading
 
-import numpy as np
 import pytest
 import torch
 

@@ -16,7 +16,7 @@ import dataclasses
 import importlib.util
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
