@@ -105,6 +105,16 @@ class RaggedTrainer(Trainer):
 
     # ---- training batches -------------------------------------------------------------
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(eval_dataset, str):  # Trainer.evaluate passes the name of one of a dict's datasets
+            dataset = self.eval_dataset[eval_dataset]
+        if dataset is not None and not isinstance(dataset, dict) and hasattr(dataset, "__len__") and len(dataset) == 0:
+            # Trainer's own answer depends on the release (no loss, or a crash on a None batch)
+            raise ValueError(f"{_NAME}.evaluate(): expected an eval_dataset with at least one sequence, got an "
+                             f"empty {type(dataset).__name__}")
+        return super().get_eval_dataloader(eval_dataset)
+
     def _make_sampler(self, dataset) -> TokenBudgetSampler:
         _check_dataset(dataset)
         lengths = self._lengths if self._lengths is not None else _read_lengths(dataset, self.args.length_column_name)

@@ -52,9 +52,13 @@ def test_empty_train_dataset_set_later_is_refused_by_train(tmp_path):
             trainer.train()
 
 
-def test_empty_eval_dataset_evaluates_as_trainer_does(tmp_path):
-    """An empty evaluation set is not an error for Trainer (no batch, no loss): the same here."""
+def test_empty_eval_dataset_is_refused_by_evaluate(tmp_path):
+    """Trainer's answer to an empty evaluation set depends on the release (metrics without a loss,
+    or an AttributeError on a None batch): RaggedTrainer names the empty dataset on every one."""
     trainer = RaggedTrainer(_model(), _args(tmp_path), eval_dataset=[], max_tokens=8)
-    theirs = transformers.Trainer(_model(), _args(tmp_path / "t"), eval_dataset=[])
-    ours, want = trainer.evaluate(), theirs.evaluate()
-    assert "eval_loss" not in ours and "eval_loss" not in want
+    with pytest.raises(ValueError, match=r"RaggedTrainer\.evaluate\(\): expected an eval_dataset with at least one "
+                                         r"sequence, got an empty list"):
+        trainer.evaluate()
+    trainer = RaggedTrainer(_model(), _args(tmp_path / "d"), eval_dataset={"a": [], "b": []}, max_tokens=8)
+    with pytest.raises(ValueError, match=r"expected an eval_dataset with at least one sequence"):
+        trainer.evaluate()
