@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import ragged
-from nn import graphed_train
+from ragged.nn import graphed_train
 from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 D, HEADS = 32, 4

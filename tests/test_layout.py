@@ -97,3 +97,16 @@ def test_no_module_over_600_lines():
     files = [*_modules().values(), *(ROOT / "bench").rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_tests_and_benchmarks_import_nn_by_its_installed_name():
+    """``nn/`` is installed as ``ragged.nn``: importing the folder as ``nn`` (possible from the
+    repository root) makes a second copy of every module, whose globals the library never sees."""
+    found = []
+    for folder in ("tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n == "nn" or n.startswith("nn.")]
+    assert not found, f"import ragged.nn, not the folder nn: {found}"
