@@ -66,8 +66,9 @@ class NvccBuild(build_ext):
 
         nvcc = _nvcc()
         archs = _archs(nvcc)
-        version = re.search(r"release ([\d.]+)", subprocess.run([nvcc, "--version"], capture_output=True,
-                                                               text=True).stdout)
+        version = re.search(
+            r"release ([\d.]+)", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        )
         version = version.group(1) if version else ""
         tmp = pathlib.Path(self.build_temp) / "ragged_aot"
         tmp.mkdir(parents=True, exist_ok=True)
@@ -81,11 +82,13 @@ class NvccBuild(build_ext):
             names = sorted(parse(src, (ROOT / "csrc" / src).read_text()))
             unit = tmp / f"{stem}_aot.cu"
             rows = "\n".join(f'    {{"{n}", (const void*)&{n}}},' for n in names)
-            unit.write_text(f'#include "{(ROOT / "csrc" / src).as_posix()}"\n\n'
-                            "struct RaggedAotEntry { const char* name; const void* stub; };\n"
-                            f"static const RaggedAotEntry ragged_aot_{stem}[] = {{\n{rows}\n}};\n"
-                            f'extern "C" const RaggedAotEntry* ragged_aot_table_{stem}(int* n) '
-                            f"{{ *n = {len(names)}; return ragged_aot_{stem}; }}\n")
+            unit.write_text(
+                f'#include "{(ROOT / "csrc" / src).as_posix()}"\n\n'
+                "struct RaggedAotEntry { const char* name; const void* stub; };\n"
+                f"static const RaggedAotEntry ragged_aot_{stem}[] = {{\n{rows}\n}};\n"
+                f'extern "C" const RaggedAotEntry* ragged_aot_table_{stem}(int* n) '
+                f"{{ *n = {len(names)}; return ragged_aot_{stem}; }}\n"
+            )
             units.append(unit)
             tables.append(stem)
         registry = tmp / "registry.cpp"
@@ -96,15 +99,26 @@ class NvccBuild(build_ext):
             "    static const std::vector<RaggedAotEntry> all = [] {\n"
             "        std::vector<RaggedAotEntry> v; int n = 0; const RaggedAotEntry* e;\n"
             + "".join(f"        e = ragged_aot_table_{t}(&n); v.insert(v.end(), e, e + n);\n" for t in tables)
-            + "        return v;\n    }();\n    *count = (int)all.size();\n    return all.data();\n}\n")
-        binding_flags = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-                         f'-DRAGGED_AOT_ARCHS="{",".join(map(str, archs))}"', f"-DRAGGED_AOT_PTX={archs[-1]}",
-                         f'-DRAGGED_AOT_NVCC="{version}"']
-        jobs = [([nvcc, *common, *gencode, "-c", str(u), "-o", str(u.with_suffix(".o"))], u.with_suffix(".o"))
-                for u in units]
+            + "        return v;\n    }();\n    *count = (int)all.size();\n    return all.data();\n}\n"
+        )
+        binding_flags = [
+            f"-I{pybind11.get_include()}",
+            f"-I{sysconfig.get_paths()['include']}",
+            f'-DRAGGED_AOT_ARCHS="{",".join(map(str, archs))}"',
+            f"-DRAGGED_AOT_PTX={archs[-1]}",
+            f'-DRAGGED_AOT_NVCC="{version}"',
+        ]
+        jobs = [
+            ([nvcc, *common, *gencode, "-c", str(u), "-o", str(u.with_suffix(".o"))], u.with_suffix(".o"))
+            for u in units
+        ]
         jobs.append(([nvcc, *common, "-c", str(registry), "-o", str(tmp / "registry.o")], tmp / "registry.o"))
-        jobs.append(([nvcc, *common, *binding_flags, "-c", str(ROOT / "csrc" / "aot.cpp"), "-o",
-                      str(tmp / "aot.o")], tmp / "aot.o"))
+        jobs.append(
+            (
+                [nvcc, *common, *binding_flags, "-c", str(ROOT / "csrc" / "aot.cpp"), "-o", str(tmp / "aot.o")],
+                tmp / "aot.o",
+            )
+        )
         workers = int(os.environ.get("RAGGED_BUILD_JOBS", str(min(len(jobs), os.cpu_count() or 1))))
         print(f"ragged._C: nvcc {version}, sm {archs}, {len(jobs)} compiles on {workers} workers", flush=True)
         with ThreadPoolExecutor(workers) as pool:
@@ -114,8 +128,11 @@ class NvccBuild(build_ext):
                 raise RuntimeError(f"ragged._C: {' '.join(cmd)} failed:\n{result.stdout}{result.stderr}")
         out = pathlib.Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
-        link = subprocess.run([nvcc, "-shared", "-cudart", "static", *[str(o) for _, o in jobs], "-o", str(out)],
-                              capture_output=True, text=True)
+        link = subprocess.run(
+            [nvcc, "-shared", "-cudart", "static", *[str(o) for _, o in jobs], "-o", str(out)],
+            capture_output=True,
+            text=True,
+        )
         if link.returncode != 0:
             raise RuntimeError(f"ragged._C: link failed:\n{link.stdout}{link.stderr}")
 
@@ -127,8 +144,10 @@ class NvccBuild(build_ext):
 # empty module. This start-up line (a .pth file runs after setuptools' own, by name order) moves the
 # project's finder in front of the path finder, so the editable install wins wherever Python starts.
 FINDER_FIRST_PTH = "ragged-editable-finder-first.pth"
-FINDER_FIRST_LINE = ("import sys; sys.meta_path.sort(key=lambda finder: not getattr(finder, '__module__', '')"
-                     ".startswith('__editable___ragged_'))\n")
+FINDER_FIRST_LINE = (
+    "import sys; sys.meta_path.sort(key=lambda finder: not getattr(finder, '__module__', '')"
+    ".startswith('__editable___ragged_'))\n"
+)
 
 
 class _FinderFirst:

@@ -6,6 +6,7 @@
 * :mod:`bench.__main__`: the command line.
 """
 
+from . import suites  # noqa: E402,F401  (registers the suites)
 from .harness import (
     SUITES,
     Case,
@@ -21,7 +22,6 @@ from .harness import (
     exact_match,
     register,
 )
-from . import suites  # noqa: E402,F401  (registers the suites)
 
 __all__ = [
     "SUITES",

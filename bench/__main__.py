@@ -26,23 +26,41 @@ import torch
 
 
 def parse_args(argv: list[str] | None, suite_names: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench",
-                                     description="Run the benchmark suites and write their results.")
-    parser.add_argument("--suite", nargs="+", metavar="NAME", choices=suite_names,
-                        help=f"suites to run (default: all of {', '.join(suite_names)})")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="Run the benchmark suites and write their results."
+    )
+    parser.add_argument(
+        "--suite",
+        nargs="+",
+        metavar="NAME",
+        choices=suite_names,
+        help=f"suites to run (default: all of {', '.join(suite_names)})",
+    )
     parser.add_argument("--list", action="store_true", help="list the suites and their cases, run nothing")
     parser.add_argument("--quick", action="store_true", help="fewer cases and shorter timing")
     parser.add_argument("--out", type=Path, metavar="DIR", help="results folder (default: results/<timestamp>)")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
-    parser.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                        help="only cases of these dtypes (e.g. bf16 fp32); on CPU, the tiny cases in these dtypes")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where to run (default: cuda when available)")
-    parser.add_argument("--wide", action="store_true",
-                        help="on CPU too, the full tables (every column, skipped rows, the speedup tables) as on a GPU")
-    parser.add_argument("--rows", nargs="+", metavar="TEXT",
-                        help="only the rows whose names contain one of these texts (e.g. \"ST encode\" cuDNN); "
-                             "the others are listed as skipped")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        metavar="DTYPE",
+        help="only cases of these dtypes (e.g. bf16 fp32); on CPU, the tiny cases in these dtypes",
+    )
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default: cuda when available)"
+    )
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="on CPU too, the full tables (every column, skipped rows, the speedup tables) as on a GPU",
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        metavar="TEXT",
+        help='only the rows whose names contain one of these texts (e.g. "ST encode" cuDNN); '
+        "the others are listed as skipped",
+    )
     return parser.parse_args(argv)
 
 
@@ -77,8 +95,13 @@ def _run_with_progress(console, suite, config, ceiling, log_rows=True):
     cases = suite.cases(config)
     if not log_rows and not console.is_terminal:  # a log: the suite's table follows, failures in it
         return run_suite(suite, config, ceiling, cases)
-    columns = (TextColumn("[bold]{task.fields[suite]}[/]"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.description}"))
+    columns = (
+        TextColumn("[bold]{task.fields[suite]}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
     # Refreshed by hand, between measurements: a refresh thread would compete with the
     # timed calls for the interpreter.
     with Progress(*columns, console=console, transient=True, auto_refresh=False) as progress:
@@ -88,14 +111,17 @@ def _run_with_progress(console, suite, config, ceiling, log_rows=True):
         def on_impl(case, impl):
             progress.update(task, description=f"{case.name} · {impl.name}", refresh=True)
             if log_rows and not console.is_terminal:  # a log: one line per row: a run cut short says where
-                console.print(f"[{time.perf_counter() - started:7.1f} s] {suite.name} · {case.name} · {impl.name}",
-                              highlight=False)
+                console.print(
+                    f"[{time.perf_counter() - started:7.1f} s] {suite.name} · {case.name} · {impl.name}",
+                    highlight=False,
+                )
 
         hooks = Hooks(
             on_impl=on_impl,
             on_case_done=lambda case: progress.update(task, advance=1, refresh=True),
             on_problem=lambda row: progress.console.print(
-                f"[bold red]FAILED[/] {row.suite} / {row.case} / {row.impl}: {row.reason}"),
+                f"[bold red]FAILED[/] {row.suite} / {row.case} / {row.impl}: {row.reason}"
+            ),
         )
         return run_suite(suite, config, ceiling, cases, hooks)
 
@@ -113,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = None if args.dtype is None else tuple(dict.fromkeys(parse_dtype(d) for d in args.dtype))
     except ValueError as exc:
         raise SystemExit(f"python -m bench: {exc}") from None
-    config = Config(device=_device(args.device), quick=args.quick, dtypes=dtypes,
-                    rows=tuple(args.rows) if args.rows else None)
+    config = Config(
+        device=_device(args.device), quick=args.quick, dtypes=dtypes, rows=tuple(args.rows) if args.rows else None
+    )
     chosen = [SUITES[name] for name in (args.suite or SUITES)]
     # Piped to a file or a log, rich would wrap the text at 80 columns; the result tables are
     # then printed as wide as their content (bench.tables), in a terminal fitted to its width.
@@ -129,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     width = compact.WIDTH if free else min(console.width, compact.WIDTH)
 
     def say(text: str, style: str | None = None) -> None:
-        for line in (compact.wrap(text, width) if brief else [text]):
+        for line in compact.wrap(text, width) if brief else [text]:
             console.print(line, style=style, highlight=False, markup=False, soft_wrap=brief)
 
     # torch.nested logs a one-time notice about fx tracing that would cut through the progress bar.
@@ -141,13 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     env = envmod.collect(config.device)
     source = " (BENCH_GIT_COMMIT)" if env["git_commit_source"] == envmod.COMMIT_VARIABLE else ""
-    say(f"device: {envmod.device_label(env)} ({config.device})  torch {env['torch']}  triton {env['triton']}  "
-        f"commit {(env['git_commit'] or 'unknown')[:12]}{source}", "bold")
+    say(
+        f"device: {envmod.device_label(env)} ({config.device})  torch {env['torch']}  triton {env['triton']}  "
+        f"commit {(env['git_commit'] or 'unknown')[:12]}{source}",
+        "bold",
+    )
     if not config.on_gpu:
         say(report.cpu_run_note(env) + (f" --quick: {report.QUICK_CPU}" if config.quick else ""), "yellow")
         if env["triton_interpret"] and not config.quick:
-            say("TRITON_INTERPRET=1: the Triton rows are skipped outside --quick, but ragged.nn "
-                "(encoder suite) may still pick interpreted kernels: slow", "yellow")
+            say(
+                "TRITON_INTERPRET=1: the Triton rows are skipped outside --quick, but ragged.nn "
+                "(encoder suite) may still pick interpreted kernels: slow",
+                "yellow",
+            )
     ceiling = measure_copy_ceiling(config)
     if not brief:  # a CPU run's tables say what their % copy is over
         say(report.ceiling_text(ceiling))
@@ -174,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_plots:
             report.plot(out / f"{suite.name}.png", suite, rows, env, ceiling)
     console.print()
-    say(compact.summary_text(total, out=f"{out}/ (JSON and Markdown: every column and row)"
-                             + ("" if args.no_plots else ", PNG plots")), "bold")
+    say(
+        compact.summary_text(
+            total, out=f"{out}/ (JSON and Markdown: every column and row)" + ("" if args.no_plots else ", PNG plots")
+        ),
+        "bold",
+    )
     if failed:
         console.print(f"[bold red]{failed} implementation(s) failed their correctness check or raised[/]")
     return 1 if failed else 0

@@ -35,8 +35,9 @@ def prepare(rev: str, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    short = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
-                           text=True).stdout.strip()
+    short = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
     (dest / REV_FILE).write_text(short + "\n")
 
 
@@ -86,8 +87,9 @@ def run_tree(pkg: Path, commit: str, args: list[str], log: Path) -> int:
     bench, whatever tree is installed (see ``_BOOT``)."""
     env = dict(os.environ, BENCH_GIT_COMMIT=commit, PYTHONPATH=str(pkg))
     with log.open("w") as out:
-        return subprocess.run([sys.executable, "-c", _BOOT, str(pkg), *args], cwd=pkg, env=env, stdout=out,
-                              stderr=subprocess.STDOUT).returncode
+        return subprocess.run(
+            [sys.executable, "-c", _BOOT, str(pkg), *args], cwd=pkg, env=env, stdout=out, stderr=subprocess.STDOUT
+        ).returncode
 
 
 def ragged_rows(folder: Path) -> dict[tuple[str, str, str], float]:
@@ -108,8 +110,12 @@ def compare(out: Path, rounds: int, commits: dict[str, str]) -> str:
         for r in range(1, rounds + 1):
             for key, ms in ragged_rows(out / tree / f"r{r}").items():
                 times.setdefault(key, {}).setdefault(tree, []).append(ms)
-    lines = [f"# A/B: base {commits['base']} against head {commits['head']}, {rounds} interleaved round(s)", "",
-             "| suite | case | implementation | base ms | head ms | head / base |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# A/B: base {commits['base']} against head {commits['head']}, {rounds} interleaved round(s)",
+        "",
+        "| suite | case | implementation | base ms | head ms | head / base |",
+        "|---|---|---|---|---|---|",
+    ]
     ratios = []
     for key in sorted(times):
         got = times[key]
@@ -121,8 +127,11 @@ def compare(out: Path, rounds: int, commits: dict[str, str]) -> str:
         lines.append(f"| {' | '.join(key)} | {base:.4f} | {head:.4f} | {head / base:.3f} |")
     if ratios:
         slower = sum(r > 1.03 for r in ratios)
-        lines += ["", f"{len(ratios)} rows; {slower} slower than base by more than 3%; median head / base "
-                      f"{statistics.median(ratios):.3f}"]
+        lines += [
+            "",
+            f"{len(ratios)} rows; {slower} slower than base by more than 3%; median head / base "
+            f"{statistics.median(ratios):.3f}",
+        ]
     text = "\n".join(lines) + "\n"
     (out / "ab.md").write_text(text)
     return text
@@ -142,9 +151,13 @@ def compare_overhead(out: Path, rounds: int, commits: dict[str, str]) -> str:
                     if name not in order:
                         order.append(name)
                     times.setdefault(name, {}).setdefault(tree, []).append(float(rest.split()[0]))
-    lines = [f"# Host time per call (us): base {commits['base']} against head {commits['head']}, {rounds} "
-             "interleaved round(s) of bench/overhead.py", "",
-             "| row | base us | head us | head / base |", "|---|---|---|---|"]
+    lines = [
+        f"# Host time per call (us): base {commits['base']} against head {commits['head']}, {rounds} "
+        "interleaved round(s) of bench/overhead.py",
+        "",
+        "| row | base us | head us | head / base |",
+        "|---|---|---|---|",
+    ]
     for name in order:
         got = times[name]
         if set(got) != set(TREES):
@@ -171,7 +184,13 @@ def run(base: Path, out: Path, rounds: int, suite_args: list[str]) -> int:
         for tree in TREES:
             for suite in suites:
                 # one process per suite: a suite the other tree lacks is left out of it only
-                args = [*(["--suite", suite] if suite else []), *other, "--no-plots", "--out", str(out / tree / f"r{r}")]
+                args = [
+                    *(["--suite", suite] if suite else []),
+                    *other,
+                    "--no-plots",
+                    "--out",
+                    str(out / tree / f"r{r}"),
+                ]
                 log = out / f"{tree}_r{r}{'_' + suite if suite else ''}.log"
                 code = run_tree(pkgs[tree], commits[tree], args, log)
                 failed += code not in (0, 2)  # 2: the tree has no such suite (argparse)
@@ -186,8 +205,9 @@ def run(base: Path, out: Path, rounds: int, suite_args: list[str]) -> int:
             for tree in TREES:
                 env = dict(os.environ, PYTHONPATH=str(pkgs[tree]))
                 with (out / f"overhead_{tree}_r{r}.txt").open("w") as log:
-                    subprocess.run([sys.executable, str(script)], cwd=scratch, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT)
+                    subprocess.run(
+                        [sys.executable, str(script)], cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT
+                    )
         (out / "overhead.md").write_text(compare_overhead(out, rounds, commits))
     print(compare(out, rounds, commits))
     shutil.rmtree(scratch, ignore_errors=True)

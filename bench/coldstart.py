@@ -37,8 +37,9 @@ def _child(warmup: bool) -> dict:
     t2 = time.perf_counter()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    layer = ragged.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu", batch_first=True,
-                                              device=dev, dtype=dt)
+    layer = ragged.nn.TransformerEncoderLayer(
+        768, 12, 3072, dropout=0.1, activation="gelu", batch_first=True, device=dev, dtype=dt
+    )
     enc = ragged.nn.TransformerEncoder(layer, 12).eval()
     x = ragged.pack([torch.randn(n, 768, device=dev, dtype=dt) for n in _BATCH])
     torch.cuda.synchronize()
@@ -115,15 +116,25 @@ def main(argv=None) -> int:
             rows.append((f"{label}, cold caches", _run_child(cache, warmup, prof, ahead)))
             rows.append((f"{label}, warm caches", _run_child(cache, warmup, None, ahead)))
     dev = torch.device("cuda")
-    env = {"gpu": device_name(dev), "cpu": cpu_name(), "torch": torch.__version__,
-           "commit": git_state()["git_commit"]}
-    cols = ["import_torch_s", "import_ragged_s", "build_s", "warmup_s", "first_inference_s", "second_inference_s",
-            "first_train_step_s"]
-    lines = ["# Cold start: BERT-base ragged.nn encoder (12 layers, d=768, bf16), B=32 of 8..128 tokens",
-             "", f"GPU {env.get('gpu')}, host CPU {env.get('cpu')}, torch {env.get('torch')}, "
-             f"tree {env.get('commit')}, {time.strftime('%Y-%m-%d')}", "",
-             "| run | " + " | ".join(c[:-2].replace("_", " ") + " (s)" for c in cols) + " |",
-             "|---|" + "---|" * len(cols)]
+    env = {"gpu": device_name(dev), "cpu": cpu_name(), "torch": torch.__version__, "commit": git_state()["git_commit"]}
+    cols = [
+        "import_torch_s",
+        "import_ragged_s",
+        "build_s",
+        "warmup_s",
+        "first_inference_s",
+        "second_inference_s",
+        "first_train_step_s",
+    ]
+    lines = [
+        "# Cold start: BERT-base ragged.nn encoder (12 layers, d=768, bf16), B=32 of 8..128 tokens",
+        "",
+        f"GPU {env.get('gpu')}, host CPU {env.get('cpu')}, torch {env.get('torch')}, "
+        f"tree {env.get('commit')}, {time.strftime('%Y-%m-%d')}",
+        "",
+        "| run | " + " | ".join(c[:-2].replace("_", " ") + " (s)" for c in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for name, row in rows:
         if "error" in row:
             lines.append(f"| {name} | error: {row['error'][:200]} |")

@@ -98,9 +98,11 @@ def summary_text(t: Tally, out: Any | None = None, label: str = "summary") -> st
     """One line: ``summary: 23 ragged rows timed: 9 faster, 14 slower than their fastest baseline
     (geomean speedup 0.91x); ...``."""
     timed = t.faster + t.slower
-    parts = [f"{timed} ragged row{'s' if timed != 1 else ''} timed against a baseline: {t.faster} faster, "
-             f"{t.slower} slower than their fastest baseline"
-             + (f" (geomean speedup {t.geomean:.2f}x)" if t.geomean is not None else "")]
+    parts = [
+        f"{timed} ragged row{'s' if timed != 1 else ''} timed against a baseline: {t.faster} faster, "
+        f"{t.slower} slower than their fastest baseline"
+        + (f" (geomean speedup {t.geomean:.2f}x)" if t.geomean is not None else "")
+    ]
     if t.no_baseline:
         parts.append(f"{t.no_baseline} timed without a baseline of the same work")
     parts.append(f"{t.failed} failed")
@@ -116,12 +118,13 @@ def summary_text(t: Tally, out: Any | None = None, label: str = "summary") -> st
 
 def wrap(text: str, width: int, indent: str = "", hanging: str = "    ") -> list[str]:
     """``text`` wrapped at ``width`` between words (a word longer than the line is left whole)."""
-    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=hanging,
-                         break_long_words=False, break_on_hyphens=False) or [indent]
+    return textwrap.wrap(
+        text, width, initial_indent=indent, subsequent_indent=hanging, break_long_words=False, break_on_hyphens=False
+    ) or [indent]
 
 
 def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:max(width - 1, 0)] + ELLIPSIS
+    return text if len(text) <= width else text[: max(width - 1, 0)] + ELLIPSIS
 
 
 def _metric(suite: Suite, rows: list[Row]) -> list[tuple[str, Any]]:
@@ -147,8 +150,7 @@ def _versus(r: Row) -> tuple[str, str]:
     return f"{ratio:.2f}x", name
 
 
-def compact_lines(suite: Suite, rows: list[Row], env: dict[str, Any] | None = None,
-                  width: int = WIDTH) -> list[str]:
+def compact_lines(suite: Suite, rows: list[Row], env: dict[str, Any] | None = None, width: int = WIDTH) -> list[str]:
     """The suite's rows as lines of at most ``width`` characters (see the module docstring)."""
     width = min(width, WIDTH)
     where = f" ({short_device(env)})" if env else ""
@@ -194,14 +196,18 @@ def compact_lines(suite: Suite, rows: list[Row], env: dict[str, Any] | None = No
             ratio, name = ratios[i]
             # the ratio is never cut: only the baseline's name after it
             versus = f"{ratio} {_fit(name, versus_w - len(ratio) - 1)}" if ratio else ""
-            lines.append(line(r.impl, cells[i][:len(widths)], versus, status(r)))
+            lines.append(line(r.impl, cells[i][: len(widths)], versus, status(r)))
     for i, reason in enumerate(failures, 1):
         lines += wrap(f"[{i}] {reason}", width, hanging="    ")
     lines += _skipped_lines(rows, width)
     if any(r.pct_of_copy is not None for r in shown) and suite.memory_bound:
-        lines += wrap("% copy: GB/s over that of the case's own `copy (same bytes)` row (on CPU a copy's rate "
-                      "depends on its size: the caches)" if not env or env.get("device") == "cpu" else
-                      "% copy: GB/s over the device's copy ceiling", width)
+        lines += wrap(
+            "% copy: GB/s over that of the case's own `copy (same bytes)` row (on CPU a copy's rate "
+            "depends on its size: the caches)"
+            if not env or env.get("device") == "cpu"
+            else "% copy: GB/s over the device's copy ceiling",
+            width,
+        )
     for text in suite.console_notes(rows):
         lines += wrap(text, width)
     lines += wrap(summary_text(tally(rows), label=suite.name), width)

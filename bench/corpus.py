@@ -55,7 +55,7 @@ def _docstrings(path: pathlib.Path):
                 yield doc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _all_texts(seed: int) -> tuple[str, ...]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     seen: dict[str, None] = {}
@@ -84,7 +84,7 @@ def describe() -> str:
     return f"{CORPUS_NAME} (Python {sys.version.split()[0]}), {len(_all_texts(0))} paragraphs"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wordpiece(vocab: int, max_length: int = 512, seed: int = 0):
     """A BERT-style fast tokenizer (lowercased WordPiece, ``[PAD]`` 0, ``[UNK]`` 1, ``[CLS]`` 2,
     ``[SEP]`` 3, ``[MASK]`` 4) of at most ``vocab`` ids, trained on the corpus; truncates to
@@ -97,16 +97,25 @@ def wordpiece(vocab: int, max_length: int = 512, seed: int = 0):
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_all_texts(seed), trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=specials,
-                                                                        show_progress=False))
+    tok.train_from_iterator(
+        _all_texts(seed), trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False)
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, truncation_side="right",
-                                   pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                                   mask_token="[MASK]")
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=max_length,
+        truncation_side="right",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_bpe(vocab: int, max_length: int = 512, padding_side: str = "right", seed: int = 0):
     """A byte-level BPE fast tokenizer of at most ``vocab`` ids trained on the corpus, as decoder
     embedders tokenize: no BOS, ``<|endoftext|>`` (id 0) appended to every text and used as the
@@ -118,10 +127,18 @@ def byte_bpe(vocab: int, max_length: int = 512, padding_side: str = "right", see
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_all_texts(seed), trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1",
-                                                       special_tokens=[(eos, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, eos_token=eos,
-                                   pad_token=eos, padding_side=padding_side)
+    tok.train_from_iterator(
+        _all_texts(seed),
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=[eos],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1", special_tokens=[(eos, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_max_length=max_length, eos_token=eos, pad_token=eos, padding_side=padding_side
+    )

@@ -37,8 +37,14 @@ def build(count: int, seed: int = 0):
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, model_max_length=512)
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                        intermediate_size=1536, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+    )
     with tempfile.TemporaryDirectory(prefix="ragged_cpu_embed_") as tmp:
         BertModel(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -66,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     default = torch.get_num_threads()
     original, converted, texts = build(args.texts)
-    print(f"host: {cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}, default threads {default}; "
-          f"{args.texts} texts, batch {args.batch}, median of {args.repeats}")
+    print(
+        f"host: {cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}, default threads {default}; "
+        f"{args.texts} texts, batch {args.batch}, median of {args.repeats}"
+    )
     counts = sorted({1, default})
     for threads in counts:  # warm-up, and the two models must agree
         torch.set_num_threads(threads)
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
             wall = statistics.median(w for w, _ in runs[(threads, name)])
             cpu = statistics.median(c for _, c in runs[(threads, name)])
             base = base or wall
-            print(f"{threads:>7}  {name:<9}  {args.texts / wall:>8.0f}  {wall:>7.2f}  {cpu:>7.2f}  {base / wall:>7.2f}x")
+            print(
+                f"{threads:>7}  {name:<9}  {args.texts / wall:>8.0f}  {wall:>7.2f}  {cpu:>7.2f}  {base / wall:>7.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.ddp_report import (BALANCED, PADDED, ROWS, SCALING_TARGET, SPREAD_TARGET,  # noqa: F401  (re-exported)
-                               UNBALANCED, derive, markdown)
+from bench.ddp_report import (
+    BALANCED,
+    PADDED,
+    ROWS,
+    SPREAD_TARGET,  # noqa: F401  (re-exported)
+    derive,
+    markdown,
+)
 from bench.suites.hf import BERT_BASE, LLAMA_05B, SEED, TINY_BERT, TINY_LLAMA, Lengths, pad_batch, quiet
 
 COLLECTIVE_TIMEOUT_S = 300  # init and every collective; a stuck row is stopped by the parent sooner
@@ -106,13 +112,34 @@ class Spec:
 def workloads(on_gpu: bool, quick: bool) -> dict[str, Spec]:
     if on_gpu:
         steps = 8 if quick else 32
-        return {"fine-tune": Spec("fine-tune", BERT_BASE, torch.bfloat16, Lengths(16, 512, 96, 1.0), 32,
-                                  1024 if quick else 4096, steps, 3, dropout=0.1),
-                "lm": Spec("lm", LLAMA_05B, torch.bfloat16, Lengths(32, 2048, 256, 1.0), 8, 192 if quick else 448,
-                           steps if quick else 24, 3)}
+        return {
+            "fine-tune": Spec(
+                "fine-tune",
+                BERT_BASE,
+                torch.bfloat16,
+                Lengths(16, 512, 96, 1.0),
+                32,
+                1024 if quick else 4096,
+                steps,
+                3,
+                dropout=0.1,
+            ),
+            "lm": Spec(
+                "lm",
+                LLAMA_05B,
+                torch.bfloat16,
+                Lengths(32, 2048, 256, 1.0),
+                8,
+                192 if quick else 448,
+                steps if quick else 24,
+                3,
+            ),
+        }
     steps = 3 if quick else 8
-    return {"fine-tune": Spec("fine-tune", TINY_BERT, torch.float32, Lengths(4, 48, 12, 0.8), 4, 32, steps, 2),
-            "lm": Spec("lm", TINY_LLAMA, torch.float32, Lengths(4, 64, 16, 0.8), 4, 32, steps, 2)}
+    return {
+        "fine-tune": Spec("fine-tune", TINY_BERT, torch.float32, Lengths(4, 48, 12, 0.8), 4, 32, steps, 2),
+        "lm": Spec("lm", TINY_LLAMA, torch.float32, Lengths(4, 64, 16, 0.8), 4, 32, steps, 2),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -141,7 +168,7 @@ def plan(spec: Spec, row: str, lengths: list[int], world: int, rank: int) -> lis
     from torch.utils.data import DistributedSampler
 
     order = list(DistributedSampler(range(len(lengths)), num_replicas=world, rank=rank, shuffle=True, seed=0))
-    return [order[i:i + spec.per_rank] for i in range(0, len(order) - spec.per_rank + 1, spec.per_rank)]
+    return [order[i : i + spec.per_rank] for i in range(0, len(order) - spec.per_rank + 1, spec.per_rank)]
 
 
 def items(spec: Spec, lengths: list[int]):
@@ -153,7 +180,7 @@ def items(spec: Spec, lengths: list[int]):
     starts = np.concatenate(([0], np.cumsum(lengths)))
 
     def item(i: int) -> dict:
-        out = {"input_ids": ids[starts[i]:starts[i + 1]].tolist()}
+        out = {"input_ids": ids[starts[i] : starts[i + 1]].tolist()}
         if spec.name == "fine-tune":
             out["labels"] = int(labels[i])
         return out
@@ -185,8 +212,9 @@ def _build(job: Job, device: torch.device):
         torch.manual_seed(SEED)
         with torch.device(device):
             if spec.name == "fine-tune":
-                config = spec.model.config(num_labels=2, hidden_dropout_prob=spec.dropout,
-                                           attention_probs_dropout_prob=spec.dropout)
+                config = spec.model.config(
+                    num_labels=2, hidden_dropout_prob=spec.dropout, attention_probs_dropout_prob=spec.dropout
+                )
                 model = BertForSequenceClassification(config)
             else:
                 model = LlamaForCausalLM(spec.model.config())
@@ -201,6 +229,7 @@ def _build(job: Job, device: torch.device):
             model.set_attn_implementation("ragged")
 
     if not ragged_row:
+
         def make(seqs):
             batch = pad_batch(seqs, ("input_ids",), 0, labels=spec.name == "lm")
             if spec.name == "fine-tune":
@@ -237,7 +266,7 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
     spec, cuda = job.spec, device.type == "cuda"
     lengths = dataset_lengths(spec, job.sequences)
     item = items(spec, lengths)
-    batches = plan(spec, job.row, lengths, job.world, rank)[:spec.warmup + job.steps]
+    batches = plan(spec, job.row, lengths, job.world, rank)[: spec.warmup + job.steps]
     if len(batches) < spec.warmup + job.steps:
         raise RuntimeError(f"rank {rank}: {len(batches)} batches, {spec.warmup + job.steps} needed")
     model, make = _build(job, device)
@@ -270,19 +299,19 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
     first_loss = float(first.detach())
     opt.zero_grad(set_to_none=True)
     ddp.train()
-    losses = [step(b) for b in host[1:spec.warmup]]
+    losses = [step(b) for b in host[1 : spec.warmup]]
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     sync(), barrier(), sync()
     start = time.perf_counter()
-    losses += [step(b) for b in host[spec.warmup:]]
+    losses += [step(b) for b in host[spec.warmup :]]
     sync()
     wall = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     losses = [float(x) for x in torch.stack(losses).cpu()] if losses else []
 
     local = []  # each rank's own forward + backward, no communication
-    for b in host[spec.warmup:]:
+    for b in host[spec.warmup :]:
         barrier()
         batch = _apply(b, "to", device, non_blocking=True)
         sync()
@@ -292,10 +321,18 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
         sync()
         local.append(time.perf_counter() - t)
         opt.zero_grad(set_to_none=True)
-    timed = counts[spec.warmup:]
-    return {"tokens": sum(c[0] for c in timed), "computed_tokens": sum(c[1] for c in timed),
-            "sequences": sum(len(b) for b in batches[spec.warmup:]), "wall_s": wall, "local_s": local,
-            "first_loss": first_loss, "losses": losses, "peak_gib": peak, "step_tokens": [c[0] for c in timed]}
+    timed = counts[spec.warmup :]
+    return {
+        "tokens": sum(c[0] for c in timed),
+        "computed_tokens": sum(c[1] for c in timed),
+        "sequences": sum(len(b) for b in batches[spec.warmup :]),
+        "wall_s": wall,
+        "local_s": local,
+        "first_loss": first_loss,
+        "losses": losses,
+        "peak_gib": peak,
+        "step_tokens": [c[0] for c in timed],
+    }
 
 
 def _own_cores(rank: int, world: int) -> None:
@@ -305,7 +342,7 @@ def _own_cores(rank: int, world: int) -> None:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:  # no affinity control on this platform: threads only
         cores = list(range(os.cpu_count() or 1))
-    share = cores[rank * len(cores) // world:(rank + 1) * len(cores) // world] or cores
+    share = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world] or cores
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, share)
     torch.set_num_threads(max(1, len(share)))
@@ -322,9 +359,13 @@ def _worker(rank: int, world: int, device_type: str, jobs: list[Job], init_file:
         if device_type == "cuda":
             torch.cuda.set_device(device)
         _own_cores(rank, world)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                                rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         for index, job in enumerate(jobs):
             results.put(("ok", index, rank, run_row(job, rank, device)))
             gc.collect()  # the row's model, DDP and optimizer, before the next row's
@@ -363,8 +404,10 @@ def run_group(jobs: list[Job], world: int, device_type: str, timeout_s: float, g
     results = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="bench-ddp-")
     init_file = os.path.join(folder, "rendezvous")
-    procs = [ctx.Process(target=_worker, args=(r, world, device_type, jobs, init_file, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, device_type, jobs, init_file, results), daemon=True)
+        for r in range(world)
+    ]
     got: dict[tuple[int, int], tuple[str, Any]] = {}
     problem, failed_at, deadline = None, None, time.monotonic() + timeout_s
     try:
@@ -373,8 +416,9 @@ def run_group(jobs: list[Job], world: int, device_type: str, timeout_s: float, g
         while any(p.is_alive() for p in procs):
             _drain(results, got, 0.5)
             now = time.monotonic()
-            if failed_at is None and (any(s == "error" for s, _ in got.values())
-                                      or any(p.exitcode not in (None, 0) for p in procs)):
+            if failed_at is None and (
+                any(s == "error" for s, _ in got.values()) or any(p.exitcode not in (None, 0) for p in procs)
+            ):
                 failed_at = now
             if failed_at is not None and now - failed_at > grace_s:
                 problem = f"stopped {grace_s:.0f} s after a rank failed"
@@ -399,8 +443,15 @@ def run_group(jobs: list[Job], world: int, device_type: str, timeout_s: float, g
             continue
         errors = [f"rank {r}: {payload}" for r, (s, payload) in enumerate(status) if s == "error"]
         if first_missing:  # the first row left incomplete: what stopped it (a crash says nothing)
-            crashed = [] if errors else [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs)
-                                         if p.exitcode not in (0, None) and not (problem and p.exitcode == -9)]
+            crashed = (
+                []
+                if errors
+                else [
+                    f"rank {r} exited with code {p.exitcode}"
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (0, None) and not (problem and p.exitcode == -9)
+                ]
+            )
             errors += ([problem] if problem else []) + crashed
         first_missing = False
         out.append({"error": "; ".join(errors) or "not run: an earlier row of the same processes failed"})
@@ -418,15 +469,22 @@ def summarize(job: Job, result: dict) -> dict:
     spec, warm, W = job.spec, job.spec.warmup, job.world
     lengths = dataset_lengths(spec, job.sequences)
     arr = np.asarray(lengths)
-    plans = [plan(spec, job.row, lengths, W, r)[warm:warm + job.steps] for r in range(W)]
+    plans = [plan(spec, job.row, lengths, W, r)[warm : warm + job.steps] for r in range(W)]
     real = np.array([[int(arr[b].sum()) for b in p] for p in plans]).T  # [steps, W]
     computed = np.array([[len(b) * int(arr[b].max()) for b in p] for p in plans]).T if job.row == PADDED else real
-    row = {"workload": spec.name, "world": W, "impl": job.row, "steps": job.steps, "warmup": warm,
-           "planned_tokens": int(real.sum()), "planned_computed_tokens": int(computed.sum()),
-           "load_ratio": _load_ratio(computed)}
+    row = {
+        "workload": spec.name,
+        "world": W,
+        "impl": job.row,
+        "steps": job.steps,
+        "warmup": warm,
+        "planned_tokens": int(real.sum()),
+        "planned_computed_tokens": int(computed.sum()),
+        "load_ratio": _load_ratio(computed),
+    }
     if job.row == BALANCED:
         bal = sampler(spec, lengths, W, 0).balance()
-        row["load_ratio"] = float(bal.ratio[warm:warm + job.steps].mean())
+        row["load_ratio"] = float(bal.ratio[warm : warm + job.steps].mean())
         row["epoch_balance"] = {"mean": bal.mean, "worst": bal.worst, "efficiency": bal.efficiency}
     if "error" in result:
         return {**row, "status": "failed", "error": result["error"]}
@@ -436,15 +494,29 @@ def summarize(job: Job, result: dict) -> dict:
     local = np.array([r["local_s"] for r in ranks])  # [W, steps]
     spread = float((local.max(0) - local.min(0)).mean()) if local.size else 0.0
     step_s = wall / job.steps
-    row.update(status="ok", ranks=ranks, wall_s=wall, tokens=tokens, sequences=seqs,
-               computed_tokens=sum(r["computed_tokens"] for r in ranks), tokens_per_s_per_rank=tokens / wall / W,
-               sequences_per_s_per_rank=seqs / wall / W, step_ms=step_s * 1e3, spread_ms=spread * 1e3,
-               spread_fraction=spread / step_s, local_ms=float(local.mean() * 1e3),
-               first_loss=float(np.mean([r["first_loss"] for r in ranks])),
-               peak_gib=max((r["peak_gib"] or 0.0) for r in ranks) if ranks[0]["peak_gib"] is not None else None)
+    row.update(
+        status="ok",
+        ranks=ranks,
+        wall_s=wall,
+        tokens=tokens,
+        sequences=seqs,
+        computed_tokens=sum(r["computed_tokens"] for r in ranks),
+        tokens_per_s_per_rank=tokens / wall / W,
+        sequences_per_s_per_rank=seqs / wall / W,
+        step_ms=step_s * 1e3,
+        spread_ms=spread * 1e3,
+        spread_fraction=spread / step_s,
+        local_ms=float(local.mean() * 1e3),
+        first_loss=float(np.mean([r["first_loss"] for r in ranks])),
+        peak_gib=max((r["peak_gib"] or 0.0) for r in ranks) if ranks[0]["peak_gib"] is not None else None,
+    )
     if tokens != row["planned_tokens"] or not all(math.isfinite(x) for r in ranks for x in r["losses"]):
-        row.update(status="failed", error=f"fed {tokens} real tokens, the plan holds {row['planned_tokens']}"
-                   if tokens != row["planned_tokens"] else "a loss is not finite")
+        row.update(
+            status="failed",
+            error=f"fed {tokens} real tokens, the plan holds {row['planned_tokens']}"
+            if tokens != row["planned_tokens"]
+            else "a loss is not finite",
+        )
     return row
 
 
@@ -471,9 +543,14 @@ def run_jobs(jobs: list[Job], worlds: list[int], device_type: str, per_row: bool
     results: dict[Job, dict] = {}
     for W in worlds:
         mine = [j for j in jobs if j.world == W and j.steps > 0]
-        results.update({j: {"error": f"the dataset gives fewer than {j.spec.warmup + 1} batches per rank"}
-                        for j in jobs if j.world == W and j.steps == 0})
-        for group in ([[j] for j in mine] if per_row else [mine] if mine else []):
+        results.update(
+            {
+                j: {"error": f"the dataset gives fewer than {j.spec.warmup + 1} batches per rank"}
+                for j in jobs
+                if j.world == W and j.steps == 0
+            }
+        )
+        for group in [[j] for j in mine] if per_row else [mine] if mine else []:
             t = time.perf_counter()
             results.update(zip(group, run_group(group, W, device_type, row_timeout * len(group))))
             names = ", ".join(f"{j.spec.name} / {j.row}" for j in group)
@@ -483,15 +560,19 @@ def run_jobs(jobs: list[Job], worlds: list[int], device_type: str, per_row: bool
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.ddp", description=__doc__.splitlines()[0])
-    p.add_argument("--gpus", type=int, nargs="+", metavar="W",
-                   help="world sizes (default: 1..the GPU count; on CPU: 1 2)")
+    p.add_argument(
+        "--gpus", type=int, nargs="+", metavar="W", help="world sizes (default: 1..the GPU count; on CPU: 1 2)"
+    )
     p.add_argument("--workload", nargs="+", choices=("fine-tune", "lm"), default=["fine-tune", "lm"])
     p.add_argument("--quick", action="store_true", help="fewer steps and smaller datasets")
     p.add_argument("--out", type=Path, metavar="FILE.md", help="write the table here and the raw numbers to FILE.json")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--steps", type=int, metavar="N", help="timed steps per rank at most")
-    p.add_argument("--processes", choices=("row", "world"),
-                   help="fresh processes per row, or per world size (default: row on CUDA, world on CPU)")
+    p.add_argument(
+        "--processes",
+        choices=("row", "world"),
+        help="fresh processes per row, or per world size (default: row on CUDA, world on CPU)",
+    )
     return p.parse_args(argv)
 
 
@@ -517,17 +598,25 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     import transformers
 
-    env = {**envmod.collect(device), "transformers": transformers.__version__,
-           **{k: os.environ.get(k) for k in ENV_DEFAULTS}}
-    print(f"device: {envmod.device_label(env)}  torch {env['torch']}  transformers {env['transformers']}  "
-          f"commit {(env['git_commit'] or 'unknown')[:12]}", flush=True)
+    env = {
+        **envmod.collect(device),
+        "transformers": transformers.__version__,
+        **{k: os.environ.get(k) for k in ENV_DEFAULTS},
+    }
+    print(
+        f"device: {envmod.device_label(env)}  torch {env['torch']}  transformers {env['transformers']}  "
+        f"commit {(env['git_commit'] or 'unknown')[:12]}",
+        flush=True,
+    )
 
     jobs = plan_jobs(specs, worlds)
     per_row = (args.processes or ("row" if cuda else "world")) == "row"
     results = run_jobs(jobs, worlds, "cuda" if cuda else "cpu", per_row)
     order = list(specs)
-    rows = [summarize(j, results[j]) for j in sorted(jobs, key=lambda j: (order.index(j.spec.name), j.world,
-                                                                            ROWS.index(j.row)))]
+    rows = [
+        summarize(j, results[j])
+        for j in sorted(jobs, key=lambda j: (order.index(j.spec.name), j.world, ROWS.index(j.row)))
+    ]
     derive(rows, cuda)
     args_text = " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, env, specs, args_text)
@@ -536,10 +625,25 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         sizes = {k: s.dataset_size(max(worlds)) for k, s in specs.items()}
-        doc = {"env": env, "args": args_text, "worlds": worlds, "rows": rows, "workloads": {
-            k: {"model": s.model.name(), "dtype": str(s.dtype), "lengths": dataclasses.asdict(s.lengths),
-                "per_rank": s.per_rank, "warmup": s.warmup, "dropout": s.dropout, "sequences": sizes[k],
-                "budget": budget(s, dataset_lengths(s, sizes[k]))} for k, s in specs.items()}}
+        doc = {
+            "env": env,
+            "args": args_text,
+            "worlds": worlds,
+            "rows": rows,
+            "workloads": {
+                k: {
+                    "model": s.model.name(),
+                    "dtype": str(s.dtype),
+                    "lengths": dataclasses.asdict(s.lengths),
+                    "per_rank": s.per_rank,
+                    "warmup": s.warmup,
+                    "dropout": s.dropout,
+                    "sequences": sizes[k],
+                    "budget": budget(s, dataset_lengths(s, sizes[k])),
+                }
+                for k, s in specs.items()
+            },
+        }
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
         print(f"written to {args.out} and {args.out.with_suffix('.json')}")
     failed = [r for r in rows if r["status"] != "ok"]

@@ -35,10 +35,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_TARGET_S, RATE_TARGET = 8.0, 0.5
-_TIME = re.compile(r"time: imports ([\d.]+) s, input ([\d.]+) s, model ([\d.]+) s, embedding ([\d.]+) s "
-                   r"\((\d+) CUDA graphs? captured\), output ([\d.]+) s, other (-?[\d.]+) s")
-_LAST = re.compile(r"embedded (\d+) texts \((\d+) tokens\) in ([\d.]+) s: ([\d.]+) texts/s, ([\d.]+) tokens/s; "
-                   r"whole run ([\d.]+) s: ([\d.]+) texts/s")
+_TIME = re.compile(
+    r"time: imports ([\d.]+) s, input ([\d.]+) s, model ([\d.]+) s, embedding ([\d.]+) s "
+    r"\((\d+) CUDA graphs? captured\), output ([\d.]+) s, other (-?[\d.]+) s"
+)
+_LAST = re.compile(
+    r"embedded (\d+) texts \((\d+) tokens\) in ([\d.]+) s: ([\d.]+) texts/s, ([\d.]+) tokens/s; "
+    r"whole run ([\d.]+) s: ([\d.]+) texts/s"
+)
 
 
 def texts(n: int) -> list[str]:
@@ -63,8 +67,14 @@ def build_model(folder: str, tiny: bool) -> str:
     vocab, width, layers, heads = (1000, 32, 2, 4) if tiny else (30522, 384, 6, 12)
     tokenizer = corpus.wordpiece(vocab, 512)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=4 * width, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        max_position_embeddings=512,
+    )
     bert_dir = os.path.join(folder, "bert")
     BertModel(config).save_pretrained(bert_dir)
     tokenizer.save_pretrained(bert_dir)
@@ -78,9 +88,13 @@ def build_model(folder: str, tiny: bool) -> str:
 def run_command(model: str, corpus_path: str, device: str, dtype: str | None, cache: str, profile: str | None):
     """One fresh ``python -m ragged.embed``: its wall time from here and its last two lines, parsed."""
     out = corpus_path + ".npy"
-    shutil.rmtree(out + ".parts", ignore_errors=True)      # a run of another corpus left behind
-    env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"), CUPY_CACHE_DIR=os.path.join(cache, "cupy"),
-               RAGGED_CACHE_DIR=os.path.join(cache, "ragged"))
+    shutil.rmtree(out + ".parts", ignore_errors=True)  # a run of another corpus left behind
+    env = dict(
+        os.environ,
+        TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+        CUPY_CACHE_DIR=os.path.join(cache, "cupy"),
+        RAGGED_CACHE_DIR=os.path.join(cache, "ragged"),
+    )
     cmd = [sys.executable] + (["-X", "importtime", "-m", "cProfile", "-o", profile + ".prof"] if profile else [])
     cmd += ["-m", "ragged.embed", model, corpus_path, out, "--device", device, "--no-progress"]
     cmd += ["--dtype", dtype] if dtype else []
@@ -99,8 +113,13 @@ def run_command(model: str, corpus_path: str, device: str, dtype: str | None, ca
     phases = _TIME.fullmatch(lines[-2]) if len(lines) > 1 else None
     if last:
         n, tokens, s, rate, _, whole, _ = last.groups()
-        row.update(texts=int(n), tokens=int(tokens), embedding_s=float(s), embedding_texts_per_s=float(rate),
-                   whole_run_s=float(whole))
+        row.update(
+            texts=int(n),
+            tokens=int(tokens),
+            embedding_s=float(s),
+            embedding_texts_per_s=float(rate),
+            whole_run_s=float(whole),
+        )
     if phases:
         names = ("imports_s", "input_s", "model_s", "embedding_phase_s", "graphs", "output_s", "other_s")
         row.update({k: (int(v) if k == "graphs" else float(v)) for k, v in zip(names, phases.groups())})
@@ -112,10 +131,11 @@ def child_encode(model: str, corpus_path: str, device: str, dtype: str | None, r
     """In this process: the model loaded and converted once, ``encode`` and ``embed`` of the texts,
     one warm-up call each, then ``repeats`` timed calls; medians."""
     import numpy as np
-    import ragged.nn
     import torch
-    from ragged.nn.hf.sentence_pipeline import embed
     from sentence_transformers import SentenceTransformer
+
+    import ragged.nn
+    from ragged.nn.hf.sentence_pipeline import embed
 
     with open(corpus_path, encoding="utf-8") as f:
         data = f.read().split("\n")[:-1]
@@ -148,24 +168,34 @@ def child_encode(model: str, corpus_path: str, device: str, dtype: str | None, r
 def _markdown(result: dict) -> str:
     env, lines = result["env"], []
     lines.append(f"# python -m ragged.embed, whole run against encode ({result['model']})\n")
-    lines.append(f"{env['device_name']}, host CPU {env['cpu_name']} ({env['cpu_count']} cores), torch {env['torch']}, "
-                 f"commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, {env['date']}\n")
-    lines.append("Corpus: " + result["corpus"] + ". Each run a fresh process timed from its parent; 'cold': empty "
-                 "kernel caches.\n")
-    lines.append("| texts | run | wall (s) | wall texts/s | whole run (s) | imports | input | model | embedding "
-                 "(graphs) | output | other | embedding texts/s |")
+    lines.append(
+        f"{env['device_name']}, host CPU {env['cpu_name']} ({env['cpu_count']} cores), torch {env['torch']}, "
+        f"commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, {env['date']}\n"
+    )
+    lines.append(
+        "Corpus: " + result["corpus"] + ". Each run a fresh process timed from its parent; 'cold': empty "
+        "kernel caches.\n"
+    )
+    lines.append(
+        "| texts | run | wall (s) | wall texts/s | whole run (s) | imports | input | model | embedding "
+        "(graphs) | output | other | embedding texts/s |"
+    )
     lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["runs"]:
-        lines.append(f"| {r['n']} | {r['run']} | {r['wall_s']:.2f} | {r['n'] / r['wall_s']:,.0f} | "
-                     f"{r.get('whole_run_s', float('nan')):.2f} | {r.get('imports_s', float('nan')):.2f} | "
-                     f"{r.get('input_s', float('nan')):.2f} | {r.get('model_s', float('nan')):.2f} | "
-                     f"{r.get('embedding_phase_s', float('nan')):.2f} ({r.get('graphs', '?')}) | "
-                     f"{r.get('output_s', float('nan')):.2f} | {r.get('other_s', float('nan')):.2f} | "
-                     f"{r.get('embedding_texts_per_s', float('nan')):,.0f} |")
+        lines.append(
+            f"| {r['n']} | {r['run']} | {r['wall_s']:.2f} | {r['n'] / r['wall_s']:,.0f} | "
+            f"{r.get('whole_run_s', float('nan')):.2f} | {r.get('imports_s', float('nan')):.2f} | "
+            f"{r.get('input_s', float('nan')):.2f} | {r.get('model_s', float('nan')):.2f} | "
+            f"{r.get('embedding_phase_s', float('nan')):.2f} ({r.get('graphs', '?')}) | "
+            f"{r.get('output_s', float('nan')):.2f} | {r.get('other_s', float('nan')):.2f} | "
+            f"{r.get('embedding_texts_per_s', float('nan')):,.0f} |"
+        )
     enc = result["encode"]
-    lines.append(f"\nIn-process, {result['largest']} texts: encode {enc['encode_texts_per_s']:,.0f} texts/s "
-                 f"(first call {enc['encode_first_s']:.2f} s), sentence_pipeline.embed "
-                 f"{enc['embed_texts_per_s']:,.0f} texts/s (first call {enc['embed_first_s']:.2f} s).\n")
+    lines.append(
+        f"\nIn-process, {result['largest']} texts: encode {enc['encode_texts_per_s']:,.0f} texts/s "
+        f"(first call {enc['encode_first_s']:.2f} s), sentence_pipeline.embed "
+        f"{enc['embed_texts_per_s']:,.0f} texts/s (first call {enc['embed_first_s']:.2f} s).\n"
+    )
     for t in result["targets"]:
         lines.append(f"- {t['what']}: {t['value']:.3g} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines) + "\n"
@@ -213,24 +243,49 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_command(model, path, device, args.dtype, cache, profile)
                 row.update(n=n, run="cold" if k == 0 else "warm")
                 runs.append(row)
-                print(f"{n} texts, {row['run']}: wall {row['wall_s']:.2f} s; " + " | ".join(row["last_lines"]),
-                      flush=True)
+                print(
+                    f"{n} texts, {row['run']}: wall {row['wall_s']:.2f} s; " + " | ".join(row["last_lines"]), flush=True
+                )
         big = os.path.join(tmp, f"corpus_{sizes[-1]}.txt")
-        cmd = [sys.executable, os.path.abspath(__file__), "--device", device, "--repeats", str(max(1, args.repeats)),
-               "--child-encode", model, big] + (["--dtype", args.dtype] if args.dtype else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--device",
+            device,
+            "--repeats",
+            str(max(1, args.repeats)),
+            "--child-encode",
+            model,
+            big,
+        ] + (["--dtype", args.dtype] if args.dtype else [])
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"bench.embed_wall: the in-process encode failed: {done.stderr[-3000:]}")
         enc = json.loads(done.stdout.strip().splitlines()[-1])
     best = {n: min(r["wall_s"] for r in runs if r["n"] == n) for n in sizes}
-    targets = [{"what": f"{sizes[0]} texts end to end, best wall (s)", "value": best[sizes[0]],
-                "target": f"<= {SMALL_TARGET_S}", "met": best[sizes[0]] <= SMALL_TARGET_S},
-               {"what": f"{sizes[-1]} texts, best wall rate / encode's in-process rate",
-                "value": sizes[-1] / best[sizes[-1]] / enc["encode_texts_per_s"], "target": f">= {RATE_TARGET}",
-                "met": sizes[-1] / best[sizes[-1]] / enc["encode_texts_per_s"] >= RATE_TARGET}]
-    result = {"env": env.collect(torch.device(device)), "model": args.model or ("tiny random BERT" if args.tiny else
-              "random all-MiniLM-L6-v2-shaped BERT"), "corpus": corpus.describe(), "largest": sizes[-1],
-              "runs": runs, "encode": enc, "targets": targets}
+    targets = [
+        {
+            "what": f"{sizes[0]} texts end to end, best wall (s)",
+            "value": best[sizes[0]],
+            "target": f"<= {SMALL_TARGET_S}",
+            "met": best[sizes[0]] <= SMALL_TARGET_S,
+        },
+        {
+            "what": f"{sizes[-1]} texts, best wall rate / encode's in-process rate",
+            "value": sizes[-1] / best[sizes[-1]] / enc["encode_texts_per_s"],
+            "target": f">= {RATE_TARGET}",
+            "met": sizes[-1] / best[sizes[-1]] / enc["encode_texts_per_s"] >= RATE_TARGET,
+        },
+    ]
+    result = {
+        "env": env.collect(torch.device(device)),
+        "model": args.model or ("tiny random BERT" if args.tiny else "random all-MiniLM-L6-v2-shaped BERT"),
+        "corpus": corpus.describe(),
+        "largest": sizes[-1],
+        "runs": runs,
+        "encode": enc,
+        "targets": targets,
+    }
     prefix = args.out or f"embed_wall_{result['env']['device_slug']}"
     with open(prefix + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -28,8 +28,7 @@ def _git(*args: str, root: Path | None = None) -> str | None:
     root = REPO_ROOT if root is None else root
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                              env=env)
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -87,8 +86,12 @@ def gpu_clocks(device: torch.device) -> dict[str, float]:
     # the device by UUID (CUDA_VISIBLE_DEVICES may renumber), else by index
     for target in (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", str(index)):
         try:
-            done = subprocess.run(["nvidia-smi", f"--id={target}", "--query-gpu=clocks.sm,power.draw",
-                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+            done = subprocess.run(
+                ["nvidia-smi", f"--id={target}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
             sm, power = (float(v) for v in done.stdout.strip().splitlines()[0].split(","))
             break
         except (OSError, subprocess.SubprocessError, IndexError, ValueError):
@@ -125,8 +128,9 @@ def cpu_name() -> str:
         pass
     if shutil.which("lscpu"):
         try:
-            done = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5,
-                                  env={**os.environ, "LC_ALL": "C"})
+            done = subprocess.run(
+                ["lscpu"], capture_output=True, text=True, timeout=5, env={**os.environ, "LC_ALL": "C"}
+            )
             for line in done.stdout.splitlines():
                 key, sep, value = line.partition(":")
                 if sep and key.strip() == "Model name" and value.strip() not in ("", "-"):

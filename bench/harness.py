@@ -34,11 +34,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from typing import Any, Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 
 from .measure import (  # noqa: F401  (re-exported: the suites read them here)
+    Timing,
     gb_per_s,
     gpu_busy_ms,
     median_ms,
@@ -47,7 +49,6 @@ from .measure import (  # noqa: F401  (re-exported: the suites read them here)
     settle,
     short_median_ms,
     synchronize,
-    Timing,
 )
 
 KINDS = ("ragged", "baseline", "ceiling")
@@ -60,13 +61,24 @@ run here (reason given). A case that could not be built at all gives one row of 
 ``"case"``."""
 
 DTYPES: dict[str, torch.dtype] = {
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "long": torch.int64,
-    "int32": torch.int32, "int": torch.int32,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
 }
 
 _SHORT_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -160,8 +172,9 @@ def exact_match(out: Any, ref: Any) -> str | None:
     return f"{wrong} of {ref.numel()} elements differ from the reference"
 
 
-def max_error_compare(names: tuple[str, ...], flatten: Callable[[Any], torch.Tensor], tol: float,
-                      absolute: tuple[str, ...] = ()) -> Callable[[Any, Any], str | None]:
+def max_error_compare(
+    names: tuple[str, ...], flatten: Callable[[Any], torch.Tensor], tol: float, absolute: tuple[str, ...] = ()
+) -> Callable[[Any, Any], str | None]:
     """A ``Workload.compare`` for outputs that are close, not equal, to their references.
 
     ``out`` is one output or a tuple of them (named ``names``), ``ref`` a tuple of float
@@ -278,10 +291,10 @@ class Suite:
         """Allocate the inputs of ``case`` on ``config.device`` and list its implementations."""
         raise NotImplementedError
 
-    def annotate(self, case: Case, rows: list["Row"]) -> None:
+    def annotate(self, case: Case, rows: list[Row]) -> None:
         """Called with the rows of ``case`` after speedups are derived (default: nothing)."""
 
-    def console_notes(self, rows: list["Row"]) -> list[str]:
+    def console_notes(self, rows: list[Row]) -> list[str]:
         """Lines printed under the suite's compact table (CPU runs), for what its ``extra``
         columns say that the table leaves out (default: none)."""
         return []
@@ -523,16 +536,22 @@ def _retime_copy(fn: Callable[[], Any], row: Row, config: Config) -> None:
             row.gbps = gb_per_s(row.bytes, ms)
 
 
-def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: bool,
-                 case_copy: Row | None = None) -> None:
+def _add_derived(
+    rows: list[Row], ceiling: CopyCeiling | None, memory_bound: bool, case_copy: Row | None = None
+) -> None:
     """% copy (memory-bound suites) and speedups of ragged rows over baselines (those of
     ``Row.versus`` where a row names them).
 
     % copy divides a row's GB/s by ``ceiling``'s when given, else by that of
     ``case_copy`` (the case's plain copy of the same bytes) when it ran."""
     baselines = {r.impl: r.median_ms for r in rows if r.kind == "baseline" and r.status == "ok"}
-    copy_gbps = ceiling.gbps if ceiling is not None else \
-        case_copy.gbps if case_copy is not None and case_copy.status == "ok" else None
+    copy_gbps = (
+        ceiling.gbps
+        if ceiling is not None
+        else case_copy.gbps
+        if case_copy is not None and case_copy.status == "ok"
+        else None
+    )
     for r in rows:
         if r.status != "ok":
             continue
@@ -540,16 +559,22 @@ def _add_derived(rows: list[Row], ceiling: CopyCeiling | None, memory_bound: boo
             r.copy_gbps = copy_gbps
             r.pct_of_copy = 100.0 * r.gbps / copy_gbps
         if r.kind == "ragged":
-            r.speedup = {name: ms / r.median_ms for name, ms in baselines.items()
-                         if r.versus is None or name in r.versus}
+            r.speedup = {
+                name: ms / r.median_ms for name, ms in baselines.items() if r.versus is None or name in r.versus
+            }
 
 
-def run_suite(suite: Suite, config: Config, ceiling: CopyCeiling | None, cases: Iterable[Case] | None = None,
-              hooks: Hooks | None = None) -> list[Row]:
+def run_suite(
+    suite: Suite,
+    config: Config,
+    ceiling: CopyCeiling | None,
+    cases: Iterable[Case] | None = None,
+    hooks: Hooks | None = None,
+) -> list[Row]:
     """Run every case of ``suite`` (or the given ``cases``); one :class:`Row` per implementation."""
     hooks = hooks or Hooks()
     rows: list[Row] = []
-    for case in (suite.cases(config) if cases is None else cases):
+    for case in suite.cases(config) if cases is None else cases:
         case_rows, case_copy = _run_case(suite, case, config, hooks)
         _add_derived(case_rows, ceiling, suite.memory_bound, case_copy)
         suite.annotate(case, case_rows)
@@ -570,9 +595,15 @@ def _run_case(suite: Suite, case: Case, config: Config, hooks: Hooks) -> tuple[l
     case_rows, case_copy, copy_fn = [], None, None
     for impl in workload.impls:
         hooks.on_impl(case, impl)
-        row = Row(**base, impl=impl.name, kind=impl.kind, status="skipped",
-                  bytes=workload.bytes_moved, flops=workload.flops,
-                  versus=None if impl.versus is None else list(impl.versus))
+        row = Row(
+            **base,
+            impl=impl.name,
+            kind=impl.kind,
+            status="skipped",
+            bytes=workload.bytes_moved,
+            flops=workload.flops,
+            versus=None if impl.versus is None else list(impl.versus),
+        )
         row = run_impl(impl, workload, row, config)
         if row.status == "failed":
             hooks.on_problem(row)

@@ -107,18 +107,21 @@ print("RESULT " + json.dumps(results))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.ab import commit_of, package
     import torch
 
+    from bench.ab import commit_of, package
     from bench.env import cpu_name, device_name
 
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="a copy of the base tree (python -m bench.ab prepare)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
-    parser.add_argument("--head-label", default=None,
-                        help="what to call this tree in the table (default: its git commit; a copy of a checkout "
-                             "with uncommitted changes, or one whose .git is older than its files, needs this)")
+    parser.add_argument(
+        "--head-label",
+        default=None,
+        help="what to call this tree in the table (default: its git commit; a copy of a checkout "
+        "with uncommitted changes, or one whose .git is older than its files, needs this)",
+    )
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="ragged_kab_"))
     trees = {"base": args.base.resolve(), "head": ROOT}
@@ -135,20 +138,25 @@ def main(argv: list[str] | None = None) -> int:
             if done.returncode != 0 or not line:
                 print(f"round {r + 1} {tree}: failed\n{done.stderr[-3000:]}", flush=True)
                 continue
-            for name, ms in json.loads(line[0][len("RESULT "):]).items():
+            for name, ms in json.loads(line[0][len("RESULT ") :]).items():
                 times.setdefault(name, {}).setdefault(tree, []).append(ms)
             print(f"round {r + 1} {tree}: ok", flush=True)
     gpu = device_name(torch.device("cuda")) if torch.cuda.is_available() else "none"
-    lines = [f"# kernel A/B: base {commits['base']} vs head {commits['head']}, {args.rounds} rounds interleaved",
-             f"GPU {gpu}, host CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}", "",
-             "| workload | base ms (median) | head ms (median) | head / base | base rounds | head rounds |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = [
+        f"# kernel A/B: base {commits['base']} vs head {commits['head']}, {args.rounds} rounds interleaved",
+        f"GPU {gpu}, host CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}",
+        "",
+        "| workload | base ms (median) | head ms (median) | head / base | base rounds | head rounds |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for name, by_tree in times.items():
         b, h = by_tree.get("base", []), by_tree.get("head", [])
         mb = statistics.median(b) if b else float("nan")
         mh = statistics.median(h) if h else float("nan")
-        lines.append(f"| {name} | {mb:.4f} | {mh:.4f} | {mh / mb:.3f} | {', '.join(f'{x:.4f}' for x in b)} | "
-                     f"{', '.join(f'{x:.4f}' for x in h)} |")
+        lines.append(
+            f"| {name} | {mb:.4f} | {mh:.4f} | {mh / mb:.3f} | {', '.join(f'{x:.4f}' for x in b)} | "
+            f"{', '.join(f'{x:.4f}' for x in h)} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:

@@ -36,10 +36,36 @@ from ragged.kernels.triton import attention_hopper as hopper
 from ragged.kernels.triton import attention_hopper_bwd as hopper_bwd
 from ragged.kernels.triton import attention_kernels as kernels
 
-_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA", "cu_q", "cu_k", "block_cum", "seed_ptr",
-             "DIST", "BUCKETS", "PARTIAL"}
-_POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DIST": "*fp32", "PARTIAL": "*fp32", "cu_q": "*i32",
-                  "cu_k": "*i32", "block_cum": "*i32", "BUCKETS": "*i32", "seed_ptr": "*i64"}
+_POINTERS = {
+    "Q",
+    "K",
+    "V",
+    "O",
+    "DO",
+    "DQ",
+    "DK",
+    "DV",
+    "LSE",
+    "DELTA",
+    "cu_q",
+    "cu_k",
+    "block_cum",
+    "seed_ptr",
+    "DIST",
+    "BUCKETS",
+    "PARTIAL",
+}
+_POINTER_TYPES = {
+    "LSE": "*fp32",
+    "DELTA": "*fp32",
+    "DIST": "*fp32",
+    "PARTIAL": "*fp32",
+    "cu_q": "*i32",
+    "cu_k": "*i32",
+    "block_cum": "*i32",
+    "BUCKETS": "*i32",
+    "seed_ptr": "*i64",
+}
 _FLOATS = {"sm_scale", "dropout_p"}
 _COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "SYNCS", "LDL", "STL")
 
@@ -63,8 +89,7 @@ def compile_for(kernel, constants: dict, arch: int, warps: int, stages: int, dty
             signature[name] = "fp32" if name in _FLOATS else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _POINTERS}
     source = ASTSource(fn=fn, signature=signature, constexprs=dict(constants), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps,
-                                                                                    num_stages=stages))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
 def resources(compiled) -> dict:
@@ -73,20 +98,36 @@ def resources(compiled) -> dict:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True, check=True
+        ).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.replace("\n", " "))
-    out = {"regs": int(found.group(1)) if found else -1, "stack": int(found.group(2)) if found else -1,
-           "shared": compiled.metadata.shared}
+    out = {
+        "regs": int(found.group(1)) if found else -1,
+        "stack": int(found.group(2)) if found else -1,
+        "shared": compiled.metadata.shared,
+    }
     out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in _COUNTED})
     return out
 
 
 def _portable_forward(head_dim: int, causal: bool) -> dict:
-    return dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL=causal, WINDOW=False, DROPOUT=False,
-                SEED_PTR=False, BIAS=False, PRECISION="tf32", INLINE=True, CHUNK=16)
+    return dict(
+        GROUP=1,
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim,
+        CAUSAL=causal,
+        WINDOW=False,
+        DROPOUT=False,
+        SEED_PTR=False,
+        BIAS=False,
+        PRECISION="tf32",
+        INLINE=True,
+        CHUNK=16,
+    )
 
 
 def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
@@ -105,35 +146,90 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
             tag = f"D={head_dim} {'causal' if causal else 'full'}"
             if not only or "portable" in only:
                 bm, bn, w, s = launcher._fwd_config(head_dim, 4096, 4096, causal, None, False)
-                add(f"forward (portable) {tag}", (bm, bn, w, s), kernels._fwd_kernel,
-                    dict(_portable_forward(head_dim, causal), BLOCK_M=bm, BLOCK_N=bn), w, s)
+                add(
+                    f"forward (portable) {tag}",
+                    (bm, bn, w, s),
+                    kernels._fwd_kernel,
+                    dict(_portable_forward(head_dim, causal), BLOCK_M=bm, BLOCK_N=bn),
+                    w,
+                    s,
+                )
             if not only or "hopper" in only:
                 for shape in hopper.CONFIGS[head_dim]:
                     bm, bn, w, s, persistent, pipe = shape
-                    add(f"forward (sm_90 TMA) {tag}", shape, hopper._fwd_tma_kernel,
-                        dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WINDOW=False,
-                             DROPOUT=False, SEED_PTR=False, PERSISTENT=persistent, INLINE=True, CHUNK=16,
-                             PIPE=pipe), w, s)
+                    add(
+                        f"forward (sm_90 TMA) {tag}",
+                        shape,
+                        hopper._fwd_tma_kernel,
+                        dict(
+                            GROUP=1,
+                            HEAD_DIM=head_dim,
+                            BLOCK_M=bm,
+                            BLOCK_N=bn,
+                            CAUSAL=causal,
+                            WINDOW=False,
+                            DROPOUT=False,
+                            SEED_PTR=False,
+                            PERSISTENT=persistent,
+                            INLINE=True,
+                            CHUNK=16,
+                            PIPE=pipe,
+                        ),
+                        w,
+                        s,
+                    )
             if not only or "bwd" in only:
                 kv, dq = launcher._bwd_config(head_dim, 4096, 4096, causal, None, False)
                 common = dict(_portable_forward(head_dim, causal))
-                add(f"backward dK/dV (portable) {tag}", kv, kernels._bwd_dkdv_kernel,
-                    dict(common, BLOCK_M=kv[0], BLOCK_N=kv[1]), kv[2], kv[3])
-                add(f"backward dQ (portable) {tag}", dq, kernels._bwd_dq_kernel,
-                    dict(common, BLOCK_M=dq[0], BLOCK_N=dq[1], NUM_BUCKETS=16), dq[2], dq[3])
+                add(
+                    f"backward dK/dV (portable) {tag}",
+                    kv,
+                    kernels._bwd_dkdv_kernel,
+                    dict(common, BLOCK_M=kv[0], BLOCK_N=kv[1]),
+                    kv[2],
+                    kv[3],
+                )
+                add(
+                    f"backward dQ (portable) {tag}",
+                    dq,
+                    kernels._bwd_dq_kernel,
+                    dict(common, BLOCK_M=dq[0], BLOCK_N=dq[1], NUM_BUCKETS=16),
+                    dq[2],
+                    dq[3],
+                )
             if not only or "hopper-bwd" in only:
                 seen = set()
                 for kv, dq in hopper_bwd.CONFIGS[head_dim]:
-                    tma = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, WINDOW=False, DROPOUT=False,
-                               SEED_PTR=False, INLINE=True, CHUNK=16)
+                    tma = dict(
+                        GROUP=1,
+                        HEAD_DIM=head_dim,
+                        CAUSAL=causal,
+                        WINDOW=False,
+                        DROPOUT=False,
+                        SEED_PTR=False,
+                        INLINE=True,
+                        CHUNK=16,
+                    )
                     if ("kv", kv) not in seen:
                         seen.add(("kv", kv))
-                        add(f"backward dK/dV (sm_90 TMA) {tag}", kv, hopper_bwd._bwd_dkdv_tma_kernel,
-                            dict(tma, BLOCK_M=kv[0], BLOCK_N=kv[1]), kv[2], kv[3])
+                        add(
+                            f"backward dK/dV (sm_90 TMA) {tag}",
+                            kv,
+                            hopper_bwd._bwd_dkdv_tma_kernel,
+                            dict(tma, BLOCK_M=kv[0], BLOCK_N=kv[1]),
+                            kv[2],
+                            kv[3],
+                        )
                     if ("dq", dq) not in seen:
                         seen.add(("dq", dq))
-                        add(f"backward dQ (sm_90 TMA) {tag}", dq, hopper_bwd._bwd_dq_tma_kernel,
-                            dict(tma, BLOCK_M=dq[0], BLOCK_N=dq[1]), dq[2], dq[3])
+                        add(
+                            f"backward dQ (sm_90 TMA) {tag}",
+                            dq,
+                            hopper_bwd._bwd_dq_tma_kernel,
+                            dict(tma, BLOCK_M=dq[0], BLOCK_N=dq[1]),
+                            dq[2],
+                            dq[3],
+                        )
     return out
 
 
@@ -142,19 +238,39 @@ def chosen(arch: int) -> list[dict]:
     and with a window or dropout at 128: one record per kernel with its resources (what
     ``tests/test_kernel_resources.py`` checks)."""
     out = []
-    variants = [(d, c, "plain") for d in (64, 128) for c in (False, True)] + [(128, False, "window"),
-                                                                               (128, True, "dropout")]
+    variants = [(d, c, "plain") for d in (64, 128) for c in (False, True)] + [
+        (128, False, "window"),
+        (128, True, "dropout"),
+    ]
     for head_dim, causal, variant in variants:
         bm, bn, w, s, persistent, pipe = hopper.config(head_dim, 4096, causal, False, variant == "window")
         runs = [("forward", (bm, bn, w, s), hopper._fwd_tma_kernel, dict(PERSISTENT=persistent, PIPE=pipe))]
         kv, dq = hopper_bwd.config(head_dim, causal, False, variant == "window", variant == "dropout")
         runs += [("dkdv", kv, hopper_bwd._bwd_dkdv_tma_kernel, {}), ("dq", dq, hopper_bwd._bwd_dq_tma_kernel, {})]
         for name, (bm, bn, w, s), kernel, extra in runs:
-            constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal and variant != "window",
-                             WINDOW=variant == "window", DROPOUT=variant == "dropout", SEED_PTR=False, INLINE=True,
-                             CHUNK=16, **extra)
-            out.append(dict(kernel=name, head_dim=head_dim, causal=causal, variant=variant, shape=[bm, bn, w, s],
-                            **resources(compile_for(kernel, constants, arch, w, s))))
+            constants = dict(
+                GROUP=1,
+                HEAD_DIM=head_dim,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                CAUSAL=causal and variant != "window",
+                WINDOW=variant == "window",
+                DROPOUT=variant == "dropout",
+                SEED_PTR=False,
+                INLINE=True,
+                CHUNK=16,
+                **extra,
+            )
+            out.append(
+                dict(
+                    kernel=name,
+                    head_dim=head_dim,
+                    causal=causal,
+                    variant=variant,
+                    shape=[bm, bn, w, s],
+                    **resources(compile_for(kernel, constants, arch, w, s)),
+                )
+            )
     return out
 
 
@@ -162,8 +278,9 @@ def _line(name, shape, res) -> str:
     if isinstance(res, str):
         return f"{name:36s} {str(shape):26s} failed: {res}"
     counts = " ".join(f"{op} {res[op]}" for op in _COUNTED)
-    return (f"{name:36s} {str(shape):26s} regs {res['regs']:3d} stack {res['stack']:4d} "
-            f"shared {res['shared']:6d}  {counts}")
+    return (
+        f"{name:36s} {str(shape):26s} regs {res['regs']:3d} stack {res['stack']:4d} shared {res['shared']:6d}  {counts}"
+    )
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ import sys
 import torch
 
 import ragged
-from ragged.kernels.cuda import launch, pack as cuda_pack
+from ragged.kernels.cuda import launch
+from ragged.kernels.cuda import pack as cuda_pack
 
 from .env import collect, device_label
 from .overhead import per_call_us
@@ -52,8 +53,10 @@ def rows(dev: str = "cuda"):
     args = (x.data_ptr(), out.data_ptr(), off.data_ptr(), 4, total, 8, x.stride(0) * 4, x.stride(1) * 4, 4, 0)
     kernel = "ragged_pack_v16_" + ("i32" if off.dtype == torch.int32 else "i64")
     device = x.device
-    yield "launch() of one pack kernel", lambda: launch.launch("pack.cu", kernel, device, 1, (4, 4),
-                                                              cuda_pack._PACK_PARAMS, args)
+    yield (
+        "launch() of one pack kernel",
+        lambda: launch.launch("pack.cu", kernel, device, 1, (4, 4), cuda_pack._PACK_PARAMS, args),
+    )
     yield "ragged.pack_values", lambda: ragged.pack_values(x, off, total, backend="cuda")
     yield "ragged.unpack_values", lambda: ragged.unpack_values(rt.values, off, 8, backend="cuda")
     bf = torch.bfloat16
@@ -100,10 +103,15 @@ def main(argv=None) -> int:
         launch._functions.clear()
         launch._driver_launch.clear()
     env = collect(torch.device("cuda"))
-    lines = [f"# Host time per call by launch path (us, median of {opts.rounds} rounds of {opts.calls} calls)", "",
-             f"{device_label(env)}, {env['cpu_count']} cores, torch {torch.__version__}, CuPy {env['cupy']}, "
-             f"tree {env.get('git_commit')}", "",
-             "| call | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    lines = [
+        f"# Host time per call by launch path (us, median of {opts.rounds} rounds of {opts.calls} calls)",
+        "",
+        f"{device_label(env)}, {env['cpu_count']} cores, torch {torch.__version__}, CuPy {env['cupy']}, "
+        f"tree {env.get('git_commit')}",
+        "",
+        "| call | " + " | ".join(modes) + " |",
+        "|---|" + "---|" * len(modes),
+    ]
     for name, cells in table.items():
         lines.append(f"| {name} | " + " | ".join(f"{statistics.median(cells[m]):.1f}" for m in modes) + " |")
     text = "\n".join(lines) + "\n"

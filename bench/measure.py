@@ -11,7 +11,8 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,19 +33,23 @@ class Timing:
     settle_max_s: float = 0.0
 
     @classmethod
-    def default(cls, device: torch.device, quick: bool) -> "Timing":
+    def default(cls, device: torch.device, quick: bool) -> Timing:
         if device.type == "cuda":
             # A row measured right after its first call (Triton / NVRTC compiling, the GPU
             # idle for seconds) read 0.092 ms against 0.055 ms for the same kernel warm
             # (attention, causal forward, B=64 long-tailed to 512, H200): a few seconds of
             # settling per row at most. settle_abs_ms: CUDA events resolve about 0.5 us, 5%
             # of a 10 us kernel.
-            return cls(10, 40, settle_rep_ms=5, settle_abs_ms=0.001, settle_max_s=2.0) if quick else \
-                cls(25, 100, settle_rep_ms=10, settle_abs_ms=0.001, settle_max_s=4.0)
+            return (
+                cls(10, 40, settle_rep_ms=5, settle_abs_ms=0.001, settle_max_s=2.0)
+                if quick
+                else cls(25, 100, settle_rep_ms=10, settle_abs_ms=0.001, settle_max_s=4.0)
+            )
         # CPU: no GPU clocks to wake; a short settle (50 ms a row at most) takes the
         # first-call effects (allocator, caches) out at little cost.
-        return cls(5, 20, settle_rep_ms=2, settle_max_s=0.02) if quick else \
-            cls(10, 50, settle_rep_ms=3, settle_max_s=0.05)
+        return (
+            cls(5, 20, settle_rep_ms=2, settle_max_s=0.02) if quick else cls(10, 50, settle_rep_ms=3, settle_max_s=0.05)
+        )
 
 
 def synchronize(device: torch.device) -> None:
@@ -179,8 +184,11 @@ def gpu_busy_ms(fn: Callable[[], Any], device: torch.device, calls: int = 3) -> 
                 out = fn()
                 del out
             synchronize(device)
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        spans = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+        )
     if not spans:
         return None
     busy, (start, end) = 0, spans[0]
@@ -211,8 +219,11 @@ def _cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:
             del out
         from torch._C._autograd import DeviceType
 
-        events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+        events = [
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+        ]
     except Exception:  # no profiler in this build, or its (private) event API changed
         return None
     finally:

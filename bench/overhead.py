@@ -51,10 +51,14 @@ def rows(dev: str = "cuda"):
     qg = q.with_values(q.values.detach().clone().requires_grad_(True))
     for be in ("cuda", "triton"):
         yield f"attention {be}: forward", lambda be=be: ragged.attention(q, q, q, backend=be)
-    yield "attention triton: varlen_attention", lambda: ragged.varlen_attention(q.values, q.values, q.values, off, off,
-                                                                               8, 8, backend="triton")
-    yield "attention triton: forward+backward", lambda: ragged.attention(qg, qg, qg, backend="triton").values.sum(
-        ).backward()
+    yield (
+        "attention triton: varlen_attention",
+        lambda: ragged.varlen_attention(q.values, q.values, q.values, off, off, 8, 8, backend="triton"),
+    )
+    yield (
+        "attention triton: forward+backward",
+        lambda: ragged.attention(qg, qg, qg, backend="triton").values.sum().backward(),
+    )
 
     h = torch.randn(total, 768, device=dev, dtype=bf)
     hg = h.detach().clone().requires_grad_(True)
@@ -69,20 +73,32 @@ def rows(dev: str = "cuda"):
     hidden = ragged.RaggedTensor(h, off, rt.max_len, rt.host_offsets())
     hidden_g = hidden.with_values(hg)
     weight = torch.randn(1000, 768, device=dev, dtype=bf)
-    vocab = ragged.pack([torch.arange(0, 200, 7, device=dev), torch.arange(3, 90, 5, device=dev),
-                         torch.arange(10, 20, device=dev), torch.arange(0, 999, 37, device=dev)])
-    target = torch.cat([vocab[i][torch.arange(n, device=dev) % max(len(vocab[i]), 1)] for i, n in
-                        enumerate(lengths)])
+    vocab = ragged.pack(
+        [
+            torch.arange(0, 200, 7, device=dev),
+            torch.arange(3, 90, 5, device=dev),
+            torch.arange(10, 20, device=dev),
+            torch.arange(0, 999, 37, device=dev),
+        ]
+    )
+    target = torch.cat([vocab[i][torch.arange(n, device=dev) % max(len(vocab[i]), 1)] for i, n in enumerate(lengths)])
     yield "vocab_projection triton", lambda: ragged.vocab_projection(hidden, weight, vocab, backend="triton")
-    yield "vocab_cross_entropy triton: forward+backward", lambda: ragged.vocab_cross_entropy(
-        hidden_g, weight, vocab, target, backend="triton").backward()
-    yield "vocab_cross_entropy triton, out_of_vocab='ignore': forward+backward", lambda: ragged.vocab_cross_entropy(
-        hidden_g, weight, vocab, target, out_of_vocab="ignore", backend="triton").backward()
+    yield (
+        "vocab_cross_entropy triton: forward+backward",
+        lambda: ragged.vocab_cross_entropy(hidden_g, weight, vocab, target, backend="triton").backward(),
+    )
+    yield (
+        "vocab_cross_entropy triton, out_of_vocab='ignore': forward+backward",
+        lambda: ragged.vocab_cross_entropy(
+            hidden_g, weight, vocab, target, out_of_vocab="ignore", backend="triton"
+        ).backward(),
+    )
     if hasattr(ragged, "pool"):
         yield "pool triton: mean", lambda: ragged.pool(hidden, "mean", backend="triton")
 
-    layer = ragged.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True,
-                                              device=dev, dtype=bf)
+    layer = ragged.nn.TransformerEncoderLayer(
+        768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True, device=dev, dtype=bf
+    )
     enc = ragged.nn.TransformerEncoder(layer, 2).eval()
     xg = hidden.with_values(hg)
     train = ragged.nn.TransformerEncoder(layer, 2).train()
@@ -108,8 +124,11 @@ def rows(dev: str = "cuda"):
 
 # The per-call host budgets (us) of the eager rows they apply to: GPU targets.
 BUDGETS = {
-    "cuda: pack_values": 12, "triton: pack_values": 12, "attention cuda: forward": 25,
-    "attention triton: forward": 25, "BERT-base layer (encoder of 1 layer d=768): inference": 120,
+    "cuda: pack_values": 12,
+    "triton: pack_values": 12,
+    "attention cuda: forward": 25,
+    "attention triton: forward": 25,
+    "BERT-base layer (encoder of 1 layer d=768): inference": 120,
     "BERT-base layer (encoder of 1 layer d=768): forward+backward": 500,
     "vocab_cross_entropy triton: forward+backward": 150,
     "vocab_cross_entropy triton, out_of_vocab='ignore': forward+backward": 150,
@@ -140,11 +159,16 @@ def main(argv=None) -> int:
 
         on_gpu = device == "cuda"
         where = f"GPU {device_name(torch.device('cuda'))}, host CPU" if on_gpu else "CPU"
-        lines = ["# Host time per eager call (tiny inputs: the GPU waits on the host)", "",
-                 f"{where} {cpu_name()}, torch {torch.__version__}, tree {git_state()['git_commit']}, "
-                 f"{time.strftime('%Y-%m-%d')}; mean of {args.calls} calls after {min(50, args.calls)} warm-up "
-                 f"calls{', ended by a synchronize' if on_gpu else ''}.", "",
-                 "| row | us/call | budget (GPU target) | |", "|---|---|---|---|"]
+        lines = [
+            "# Host time per eager call (tiny inputs: the GPU waits on the host)",
+            "",
+            f"{where} {cpu_name()}, torch {torch.__version__}, tree {git_state()['git_commit']}, "
+            f"{time.strftime('%Y-%m-%d')}; mean of {args.calls} calls after {min(50, args.calls)} warm-up "
+            f"calls{', ended by a synchronize' if on_gpu else ''}.",
+            "",
+            "| row | us/call | budget (GPU target) | |",
+            "|---|---|---|---|",
+        ]
         for name, us, line in table:
             budget = BUDGETS.get(name)
             verdict = "" if budget is None or us is None else gpu_verdict(us <= budget, on_gpu)

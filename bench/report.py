@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .env import device_label
 from .harness import Config, CopyCeiling, Row, Suite, dtype_name
@@ -153,8 +154,12 @@ def speedup_sheet(suite: Suite, rows: list[Row], env: dict[str, Any] | None = No
     if not body or not baselines:
         return None
     where = f" ({short_device(env)})" if env else ""
-    out = Sheet(f"{suite.name}{where}: speedup of the ragged rows over each baseline (baseline ms / ragged ms)",
-                ["case", "implementation", *baselines], [False, False, *(True for _ in baselines)], [])
+    out = Sheet(
+        f"{suite.name}{where}: speedup of the ragged rows over each baseline (baseline ms / ragged ms)",
+        ["case", "implementation", *baselines],
+        [False, False, *(True for _ in baselines)],
+        [],
+    )
     previous = None
     for case, impl, cells in body:
         if previous is not None and case != previous:
@@ -179,10 +184,14 @@ def _cases_in_order(rows: list[Row]) -> list[tuple[str, list[Row]]]:
 
 def ceiling_text(ceiling: CopyCeiling | None) -> str:
     if ceiling is None:
-        return ("copy ceiling: per case, the case's own `copy (same bytes)` row (on CPU a copy's rate "
-                "depends on its size: the caches)")
-    return (f"copy ceiling: {ceiling.gbps:.1f} GB/s "
-            f"({ceiling.bytes / 2**30:.2f} GiB read + written in {_fmt_ms(ceiling.median_ms)} ms)")
+        return (
+            "copy ceiling: per case, the case's own `copy (same bytes)` row (on CPU a copy's rate "
+            "depends on its size: the caches)"
+        )
+    return (
+        f"copy ceiling: {ceiling.gbps:.1f} GB/s "
+        f"({ceiling.bytes / 2**30:.2f} GiB read + written in {_fmt_ms(ceiling.median_ms)} ms)"
+    )
 
 
 def description(suite: Suite, rows: list[Row]) -> str:
@@ -214,10 +223,13 @@ def cpu_run_note(env: dict[str, Any]) -> str | None:
     if env.get("device") != "cpu":
         return None
     threads = threads_text(env)
-    return ("CPU run: ragged's rows run its pure-torch backends (its CUDA kernels and the GPU-only "
-            "baselines need a GPU; its Triton kernels run on CPU only interpreted, "
-            "`TRITON_INTERPRET=1`, in the --quick cases). Times are CPU times"
-            + (f" ({threads})" if threads else "") + ", not those of the GPU kernels.")
+    return (
+        "CPU run: ragged's rows run its pure-torch backends (its CUDA kernels and the GPU-only "
+        "baselines need a GPU; its Triton kernels run on CPU only interpreted, "
+        "`TRITON_INTERPRET=1`, in the --quick cases). Times are CPU times"
+        + (f" ({threads})" if threads else "")
+        + ", not those of the GPU kernels."
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -231,13 +243,19 @@ def sheet(suite: Suite, rows: list[Row], ceiling: CopyCeiling | None, env: dict[
     lines = [ceiling_text(ceiling)] if suite.memory_bound or ceiling is not None else []
     caption = "\n".join([*lines, *(f"[{i}] {text}" for i, text in enumerate(reasons(rows), 1))])
     where = f" ({short_device(env)})" if env else ""
-    out = Sheet(f"{suite.name}{where}: {description(suite, rows)}", ["case", *(c.header for c in cols)],
-                [False, *(c.numeric for c in cols)], [], caption=caption)
+    out = Sheet(
+        f"{suite.name}{where}: {description(suite, rows)}",
+        ["case", *(c.header for c in cols)],
+        [False, *(c.numeric for c in cols)],
+        [],
+        caption=caption,
+    )
     for case, case_rows in _cases_in_order(rows):
         for i, r in enumerate(case_rows):
             out.cells.append([case if i == 0 else "", *(c.cell(r) for c in cols)])
-            out.styles.append({"failed": "bold red", "skipped": "dim"}.get(r.status, "bold" if r.kind == "ragged"
-                                                                            else None))
+            out.styles.append(
+                {"failed": "bold red", "skipped": "dim"}.get(r.status, "bold" if r.kind == "ragged" else None)
+            )
         out.ends.add(len(out.cells) - 1)
     return out
 
@@ -251,8 +269,9 @@ def rich_table(suite: Suite, rows: list[Row], ceiling: CopyCeiling | None, env: 
 # Files
 
 
-def suite_document(suite: Suite, rows: list[Row], config: Config, env: dict[str, Any],
-                   ceiling: CopyCeiling | None) -> dict[str, Any]:
+def suite_document(
+    suite: Suite, rows: list[Row], config: Config, env: dict[str, Any], ceiling: CopyCeiling | None
+) -> dict[str, Any]:
     """The JSON document of one suite."""
     return {
         "schema": SCHEMA_VERSION,
@@ -279,8 +298,9 @@ def _md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCeiling | None,
-             config: Config | None = None) -> str:
+def markdown(
+    suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCeiling | None, config: Config | None = None
+) -> str:
     """The results as a Markdown document (header + one table); ``config``, when given,
     says in the header whether the run was --quick."""
     cols = columns(suite, rows)
@@ -292,9 +312,11 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
     host = env.get("cpu_name") or "not recorded"
     threads = threads_text(env)
     if suite.memory_bound:
-        metric = ("- GB/s: the ideal bytes of the case (read + written) over the median time; % copy: that "
-                  + ("over the copy ceiling." if ceiling is not None else
-                     "over the GB/s of the case's own `copy (same bytes)` row."))
+        metric = "- GB/s: the ideal bytes of the case (read + written) over the median time; % copy: that " + (
+            "over the copy ceiling."
+            if ceiling is not None
+            else "over the GB/s of the case's own `copy (same bytes)` row."
+        )
     else:
         metric = "- TFLOP/s: the useful flops of the case (see the notes below) over the median time."
     note = cpu_run_note(env)
@@ -309,8 +331,11 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
         *([f"- {ceiling_text(ceiling)}"] if suite.memory_bound or ceiling is not None else []),
         metric,
         *([f"- {note}"] if note else []),
-        *(["- --quick: " + (QUICK_CPU if env.get("device") == "cpu" else "fewer cases and shorter timing.")]
-          if config is not None and config.quick else []),
+        *(
+            ["- --quick: " + (QUICK_CPU if env.get("device") == "cpu" else "fewer cases and shorter timing.")]
+            if config is not None and config.quick
+            else []
+        ),
         "",
         "| case | " + " | ".join(c.header for c in cols) + " |",
         "| --- | " + " | ".join("---:" if c.numeric else "---" for c in cols) + " |",
@@ -332,15 +357,23 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
     if suite.speedup_table:
         baselines, body = speedup_table(rows)
         if body and baselines:
-            lines += ["", "## Speedup over each baseline", "",
-                      "Baseline median ms / ragged median ms, per case (empty: that baseline did not run, "
-                      "or does other work than the row: other batches or inputs).", "",
-                      "| case | implementation | " + " | ".join(f"`{_md_escape(b)}`" for b in baselines) + " |",
-                      "| --- | --- | " + " | ".join("---:" for _ in baselines) + " |"]
+            lines += [
+                "",
+                "## Speedup over each baseline",
+                "",
+                "Baseline median ms / ragged median ms, per case (empty: that baseline did not run, "
+                "or does other work than the row: other batches or inputs).",
+                "",
+                "| case | implementation | " + " | ".join(f"`{_md_escape(b)}`" for b in baselines) + " |",
+                "| --- | --- | " + " | ".join("---:" for _ in baselines) + " |",
+            ]
             previous = None
             for case, impl, cells in body:
-                lines.append(f"| {_md_escape(case) if case != previous else ''} | `{_md_escape(impl)}` | "
-                             + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {_md_escape(case) if case != previous else ''} | `{_md_escape(impl)}` | "
+                    + " | ".join(cells)
+                    + " |"
+                )
                 previous = case
     if suite.notes:
         lines += ["", suite.notes.strip()]
@@ -349,8 +382,18 @@ def markdown(suite: Suite, rows: list[Row], env: dict[str, Any], ceiling: CopyCe
 
 _PALETTE = {
     "ragged": ["#1b4f9c", "#3a7fd5", "#8ab6ef", "#c5dbf7"],
-    "baseline": ["#d95f02", "#e6ab02", "#a6761d", "#e7298a", "#66a61e", "#7570b3", "#1b9e77", "#e31a1c",
-                 "#b15928", "#6a3d9a"],
+    "baseline": [
+        "#d95f02",
+        "#e6ab02",
+        "#a6761d",
+        "#e7298a",
+        "#66a61e",
+        "#7570b3",
+        "#1b9e77",
+        "#e31a1c",
+        "#b15928",
+        "#6a3d9a",
+    ],
     "ceiling": ["#8c8c8c", "#bdbdbd", "#5a5a5a"],
 }
 
@@ -376,8 +419,9 @@ def _reference_levels(case_rows: list[Row]) -> set[int]:
     the same tokens, stay bars)."""
     work = [(r.flops, r.bytes) for r in case_rows if r.kind != "ceiling"]
     usual = max(set(work), key=work.count) if work else None
-    return {i for i, r in enumerate(case_rows) if r.kind == "ceiling" and usual is not None
-            and (r.flops, r.bytes) != usual}
+    return {
+        i for i, r in enumerate(case_rows) if r.kind == "ceiling" and usual is not None and (r.flops, r.bytes) != usual
+    }
 
 
 MAX_COLUMNS = 4  # panels side by side, at most
@@ -398,7 +442,7 @@ def _panels(ok: list[Row]) -> list[list[tuple[str, str] | None]]:
     grid = []
     for chunk in chunks:
         for i in range(0, len(chunk), width):
-            line = chunk[i:i + width]
+            line = chunk[i : i + width]
             grid.append(line + [None] * (width - len(line)))
     return grid
 
@@ -438,8 +482,9 @@ def plot(path: Path, suite: Suite, rows: list[Row], env: dict[str, Any], ceiling
     # One colour per implementation across the whole figure (one legend for every panel).
     by_case = {case: [r for r in ok if r.case == case] for case in dict.fromkeys(r.case for r in ok)}
     levels = {case: _reference_levels(case_rows) for case, case_rows in by_case.items()}
-    bar_rows = {case: [r for i, r in enumerate(case_rows) if i not in levels[case]]
-                for case, case_rows in by_case.items()}
+    bar_rows = {
+        case: [r for i, r in enumerate(case_rows) if i not in levels[case]] for case, case_rows in by_case.items()
+    }
     impls = list(dict.fromkeys((r.impl, r.kind) for case_rows in bar_rows.values() for r in case_rows))
     used: dict[str, int] = {}
     style = {}
@@ -447,17 +492,28 @@ def plot(path: Path, suite: Suite, rows: list[Row], env: dict[str, Any], ceiling
         colors = _PALETTE.get(kind, _PALETTE["ceiling"])
         style[impl] = (colors[used.get(kind, 0) % len(colors)], "//" if kind == "ceiling" else None)
         used[kind] = used.get(kind, 0) + 1
-    level_names = list(dict.fromkeys(r.impl for case, case_rows in by_case.items()
-                                     for i, r in enumerate(case_rows) if i in levels[case]))
+    level_names = list(
+        dict.fromkeys(
+            r.impl for case, case_rows in by_case.items() for i, r in enumerate(case_rows) if i in levels[case]
+        )
+    )
     level_colors = {name: c for name, c in zip(level_names, ["#4d4d4d", "#7f7f7f", "#a0a0a0"] * 4)}
 
     widest = max(len(case_rows) for case_rows in bar_rows.values())
     panel_width = max(2.9, 0.36 * widest + 1.1)
     fig_width = max(7.5, ncols * panel_width)
     chars = int(fig_width * 10.5)
-    facts = [x for x in (device_label(env), f"torch {env.get('torch')}",
-                         threads_text(env) if env.get("device") == "cpu" else "",
-                         f"commit {(env.get('git_commit') or 'unknown')[:10]}", str(env.get("date", ""))) if x]
+    facts = [
+        x
+        for x in (
+            device_label(env),
+            f"torch {env.get('torch')}",
+            threads_text(env) if env.get("device") == "cpu" else "",
+            f"commit {(env.get('git_commit') or 'unknown')[:10]}",
+            str(env.get("date", "")),
+        )
+        if x
+    ]
     lines = [textwrap.fill(f"{suite.name}: {description(suite, rows)}", chars), facts[0]]
     for fact in facts[1:]:  # whole facts per line, joined by " · "
         if len(lines[-1]) + 3 + len(fact) <= chars:
@@ -468,9 +524,13 @@ def plot(path: Path, suite: Suite, rows: list[Row], env: dict[str, Any], ceiling
     legend_entries = len(impls) + len(level_names) + (1 if suite.memory_bound and ceiling is not None else 0)
     legend_cols = max(1, min(legend_entries, int(fig_width // 2.3)))
     legend_height = 0.22 * math.ceil(legend_entries / legend_cols)
-    fig, axes = plt.subplots(nrows, ncols, squeeze=False, layout="constrained",
-                             figsize=(fig_width, nrows * PANEL_HEIGHT + 0.5 + 0.2 * title.count("\n")
-                                      + legend_height))
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        squeeze=False,
+        layout="constrained",
+        figsize=(fig_width, nrows * PANEL_HEIGHT + 0.5 + 0.2 * title.count("\n") + legend_height),
+    )
     fig.get_layout_engine().set(h_pad=0.08, w_pad=0.06, hspace=0.04, wspace=0.03)
     copy_line = suite.memory_bound and ceiling is not None
 
@@ -486,8 +546,9 @@ def plot(path: Path, suite: Suite, rows: list[Row], env: dict[str, Any], ceiling
             xs = range(len(bars))
             top = max(values) if values else 0.0
             marks = [(ceiling.gbps, "copy ceiling", "black")] if copy_line else []
-            marks += [(value_of(r), r.impl, level_colors[r.impl])
-                      for i, r in enumerate(by_case[case]) if i in levels[case]]
+            marks += [
+                (value_of(r), r.impl, level_colors[r.impl]) for i, r in enumerate(by_case[case]) if i in levels[case]
+            ]
             drawn = [m for m in marks if m[0] <= OFF_SCALE * top or top == 0]
             high = max([top, *(m[0] for m in drawn)])
             # Headroom for the vertical value labels above the short bars.
@@ -498,33 +559,58 @@ def plot(path: Path, suite: Suite, rows: list[Row], env: dict[str, Any], ceiling
                 ax.bar(x, v, 0.8, color=color, hatch=hatch, edgecolor="white", linewidth=0.5)
                 # Tall bars carry their label inside: above them it would cross the levels.
                 inside = v > 0.45 * ylim
-                ax.annotate(_fmt_value(v), (x, v), xytext=(0, -3 if inside else 2), textcoords="offset points",
-                            rotation=90, ha="center", va="top" if inside else "bottom", fontsize=6.5,
-                            color="white" if inside else "black",
-                            bbox=dict(boxstyle="square,pad=0.1", facecolor=color, edgecolor="none") if inside else None)
+                ax.annotate(
+                    _fmt_value(v),
+                    (x, v),
+                    xytext=(0, -3 if inside else 2),
+                    textcoords="offset points",
+                    rotation=90,
+                    ha="center",
+                    va="top" if inside else "bottom",
+                    fontsize=6.5,
+                    color="white" if inside else "black",
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor=color, edgecolor="none") if inside else None,
+                )
             for value, name, color in drawn:
                 ax.axhline(value, color=color, linestyle="--", linewidth=1)
             written = [m for m in marks if m not in drawn]
             if written:
                 text = "\n".join(f"{name}: {_fmt_value(value)} {unit} (off scale)" for value, name, _ in written)
-                ax.text(0.98, 0.98, textwrap.fill(text, 38), transform=ax.transAxes, ha="right", va="top",
-                        fontsize=6, color="#333333",
-                        bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="#bbbbbb", alpha=0.9))
+                ax.text(
+                    0.98,
+                    0.98,
+                    textwrap.fill(text, 38),
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="top",
+                    fontsize=6,
+                    color="#333333",
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="#bbbbbb", alpha=0.9),
+                )
             ax.set_xticks([])
             ax.set_xlim(-0.6, len(bars) - 0.4)
             label = case.removeprefix(group).strip() or case
-            heading = textwrap.fill(f"{group}: {label}" if group and label != case else label,
-                                    max(24, int(fig_width / ncols * 11)))
+            heading = textwrap.fill(
+                f"{group}: {label}" if group and label != case else label, max(24, int(fig_width / ncols * 11))
+            )
             ax.set_title(heading, fontsize=7.5)
             ax.tick_params(axis="y", labelsize=7)
             ax.grid(axis="y", alpha=0.3)
             ax.set_ylabel(unit, fontsize=8)
 
-    handles = [Patch(facecolor=style[impl][0], hatch=style[impl][1], edgecolor="white", label=impl)
-               for impl, _ in impls]
+    handles = [
+        Patch(facecolor=style[impl][0], hatch=style[impl][1], edgecolor="white", label=impl) for impl, _ in impls
+    ]
     if copy_line:
-        handles.append(Line2D([], [], color="black", linestyle="--",
-                              label=f"copy ceiling ({ceiling.gbps:.0f} GB/s, {ceiling.bytes / 2**30:.0f} GiB moved)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color="black",
+                linestyle="--",
+                label=f"copy ceiling ({ceiling.gbps:.0f} GB/s, {ceiling.bytes / 2**30:.0f} GiB moved)",
+            )
+        )
     handles += [Line2D([], [], color=level_colors[name], linestyle="--", label=name) for name in level_names]
     fig.legend(handles=handles, loc="outside lower center", ncol=legend_cols, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)

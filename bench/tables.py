@@ -14,7 +14,6 @@ import dataclasses
 import os
 import sys
 
-
 TEXT_WIDTH = 40  # a text column wider than this wraps between words (file output included)
 HEADER_WIDTH = 20  # a header up to this long stays on one line where the width allows
 BORDER = 3  # a column's padding (one space each side) and its left border
@@ -85,14 +84,21 @@ def layout(sheet: Sheet, width: int | None) -> list[list[tuple[int, int]]]:
         widths = column_widths(sheet, header_width=0)
     if width is None or total_width(widths) <= width:
         return [list(zip(columns, widths))]
-    keys = columns[:sheet.keys]
-    key_widths = [min(widths[j], max(_longest_word("\n".join([sheet.headers[j], *(r[j] for r in sheet.cells)])),
-                                     width // NARROW_KEY_SHARE[min(i, len(NARROW_KEY_SHARE) - 1)]))
-                  for i, j in enumerate(keys)]
+    keys = columns[: sheet.keys]
+    key_widths = [
+        min(
+            widths[j],
+            max(
+                _longest_word("\n".join([sheet.headers[j], *(r[j] for r in sheet.cells)])),
+                width // NARROW_KEY_SHARE[min(i, len(NARROW_KEY_SHARE) - 1)],
+            ),
+        )
+        for i, j in enumerate(keys)
+    ]
     room = width - total_width(key_widths)
     parts: list[list[tuple[int, int]]] = []
     used: list[int] = []
-    for j in columns[sheet.keys:]:
+    for j in columns[sheet.keys :]:
         w = widths[j]
         if not sheet.numeric[j]:  # a text column may wrap down to its longest word, or fold below it
             w = min(w, max(room - BORDER, 1))
@@ -114,7 +120,7 @@ def _shown(sheet: Sheet, part: list[tuple[int, int]], split: bool) -> list[tuple
         if i == start:
             label, named = row[0], False
         cells = [row[j] for j, _ in part]
-        if not split or any(cells[sheet.keys:]):
+        if not split or any(cells[sheet.keys :]):
             if split and sheet.keys and not named:
                 cells[0] = label
             named = True
@@ -134,11 +140,16 @@ def tables(sheet: Sheet, width: int | None) -> list[tuple[object, int]]:
     out = []
     for n, part in enumerate(parts, 1):
         title = sheet.title if len(parts) == 1 else f"{sheet.title} (part {n} of {len(parts)})"
-        table = Table(title=title, caption=(sheet.caption or None) if n == len(parts) else None,
-                      title_justify="left", caption_justify="left")
+        table = Table(
+            title=title,
+            caption=(sheet.caption or None) if n == len(parts) else None,
+            title_justify="left",
+            caption_justify="left",
+        )
         for j, w in part:
-            table.add_column(sheet.headers[j], justify="right" if sheet.numeric[j] else "left", width=w,
-                             overflow="fold")
+            table.add_column(
+                sheet.headers[j], justify="right" if sheet.numeric[j] else "left", width=w, overflow="fold"
+            )
         for i, cells, end in _shown(sheet, part, len(parts) > 1):
             style = sheet.styles[i] if i < len(sheet.styles) else None
             table.add_row(*cells, style=style, end_section=end)

@@ -19,8 +19,8 @@ with a tiny model).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import io
 import math
 import pstats
@@ -37,13 +37,15 @@ SEED = 0
 def lengths(steps: int, batch: int, lo: int, hi: int, median: float, sigma: float, seed: int = SEED) -> list[list[int]]:
     x = np.random.default_rng(seed).lognormal(math.log(median), sigma, steps * batch)
     flat = np.clip(np.rint(x), lo, hi).astype(int).tolist()
-    return [flat[i * batch:(i + 1) * batch] for i in range(steps)]
+    return [flat[i * batch : (i + 1) * batch] for i in range(steps)]
 
 
 def make_features(lens: list[list[int]], vocab: int, labels: int) -> list[list[dict]]:
     rng = np.random.default_rng(SEED + 1)
-    return [[{"input_ids": rng.integers(5, vocab, n).tolist(), "labels": int(rng.integers(0, labels))} for n in b]
-            for b in lens]
+    return [
+        [{"input_ids": rng.integers(5, vocab, n).tolist(), "labels": int(rng.integers(0, labels))} for n in b]
+        for b in lens
+    ]
 
 
 def padded_batch(batch: list[dict], device) -> dict:
@@ -51,8 +53,8 @@ def padded_batch(batch: list[dict], device) -> dict:
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for i, s in enumerate(batch):
-        ids[i, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        mask[i, :len(s["input_ids"])] = 1
+        ids[i, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        mask[i, : len(s["input_ids"])] = 1
     out = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([s["labels"] for s in batch])}
     return {k: v.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else v for k, v in out.items()}
 
@@ -85,10 +87,19 @@ class TrainerRow:
         widest = max(map(len, feats))
         cuda = device.type == "cuda"
         self._dir = tempfile.TemporaryDirectory()
-        args = TrainingArguments(self._dir.name, num_train_epochs=epochs, learning_rate=2e-5, report_to=[],
-                                 save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=not cuda,
-                                 optim="adamw_torch_fused" if cuda else "adamw_torch", seed=SEED,
-                                 dataloader_pin_memory=cuda)
+        args = TrainingArguments(
+            self._dir.name,
+            num_train_epochs=epochs,
+            learning_rate=2e-5,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=10**9,
+            use_cpu=not cuda,
+            optim="adamw_torch_fused" if cuda else "adamw_torch",
+            seed=SEED,
+            dataloader_pin_memory=cuda,
+        )
         graphs = True if cuda else rnn.Graphed(model, budget, widest, capture=False)
         marks = self.marks = []
 
@@ -97,8 +108,15 @@ class TrainerRow:
                 sync(device)
                 marks.append(time.perf_counter())
 
-        self.trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=budget, max_batch_size=widest,
-                                     graphs=graphs, callbacks=[Clock()])
+        self.trainer = RaggedTrainer(
+            model,
+            args,
+            train_dataset=data,
+            max_tokens=budget,
+            max_batch_size=widest,
+            graphs=graphs,
+            callbacks=[Clock()],
+        )
         self.trainer._train_sampler.set_epoch(0)
         self.batches = range(len(self.trainer._train_sampler))  # optimizer steps of an epoch
 
@@ -163,9 +181,13 @@ def bert_config(tiny: bool, dropout: float):
     """BERT-base with 3 labels, or a tiny BERT (CPU smoke runs), with ``dropout`` everywhere."""
     from transformers import BertConfig
 
-    size = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
-        if tiny else dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                          intermediate_size=3072)
+    size = (
+        dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+        if tiny
+        else dict(
+            vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+        )
+    )
     return BertConfig(num_labels=3, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **size)
 
 
@@ -190,19 +212,27 @@ def build(args, device):
     if "hf-compile" in args.rows:
         m = copy.deepcopy(hf)
         m.forward = torch.compile(m.forward, dynamic=True)
-        rows["hf-compile"] = Row("HF SDPA, torch.compile(dynamic=True)", m, [padded_batch(b, device) for b in feats],
-                                 device, fused)
+        rows["hf-compile"] = Row(
+            "HF SDPA, torch.compile(dynamic=True)", m, [padded_batch(b, device) for b in feats], device, fused
+        )
     if "ragged" in args.rows:
-        rows["ragged"] = Row("ragged.nn.convert, RaggedTensor ids", rnn.convert(copy.deepcopy(hf)),
-                             [ragged_batch(b, device) for b in feats], device, fused)
+        rows["ragged"] = Row(
+            "ragged.nn.convert, RaggedTensor ids",
+            rnn.convert(copy.deepcopy(hf)),
+            [ragged_batch(b, device) for b in feats],
+            device,
+            fused,
+        )
     if "graphed" in args.rows and device.type == "cuda":
         converted = rnn.convert(copy.deepcopy(hf))
         g = rnn.graphed(converted, max_tokens=args.batch * max(map(max, lens)), max_batch_size=args.batch)
-        rows["graphed"] = Row("ragged.nn.graphed(converted), training graphs", g,
-                              [ragged_batch(b, device) for b in feats], device, fused)
+        rows["graphed"] = Row(
+            "ragged.nn.graphed(converted), training graphs", g, [ragged_batch(b, device) for b in feats], device, fused
+        )
     if "trainer" in args.rows:
-        rows["trainer"] = TrainerRow("RaggedTrainer(graphs=True), steady state", rnn.convert(copy.deepcopy(hf)),
-                                     feats, device)
+        rows["trainer"] = TrainerRow(
+            "RaggedTrainer(graphs=True), steady state", rnn.convert(copy.deepcopy(hf)), feats, device
+        )
     for r in rows.values():
         r.model.train()
     return {k: rows[k] for k in args.rows if k in rows}, tokens
@@ -216,15 +246,21 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", default="hf,hf-compile,ragged,graphed,trainer")
-    p.add_argument("--profile", type=int, default=0, help="top N functions of a cProfile of the ragged and graphed rows")
+    p.add_argument(
+        "--profile", type=int, default=0, help="top N functions of a cProfile of the ragged and graphed rows"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.rows = args.rows.split(",")
     device = torch.device(args.device)
     rows, tokens = build(args, device)
-    lines = [f"# bench.train on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-             f"{args.steps} steps of {args.batch} sequences, {tokens} tokens, dropout {args.dropout}", "",
-             "| path | tokens/s | step ms | host enqueue ms/step | GPU busy ms/step |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"# bench.train on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+        f"{args.steps} steps of {args.batch} sequences, {tokens} tokens, dropout {args.dropout}",
+        "",
+        "| path | tokens/s | step ms | host enqueue ms/step | GPU busy ms/step |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for key, r in rows.items():
         r.run()  # warm-up (compiles, autotunes)
         r.run()
@@ -232,8 +268,10 @@ def main(argv=None) -> int:
         wall, host = statistics.median(walls), statistics.median(hosts)
         busy = gpu_busy(r) if isinstance(r, Row) else None
         n = len(r.batches)
-        lines.append(f"| {r.name} | {tokens / wall / 1e3:.1f}k | {wall / n * 1e3:.2f} | {host / n * 1e3:.2f} | "
-                     + (f"{busy / n * 1e3:.2f} |" if busy is not None else "n/a |"))
+        lines.append(
+            f"| {r.name} | {tokens / wall / 1e3:.1f}k | {wall / n * 1e3:.2f} | {host / n * 1e3:.2f} | "
+            + (f"{busy / n * 1e3:.2f} |" if busy is not None else "n/a |")
+        )
         print(lines[-1], flush=True)
     for key in ("ragged", "graphed") if args.profile else ():
         if key not in rows:
@@ -247,8 +285,17 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
         s2 = io.StringIO()
         pstats.Stats(prof, stream=s2).sort_stats("cumulative").print_stats(args.profile)
-        lines += ["", f"## cProfile of the {r.name} row, by own time", "```", s.getvalue().strip(), "```",
-                  "## by cumulative time", "```", s2.getvalue().strip(), "```"]
+        lines += [
+            "",
+            f"## cProfile of the {r.name} row, by own time",
+            "```",
+            s.getvalue().strip(),
+            "```",
+            "## by cumulative time",
+            "```",
+            s2.getvalue().strip(),
+            "```",
+        ]
     emit(lines, args.out)
     return 0
 

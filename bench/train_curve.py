@@ -40,7 +40,7 @@ def marker_features(lens: list[list[int]], vocab: int, seed: int) -> list[list[d
             top = min(3, max(1, n // 6))
             counts = rng.integers(0, top, 3)
             counts[label] = counts.max() + 1
-            where = rng.permutation(n)[:int(counts.sum())]
+            where = rng.permutation(n)[: int(counts.sum())]
             ids[where] = np.repeat(MARKERS, counts)
             feats.append({"input_ids": ids.tolist(), "labels": label})
         out.append(feats)
@@ -61,7 +61,7 @@ def train(name: str, model, batches: list, make, device, every: int, lr: float) 
         losses.append(loss.detach().float())
     sync(device)
     flat = torch.stack(losses).cpu().numpy()
-    return [float(flat[i:i + every].mean()) for i in range(0, len(flat), every)]
+    return [float(flat[i : i + every].mean()) for i in range(0, len(flat), every)]
 
 
 def evaluate(model, feats: list[list[dict]], make, device) -> tuple[float, float]:
@@ -125,14 +125,22 @@ def main(argv=None) -> int:
         print(f"{name}: held-out loss {scores[name][0]:.4f}, accuracy {scores[name][1]:.4f}", flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     names = list(curves)
-    lines = [f"# bench.train_curve on {where}: {args.steps} steps of {args.batch} sequences, lr {args.lr}, "
-             f"the marker task", "", "| steps | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    lines = [
+        f"# bench.train_curve on {where}: {args.steps} steps of {args.batch} sequences, lr {args.lr}, the marker task",
+        "",
+        "| steps | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
     for i in range(len(curves[names[0]])):
         upto = min((i + 1) * args.every, args.steps)
         lines.append(f"| {i * args.every + 1}..{upto} | " + " | ".join(f"{curves[n][i]:.4f}" for n in names) + " |")
-    lines += ["", "| held out | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
-              "| loss | " + " | ".join(f"{scores[n][0]:.4f}" for n in names) + " |",
-              "| accuracy | " + " | ".join(f"{scores[n][1]:.4f}" for n in names) + " |"]
+    lines += [
+        "",
+        "| held out | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+        "| loss | " + " | ".join(f"{scores[n][0]:.4f}" for n in names) + " |",
+        "| accuracy | " + " | ".join(f"{scores[n][1]:.4f}" for n in names) + " |",
+    ]
     emit(lines, args.out)
     return 0
 

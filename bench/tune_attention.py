@@ -51,8 +51,9 @@ def tune_bias():
     lengths, heads, dim = torch.randint(8, 129, (256,), generator=gen).tolist(), 12, 64
     total, max_len = sum(lengths), max(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     do = torch.randn_like(q)
     table = torch.randn(32, heads, device="cuda", requires_grad=True)
     buckets = relative_buckets(torch.arange(-(max_len - 1), max_len, device="cuda")).to(torch.int32)
@@ -60,8 +61,9 @@ def tune_bias():
     print(f"(mpnet) B=256 mean={total / 256:.0f} max={max_len} H={heads} D={dim} bias table [32, {heads}]", flush=True)
 
     def eager(bias, grad):
-        out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="triton",
-                                      position_bias=(table, buckets) if bias else None)
+        out = ragged.varlen_attention(
+            q, k, v, cu, cu, max_len, max_len, backend="triton", position_bias=(table, buckets) if bias else None
+        )
         return torch.autograd.grad(out, (q, k, v, table) if bias else (q, k, v), do) if grad else out
 
     def timed(bias, grad):
@@ -76,8 +78,11 @@ def tune_bias():
     for bias in (False, True):
         ms = timed(bias, False)
         ms2 = timed(bias, True)
-        print(f"  default, bias={bias}: fwd {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s | fwd+bwd {ms2:.4f} ms "
-              f"{3.5 * fl / ms2 / 1e9:6.1f} TF/s", flush=True)
+        print(
+            f"  default, bias={bias}: fwd {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s | fwd+bwd {ms2:.4f} ms "
+            f"{3.5 * fl / ms2 / 1e9:6.1f} TF/s",
+            flush=True,
+        )
     fwd = []
     for cfg in [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]:
         ka._fwd_config = lambda *a_, cfg=cfg: cfg
@@ -90,8 +95,17 @@ def tune_bias():
         print(f"  fwd bias {cfg}: {ms:.4f} ms {fl / ms / 1e9:6.1f} TF/s", flush=True)
     kv_shapes = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2)]
     # the dQ kernel's rotation of dS needs BLOCK_M <= BLOCK_N
-    dq_shapes = [(16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2),
-                 (64, 64, 8, 2), (16, 128, 4, 2), (64, 128, 8, 2)]
+    dq_shapes = [
+        (16, 64, 4, 2),
+        (32, 32, 4, 2),
+        (32, 64, 4, 2),
+        (32, 64, 8, 2),
+        (32, 128, 8, 2),
+        (64, 64, 4, 2),
+        (64, 64, 8, 2),
+        (16, 128, 4, 2),
+        (64, 128, 8, 2),
+    ]
     bwd = []
     for kv in kv_shapes:
         for dq in dq_shapes:
@@ -141,8 +155,11 @@ def _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, forward_shape):
     if results and not calls:
         raise RuntimeError("the sm_90 backward never ran: the timings above are of the portable one")
     for ms, pair in sorted(results):
-        print(f"  hopper fwd {forward_shape} + bwd dk/dv {pair[0]} dq {pair[1]}: {ms:.4f} ms "
-              f"{3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
+        print(
+            f"  hopper fwd {forward_shape} + bwd dk/dv {pair[0]} dq {pair[1]}: {ms:.4f} ms "
+            f"{3.5 * fl / ms / 1e9:6.1f} TF/s",
+            flush=True,
+        )
 
 
 def tune_hopper(only=None, backward_only=False):
@@ -167,8 +184,10 @@ def tune_hopper(only=None, backward_only=False):
         for causal in (False, True):
             fl = ka.flops(lengths, lengths, heads, dim, causal)
             dense = ka.flops([max_len] * batch, [max_len] * batch, heads, dim, causal)
-            print(f"(c{dim}) B={batch} mean={total / batch:.0f} max={max_len} H={heads} D={dim} causal={causal}",
-                  flush=True)
+            print(
+                f"(c{dim}) B={batch} mean={total / batch:.0f} max={max_len} H={heads} D={dim} causal={causal}",
+                flush=True,
+            )
             if backward_only:
                 _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, default(dim, max_len, causal, False))
                 continue
@@ -178,14 +197,21 @@ def tune_hopper(only=None, backward_only=False):
 
             with hopper.forced(False):
                 ms = do_bench(call, return_mode="median")
-            print(f"  portable {ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)}: {ms:.4f} ms "
-                  f"{fl / ms / 1e9:6.1f} TF/s", flush=True)
+            print(
+                f"  portable {ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)}: {ms:.4f} ms "
+                f"{fl / ms / 1e9:6.1f} TF/s",
+                flush=True,
+            )
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                ms = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(padded, padded, padded,
-                                                                                       is_causal=causal),
-                              return_mode="median")
-            print(f"  cuDNN dense padded [{batch}, {heads}, {max_len}, {dim}]: {ms:.4f} ms "
-                  f"{dense / ms / 1e9:6.1f} TF/s (dense flops)", flush=True)
+                ms = do_bench(
+                    lambda: torch.nn.functional.scaled_dot_product_attention(padded, padded, padded, is_causal=causal),
+                    return_mode="median",
+                )
+            print(
+                f"  cuDNN dense padded [{batch}, {heads}, {max_len}, {dim}]: {ms:.4f} ms "
+                f"{dense / ms / 1e9:6.1f} TF/s (dense flops)",
+                flush=True,
+            )
             results = []
             for cfg in hopper.CONFIGS[dim]:
                 hopper.config = lambda *a_, cfg=cfg: cfg
@@ -221,14 +247,17 @@ def main():
             continue
         total = sum(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         do = torch.randn_like(q)
         max_len = max(lengths)
         for causal in (False, True):
             fl = ka.flops(lengths, lengths, heads, dim, causal)
-            tag = f"({name}) B={len(lengths)} mean={total / len(lengths):.0f} max={max_len} H={heads} D={dim} " \
-                  f"causal={causal}"
+            tag = (
+                f"({name}) B={len(lengths)} mean={total / len(lengths):.0f} max={max_len} H={heads} D={dim} "
+                f"causal={causal}"
+            )
             base = varlen_attn_fn(q, k, v, cu, max_len, causal)
             if base is not None:
                 ms = do_bench(base, return_mode="median")
@@ -248,8 +277,9 @@ def main():
                 configs = [ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)]
             for cfg in configs:
                 ka._fwd_config = lambda *a_, cfg=cfg: cfg
-                fn = lambda: ragged.varlen_attention(q.detach(), k.detach(), v.detach(), cu, cu, max_len, max_len,
-                                                     causal=causal, backend="triton")
+                fn = lambda: ragged.varlen_attention(
+                    q.detach(), k.detach(), v.detach(), cu, cu, max_len, max_len, causal=causal, backend="triton"
+                )
                 try:
                     ms = do_bench(fn, return_mode="median")
                 except Exception as exc:  # out of resources etc.
@@ -268,18 +298,36 @@ def main():
                 def time_bwd(pair):
                     ka._bwd_config = lambda *a_, pair=pair: pair
                     try:
-                        return do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-                                        return_mode="median")
+                        return do_bench(
+                            lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), return_mode="median"
+                        )
                     except Exception as exc:
                         print(f"  bwd {pair} failed: {type(exc).__name__}", flush=True)
                         return float("inf")
 
-                shapes = [(32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
-                          (64, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (32, 64, 4, 2),
-                          (128, 32, 4, 2), (128, 32, 8, 2)]
+                shapes = [
+                    (32, 128, 4, 2),
+                    (32, 128, 8, 2),
+                    (64, 64, 4, 2),
+                    (64, 64, 4, 3),
+                    (64, 128, 4, 2),
+                    (64, 128, 8, 2),
+                    (64, 128, 8, 3),
+                    (128, 64, 8, 2),
+                    (128, 64, 8, 3),
+                    (32, 64, 4, 2),
+                    (128, 32, 4, 2),
+                    (128, 32, 8, 2),
+                ]
                 if name == "a":
-                    shapes = [(16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2),
-                              (64, 32, 4, 2)]
+                    shapes = [
+                        (16, 16, 4, 2),
+                        (16, 32, 4, 2),
+                        (32, 16, 4, 2),
+                        (32, 32, 4, 2),
+                        (32, 64, 4, 2),
+                        (64, 32, 4, 2),
+                    ]
                 base_dq = (64, 64, 4, 2)
                 kv = sorted((time_bwd((cfg, base_dq)), cfg) for cfg in shapes)
                 best_kv = kv[0][1]
@@ -288,8 +336,11 @@ def main():
                 for ms, cfg in kv[:3]:
                     print(f"  bwd dk/dv {cfg} (dq {base_dq}): {ms:.4f} ms", flush=True)
                 for ms, cfg in qq[:3]:
-                    print(f"  bwd dq {cfg} (dk/dv {best_kv}): {ms:.4f} ms; fwd+bwd "
-                          f"{3.5 * fl / (ms + fwd_ms) / 1e9:6.1f} TF/s", flush=True)
+                    print(
+                        f"  bwd dq {cfg} (dk/dv {best_kv}): {ms:.4f} ms; fwd+bwd "
+                        f"{3.5 * fl / (ms + fwd_ms) / 1e9:6.1f} TF/s",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,14 @@ def main():
 
     # Host cost of one call (no sync), which bounds small problems in eager mode.
     import time
-    for name, fn in (("pack cuda", lambda: ragged.pack_values(x, off, total, backend="cuda")),
-                     ("pack triton", lambda: ragged.pack_values(x, off, total, backend="triton")),
-                     ("unpack cuda", lambda: ragged.unpack_values(vals, off, width, backend="cuda")),
-                     ("unpack triton", lambda: ragged.unpack_values(vals, off, width, backend="triton")),
-                     ("index_select", lambda: x.view(-1, feat).index_select(0, off[:1].long()))):
+
+    for name, fn in (
+        ("pack cuda", lambda: ragged.pack_values(x, off, total, backend="cuda")),
+        ("pack triton", lambda: ragged.pack_values(x, off, total, backend="triton")),
+        ("unpack cuda", lambda: ragged.unpack_values(vals, off, width, backend="cuda")),
+        ("unpack triton", lambda: ragged.unpack_values(vals, off, width, backend="triton")),
+        ("index_select", lambda: x.view(-1, feat).index_select(0, off[:1].long())),
+    ):
         small = 200
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -77,14 +80,19 @@ def main():
     for tile_bytes in (8192, 16384, 32768):
         for row_bytes in (2048, 4096):
             for warps in (4, 8):
+
                 def shape(row, elem, tb=tile_bytes, rb=row_bytes, w=warps):
                     bf = min(triton.next_power_of_2(row), rb // elem)
                     return max(1, min(1024, (tb // elem) // bf)), bf, w
+
                 kt._tile = shape
                 tag = f"tile={tile_bytes} row={row_bytes} warps={warps}"
                 run(f"pack triton {tag}", lambda: ragged.pack_values(x, off, total, backend="triton"), pack_bytes)
-                run(f"unpack triton {tag}", lambda: ragged.unpack_values(vals, off, width, backend="triton"),
-                    unpack_bytes)
+                run(
+                    f"unpack triton {tag}",
+                    lambda: ragged.unpack_values(vals, off, width, backend="triton"),
+                    unpack_bytes,
+                )
     kt._tile = tile
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "tune_pack.json"), "w") as f:

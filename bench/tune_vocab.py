@@ -28,8 +28,18 @@ def capture(p: Problem):
     hidden = ragged.RaggedTensor.from_lengths(p.hidden, p.lengths)
     vocab = ragged.RaggedTensor.from_lengths(p.vocab_values, p.counts)
     layout = prepare("bench.tune_vocab", hidden, p.weight, vocab, None, False)
-    return (layout.hidden, layout.h_off, layout.weight, layout.bias, layout.ids, layout.v_off, layout.l_off,
-            layout.total, layout.max_t, layout.max_v)
+    return (
+        layout.hidden,
+        layout.h_off,
+        layout.weight,
+        layout.bias,
+        layout.ids,
+        layout.v_off,
+        layout.l_off,
+        layout.total,
+        layout.max_t,
+        layout.max_v,
+    )
 
 
 def sweep(label, setter, configs, fn, default):
@@ -46,8 +56,11 @@ def sweep(label, setter, configs, fn, default):
     setter(default)
     results.sort()
     if results:
-        print(f"{label}: best {results[0][1]} {results[0][0]:.4f} ms; default {default} "
-              f"{next((m for m, c in results if c == default), float('nan')):.4f} ms", flush=True)
+        print(
+            f"{label}: best {results[0][1]} {results[0][0]:.4f} ms; default {default} "
+            f"{next((m for m, c in results if c == default), float('nan')):.4f} ms",
+            flush=True,
+        )
     return results
 
 
@@ -61,53 +74,119 @@ def main():
     hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v = capture(p)
     dim, dt = hidden.shape[1], hidden.dtype
     full = do_bench(lambda: hidden @ weight.T, return_mode="median")
-    print(f"T={hidden.shape[0]} d={dim} V={weight.shape[0]} selected logits={total}; full h@W.T {full:.4f} ms",
-          flush=True)
+    print(
+        f"T={hidden.shape[0]} d={dim} V={weight.shape[0]} selected logits={total}; full h@W.T {full:.4f} ms", flush=True
+    )
     grad = torch.randn(total, device="cuda", dtype=dt)
 
     if want("fwd"):
         default = kv.config(dim, max_t, max_v, dt, False)
-        configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
-                   for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
+        configs = [
+            (bm, bn, 64, w, s)
+            for bm in (32, 64, 128)
+            for bn in (64, 128, 256)
+            for w in (4, 8)
+            for s in (3, 4)
+            if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536
+        ]
         configs += [(64, 128, 32, 4, 4), (64, 128, 128, 8, 2), (64, 64, 128, 4, 3)]
         orig = kv.config
-        sweep("fwd", lambda c: setattr(kv, "config", (lambda *a, c=c: c) if c != default else orig), configs,
-              lambda: kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v), default)
+        sweep(
+            "fwd",
+            lambda c: setattr(kv, "config", (lambda *a, c=c: c) if c != default else orig),
+            configs,
+            lambda: kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v),
+            default,
+        )
         kv.config = orig
     if want("dh"):
         default = kv._dhidden_config(dim, max_t, dt, False)
-        configs = [(bm, bd, bk, w, s) for bm in (32, 64) for bd in (64, 128) for bk in (32, 64)
-                   for w in (4, 8) for s in (2, 3)]
+        configs = [
+            (bm, bd, bk, w, s) for bm in (32, 64) for bd in (64, 128) for bk in (32, 64) for w in (4, 8) for s in (2, 3)
+        ]
         orig = kv._dhidden_config
-        sweep("d_hidden", lambda c: setattr(kv, "_dhidden_config", lambda *a, c=c: c), configs,
-              lambda: kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, True, False, False,
-                                  False), default)
+        sweep(
+            "d_hidden",
+            lambda c: setattr(kv, "_dhidden_config", lambda *a, c=c: c),
+            configs,
+            lambda: kv.backward(
+                grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, True, False, False, False
+            ),
+            default,
+        )
         kv._dhidden_config = orig
     if want("dw"):
         default = kv._dweight_config(dim, max_t, dt, False)
-        configs = [(bn, bd, bk, w, s) for bn in (64, 128) for bd in (64, 128) for bk in (16, 32, 64)
-                   for w in (4, 8) for s in (2, 3)]
+        configs = [
+            (bn, bd, bk, w, s)
+            for bn in (64, 128)
+            for bd in (64, 128)
+            for bk in (16, 32, 64)
+            for w in (4, 8)
+            for s in (2, 3)
+        ]
         orig = kv._dweight_config
-        sweep("d_weight", lambda c: setattr(kv, "_dweight_config", lambda *a, c=c: c), configs,
-              lambda: kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, False, True, False,
-                                  False), default)
+        sweep(
+            "d_weight",
+            lambda c: setattr(kv, "_dweight_config", lambda *a, c=c: c),
+            configs,
+            lambda: kv.backward(
+                grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, False, True, False, False
+            ),
+            default,
+        )
         kv._dweight_config = orig
     operands = (hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
     if want("ce"):
         default = kce._ce_config(dim, max_t, max_v, dt, False)
-        configs = [(bm, bn, 64, w, s) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8)
-                   for s in (3, 4) if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536]
+        configs = [
+            (bm, bn, 64, w, s)
+            for bm in (32, 64, 128)
+            for bn in (64, 128, 256)
+            for w in (4, 8)
+            for s in (3, 4)
+            if bm * bn <= 128 * 128 and 64 * (bm + bn) * s <= 65536
+        ]
         orig = kce._ce_config
-        sweep("ce fwd", lambda c: setattr(kce, "_ce_config", lambda *a, c=c: c), configs,
-              lambda: kce.forward(*operands, p.target, -100, 0.0), default)
+        sweep(
+            "ce fwd",
+            lambda c: setattr(kce, "_ce_config", lambda *a, c=c: c),
+            configs,
+            lambda: kce.forward(*operands, p.target, -100, 0.0),
+            default,
+        )
         kce._ce_config = orig
     if want("cegrad"):
         _, lse, local, _ = kce.forward(*operands, p.target, -100, 0.0)
         gl = torch.full((hidden.shape[0],), 1.0 / hidden.shape[0], device="cuda")
-        fn = lambda: kce.backward(gl, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse,  # noqa
-                                  None, 0.0, max_t, max_v, True, True, False, False, None, None)
-        print(f"ce backward (grad tile + d_hidden + d_weight, current configs): "
-              f"{do_bench(fn, return_mode='median'):.4f} ms", flush=True)
+        fn = lambda: kce.backward(
+            gl,
+            hidden,
+            h_off,
+            weight,
+            bias,
+            ids,
+            v_off,
+            l_off,
+            total,
+            local,
+            lse,  # noqa
+            None,
+            0.0,
+            max_t,
+            max_v,
+            True,
+            True,
+            False,
+            False,
+            None,
+            None,
+        )
+        print(
+            f"ce backward (grad tile + d_hidden + d_weight, current configs): "
+            f"{do_bench(fn, return_mode='median'):.4f} ms",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

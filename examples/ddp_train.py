@@ -50,7 +50,7 @@ def synthetic_dataset(size: int, vocab: int, seed: int) -> list[dict]:
     data = []
     for n in lengths.tolist():
         even = rng.random(n - 1) < rng.choice((0.3, 0.7))
-        ids = 6 + 2 * rng.integers(0, (vocab - 6) // 2, n - 1) + ~even   # even where even
+        ids = 6 + 2 * rng.integers(0, (vocab - 6) // 2, n - 1) + ~even  # even where even
         label = int(2 * even.sum() > n - 1)
         data.append({"input_ids": np.concatenate(([CLS], ids)), "labels": label})
     return data
@@ -62,8 +62,7 @@ def init_distributed(device_type: str) -> torch.device:
         with socket.socket() as s:  # a free port on this machine for the one-process group
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -76,13 +75,17 @@ def init_distributed(device_type: str) -> torch.device:
 def wrap(model: torch.nn.Module, args, device: torch.device) -> torch.nn.Module:
     if not args.fsdp:
         return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if device.type == "cuda" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     for layer in model.bert.encoder.layer:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -104,22 +107,32 @@ def train(args, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP would broadcast them anyway)
     vocab = 64
-    config = BertConfig(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                        num_attention_heads=args.heads, intermediate_size=4 * args.hidden, num_labels=2)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        num_labels=2,
+    )
     model = ragged.nn.convert(BertForSequenceClassification(config)).to(device)
     model = wrap(model, args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after wrapping: FSDP2 shards
-    autocast = device.type == "cuda" and not args.fsdp              # FSDP2 casts by its policy
+    autocast = device.type == "cuda" and not args.fsdp  # FSDP2 casts by its policy
 
     dataset = synthetic_dataset(args.examples, vocab, seed=0)
-    sampler = TokenBudgetSampler([len(x["input_ids"]) for x in dataset], max_tokens=args.max_tokens,
-                                 shuffle=True, seed=0)               # num_replicas, rank from dist
+    sampler = TokenBudgetSampler(
+        [len(x["input_ids"]) for x in dataset], max_tokens=args.max_tokens, shuffle=True, seed=0
+    )  # num_replicas, rank from dist
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
     if rank == 0:
         b = sampler.balance()
-        print(f"{world} ranks ({'FSDP2' if args.fsdp else 'DDP'}, {device.type}), {len(sampler)} steps per "
-              f"epoch; token loads max/mean per step: worst {b.worst:.3f}, mean {b.mean:.3f}, "
-              f"efficiency {b.efficiency:.1%}", flush=True)
+        print(
+            f"{world} ranks ({'FSDP2' if args.fsdp else 'DDP'}, {device.type}), {len(sampler)} steps per "
+            f"epoch; token loads max/mean per step: worst {b.worst:.3f}, mean {b.mean:.3f}, "
+            f"efficiency {b.efficiency:.1%}",
+            flush=True,
+        )
 
     model.train()
     step, epoch, sequences, tokens, loss_total = 0, 0, 0, 0, torch.zeros((), device=device)
@@ -130,7 +143,7 @@ def train(args, device: torch.device) -> None:
         for i, batch in enumerate(loader):  # input_ids: a RaggedTensor; labels: [B]
             batch = batch.to(device, non_blocking=True)
             with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-                logits = model(input_ids=batch["input_ids"]).logits          # [B, 2]
+                logits = model(input_ids=batch["input_ids"]).logits  # [B, 2]
             loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
             # DDP and FSDP average gradients over the W ranks. With this rank's *sum* of
             # per-sequence losses scaled by W / N (N: the step's sequences over all ranks) the
@@ -148,8 +161,11 @@ def train(args, device: torch.device) -> None:
                 dist.all_reduce(loss_total)  # for display only: the mean loss since the last line
                 elapsed = time.perf_counter() - start
                 if rank == 0:
-                    print(f"step {step:4d}  loss {loss_total.item() / sequences:.4f}  "
-                          f"{tokens / elapsed:,.0f} tokens/s (all ranks)", flush=True)
+                    print(
+                        f"step {step:4d}  loss {loss_total.item() / sequences:.4f}  "
+                        f"{tokens / elapsed:,.0f} tokens/s (all ranks)",
+                        flush=True,
+                    )
                 sequences, tokens, start = 0, 0, time.perf_counter()
                 loss_total.zero_()
             if step == args.steps:

@@ -25,11 +25,13 @@ import torch
 
 import ragged
 
-WORDS = ("the of and to in is it that was for on are with as he she they be at one have this from or had by word "
-         "but what some we can out other were all there when up use your how said an each which do their time if "
-         "will way about many then them write would like so these her long make thing see him two has look more day "
-         "could go come did number sound no most people my over know water than call first who may down side been "
-         "now find quick brown fox jumps lazy dog river city night light music").split()
+WORDS = (
+    "the of and to in is it that was for on are with as he she they be at one have this from or had by word "
+    "but what some we can out other were all there when up use your how said an each which do their time if "
+    "will way about many then them write would like so these her long make thing see him two has look more day "
+    "could go come did number sound no most people my over know water than call first who may down side been "
+    "now find quick brown fox jumps lazy dog river city night light music"
+).split()
 
 
 def tiny_model(folder: Path):
@@ -38,13 +40,23 @@ def tiny_model(folder: Path):
     from sentence_transformers.sentence_transformer import modules
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.ascii_lowercase + string.digits + ".,!?'") \
-        + ["##" + c for c in string.ascii_lowercase] + WORDS
+    vocab = (
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        + list(string.ascii_lowercase + string.digits + ".,!?'")
+        + ["##" + c for c in string.ascii_lowercase]
+        + WORDS
+    )
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizerFast(str(folder / "vocab.txt"), model_max_length=256).save_pretrained(str(folder))
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=256, max_position_embeddings=256)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=256,
+    )
     BertModel(config).save_pretrained(str(folder))
     transformer = modules.Transformer(str(folder))
     return SentenceTransformer(modules=[transformer, modules.Pooling(64, "mean"), modules.Normalize()])
@@ -100,8 +112,10 @@ def main() -> None:
     print(f"converted: {rate_converted:10.1f} texts/s  ({rate_converted / rate_original:.2f}x)")
     print(f"max cosine difference: {np.max(1.0 - cosine):.2e}, max abs difference: {np.abs(want - got).max():.2e}")
     if torch.device(args.device).type == "cpu":
-        print("on CPU ragged runs its pure-torch reference kernels and the default model is tiny: the ratio above "
-              "shows the CPU path, not the GPU kernels (python -m bench --suite hf on a GPU measures those)")
+        print(
+            "on CPU ragged runs its pure-torch reference kernels and the default model is tiny: the ratio above "
+            "shows the CPU path, not the GPU kernels (python -m bench --suite hf on a GPU measures those)"
+        )
 
 
 if __name__ == "__main__":

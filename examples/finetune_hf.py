@@ -52,8 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
 
     if args.model is None:
-        config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128, num_labels=2)
+        config = BertConfig(
+            vocab_size=64,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            num_labels=2,
+        )
         model = AutoModelForSequenceClassification.from_config(config)
         vocab, cls, sep = config.vocab_size, 2, 3
     else:
@@ -63,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     model = ragged.nn.convert(model).to(device)  # forward patched in place: same modules and parameters
     dataset = synthetic_dataset(args.examples, vocab, cls, sep, marker=vocab - 1, gen=torch.Generator().manual_seed(0))
 
-    sampler = TokenBudgetSampler([len(x["input_ids"]) for x in dataset], max_tokens=args.max_tokens, shuffle=True,
-                                 seed=0)
+    sampler = TokenBudgetSampler(
+        [len(x["input_ids"]) for x in dataset], max_tokens=args.max_tokens, shuffle=True, seed=0
+    )
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
@@ -79,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
             if step % 5 == 0:
                 ids = batch["input_ids"]
-                print(f"epoch {epoch} step {step:3d}: {ids.batch_size:3d} sequences, {ids.values.numel():4d} tokens "
-                      f"(longest {ids.max_len:2d}), loss {out.loss.item():.4f}")
+                print(
+                    f"epoch {epoch} step {step:3d}: {ids.batch_size:3d} sequences, {ids.values.numel():4d} tokens "
+                    f"(longest {ids.max_len:2d}), loss {out.loss.item():.4f}"
+                )
             step += 1
 
     model.eval()

@@ -21,12 +21,12 @@ proj = torch.nn.Linear(768, 256, device=device)
 out = rt.with_values(torch.relu(proj(rt.values)))
 
 # Back to the padded layout only where something needs it.
-padded = out.to_padded()                              # [4, 31, 256], zeros at padding
+padded = out.to_padded()  # [4, 31, 256], zeros at padding
 assert padded.shape == (4, 31, 256)
 for b, seq in enumerate(seqs):
     expected = torch.relu(proj(seq))
     torch.testing.assert_close(padded[b, : seq.shape[0]], expected)
-    assert torch.all(padded[b, seq.shape[0]:] == 0)
+    assert torch.all(padded[b, seq.shape[0] :] == 0)
 
 # From a padded batch and a HuggingFace-style attention mask (1 = token).
 mask = rt.attention_mask()

@@ -69,17 +69,29 @@ def main(argv=None) -> int:
         from trl import SFTConfig, SFTTrainer
     except ImportError as e:
         missing = e.name or str(e)
-        print(f"sft_with_trl.py: the module '{missing}' could not be imported ({e}); it comes with this project's "
-              f'trl extra: pip install -e ".[trl]" (from the checkout)', file=sys.stderr)
+        print(
+            f"sft_with_trl.py: the module '{missing}' could not be imported ({e}); it comes with this project's "
+            f'trl extra: pip install -e ".[trl]" (from the checkout)',
+            file=sys.stderr,
+        )
         return 1
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     import ragged.hf  # noqa: F401  (registers attn_implementation="ragged")
 
     vocab = 64
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("ragged")
@@ -93,12 +105,25 @@ def main(argv=None) -> int:
                 losses.append(float(logs["loss"]))
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = SFTConfig(out, padding_free=True, per_device_train_batch_size=args.batch, max_steps=args.steps,
-                        learning_rate=args.lr, logging_steps=10, save_strategy="no", report_to=[], disable_tqdm=True,
-                        use_cpu=args.cpu or not torch.cuda.is_available(), seed=0, max_length=None,
-                        dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
-        trainer = SFTTrainer(model, cfg, train_dataset=Dataset.from_list(data), processing_class=tokenizer(vocab),
-                             callbacks=[Record()])
+        cfg = SFTConfig(
+            out,
+            padding_free=True,
+            per_device_train_batch_size=args.batch,
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            logging_steps=10,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=args.cpu or not torch.cuda.is_available(),
+            seed=0,
+            max_length=None,
+            dataset_kwargs={"skip_prepare_dataset": True},
+            remove_unused_columns=False,
+        )
+        trainer = SFTTrainer(
+            model, cfg, train_dataset=Dataset.from_list(data), processing_class=tokenizer(vocab), callbacks=[Record()]
+        )
         model.eval()
         diff = padding_free_matches_per_sequence(model.to(trainer.args.device), trainer.data_collator, data[:8])
         print(f"padding-free loss vs per-sequence losses: |difference| {diff:.2e}")

@@ -34,8 +34,9 @@ class TextEncoder(nn.Module):
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int, num_layers: int):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout=0.0, activation="gelu",
-                                           batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead, dim_feedforward, dropout=0.0, activation="gelu", batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers)
         self.head = nn.Linear(d_model, d_model)
 
@@ -117,15 +118,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64 if gpu else 8)
     parser.add_argument("--max-len", type=int, default=512 if gpu else 48)
-    parser.add_argument("--repeats", type=int, default=20 if gpu else 5,
-                        help="at least this many timed calls of each path, after its warm-up")
-    parser.add_argument("--time-budget", type=float, default=5.0 if gpu else 1.5,
-                        help="seconds of timed calls per workload (more calls when they are short)")
-    parser.add_argument("--warmup-budget", type=float, default=60.0 if gpu else 2.0,
-                        help="seconds each path may spend warming up before it is timed anyway")
-    parser.add_argument("--threads", type=int, default=None if gpu else 1,
-                        help="torch's CPU threads (default on CPU: 1; at the small size threads buy little, and on "
-                             "a shared machine their spin-waits make times erratic)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=20 if gpu else 5,
+        help="at least this many timed calls of each path, after its warm-up",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=5.0 if gpu else 1.5,
+        help="seconds of timed calls per workload (more calls when they are short)",
+    )
+    parser.add_argument(
+        "--warmup-budget",
+        type=float,
+        default=60.0 if gpu else 2.0,
+        help="seconds each path may spend warming up before it is timed anyway",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None if gpu else 1,
+        help="torch's CPU threads (default on CPU: 1; at the small size threads buy little, and on "
+        "a shared machine their spin-waits make times erratic)",
+    )
     parser.add_argument("--small", action="store_true", help="the small CPU configuration on any device")
     args = parser.parse_args()
     if args.threads is not None:
@@ -143,16 +160,20 @@ def main() -> None:
         warnings.simplefilter("ignore")  # torch's notes about its nested-tensor fast path
         model = TextEncoder(d_model, nhead, ff, layers).to(device, dtype)
     swapped = ragged.nn.convert(copy.deepcopy(model))  # in place; same Parameters as the copy it swapped
-    print(f"swapped: {type(swapped.encoder).__module__}.{type(swapped.encoder).__name__} "
-          f"({layers} layers, d={d_model}, {nhead} heads, ff={ff}, {dtype}, {device})")
+    print(
+        f"swapped: {type(swapped.encoder).__module__}.{type(swapped.encoder).__name__} "
+        f"({layers} layers, d={d_model}, {nhead} heads, ff={ff}, {dtype}, {device})"
+    )
 
     lengths = long_tailed_lengths(args.batch, args.max_len, gen)
     width = max(lengths)
     x = torch.randn(len(lengths), width, d_model, generator=gen).to(device, dtype)
     pad = torch.arange(width, device=device).unsqueeze(0) >= torch.tensor(lengths, device=device).unsqueeze(1)
     real = sum(lengths)
-    print(f"batch {len(lengths)}, padded width {width}, {real} real tokens of {len(lengths) * width} "
-          f"({100 * real / (len(lengths) * width):.0f}%)")
+    print(
+        f"batch {len(lengths)}, padded width {width}, {real} real tokens of {len(lengths) * width} "
+        f"({100 * real / (len(lengths) * width):.0f}%)"
+    )
 
     # Same values at real positions; zeros at padding on the ragged side.
     with torch.no_grad():
@@ -171,6 +192,7 @@ def main() -> None:
         def run():
             with torch.no_grad():
                 m(x, pad)
+
         return run
 
     def infer_packed():  # the same model on the RaggedTensor: encoder, then the head on real tokens only
@@ -180,39 +202,58 @@ def main() -> None:
     def train(m):
         def run():
             m(x, pad)[keep].float().sum().backward()
+
         return run
 
     threads = torch.get_num_threads()
     where = f"{threads} thread{'s' * (threads != 1)}" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"\ntiming on {device} ({where}, torch {torch.__version__}): each path is warmed up until the median "
-          f"of 5 calls moves by less than 5% between rounds (at most {args.warmup_budget:g} s), then the paths "
-          f"of a workload are called in turn, at least {args.repeats} times each and for {args.time_budget:g} s")
+    print(
+        f"\ntiming on {device} ({where}, torch {torch.__version__}): each path is warmed up until the median "
+        f"of 5 calls moves by less than 5% between rounds (at most {args.warmup_budget:g} s), then the paths "
+        f"of a workload are called in turn, at least {args.repeats} times each and for {args.time_budget:g} s"
+    )
     model.eval()
     swapped.eval()
-    inference = compare({"torch": infer(model), "ragged": infer(swapped), "packed": infer_packed}, device,
-                        args.repeats, args.time_budget, args.warmup_budget)
+    inference = compare(
+        {"torch": infer(model), "ragged": infer(swapped), "packed": infer_packed},
+        device,
+        args.repeats,
+        args.time_budget,
+        args.warmup_budget,
+    )
     model.train()
     swapped.train()
-    training = compare({"torch": train(model), "ragged": train(swapped)}, device, args.repeats, args.time_budget,
-                       args.warmup_budget)
-    rows = [("inference, padded input + mask", inference["torch"], inference["ragged"]),
-            ("inference, RaggedTensor input", inference["torch"], inference["packed"]),
-            ("training step (forward + backward)", training["torch"], training["ragged"])]
+    training = compare(
+        {"torch": train(model), "ragged": train(swapped)}, device, args.repeats, args.time_budget, args.warmup_budget
+    )
+    rows = [
+        ("inference, padded input + mask", inference["torch"], inference["ragged"]),
+        ("inference, RaggedTensor input", inference["torch"], inference["packed"]),
+        ("training step (forward + backward)", training["torch"], training["ragged"]),
+    ]
 
     print()
     print(f"| {'workload':38s} | {'calls':>5s} | {'torch.nn (ms)':>17s} | {'ragged.nn (ms)':>17s} | speed-up |")
     print(f"|{'-' * 40}|------:|{'-' * 18}:|{'-' * 18}:|---------:|")
     for name, theirs, ours in rows:
-        print(f"| {name:38s} | {ours.calls:5d} | {theirs.cell():>17s} | {ours.cell():>17s} | "
-              f"{theirs.median_ms / ours.median_ms:7.2f}x |")
+        print(
+            f"| {name:38s} | {ours.calls:5d} | {theirs.cell():>17s} | {ours.cell():>17s} | "
+            f"{theirs.median_ms / ours.median_ms:7.2f}x |"
+        )
     print("\n(median ± half the interquartile range of the timed calls)")
-    paths = {"torch.nn inference": inference["torch"], "ragged.nn inference": inference["ragged"],
-             "ragged.nn inference on a RaggedTensor": inference["packed"], "torch.nn training": training["torch"],
-             "ragged.nn training": training["ragged"]}
+    paths = {
+        "torch.nn inference": inference["torch"],
+        "ragged.nn inference": inference["ragged"],
+        "ragged.nn inference on a RaggedTensor": inference["packed"],
+        "torch.nn training": training["torch"],
+        "ragged.nn training": training["ragged"],
+    }
     unsettled = [name for name, timing in paths.items() if not timing.settled]
     if unsettled:
-        print(f"* did not settle within the warm-up budget: {', '.join(unsettled)} (a busy machine? raise "
-              "--warmup-budget); those times are less reliable")
+        print(
+            f"* did not settle within the warm-up budget: {', '.join(unsettled)} (a busy machine? raise "
+            "--warmup-budget); those times are less reliable"
+        )
     else:
         print("every path settled before it was timed")
     if device.type == "cpu":

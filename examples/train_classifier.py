@@ -23,17 +23,18 @@ class Classifier(nn.Module):
     def __init__(self, vocab: int, d_model: int, nhead: int, num_layers: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
-        layer = ragged.nn.TransformerEncoderLayer(d_model, nhead, 2 * d_model, dropout=0.1, batch_first=True,
-                                                  norm_first=True)
+        layer = ragged.nn.TransformerEncoderLayer(
+            d_model, nhead, 2 * d_model, dropout=0.1, batch_first=True, norm_first=True
+        )
         self.encoder = ragged.nn.TransformerEncoder(layer, num_layers, norm=nn.LayerNorm(d_model))
         self.score = nn.Linear(d_model, 1)
 
     def forward(self, ids: ragged.RaggedTensor) -> torch.Tensor:
-        h = self.encoder(ids.with_values(self.embed(ids.values)))        # RaggedTensor [T, d]
+        h = self.encoder(ids.with_values(self.embed(ids.values)))  # RaggedTensor [T, d]
         pooled = h.values.new_zeros((h.batch_size, h.values.shape[1]))
-        pooled = pooled.index_add(0, h.seq_ids(), h.values)               # per-sequence sums
+        pooled = pooled.index_add(0, h.seq_ids(), h.values)  # per-sequence sums
         pooled = pooled / h.lengths.clamp_min(1).unsqueeze(1).to(pooled.dtype)
-        return self.score(pooled).squeeze(1)                               # [B] logits
+        return self.score(pooled).squeeze(1)  # [B] logits
 
 
 def batch(scores: torch.Tensor, size: int, max_len: int, gen: torch.Generator, device):
@@ -41,7 +42,7 @@ def batch(scores: torch.Tensor, size: int, max_len: int, gen: torch.Generator, d
     lengths = torch.randint(1, max_len + 1, (size,), generator=gen).tolist()
     seqs = [torch.randint(0, scores.shape[0], (n,), generator=gen) for n in lengths]
     labels = torch.stack([(scores[s].mean() > 0).float() for s in seqs])
-    ids = ragged.pack([s.to(device) for s in seqs])                        # one torch.cat
+    ids = ragged.pack([s.to(device) for s in seqs])  # one torch.cat
     return ids, labels.to(device)
 
 
@@ -72,17 +73,21 @@ def main() -> None:
         losses.append(loss.item())
         if step % 25 == 0 or step == 1:
             recent = losses[-25:]
-            print(f"step {step:4d}  mean loss of the last {len(recent):2d} steps {sum(recent) / len(recent):.4f}  "
-                  f"({ids.num_tokens} tokens, "
-                  f"longest {ids.max_len})")
+            print(
+                f"step {step:4d}  mean loss of the last {len(recent):2d} steps {sum(recent) / len(recent):.4f}  "
+                f"({ids.num_tokens} tokens, "
+                f"longest {ids.max_len})"
+            )
 
     model.eval()
     with torch.no_grad():
         ids, labels = batch(scores, 512, args.max_len, gen, args.device)
         accuracy = ((model(ids) > 0).float() == labels).float().mean().item()
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"mean training loss of the first 10 steps {first:.4f} -> of the last 10 steps {last:.4f}; "
-          f"held-out accuracy {accuracy:.1%}")
+    print(
+        f"mean training loss of the first 10 steps {first:.4f} -> of the last 10 steps {last:.4f}; "
+        f"held-out accuracy {accuracy:.1%}"
+    )
     if not last < first:
         raise SystemExit("the loss did not go down")
 

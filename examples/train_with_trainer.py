@@ -68,38 +68,66 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is found")
-    parser.add_argument("--graphs", action="store_true",
-                        help="replay the steps from CUDA graphs (RaggedTrainer(graphs=True); a GPU, one process)")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="replay the steps from CUDA graphs (RaggedTrainer(graphs=True); a GPU, one process)",
+    )
     args = parser.parse_args(argv)
 
-    config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, num_labels=2)
+    config = BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=2
+    )
     torch.manual_seed(0)
     model = ragged.nn.convert(AutoModelForSequenceClassification.from_config(config))
     # The classifier's loss is its batch's mean: Trainer must average the accumulated batches'
     # losses itself, not add them up (see the module's docstring).
     model.accepts_loss_kwargs = False
     data = synthetic_dataset(args.examples + 128, config.vocab_size, config.vocab_size - 1, np.random.default_rng(0))
-    train, val = data[:args.examples], data[args.examples:]
+    train, val = data[: args.examples], data[args.examples :]
 
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
-            out, num_train_epochs=args.epochs, learning_rate=args.lr, gradient_accumulation_steps=args.grad_accum,
-            per_device_eval_batch_size=64, eval_strategy="epoch", logging_steps=5, save_strategy="no",
-            report_to=[], disable_tqdm=True, use_cpu=args.cpu or not torch.cuda.is_available(), seed=0)
-        trainer = RaggedTrainer(model, training, train_dataset=train, eval_dataset=val, max_tokens=args.max_tokens,
-                                compute_metrics=accuracy, callbacks=[PrintLosses()], graphs=args.graphs)
+            out,
+            num_train_epochs=args.epochs,
+            learning_rate=args.lr,
+            gradient_accumulation_steps=args.grad_accum,
+            per_device_eval_batch_size=64,
+            eval_strategy="epoch",
+            logging_steps=5,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=args.cpu or not torch.cuda.is_available(),
+            seed=0,
+        )
+        trainer = RaggedTrainer(
+            model,
+            training,
+            train_dataset=train,
+            eval_dataset=val,
+            max_tokens=args.max_tokens,
+            compute_metrics=accuracy,
+            callbacks=[PrintLosses()],
+            graphs=args.graphs,
+        )
         if training.process_index == 0:
-            print(f"training loss: the mean over the {args.grad_accum} batch(es) accumulated per optimizer step, "
-                  "comparable with the eval loss (the model's loss is a per-batch mean: accepts_loss_kwargs=False)")
+            print(
+                f"training loss: the mean over the {args.grad_accum} batch(es) accumulated per optimizer step, "
+                "comparable with the eval loss (the model's loss is a per-batch mean: accepts_loss_kwargs=False)"
+            )
         before = trainer.evaluate()
         result = trainer.train()
         after = trainer.evaluate()
     if training.process_index == 0:
-        print(f"{training.world_size} process(es), {result.global_step} optimizer steps, "
-              f"final training loss {result.training_loss:.4f}")
-        print(f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}, "
-              f"eval accuracy {before['eval_accuracy']:.2f} -> {after['eval_accuracy']:.2f}")
+        print(
+            f"{training.world_size} process(es), {result.global_step} optimizer steps, "
+            f"final training loss {result.training_loss:.4f}"
+        )
+        print(
+            f"eval loss {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}, "
+            f"eval accuracy {before['eval_accuracy']:.2f} -> {after['eval_accuracy']:.2f}"
+        )
 
 
 if __name__ == "__main__":

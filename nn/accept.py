@@ -47,8 +47,7 @@ def adopt(fn: str, shell: nn.Module, source: nn.Module, copy: bool, memo: dict |
         ours = dict(getattr(shell, named)(remove_duplicate=False))
         theirs = dict(getattr(source, named)(remove_duplicate=False))
         if set(ours) != set(theirs):
-            raise TypeError(f"{fn}(): {type(source).__name__} has {kind}s {sorted(theirs)}, expected "
-                            f"{sorted(ours)}")
+            raise TypeError(f"{fn}(): {type(source).__name__} has {kind}s {sorted(theirs)}, expected {sorted(ours)}")
     for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
         ours = dict(getattr(shell, named)(remove_duplicate=False))
         for name, tensor in getattr(source, named)(remove_duplicate=False):

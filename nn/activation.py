@@ -31,11 +31,14 @@ def check_padding_mask(fn: str, name: str, mask: object, batch: int, width: int)
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{fn}(): expected {name} to be a torch.Tensor, got {describe(mask)}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(f"{fn}(): expected {name} of dtype bool (True = padding) or floating point "
-                        f"(-inf = padding, 0 = token), got {mask.dtype}")
+        raise TypeError(
+            f"{fn}(): expected {name} of dtype bool (True = padding) or floating point "
+            f"(-inf = padding, 0 = token), got {mask.dtype}"
+        )
     if tuple(mask.shape) != (batch, width):
-        raise ValueError(f"{fn}(): expected {name} of shape ({batch}, {width}) (batch, sequence length), "
-                         f"got {tuple(mask.shape)}")
+        raise ValueError(
+            f"{fn}(): expected {name} of shape ({batch}, {width}) (batch, sequence length), got {tuple(mask.shape)}"
+        )
     return mask
 
 
@@ -56,8 +59,10 @@ def pack_padded(fn: str, name: str, x: torch.Tensor, mask: torch.Tensor | None) 
     # The one read of a padded call: lengths and layout flags together.
     host, is_right, is_left, is_bad = read_mask_layout(keep, bad)
     if is_bad:
-        raise NotImplementedError(f"{fn}(): a float {name} must hold 0 (token) or -inf (padding); additive "
-                                  "biases of other values are not supported (use a bool mask, True = padding)")
+        raise NotImplementedError(
+            f"{fn}(): a float {name} must hold 0 (token) or -inf (padding); additive "
+            "biases of other values are not supported (use a bool mask, True = padding)"
+        )
     return pack_by_layout(x, keep, host, is_right, is_left)
 
 
@@ -70,16 +75,20 @@ def check_attn_mask(fn: str, name: str, mask: object) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{fn}(): expected {name} to be a torch.Tensor, got {describe(mask)}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(f"{fn}(): expected {name} of dtype bool (True = masked) or floating point "
-                        f"(-inf = masked), got {mask.dtype}")
+        raise TypeError(
+            f"{fn}(): expected {name} of dtype bool (True = masked) or floating point (-inf = masked), got {mask.dtype}"
+        )
     if mask.dim() != 2:
-        raise NotImplementedError(f"{fn}(): {name} of shape {tuple(mask.shape)} is not supported: ragged takes "
-                                  f"no {name}, a square 2-D causal mask, or is_causal=True")
+        raise NotImplementedError(
+            f"{fn}(): {name} of shape {tuple(mask.shape)} is not supported: ragged takes "
+            f"no {name}, a square 2-D causal mask, or is_causal=True"
+        )
     return mask
 
 
-def causal_flag(fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: int, cols: int,
-                at_least: bool = False) -> bool:
+def causal_flag(
+    fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: int, cols: int, at_least: bool = False
+) -> bool:
     """Whether attention is causal, from torch.nn's ``mask`` / ``is_causal`` pair.
 
     * ``is_causal=True``: causal, trusted as in torch.nn (``mask``'s shape is still checked,
@@ -98,15 +107,19 @@ def causal_flag(fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: 
     size = tuple(mask.shape)
     if at_least:
         if size[0] != size[1] or size[0] < max(rows, cols):
-            raise ValueError(f"{fn}(): expected a square {name} of size at least the longest sequence "
-                             f"({max(rows, cols)}), got {size}")
+            raise ValueError(
+                f"{fn}(): expected a square {name} of size at least the longest sequence "
+                f"({max(rows, cols)}), got {size}"
+            )
     elif size != (rows, cols):
         raise ValueError(f"{fn}(): expected {name} of shape ({rows}, {cols}), got {size}")
     if is_causal is True:
         return True
     if size[0] != size[1]:
-        raise NotImplementedError(f"{fn}(): {name} of shape {size} is not a square causal mask; ragged takes "
-                                  f"no {name}, a square causal mask, or is_causal=True")
+        raise NotImplementedError(
+            f"{fn}(): {name} of shape {size} is not a square causal mask; ragged takes "
+            f"no {name}, a square causal mask, or is_causal=True"
+        )
     above = torch.ones(size, dtype=torch.bool, device=mask.device).triu(1)
     if mask.dtype == torch.bool:
         ok = (mask == above).all()
@@ -117,7 +130,8 @@ def causal_flag(fn: str, name: str, mask: torch.Tensor | None, is_causal, rows: 
             f"{fn}(): {name} is not a causal mask. ragged supports no {name}, a causal {name} (bool: True "
             "exactly above the diagonal; float: -inf above the diagonal and 0 elsewhere) or is_causal=True; "
             "other dense attention masks are not supported (express padding through the key padding mask "
-            "or a RaggedTensor)")
+            "or a RaggedTensor)"
+        )
     return True
 
 
@@ -167,17 +181,28 @@ class MultiheadAttention(nn.Module):
     attention dropout. Pass ``need_weights=False`` for ``(output, None)``.
     """
 
-
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         fn = "ragged.nn.MultiheadAttention"
         unsupported = attention_features(add_bias_kv, add_zero_attn)
         if unsupported:
             raise NotImplementedError(f"{fn}(): {unsupported} is not supported")
         if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"{fn}(): expected embed_dim and num_heads > 0, got embed_dim={embed_dim} and "
-                             f"num_heads={num_heads}")
+            raise ValueError(
+                f"{fn}(): expected embed_dim and num_heads > 0, got embed_dim={embed_dim} and num_heads={num_heads}"
+            )
         if embed_dim % num_heads:
             raise ValueError(f"{fn}(): expected embed_dim ({embed_dim}) divisible by num_heads ({num_heads})")
         super().__init__()
@@ -221,8 +246,9 @@ class MultiheadAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, *, copy: bool = False, memo: dict | None = None
-                   ) -> MultiheadAttention:
+    def from_torch(
+        cls, module: nn.MultiheadAttention, *, copy: bool = False, memo: dict | None = None
+    ) -> MultiheadAttention:
         """The ragged module for ``module``: same configuration, same training mode.
 
         ``copy=False`` shares ``module``'s Parameter objects (``out_proj``'s included): training
@@ -235,9 +261,16 @@ class MultiheadAttention(nn.Module):
         unsupported = module_attention_features(module)
         if unsupported:
             raise NotImplementedError(f"{fn}(): modules built with {unsupported} are not supported")
-        shell = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
-                    bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
-                    batch_first=module.batch_first, device="meta")
+        shell = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            device="meta",
+        )
         return adopt(fn, shell, module, copy, memo)
 
     # ----------------------------------------------------------------------------------
@@ -247,7 +280,7 @@ class MultiheadAttention(nn.Module):
         """q, k, v ``values [T, H, D]`` (one GEMM for self-attention, two for shared key/value)."""
         e, h, d = self.embed_dim, self.num_heads, self.head_dim
         b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else (b[:e], b[e:2 * e], b[2 * e:])
+        bq, bk, bv = (None, None, None) if b is None else (b[:e], b[e : 2 * e], b[2 * e :])
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight
             if query is key and key is value:
@@ -257,8 +290,8 @@ class MultiheadAttention(nn.Module):
             if key is value:
                 k, v = F.linear(key.values, w[e:], None if b is None else b[e:]).view(-1, 2, h, d).unbind(1)
             else:
-                k = F.linear(key.values, w[e:2 * e], bk).view(-1, h, d)
-                v = F.linear(value.values, w[2 * e:], bv).view(-1, h, d)
+                k = F.linear(key.values, w[e : 2 * e], bk).view(-1, h, d)
+                v = F.linear(value.values, w[2 * e :], bv).view(-1, h, d)
             return q.view(-1, h, d), k, v
         q = F.linear(query.values, self.q_proj_weight, bq)
         k = F.linear(key.values, self.k_proj_weight, bk)
@@ -276,8 +309,17 @@ class MultiheadAttention(nn.Module):
         y = F.linear(out.values.reshape(-1, self.embed_dim), self.out_proj.weight, self.out_proj.bias)
         return query.with_values(y), q, k
 
-    def _weights(self, q, k, query: RaggedTensor, key: RaggedTensor, q_layout: PaddedLayout,
-                 k_layout: PaddedLayout, causal: bool, average: bool) -> torch.Tensor:
+    def _weights(
+        self,
+        q,
+        k,
+        query: RaggedTensor,
+        key: RaggedTensor,
+        q_layout: PaddedLayout,
+        k_layout: PaddedLayout,
+        causal: bool,
+        average: bool,
+    ) -> torch.Tensor:
         """Attention probabilities ``[B, H, L, S]`` in the padded layout (zeros at padding)."""
         batch, h = query.batch_size, self.num_heads
         lq, lk = q_layout.width, k_layout.width
@@ -290,9 +332,11 @@ class MultiheadAttention(nn.Module):
         scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * (1.0 / math.sqrt(self.head_dim))
         # rank of each token within its sequence, -1 at padding
         rq = torch.full((batch + 1, lq), -1, dtype=torch.int64, device=q.device).index_put(
-            (sq, pq), query.position_ids())[:batch]
+            (sq, pq), query.position_ids()
+        )[:batch]
         rk = torch.full((batch + 1, lk), -1, dtype=torch.int64, device=k.device).index_put(
-            (sk, pk), key.position_ids())[:batch]
+            (sk, pk), key.position_ids()
+        )[:batch]
         allowed = (rq >= 0)[:, None, :, None] & (rk >= 0)[:, None, None, :]
         if causal:
             shift = (key.lengths - query.lengths).to(torch.int64)[:, None, None, None]
@@ -303,39 +347,59 @@ class MultiheadAttention(nn.Module):
 
     # ----------------------------------------------------------------------------------
 
-    def forward(self, query, key, value, key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
-                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ):
         fn = "ragged.nn.MultiheadAttention.forward"
         is_ragged = [isinstance(t, RaggedTensor) for t in (query, key, value)]
         if any(is_ragged):
             if not all(is_ragged):
-                raise TypeError(f"{fn}(): expected query, key and value all RaggedTensors or all padded tensors, "
-                                f"got {', '.join(type(t).__name__ for t in (query, key, value))}")
-            return self._forward_ragged(fn, query, key, value, key_padding_mask, need_weights, attn_mask,
-                                        average_attn_weights, is_causal)
-        return self._forward_padded(fn, query, key, value, key_padding_mask, need_weights, attn_mask,
-                                    average_attn_weights, is_causal)
+                raise TypeError(
+                    f"{fn}(): expected query, key and value all RaggedTensors or all padded tensors, "
+                    f"got {', '.join(type(t).__name__ for t in (query, key, value))}"
+                )
+            return self._forward_ragged(
+                fn, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+        return self._forward_padded(
+            fn, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
 
     def _forward_ragged(self, fn, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
         if key_padding_mask is not None:
-            raise ValueError(f"{fn}(): key_padding_mask applies to padded inputs; a RaggedTensor carries its "
-                             "own lengths")
+            raise ValueError(
+                f"{fn}(): key_padding_mask applies to padded inputs; a RaggedTensor carries its own lengths"
+            )
         for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.values.dim() != 2 or t.values.shape[1] != dim:
-                raise ValueError(f"{fn}(): expected {name} with values of shape [T, {dim}], got "
-                                 f"{tuple(t.values.shape)}")
+                raise ValueError(
+                    f"{fn}(): expected {name} with values of shape [T, {dim}], got {tuple(t.values.shape)}"
+                )
         if query.batch_size != key.batch_size or key.batch_size != value.batch_size:
-            raise ValueError(f"{fn}(): expected query, key and value with the same batch size, got "
-                             f"{query.batch_size}, {key.batch_size} and {value.batch_size}")
+            raise ValueError(
+                f"{fn}(): expected query, key and value with the same batch size, got "
+                f"{query.batch_size}, {key.batch_size} and {value.batch_size}"
+            )
         if key.num_tokens != value.num_tokens:
-            raise ValueError(f"{fn}(): expected key and value with the same sequences, got {key.num_tokens} and "
-                             f"{value.num_tokens} tokens")
+            raise ValueError(
+                f"{fn}(): expected key and value with the same sequences, got {key.num_tokens} and "
+                f"{value.num_tokens} tokens"
+            )
         causal = causal_flag(fn, "attn_mask", attn_mask, is_causal, query.max_len, key.max_len, at_least=True)
         out, q, k = self._attend(query, key, value, causal)
         if not need_weights:
             return out, None
-        weights = self._weights(q, k, query, key, PaddedLayout(query.max_len), PaddedLayout(key.max_len), causal,
-                                average)
+        weights = self._weights(
+            q, k, query, key, PaddedLayout(query.max_len), PaddedLayout(key.max_len), causal, average
+        )
         return out, weights
 
     def _forward_padded(self, fn, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal):
@@ -346,8 +410,10 @@ class MultiheadAttention(nn.Module):
         for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.dim() != query.dim() or t.dim() not in (2, 3) or t.shape[-1] != dim:
                 shape = "[B, L, " if self.batch_first else "[L, B, "
-                raise ValueError(f"{fn}(): expected {name} of shape {shape}{dim}] (or unbatched [L, {dim}]) like "
-                                 f"query, got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{fn}(): expected {name} of shape {shape}{dim}] (or unbatched [L, {dim}]) like "
+                    f"query, got {tuple(t.shape)}"
+                )
         self_attention = query is key and key is value
         if batched:
             q = to_batch_first(query, self.batch_first)
@@ -356,28 +422,37 @@ class MultiheadAttention(nn.Module):
         else:
             q, k = query.unsqueeze(0), key.unsqueeze(0)
             v = k if value is key else value.unsqueeze(0)
-            if key_padding_mask is not None and isinstance(key_padding_mask, torch.Tensor) \
-                    and key_padding_mask.dim() == 1:
+            if (
+                key_padding_mask is not None
+                and isinstance(key_padding_mask, torch.Tensor)
+                and key_padding_mask.dim() == 1
+            ):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         batch, lq, lk = q.shape[0], q.shape[1], k.shape[1]
         if k.shape[0] != batch or v.shape[:2] != k.shape[:2]:
-            raise ValueError(f"{fn}(): expected query, key and value with one batch size and key and value with "
-                             f"one sequence length, got {tuple(query.shape)}, {tuple(key.shape)} and "
-                             f"{tuple(value.shape)}")
+            raise ValueError(
+                f"{fn}(): expected query, key and value with one batch size and key and value with "
+                f"one sequence length, got {tuple(query.shape)}, {tuple(key.shape)} and "
+                f"{tuple(value.shape)}"
+            )
         if key_padding_mask is not None:
             check_padding_mask(fn, "key_padding_mask", key_padding_mask, batch, lk)
         causal = causal_flag(fn, "attn_mask", attn_mask, is_causal, lq, lk)
         if causal and not self_attention:
             raise NotImplementedError(
                 f"{fn}(): causal cross-attention on padded inputs is not supported (torch aligns the mask to the "
-                "top left of the padded grid, ragged to the bottom right of each sequence); pass RaggedTensors")
+                "top left of the padded grid, ragged to the bottom right of each sequence); pass RaggedTensors"
+            )
         k_rt, k_layout = pack_padded(fn, "key_padding_mask", k, key_padding_mask)
         if self_attention:
             q_rt, q_layout, v_rt = k_rt, k_layout, k_rt
         else:
             q_rt, q_layout = pack(q), PaddedLayout(lq)
-            v_rt = k_rt if value is key else RaggedTensor(_repack(v, k_rt, k_layout), k_rt.offsets, k_rt.max_len,
-                                                          k_rt.known_host_offsets)
+            v_rt = (
+                k_rt
+                if value is key
+                else RaggedTensor(_repack(v, k_rt, k_layout), k_rt.offsets, k_rt.max_len, k_rt.known_host_offsets)
+            )
         out_rt, qv, kv = self._attend(q_rt, k_rt, v_rt, causal)
         out = q_layout.unpack(out_rt)
         weights = None
@@ -388,8 +463,10 @@ class MultiheadAttention(nn.Module):
         return from_batch_first(out, self.batch_first), weights
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
-                f"batch_first={self.batch_first}")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+            f"batch_first={self.batch_first}"
+        )
 
 
 def _repack(x: torch.Tensor, like: RaggedTensor, layout: PaddedLayout) -> torch.Tensor:

@@ -34,11 +34,25 @@ _RAGGED = (TransformerEncoder, TransformerEncoderLayer, MultiheadAttention)
 # Every per-module hook registry: the ragged modules call their submodules differently (or
 # not at all: the fused paths read the Linear and LayerNorm parameters directly), so a hook
 # anywhere inside a swapped module would silently stop running or see other arguments.
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
-          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 _LAYER_CHILDREN: dict[str, type] = {
-    "self_attn": nn.MultiheadAttention, "linear1": nn.Linear, "dropout": nn.Dropout, "linear2": nn.Linear,
-    "norm1": nn.LayerNorm, "norm2": nn.LayerNorm, "dropout1": nn.Dropout, "dropout2": nn.Dropout,
+    "self_attn": nn.MultiheadAttention,
+    "linear1": nn.Linear,
+    "dropout": nn.Dropout,
+    "linear2": nn.Linear,
+    "norm1": nn.LayerNorm,
+    "norm2": nn.LayerNorm,
+    "dropout1": nn.Dropout,
+    "dropout2": nn.Dropout,
 }
 
 
@@ -70,8 +84,10 @@ def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
     for name, kind in _LAYER_CHILDREN.items():
         child = layer._modules.get(name)
         if type(child) is not kind:
-            return (f"its {prefix}{name} is a {type(child).__name__}, not a torch.nn.{kind.__name__} (the ragged "
-                    "layer would not run its code)")
+            return (
+                f"its {prefix}{name} is a {type(child).__name__}, not a torch.nn.{kind.__name__} (the ragged "
+                "layer would not run its code)"
+            )
     extra = sorted(set(layer._modules) - set(_LAYER_CHILDREN) - {"activation"})
     if extra:
         return f"{its(path)} has submodules {extra} that the ragged layer would not run"
@@ -84,8 +100,7 @@ def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
     for name in ("norm1", "norm2"):
         norm = layer._modules[name]
         if tuple(norm.normalized_shape) != (attn.embed_dim,) or not norm.elementwise_affine:
-            return (f"its {prefix}{name} is not a LayerNorm over the {attn.embed_dim} features with a learned "
-                    "weight")
+            return f"its {prefix}{name} is not a LayerNorm over the {attn.embed_dim} features with a learned weight"
     return None
 
 
@@ -108,8 +123,10 @@ def _why_not(module: nn.Module) -> str | None:
         why = _layer_reason(layer, f"layers.{i}")
         if why:
             return why
-        if (layer.self_attn.embed_dim, layer.self_attn.batch_first) != (first.self_attn.embed_dim,
-                                                                         first.self_attn.batch_first):
+        if (layer.self_attn.embed_dim, layer.self_attn.batch_first) != (
+            first.self_attn.embed_dim,
+            first.self_attn.batch_first,
+        ):
             return f"its layers.{i} differs from layers.0 in d_model or batch_first"
     return None
 
@@ -270,8 +287,14 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
             for sub in original.modules():
                 kept.setdefault(id(sub), where)
         for key, (original, _) in list(built.items()):
-            hit = next(((path, kept[id(sub)]) for path, sub in original.named_modules(remove_duplicate=False)
-                        if type(sub) in _SWAPS and id(sub) in kept), None)
+            hit = next(
+                (
+                    (path, kept[id(sub)])
+                    for path, sub in original.named_modules(remove_duplicate=False)
+                    if type(sub) in _SWAPS and id(sub) in kept
+                ),
+                None,
+            )
             if hit is not None:
                 del built[key]
                 owner = repr(hit[1]) if hit[1] else "the model"
@@ -286,11 +309,14 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
                 setattr(new.get_submodule(owner) if owner else new, leaf, built[id(sub)][1])
 
     if refused:
-        listing = "; ".join(f"{repr(where) if where else 'the model'} ({type(m).__name__}): {why}"
-                            for m, where, why in sorted(refused.values(), key=lambda r: r[1]))
+        listing = "; ".join(
+            f"{repr(where) if where else 'the model'} ({type(m).__name__}): {why}"
+            for m, where, why in sorted(refused.values(), key=lambda r: r[1])
+        )
         if strict:
-            raise NotImplementedError(f"{fn}(): nothing converted: {len(refused)} module(s) cannot be converted: "
-                                      f"{listing}")
+            raise NotImplementedError(
+                f"{fn}(): nothing converted: {len(refused)} module(s) cannot be converted: {listing}"
+            )
         warnings.warn(f"{fn}(): left {len(refused)} module(s) as torch.nn modules: {listing}", stacklevel=2)
 
     if type(model) in _SWAPS:
@@ -302,7 +328,7 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
             if id(original) in built:
                 setattr(parent, name, built[id(original)][1])
                 done.append((parent, name, original))
-        for original, target in hf_built.values():
+        for _original, target in hf_built.values():
             patched += hf.patch(target)
         for parent, name, original in hf_places:
             if id(original) in hf_built and hf_built[id(original)][1] is not original:

@@ -160,9 +160,18 @@ class _Graph:
 class Graphed(nn.Module):
     """A module whose inference forward replays CUDA graphs per bucket: see :func:`graphed`."""
 
-    def __init__(self, module: nn.Module, max_tokens: int, max_batch_size: int, token_buckets=None,
-                 batch_buckets=None, length_buckets=None, copy_outputs: bool = True, capture: bool = True,
-                 max_len: int | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        max_tokens: int,
+        max_batch_size: int,
+        token_buckets=None,
+        batch_buckets=None,
+        length_buckets=None,
+        copy_outputs: bool = True,
+        capture: bool = True,
+        max_len: int | None = None,
+    ) -> None:
         fn = "ragged.nn.graphed"
         if not isinstance(module, nn.Module):
             raise TypeError(f"{fn}(): expected module to be a torch.nn.Module, got {describe(module)}")
@@ -172,13 +181,17 @@ class Graphed(nn.Module):
         # rows' positions run up to the bucket's length minus one)
         limit = _model_max_len(module)
         if limit is not None and limit[0] < 1:
-            raise ValueError(f"{fn}(): expected a model that takes sequences of at least one token, got "
-                             f"{type(module).__name__} ({limit[1]})")
+            raise ValueError(
+                f"{fn}(): expected a model that takes sequences of at least one token, got "
+                f"{type(module).__name__} ({limit[1]})"
+            )
         if max_len is not None:
             max_len = _check_int(fn, "max_len", max_len)
             if limit is not None and max_len > limit[0]:
-                raise ValueError(f"{fn}(): expected max_len <= {limit[0]}, the longest sequence "
-                                 f"{type(module).__name__} takes ({limit[1]}), got {max_len}")
+                raise ValueError(
+                    f"{fn}(): expected max_len <= {limit[0]}, the longest sequence "
+                    f"{type(module).__name__} takes ({limit[1]}), got {max_len}"
+                )
             limit = (max_len, f"max_len={max_len}")
         super().__init__()
         self.module = module
@@ -190,8 +203,11 @@ class Graphed(nn.Module):
         self.batch_buckets = _buckets(fn, "batch_buckets", batch_buckets, max_batch_size, 1)
         self.max_len, self._max_len_why = (None, "") if limit is None else limit
         top = max_tokens if self.max_len is None else min(max_tokens, self.max_len)
-        why = "" if self.max_len is None or top == max_tokens else \
-            f" (the longest sequence {type(module).__name__} takes: {self._max_len_why})"
+        why = (
+            ""
+            if self.max_len is None or top == max_tokens
+            else f" (the longest sequence {type(module).__name__} takes: {self._max_len_why})"
+        )
         self.length_buckets = _buckets(fn, "length_buckets", length_buckets, top, 16, why=why)
         self.copy_outputs = bool(copy_outputs)
         # False: run the bucketed (padded) batch eagerly instead of capturing: the same inputs the
@@ -253,8 +269,12 @@ class Graphed(nn.Module):
         added to the pool: later captures reuse the pool, so these do not add up to more)."""
         grads = sum(g.numel() * g.element_size() for g in self._train._grads.values())
         bufs = sum(b.numel() * b.element_size() for b in self._buffers.values())
-        return {"graphs": sum(self._memory.values()), "buffers": bufs, "gradients": grads,
-                "buckets": {k[0]: v for k, v in self._memory.items()}}
+        return {
+            "graphs": sum(self._memory.values()),
+            "buffers": bufs,
+            "gradients": grads,
+            "buckets": {k[0]: v for k, v in self._memory.items()},
+        }
 
     def forward(self, *args, **kwargs):
         fn = "ragged.nn.Graphed.forward"
@@ -267,16 +287,24 @@ class Graphed(nn.Module):
         first = rts[0][1]
         training = self.module.training
         if training and not torch.is_grad_enabled():
-            return self._eager("no_grad", "the module is in training mode under torch.no_grad(): the graphs of "
-                               "training capture the backward too (call .eval() to replay the inference graphs)",
-                               args, kwargs)
+            return self._eager(
+                "no_grad",
+                "the module is in training mode under torch.no_grad(): the graphs of "
+                "training capture the backward too (call .eval() to replay the inference graphs)",
+                args,
+                kwargs,
+            )
         n_tok, batch, max_len = first.num_tokens, first.batch_size, first.max_len
         if self.max_len is not None and max_len > self.max_len:
-            raise ValueError(f"{fn}(): expected sequences of at most {self.max_len} tokens, the longest "
-                             f"{type(self.module).__name__} takes ({self._max_len_why}), got a batch whose max_len "
-                             f"is {max_len}")
-        fills = [graphed_train.fill_value(fn, slot, t.values if isinstance(t, RaggedTensor) else t)
-                 for slot, t in [*rts, *seqs]]
+            raise ValueError(
+                f"{fn}(): expected sequences of at most {self.max_len} tokens, the longest "
+                f"{type(self.module).__name__} takes ({self._max_len_why}), got a batch whose max_len "
+                f"is {max_len}"
+            )
+        fills = [
+            graphed_train.fill_value(fn, slot, t.values if isinstance(t, RaggedTensor) else t)
+            for slot, t in [*rts, *seqs]
+        ]
         device = first.values.device
         if self.capture and device.type != "cuda":
             return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
@@ -286,15 +314,28 @@ class Graphed(nn.Module):
         else:
             size, fillers = self.bucket(n_tok, batch, max_len), 0
         if size is None:
-            return self._eager("size", f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
-                               f"({self.max_tokens} tokens, {self.max_batch_size} sequences)", args, kwargs)
+            return self._eager(
+                "size",
+                f"a batch of {n_tok} tokens in {batch} sequences is over the largest bucket "
+                f"({self.max_tokens} tokens, {self.max_batch_size} sequences)",
+                args,
+                kwargs,
+            )
         t_b, b_b, l_b = size
         off = first.offsets
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         grad_inputs = tuple(i for i, (_, rt) in enumerate(rts) if training and rt.values.requires_grad)
-        key = (size, training, off.dtype, device, autocast,
-               tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts),
-               tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs), grad_inputs, key_args)
+        key = (
+            size,
+            training,
+            off.dtype,
+            device,
+            autocast,
+            tuple((slot, rt.values.dtype, tuple(rt.values.shape[1:])) for slot, rt in rts),
+            tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs),
+            grad_inputs,
+            key_args,
+        )
         if training:
             params = self._train_params()
         # the bucket's buffers are shared by every thread's calls, and the calls on one GPU take
@@ -307,13 +348,13 @@ class Graphed(nn.Module):
                     entry = self._static(key, rts, seqs, size)
                 values, offsets, per_seq = entry.values, entry.offsets, entry.seqs
                 self._fill(rts, seqs, fills, values, per_seq, n_tok, batch, training)
-                offsets[:batch + 1].copy_(off)
+                offsets[: batch + 1].copy_(off)
                 if b_b > batch:
                     if training:
                         ramp = self._train.ramp(device, offsets.dtype, b_b)
                         graphed_train.spare_offsets(offsets, ramp, batch, n_tok, size, fillers)
                     else:
-                        offsets[batch + 1:].fill_(n_tok)
+                        offsets[batch + 1 :].fill_(n_tok)
             if training:
                 return self._train_step(key, entry, rts, seqs, args, kwargs, size, params, grad_inputs, autocast)
             with torch.no_grad():
@@ -341,29 +382,37 @@ class Graphed(nn.Module):
             elif isinstance(value, _CONSTANTS):
                 key.append((slot, value))
             else:
-                raise TypeError(f"{fn}(): expected RaggedTensor arguments, per-sequence tensors and constants (None, "
-                                f"bool, int, float, str), got {describe(value)} for argument {slot!r}")
+                raise TypeError(
+                    f"{fn}(): expected RaggedTensor arguments, per-sequence tensors and constants (None, "
+                    f"bool, int, float, str), got {describe(value)} for argument {slot!r}"
+                )
         if not rts:
             raise TypeError(f"{fn}(): expected at least one RaggedTensor argument (the batch), got none")
         first = rts[0][1]
         for slot, rt in rts[1:]:
             # the same batch: the offsets are trusted to be equal (comparing them would read the GPU)
             if rt.batch_size != first.batch_size or rt.num_tokens != first.num_tokens:
-                raise ValueError(f"{fn}(): expected every RaggedTensor argument to be of the first one's batch "
-                                 f"({first.batch_size} sequences, {first.num_tokens} tokens), got argument {slot!r} "
-                                 f"with {rt.batch_size} sequences and {rt.num_tokens} tokens")
+                raise ValueError(
+                    f"{fn}(): expected every RaggedTensor argument to be of the first one's batch "
+                    f"({first.batch_size} sequences, {first.num_tokens} tokens), got argument {slot!r} "
+                    f"with {rt.batch_size} sequences and {rt.num_tokens} tokens"
+                )
         for slot, t in seqs:
             if t.dim() < 1 or t.shape[0] != first.batch_size or t.device != first.values.device:
-                raise ValueError(f"{fn}(): expected tensor argument {slot!r} to hold one entry per sequence "
-                                 f"(shape [{first.batch_size}, ...] on {first.values.device}), got shape "
-                                 f"{tuple(t.shape)} on {t.device}")
+                raise ValueError(
+                    f"{fn}(): expected tensor argument {slot!r} to hold one entry per sequence "
+                    f"(shape [{first.batch_size}, ...] on {first.values.device}), got shape "
+                    f"{tuple(t.shape)} on {t.device}"
+                )
         return rts, seqs, tuple(key)
 
     def _warn_once(self, kind: str, why: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"ragged.nn.graphed: running eagerly ({why}); further such calls run eagerly "
-                          "without a warning", stacklevel=3)
+            warnings.warn(
+                f"ragged.nn.graphed: running eagerly ({why}); further such calls run eagerly without a warning",
+                stacklevel=3,
+            )
 
     def _eager(self, kind: str, why: str, args, kwargs):
         self._warn_once(kind, why)
@@ -458,8 +507,10 @@ class Graphed(nn.Module):
         t_b, b_b, l_b = size
         if not self.capture:
             # the bucketed batch, eagerly (autograd through it): what the graphs compute, on any device
-            values = [torch.cat([rt.values, static[n_tok:]]) if i in grad_inputs else static
-                      for i, ((_, rt), static) in enumerate(zip(rts, entry.values))]
+            values = [
+                torch.cat([rt.values, static[n_tok:]]) if i in grad_inputs else static
+                for i, ((_, rt), static) in enumerate(zip(rts, entry.values))
+            ]
             out = self._call(args, kwargs, rts, values, entry.offsets, l_b, seqs, entry.seqs)
             return _cut(out, first, t_b, b_b, False)
         device = first.values.device
@@ -473,9 +524,11 @@ class Graphed(nn.Module):
                 entry.graph = self._train.capture(call, inputs, list(grad_inputs), params, device, autocast)
             except Exception as e:
                 self._graphs.pop(key, None)
-                raise RuntimeError(f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
-                                   f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
-                                   "itself to train it eagerly") from e
+                raise RuntimeError(
+                    f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
+                    f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
+                    "itself to train it eagerly"
+                ) from e
             self._memory[key] = entry.graph.memory
         user_inputs = [rts[i][1].values for i in grad_inputs]
         return self._train.replay(entry.graph, first, size, user_inputs)
@@ -509,8 +562,17 @@ def _cut(out, first: RaggedTensor, t_b: int, b_b: int, copy: bool):
     return walk(out)
 
 
-def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_buckets=None, batch_buckets=None,
-            length_buckets=None, copy_outputs: bool = True, max_len: int | None = None) -> Graphed:
+def graphed(
+    module: nn.Module,
+    *,
+    max_tokens: int,
+    max_batch_size: int,
+    token_buckets=None,
+    batch_buckets=None,
+    length_buckets=None,
+    copy_outputs: bool = True,
+    max_len: int | None = None,
+) -> Graphed:
     """``module``'s inference forward on RaggedTensor batches through CUDA graphs, one per bucket.
 
     ``max_tokens`` / ``max_batch_size``: the largest batch graphed (larger ones run eagerly, with
@@ -544,14 +606,25 @@ def graphed(module: nn.Module, *, max_tokens: int, max_batch_size: int, token_bu
 
     if hf_sentence.is_sentence_transformer(module):
         if not hf_sentence.is_converted(module):
-            raise ValueError("ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
-                             "(its encode() packs the batches the graphs take), got one that is not converted")
+            raise ValueError(
+                "ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
+                "(its encode() packs the batches the graphs take), got one that is not converted"
+            )
         forward = module[0].__dict__["forward"]
-        forward.graphed = Graphed(hf_sentence.graph_target(module), max_tokens, max_batch_size, token_buckets,
-                                  batch_buckets, length_buckets, copy_outputs, max_len=max_len)
+        forward.graphed = Graphed(
+            hf_sentence.graph_target(module),
+            max_tokens,
+            max_batch_size,
+            token_buckets,
+            batch_buckets,
+            length_buckets,
+            copy_outputs,
+            max_len=max_len,
+        )
         return module
-    return Graphed(module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs,
-                   max_len=max_len)
+    return Graphed(
+        module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs, max_len=max_len
+    )
 
 
 sentence_pipeline.GRAPHS = Graphed  # the graphs of a converted SentenceTransformer's encode pipeline

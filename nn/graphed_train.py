@@ -69,8 +69,16 @@ import torch.nn.functional as F
 
 from ragged import RaggedTensor
 
-__all__ = ["IGNORE", "OutsideLoss", "TrainGraphs", "fill_value", "outside_loss", "smallest", "spare_offsets",
-           "train_bucket"]
+__all__ = [
+    "IGNORE",
+    "OutsideLoss",
+    "TrainGraphs",
+    "fill_value",
+    "outside_loss",
+    "smallest",
+    "spare_offsets",
+    "train_bucket",
+]
 
 IGNORE = -100
 _PAST_EVERY_SEQUENCE = 2**30  # a span position beyond every sequence: ignored by the QA loss
@@ -90,9 +98,11 @@ def fill_value(fn: str, name, t: torch.Tensor) -> int:
     if name == "labels" or name in _POSITIONS:
         if _is_float(t):
             what = "labels (a cross-entropy loss" if name == "labels" else f"{name} (a span loss"
-            raise ValueError(f"{fn}(): expected integer {what}, whose ignored entries keep the spare sequences of a "
-                             f"bucket out of the loss), got {name} of dtype {t.dtype}; call the graphed module "
-                             f"without {name} and compute this loss from its outputs")
+            raise ValueError(
+                f"{fn}(): expected integer {what}, whose ignored entries keep the spare sequences of a "
+                f"bucket out of the loss), got {name} of dtype {t.dtype}; call the graphed module "
+                f"without {name} and compute this loss from its outputs"
+            )
         return IGNORE if name == "labels" else _PAST_EVERY_SEQUENCE
     return 0
 
@@ -149,7 +159,8 @@ def _bound(module, args: tuple, kwargs: dict) -> dict | None:
     if names is None:
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = _POSITIONAL[type(module)] = tuple(
-            p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds)
+            p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds
+        )
     if len(args) > len(names):
         return None
     return {**dict(zip(names, args)), **kwargs}
@@ -191,8 +202,10 @@ def outside_loss(fn: str, module, args: tuple, kwargs: dict) -> OutsideLoss | No
             return None  # no loss
         for name, t in zip(_POSITIONS, targets):
             if not isinstance(t, torch.Tensor) or _is_float(t) or t.numel() != size or t.dim() > 2:
-                raise ValueError(f"{fn}(): expected {name} to be an integer tensor of shape ({size},) for the span "
-                                 f"loss of {cls}, got {_what(t)}")
+                raise ValueError(
+                    f"{fn}(): expected {name} to be an integer tensor of shape ({size},) for the span "
+                    f"loss of {cls}, got {_what(t)}"
+                )
         rest = {k: v for k, v in kw.items() if k not in _POSITIONS}
         return OutsideLoss("qa", targets, (), rest)
     labels = kw.get("labels")
@@ -262,9 +275,9 @@ def spare_offsets(offsets: torch.Tensor, ramp: torch.Tensor, batch: int, num_tok
     t_b, b_b, l_b = size
     empty = b_b - batch - fillers
     if empty:
-        offsets[batch + 1:batch + 1 + empty].fill_(num_tokens)
+        offsets[batch + 1 : batch + 1 + empty].fill_(num_tokens)
     if fillers:
-        tail = offsets[batch + 1 + empty:]
+        tail = offsets[batch + 1 + empty :]
         torch.mul(ramp[:fillers], l_b, out=tail)
         tail.add_(num_tokens).clamp_(max=t_b)
 
@@ -314,8 +327,10 @@ def rebuild(spec, leaves: list, first: RaggedTensor):
 def _rows(entry, b_b: int, n_tok: int, batch: int) -> tuple[int | None, ...]:
     """Per output, the rows the caller gets: ``T`` for a RaggedTensor's values, ``B`` for a
     tensor whose first dim is ``B_b`` (per-sequence), None (whole) otherwise."""
-    return tuple(n_tok if rt else batch if t.dim() >= 1 and t.shape[0] == b_b else None
-                 for t, rt in zip(entry.outputs, entry.ragged))
+    return tuple(
+        n_tok if rt else batch if t.dim() >= 1 and t.shape[0] == b_b else None
+        for t, rt in zip(entry.outputs, entry.ragged)
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -378,8 +393,19 @@ def capture_stream(device) -> torch.cuda.Stream:
 
 
 class _Entry:
-    __slots__ = ("bwd", "diff", "fwd", "generation", "grad_inputs", "grad_outs", "memory", "outputs", "ragged",
-                 "spec", "used")
+    __slots__ = (
+        "bwd",
+        "diff",
+        "fwd",
+        "generation",
+        "grad_inputs",
+        "grad_outs",
+        "memory",
+        "outputs",
+        "ragged",
+        "spec",
+        "used",
+    )
 
     def __init__(self) -> None:
         self.generation = 0
@@ -411,7 +437,8 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError(
                 "ragged.nn.Graphed: backward of a training forward whose saved activations a later forward of the "
                 "same graphed module replaced (or a second backward of one forward): call backward on each "
-                "forward's outputs before the next forward")
+                "forward's outputs before the next forward"
+            )
         entry.generation = -1  # one backward per forward
         for i, buf in zip(entry.diff, entry.grad_outs):
             g, n = grads[i], ctx.rows[i]
@@ -427,7 +454,7 @@ class _Replay(torch.autograd.Function):
         owner._finish_grads(entry)
         out = [None, None, None]
         for buf in entry.grad_inputs:
-            out.append(None if buf is None else buf[:ctx.n_tok].clone())
+            out.append(None if buf is None else buf[: ctx.n_tok].clone())
         out += [None] * (3 + ctx.n_inputs - len(out))  # the anchor
         return tuple(out)
 
@@ -438,8 +465,8 @@ class TrainGraphs:
     def __init__(self, graphed) -> None:
         self.graphed = graphed
         self._generation = 0
-        self._grads: dict[int, torch.Tensor] = {}   # id(parameter) -> its persistent gradient
-        self._foreign: list = []                    # (parameter, its own .grad) during one backward
+        self._grads: dict[int, torch.Tensor] = {}  # id(parameter) -> its persistent gradient
+        self._foreign: list = []  # (parameter, its own .grad) during one backward
         self._zeroed: list = []
         self._anchor: torch.Tensor | None = None
         self._ramps: dict = {}
@@ -489,8 +516,9 @@ class TrainGraphs:
 
     # capture -----------------------------------------------------------------------------
 
-    def capture(self, call, inputs: list[torch.Tensor], grad_inputs: list[int], params: list, device,
-                autocast) -> _Entry:
+    def capture(
+        self, call, inputs: list[torch.Tensor], grad_inputs: list[int], params: list, device, autocast
+    ) -> _Entry:
         """Warm up, then capture the forward graph of ``call()`` and the backward graph of its
         differentiable outputs; ``inputs``: the static input buffers, ``grad_inputs``: the
         positions among them whose gradient the caller needs."""
@@ -521,8 +549,10 @@ class TrainGraphs:
                 for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
                     spec, leaves, _, diff = differentiable(run())
                     if not diff:
-                        raise ValueError("ragged.nn.Graphed: the module's outputs need no gradient in training mode "
-                                         "(no parameter requires grad?)")
+                        raise ValueError(
+                            "ragged.nn.Graphed: the module's outputs need no gradient in training mode "
+                            "(no parameter requires grad?)"
+                        )
                     outs = [leaves[i] for i in diff]
                     torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
                     del spec, leaves, outs
@@ -542,8 +572,9 @@ class TrainGraphs:
             persistent = [self.persistent_grad(p) for p in params]
             with torch.cuda.graph(entry.bwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
-                grads = torch.autograd.grad([leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs,
-                                            allow_unused=True)
+                grads = torch.autograd.grad(
+                    [leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs, allow_unused=True
+                )
                 n_in = len(grad_inputs)
                 pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
                 if pairs:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,9 @@ FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 # The layer, once
 
 
-def _forward(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, k,
-             saved: list | None = None) -> torch.Tensor:
+def _forward(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, k, saved: list | None = None
+) -> torch.Tensor:
     """The layer on ``values x [T, d]`` through kernel set ``k``; with ``saved``, everything the
     backward reads is appended to it (see :data:`SAVED`)."""
     w = spec.weights
@@ -92,8 +93,32 @@ def _forward(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, c
 
 
 # The tensors _forward saves, in order (attn: q, k, v, o, lse of the attention).
-SAVED = ("x", "cu", "h1", "mean1", "rstd1", "q", "k", "v", "o", "lse", "a", "sa", "m1", "x1", "h2", "mean2", "rstd2",
-         "hid", "g", "m2", "f", "m3", "mean3", "rstd3")
+SAVED = (
+    "x",
+    "cu",
+    "h1",
+    "mean1",
+    "rstd1",
+    "q",
+    "k",
+    "v",
+    "o",
+    "lse",
+    "a",
+    "sa",
+    "m1",
+    "x1",
+    "h2",
+    "mean2",
+    "rstd2",
+    "hid",
+    "g",
+    "m2",
+    "f",
+    "m3",
+    "mean3",
+    "rstd3",
+)
 
 
 class Saved:
@@ -149,7 +174,8 @@ class Direct(Saved):
             params_ok = self._lean_params.get(key)
             if params_ok is None:
                 params_ok = self._lean_params[key] = all(
-                    t is None or (t.dim() == 1 and t.stride(0) == 1 and not t.data_ptr() & 15) for t in (weight, bias))
+                    t is None or (t.dim() == 1 and t.stride(0) == 1 and not t.data_ptr() & 15) for t in (weight, bias)
+                )
             if params_ok and not (x.data_ptr() | (0 if residual is None else residual.data_ptr())) & 15:
                 y, s = lean(x, residual, weight, bias, eps, return_sum)
                 return y, s, None, None
@@ -198,8 +224,24 @@ class Recorded:
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         with attention_dtype(q):
             table, buckets = (None, None) if spec.position_bias is None else spec.position_bias
-            o = ATTENTION(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, dropout_seed(p, q.device),
-                          -1, -1, table, buckets, self.attention_backend)[0]
+            o = ATTENTION(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_len,
+                max_len,
+                causal,
+                spec.scale,
+                p,
+                dropout_seed(p, q.device),
+                -1,
+                -1,
+                table,
+                buckets,
+                self.attention_backend,
+            )[0]
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):
@@ -248,11 +290,21 @@ class LayerFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # a second backward raises instead of a constant
     def backward(ctx, dy):
         tensors = ctx.saved_tensors
-        saved = dict(zip(SAVED, tensors[:len(SAVED)]))
-        weights = LayerWeights(*tensors[len(SAVED):])
+        saved = dict(zip(SAVED, tensors[: len(SAVED)]))
+        weights = LayerWeights(*tensors[len(SAVED) :])
         need = ctx.needs_input_grad
-        grads = layer_backward(ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy,
-                               need[0], LayerWeights(*need[7:]))
+        grads = layer_backward(
+            ctx.spec,
+            weights,
+            ctx.kernels,
+            saved,
+            ctx.max_len,
+            ctx.causal,
+            ctx.seed,
+            dy,
+            need[0],
+            LayerWeights(*need[7:]),
+        )
         dtable = grads[-1] if need[6] else None
         return (grads[0], None, None, None, None, None, dtable, *grads[1:-1])
 
@@ -261,18 +313,37 @@ class LayerFunction(torch.autograd.Function):
 # Choosing how a layer runs
 
 
-def choose_kernels(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
-                   fused: str, needs_grad: bool) -> LayerKernels:
+def choose_kernels(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, fused: str, needs_grad: bool
+) -> LayerKernels:
     """The implementations of a layer's steps for values like ``x [T, d]``: the attention chosen
     for the layer's heads (and dropout, and whether a gradient is needed), the LayerNorm of
     backend ``fused`` (chosen once per stack by :func:`fused_backend`), and the bias +
     activation for the feed-forward width (cached: its reasons depend on nothing else here)."""
     heads = x.view(x.shape[0], spec.heads, spec.head_dim)
-    attention = backends.select("attention", None, x.device, heads, heads, heads, cu, cu, max_len, max_len, causal,
-                                spec.dropout[0], needs_grad, NO_WINDOW, spec.position_bias)
+    attention = backends.select(
+        "attention",
+        None,
+        x.device,
+        heads,
+        heads,
+        heads,
+        cu,
+        cu,
+        max_len,
+        max_len,
+        causal,
+        spec.dropout[0],
+        needs_grad,
+        NO_WINDOW,
+        spec.position_bias,
+    )
     width = spec.weights.ff1_w.shape[0]
-    return LayerKernels(attention, backends.implementation("add_layer_norm", fused),
-                        bias_act_for(x, width, spec.weights.ff1_b, spec.activation))
+    return LayerKernels(
+        attention,
+        backends.implementation("add_layer_norm", fused),
+        bias_act_for(x, width, spec.weights.ff1_b, spec.activation),
+    )
 
 
 _BIAS_ACT: dict[tuple, Implementation] = {}
@@ -323,8 +394,9 @@ _AHEAD: set[tuple] = set()  # the layer variants whose kernels _compile_ahead co
 _AHEAD_ON = os.environ.get("RAGGED_COMPILE_AHEAD", "1") != "0"  # 0: compile each kernel as it first launches
 
 
-def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
-                   kernels: LayerKernels) -> None:
+def _compile_ahead(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, kernels: LayerKernels
+) -> None:
     """Before the first training call of a layer variant (kernels, dtype, shapes, dropout on or
     off, the longest sequence's power of two): one pass of its forward and backward in which
     every Triton launch compiles instead of running, all compiles at once on a thread pool, so
@@ -335,9 +407,23 @@ def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
     if not _AHEAD_ON or x.device.type != "cuda":
         return
     w = spec.weights
-    key = (id(kernels.attention), id(kernels.add_layer_norm), id(kernels.bias_act), x.dtype, x.device, x.shape[1],
-           spec.heads, spec.norm_first, spec.activation, tuple(p > 0 for p in spec.dropout),
-           tuple(t is None for t in w), w.ff1_w.shape[0], causal, max_len.bit_length(), spec.position_bias is None)
+    key = (
+        id(kernels.attention),
+        id(kernels.add_layer_norm),
+        id(kernels.bias_act),
+        x.dtype,
+        x.device,
+        x.shape[1],
+        spec.heads,
+        spec.norm_first,
+        spec.activation,
+        tuple(p > 0 for p in spec.dropout),
+        tuple(t is None for t in w),
+        w.ff1_w.shape[0],
+        causal,
+        max_len.bit_length(),
+        spec.position_bias is None,
+    )
     if key in _AHEAD:
         return
     if torch.cuda.is_current_stream_capturing():
@@ -354,15 +440,30 @@ def _compile_ahead(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: 
             k = Saved(kernels)
             y = _forward(spec, x, cu, max_len, causal, k, saved)
             need = LayerWeights(*(t is not None and t.requires_grad for t in w))
-            layer_backward(spec, w, kernels, dict(zip(SAVED, saved)), max_len, causal, k.seed, torch.empty_like(y),
-                           x.requires_grad, need)
+            layer_backward(
+                spec,
+                w,
+                kernels,
+                dict(zip(SAVED, saved)),
+                max_len,
+                causal,
+                k.seed,
+                torch.empty_like(y),
+                x.requires_grad,
+                need,
+            )
     except Exception as exc:  # the real call compiles as it launches (and raises what is wrong)
-        warnings.warn(f"ragged.nn: compiling a layer's kernels ahead of its first training step failed "
-                      f"({type(exc).__name__}: {exc}); they compile as they launch", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"ragged.nn: compiling a layer's kernels ahead of its first training step failed "
+            f"({type(exc).__name__}: {exc}); they compile as they launch",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
-              fused: str | None, eager: bool) -> torch.Tensor:
+def run_layer(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, fused: str | None, eager: bool
+) -> torch.Tensor:
     """One layer on ``values x [T, d]``: one autograd node in eager training, the kernels called
     straight in inference, every op recorded otherwise (see the module docstring). ``fused``:
     :func:`fused_backend` of the stack; ``eager``: no tracing, fake tensors or dispatch modes."""
@@ -378,19 +479,36 @@ def run_layer(spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, 
                 if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
                     return _forward(spec, x, cu, max_len, causal, Direct(kernels))
                 return _forward(spec, x, cu, max_len, causal, Saved(kernels))
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-        p is not None and p.requires_grad for p in spec.weights))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or any(p is not None and p.requires_grad for p in spec.weights)
+    )
     view = x.view(x.shape[0], spec.heads, spec.head_dim)
-    attention = backends.select("attention", None, x.device, view, view, view, cu, cu, max_len, max_len, causal,
-                                spec.dropout[0], needs_grad, NO_WINDOW, spec.position_bias).backend
+    attention = backends.select(
+        "attention",
+        None,
+        x.device,
+        view,
+        view,
+        view,
+        cu,
+        cu,
+        max_len,
+        max_len,
+        causal,
+        spec.dropout[0],
+        needs_grad,
+        NO_WINDOW,
+        spec.position_bias,
+    ).backend
     bias_act = None
     if fused is not None and spec.fused_activation:
         bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).backend
     return _forward(spec, x, cu, max_len, causal, Recorded(fused, attention, bias_act))
 
 
-def run_stack(specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool,
-              fused: str) -> torch.Tensor | None:
+def run_stack(
+    specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, fused: str
+) -> torch.Tensor | None:
     """Inference through a stack of layers with the kernels called straight and the choices
     made once per distinct layer shape; None when that path does not apply (a gradient is
     needed, dropout is active, an activation the fused kernel lacks, a weight of another dtype
@@ -405,8 +523,14 @@ def run_stack(specs: list[LayerSpec], x: torch.Tensor, cu: torch.Tensor, max_len
         ok, needs_grad = weights_take(spec, x, plain_only=True)
         if not ok or needs_grad:
             return None
-        key = (spec.heads, spec.head_dim, spec.activation, spec.weights.ff1_w.shape[0],
-               None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype, spec.position_bias is None)
+        key = (
+            spec.heads,
+            spec.head_dim,
+            spec.activation,
+            spec.weights.ff1_w.shape[0],
+            None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype,
+            spec.position_bias is None,
+        )
         k = sets.get(key)
         if k is None:
             k = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))
@@ -425,9 +549,16 @@ def plain_call(module: nn.Module) -> bool:
     module hooks (then an encoder may run the layer's body directly)."""
     from torch.nn.modules import module as m
 
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-                or m._global_backward_hooks or m._global_backward_pre_hooks)
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )
 
 
 def call_with_hooks(module: nn.Module, body: Callable, *args):
@@ -449,4 +580,3 @@ def call_with_hooks(module: nn.Module, body: Callable, *args):
 
 
 _NONE = object()
-

@@ -71,21 +71,27 @@ class _Steps:
         self.ba_dropout = ba.extra("dropout_backward")
         self.sums = None
         fuses = ln.extra("backward_fuses")
-        if widths and self.ln_dropout is not None and self.ba_dropout is not None and fuses is not None \
-                and fuses(x.shape[1], x.dtype):
+        if (
+            widths
+            and self.ln_dropout is not None
+            and self.ba_dropout is not None
+            and fuses is not None
+            and fuses(x.shape[1], x.dtype)
+        ):
             self.sums = Sums(widths, ln.extra("partial_groups")(x.device), x.device)
 
-    def ln_dropout_backward(self, dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
-                            linear_bias, need_linear_bias):
+    def ln_dropout_backward(
+        self, dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, linear_bias, need_linear_bias
+    ):
         """Backward of ``LN(dropout(z) + ...)``: ``(ds_total, dz, dweight, dbias, dlinear_bias)`` with
         ``dlinear_bias`` the sum of ``dz`` over the tokens (the bias of the Linear that made ``z``);
         with :class:`Sums`, the three column sums stay in its buffer and come back as None."""
         colsum = linear_bias.dtype if need_linear_bias and linear_bias is not None else None
         if self.sums is not None:
-            col = self.sums.take(need_weight and weight is not None, need_bias and bias is not None,
-                                 colsum is not None)
-            return self.ln_dropout(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum,
-                                   self.sums.part, col)
+            col = self.sums.take(need_weight and weight is not None, need_bias and bias is not None, colsum is not None)
+            return self.ln_dropout(
+                dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum, self.sums.part, col
+            )
         if self.ln_dropout is not None:
             return self.ln_dropout(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum)
         dsum, dweight, dbias = self.ln(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
@@ -96,16 +102,27 @@ class _Steps:
         """Backward of ``dropout(act(hid + b1))`` for the gradient ``g`` of its output: ``(dhid, db1)``."""
         if self.sums is not None:
             if need_b1 and b1 is not None:
-                return self.ba_dropout(g, hid, b1, act, True, mask=mask, p=p, part=self.sums.part,
-                                       part_col=self.sums.take(True))
+                return self.ba_dropout(
+                    g, hid, b1, act, True, mask=mask, p=p, part=self.sums.part, part_col=self.sums.take(True)
+                )
             return self.ba_dropout(g, hid, b1, act, False, mask=mask, p=p)
         if self.ba_dropout is not None and mask is not None:
             return self.ba_dropout(g, hid, b1, act, need_b1, mask=mask, p=p)
         return self.ba(_dropout_backward(g, mask, p), hid, b1, act, need_b1)
 
 
-def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: dict, max_len: int, causal: bool,
-                   seed: int, dy: torch.Tensor, need_x: bool, need: LayerWeights) -> tuple:
+def layer_backward(
+    spec: LayerSpec,
+    w: LayerWeights,
+    kernels: LayerKernels,
+    s: dict,
+    max_len: int,
+    causal: bool,
+    seed: int,
+    dy: torch.Tensor,
+    need_x: bool,
+    need: LayerWeights,
+) -> tuple:
     """``(dx, *dweights, dtable)`` of the layer for the gradient ``dy`` of its output; ``s``: the
     tensors the forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight,
     whether its gradient is wanted; ``dtable``: the gradient of the position bias's table
@@ -139,32 +156,88 @@ def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: d
         df = _dropout_backward(dy, s["m3"], p2)
         db2 = _bias_grad(df, w.ff2_b, need.ff2_b)
     else:
-        d_res, df, dn2w, dn2b, db2 = steps.ln_dropout_backward(dy, None, f, x1, w.norm2_w, w.norm2_b, s["mean3"],
-                                                               s["rstd3"], need.norm2_w, need.norm2_b, s["m3"], p2,
-                                                               w.ff2_b, need.ff2_b)
+        d_res, df, dn2w, dn2b, db2 = steps.ln_dropout_backward(
+            dy,
+            None,
+            f,
+            x1,
+            w.norm2_w,
+            w.norm2_b,
+            s["mean3"],
+            s["rstd3"],
+            need.norm2_w,
+            need.norm2_b,
+            s["m3"],
+            p2,
+            w.ff2_b,
+            need.ff2_b,
+        )
     dw2 = torch.mm(df.t(), g) if need.ff2_w else None
-    dhid, db1 = steps.act_dropout_backward(torch.mm(df, w.ff2_w), s["m2"], p_ff, hid, w.ff1_b, spec.activation,
-                                           need.ff1_b)
+    dhid, db1 = steps.act_dropout_backward(
+        torch.mm(df, w.ff2_w), s["m2"], p_ff, hid, w.ff1_b, spec.activation, need.ff1_b
+    )
     dw1 = torch.mm(dhid.t(), h2) if need.ff1_w else None
     # attention block; ds: the gradient of both summands of s = drop1(sa) + x, dsa: of the
     # output projection (through drop1)
     if norm_first:
         # h2 = LN2(s), x1 = s: the LayerNorm backward adds the returned sum's gradient
-        ds, dsa, dn2w, dn2b, db_out = steps.ln_dropout_backward(torch.mm(dhid, w.ff1_w), d_res, x1, None, w.norm2_w,
-                                                                w.norm2_b, s["mean2"], s["rstd2"], need.norm2_w,
-                                                                need.norm2_b, s["m1"], p1, w.out_b, need.out_b)
+        ds, dsa, dn2w, dn2b, db_out = steps.ln_dropout_backward(
+            torch.mm(dhid, w.ff1_w),
+            d_res,
+            x1,
+            None,
+            w.norm2_w,
+            w.norm2_b,
+            s["mean2"],
+            s["rstd2"],
+            need.norm2_w,
+            need.norm2_b,
+            s["m1"],
+            p1,
+            w.out_b,
+            need.out_b,
+        )
     else:
         dx1 = torch.addmm(d_res, dhid, w.ff1_w)
-        ds, dsa, dn1w, dn1b, db_out = steps.ln_dropout_backward(dx1, None, s["sa"], x, w.norm1_w, w.norm1_b,
-                                                                s["mean2"], s["rstd2"], need.norm1_w, need.norm1_b,
-                                                                s["m1"], p1, w.out_b, need.out_b)
+        ds, dsa, dn1w, dn1b, db_out = steps.ln_dropout_backward(
+            dx1,
+            None,
+            s["sa"],
+            x,
+            w.norm1_w,
+            w.norm1_b,
+            s["mean2"],
+            s["rstd2"],
+            need.norm1_w,
+            need.norm1_b,
+            s["m1"],
+            p1,
+            w.out_b,
+            need.out_b,
+        )
     dw_out = torch.mm(dsa.t(), s["a"]) if need.out_w else None
     q, k, v = s["q"], s["k"], s["v"]
     da = torch.mm(dsa, w.out_w).view(n_tok, heads, head_dim)
     dqkv = torch.empty((n_tok, 3, heads, head_dim), dtype=q.dtype, device=q.device)
     bias = () if spec.position_bias is None else (-1, -1, *spec.position_bias)
-    got = steps.attention(da, q, k, v, s["o"], s["lse"], cu, cu, max_len, max_len, causal, spec.scale, p_attn, seed,
-                          *bias, grads=dqkv.unbind(1))
+    got = steps.attention(
+        da,
+        q,
+        k,
+        v,
+        s["o"],
+        s["lse"],
+        cu,
+        cu,
+        max_len,
+        max_len,
+        causal,
+        spec.scale,
+        p_attn,
+        seed,
+        *bias,
+        grads=dqkv.unbind(1),
+    )
     dtable = got[3] if bias else None
     dqkv = dqkv.view(n_tok, 3 * d)
     dw_in = torch.mm(dqkv.t(), s["h1"]) if need.in_w else None
@@ -174,11 +247,26 @@ def layer_backward(spec: LayerSpec, w: LayerWeights, kernels: LayerKernels, s: d
         if norm_first:
             dh1 = torch.mm(dqkv, w.in_w)
             if steps.sums is not None:
-                dx_ln = steps.ln_dropout_backward(dh1, None, x, None, w.norm1_w, w.norm1_b, s["mean1"], s["rstd1"],
-                                                  need.norm1_w, need.norm1_b, None, 0.0, None, False)[0]
+                dx_ln = steps.ln_dropout_backward(
+                    dh1,
+                    None,
+                    x,
+                    None,
+                    w.norm1_w,
+                    w.norm1_b,
+                    s["mean1"],
+                    s["rstd1"],
+                    need.norm1_w,
+                    need.norm1_b,
+                    None,
+                    0.0,
+                    None,
+                    False,
+                )[0]
             else:
-                dx_ln, dn1w, dn1b = steps.ln(dh1, None, x, None, w.norm1_w, w.norm1_b, s["mean1"], s["rstd1"],
-                                             need.norm1_w, need.norm1_b)
+                dx_ln, dn1w, dn1b = steps.ln(
+                    dh1, None, x, None, w.norm1_w, w.norm1_b, s["mean1"], s["rstd1"], need.norm1_w, need.norm1_b
+                )
             dx = ds + dx_ln if need_x else None
         else:
             dx = torch.addmm(ds, dqkv, w.in_w)

@@ -18,15 +18,15 @@ from ragged.backends import Implementation
 class LayerWeights(NamedTuple):
     """The parameters of one layer (None where the layer has no bias)."""
 
-    in_w: torch.Tensor          # [3d, d] packed q, k, v projection
-    in_b: torch.Tensor | None   # [3d]
-    out_w: torch.Tensor         # [d, d]
+    in_w: torch.Tensor  # [3d, d] packed q, k, v projection
+    in_b: torch.Tensor | None  # [3d]
+    out_w: torch.Tensor  # [d, d]
     out_b: torch.Tensor | None  # [d]
     norm1_w: torch.Tensor | None
     norm1_b: torch.Tensor | None
-    ff1_w: torch.Tensor         # [ff, d]
+    ff1_w: torch.Tensor  # [ff, d]
     ff1_b: torch.Tensor | None  # [ff]
-    ff2_w: torch.Tensor         # [d, ff]
+    ff2_w: torch.Tensor  # [d, ff]
     ff2_b: torch.Tensor | None  # [d]
     norm2_w: torch.Tensor | None
     norm2_b: torch.Tensor | None

@@ -85,7 +85,7 @@ def _child(module: nn.Module, name: str):
     return getattr(module, name) if value is _MISSING else value
 
 
-def layer_spec(layer: "TransformerEncoderLayer") -> LayerSpec:
+def layer_spec(layer: TransformerEncoderLayer) -> LayerSpec:
     """The :class:`ragged.nn.layer.LayerSpec` of a layer with torch.nn's attribute names (its
     weights, configuration and, in training mode, dropout rates). Called once per layer and
     step: the module reads go through the modules' dicts."""
@@ -98,32 +98,59 @@ def layer_spec(layer: "TransformerEncoderLayer") -> LayerSpec:
         dropout = (attn.dropout, _child(layer, "dropout1").p, _child(layer, "dropout").p, _child(layer, "dropout2").p)
     else:
         dropout = (0.0, 0.0, 0.0, 0.0)
-    weights = LayerWeights(_param(attn, "in_proj_weight"), _param(attn, "in_proj_bias"), _param(out_proj, "weight"),
-                           _param(out_proj, "bias"), _param(norm1, "weight"), _param(norm1, "bias"),
-                           _param(linear1, "weight"), _param(linear1, "bias"), _param(linear2, "weight"),
-                           _param(linear2, "bias"), _param(norm2, "weight"), _param(norm2, "bias"))
-    return LayerSpec(attn.num_heads, attn.head_dim, layer.norm_first, _fused_activation(activation) or activation,
-                     (norm1.eps, norm2.eps), dropout, weights)
+    weights = LayerWeights(
+        _param(attn, "in_proj_weight"),
+        _param(attn, "in_proj_bias"),
+        _param(out_proj, "weight"),
+        _param(out_proj, "bias"),
+        _param(norm1, "weight"),
+        _param(norm1, "bias"),
+        _param(linear1, "weight"),
+        _param(linear1, "bias"),
+        _param(linear2, "weight"),
+        _param(linear2, "bias"),
+        _param(norm2, "weight"),
+        _param(norm2, "bias"),
+    )
+    return LayerSpec(
+        attn.num_heads,
+        attn.head_dim,
+        layer.norm_first,
+        _fused_activation(activation) or activation,
+        (norm1.eps, norm2.eps),
+        dropout,
+        weights,
+    )
 
 
-def _run(fn: str, src, d_model: int, batch_first: bool, mask, mask_name: str, key_padding_mask, is_causal,
-         body: Callable[[RaggedTensor, bool], RaggedTensor]):
+def _run(
+    fn: str,
+    src,
+    d_model: int,
+    batch_first: bool,
+    mask,
+    mask_name: str,
+    key_padding_mask,
+    is_causal,
+    body: Callable[[RaggedTensor, bool], RaggedTensor],
+):
     """Call ``body(rt, causal)`` on a RaggedTensor input, or pack / body / unpack a padded one."""
     if isinstance(src, RaggedTensor):
         if key_padding_mask is not None:
-            raise ValueError(f"{fn}(): src_key_padding_mask applies to padded inputs; a RaggedTensor carries "
-                             "its own lengths")
+            raise ValueError(
+                f"{fn}(): src_key_padding_mask applies to padded inputs; a RaggedTensor carries its own lengths"
+            )
         if src.values.dim() != 2 or src.values.shape[1] != d_model:
-            raise ValueError(f"{fn}(): expected src with values of shape [T, {d_model}], got "
-                             f"{tuple(src.values.shape)}")
+            raise ValueError(f"{fn}(): expected src with values of shape [T, {d_model}], got {tuple(src.values.shape)}")
         causal = causal_flag(fn, mask_name, mask, is_causal, src.max_len, src.max_len, at_least=True)
         return body(src, causal)
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"{fn}(): expected src to be a torch.Tensor or a RaggedTensor, got {describe(src)}")
     if src.dim() not in (2, 3) or src.shape[-1] != d_model:
         shape = "[B, M, " if batch_first else "[M, B, "
-        raise ValueError(f"{fn}(): expected src of shape {shape}{d_model}] (or unbatched [M, {d_model}]), "
-                         f"got {tuple(src.shape)}")
+        raise ValueError(
+            f"{fn}(): expected src of shape {shape}{d_model}] (or unbatched [M, {d_model}]), got {tuple(src.shape)}"
+        )
     batched = src.dim() == 3
     x = to_batch_first(src, batch_first) if batched else src.unsqueeze(0)
     if key_padding_mask is not None:
@@ -146,15 +173,25 @@ class TransformerEncoderLayer(nn.Module):
     padding). ``src_mask`` may only be a causal mask (see :class:`ragged.nn.TransformerEncoder`).
     """
 
-
-    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
-                 activation: str | Callable[[torch.Tensor], torch.Tensor] = F.relu, layer_norm_eps: float = 1e-5,
-                 batch_first: bool = False, norm_first: bool = False, bias: bool = True, device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[torch.Tensor], torch.Tensor] = F.relu,
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
-                                            **factory)
+        self.self_attn = MultiheadAttention(
+            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, **factory
+        )
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
@@ -173,8 +210,9 @@ class TransformerEncoderLayer(nn.Module):
         self.activation = activation
 
     @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer, *, copy: bool = False,
-                   memo: dict | None = None) -> TransformerEncoderLayer:
+    def from_torch(
+        cls, layer: nn.TransformerEncoderLayer, *, copy: bool = False, memo: dict | None = None
+    ) -> TransformerEncoderLayer:
         """The ragged layer for ``layer``: same configuration (dropout rates, eps, activation,
         training mode) and weights. ``copy=False`` shares its Parameter objects (training
         either trains both); ``copy=True`` copies them (same device and dtype)."""
@@ -183,18 +221,27 @@ class TransformerEncoderLayer(nn.Module):
             raise TypeError(f"{fn}(): expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
         attn = layer.self_attn
         if type(attn) is not nn.MultiheadAttention:
-            raise NotImplementedError(f"{fn}(): the layer's self_attn is not a plain torch.nn.MultiheadAttention, "
-                                      f"got {type(attn).__name__}")
+            raise NotImplementedError(
+                f"{fn}(): the layer's self_attn is not a plain torch.nn.MultiheadAttention, got {type(attn).__name__}"
+            )
         unsupported = module_attention_features(attn)
         if unsupported:
             raise NotImplementedError(f"{fn}(): the layer's self_attn uses {unsupported}, which is not supported")
         if copy:
             memo = {} if memo is None else memo
             layer = _copy.deepcopy(layer, memo)
-        shell = cls(attn.embed_dim, attn.num_heads, dim_feedforward=layer.linear1.out_features,
-                    dropout=layer.dropout.p, activation=layer.activation, layer_norm_eps=layer.norm1.eps,
-                    batch_first=attn.batch_first, norm_first=layer.norm_first,
-                    bias=layer.linear1.bias is not None, device="meta")
+        shell = cls(
+            attn.embed_dim,
+            attn.num_heads,
+            dim_feedforward=layer.linear1.out_features,
+            dropout=layer.dropout.p,
+            activation=layer.activation,
+            layer_norm_eps=layer.norm1.eps,
+            batch_first=attn.batch_first,
+            norm_first=layer.norm_first,
+            bias=layer.linear1.bias is not None,
+            device="meta",
+        )
         shell.self_attn.dropout = attn.dropout
         shell.dropout1.p, shell.dropout2.p = layer.dropout1.p, layer.dropout2.p
         shell.norm2.eps = layer.norm2.eps
@@ -205,13 +252,36 @@ class TransformerEncoderLayer(nn.Module):
         if fused is _UNSET:
             fused = fused_backend(x)
         spec = layer_spec(self)
-        return rt.with_values(run_layer(spec, x, rt.offsets, rt.max_len, causal, fused,
-                                        eager(x, rt.offsets, *[w for w in spec.weights if w is not None])))
+        return rt.with_values(
+            run_layer(
+                spec,
+                x,
+                rt.offsets,
+                rt.max_len,
+                causal,
+                fused,
+                eager(x, rt.offsets, *[w for w in spec.weights if w is not None]),
+            )
+        )
 
-    def forward(self, src, src_mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
-                is_causal: bool = False):
-        return _run("ragged.nn.TransformerEncoderLayer.forward", src, self.self_attn.embed_dim,
-                    self.self_attn.batch_first, src_mask, "src_mask", src_key_padding_mask, is_causal, self._block)
+    def forward(
+        self,
+        src,
+        src_mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ):
+        return _run(
+            "ragged.nn.TransformerEncoderLayer.forward",
+            src,
+            self.self_attn.embed_dim,
+            self.self_attn.batch_first,
+            src_mask,
+            "src_mask",
+            src_key_padding_mask,
+            is_causal,
+            self._block,
+        )
 
 
 class TransformerEncoder(nn.Module):
@@ -240,16 +310,23 @@ class TransformerEncoder(nn.Module):
       NotImplementedError.
     """
 
-
-    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None,
-                 enable_nested_tensor: bool = True, mask_check: bool = True) -> None:
+    def __init__(
+        self,
+        encoder_layer: TransformerEncoderLayer,
+        num_layers: int,
+        norm: nn.Module | None = None,
+        enable_nested_tensor: bool = True,
+        mask_check: bool = True,
+    ) -> None:
         super().__init__()
         fn = "ragged.nn.TransformerEncoder"
         if type(encoder_layer) is nn.TransformerEncoderLayer:
             encoder_layer = TransformerEncoderLayer.from_torch(encoder_layer, copy=True)
         elif not isinstance(encoder_layer, TransformerEncoderLayer):
-            raise TypeError(f"{fn}(): expected encoder_layer to be a ragged.nn.TransformerEncoderLayer (or a "
-                            f"torch.nn.TransformerEncoderLayer, converted), got {type(encoder_layer).__name__}")
+            raise TypeError(
+                f"{fn}(): expected encoder_layer to be a ragged.nn.TransformerEncoderLayer (or a "
+                f"torch.nn.TransformerEncoderLayer, converted), got {type(encoder_layer).__name__}"
+            )
         self.layers = nn.ModuleList([_copy.deepcopy(encoder_layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
@@ -257,8 +334,9 @@ class TransformerEncoder(nn.Module):
         self.mask_check = mask_check
 
     @classmethod
-    def from_torch(cls, encoder: nn.TransformerEncoder, *, copy: bool = False,
-                   memo: dict | None = None) -> TransformerEncoder:
+    def from_torch(
+        cls, encoder: nn.TransformerEncoder, *, copy: bool = False, memo: dict | None = None
+    ) -> TransformerEncoder:
         """The ragged encoder for ``encoder``: every layer converted with its own weights, the
         final ``norm`` carried over. ``copy=False`` shares the Parameter objects (and the
         ``norm`` module); ``copy=True`` copies them (same device and dtype)."""
@@ -268,8 +346,9 @@ class TransformerEncoder(nn.Module):
         memo = {} if memo is None else memo
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.layers = nn.ModuleList([TransformerEncoderLayer.from_torch(layer, copy=copy, memo=memo)
-                                    for layer in encoder.layers])
+        new.layers = nn.ModuleList(
+            [TransformerEncoderLayer.from_torch(layer, copy=copy, memo=memo) for layer in encoder.layers]
+        )
         new.num_layers = len(new.layers)
         new.norm = _copy.deepcopy(encoder.norm, memo) if copy and encoder.norm is not None else encoder.norm
         new.enable_nested_tensor = getattr(encoder, "enable_nested_tensor", True)
@@ -281,8 +360,9 @@ class TransformerEncoder(nn.Module):
         fused = fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
         values = None
         if fused is not None and eager(rt.values, rt.offsets) and all(plain_call(layer) for layer in self.layers):
-            values = run_stack([layer_spec(layer) for layer in self.layers], rt.values, rt.offsets, rt.max_len,
-                               causal, fused)
+            values = run_stack(
+                [layer_spec(layer) for layer in self.layers], rt.values, rt.offsets, rt.max_len, causal, fused
+            )
         if values is not None:
             rt = rt.with_values(values)
         else:
@@ -293,13 +373,17 @@ class TransformerEncoder(nn.Module):
             rt = rt.with_values(self.norm(rt.values))
         return rt
 
-    def forward(self, src, mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
-                is_causal: bool | None = None):
+    def forward(
+        self,
+        src,
+        mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ):
         fn = "ragged.nn.TransformerEncoder.forward"
         if len(self.layers) == 0:
             raise ValueError(f"{fn}(): the encoder has no layers")
         attn = self.layers[0].self_attn
-        return _run(fn, src, attn.embed_dim, attn.batch_first, mask, "mask", src_key_padding_mask, is_causal,
-                    self._stack)
-
-
+        return _run(
+            fn, src, attn.embed_dim, attn.batch_first, mask, "mask", src_key_padding_mask, is_causal, self._stack
+        )

@@ -24,8 +24,9 @@ class VocabProjection(nn.Module):
         super().__init__()
         for name, value in (("in_features", in_features), ("num_embeddings", num_embeddings)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"ragged.nn.VocabProjection(): expected {name} to be a non-negative int, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"ragged.nn.VocabProjection(): expected {name} to be a non-negative int, got {value!r}"
+                )
         self.in_features = in_features
         self.num_embeddings = num_embeddings
         factory = {"device": device, "dtype": dtype}
@@ -48,8 +49,9 @@ class VocabProjection(nn.Module):
         """A projection sharing ``linear``'s weight and bias (the same Parameter objects):
         training either trains both."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"ragged.nn.VocabProjection.from_linear(): expected an nn.Linear, "
-                            f"got {type(linear).__name__}")
+            raise TypeError(
+                f"ragged.nn.VocabProjection.from_linear(): expected an nn.Linear, got {type(linear).__name__}"
+            )
         return cls._tied(linear.weight, linear.bias)
 
     @classmethod
@@ -57,8 +59,9 @@ class VocabProjection(nn.Module):
         """A projection tied to an input embedding table (``weight [V, d]``), with an
         optional ``bias [V]`` Parameter."""
         if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"ragged.nn.VocabProjection.from_embedding(): expected an nn.Embedding, "
-                            f"got {type(embedding).__name__}")
+            raise TypeError(
+                f"ragged.nn.VocabProjection.from_embedding(): expected an nn.Embedding, got {type(embedding).__name__}"
+            )
         return cls._tied(embedding.weight, bias)
 
     @classmethod
@@ -73,8 +76,9 @@ class VocabProjection(nn.Module):
             module.bias = bias
         return module
 
-    def forward(self, hidden: RaggedTensor, vocab, *, validate: bool = False,
-                backend: str | None = None) -> RaggedLogits:
+    def forward(
+        self, hidden: RaggedTensor, vocab, *, validate: bool = False, backend: str | None = None
+    ) -> RaggedLogits:
         return vocab_projection(hidden, self.weight, vocab, self.bias, validate=validate, backend=backend)
 
     def loss(self, hidden: RaggedTensor, vocab, target, **kwargs) -> torch.Tensor:

@@ -16,21 +16,27 @@ Public API (see README.md for the table):
 
 from . import backends as _backends
 from .backends import get_backend, set_backend, use_backend
-from .explain import explain, set_public_namespace as _set_public_namespace
+from .explain import explain
+from .explain import set_public_namespace as _set_public_namespace
+from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
+from .kernels import cuda as _cuda_backend  # noqa: F401  (they register)
+from .kernels import triton as _triton_backend  # noqa: F401
+from .logits import RaggedLogits
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .ops.gated import gated_act, reference_gated_act
-from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
-from .packing import pack_values, reference_pack, reference_unpack, unpack_values
 from .ops.pool import pool
 from .ops.rotary import rotary_embedding
+from .ops.vocab import (
+    reference_vocab_projection,
+    reference_vocab_projection_backward,
+    union_vocab,
+    vocab_cross_entropy,
+    vocab_projection,
+)
+from .packing import pack_values, reference_pack, reference_unpack, unpack_values
 from .tensor import RaggedTensor
-from .logits import RaggedLogits
-from .ops.vocab import (reference_vocab_projection, reference_vocab_projection_backward, union_vocab,
-                        vocab_cross_entropy, vocab_projection)
 from .warmup import warmup
-
-from .kernels import cuda as _cuda_backend, triton as _triton_backend  # noqa: F401  (they register)
 
 _set_public_namespace(globals())  # the names explain() gives public functions
 

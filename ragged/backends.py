@@ -43,7 +43,8 @@ import importlib
 import importlib.util
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -63,8 +64,9 @@ _active: contextvars.ContextVar[str | None] = contextvars.ContextVar("ragged_bac
 # inside a block, an ExitStack closed by hand); removing the block from an immutable stack
 # is right in any order, and the stack a child task inherits never changes with its
 # parent's exits.
-_stack: contextvars.ContextVar[tuple[tuple[str | None], ...]] = contextvars.ContextVar("ragged_backend_stack",
-                                                                                       default=())
+_stack: contextvars.ContextVar[tuple[tuple[str | None], ...]] = contextvars.ContextVar(
+    "ragged_backend_stack", default=()
+)
 
 # The innermost use_backend() block of a function that torch.compile is tracing, as (name,).
 _traced: tuple[str | None] | None = None
@@ -141,7 +143,7 @@ def _leave(entry: tuple[str | None]) -> None:
     stack = _stack.get()
     for i in range(len(stack) - 1, -1, -1):
         if stack[i] is entry:
-            stack = stack[:i] + stack[i + 1:]
+            stack = stack[:i] + stack[i + 1 :]
             _stack.set(stack)
             _active.set(stack[-1][0] if stack else None)
             return
@@ -218,8 +220,10 @@ def register_backend(name: str, device_reason: Callable[[torch.device], str | No
     (None when it can). Its implementations are then registered with :func:`register`."""
     global BACKENDS
     if not isinstance(name, str) or not name.isidentifier() or name == "auto":
-        raise ValueError(f"ragged.backends.register_backend(): expected a backend name (an identifier other than "
-                         f"'auto'), got {name!r}")
+        raise ValueError(
+            f"ragged.backends.register_backend(): expected a backend name (an identifier other than "
+            f"'auto'), got {name!r}"
+        )
     _BACKEND_REASONS[name] = device_reason
     if name not in BACKENDS:
         BACKENDS = (*BACKENDS, name)
@@ -359,8 +363,10 @@ def register(*impls: Implementation) -> None:
     """Register implementations (of ops defined now or later)."""
     for impl in impls:
         if impl.backend not in _BACKEND_REASONS:
-            raise ValueError(f"ragged.backends.register(): unknown backend {impl.backend!r} (register_backend() "
-                             f"first; known: {sorted(_BACKEND_REASONS)})")
+            raise ValueError(
+                f"ragged.backends.register(): unknown backend {impl.backend!r} (register_backend() "
+                f"first; known: {sorted(_BACKEND_REASONS)})"
+            )
         entry = _OPS.get(impl.op)
         if entry is None:
             _PENDING.setdefault(impl.op, []).append(impl)
@@ -416,8 +422,9 @@ def capturing_choice() -> Iterator[None]:
         _stack.reset(stack_token)
 
 
-def select(op: str, backend: str | None, device: torch.device, *args, fn: str | None = None,
-           **kwargs) -> Implementation:
+def select(
+    op: str, backend: str | None, device: torch.device, *args, fn: str | None = None, **kwargs
+) -> Implementation:
     """Pick the implementation of ``op`` for these operands (see the module docstring): the
     op's spec function makes them its spec, and :func:`select_spec` chooses."""
     return select_spec(op, backend, _OPS[op].spec(*args, **kwargs), fn=fn)
@@ -433,12 +440,15 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
         if impl is None:
             if name is _EXPLAIN:
                 raise ChoiceCaptured(op, spec)
-            raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} has no implementation of this op "
-                             f"(available: {sorted(entry.impls)})")
+            raise ValueError(
+                f"{fn or f'ragged.{op}'}(): backend {name!r} has no implementation of this op "
+                f"(available: {sorted(entry.impls)})"
+            )
         reasons = impl.reasons(spec)
         if reasons:
-            raise ValueError(f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: "
-                             + "; ".join(reasons))
+            raise ValueError(
+                f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: " + "; ".join(reasons)
+            )
         return impl
     return auto_choice(entry, spec)
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from collections.abc import Mapping
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -26,19 +25,22 @@ class RaggedBatch(dict):
     would pass through unpinned) and that moves to a device in one call. Per-token fields
     share one offsets tensor, and still do after either."""
 
-    def pin_memory(self) -> "RaggedBatch":
+    def pin_memory(self) -> RaggedBatch:
         """A copy with every tensor in page-locked memory (needs a CUDA build of torch)."""
         return self._map(lambda t: t.pin_memory())
 
-    def to(self, device, non_blocking: bool = False) -> "RaggedBatch":
+    def to(self, device, non_blocking: bool = False) -> RaggedBatch:
         """A copy with every tensor on ``device``. From the CPU to a GPU the batch's tensors
         travel as one copy (staged in one host buffer, page-locked when ``non_blocking``, so
         that the copy does not wait whether or not the batch was pinned) instead of one copy
         per tensor: a batch costs one transfer's host time."""
         device = torch.device(device)
         tensors = self._tensors()
-        if device.type == "cuda" and len(tensors) > 1 and all(
-                t.device.type == "cpu" and not t.requires_grad for t in tensors):
+        if (
+            device.type == "cuda"
+            and len(tensors) > 1
+            and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+        ):
             moved = _one_copy(tensors, device, non_blocking)
             return self._map(lambda t: moved[id(t)])
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -53,7 +55,7 @@ class RaggedBatch(dict):
                     seen.setdefault(id(t), t)
         return list(seen.values())
 
-    def _map(self, move) -> "RaggedBatch":
+    def _map(self, move) -> RaggedBatch:
         moved: dict[int, torch.Tensor] = {}
 
         def once(t: torch.Tensor) -> torch.Tensor:
@@ -82,10 +84,11 @@ def _one_copy(tensors: list[torch.Tensor], device: torch.device, non_blocking: b
         total += -(-f.numel() // _ALIGN) * _ALIGN
     host = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=non_blocking)
     for f, start in zip(flat, starts):
-        host[start:start + f.numel()].copy_(f)
+        host[start : start + f.numel()].copy_(f)
     dev = host.to(device, non_blocking=non_blocking)
-    return {id(t): dev[start:start + f.numel()].view(t.dtype).view(t.shape)
-            for t, f, start in zip(tensors, flat, starts)}
+    return {
+        id(t): dev[start : start + f.numel()].view(t.dtype).view(t.shape) for t, f, start in zip(tensors, flat, starts)
+    }
 
 
 def collate(features, *, per_sequence: Iterable[str] = ()) -> RaggedBatch:
@@ -117,8 +120,9 @@ def collate(features, *, per_sequence: Iterable[str] = ()) -> RaggedBatch:
     try:
         stacked = frozenset((per_sequence,) if isinstance(per_sequence, str) else per_sequence)
     except TypeError:
-        raise TypeError(f"{_COLLATE}(): expected per_sequence as an iterable of keys, "
-                        f"got {describe(per_sequence)}") from None
+        raise TypeError(
+            f"{_COLLATE}(): expected per_sequence as an iterable of keys, got {describe(per_sequence)}"
+        ) from None
     columns, batch = _columns(features)
     kinds = {key: "scalar" if key in stacked else _kind(column) for key, column in columns.items()}
     tokens = {key: _concat(key, columns[key], batch) for key, kind in kinds.items() if kind == "token"}
@@ -143,8 +147,10 @@ def _ragged(tokens: dict, batch: int) -> dict:
     for key, (_, lens) in tokens.items():
         if not np.array_equal(lens, lengths):
             i = int(np.argmax(lens != lengths))
-            raise ValueError(f"{_COLLATE}(): expected {key!r} of sequence {i} to have as many tokens as {ref!r} "
-                             f"({int(lengths[i])}), got {int(lens[i])}")
+            raise ValueError(
+                f"{_COLLATE}(): expected {key!r} of sequence {i} to have as many tokens as {ref!r} "
+                f"({int(lengths[i])}), got {int(lens[i])}"
+            )
     values = {key: v for key, (v, _) in tokens.items()}
     mask = values.pop("attention_mask", None)
     keep = None if mask is None else _mask_keep(mask)
@@ -162,8 +168,9 @@ def _ragged(tokens: dict, batch: int) -> dict:
     on: dict[torch.device, torch.Tensor] = {}
     for v in values.values():
         if v.device not in on:
-            on[v.device] = (torch.from_numpy(offsets).to(dtype) if v.device.type == "cpu"
-                            else to_device(host, dtype, v.device))
+            on[v.device] = (
+                torch.from_numpy(offsets).to(dtype) if v.device.type == "cpu" else to_device(host, dtype, v.device)
+            )
     return {key: exact_ragged(v, on[v.device], host, longest) for key, v in values.items()}
 
 
@@ -181,25 +188,33 @@ def _columns(features) -> tuple[dict, int]:
     if isinstance(features, Mapping):
         batch = None
         for key, column in features.items():
-            if not isinstance(column, (list, tuple)) and not (isinstance(column, (torch.Tensor, np.ndarray))
-                                                              and column.ndim >= 1):
-                raise TypeError(f"{_COLLATE}(): expected column {key!r} as a list, tuple, array or tensor with "
-                                f"one entry per sequence, got {describe(column)}")
+            if not isinstance(column, (list, tuple)) and not (
+                isinstance(column, (torch.Tensor, np.ndarray)) and column.ndim >= 1
+            ):
+                raise TypeError(
+                    f"{_COLLATE}(): expected column {key!r} as a list, tuple, array or tensor with "
+                    f"one entry per sequence, got {describe(column)}"
+                )
             if batch is not None and len(column) != batch:
-                raise ValueError(f"{_COLLATE}(): expected every column to hold {batch} sequences, "
-                                 f"got {len(column)} in {key!r}")
+                raise ValueError(
+                    f"{_COLLATE}(): expected every column to hold {batch} sequences, got {len(column)} in {key!r}"
+                )
             batch = len(column)
         return dict(features), batch or 0
     if not isinstance(features, (list, tuple)):
-        raise TypeError(f"{_COLLATE}(): expected a list of mappings (one per sequence) or a mapping of "
-                        f"columns, got {describe(features)}")
+        raise TypeError(
+            f"{_COLLATE}(): expected a list of mappings (one per sequence) or a mapping of "
+            f"columns, got {describe(features)}"
+        )
     keys = features[0].keys() if features and isinstance(features[0], Mapping) else {}.keys()
     for i, f in enumerate(features):
         if type(f) is not dict and not isinstance(f, Mapping):
             raise TypeError(f"{_COLLATE}(): expected features[{i}] to be a mapping, got {describe(f)}")
         if f.keys() != keys:
-            raise ValueError(f"{_COLLATE}(): expected every sequence to have the keys of sequence 0 {list(keys)}, "
-                             f"got sequence {i} with {list(f.keys())}")
+            raise ValueError(
+                f"{_COLLATE}(): expected every sequence to have the keys of sequence 0 {list(keys)}, "
+                f"got sequence {i} with {list(f.keys())}"
+            )
     return {key: [f[key] for f in features] for key in keys}, len(features)
 
 
@@ -240,39 +255,43 @@ def _stack(key: str, column, batch: int) -> torch.Tensor:
         python = not any(isinstance(x, (np.ndarray, np.generic)) for x in column)
         return _numeric(key, np.array(column) if batch else np.zeros(0, dtype=np.int64), python)
     except (RuntimeError, ValueError, TypeError) as err:
-        raise ValueError(f"{_COLLATE}(): expected the per-sequence values of {key!r} to stack into one "
-                         f"tensor: {err}") from None
+        raise ValueError(
+            f"{_COLLATE}(): expected the per-sequence values of {key!r} to stack into one tensor: {err}"
+        ) from None
 
 
 def _concat(key: str, column, batch: int) -> tuple[torch.Tensor | None, np.ndarray]:
     """Per-token values ``[T, ...]`` from one concatenation (None for a list mask of all ones), and
     the lengths ``[B]`` int64."""
-    if isinstance(column, (torch.Tensor, np.ndarray)):   # padded [B, M, ...]
+    if isinstance(column, (torch.Tensor, np.ndarray)):  # padded [B, M, ...]
         t = _int64(column) if isinstance(column, torch.Tensor) else _numeric(key, column, False)
         return t.reshape(batch * t.shape[1], *t.shape[2:]), np.full(batch, t.shape[1], dtype=np.int64)
     try:
         lengths = np.fromiter(map(len, column), dtype=np.int64, count=batch)
-    except TypeError:   # no len(): a scalar, a 0-d array or tensor
+    except TypeError:  # no len(): a scalar, a 0-d array or tensor
         bad = next(i for i, x in enumerate(column) if not hasattr(x, "__len__") or np.ndim(x) == 0)
-        raise ValueError(f"{_COLLATE}(): expected {key!r} of sequence {bad} to hold one value per token, "
-                         f"got {describe(column[bad])}") from None
+        raise ValueError(
+            f"{_COLLATE}(): expected {key!r} of sequence {bad} to hold one value per token, got {describe(column[bad])}"
+        ) from None
     try:
         if all(type(x) is list or type(x) is tuple for x in column):
             rows = [x for x in column if x]
             if key == "attention_mask" and sum(map(sum, rows)) == lengths.sum() and max(map(max, rows), default=0) <= 1:
-                return None, lengths   # all ones (each <= 1, summing to T), read in C: 4x faster than converting
+                return None, lengths  # all ones (each <= 1, summing to T), read in C: 4x faster than converting
             return _from_lists(key, column, int(lengths.sum())), lengths
         if all(isinstance(x, torch.Tensor) for x in column):
             return _int64(torch.cat(list(column))), lengths
         if all(isinstance(x, np.ndarray) for x in column):
             return _numeric(key, np.concatenate(column), False), lengths
-        return _int64(torch.cat([x if isinstance(x, torch.Tensor) else _numeric(key, np.asarray(x), True)
-                                 for x in column])), lengths
+        return _int64(
+            torch.cat([x if isinstance(x, torch.Tensor) else _numeric(key, np.asarray(x), True) for x in column])
+        ), lengths
     except (RuntimeError, ValueError, TypeError) as err:
         if str(err).startswith(_COLLATE):
             raise
-        raise ValueError(f"{_COLLATE}(): expected the per-token values of {key!r} to concatenate into one "
-                         f"tensor: {err}") from None
+        raise ValueError(
+            f"{_COLLATE}(): expected the per-token values of {key!r} to concatenate into one tensor: {err}"
+        ) from None
 
 
 def _from_lists(key: str, column, total: int) -> torch.Tensor:

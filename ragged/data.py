@@ -23,9 +23,8 @@ indices; a **step** is one batch per replica (``num_replicas`` batches run at th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -63,11 +62,11 @@ class StepBalance:
 
 @dataclass(frozen=True)
 class _Plan:
-    order: np.ndarray      # [n] sequence indices in packing order
-    starts: np.ndarray     # [batches + 1] batch b is order[starts[b]:starts[b + 1]]
-    steps: np.ndarray      # [steps, num_replicas] batch ids (a repeated batch appears twice)
-    repeated: int          # batch slots filled by a repeat
-    dropped: int           # sequences left out (drop_last)
+    order: np.ndarray  # [n] sequence indices in packing order
+    starts: np.ndarray  # [batches + 1] batch b is order[starts[b]:starts[b + 1]]
+    steps: np.ndarray  # [steps, num_replicas] batch ids (a repeated batch appears twice)
+    repeated: int  # batch slots filled by a repeat
+    dropped: int  # sequences left out (drop_last)
 
 
 class TokenBudgetSampler(Sampler):
@@ -106,10 +105,20 @@ class TokenBudgetSampler(Sampler):
     ``torch.distributed``'s world size and rank when it is initialized, else 1 and 0.
     """
 
-    def __init__(self, lengths, max_tokens: int, *, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False,
-                 max_batch_size: int | None = None, sort_window: int | None = None,
-                 cost: str | Callable[[np.ndarray], np.ndarray] = "tokens"):
+    def __init__(
+        self,
+        lengths,
+        max_tokens: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+        max_batch_size: int | None = None,
+        sort_window: int | None = None,
+        cost: str | Callable[[np.ndarray], np.ndarray] = "tokens",
+    ):
         self.lengths = _as_lengths(lengths)
         self.max_tokens = check_int(_SAMPLER, "max_tokens", max_tokens, minimum=1)
         self.shuffle = _check_bool("shuffle", shuffle)
@@ -117,7 +126,8 @@ class TokenBudgetSampler(Sampler):
         self.seed = check_int(_SAMPLER, "seed", seed, minimum=0)
         self.max_batch_size, self.sort_window = (
             None if v is None else check_int(_SAMPLER, name, v, minimum=1)
-            for name, v in (("max_batch_size", max_batch_size), ("sort_window", sort_window)))
+            for name, v in (("max_batch_size", max_batch_size), ("sort_window", sort_window))
+        )
         self.num_replicas, self.rank = _replicas(num_replicas, rank)
         self.cost = cost
         self._costs = _sequence_costs(cost, self.lengths)
@@ -138,7 +148,7 @@ class TokenBudgetSampler(Sampler):
         plan = self._current()
         order, starts = plan.order, plan.starts
         for b in plan.steps[:, self.rank].tolist():
-            yield order[starts[b]:starts[b + 1]].tolist()
+            yield order[starts[b] : starts[b + 1]].tolist()
 
     @property
     def num_repeated(self) -> int:
@@ -164,14 +174,28 @@ class TokenBudgetSampler(Sampler):
         top, mean = loads.max(1, initial=0).astype(np.float64), loads.mean(1)
         ratio = np.divide(top, mean, out=np.ones_like(top), where=mean > 0)
         busy = float(top.sum()) * self.num_replicas
-        return StepBalance(loads, ratio, float(ratio.max(initial=1.0)), float(ratio.mean()) if ratio.size else 1.0,
-                           float(loads.sum()) / busy if busy > 0 else 1.0)
+        return StepBalance(
+            loads,
+            ratio,
+            float(ratio.max(initial=1.0)),
+            float(ratio.mean()) if ratio.size else 1.0,
+            float(loads.sum()) / busy if busy > 0 else 1.0,
+        )
 
     def _current(self) -> _Plan:
         if self._plan is None:
-            self._plan = _make_plan(self.lengths, self._costs, self.max_tokens, self.max_batch_size,
-                                    self.sort_window, self.shuffle, self.drop_last, self.num_replicas,
-                                    self.seed, self.epoch)
+            self._plan = _make_plan(
+                self.lengths,
+                self._costs,
+                self.max_tokens,
+                self.max_batch_size,
+                self.sort_window,
+                self.shuffle,
+                self.drop_last,
+                self.num_replicas,
+                self.seed,
+                self.epoch,
+            )
         return self._plan
 
     def __repr__(self) -> str:
@@ -193,12 +217,13 @@ def _as_lengths(lengths: object) -> np.ndarray:
             raise ValueError(f"{_SAMPLER}(): expected lengths with values, got a tensor on the meta device")
         arr = lengths.detach().to("cpu", torch.int64).numpy()
     elif isinstance(lengths, (str, bytes, Mapping)) or not hasattr(lengths, "__len__"):
-        raise TypeError(f"{_SAMPLER}(): expected lengths as a list of ints, a numpy array or a tensor, "
-                        f"got {describe(lengths)}")
+        raise TypeError(
+            f"{_SAMPLER}(): expected lengths as a list of ints, a numpy array or a tensor, got {describe(lengths)}"
+        )
     else:
         arr = np.asarray(lengths)
         if arr.size == 0 and arr.dtype == np.float64 and not isinstance(lengths, np.ndarray):
-            arr = arr.astype(np.int64)              # [] reads as float64
+            arr = arr.astype(np.int64)  # [] reads as float64
     if arr.ndim != 1:
         raise ValueError(f"{_SAMPLER}(): expected 1-D lengths, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
@@ -212,10 +237,13 @@ def _as_lengths(lengths: object) -> np.ndarray:
 def _replicas(num_replicas, rank) -> tuple[int, int]:
     dist = torch.distributed
     initialized = dist.is_available() and dist.is_initialized()
-    num_replicas = check_int(_SAMPLER, "num_replicas", num_replicas if num_replicas is not None else
-                             dist.get_world_size() if initialized else 1, minimum=1)
-    rank = check_int(_SAMPLER, "rank", rank if rank is not None else dist.get_rank() if initialized else 0,
-                     minimum=0)
+    num_replicas = check_int(
+        _SAMPLER,
+        "num_replicas",
+        num_replicas if num_replicas is not None else dist.get_world_size() if initialized else 1,
+        minimum=1,
+    )
+    rank = check_int(_SAMPLER, "rank", rank if rank is not None else dist.get_rank() if initialized else 0, minimum=0)
     if rank >= num_replicas:
         raise ValueError(f"{_SAMPLER}(): expected rank in [0, num_replicas) = [0, {num_replicas}), got {rank}")
     return num_replicas, rank
@@ -227,25 +255,26 @@ def _sequence_costs(cost, lengths: np.ndarray) -> np.ndarray:
         return lengths if cost == "tokens" else lengths.astype(np.float64) ** 2
     if not callable(cost):
         raise (ValueError if isinstance(cost, str) else TypeError)(
-            f"{_SAMPLER}(): expected cost 'tokens', 'attention' or a callable, got {describe(cost)}")
+            f"{_SAMPLER}(): expected cost 'tokens', 'attention' or a callable, got {describe(cost)}"
+        )
     out = np.asarray(cost(lengths.copy()), dtype=np.float64)
     if out.shape != lengths.shape:
         raise ValueError(f"{_SAMPLER}(): expected cost(lengths) of shape {lengths.shape}, got {out.shape}")
     if out.size and not (np.isfinite(out).all() and out.min() >= 0):
-        raise ValueError(f"{_SAMPLER}(): expected cost(lengths) finite and >= 0, got min {out.min()}, "
-                         f"max {out.max()}")
+        raise ValueError(f"{_SAMPLER}(): expected cost(lengths) finite and >= 0, got min {out.min()}, max {out.max()}")
     return out
 
 
-def _make_plan(lengths, costs, max_tokens, max_batch_size, sort_window, shuffle, drop_last, replicas,
-               seed, epoch) -> _Plan:
+def _make_plan(
+    lengths, costs, max_tokens, max_batch_size, sort_window, shuffle, drop_last, replicas, seed, epoch
+) -> _Plan:
     n = lengths.size
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)
     if sort_window is not None and sort_window > 1 and n > 1:
         order = _sort_windows(order, np.take(lengths, order), sort_window)
     tokens = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.take(lengths, order), out=tokens[1:])   # np.take: 4x faster than lengths[order]
+    np.cumsum(np.take(lengths, order), out=tokens[1:])  # np.take: 4x faster than lengths[order]
     starts = _pack(tokens, max_tokens, max_batch_size)
     cum = tokens if costs is lengths else np.concatenate(([0.0], np.cumsum(np.take(costs, order))))
     dropped = repeated = 0
@@ -258,7 +287,7 @@ def _make_plan(lengths, costs, max_tokens, max_batch_size, sort_window, shuffle,
     else:
         ids = np.arange(starts.size - 1, dtype=np.int64)
     cost = cum[starts[1:]] - cum[starts[:-1]]
-    if repeated:   # every batch holds one sequence: the cheapest ones run again (class docstring)
+    if repeated:  # every batch holds one sequence: the cheapest ones run again (class docstring)
         ids = np.concatenate((ids, np.resize(_ascending(cost), repeated)))
     # Heaviest first; stable sorts give the same plan on every machine.
     steps = ids[_ascending(cost[ids])[::-1]].reshape(-1, replicas)
@@ -279,7 +308,7 @@ def _ascending(key: np.ndarray) -> np.ndarray:
 def _sort_windows(order: np.ndarray, lens: np.ndarray, window: int) -> np.ndarray:
     """``order`` sorted by length (stably) within consecutive windows of ``window`` sequences."""
     n = order.size
-    key = lens.astype(np.uint16) if lens.max() < 2**16 else lens   # radix sort: 15x faster at 10M
+    key = lens.astype(np.uint16) if lens.max() < 2**16 else lens  # radix sort: 15x faster at 10M
     full = n // window * window
     out = np.empty_like(order)
     if full:
@@ -298,7 +327,7 @@ def _pack(tokens: np.ndarray, max_tokens: int, max_batch_size: int | None) -> np
     Each batch from ``s`` ends at the largest ``e`` with ``tokens[e] - tokens[s] <= max_tokens``
     (and ``e - s <= max_batch_size``), at least ``s + 1``.
     """
-    n, starts, max_tokens = tokens.size - 1, [0], min(max_tokens, 2**62)   # no int64 overflow below
+    n, starts, max_tokens = tokens.size - 1, [0], min(max_tokens, 2**62)  # no int64 overflow below
     cap = max(n, 1) if max_batch_size is None else max_batch_size
     estimate = max(int(tokens[-1]) // max_tokens, n // cap) + 1
     if estimate * 32 < n:

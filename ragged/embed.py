@@ -97,13 +97,13 @@ _IMPORTED = time.perf_counter()  # where the process's start cannot be read, the
 __all__ = ["EmbedError", "main", "parse_devices", "read_texts"]
 
 MANIFEST = "manifest.json"
-_MANIFEST_FORMAT = 2              # bump when the manifest's meaning changes: old folders then refuse
+_MANIFEST_FORMAT = 2  # bump when the manifest's meaning changes: old folders then refuse
 _CHUNK, chunk_name = re.compile(r"chunk_(\d{6,})\.npy"), "chunk_{:06d}.npy".format
 _DTYPES = ("bf16", "fp16", "fp32")
-FIRST_CHUNK = 256                 # texts in the first chunk, whose time sizes the others
-CHUNK_SECONDS = 60.0              # default --chunk-seconds
-WARM_UP_SECONDS = 2.0             # a first chunk done sooner is timed again: its time was the first call's
-GRAPH_BATCHES = 8                 # an input of fewer full batches runs without CUDA graphs
+FIRST_CHUNK = 256  # texts in the first chunk, whose time sizes the others
+CHUNK_SECONDS = 60.0  # default --chunk-seconds
+WARM_UP_SECONDS = 2.0  # a first chunk done sooner is timed again: its time was the first call's
+GRAPH_BATCHES = 8  # an input of fewer full batches runs without CUDA graphs
 
 
 # --------------------------------------------------------------------------------------
@@ -119,7 +119,8 @@ def parse_devices(spec: str) -> str | list[int]:
         item = item.strip()
         if not item.isdigit():
             raise argparse.ArgumentTypeError(
-                f"expected 'all' or comma-separated GPU indices such as 0,1, got {spec!r} ({item!r} is not an index)")
+                f"expected 'all' or comma-separated GPU indices such as 0,1, got {spec!r} ({item!r} is not an index)"
+            )
         if int(item) in ids:
             raise argparse.ArgumentTypeError(f"expected distinct GPU indices, got {spec!r} ({item} twice)")
         ids.append(int(item))
@@ -143,8 +144,11 @@ def _seconds(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Embed a text corpus with a sentence-transformers model "
-                                "converted by ragged.nn.convert, resumably (see the module's docstring).")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Embed a text corpus with a sentence-transformers model "
+        "converted by ragged.nn.convert, resumably (see the module's docstring).",
+    )
     p.add_argument("model", metavar="MODEL", help="SentenceTransformer folder or hub name")
     p.add_argument("input", metavar="INPUT", help="corpus: .txt (a text per line), .jsonl or .parquet")
     p.add_argument("output", metavar="OUTPUT", help="embeddings: .npy ([N, d]) or .parquet (column 'embedding')")
@@ -155,8 +159,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="one device: cuda, cpu, cuda:1 (default: cuda when visible, else cpu)")
     p.add_argument("--devices", type=parse_devices, help="several GPUs, a thread each: 'all' or indices such as 0,1")
     p.add_argument("--chunk", type=_positive, default=65536, help="texts per saved chunk at most (default: 65536)")
-    p.add_argument("--chunk-seconds", type=_seconds, default=CHUNK_SECONDS,
-                   help="seconds of work per saved chunk, measured on the first chunk (default: 60)")
+    p.add_argument(
+        "--chunk-seconds",
+        type=_seconds,
+        default=CHUNK_SECONDS,
+        help="seconds of work per saved chunk, measured on the first chunk (default: 60)",
+    )
     p.add_argument("--normalize", action="store_true", help="unit-length embeddings")
     p.add_argument("--prompt-name", help="a prompt of the model's configuration, put before each text")
     p.add_argument("--prompt", help="a text put before each text")
@@ -180,8 +188,7 @@ def _resolve_devices(device: str | None, devices: str | list[int] | None) -> lis
         if dev.type not in ("cuda", "cpu"):
             raise EmbedError(f"{PROG}: expected --device cuda or cpu, got {device!r}")
         if dev.type == "cuda" and not (visible and (dev.index is None or dev.index < visible)):
-            raise EmbedError(f"{PROG}: expected --device {device} to be a visible CUDA device, got "
-                             f"{visible} visible")
+            raise EmbedError(f"{PROG}: expected --device {device} to be a visible CUDA device, got {visible} visible")
         return [str(dev)]
     if device is not None:
         raise EmbedError(f"{PROG}: expected --device or --devices, got both ({device!r} and {devices!r})")
@@ -219,11 +226,22 @@ def _manifest(args: argparse.Namespace, stat: os.stat_result, count: int, dtype:
     model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     field = None if args.input.lower().endswith(".txt") else args.field
     first = min(args.chunk, FIRST_CHUNK)
-    size = args.chunk if args.chunk <= first or count <= first else None   # nothing to measure
-    return {"format": _MANIFEST_FORMAT, "input": os.path.abspath(args.input), "input_size": stat.st_size,
-            "input_mtime_ns": stat.st_mtime_ns, "model": model, "dtype": dtype, "field": field,
-            "chunk": args.chunk, "normalize": args.normalize, "prompt": args.prompt,
-            "prompt_name": args.prompt_name, "texts": count, "chunk_sizes": [first, size]}
+    size = args.chunk if args.chunk <= first or count <= first else None  # nothing to measure
+    return {
+        "format": _MANIFEST_FORMAT,
+        "input": os.path.abspath(args.input),
+        "input_size": stat.st_size,
+        "input_mtime_ns": stat.st_mtime_ns,
+        "model": model,
+        "dtype": dtype,
+        "field": field,
+        "chunk": args.chunk,
+        "normalize": args.normalize,
+        "prompt": args.prompt,
+        "prompt_name": args.prompt_name,
+        "texts": count,
+        "chunk_sizes": [first, size],
+    }
 
 
 def _open_parts(parts: str, manifest: dict) -> set[int]:
@@ -240,23 +258,30 @@ def _open_parts(parts: str, manifest: dict) -> set[int]:
             with open(path, encoding="utf-8") as f:
                 old = json.load(f)
         except ValueError as err:
-            raise EmbedError(f"{PROG}: expected {path} to hold a JSON object, got an unreadable one ({err}); "
-                             f"{remove}") from None
+            raise EmbedError(
+                f"{PROG}: expected {path} to hold a JSON object, got an unreadable one ({err}); {remove}"
+            ) from None
         if not isinstance(old, dict):
             raise EmbedError(f"{PROG}: expected {path} to hold a JSON object, got a JSON {json_kind(old)}; {remove}")
         keys = sorted((set(old) | set(manifest)) - {"chunk_sizes"})
         diff = [f"{k}: {old.get(k)!r} there, {manifest.get(k)!r} now" for k in keys if old.get(k) != manifest.get(k)]
         sizes = old.get("chunk_sizes")
-        if not diff and not (isinstance(sizes, list) and len(sizes) == 2 and sizes[0] == manifest["chunk_sizes"][0]
-                             and (sizes[1] is None or isinstance(sizes[1], int) and sizes[1] >= 1)):
+        if not diff and not (
+            isinstance(sizes, list)
+            and len(sizes) == 2
+            and sizes[0] == manifest["chunk_sizes"][0]
+            and (sizes[1] is None or isinstance(sizes[1], int) and sizes[1] >= 1)
+        ):
             diff = [f"chunk_sizes: {sizes!r} there"]
         if diff:
-            raise EmbedError(f"{PROG}: {parts} holds the chunks of another run ({'; '.join(diff)}); {remove}, "
-                             "or run again with that run's arguments and input")
+            raise EmbedError(
+                f"{PROG}: {parts} holds the chunks of another run ({'; '.join(diff)}); {remove}, "
+                "or run again with that run's arguments and input"
+            )
         manifest["chunk_sizes"] = sizes
     elif found:
         raise EmbedError(f"{PROG}: {parts} holds chunk files but no {MANIFEST}; {remove}")
-    if manifest["chunk_sizes"][1] is None:       # sizes not measured: no chunk was saved
+    if manifest["chunk_sizes"][1] is None:  # sizes not measured: no chunk was saved
         return set()
     ranges = chunk_ranges(manifest["texts"], *manifest["chunk_sizes"])
     done = set()
@@ -272,8 +297,11 @@ def _open_parts(parts: str, manifest: dict) -> set[int]:
         if ok:
             done.add(i)
         else:
-            print(f"{PROG}: {chunk_name(i)} in {parts}: expected {rows} float32 rows, got {what}; "
-                  "embedding this chunk again", file=sys.stderr)
+            print(
+                f"{PROG}: {chunk_name(i)} in {parts}: expected {rows} float32 rows, got {what}; "
+                "embedding this chunk again",
+                file=sys.stderr,
+            )
     return done
 
 
@@ -316,18 +344,33 @@ def _embedder() -> Callable:
     return embed
 
 
-def _encode(st, texts: list[str], *, prompt: str | None = None, prompt_name: str | None = None,
-            normalize: bool = False, max_tokens: int | None = None, batch_size: int = 32,
-            on_batch: Callable[[int, int], None] | None = None) -> np.ndarray:
+def _encode(
+    st,
+    texts: list[str],
+    *,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
+    normalize: bool = False,
+    max_tokens: int | None = None,
+    batch_size: int = 32,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
     """``sentence_pipeline.embed`` through sentence-transformers' ``encode``: float32 ``[n, d]``
     in input order, ``on_batch(texts, tokens)`` after each slice of ``16 * batch_size`` texts
     (tokens counted by a second tokenization); ``max_tokens`` is not used (encode batches by count)."""
     out = []
     step = 16 * batch_size
     for lo in range(0, len(texts), step):
-        part = texts[lo:lo + step]
-        emb = st.encode(part, batch_size=batch_size, prompt=prompt, prompt_name=prompt_name,
-                        normalize_embeddings=normalize, convert_to_numpy=True, show_progress_bar=False)
+        part = texts[lo : lo + step]
+        emb = st.encode(
+            part,
+            batch_size=batch_size,
+            prompt=prompt,
+            prompt_name=prompt_name,
+            normalize_embeddings=normalize,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
         out.append(np.asarray(emb, dtype=np.float32).reshape(len(part), -1))
         if on_batch is not None:
             on_batch(len(part), _count_tokens(st, part, prompt, prompt_name))
@@ -373,8 +416,9 @@ def _embed_chunk(embed: Callable, st, texts: list[str], lo: int, hi: int, option
     # calls (of encode too), which an inference tensor would refuse outside that mode
     emb = np.asarray(embed(st, part, on_batch=on_batch, **options), dtype=np.float32)
     if emb.ndim != 2 or emb.shape[0] != len(part):
-        raise RuntimeError(f"{PROG}: expected [{len(part)}, d] embeddings for texts {lo} to {hi - 1}, got shape "
-                           f"{emb.shape}")
+        raise RuntimeError(
+            f"{PROG}: expected [{len(part)}, d] embeddings for texts {lo} to {hi - 1}, got shape {emb.shape}"
+        )
     return emb
 
 
@@ -382,8 +426,15 @@ def _save_chunk(parts: str, i: int, emb: np.ndarray) -> None:
     _write_atomic(os.path.join(parts, chunk_name(i)), lambda f: np.save(f, emb))
 
 
-def _run_chunks(replicas: list[tuple[str, object]], texts: list[str], todo: list[int], ranges: list[tuple[int, int]],
-                parts: str, options: dict, on_batch: Callable[[int, int], None]) -> None:
+def _run_chunks(
+    replicas: list[tuple[str, object]],
+    texts: list[str],
+    todo: list[int],
+    ranges: list[tuple[int, int]],
+    parts: str,
+    options: dict,
+    on_batch: Callable[[int, int], None],
+) -> None:
     """Embed chunks ``todo`` (``ranges[i]``: chunk ``i``'s texts) of ``texts`` into ``parts``:
     one (device, model) replica in this thread, several in a thread each, taking chunk indices
     from one queue."""
@@ -412,12 +463,13 @@ def _run_chunks(replicas: list[tuple[str, object]], texts: list[str], todo: list
                     except queue.Empty:
                         return
                     one(st, i)
-        except BaseException as err:   # noqa: BLE001 (handed to the main thread, which raises it)
+        except BaseException as err:  # noqa: BLE001 (handed to the main thread, which raises it)
             failures.append(err)
             stop.set()
 
-    threads = [threading.Thread(target=work, args=replica, daemon=True, name=f"embed-{replica[0]}")
-               for replica in replicas]
+    threads = [
+        threading.Thread(target=work, args=replica, daemon=True, name=f"embed-{replica[0]}") for replica in replicas
+    ]
     for t in threads:
         t.start()
     try:
@@ -445,7 +497,6 @@ def _no_graphs(models: list) -> None:
             settings.graphs = False
 
 
-
 # --------------------------------------------------------------------------------------
 # Output
 
@@ -459,12 +510,15 @@ def _assemble(output: str, parts: str, ranges: list[tuple[int, int]], dim: int |
     for (lo, hi), path in zip(ranges, paths):
         head = np.load(path, mmap_mode="r")
         if head.ndim != 2 or head.shape[0] != hi - lo or (dim is not None and head.shape[1] != dim):
-            raise EmbedError(f"{PROG}: expected {path} of shape ({hi - lo}, {dim if dim is not None else 'd'}), "
-                             f"got {head.shape}; remove the folder {parts} to start over")
+            raise EmbedError(
+                f"{PROG}: expected {path} of shape ({hi - lo}, {dim if dim is not None else 'd'}), "
+                f"got {head.shape}; remove the folder {parts} to start over"
+            )
         dim = head.shape[1]
         del head
     dtype = np.dtype("<f4" if out_dtype == "float32" else "<f2")
     if output.lower().endswith(".npy"):
+
         def write(f):
             header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count, dim)}
             np.lib.format.write_array_header_1_0(f, header)
@@ -479,15 +533,16 @@ def _assemble(output: str, parts: str, ranges: list[tuple[int, int]], dim: int |
             with pa.parquet.ParquetWriter(f, schema) as writer:
                 if not paths:
                     writer.write_table(schema.empty_table())
-                rows = max(1, (2**31 - 1) // max(dim, 1))    # a list column's offsets are int32
+                rows = max(1, (2**31 - 1) // max(dim, 1))  # a list column's offsets are int32
                 for path in paths:
                     emb = np.load(path).astype(dtype)
-                    for block in (emb[lo:lo + rows] for lo in range(0, emb.shape[0], rows)):
+                    for block in (emb[lo : lo + rows] for lo in range(0, emb.shape[0], rows)):
                         offsets = pa.array(np.arange(0, block.size + 1, dim, dtype=np.int32))
                         column = pa.ListArray.from_arrays(offsets, pa.array(block.reshape(-1)), type=kind)
                         writer.write_table(pa.Table.from_arrays([column], schema=schema))
+
     _write_atomic(output, write, folder=parts)
-    if os.name == "posix":                           # the rename itself, durable
+    if os.name == "posix":  # the rename itself, durable
         fd = os.open(os.path.dirname(os.path.abspath(output)), os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -518,7 +573,7 @@ def _run(args: argparse.Namespace, clock: Clock) -> int:
         _check_paths(args)
         devices = _resolve_devices(args.device, args.devices)
         dtype = args.dtype or ("bf16" if devices[0].startswith("cuda") else "fp32")
-        stat = os.stat(args.input)                   # before reading: a later change then shows
+        stat = os.stat(args.input)  # before reading: a later change then shows
         texts = read_texts(args.input, args.field)
         count, parts = len(texts), args.output + ".parts"
         manifest = _manifest(args, stat, count, dtype)
@@ -528,35 +583,44 @@ def _run(args: argparse.Namespace, clock: Clock) -> int:
         print(f"resuming: {len(done)} of {len(ranges)} chunks already done", flush=True)
     todo = [i for i in range(len(ranges)) if i not in done]
     dim = None
-    options = {"prompt": args.prompt, "prompt_name": args.prompt_name, "normalize": args.normalize,
-               "max_tokens": args.max_tokens, "batch_size": args.batch_size}
-    progress = Progress(count, sum(hi - lo for i, (lo, hi) in enumerate(ranges) if i in done),
-                        show=not args.no_progress and sys.stdout.isatty())
+    options = {
+        "prompt": args.prompt,
+        "prompt_name": args.prompt_name,
+        "normalize": args.normalize,
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+    }
+    progress = Progress(
+        count,
+        sum(hi - lo for i, (lo, hi) in enumerate(ranges) if i in done),
+        show=not args.no_progress and sys.stdout.isatty(),
+    )
     if todo or count == 0:
         with clock.phase("model"):
             models = _load(args.model, devices, dtype, quiet=args.no_progress, clock=clock)
         prompts = getattr(models[0], "prompts", None) or {}
         if args.prompt_name is not None and args.prompt_name not in prompts:
-            raise EmbedError(f"{PROG}: expected --prompt-name among the model's prompts {sorted(prompts)}, got "
-                             f"{args.prompt_name!r}")
+            raise EmbedError(
+                f"{PROG}: expected --prompt-name among the model's prompts {sorted(prompts)}, got {args.prompt_name!r}"
+            )
         if count == 0:
             dim = int(np.asarray(_embedder()(models[0], [""], **options)).shape[1])
         if _few_batches(texts, args.max_tokens):
             _no_graphs(models)
         _write_manifest(parts, manifest)
         with clock.phase("embedding"), progress.running():
-            if manifest["chunk_sizes"][1] is None:   # the first chunk, timed: the others' size
+            if manifest["chunk_sizes"][1] is None:  # the first chunk, timed: the others' size
                 with _on(devices[0]):
                     begin = time.perf_counter()
                     emb = _embed_chunk(_embedder(), models[0], texts, *ranges[0], options, progress)
                     seconds = time.perf_counter() - begin
-                    if seconds < WARM_UP_SECONDS:    # mostly the first call's own costs: timed again, warm
+                    if seconds < WARM_UP_SECONDS:  # mostly the first call's own costs: timed again, warm
                         begin = time.perf_counter()
                         _embed_chunk(_embedder(), models[0], texts, *ranges[0], options, None)
                         seconds = time.perf_counter() - begin
                 first = manifest["chunk_sizes"][0]
                 manifest["chunk_sizes"][1] = chunk_size(first, seconds, args.chunk_seconds, args.chunk)
-                _write_manifest(parts, manifest, replace=True)      # the sizes first, then the chunk
+                _write_manifest(parts, manifest, replace=True)  # the sizes first, then the chunk
                 _save_chunk(parts, 0, emb)
                 del emb
                 ranges = chunk_ranges(count, *manifest["chunk_sizes"])
@@ -582,7 +646,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
         return _run(args, clock)
     except EmbedError as err:
         print(err, file=sys.stderr)
-    except OSError as err:                           # a missing input, a full disk, a model not found
+    except OSError as err:  # a missing input, a full disk, a model not found
         print(f"{PROG}: {err}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; the same command again resumes from the chunks saved", file=sys.stderr)

@@ -45,13 +45,15 @@ def read_texts(path: str, field: str = "text") -> list[str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise EmbedError(f"{PROG}: line {line} of {path}: expected UTF-8 text, got the bytes "
-                         f"{data[err.start:err.end]!r} ({err.reason})") from None
+        raise EmbedError(
+            f"{PROG}: line {line} of {path}: expected UTF-8 text, got the bytes "
+            f"{data[err.start : err.end]!r} ({err.reason})"
+        ) from None
     if text.startswith(_BOM):
         text = text[1:]
     lines = text.split("\n")
     if lines[-1] == "":
-        lines.pop()                                  # the last line's newline, or an empty file
+        lines.pop()  # the last line's newline, or an empty file
     lines = [line.removesuffix("\r") for line in lines]
     if ext == ".txt":
         return lines
@@ -64,20 +66,27 @@ def _json_text(path: str, number: int, line: str, field: str) -> str:
     try:
         obj = json.loads(line)
     except ValueError as err:
-        raise EmbedError(f"{PROG}: line {number} of {path}: {expected}, got "
-                         f"{'an empty line' if not line.strip() else _json_error(err)}") from None
+        raise EmbedError(
+            f"{PROG}: line {number} of {path}: {expected}, got "
+            f"{'an empty line' if not line.strip() else _json_error(err)}"
+        ) from None
     value = obj.get(field) if isinstance(obj, dict) else None
     if not isinstance(value, str):
-        got = (f"a JSON {json_kind(obj)}" if not isinstance(obj, dict) else
-               f"an object without it (keys: {', '.join(map(repr, list(obj)[:8]))})" if field not in obj else
-               f"{field!r} holding a JSON {json_kind(value)}")
+        got = (
+            f"a JSON {json_kind(obj)}"
+            if not isinstance(obj, dict)
+            else f"an object without it (keys: {', '.join(map(repr, list(obj)[:8]))})"
+            if field not in obj
+            else f"{field!r} holding a JSON {json_kind(value)}"
+        )
         raise EmbedError(f"{PROG}: line {number} of {path}: {expected}, got {got}")
-    if "\\u" in line:                                # escapes may spell lone surrogates, which no tokenizer takes
+    if "\\u" in line:  # escapes may spell lone surrogates, which no tokenizer takes
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise EmbedError(f"{PROG}: line {number} of {path}: {expected} of valid Unicode, got a lone "
-                             "surrogate escape") from None
+            raise EmbedError(
+                f"{PROG}: line {number} of {path}: {expected} of valid Unicode, got a lone surrogate escape"
+            ) from None
     return value
 
 

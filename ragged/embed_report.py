@@ -30,7 +30,7 @@ def process_start() -> float | None:
             uptime = float(f.read().split()[0])
         # the fields after the command's name (in parentheses, which may hold spaces): state is
         # field 3, starttime (clock ticks after boot) field 22
-        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+        ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])
         age = uptime - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
@@ -92,8 +92,14 @@ class Progress:
                 )
             except ImportError:
                 return
-            self.bar = Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("texts"),
-                                TextColumn("{task.fields[speed]}"), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn("embedding"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("texts"),
+                TextColumn("{task.fields[speed]}"),
+                TimeRemainingColumn(),
+            )
             self.task = self.bar.add_task("embedding", total=total, completed=done, speed="")
 
     @contextlib.contextmanager
@@ -122,9 +128,11 @@ class Progress:
         """``embedded N texts (T tokens) in S s: X texts/s, Y tokens/s; whole run W s: Z texts/s``."""
         s = self.seconds
         per_s = [n / s if s > 0 else 0.0 for n in (self.texts, self.tokens)]
-        return (f"embedded {self.texts} texts ({self.tokens} tokens) in {s:.2f} s: {per_s[0]:.1f} texts/s, "
-                f"{per_s[1]:.1f} tokens/s; whole run {whole:.2f} s: "
-                f"{self.texts / whole if whole > 0 else 0.0:.1f} texts/s")
+        return (
+            f"embedded {self.texts} texts ({self.tokens} tokens) in {s:.2f} s: {per_s[0]:.1f} texts/s, "
+            f"{per_s[1]:.1f} tokens/s; whole run {whole:.2f} s: "
+            f"{self.texts / whole if whole > 0 else 0.0:.1f} texts/s"
+        )
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ module) hands over through :func:`set_public_namespace`: this module imports no 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from .backends import ChoiceCaptured, OpEntry, auto_choice, capturing_choice, get_backend, op_entry, op_names
 
@@ -30,8 +30,10 @@ def set_public_namespace(namespace: Mapping[str, object]) -> None:
 
 def _entry(fn: str, op: object) -> OpEntry:
     if not isinstance(op, str):
-        raise TypeError(f"{fn}(): expected op to be an op name (one of {op_names()}) or a public function "
-                        f"of ragged, got {type(op).__name__}")
+        raise TypeError(
+            f"{fn}(): expected op to be an op name (one of {op_names()}) or a public function "
+            f"of ragged, got {type(op).__name__}"
+        )
     entry = op_entry(op)
     if entry is None:
         raise ValueError(f"{fn}(): expected op to be one of {op_names()}, got {op!r}")
@@ -69,15 +71,17 @@ def _describe_call(args: tuple, kwargs: dict) -> str:
 
 def _bad_arguments(op: str, entry: OpEntry, args: tuple, kwargs: dict, why: str) -> TypeError:
     """The TypeError of ``explain(op, ...)`` called with operands its spec cannot take."""
-    msg = (f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
-           f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})")
+    msg = (
+        f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
+        f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})"
+    )
     public = _PUBLIC.get(op)
     if callable(public):
-        msg += (f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
-                f"{_parameter_list(public, skip=('backend',))})")
+        msg += (
+            f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
+            f"{_parameter_list(public, skip=('backend',))})"
+        )
     return TypeError(msg)
-
-
 
 
 def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
@@ -87,9 +91,11 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
     try:
         bound = inspect.signature(public).bind(*args, **kwargs)
     except TypeError as exc:
-        raise TypeError(f"ragged.explain(): expected the arguments of {name} "
-                        f"({_parameter_list(public, skip=('backend',))}), got {_describe_call(args, kwargs)} "
-                        f"({exc})") from None
+        raise TypeError(
+            f"ragged.explain(): expected the arguments of {name} "
+            f"({_parameter_list(public, skip=('backend',))}), got {_describe_call(args, kwargs)} "
+            f"({exc})"
+        ) from None
     except ValueError:  # no signature (a builtin): pass the arguments as they are
         bound = None
     if bound is not None:
@@ -106,8 +112,10 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
         found = None
     if found is not None:
         return _spec_reasons(op_entry(found.op), found.spec, selected)
-    raise ValueError(f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
-                     "none (no op with backends runs for these arguments)")
+    raise ValueError(
+        f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
+        "none (no op with backends runs for these arguments)"
+    )
 
 
 def _reasons(op: str, entry: OpEntry, args: tuple, kwargs: dict) -> Explanation:

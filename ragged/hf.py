@@ -82,9 +82,13 @@ _FN = "ragged.hf.attention_forward"
 _MASK_FN = "ragged.hf.padding_mask"
 _FLAT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Keywords whose feature ragged's attention does not compute: refused when a model sets them.
-_REFUSED = {"softcap": "attention logit soft-capping (softcap)", "s_aux": "attention sinks (s_aux)",
-            "sinks": "attention sinks (sinks)", "head_mask": "a head_mask",
-            "position_bias": "an additive position bias (position_bias)"}
+_REFUSED = {
+    "softcap": "attention logit soft-capping (softcap)",
+    "s_aux": "attention sinks (s_aux)",
+    "sinks": "attention sinks (sinks)",
+    "head_mask": "a head_mask",
+    "position_bias": "an additive position bias (position_bias)",
+}
 # The layout of a mask made by padding_mask (a copy only this module writes), kept on it for the
 # layers of the forward; never set on a caller's tensor (a write through .data, a NumPy view or
 # the storage changes no key of it).
@@ -109,10 +113,16 @@ class Layout:
     dense: bool = False  # known full rows: gather and scatter are views
 
     @classmethod
-    def full_rows(cls, batch: int, width: int, device: torch.device) -> "Layout":
+    def full_rows(cls, batch: int, width: int, device: torch.device) -> Layout:
         """``batch`` rows of ``width`` tokens each (no host read)."""
-        return cls(width, tuple(b * width for b in range(batch + 1)), _dense_offsets(batch, width, device), width,
-                   "right", dense=True)
+        return cls(
+            width,
+            tuple(b * width for b in range(batch + 1)),
+            _dense_offsets(batch, width, device),
+            width,
+            "right",
+            dense=True,
+        )
 
     @property
     def batch(self) -> int:
@@ -182,8 +192,11 @@ def _read_mask_layout(mask: torch.Tensor) -> Layout:
     side = "right" if is_right else "left" if is_left else None
     index = None
     if side is None:
-        warn_once("hf-scattered-mask", f"{_MASK_FN}(): the attention mask has tokens that are not one contiguous run "
-                  "at the start or end of each row; gathering them by index")
+        warn_once(
+            "hf-scattered-mask",
+            f"{_MASK_FN}(): the attention mask has tokens that are not one contiguous run "
+            "at the start or end of each row; gathering them by index",
+        )
         index = torch.nonzero_static(keep.reshape(-1), size=host[-1]).reshape(-1)  # size known: no second read
     return Layout(keep.shape[1], tuple(host), offsets, max(lengths, default=0), side, index)
 
@@ -241,22 +254,32 @@ def positions_layout(position_ids: torch.Tensor) -> Layout:
 # The mask function
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                   mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
     """transformers' mask function for ``"ragged"``: the 2-D padding mask ``[B, kv_length]`` (bool,
-    True at tokens) or None when nothing is padding; never a dense ``[B, 1, Lq, Lk]`` mask.
+        True at tokens) or None when nothing is padding; never a dense ``[B, 1, Lq, Lk]`` mask.
 
-    Reads the mask's layout on the host (one sync, see :func:`mask_layout`) and keeps it on the
-    returned mask, a copy of the caller's that only the attention layers see. The causal, sliding-window and packed-sequence
-    patterns come from the attention call (``is_causal``, ``sliding_window``, ``cu_seq_lens_*``
-    or ``position_ids``); a model that overlays its own mask function (``or_mask_function`` /
-    ``and_mask_function``) is refused."""
+        Reads the mask's layout on the host (one sync, see :func:`mask_layout`) and keeps it on the
+        returned mask, a copy of the caller's that only the attention layers see. The causal, sliding-window and
+    packed-sequence
+        patterns come from the attention call (``is_causal``, ``sliding_window``, ``cu_seq_lens_*``
+        or ``position_ids``); a model that overlays its own mask function (``or_mask_function`` /
+        ``and_mask_function``) is refused."""
     if kwargs.get("use_vmap"):
         config = kwargs.get("config")
         model = type(config).__name__ if config is not None else "the model"
         raise NotImplementedError(
             f"{_MASK_FN}(): {model} overlays a custom mask function (or_mask_function / and_mask_function) on "
-            f"the attention pattern; attn_implementation={NAME!r} takes padding masks only (use 'sdpa' or 'eager')")
+            f"the attention pattern; attn_implementation={NAME!r} takes padding masks only (use 'sdpa' or 'eager')"
+        )
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
@@ -292,12 +315,16 @@ def _window_param(fn) -> bool:
 def _refuse(module, kwargs) -> None:
     model = type(module).__name__
     if kwargs.get("output_attentions"):
-        raise NotImplementedError(f"{_FN}(): {model} asks for output_attentions=True; attn_implementation={NAME!r} "
-                                  "forms no attention weights (use 'eager' for them)")
+        raise NotImplementedError(
+            f"{_FN}(): {model} asks for output_attentions=True; attn_implementation={NAME!r} "
+            "forms no attention weights (use 'eager' for them)"
+        )
     for key, feature in _REFUSED.items():
         if kwargs.get(key) is not None:
-            raise NotImplementedError(f"{_FN}(): {model} passes {feature}, which attn_implementation={NAME!r} does "
-                                      "not compute (use 'eager' or 'sdpa')")
+            raise NotImplementedError(
+                f"{_FN}(): {model} passes {feature}, which attn_implementation={NAME!r} does "
+                "not compute (use 'eager' or 'sdpa')"
+            )
 
 
 def _to_device(fn: str, name: str, t: object, device: torch.device) -> torch.Tensor:
@@ -334,18 +361,29 @@ def _cross_attention(module: torch.nn.Module) -> bool:
     """Whether a non-causal module attends to another sequence (its mask then describes the keys
     only): an ``is_cross_attention`` attribute, a class named ``*CrossAttention*`` (BERT family),
     or a decoder's non-causal attention (BART, Whisper: ``is_decoder`` and not ``is_causal``)."""
-    return bool(getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__
-                or getattr(module, "is_decoder", False))
+    return bool(
+        getattr(module, "is_cross_attention", False)
+        or "CrossAttention" in type(module).__name__
+        or getattr(module, "is_decoder", False)
+    )
 
 
 def _dense_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=offsets_dtype_for(batch * length), device=device) * length
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      sliding_window: int | None = None, is_causal: bool | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention function for ``"ragged"`` (see the module docstring).
 
     ``query [B, H, Lq, D]``, ``key``/``value [B, H_kv, Lk, D]`` (``H % H_kv == 0``),
@@ -363,7 +401,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     len_k, dim_v = key.shape[2], value.shape[3]
     # ragged's kernels take one head dim: the narrower of q/k and v is zero-padded (scores and
     # outputs unchanged), the output cropped back to v's.
-    scale = float(scaling) if scaling is not None else dim ** -0.5
+    scale = float(scaling) if scaling is not None else dim**-0.5
     width = max(dim, dim_v)
     if dim < width:
         query, key = (torch.nn.functional.pad(t, (0, width - dim)) for t in (query, key))
@@ -385,13 +423,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             raise NotImplementedError(
                 f"{_FN}(): {type(module).__name__} got an attention mask {describe(attention_mask)}; "
                 f"attn_implementation={NAME!r} takes 2-D padding masks [B, L] only (custom 4-D or block masks: use "
-                "'sdpa', 'eager' or 'flex_attention')")
+                "'sdpa', 'eager' or 'flex_attention')"
+            )
         if any(f is not None for f in flat):
-            raise ValueError(f"{_FN}(): expected either a padding mask or cu_seq_lens_q/k (a flattened batch), got both")
+            raise ValueError(
+                f"{_FN}(): expected either a padding mask or cu_seq_lens_q/k (a flattened batch), got both"
+            )
         mask_width = attention_mask.shape[1]
         if attention_mask.shape[0] != batch or mask_width > len_k:
-            raise ValueError(f"{_FN}(): expected a padding mask of shape [{batch}, {len_k}] (batch, key length), got "
-                             f"{tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"{_FN}(): expected a padding mask of shape [{batch}, {len_k}] (batch, key length), got "
+                f"{tuple(attention_mask.shape)}"
+            )
         if mask_width < len_k:  # a static cache longer than the mask: its tail is unused
             key, value = key[:, :, :mask_width], value[:, :, :mask_width]
         lay_k = mask_layout(attention_mask)
@@ -404,8 +447,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         elif len_q < mask_width:
             lay_q = mask_layout(attention_mask[:, -len_q:])
         else:
-            raise ValueError(f"{_FN}(): expected causal queries ({len_q}) no more than the padding mask's keys "
-                             f"({mask_width})")
+            raise ValueError(
+                f"{_FN}(): expected causal queries ({len_q}) no more than the padding mask's keys ({mask_width})"
+            )
         q = lay_q.gather(_rows(query))
         cu_q, cu_k, max_q, max_k = lay_q.offsets, lay_k.offsets, lay_q.max_len, lay_k.max_len
         out_q = lay_q
@@ -415,15 +459,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     elif any(f is not None for f in flat):
         missing = [name for name, f in zip(_FLAT_KEYS, flat) if f is None]
         if missing:
-            raise ValueError(f"{_FN}(): a flattened batch needs all of {', '.join(_FLAT_KEYS)}; missing "
-                             f"{', '.join(missing)}")
+            raise ValueError(
+                f"{_FN}(): a flattened batch needs all of {', '.join(_FLAT_KEYS)}; missing {', '.join(missing)}"
+            )
         cu_q = _to_device(_FN, "cu_seq_lens_q", flat[0], device)
         cu_k = cu_q if flat[1] is flat[0] else _to_device(_FN, "cu_seq_lens_k", flat[1], device)
         max_q = _host_int(_FN, "max_length_q", flat[2])
         max_k = max_q if flat[3] is flat[2] else _host_int(_FN, "max_length_k", flat[3])
         q, k, v = _tokens(query), _tokens(key), _tokens(value)
-    elif (batch == 1 and len_q == len_k and len_q > 1 and isinstance(position_ids, torch.Tensor)
-          and position_ids.numel() == len_q):
+    elif (
+        batch == 1
+        and len_q == len_k
+        and len_q > 1
+        and isinstance(position_ids, torch.Tensor)
+        and position_ids.numel() == len_q
+    ):
         lay = forward_positions_layout(position_ids, getattr(module, "layer_idx", None))
         cu_q = cu_k = lay.offsets
         max_q = max_k = lay.max_len
@@ -439,14 +489,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             raise NotImplementedError(
                 f"{_FN}(): {type(module).__name__} attends within a sliding window of {sliding_window} tokens with a "
                 "padding mask whose tokens are not one run per row, or non-causally to keys of another length; "
-                f"attn_implementation={NAME!r} does not place such windows")
+                f"attn_implementation={NAME!r} does not place such windows"
+            )
         if not _window_param(ragged.varlen_attention):
             raise NotImplementedError(
                 f"{_FN}(): {type(module).__name__} attends within a sliding window of {sliding_window} tokens over "
-                f"sequences of up to {max(max_q, max_k)}; this ragged.varlen_attention takes no window_size")
+                f"sequences of up to {max(max_q, max_k)}; this ragged.varlen_attention takes no window_size"
+            )
         extra["window_size"] = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
-                                  dropout_p=float(dropout), **extra)
+    out = ragged.varlen_attention(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, dropout_p=float(dropout), **extra
+    )
     out = out.view(batch, len_q, heads, width) if out_q is None else out_q.scatter(out)
     if dim_v < width:
         out = out[..., :dim_v]

@@ -16,17 +16,28 @@ HuggingFace attention mask     ``rt.attention_mask()``,          ``from_attentio
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import backends
-from .utils import check_offsets_tensor, check_side, check_tensor, describe, host_lengths_of, warn_once
-from .utils import host_offsets_from_lengths, max_length, offsets_dtype_for, to_device
 from .padding import mask_keep, pack_rows, read_mask_layout  # noqa: F401  (read_mask_layout: re-exported)
 from .tensor import RaggedTensor, exact_ragged
+from .utils import (
+    check_offsets_tensor,
+    check_side,
+    check_tensor,
+    describe,
+    host_lengths_of,
+    host_offsets_from_lengths,
+    max_length,
+    offsets_dtype_for,
+    to_device,
+    warn_once,
+)
+
 
 def to_nested(rt: RaggedTensor) -> torch.Tensor:
     """The function form of :meth:`RaggedTensor.to_nested`."""
@@ -76,29 +87,34 @@ def from_packed_sequence(ps: PackedSequence) -> RaggedTensor:
     # Sequence k in sorted order has length #{t : batch_sizes[t] > k}.
     sorted_lengths = (batch_sizes[:, None] > np.arange(batch)[None, :]).sum(0)
     if ps.unsorted_indices is not None:
-        rank = ps.unsorted_indices.to("cpu", torch.int64).numpy()   # original i -> sorted position
+        rank = ps.unsorted_indices.to("cpu", torch.int64).numpy()  # original i -> sorted position
     else:
         rank = np.arange(batch)
     lengths = sorted_lengths[rank]
     step_start = np.concatenate([[0], np.cumsum(batch_sizes)[:-1]]).astype(np.int64)
     # Token t of original sequence i sits at data row step_start[t] + rank[i].
-    index = np.concatenate([step_start[: lengths[i]] + rank[i] for i in range(batch)]) if batch else \
-        np.zeros(0, dtype=np.int64)
+    index = (
+        np.concatenate([step_start[: lengths[i]] + rank[i] for i in range(batch)])
+        if batch
+        else np.zeros(0, dtype=np.int64)
+    )
     host = [0, *np.cumsum(lengths).tolist()]
     values = ps.data.index_select(0, to_device(index.tolist(), torch.int64, ps.data.device))
     offsets = to_device(host, offsets_dtype_for(host[-1]), ps.data.device)
     return exact_ragged(values, offsets, host, max_length(host))
 
 
-def from_cu_seqlens(values: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, *,
-                    validate: bool = True) -> RaggedTensor:
+def from_cu_seqlens(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, *, validate: bool = True
+) -> RaggedTensor:
     """RaggedTensor from flash-attn's varlen form (``values [T, ...]``, ``cu_seqlens [B+1]``).
 
     As :meth:`RaggedTensor.from_offsets`: ``cu_seqlens`` of any stride is stored contiguous,
     and ``validate=False`` with ``max_seqlen`` given reads nothing from the GPU.
     """
-    return RaggedTensor.from_offsets_named("ragged.from_cu_seqlens", values, cu_seqlens, max_seqlen, validate,
-                                      "cu_seqlens", "max_seqlen")
+    return RaggedTensor.from_offsets_named(
+        "ragged.from_cu_seqlens", values, cu_seqlens, max_seqlen, validate, "cu_seqlens", "max_seqlen"
+    )
 
 
 def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: str | None = None) -> RaggedTensor:
@@ -119,8 +135,15 @@ def from_attention_mask(x: torch.Tensor, attention_mask: torch.Tensor, backend: 
 # Padded batches
 
 
-def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-         padding_side: str | None = None, backend: str | None = None) -> RaggedTensor:
+def pack(
+    data,
+    lengths=None,
+    *,
+    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    padding_side: str | None = None,
+    backend: str | None = None,
+) -> RaggedTensor:
     """Build a :class:`RaggedTensor`.
 
     * ``pack([t_0, t_1, ...])``: a list of ``[L_i, *F]`` tensors (same ``F``, dtype and
@@ -144,16 +167,18 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
         backends.check_name(fn, backend)
     if isinstance(data, (list, tuple)):
         if lengths is not None or mask is not None or attention_mask is not None:
-            raise ValueError(f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, "
-                             "not to a list of sequences")
+            raise ValueError(
+                f"{fn}(): lengths, mask and attention_mask apply to a padded tensor, not to a list of sequences"
+            )
         return _pack_list(fn, data)
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{fn}(): expected a list of tensors or a padded tensor [B, M, ...], got {describe(data)}")
     x = data
     if x.dim() < 2:
         raise ValueError(f"{fn}(): expected a padded tensor of shape [B, M, ...], got {tuple(x.shape)}")
-    given = [name for name, v in (("lengths", lengths), ("mask", mask), ("attention_mask", attention_mask))
-             if v is not None]
+    given = [
+        name for name, v in (("lengths", lengths), ("mask", mask), ("attention_mask", attention_mask)) if v is not None
+    ]
     if len(given) > 1:
         raise ValueError(f"{fn}(): expected at most one of lengths, mask, attention_mask, got {', '.join(given)}")
     batch, width = x.shape[0], x.shape[1]
@@ -171,8 +196,9 @@ def pack(data, lengths=None, *, mask: torch.Tensor | None = None, attention_mask
     longest = max_length(host)
     if longest > width:
         i = max(range(batch), key=lambda k: host[k + 1] - host[k])
-        raise ValueError(f"{fn}(): expected every length <= the padded width x.shape[1] ({width}), "
-                         f"got lengths[{i}] = {longest}")
+        raise ValueError(
+            f"{fn}(): expected every length <= the padded width x.shape[1] ({width}), got lengths[{i}] = {longest}"
+        )
     return pack_rows(x, host, side, backend)
 
 
@@ -186,14 +212,19 @@ def _pack_list(fn: str, seqs: Sequence[torch.Tensor]) -> RaggedTensor:
         if s.dim() < 1:
             raise ValueError(f"{fn}(): expected sequences of shape [L, ...], got a 0-d tensor at index {i}")
         if s.shape[1:] != first.shape[1:]:
-            raise ValueError(f"{fn}(): expected every sequence to have feature shape {tuple(first.shape[1:])} "
-                             f"(that of sequence 0), got {tuple(s.shape[1:])} at index {i}")
+            raise ValueError(
+                f"{fn}(): expected every sequence to have feature shape {tuple(first.shape[1:])} "
+                f"(that of sequence 0), got {tuple(s.shape[1:])} at index {i}"
+            )
         if s.dtype != first.dtype:
-            raise TypeError(f"{fn}(): expected every sequence to have dtype {first.dtype} (that of sequence 0), "
-                            f"got {s.dtype} at index {i}")
+            raise TypeError(
+                f"{fn}(): expected every sequence to have dtype {first.dtype} (that of sequence 0), "
+                f"got {s.dtype} at index {i}"
+            )
         if s.device != first.device:
-            raise ValueError(f"{fn}(): expected every sequence on {first.device} (that of sequence 0), "
-                             f"got {s.device} at index {i}")
+            raise ValueError(
+                f"{fn}(): expected every sequence on {first.device} (that of sequence 0), got {s.device} at index {i}"
+            )
     host = host_offsets_from_lengths(fn, [s.shape[0] for s in seqs])
     values = torch.cat(list(seqs), dim=0)
     offsets = to_device(host, offsets_dtype_for(host[-1]), first.device)
@@ -222,18 +253,26 @@ def _pack_masked(fn: str, x: torch.Tensor, m: torch.Tensor, name: str, padding_s
         return pack_rows(x, host, "left", backend)
     if is_right or is_left:
         found = "right" if is_right else "left"
-        raise ValueError(f"{fn}(): padding_side={padding_side!r} expects a {padding_side}-padded {name}, "
-                         f"got a {found}-padded one")
-    warn_once("pack-scattered-mask",
-              f"{fn}(): {name} has tokens that are not one contiguous run at the start or end of each row; "
-              "compressing them with a boolean gather, which is slower than the pack kernels")
+        raise ValueError(
+            f"{fn}(): padding_side={padding_side!r} expects a {padding_side}-padded {name}, got a {found}-padded one"
+        )
+    warn_once(
+        "pack-scattered-mask",
+        f"{fn}(): {name} has tokens that are not one contiguous run at the start or end of each row; "
+        "compressing them with a boolean gather, which is slower than the pack kernels",
+    )
     values = x[keep]
     offsets = to_device(host, offsets_dtype_for(host[-1]), x.device)
     return exact_ragged(values, offsets, host, longest)
 
 
-def unpack(rt: RaggedTensor, padding_value: float = 0.0, total_length: int | None = None,
-           padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+def unpack(
+    rt: RaggedTensor,
+    padding_value: float = 0.0,
+    total_length: int | None = None,
+    padding_side: str = "right",
+    backend: str | None = None,
+) -> torch.Tensor:
     """``[B, M, *F]`` from a RaggedTensor, ``padding_value`` at padding; ``M = total_length or max_len``
     (the function form of :meth:`RaggedTensor.to_padded`).
 

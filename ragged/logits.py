@@ -44,8 +44,9 @@ class Coords:
     cand: torch.Tensor
 
 
-def layout_coords(h_off: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, num_ids: int,
-                  num_tokens: int, total: int) -> Coords:
+def layout_coords(
+    h_off: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, num_ids: int, num_tokens: int, total: int
+) -> Coords:
     """:class:`Coords` of a layout, from the device offsets and host sizes (no sync)."""
     device = h_off.device
     h = h_off.to(torch.int64)
@@ -83,9 +84,14 @@ def segment_logsumexp(x: torch.Tensor, token: torch.Tensor, num_tokens: int) -> 
     return m + torch.log(s)
 
 
-def segmented_cross_entropy(values: torch.Tensor, num_tokens: int, coords: Coords | None,
-                            shared_size: int | None, target: torch.Tensor,
-                            label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def segmented_cross_entropy(
+    values: torch.Tensor,
+    num_tokens: int,
+    coords: Coords | None,
+    shared_size: int | None,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy over each token's candidates and the log-normaliser of each
     token's row: ``(loss [T], lse [T])`` in the compute dtype (``lse`` is ``-inf`` for a token
     without candidates).
@@ -135,13 +141,35 @@ class RaggedLogits:
     * ``logit_offsets``: int64 ``[B+1]``; ``num_embeddings``: ``V``, the full vocabulary.
     """
 
-    __slots__ = ("values", "offsets", "num_tokens", "max_len", "ids", "vocab_offsets", "max_candidates",
-                 "logit_offsets", "num_embeddings", "_host_offsets", "_host_vocab_offsets", "_cache")
+    __slots__ = (
+        "values",
+        "offsets",
+        "num_tokens",
+        "max_len",
+        "ids",
+        "vocab_offsets",
+        "max_candidates",
+        "logit_offsets",
+        "num_embeddings",
+        "_host_offsets",
+        "_host_vocab_offsets",
+        "_cache",
+    )
 
-    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, num_tokens: int, max_len: int,
-                 ids: torch.Tensor, vocab_offsets: torch.Tensor | None, max_candidates: int,
-                 logit_offsets: torch.Tensor, num_embeddings: int, host_offsets: tuple[int, ...] | None = None,
-                 host_vocab_offsets: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        num_tokens: int,
+        max_len: int,
+        ids: torch.Tensor,
+        vocab_offsets: torch.Tensor | None,
+        max_candidates: int,
+        logit_offsets: torch.Tensor,
+        num_embeddings: int,
+        host_offsets: tuple[int, ...] | None = None,
+        host_vocab_offsets: tuple[int, ...] | None = None,
+    ):
         self.values = values
         self.offsets = offsets
         self.num_tokens = int(num_tokens)
@@ -217,8 +245,14 @@ class RaggedLogits:
     def _coords(self) -> Coords:
         coords = self._cache.get("coords")
         if coords is None:
-            coords = layout_coords(self.offsets, self.vocab_offsets, self.logit_offsets, self.ids.shape[0],
-                                   self.num_tokens, self.values.shape[0])
+            coords = layout_coords(
+                self.offsets,
+                self.vocab_offsets,
+                self.logit_offsets,
+                self.ids.shape[0],
+                self.num_tokens,
+                self.values.shape[0],
+            )
             self._cache["coords"] = coords
         return coords
 
@@ -235,8 +269,11 @@ class RaggedLogits:
         elif self._host_vocab_offsets is not None:
             o = self._host_vocab_offsets
             lens = [o[i + 1] - o[i] for i in range(len(o) - 1)]
-            cands = (f"candidates={lens}" if len(lens) <= 8 else
-                     f"candidates=[min {min(lens)}, mean {sum(lens) / len(lens):.1f}, max {max(lens)}]")
+            cands = (
+                f"candidates={lens}"
+                if len(lens) <= 8
+                else f"candidates=[min {min(lens)}, mean {sum(lens) / len(lens):.1f}, max {max(lens)}]"
+            )
         else:
             cands = f"max_candidates={self.max_candidates}"
         if self._host_offsets is not None and self.batch_size <= 8:
@@ -245,9 +282,11 @@ class RaggedLogits:
         else:
             toks = f"max_len={self.max_len}"
         grad = ", requires_grad=True" if self.requires_grad else ""
-        return (f"RaggedLogits(batch_size={self.batch_size}, num_tokens={self.num_tokens}, {toks}, {cands}, "
-                f"num_embeddings={self.num_embeddings}, numel={self.numel()}, dtype={self.dtype}, "
-                f"device={self.device}{grad})")
+        return (
+            f"RaggedLogits(batch_size={self.batch_size}, num_tokens={self.num_tokens}, {toks}, {cands}, "
+            f"num_embeddings={self.num_embeddings}, numel={self.numel()}, dtype={self.dtype}, "
+            f"device={self.device}{grad})"
+        )
 
     # ----------------------------------------------------------------------------------
     # Same layout, other values
@@ -260,9 +299,19 @@ class RaggedLogits:
             raise ValueError(f"{fn}(): expected values of shape [{self.numel()}], got {tuple(values.shape)}")
         if values.device != self.device:
             raise ValueError(f"{fn}(): expected values on {self.device}, got {values.device}")
-        out = RaggedLogits(values, self.offsets, self.num_tokens, self.max_len, self.ids, self.vocab_offsets,
-                           self.max_candidates, self.logit_offsets, self.num_embeddings, self._host_offsets,
-                           self._host_vocab_offsets)
+        out = RaggedLogits(
+            values,
+            self.offsets,
+            self.num_tokens,
+            self.max_len,
+            self.ids,
+            self.vocab_offsets,
+            self.max_candidates,
+            self.logit_offsets,
+            self.num_embeddings,
+            self._host_offsets,
+            self._host_vocab_offsets,
+        )
         out._cache = self._cache  # the index tensors depend on the layout only
         return out
 
@@ -279,7 +328,7 @@ class RaggedLogits:
         out, start = [], 0
         for b in range(self.batch_size):
             rows, cols = h[b + 1] - h[b], v[b + 1] - v[b]
-            out.append(self.values[start:start + rows * cols].view(rows, cols))
+            out.append(self.values[start : start + rows * cols].view(rows, cols))
             start += rows * cols
         return tuple(out)
 
@@ -303,8 +352,9 @@ class RaggedLogits:
             return out + self.values.sum()
         if self.shared:
             rows = torch.arange(self.num_tokens, device=self.device).unsqueeze(1)
-            return out.index_put((rows, self.ids.to(torch.int64).unsqueeze(0)),
-                                 self.values.view(self.num_tokens, self.ids.shape[0]))
+            return out.index_put(
+                (rows, self.ids.to(torch.int64).unsqueeze(0)), self.values.view(self.num_tokens, self.ids.shape[0])
+            )
         return out.index_put((self._coords().token, self._element_ids()), self.values)
 
     # ----------------------------------------------------------------------------------
@@ -322,7 +372,7 @@ class RaggedLogits:
             return ids[x.view(self.num_tokens, self.ids.shape[0]).argmax(dim=1)]
         c = self._coords()
         best = x.new_full((self.num_tokens,), _NEG_INF).scatter_reduce(0, c.token, x, "amax", include_self=True)
-        hit = (x == best[c.token]) | torch.isnan(x)   # NaN wins, as in torch.argmax
+        hit = (x == best[c.token]) | torch.isnan(x)  # NaN wins, as in torch.argmax
         never = self.max_candidates
         first = torch.full((self.num_tokens,), never, dtype=torch.int64, device=device)
         first = first.scatter_reduce(0, c.token, torch.where(hit, c.cand, never), "amin", include_self=True)
@@ -355,7 +405,7 @@ class RaggedLogits:
         order = by_value[torch.argsort(c.token[by_value], stable=True)]
         # Sorted by token, the rows keep their places: position e is rank e - row_start of its token.
         rank = torch.arange(self.numel(), device=device) - c.row_start[c.token]
-        slot = rank.clamp(max=k)                          # rank >= k lands in a discarded column
+        slot = rank.clamp(max=k)  # rank >= k lands in a discarded column
         padded_scores = self.values.new_full((tokens, k + 1), _NEG_INF)
         padded_ids = torch.full((tokens, k + 1), -1, dtype=torch.int64, device=device)
         padded_scores = padded_scores.index_put((c.token, slot), self.values[order])
@@ -406,16 +456,23 @@ class RaggedLogits:
 
 def _flatten(lg: RaggedLogits):
     children = [lg.values, lg.offsets, lg.ids, lg.vocab_offsets, lg.logit_offsets]
-    context = (lg.num_tokens, lg.max_len, lg.max_candidates, lg.num_embeddings, lg._host_offsets,
-               lg._host_vocab_offsets)
+    context = (
+        lg.num_tokens,
+        lg.max_len,
+        lg.max_candidates,
+        lg.num_embeddings,
+        lg._host_offsets,
+        lg._host_vocab_offsets,
+    )
     return children, context
 
 
 def _unflatten(children, context):
     values, offsets, ids, v_off, l_off = children
     num_tokens, max_len, max_candidates, num_embeddings, host, host_v = context
-    return RaggedLogits(values, offsets, num_tokens, max_len, ids, v_off, max_candidates, l_off, num_embeddings,
-                        host, host_v)
+    return RaggedLogits(
+        values, offsets, num_tokens, max_len, ids, v_off, max_candidates, l_off, num_embeddings, host, host_v
+    )
 
 
 def _flatten_with_keys(lg: RaggedLogits):
@@ -430,9 +487,13 @@ def _register() -> None:
     import torch.utils._pytree as pytree
 
     try:
-        pytree.register_pytree_node(RaggedLogits, _flatten, _unflatten,
-                                    serialized_type_name="ragged.RaggedLogits",
-                                    flatten_with_keys_fn=_flatten_with_keys)
+        pytree.register_pytree_node(
+            RaggedLogits,
+            _flatten,
+            _unflatten,
+            serialized_type_name="ragged.RaggedLogits",
+            flatten_with_keys_fn=_flatten_with_keys,
+        )
     except TypeError:  # older torch without flatten_with_keys_fn
         pytree.register_pytree_node(RaggedLogits, _flatten, _unflatten)
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -69,8 +70,9 @@ def _tensor_positions(signature: Callable) -> tuple[int, ...]:
     out = []
     for i, name in enumerate(inspect.signature(signature).parameters):
         hint = hints.get(name)
-        if hint is torch.Tensor or (typing.get_origin(hint) in (typing.Union, types.UnionType)
-                                    and torch.Tensor in typing.get_args(hint)):
+        if hint is torch.Tensor or (
+            typing.get_origin(hint) in (typing.Union, types.UnionType) and torch.Tensor in typing.get_args(hint)
+        ):
             out.append(i)
     return tuple(out)
 
@@ -88,11 +90,11 @@ class OpDef:
     """An op defined by :func:`define`: call it with the operands and a backend name."""
 
     name: str
-    impls: dict                          # backend name -> Implementation (the registry's own dict)
-    forward_op: Any                      # torch.library CustomOpDef of ragged::<name>
-    backward_op: Any | None              # ragged::<name>_backward, when declared
-    function: type                       # the eager autograd.Function
-    tensor_positions: tuple[int, ...]    # operands that may hold a tensor
+    impls: dict  # backend name -> Implementation (the registry's own dict)
+    forward_op: Any  # torch.library CustomOpDef of ragged::<name>
+    backward_op: Any | None  # ragged::<name>_backward, when declared
+    function: type  # the eager autograd.Function
+    tensor_positions: tuple[int, ...]  # operands that may hold a tensor
     backward_tensor_positions: tuple[int, ...]
     backward_present: Callable[..., Sequence[bool]] | None
 
@@ -133,10 +135,19 @@ class OpDef:
         return tuple(t if keep else None for t, keep in zip(out, self.backward_present(*args[:-1])))
 
 
-def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, backward: Callable,
-           spec: Callable, backward_signature: Callable | None = None, backward_fake: Callable | None = None,
-           backward_present: Callable[..., Sequence[bool]] | None = None,
-           non_differentiable: Callable[[tuple, Any], Sequence[torch.Tensor]] | None = None) -> OpDef:
+def define(
+    name: str,
+    signature: Callable,
+    *,
+    fake: Callable,
+    setup: Callable,
+    backward: Callable,
+    spec: Callable,
+    backward_signature: Callable | None = None,
+    backward_fake: Callable | None = None,
+    backward_present: Callable[..., Sequence[bool]] | None = None,
+    non_differentiable: Callable[[tuple, Any], Sequence[torch.Tensor]] | None = None,
+) -> OpDef:
     """Define op ``name`` (see the module docstring) and register it with :mod:`ragged.backends`.
 
     ``non_differentiable(inputs, outputs)``: the outputs autograd must treat as constants
@@ -176,8 +187,9 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
             out += (None,) * (outputs - len(out))
             return tuple(like.new_empty(0) if t is None else t for t in out)
 
-        backward_op = torch.library.custom_op(f"ragged::{name}_backward", run_backward, mutates_args=(),
-                                              schema=_schema(backward_signature))
+        backward_op = torch.library.custom_op(
+            f"ragged::{name}_backward", run_backward, mutates_args=(), schema=_schema(backward_signature)
+        )
         backward_op.register_fake(lambda *args: backward_fake(*args[:-1]))
 
     def eager_forward(ctx, *args):
@@ -191,11 +203,23 @@ def define(name: str, signature: Callable, *, fake: Callable, setup: Callable, b
                 ctx.mark_non_differentiable(*constants)
         return out
 
-    function = type(f"{name.title().replace('_', '')}Function", (torch.autograd.Function,), {
-        "forward": staticmethod(eager_forward),
-        "backward": staticmethod(lambda ctx, *grads: (*rule(ctx, *grads), None)),
-        "__doc__": f"The eager path of ragged::{name}: its autograd rule without the dispatcher.",
-        "__module__": __name__,
-    })
-    return OpDef(name, impls, forward_op, backward_op, function, _tensor_positions(signature), backward_positions,
-                 backward_present)
+    function = type(
+        f"{name.title().replace('_', '')}Function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(eager_forward),
+            "backward": staticmethod(lambda ctx, *grads: (*rule(ctx, *grads), None)),
+            "__doc__": f"The eager path of ragged::{name}: its autograd rule without the dispatcher.",
+            "__module__": __name__,
+        },
+    )
+    return OpDef(
+        name,
+        impls,
+        forward_op,
+        backward_op,
+        function,
+        _tensor_positions(signature),
+        backward_positions,
+        backward_present,
+    )

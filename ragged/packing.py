@@ -61,8 +61,7 @@ def _token_coords(offsets: torch.Tensor, total: int, width: int, left: bool):
     """For each packed token t: its sequence b and its position in the padded row."""
     offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
-    b = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
-                                output_size=total)
+    b = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths, output_size=total)
     j = torch.arange(total, device=offsets.device) - offsets[b]
     if left:
         j = j + (width - lengths[b])
@@ -91,8 +90,9 @@ def unpack_fill(fn: str, padding_value: object, values: torch.Tensor, offsets: t
     return padding_number(fn, padding_value)
 
 
-def reference_unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float = 0.0,
-                     left: bool = False) -> torch.Tensor:
+def reference_unpack(
+    values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float = 0.0, left: bool = False
+) -> torch.Tensor:
     """Inverse of :func:`reference_pack`; ``padding_value`` (see :func:`fill_element`) everywhere else."""
     batch = offsets.shape[0] - 1
     fill = padding_scalar("ragged.reference_unpack", padding_value, values.dtype)
@@ -113,6 +113,7 @@ def _flat_rows(b: torch.Tensor, j: torch.Tensor, width: int, batch: int) -> torc
 def _checked_positions(b: torch.Tensor, j: torch.Tensor, width: int) -> torch.Tensor:
     """``b``, with the sequence index made out of range where ``j`` is (see :func:`_flat_rows`)."""
     return torch.where((j >= 0) & (j < width), b, torch.iinfo(b.dtype).max)
+
 
 # --------------------------------------------------------------------------------------
 # The ops
@@ -156,13 +157,19 @@ def _pack_backward(ctx, grad):
 
 
 PACK = opdef.define(
-    "pack", _pack_signature, spec=pack_spec, setup=_pack_setup, backward=_pack_backward,
-    fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])))
+    "pack",
+    _pack_signature,
+    spec=pack_spec,
+    setup=_pack_setup,
+    backward=_pack_backward,
+    fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])),
+)
 
 
 # padding_value is a Scalar, not a float: an int64 fill such as 2**62 + 1 stays exact.
-def _unpack_signature(values: Tensor, offsets: Tensor, width: int, padding_value: torch.types.Number,
-                      left: bool) -> Tensor: ...
+def _unpack_signature(
+    values: Tensor, offsets: Tensor, width: int, padding_value: torch.types.Number, left: bool
+) -> Tensor: ...
 
 
 def _unpack_setup(ctx, inputs, output):
@@ -178,20 +185,35 @@ def _unpack_backward(ctx, grad):
 
 
 UNPACK = opdef.define(
-    "unpack", _unpack_signature, spec=pack_spec, setup=_unpack_setup, backward=_unpack_backward,
+    "unpack",
+    _unpack_signature,
+    spec=pack_spec,
+    setup=_unpack_setup,
+    backward=_unpack_backward,
     fake=lambda values, offsets, width, padding_value, left: values.new_empty(
-        (offsets.shape[0] - 1, width, *values.shape[1:])))
+        (offsets.shape[0] - 1, width, *values.shape[1:])
+    ),
+)
 
-backends.register(backends.Implementation("pack", "torch", reference_pack),
-                  backends.Implementation("unpack", "torch", reference_unpack))
+backends.register(
+    backends.Implementation("pack", "torch", reference_pack),
+    backends.Implementation("unpack", "torch", reference_unpack),
+)
 
 
 # --------------------------------------------------------------------------------------
 # Functional forms on plain tensors
 
 
-def pack_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, *, padding_side: str = "right",
-                backend: str | None = None, validate: bool = False) -> torch.Tensor:
+def pack_values(
+    padded: torch.Tensor,
+    offsets: torch.Tensor,
+    total: int,
+    *,
+    padding_side: str = "right",
+    backend: str | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
     """Gather the real rows of ``padded [B, M, *F]`` into ``values [total, *F]``.
 
     ``offsets [B+1]`` (int32/int64, on ``padded.device``, any stride) delimit the sequences
@@ -215,8 +237,16 @@ def pack_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, *, padd
     return PACK(padded, offsets, total, left, impl.backend)
 
 
-def unpack_values(values: torch.Tensor, offsets: torch.Tensor, width: int, *, padding_value: float = 0.0,
-                  padding_side: str = "right", backend: str | None = None, validate: bool = False) -> torch.Tensor:
+def unpack_values(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    width: int,
+    *,
+    padding_value: float = 0.0,
+    padding_side: str = "right",
+    backend: str | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
     """Scatter ``values [T, *F]`` into a new ``[B, width, *F]`` filled with ``padding_value``.
 
     ``offsets [B+1]`` (int32/int64, on ``values.device``, any stride) must be valid
@@ -264,5 +294,6 @@ def check_offsets(fn: str, offsets: torch.Tensor, total: int, total_name: str, w
     if last != total:
         raise ValueError(f"{fn}(): expected offsets[-1] == {total_name} ({total}), got {last}")
     if longest > width:
-        raise ValueError(f"{fn}(): expected every length <= {width_name} ({width}), "
-                         f"got a length of {longest} (sequence {where})")
+        raise ValueError(
+            f"{fn}(): expected every length <= {width_name} ({width}), got a length of {longest} (sequence {where})"
+        )

@@ -21,7 +21,7 @@ drop-ins (key padding masks), the HuggingFace adapters (``attention_mask``) and
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -48,16 +48,17 @@ def mask_keep(fn: str, name: str, mask: torch.Tensor, convention: str) -> tuple[
         if mask.dtype.is_floating_point:
             keep = mask == 0
             return keep, ~(keep | torch.isneginf(mask))
-        raise TypeError(f"{fn}(): expected {name} of dtype bool (True = padding) or float (-inf = padding), "
-                        f"got {mask.dtype}; for a 0/1 mask with 1 at tokens (HuggingFace convention) "
-                        "use attention_mask= instead")
+        raise TypeError(
+            f"{fn}(): expected {name} of dtype bool (True = padding) or float (-inf = padding), "
+            f"got {mask.dtype}; for a 0/1 mask with 1 at tokens (HuggingFace convention) "
+            "use attention_mask= instead"
+        )
     if convention == "hf":
         if mask.dtype == torch.bool:
             return mask, None
         keep = mask != 0
         return keep, keep != (mask == 1)
-    raise ValueError(f"ragged.padding.mask_keep(): expected convention to be one of {CONVENTIONS}, "
-                     f"got {convention!r}")
+    raise ValueError(f"ragged.padding.mask_keep(): expected convention to be one of {CONVENTIONS}, got {convention!r}")
 
 
 def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[list[int], bool, bool, bool]:
@@ -72,8 +73,9 @@ def read_mask_layout(keep: torch.Tensor, bad: torch.Tensor | None = None) -> tup
     j = torch.arange(width, device=keep.device)
     right = (keep == (j < lengths.unsqueeze(1))).all()
     left = (keep == (j >= width - lengths.unsqueeze(1))).all()
-    flags = torch.stack([right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool,
-                                                                                    device=keep.device)])
+    flags = torch.stack(
+        [right, left, bad.any() if bad is not None else torch.zeros((), dtype=torch.bool, device=keep.device)]
+    )
     stats = torch.cat([lengths.to(torch.int64), flags.to(torch.int64)]).tolist()
     host_lengths, (is_right, is_left, is_bad) = stats[:batch], stats[batch:]
     return host_lengths, bool(is_right), bool(is_left), bool(is_bad)
@@ -89,8 +91,9 @@ def pack_rows(x: torch.Tensor, host: Sequence[int], side: str, backend: str | No
     return exact_ragged(values, offsets, host, max_length(host))
 
 
-def pack_by_layout(x: torch.Tensor, keep: torch.Tensor, lengths: Sequence[int], is_right: bool,
-                   is_left: bool) -> tuple[RaggedTensor, "PaddedLayout"]:
+def pack_by_layout(
+    x: torch.Tensor, keep: torch.Tensor, lengths: Sequence[int], is_right: bool, is_left: bool
+) -> tuple[RaggedTensor, PaddedLayout]:
     """Pack ``x [B, M, *F]`` by what :func:`read_mask_layout` found: the pack kernels for right
     or left padding, a gather of ``keep``'s tokens otherwise (row-major: each row's tokens in
     order). Returns the RaggedTensor and where its tokens sat."""
@@ -135,4 +138,3 @@ class PaddedLayout:
         if self.side == "left":
             j = j + (self.width - rt.lengths.to(torch.int64)).repeat_interleave(rt.lengths, output_size=rt.num_tokens)
         return j
-

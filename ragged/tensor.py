@@ -24,17 +24,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import backends
+from .packing import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
 from .utils import (
     check_int,
-    check_side,
     check_offsets_tensor,
+    check_side,
     check_tensor,
     describe,
     host_lengths_of,
@@ -43,7 +44,6 @@ from .utils import (
     offsets_dtype_for,
     to_device,
 )
-from .packing import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
 
 
 @dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -66,8 +66,9 @@ class RaggedTensor:
     offsets: torch.Tensor
     max_len: int
 
-    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, max_len: int,
-                 host_offsets: tuple[int, ...] | None = None):
+    def __init__(
+        self, values: torch.Tensor, offsets: torch.Tensor, max_len: int, host_offsets: tuple[int, ...] | None = None
+    ):
         self.values = values
         self.offsets = offsets
         self.max_len = int(max_len)
@@ -82,8 +83,9 @@ class RaggedTensor:
     # Constructors
 
     @classmethod
-    def from_lengths(cls, values: torch.Tensor, lengths, *, max_len: int | None = None,
-                     validate: bool = True) -> "RaggedTensor":
+    def from_lengths(
+        cls, values: torch.Tensor, lengths, *, max_len: int | None = None, validate: bool = True
+    ) -> RaggedTensor:
         """Wrap ``values [T, *F]`` split into sequences of ``lengths`` (host or device).
 
         Host lengths (list, tuple, numpy array, CPU tensor) cost no sync. CUDA lengths
@@ -93,8 +95,12 @@ class RaggedTensor:
         check_tensor(fn, "values", values)
         if values.dim() < 1:
             raise ValueError(f"{fn}(): expected values with a token dimension ([T, ...]), got a 0-d tensor")
-        if isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu" \
-                and not torch.compiler.is_compiling():
+        if (
+            isinstance(lengths, np.ndarray)
+            and lengths.ndim == 1
+            and lengths.dtype.kind in "iu"
+            and not torch.compiler.is_compiling()
+        ):
             # integer arrays (a data pipeline's batches) in whole-array steps, the same checks
             negative = np.flatnonzero(lengths < 0)
             if negative.size:
@@ -120,20 +126,30 @@ class RaggedTensor:
         return rt
 
     @classmethod
-    def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, *,
-                     validate: bool = True) -> "RaggedTensor":
+    def from_offsets(
+        cls, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, *, validate: bool = True
+    ) -> RaggedTensor:
         """Wrap ``values [T, *F]`` with ``offsets [B+1]`` (int32 or int64, same device).
 
         With ``validate=False`` and ``max_len`` given this reads nothing from the GPU.
         Otherwise the offsets are read back once (one sync on CUDA) to check them
         (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``) and to find ``max_len``.
         """
-        return cls.from_offsets_named("ragged.RaggedTensor.from_offsets", values, offsets, max_len, validate,
-                                 "offsets", "max_len")
+        return cls.from_offsets_named(
+            "ragged.RaggedTensor.from_offsets", values, offsets, max_len, validate, "offsets", "max_len"
+        )
 
     @classmethod
-    def from_offsets_named(cls, fn: str, values: torch.Tensor, offsets: torch.Tensor, max_len, validate: bool,
-                      offsets_name: str, max_len_name: str) -> "RaggedTensor":
+    def from_offsets_named(
+        cls,
+        fn: str,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len,
+        validate: bool,
+        offsets_name: str,
+        max_len_name: str,
+    ) -> RaggedTensor:
         """:meth:`from_offsets` for a function that wraps it: its errors name that function
         (``fn``) and its arguments (``offsets_name``, ``max_len_name``)."""
         check_tensor(fn, "values", values)
@@ -146,9 +162,11 @@ class RaggedTensor:
         if not validate and max_len is not None:
             return cls(values, offsets, max_len)
         if offsets.device.type == "meta":
-            raise ValueError(f"{fn}(): expected {offsets_name} with values to read (validate=True or no "
-                             f"{max_len_name}), got a tensor on the meta device; pass {max_len_name} with "
-                             "validate=False")
+            raise ValueError(
+                f"{fn}(): expected {offsets_name} with values to read (validate=True or no "
+                f"{max_len_name}), got a tensor on the meta device; pass {max_len_name} with "
+                "validate=False"
+            )
         host = offsets.detach().to("cpu", torch.int64).tolist()
         validate_host_offsets(fn, host, values.shape[0], offsets_name)
         longest = max_length(host)
@@ -188,8 +206,10 @@ class RaggedTensor:
         """Offsets as Python ints (cached; one device-to-host sync the first time on CUDA)."""
         if self._host_offsets is None:
             if self.offsets.device.type == "meta":
-                raise ValueError("ragged.RaggedTensor.host_offsets(): expected offsets with values to read, "
-                                 "got a tensor on the meta device")
+                raise ValueError(
+                    "ragged.RaggedTensor.host_offsets(): expected offsets with values to read, "
+                    "got a tensor on the meta device"
+                )
             self._host_offsets = tuple(self.offsets.detach().to("cpu", torch.int64).tolist())
         return self._host_offsets
 
@@ -205,8 +225,10 @@ class RaggedTensor:
         of tokens. Later :meth:`host_offsets` calls then read nothing."""
         host = tuple(int(o) for o in host)
         if len(host) != self.offsets.shape[0]:
-            raise ValueError(f"ragged.RaggedTensor.remember_host_offsets(): expected {self.offsets.shape[0]} "
-                             f"offsets, got {len(host)}")
+            raise ValueError(
+                f"ragged.RaggedTensor.remember_host_offsets(): expected {self.offsets.shape[0]} "
+                f"offsets, got {len(host)}"
+            )
         validate_host_offsets("ragged.RaggedTensor.remember_host_offsets", host, self.values.shape[0])
         self._host_offsets = host
 
@@ -237,12 +259,14 @@ class RaggedTensor:
             if len(lens) <= 8:
                 lengths = f"lengths={lens}"
             else:
-                lengths = (f"lengths=[min {min(lens)}, mean {sum(lens) / len(lens):.1f}, max {max(lens)}]")
+                lengths = f"lengths=[min {min(lens)}, mean {sum(lens) / len(lens):.1f}, max {max(lens)}]"
         else:
             lengths = f"max_len={self.max_len}"
         grad = ", requires_grad=True" if self.requires_grad else ""
-        return (f"RaggedTensor(batch_size={self.batch_size}, num_tokens={self.num_tokens}, {lengths}, "
-                f"feature_shape={tuple(self.feature_shape)}, dtype={self.dtype}, device={self.device}{grad})")
+        return (
+            f"RaggedTensor(batch_size={self.batch_size}, num_tokens={self.num_tokens}, {lengths}, "
+            f"feature_shape={tuple(self.feature_shape)}, dtype={self.dtype}, device={self.device}{grad})"
+        )
 
     # ----------------------------------------------------------------------------------
     # Per-token metadata (no sync)
@@ -271,8 +295,9 @@ class RaggedTensor:
             return j.unsqueeze(0) < (m - lengths)
         return j.unsqueeze(0) >= lengths
 
-    def attention_mask(self, total_length: int | None = None, padding_side: str = "right",
-                       dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def attention_mask(
+        self, total_length: int | None = None, padding_side: str = "right", dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
         """``[B, M]`` HuggingFace convention: 1 at tokens, 0 at padding."""
         return (~self.padding_mask(total_length, padding_side)).to(dtype)
 
@@ -305,7 +330,7 @@ class RaggedTensor:
             self._longest = longest
         return longest
 
-    def _derived(self, values: torch.Tensor, offsets: torch.Tensor) -> "RaggedTensor":
+    def _derived(self, values: torch.Tensor, offsets: torch.Tensor) -> RaggedTensor:
         """Same sequences over new ``values``/``offsets`` tensors: host metadata carried over."""
         out = RaggedTensor(values, offsets, self.max_len, self._host_offsets)
         out._longest = self._longest
@@ -314,8 +339,13 @@ class RaggedTensor:
     # ----------------------------------------------------------------------------------
     # Conversions
 
-    def to_padded(self, padding_value: float = 0.0, total_length: int | None = None,
-                  padding_side: str = "right", backend: str | None = None) -> torch.Tensor:
+    def to_padded(
+        self,
+        padding_value: float = 0.0,
+        total_length: int | None = None,
+        padding_side: str = "right",
+        backend: str | None = None,
+    ) -> torch.Tensor:
         """``[B, M, *F]`` with ``padding_value`` at padding; ``M = total_length or max_len``
         (see :func:`ragged.unpack`)."""
         return self._to_padded("ragged.unpack", padding_value, total_length, padding_side, backend)
@@ -327,14 +357,20 @@ class RaggedTensor:
         fill = unpack_fill(fn, padding_value, values, offsets)
         impl = backends.select_spec("unpack", backend, PackSpec(values.device, values.dtype), fn=fn)
         if self._host_offsets is None and reads_offsets(False, values, offsets):
-            check_offsets(fn, offsets, values.shape[0], "values.shape[0]", width,
-                          "max_len" if total_length is None else "total_length")
+            check_offsets(
+                fn,
+                offsets,
+                values.shape[0],
+                "values.shape[0]",
+                width,
+                "max_len" if total_length is None else "total_length",
+            )
         return UNPACK(values, offsets, width, fill, left, impl.backend)
 
     def unbind(self) -> tuple[torch.Tensor, ...]:
         """Views ``values[offsets[b]:offsets[b+1]]``, one per sequence (host offsets needed)."""
         o = self.host_offsets()
-        return tuple(self.values[o[i]:o[i + 1]] for i in range(len(o) - 1))
+        return tuple(self.values[o[i] : o[i + 1]] for i in range(len(o) - 1))
 
     def __getitem__(self, index):
         """``rt[b]``: the ``[L_b, *F]`` view of sequence ``b``; ``rt[a:b]``: a RaggedTensor."""
@@ -346,18 +382,18 @@ class RaggedTensor:
                 raise ValueError(f"RaggedTensor.__getitem__(): expected a slice with step 1, got step {step}")
             stop = max(start, stop)
             base = o[start]
-            host = tuple(x - base for x in o[start:stop + 1])
-            offsets = self.offsets[start:stop + 1] - self.offsets[start]
-            return exact_ragged(self.values[o[start]:o[stop]], offsets, host, max_length(host))
+            host = tuple(x - base for x in o[start : stop + 1])
+            offsets = self.offsets[start : stop + 1] - self.offsets[start]
+            return exact_ragged(self.values[o[start] : o[stop]], offsets, host, max_length(host))
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
             i = int(index)
             if not -batch <= i < batch:
                 raise IndexError(f"RaggedTensor.__getitem__(): index {i} is out of range for batch size {batch}")
             i %= batch
-            return self.values[o[i]:o[i + 1]]
+            return self.values[o[i] : o[i + 1]]
         raise TypeError(f"RaggedTensor.__getitem__(): expected an int or a slice, got {describe(index)}")
 
-    def with_values(self, values: torch.Tensor) -> "RaggedTensor":
+    def with_values(self, values: torch.Tensor) -> RaggedTensor:
         """Same sequences, new ``values`` (``[T, *F']`` on the same device)."""
         fn = "ragged.RaggedTensor.with_values"
         check_tensor(fn, "values", values)
@@ -367,7 +403,7 @@ class RaggedTensor:
             raise ValueError(f"{fn}(): expected values on {self.device}, got {values.device}")
         return self._derived(values, self.offsets)
 
-    def to(self, *args, **kwargs) -> "RaggedTensor":
+    def to(self, *args, **kwargs) -> RaggedTensor:
         """Like ``Tensor.to``: a dtype applies to ``values``; a device moves both tensors."""
         values = self.values.to(*args, **kwargs)
         offsets = self.offsets
@@ -376,38 +412,44 @@ class RaggedTensor:
             offsets = offsets.to(values.device, non_blocking=non_blocking)
         return self._derived(values, offsets)
 
-    def cuda(self, device=None, non_blocking: bool = False) -> "RaggedTensor":
-        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
-                       if isinstance(device, int) else device, non_blocking=non_blocking)
+    def cuda(self, device=None, non_blocking: bool = False) -> RaggedTensor:
+        return self.to(
+            torch.device("cuda")
+            if device is None
+            else torch.device("cuda", device)
+            if isinstance(device, int)
+            else device,
+            non_blocking=non_blocking,
+        )
 
-    def cpu(self) -> "RaggedTensor":
+    def cpu(self) -> RaggedTensor:
         return self.to("cpu")
 
-    def pin_memory(self) -> "RaggedTensor":
+    def pin_memory(self) -> RaggedTensor:
         """Both tensors in page-locked host memory (``DataLoader(pin_memory=True)`` calls this),
         so that ``.to("cuda", non_blocking=True)`` does not wait for the copy."""
         return self._derived(self.values.pin_memory(), self.offsets.pin_memory())
 
-    def half(self) -> "RaggedTensor":
+    def half(self) -> RaggedTensor:
         return self.to(torch.float16)
 
-    def bfloat16(self) -> "RaggedTensor":
+    def bfloat16(self) -> RaggedTensor:
         return self.to(torch.bfloat16)
 
-    def float(self) -> "RaggedTensor":
+    def float(self) -> RaggedTensor:
         return self.to(torch.float32)
 
-    def double(self) -> "RaggedTensor":
+    def double(self) -> RaggedTensor:
         return self.to(torch.float64)
 
-    def detach(self) -> "RaggedTensor":
+    def detach(self) -> RaggedTensor:
         return self.with_values(self.values.detach())
 
-    def requires_grad_(self, requires_grad: bool = True) -> "RaggedTensor":
+    def requires_grad_(self, requires_grad: bool = True) -> RaggedTensor:
         self.values.requires_grad_(requires_grad)
         return self
 
-    def clone(self) -> "RaggedTensor":
+    def clone(self) -> RaggedTensor:
         return self._derived(self.values.clone(), self.offsets.clone())
 
     def cu_seqlens(self) -> torch.Tensor:
@@ -415,15 +457,20 @@ class RaggedTensor:
         if self.offsets.dtype == torch.int32:
             return self.offsets
         if self.num_tokens > 2**31 - 1:
-            raise ValueError("RaggedTensor.cu_seqlens(): flash-attn's int32 cu_seqlens cannot hold "
-                             f"{self.num_tokens} tokens")
+            raise ValueError(
+                f"RaggedTensor.cu_seqlens(): flash-attn's int32 cu_seqlens cannot hold {self.num_tokens} tokens"
+            )
         return self.offsets.to(torch.int32)
 
-    def flash_kwargs(self, other: "RaggedTensor | None" = None) -> dict:
+    def flash_kwargs(self, other: RaggedTensor | None = None) -> dict:
         """Keyword arguments of ``flash_attn_varlen_func`` (``other``: the key/value side)."""
         k = self if other is None else other
-        return {"cu_seqlens_q": self.cu_seqlens(), "cu_seqlens_k": k.cu_seqlens(),
-                "max_seqlen_q": self.max_len, "max_seqlen_k": k.max_len}
+        return {
+            "cu_seqlens_q": self.cu_seqlens(),
+            "cu_seqlens_k": k.cu_seqlens(),
+            "max_seqlen_q": self.max_len,
+            "max_seqlen_k": k.max_len,
+        }
 
     def to_nested(self) -> torch.Tensor:
         """A jagged-layout nested tensor ``[B, j, *F]`` that shares ``values`` (no copy).
@@ -467,8 +514,9 @@ def validate_host_offsets(fn: str, host: Sequence[int], total: int, name: str = 
         raise ValueError(f"{fn}(): expected {name}[0] == 0, got {host[0]}")
     for i in range(len(host) - 1):
         if host[i + 1] < host[i]:
-            raise ValueError(f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > "
-                             f"{name}[{i + 1}] = {host[i + 1]}")
+            raise ValueError(
+                f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > {name}[{i + 1}] = {host[i + 1]}"
+            )
     if host[-1] != total:
         raise ValueError(f"{fn}(): expected {name}[-1] == values.shape[0] ({total}), got {host[-1]}")
 
@@ -493,9 +541,13 @@ def _register() -> None:
     import torch.utils._pytree as pytree
 
     try:
-        pytree.register_pytree_node(RaggedTensor, _flatten, _unflatten,
-                                    serialized_type_name="ragged.RaggedTensor",
-                                    flatten_with_keys_fn=_flatten_with_keys)
+        pytree.register_pytree_node(
+            RaggedTensor,
+            _flatten,
+            _unflatten,
+            serialized_type_name="ragged.RaggedTensor",
+            flatten_with_keys_fn=_flatten_with_keys,
+        )
     except TypeError:  # older torch without flatten_with_keys_fn
         pytree.register_pytree_node(RaggedTensor, _flatten, _unflatten)
     torch.serialization.add_safe_globals([RaggedTensor, _rebuild_ragged])
@@ -542,12 +594,9 @@ def _to_nested(rt: RaggedTensor) -> torch.Tensor:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_FX_TRACING_NOTICE)
-            return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len,
-                                                          min_seqlen=min_len)
+            return torch.nested.nested_tensor_from_jagged(rt.values, offsets, max_seqlen=rt.max_len, min_seqlen=min_len)
     finally:
         logger.removeFilter(_DROP_FX_TRACING_NOTICE)
-
-
 
 
 def _to_packed_sequence(rt: RaggedTensor, enforce_sorted: bool = False) -> PackedSequence:
@@ -559,20 +608,23 @@ def _to_packed_sequence(rt: RaggedTensor, enforce_sorted: bool = False) -> Packe
     fn = "ragged.RaggedTensor.to_packed_sequence"
     lengths = np.asarray(rt.host_lengths(), dtype=np.int64)
     if lengths.size and lengths.min() == 0:
-        raise ValueError(f"{fn}(): PackedSequence cannot hold sequences of length 0, got length 0 at index "
-                         f"{int(np.argmin(lengths))}")
+        raise ValueError(
+            f"{fn}(): PackedSequence cannot hold sequences of length 0, got length 0 at index {int(np.argmin(lengths))}"
+        )
     if lengths.size == 0:
         raise ValueError(f"{fn}(): PackedSequence cannot hold an empty batch (B = 0)")
     if enforce_sorted:
         if np.any(np.diff(lengths) > 0):
-            raise ValueError(f"{fn}(): enforce_sorted=True needs lengths sorted in decreasing order, got {lengths.tolist()}")
+            raise ValueError(
+                f"{fn}(): enforce_sorted=True needs lengths sorted in decreasing order, got {lengths.tolist()}"
+            )
         order = np.arange(lengths.size)
     else:
         order = np.argsort(-lengths, kind="stable")
     starts = np.asarray(rt.host_offsets()[:-1], dtype=np.int64)[order]
     sorted_lengths = lengths[order]
     steps = np.arange(int(sorted_lengths[0]))
-    present = steps[:, None] < sorted_lengths[None, :]          # [max_len, B], time-major
+    present = steps[:, None] < sorted_lengths[None, :]  # [max_len, B], time-major
     index = (starts[None, :] + steps[:, None])[present]
     batch_sizes = torch.from_numpy(present.sum(1).astype(np.int64))
     data = rt.values.index_select(0, to_device(index.tolist(), torch.int64, rt.device))

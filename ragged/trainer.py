@@ -81,13 +81,25 @@ class RaggedTrainer(Trainer):
     ``Trainer``'s; ``data_collator`` defaults to :func:`ragged.data.collate`.
     """
 
-    def __init__(self, model=None, args=None, *, max_tokens: int, max_batch_size: int | None = None,
-                 sort_window: int | None = None, cost="tokens", lengths=None, graphs=False, data_collator=None,
-                 **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        *,
+        max_tokens: int,
+        max_batch_size: int | None = None,
+        sort_window: int | None = None,
+        cost="tokens",
+        lengths=None,
+        graphs=False,
+        data_collator=None,
+        **kwargs,
+    ):
         self.max_tokens = check_int(_NAME, "max_tokens", max_tokens, minimum=1)
         self.max_batch_size, self.sort_window = (
             None if v is None else check_int(_NAME, name, v, minimum=1)
-            for name, v in (("max_batch_size", max_batch_size), ("sort_window", sort_window)))
+            for name, v in (("max_batch_size", max_batch_size), ("sort_window", sort_window))
+        )
         self.cost = cost
         self._lengths = lengths
         _check_dataset(kwargs.get("train_dataset"))
@@ -96,12 +108,15 @@ class RaggedTrainer(Trainer):
         if self.args.n_gpu > 1:
             # Trainer would wrap the model in torch.nn.DataParallel, whose scatter splits the
             # per-sequence tensors of a batch but not its RaggedTensors.
-            warnings.warn(f"{_NAME}: {self.args.n_gpu} GPUs in one process: training on one of them; "
-                          "use torchrun (one process per GPU) for data parallelism", stacklevel=2)
+            warnings.warn(
+                f"{_NAME}: {self.args.n_gpu} GPUs in one process: training on one of them; "
+                "use torchrun (one process per GPU) for data parallelism",
+                stacklevel=2,
+            )
             self.args._n_gpu = 1
         self._graphs = _check_graphs(graphs, self.model)
         if self.train_dataset is not None:
-            self._train_sampler = self._make_sampler(self.train_dataset)   # bad lengths raise here, not in train()
+            self._train_sampler = self._make_sampler(self.train_dataset)  # bad lengths raise here, not in train()
 
     # ---- training batches -------------------------------------------------------------
 
@@ -111,8 +126,10 @@ class RaggedTrainer(Trainer):
             dataset = self.eval_dataset[eval_dataset]
         if dataset is not None and not isinstance(dataset, dict) and hasattr(dataset, "__len__") and len(dataset) == 0:
             # Trainer's own answer depends on the release (no loss, or a crash on a None batch)
-            raise ValueError(f"{_NAME}.evaluate(): expected an eval_dataset with at least one sequence, got an "
-                             f"empty {type(dataset).__name__}")
+            raise ValueError(
+                f"{_NAME}.evaluate(): expected an eval_dataset with at least one sequence, got an "
+                f"empty {type(dataset).__name__}"
+            )
         return super().get_eval_dataloader(eval_dataset)
 
     def _make_sampler(self, dataset) -> TokenBudgetSampler:
@@ -120,13 +137,21 @@ class RaggedTrainer(Trainer):
         lengths = self._lengths if self._lengths is not None else _read_lengths(dataset, self.args.length_column_name)
         args = self.args
         sampler = TokenBudgetSampler(
-            lengths, self.max_tokens, shuffle=True, seed=args.data_seed if args.data_seed is not None else args.seed,
-            num_replicas=max(1, args.world_size), rank=args.process_index if args.world_size > 1 else 0,
-            drop_last=args.dataloader_drop_last, max_batch_size=self.max_batch_size, sort_window=self.sort_window,
-            cost=self.cost)
+            lengths,
+            self.max_tokens,
+            shuffle=True,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            num_replicas=max(1, args.world_size),
+            rank=args.process_index if args.world_size > 1 else 0,
+            drop_last=args.dataloader_drop_last,
+            max_batch_size=self.max_batch_size,
+            sort_window=self.sort_window,
+            cost=self.cost,
+        )
         if sampler.lengths.size != len(dataset):
-            raise ValueError(f"{_NAME}(): expected one length per training sequence ({len(dataset)}), "
-                             f"got {sampler.lengths.size}")
+            raise ValueError(
+                f"{_NAME}(): expected one length per training sequence ({len(dataset)}), got {sampler.lengths.size}"
+            )
         return sampler
 
     def get_train_dataloader(self):
@@ -140,9 +165,13 @@ class RaggedTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         args = self.args
-        params = {"batch_sampler": self._train_sampler, "collate_fn": collator,
-                  "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
-                  "persistent_workers": args.dataloader_persistent_workers}
+        params = {
+            "batch_sampler": self._train_sampler,
+            "collate_fn": collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+        }
         if args.dataloader_num_workers > 0:
             params["prefetch_factor"] = args.dataloader_prefetch_factor
         loader = self.accelerator.prepare(torch.utils.data.DataLoader(dataset, **params))
@@ -156,7 +185,7 @@ class RaggedTrainer(Trainer):
         values = list(super().set_initial_training_values(args, dataloader))
         epochs = args.num_train_epochs
         if args.max_steps <= 0 and self._train_sampler is not None and float(epochs).is_integer():
-            values[-1] = max(1, sum(self._update_steps(e) for e in range(int(epochs))))   # max_steps
+            values[-1] = max(1, sum(self._update_steps(e) for e in range(int(epochs))))  # max_steps
             self._train_sampler.set_epoch(0)
         return tuple(values)
 
@@ -173,8 +202,9 @@ class RaggedTrainer(Trainer):
             if batches == 0:
                 return None
         args = self.args
-        device_filter = args.logging_nan_inf_filter and hasattr(self, "_tr_loss") and hasattr(
-            self, "_globalstep_last_logged")
+        device_filter = (
+            args.logging_nan_inf_filter and hasattr(self, "_tr_loss") and hasattr(self, "_globalstep_last_logged")
+        )
         if not device_filter:
             return super()._run_epoch(**kwargs)
         # Trainer's filter of non-finite losses reads the loss on the host: a sync every step,
@@ -203,9 +233,12 @@ class RaggedTrainer(Trainer):
     def _get_num_items_in_batch(self, batch_samples, device):
         # Trainer counts labels != -100 with tensor methods a RaggedTensor lacks: count its values.
         if not getattr(self, "_loss_shifts_labels", False):
-            batch_samples = [{**b, "labels": b["labels"].values}
-                             if isinstance(b, Mapping) and isinstance(b.get("labels"), RaggedTensor) else b
-                             for b in batch_samples]
+            batch_samples = [
+                {**b, "labels": b["labels"].values}
+                if isinstance(b, Mapping) and isinstance(b.get("labels"), RaggedTensor)
+                else b
+                for b in batch_samples
+            ]
         return super()._get_num_items_in_batch(batch_samples, device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -216,15 +249,17 @@ class RaggedTrainer(Trainer):
                     import ragged.nn
 
                     graphs = self._graphs = ragged.nn.graphed(
-                        model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens)
+                        model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens
+                    )
                 model = _GraphedCall(graphs, model)
             elif not getattr(self, "_warned_graphs", False):
                 self._warned_graphs = True
-                warnings.warn(f"{_NAME}: graphs=True runs eagerly here: the model is wrapped ("
-                              f"{type(model).__name__}, data parallel), whose gradient hooks graphs cannot replay",
-                              stacklevel=2)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+                warnings.warn(
+                    f"{_NAME}: graphs=True runs eagerly here: the model is wrapped ("
+                    f"{type(model).__name__}, data parallel), whose gradient hooks graphs cannot replay",
+                    stacklevel=2,
+                )
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(_flat(inputs))
@@ -288,14 +323,18 @@ def _check_graphs(graphs, model):
     from ragged.nn import hf
 
     if not (hf.is_hf_model(model) and hf.is_converted(model)):
-        raise ValueError(f"{_NAME}(): graphs= needs a model converted by ragged.nn.convert (its forward takes the "
-                         f"RaggedTensor batches the graphs replay), got {type(model).__name__}, not converted")
+        raise ValueError(
+            f"{_NAME}(): graphs= needs a model converted by ragged.nn.convert (its forward takes the "
+            f"RaggedTensor batches the graphs replay), got {type(model).__name__}, not converted"
+        )
     if graphs is True:
         return True
     if isinstance(graphs, ragged.nn.Graphed):
         if graphs.module is not model:
-            raise ValueError(f"{_NAME}(): expected graphs= to be a ragged.nn.Graphed of the trainer's model, got "
-                             f"one of another {type(graphs.module).__name__}")
+            raise ValueError(
+                f"{_NAME}(): expected graphs= to be a ragged.nn.Graphed of the trainer's model, got "
+                f"one of another {type(graphs.module).__name__}"
+            )
         return graphs
     raise TypeError(f"{_NAME}(): expected graphs= to be a bool or a ragged.nn.Graphed, got {describe(graphs)}")
 
@@ -319,14 +358,20 @@ def _padded(x):
 def _check_dataset(dataset) -> None:
     if dataset is None:
         return
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") \
-            or not hasattr(dataset, "__getitem__"):
-        raise TypeError(f"{_NAME}(): expected train_dataset with a length and items by index (token-budget "
-                        f"batches are planned over the whole dataset), got {describe(dataset)}")
+    if (
+        isinstance(dataset, torch.utils.data.IterableDataset)
+        or not hasattr(dataset, "__len__")
+        or not hasattr(dataset, "__getitem__")
+    ):
+        raise TypeError(
+            f"{_NAME}(): expected train_dataset with a length and items by index (token-budget "
+            f"batches are planned over the whole dataset), got {describe(dataset)}"
+        )
     if len(dataset) == 0:
         # Trainer would fail later, on the empty loader's missing max_steps, without naming the dataset
-        raise ValueError(f"{_NAME}(): expected a train_dataset with at least one sequence, got an empty "
-                         f"{type(dataset).__name__}")
+        raise ValueError(
+            f"{_NAME}(): expected a train_dataset with at least one sequence, got an empty {type(dataset).__name__}"
+        )
 
 
 def _is_hf_dataset(dataset) -> bool:
@@ -347,7 +392,9 @@ def _read_lengths(dataset, column: str) -> np.ndarray:
         ids = item.get("input_ids") if isinstance(item, Mapping) else None
         if ids is None or not hasattr(ids, "__len__"):
             got = f"keys {list(item.keys())}" if isinstance(item, Mapping) else describe(item)
-            raise ValueError(f"{_NAME}(): expected every training item to be a mapping with 'input_ids' (or "
-                             f"lengths= or a {column!r} column), got item {i} with {got}")
+            raise ValueError(
+                f"{_NAME}(): expected every training item to be a mapping with 'input_ids' (or "
+                f"lengths= or a {column!r} column), got item {i} with {got}"
+            )
         lengths[i] = len(ids)
     return lengths

@@ -9,7 +9,7 @@ import math
 import numbers
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -44,8 +44,13 @@ def check_tensor(fn: str, name: str, x: object) -> torch.Tensor:
 def check_int(fn: str, name: str, value: object, *, minimum: int | None = None) -> int:
     """``value`` as a Python int: ints, numpy integers and 0-d integer tensors are taken;
     bools, floats and everything else raise ``TypeError``; below ``minimum`` raises ``ValueError``."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
-            and not value.dtype.is_complex and value.dtype != torch.bool:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.dtype.is_floating_point
+        and not value.dtype.is_complex
+        and value.dtype != torch.bool
+    ):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{fn}(): expected {name} to be an int, got {describe(value)}")
@@ -55,8 +60,9 @@ def check_int(fn: str, name: str, value: object, *, minimum: int | None = None) 
     return value
 
 
-def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None = None,
-                         name: str = "offsets") -> torch.Tensor:
+def check_offsets_tensor(
+    fn: str, offsets: object, values: torch.Tensor | None = None, name: str = "offsets"
+) -> torch.Tensor:
     """Checks ``offsets`` (``[B+1]`` int32/int64, on values' device) and returns it contiguous.
 
     Every kernel reads offsets (cu_seqlens, ids, lengths) with unit stride: this is the one
@@ -68,13 +74,14 @@ def check_offsets_tensor(fn: str, offsets: object, values: torch.Tensor | None =
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{fn}(): expected {name} to be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if values is not None and offsets.device != values.device:
-        raise ValueError(f"{fn}(): expected values and {name} on the same device, "
-                         f"got values on {values.device} and {name} on {offsets.device}")
+        raise ValueError(
+            f"{fn}(): expected values and {name} on the same device, "
+            f"got values on {values.device} and {name} on {offsets.device}"
+        )
     return offsets if offsets.is_contiguous() else offsets.contiguous()
 
 
-def check_vector(fn: str, name: str, t: object, size: int, device: torch.device,
-                 what: str = "") -> torch.Tensor:
+def check_vector(fn: str, name: str, t: object, size: int, device: torch.device, what: str = "") -> torch.Tensor:
     """A 1-D parameter of ``size`` entries on ``device`` (a bias, a LayerNorm weight),
     returned with unit stride: Triton kernels index such vectors as ``ptr + i``, so a
     strided or expanded view (``b[::2]``, ``b.expand(n)``) becomes a contiguous copy here."""
@@ -115,8 +122,10 @@ def host_lengths_of(fn: str, lengths: object) -> list[int]:
             raise ValueError(f"{fn}(): expected 1-D lengths, got shape {tuple(lengths.shape)}")
         if lengths.device.type == "meta":
             # A meta tensor has a shape but no values to read back.
-            raise ValueError(f"{fn}(): expected lengths with values (host ints, or a CPU or CUDA tensor), "
-                             f"got a tensor on the meta device")
+            raise ValueError(
+                f"{fn}(): expected lengths with values (host ints, or a CPU or CUDA tensor), "
+                f"got a tensor on the meta device"
+            )
         return lengths.detach().to("cpu", torch.int64).tolist()
     if isinstance(lengths, np.ndarray):
         if lengths.ndim != 1:
@@ -243,8 +252,10 @@ def fill_element(fn: str, padding_value: object, dtype: torch.dtype) -> torch.Te
     try:
         return torch.full((), value, dtype=dtype)
     except (RuntimeError, OverflowError):
-        raise ValueError(f"{fn}(): expected padding_value representable in {dtype} (torch cannot cast it "
-                         f"without overflow), got {describe(padding_value)}") from None
+        raise ValueError(
+            f"{fn}(): expected padding_value representable in {dtype} (torch cannot cast it "
+            f"without overflow), got {describe(padding_value)}"
+        ) from None
 
 
 def padding_scalar(fn: str, padding_value: object, dtype: torch.dtype) -> bool | int | float | complex:

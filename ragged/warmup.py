@@ -65,8 +65,7 @@ def _devices(args, kwargs, module: torch.nn.Module) -> list[int]:
 
 
 def _copyable(t: torch.Tensor) -> bool:
-    return (t.layout == torch.strided and not t.is_meta and not t.is_quantized
-            and not torch.nn.parameter.is_lazy(t))
+    return t.layout == torch.strided and not t.is_meta and not t.is_quantized and not torch.nn.parameter.is_lazy(t)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -97,8 +96,10 @@ class _Snapshot:
     ``requires_grad`` and its ``.grad`` (the object)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.modules = [(m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
-                        for m in module.modules()]
+        self.modules = [
+            (m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+            for m in module.modules()
+        ]
         self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.params: dict[int, tuple[torch.nn.Parameter, bool, torch.Tensor | None]] = {}
         for _, _, params, buffers, _ in self.modules:

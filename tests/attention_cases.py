@@ -92,12 +92,12 @@ def _loop_attention(q, k, v, lq, lk, causal=False, scale=None, keep=None, dropou
     outs, lses = [], []
     tq = tk = 0
     for nq, nk in zip(lq, lk):
-        qb = q[tq:tq + nq].double().transpose(0, 1)                                  # [H, nq, D]
-        kb = k[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)      # [H, nk, D]
-        vb = v[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
+        qb = q[tq : tq + nq].double().transpose(0, 1)  # [H, nq, D]
+        kb = k[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)  # [H, nk, D]
+        vb = v[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
         allowed = _allowed(nq, nk, causal)
         sees = allowed.any(1)
-        blind = nq - int(sees.sum())               # bottom-right causal: the first rows see nothing
+        blind = nq - int(sees.sum())  # bottom-right causal: the first rows see nothing
         assert not sees[:blind].any() and sees[blind:].all()
         scores = torch.matmul(qb, kb.transpose(1, 2)) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -109,7 +109,7 @@ def _loop_attention(q, k, v, lq, lk, causal=False, scale=None, keep=None, dropou
             seen = F.scaled_dot_product_attention(qb[:, blind:], kb, vb, attn_mask=allowed[blind:], scale=scale)
         else:
             probs = torch.softmax(scores[:, blind:], dim=-1)
-            kb_keep = keep[:, tq + blind:tq + nq, :nk]
+            kb_keep = keep[:, tq + blind : tq + nq, :nk]
             probs = torch.where(kb_keep, probs / (1.0 - dropout_p), torch.zeros((), dtype=torch.float64))
             seen = torch.matmul(probs, vb)
         out = torch.cat([qb.new_zeros(heads, blind, dim), seen], dim=1)
@@ -117,7 +117,7 @@ def _loop_attention(q, k, v, lq, lk, causal=False, scale=None, keep=None, dropou
         lses.append(lse.transpose(0, 1))
         tq += nq
         tk += nk
-    if not outs:   # B = 0: an empty output that is still connected to q
+    if not outs:  # B = 0: an empty output that is still connected to q
         return q.double() * 0, torch.zeros(q.shape[:2], dtype=torch.float64)
     return torch.cat(outs), torch.cat(lses)
 
@@ -131,9 +131,20 @@ def _blind_rows(lq, lk, causal):
 
 
 def _run(q, k, v, lq, lk, backend, causal=False, scale=None, dropout_p=0.0):
-    return ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0),
-                                   causal=causal, scale=scale, dropout_p=dropout_p, return_lse=True,
-                                   backend=backend)
+    return ragged.varlen_attention(
+        q,
+        k,
+        v,
+        _cu(lq),
+        _cu(lk),
+        max(lq, default=0),
+        max(lk, default=0),
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=True,
+        backend=backend,
+    )
 
 
 def _grads(fn, q, k, v, upstream):

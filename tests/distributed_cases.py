@@ -43,18 +43,34 @@ def build(kind: str, device: str):
 
         import ragged.nn as rnn
 
-        config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                            num_labels=3, initializer_range=0.2)
+        config = BertConfig(
+            vocab_size=97,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=3,
+            initializer_range=0.2,
+        )
         model = rnn.convert(BertForSequenceClassification(config))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         import ragged.hf  # noqa: F401  (attn_implementation="ragged")
 
-        config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             initializer_range=0.2, attention_dropout=0.0)
+        config = LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            initializer_range=0.2,
+            attention_dropout=0.0,
+        )
         model = LlamaForCausalLM(config)
         model.set_attn_implementation("ragged")
     return model.to(device).train()
@@ -105,8 +121,18 @@ def loss_of(kind: str, model, batch, device: str) -> torch.Tensor:
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
     m = int(lengths.max())
-    logits = model(input_ids=ids[None], position_ids=positions[None], cu_seq_lens_q=cu.to(device),
-                   cu_seq_lens_k=cu.to(device), max_length_q=m, max_length_k=m).logits[0].float()
+    logits = (
+        model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            cu_seq_lens_q=cu.to(device),
+            cu_seq_lens_k=cu.to(device),
+            max_length_q=m,
+            max_length_k=m,
+        )
+        .logits[0]
+        .float()
+    )
     # next-token targets inside each sequence (the last token of a sequence predicts nothing)
     last = torch.zeros(ids.shape[0], dtype=torch.bool)
     last[(cu[1:] - 1).long()] = True
@@ -123,8 +149,11 @@ def wrap(kind: str, model, mode: str, device: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mode == "fsdp-bf16" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mode == "fsdp-bf16"
+        else MixedPrecisionPolicy()
+    )
     for layer in layers(kind, model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -135,8 +164,9 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
     try:
         if device == "cuda":  # gloo: every rank shares the first GPU; nccl: a GPU per rank
             torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "nccl" else 0)
-        torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world,
-                                             timeout=datetime.timedelta(seconds=120))
+        torch.distributed.init_process_group(
+            backend, init_method=f"file://{path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
         model = build(kind, device)
         wrapped = wrap(kind, model, mode, device)
         loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
@@ -164,8 +194,9 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-def run_world(kind: str, mode: str, device: str = "cpu", backend: str = "gloo", world: int = 2,
-              timeout: float = 240.0) -> tuple[dict[str, np.ndarray | None], list]:
+def run_world(
+    kind: str, mode: str, device: str = "cpu", backend: str = "gloo", world: int = 2, timeout: float = 240.0
+) -> tuple[dict[str, np.ndarray | None], list]:
     """Rank 0's gradients after one step of ``world`` processes (raises with a rank's traceback),
     and every rank's ``(num_replicas, rank, batches)`` of a default TokenBudgetSampler."""
     ctx = mp.get_context("spawn")
@@ -173,16 +204,19 @@ def run_world(kind: str, mode: str, device: str = "cpu", backend: str = "gloo", 
     fd, path = tempfile.mkstemp(prefix="ragged_dist_")
     os.close(fd)
     os.unlink(path)  # the rendezvous file must not exist yet
-    procs = [ctx.Process(target=_worker, args=(r, world, path, kind, mode, device, backend, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, path, kind, mode, device, backend, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
         deadline = time.monotonic() + timeout
         while queue.empty():  # a rank that dies without reporting, or a hang, fails the test
             if time.monotonic() > deadline or not any(p.is_alive() for p in procs) and queue.empty():
-                raise AssertionError(f"no result from the {world} workers of {kind} {mode} "
-                                     f"(exit codes {[p.exitcode for p in procs]}, {timeout:.0f} s)")
+                raise AssertionError(
+                    f"no result from the {world} workers of {kind} {mode} "
+                    f"(exit codes {[p.exitcode for p in procs]}, {timeout:.0f} s)"
+                )
             time.sleep(0.2)
         status, payload = queue.get()
         for p in procs:

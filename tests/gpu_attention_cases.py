@@ -61,8 +61,11 @@ def _reasons(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p=0.0, 
 
 
 def _needs(backend):
-    reason = backends.triton_reason(torch.device("cuda")) if backend == "triton" else \
-        backends.cuda_reason(torch.device("cuda"))
+    reason = (
+        backends.triton_reason(torch.device("cuda"))
+        if backend == "triton"
+        else backends.cuda_reason(torch.device("cuda"))
+    )
     if reason:
         pytest.skip(reason)
 
@@ -83,8 +86,9 @@ def _assert_rule(name, got, ref64, low, atol):
 
 def _check_forward(backend, lq, lk, q, k, v, causal, tag):
     cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
-                                       backend=backend)
+    out, lse = ragged.varlen_attention(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True, backend=backend
+    )
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2] and lse.dtype == torch.float32
     ref, ref_lse = ragged.reference_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal)
     low, low_lse = ragged.reference_attention(q, k, v, cu_q, cu_k, causal, compute_dtype=q.dtype)
@@ -110,11 +114,14 @@ def _check_backward(lq, lk, q, k, v, causal, tag, backend="triton", cu_q=None, c
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
         return torch.autograd.grad(fn(*leaves), leaves, up.to(dtype))
 
-    got = grads(lambda a, b, c: ragged.varlen_attention(a, b, c, cu_q, cu_k, max(lq), max(lk), causal=causal,
-                                                        backend=backend), q.dtype)
+    got = grads(
+        lambda a, b, c: ragged.varlen_attention(a, b, c, cu_q, cu_k, max(lq), max(lk), causal=causal, backend=backend),
+        q.dtype,
+    )
     ref = grads(lambda a, b, c: ragged.reference_attention(a, b, c, ref_cq, ref_ck, causal)[0], torch.float64)
-    low = grads(lambda a, b, c: ragged.reference_attention(a, b, c, ref_cq, ref_ck, causal,
-                                                           compute_dtype=q.dtype)[0], q.dtype)
+    low = grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, ref_cq, ref_ck, causal, compute_dtype=q.dtype)[0], q.dtype
+    )
     for name, g, r, lo, t in zip("qkv", got, ref, low, (q, k, v)):
         assert g.shape == t.shape and g.dtype == t.dtype
         _assert_rule(f"{tag} d{name}", g, r, lo, ATOL[q.dtype])

@@ -7,10 +7,10 @@ inference without device reads, graphed equal to eager. A family's test file sup
 from __future__ import annotations
 
 import torch
-
-import ragged
 from hf_convert_cases import _labels
 from test_gpu_hf_convert import _close, _values
+
+import ragged
 
 LENGTHS = [37, 3, 130, 1, 64]
 VOCAB = 50
@@ -52,8 +52,11 @@ def check_training(models, kind, dtype):
     losses = {}
     for name, model in (("oracle", oracle), ("theirs", theirs), ("ours", ours)):
         model.train()
-        loss = model(input_ids=_packed(ids, mask), **rlabels).loss if name == "ours" else \
-            model(input_ids=ids, attention_mask=mask, **labels).loss
+        loss = (
+            model(input_ids=_packed(ids, mask), **rlabels).loss
+            if name == "ours"
+            else model(input_ids=ids, attention_mask=mask, **labels).loss
+        )
         loss.backward()
         losses[name] = loss.detach()
     _close(losses["ours"], losses["theirs"], losses["oracle"], dtype, "loss")

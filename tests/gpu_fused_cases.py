@@ -82,8 +82,7 @@ def _check_bias_act(backend, dtype, n_rows, n_cols, activation, has_bias=True):
         outs[name] = (out, *_grads(out, (xx, bb), g.to(dt)))
     for i, what in enumerate(("y", "dx", "dbias")):
         if i < 2 or has_bias:
-            _assert_rule(f"{what} F={n_cols}", (y, dx, db)[i], outs["ref"][i].detach(), outs["low"][i].detach(),
-                         dtype)
+            _assert_rule(f"{what} F={n_cols}", (y, dx, db)[i], outs["ref"][i].detach(), outs["low"][i].detach(), dtype)
     assert y.dtype == dx.dtype == dtype and (db is None or db.dtype == dtype)
     return x, b, y
 
@@ -131,8 +130,9 @@ def _check_add_layer_norm(backend, dtype, n_rows, n_cols, variant):
     _assert_rule("y", y, results["ref"][0], results["low"][0], dtype)
     if return_sum:
         _assert_rule("s", s, results["ref"][1], results["low"][1], dtype)
-    for name, g, g_ref, g_low, t in zip(("x", "residual", "weight", "bias"), got, results["ref"][2],
-                                        results["low"][2], (x, r, w, b)):
+    for name, g, g_ref, g_low, t in zip(
+        ("x", "residual", "weight", "bias"), got, results["ref"][2], results["low"][2], (x, r, w, b)
+    ):
         if t is not None:
             assert g.dtype == t.dtype
             _assert_rule(f"d{name}", g, g_ref, g_low, dtype)

@@ -17,7 +17,6 @@ from transformers import DataCollatorWithFlattening  # noqa: E402
 import ragged  # noqa: E402
 import ragged.hf  # noqa: E402,F401  (registers attn_implementation="ragged")
 
-
 VOCAB = 97
 LENGTHS = [1, 5, 17, 33]
 FAMILIES = {
@@ -43,9 +42,17 @@ def _close(got, expected, scale=None, name=""):
 def _pair(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     """(ragged model, sdpa model): the same random weights in ``dtype``, train mode, no dropout."""
     config_cls, model_cls = FAMILIES[family]
-    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                    initializer_range=0.1, attention_dropout=0.0)
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        attention_dropout=0.0,
+    )
     config = config_cls(**{**settings, **overrides})
     torch.manual_seed(seed)
     reference = model_cls(config).to(dtype)
@@ -105,9 +112,17 @@ def _padded(lengths, side, seed):
 
 
 def _bert_pair(seed=0, dtype=torch.float32):
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, initializer_range=0.1)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.1,
+    )
     torch.manual_seed(seed)
     reference = transformers.BertModel(config, add_pooling_layer=False).to(dtype)
     reference.set_attn_implementation("sdpa")

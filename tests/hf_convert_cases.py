@@ -27,19 +27,44 @@ FAMILIES = {
     "electra": (tf.ElectraConfig, "Electra"),
     "distilbert": (tf.DistilBertConfig, "DistilBert"),
 }
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 
 
 def _config(family: str, kind: str = "base", **over):
     cls = FAMILIES[family][0]
     if family == "distilbert":
-        kw = dict(vocab_size=VOCAB, dim=D, n_layers=2, n_heads=4, hidden_dim=2 * D, max_position_embeddings=MAXPOS,
-                  dropout=0.0, attention_dropout=0.0, qa_dropout=0.0, seq_classif_dropout=0.0, pad_token_id=PAD)
+        kw = dict(
+            vocab_size=VOCAB,
+            dim=D,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=2 * D,
+            max_position_embeddings=MAXPOS,
+            dropout=0.0,
+            attention_dropout=0.0,
+            qa_dropout=0.0,
+            seq_classif_dropout=0.0,
+            pad_token_id=PAD,
+        )
     else:
-        kw = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=2 * D, max_position_embeddings=MAXPOS, type_vocab_size=2,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD)
+        kw = dict(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=2 * D,
+            max_position_embeddings=MAXPOS,
+            type_vocab_size=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=PAD,
+        )
         if family == "electra":
             kw["embedding_size"] = 24  # != hidden: embeddings_project
     kw["num_labels"] = 2 if kind == "qa" else 3
@@ -105,8 +130,10 @@ def _labels(kind, lengths, mask, seed):
         return {"labels": torch.randint(0, 3, (b,), generator=g)}
     if kind == "qa":
         n = torch.tensor(lengths)
-        return {"start_positions": (torch.rand(b, generator=g) * n).long(),
-                "end_positions": (torch.rand(b, generator=g) * n).long()}
+        return {
+            "start_positions": (torch.rand(b, generator=g) * n).long(),
+            "end_positions": (torch.rand(b, generator=g) * n).long(),
+        }
     high = 3 if kind == "token" else VOCAB
     labels = torch.randint(0, high, (b, m), generator=g)
     labels[torch.rand(b, m, generator=g) < 0.3] = -100

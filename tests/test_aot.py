@@ -61,8 +61,17 @@ def test_forced_aot_without_the_binary_says_why(monkeypatch):
 
 def test_build_info_keys():
     info = ragged.build_info()
-    assert set(info) == {"launch", "aot_present", "aot_archs", "aot_ptx", "aot_nvcc", "aot_cuda_runtime",
-                         "aot_reason", "cupy", "RAGGED_CUDA_LAUNCH"}
+    assert set(info) == {
+        "launch",
+        "aot_present",
+        "aot_archs",
+        "aot_ptx",
+        "aot_nvcc",
+        "aot_cuda_runtime",
+        "aot_reason",
+        "cupy",
+        "RAGGED_CUDA_LAUNCH",
+    }
     assert info["aot_present"] == HAVE_C
     if not torch.cuda.is_available():
         assert info["launch"] is None

@@ -14,27 +14,26 @@ import math
 
 import pytest
 import torch
-
-import ragged
-from ragged import RaggedTensor
 from attention_cases import (
     BACKENDS,
-    _blind_rows,
     BWD_TOL,
     CASES,
+    FWD_TOL,
+    _blind_rows,
     _check_lse,
     _cu,
-    FWD_TOL,
     _grads,
     _loop_attention,
-    needs_triton,
     _offsets,
     _qkv,
     _randn,
     _run,
     _seed,
+    needs_triton,
 )
 
+import ragged
+from ragged import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # The oracle agrees with ragged.reference_attention
@@ -117,8 +116,9 @@ def test_triton_backward(case, causal):
     up = _randn(q.shape, _seed(case, "bwd-up"))
 
     def kernel(a, b, c):
-        return ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0),
-                                       causal=causal, backend="triton")
+        return ragged.varlen_attention(
+            a, b, c, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0), causal=causal, backend="triton"
+        )
 
     got = _grads(kernel, q, k, v, up)
     ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q, k, v, up)
@@ -156,8 +156,9 @@ def test_triton_float16_error_rule(dim, causal):
 
     got = _grads(kernel, q, k, v, up)
     lows = _grads(low_ref, q, k, v, up)
-    ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(),
-                 v.double(), up.double())
+    ref = _grads(
+        lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(), v.double(), up.double()
+    )
     for name, g, lo, r in zip("qkv", got, lows, ref):
         err_low = (lo.double() - r).abs().max().item()
         err = (g.double() - r).abs().max().item()
@@ -184,7 +185,7 @@ def test_scale_argument(backend, scale):
     exp, exp_lse = _loop_attention(q, k, v, lq, lk, scale=float(scale))
     torch.testing.assert_close(out.double(), exp, **FWD_TOL)
     _check_lse(lse, exp_lse, _blind_rows(lq, lk, False))
-    if scale == 0.0:   # uniform weights: each query gets the mean of its sequence's values
+    if scale == 0.0:  # uniform weights: each query gets the mean of its sequence's values
         torch.testing.assert_close(out[:6], v[:4].mean(0, keepdim=True).expand(6, 2, 32), **FWD_TOL)
 
 
@@ -202,8 +203,9 @@ def test_default_scale_is_inverse_sqrt_head_dim(backend):
 def test_int64_cu_seqlens(offsets_dtype):
     lq, lk = [3, 0, 18], [7, 2, 18]
     q, k, v = _qkv(lq, lk, 2, 2, 16, _seed("cu64"))
-    out = ragged.varlen_attention(q, k, v, _cu(lq, offsets_dtype), _cu(lk, offsets_dtype), 18, 18,
-                                  causal=True, backend="triton")
+    out = ragged.varlen_attention(
+        q, k, v, _cu(lq, offsets_dtype), _cu(lk, offsets_dtype), 18, 18, causal=True, backend="triton"
+    )
     exp, _ = _loop_attention(q, k, v, lq, lk, True)
     torch.testing.assert_close(out.double(), exp, **FWD_TOL)
 
@@ -217,7 +219,7 @@ def _poisoned_storage(values, pad_heads=1, pad_dim=8, pad_rows=5):
     tokens, NaN extra heads and NaN columns past the head dim (strided, not contiguous)."""
     t, h, d = values.shape
     buf = torch.full((t + 2 * pad_rows, h + pad_heads, d + pad_dim), float("nan"), dtype=values.dtype)
-    view = buf[pad_rows:pad_rows + t, :h, :d]
+    view = buf[pad_rows : pad_rows + t, :h, :d]
     view.copy_(values)
     return view
 
@@ -274,11 +276,11 @@ def test_nan_sequence_stays_in_its_sequence(backend, causal, poisoned):
     q, k, v = _qkv(lq, lk, 2, 1, 32, _seed("poison-seq", poisoned))
     oq, ok = _offsets(lq), _offsets(lk)
     for t, o in ((q, oq), (k, ok), (v, ok)):
-        t[o[poisoned]:o[poisoned + 1]] = float("nan")
+        t[o[poisoned] : o[poisoned + 1]] = float("nan")
     rows_q = torch.zeros(q.shape[0], dtype=torch.bool)
-    rows_q[oq[poisoned]:oq[poisoned + 1]] = True
+    rows_q[oq[poisoned] : oq[poisoned + 1]] = True
     rows_k = torch.zeros(k.shape[0], dtype=torch.bool)
-    rows_k[ok[poisoned]:ok[poisoned + 1]] = True
+    rows_k[ok[poisoned] : ok[poisoned + 1]] = True
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = ragged.varlen_attention(*leaves, _cu(lq), _cu(lk), 18, 20, causal=causal, backend=backend)
     clean_q = [n for b, n in enumerate(lq) if b != poisoned]
@@ -305,15 +307,17 @@ def test_triton_batch_invariance(causal, kv_heads):
     q, k, v = _qkv(lq, lk, 4, kv_heads, 32, _seed("invariance", kv_heads))
     up = _randn(q.shape, _seed("invariance-up"))
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = ragged.varlen_attention(*leaves, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                       return_lse=True, backend="triton")
+    out, lse = ragged.varlen_attention(
+        *leaves, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True, backend="triton"
+    )
     dq, dk, dv = torch.autograd.grad(out, leaves, up)
     oq, ok = _offsets(lq), _offsets(lk)
     for b in range(len(lq)):
         sq, sk = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
         one = [t[s].clone().requires_grad_(True) for t, s in ((q, sq), (k, sk), (v, sk))]
-        o1, l1 = ragged.varlen_attention(*one, _cu([lq[b]]), _cu([lk[b]]), lq[b], lk[b], causal=causal,
-                                         return_lse=True, backend="triton")
+        o1, l1 = ragged.varlen_attention(
+            *one, _cu([lq[b]]), _cu([lk[b]]), lq[b], lk[b], causal=causal, return_lse=True, backend="triton"
+        )
         assert torch.equal(o1, out[sq]), f"sequence {b}: output differs from its slice of the batch"
         assert torch.equal(l1, lse[sq]), f"sequence {b}: lse differs from its slice of the batch"
         if lq[b] or lk[b]:
@@ -342,8 +346,9 @@ def test_attention_returns_ragged_with_q_offsets(backend, causal):
     assert out.values.shape == qv.shape and out.values.dtype == qv.dtype
     exp, exp_lse = _loop_attention(qv, kv, vv, lq, lk, causal)
     torch.testing.assert_close(out.values.double(), exp, **FWD_TOL)
-    same = ragged.varlen_attention(qv, kv, vv, q.offsets, k.offsets, q.max_len, k.max_len, causal=causal,
-                                   backend=backend)
+    same = ragged.varlen_attention(
+        qv, kv, vv, q.offsets, k.offsets, q.max_len, k.max_len, causal=causal, backend=backend
+    )
     assert torch.equal(out.values, same)
     out2, lse = ragged.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
     assert isinstance(out2, RaggedTensor) and isinstance(lse, torch.Tensor)

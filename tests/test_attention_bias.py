@@ -62,8 +62,11 @@ def _randn(shape, seed, dtype=torch.float32):
 
 
 def _qkv(lq, lk, heads, kv_heads, dim, seed, dtype=torch.float32):
-    return (_randn((sum(lq), heads, dim), seed, dtype), _randn((sum(lk), kv_heads, dim), seed + 1, dtype),
-            _randn((sum(lk), kv_heads, dim), seed + 2, dtype))
+    return (
+        _randn((sum(lq), heads, dim), seed, dtype),
+        _randn((sum(lk), kv_heads, dim), seed + 1, dtype),
+        _randn((sum(lk), kv_heads, dim), seed + 2, dtype),
+    )
 
 
 def _bias(heads, max_q, max_k, seed, buckets=BUCKETS, dtype=torch.float32):
@@ -82,8 +85,7 @@ def _mpnet_buckets(distance: torch.Tensor, num_buckets: int = 32, max_distance: 
     out = (n < 0).long() * half
     n = n.abs()
     exact = half // 2
-    large = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact)
-                     * (half - exact)).long()
+    large = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact) * (half - exact)).long()
     return out + torch.where(n < exact, n, large.clamp_max(half - 1))
 
 
@@ -102,8 +104,9 @@ def _sees(nq, nk, causal, window):
     return seen
 
 
-def _oracle(q, k, v, lq, lk, table, buckets, max_q, causal=False, window=(-1, -1), scale=None, keep=None,
-            dropout_p=0.0):
+def _oracle(
+    q, k, v, lq, lk, table, buckets, max_q, causal=False, window=(-1, -1), scale=None, keep=None, dropout_p=0.0
+):
     """float64 ``(out [Tq, H, D], lse [Tq, H])``, differentiable in q, k, v and table."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
@@ -111,20 +114,23 @@ def _oracle(q, k, v, lq, lk, table, buckets, max_q, causal=False, window=(-1, -1
     outs, lses = [], []
     tq = tk = 0
     for nq, nk in zip(lq, lk):
-        qb = q[tq:tq + nq].double().transpose(0, 1)
-        kb = k[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
-        vb = v[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
-        distance = torch.arange(nk).unsqueeze(0) - torch.arange(nq).unsqueeze(1)        # j - i
-        bias = table.double()[buckets[distance + max_q - 1]].permute(2, 0, 1)            # [H, nq, nk]
+        qb = q[tq : tq + nq].double().transpose(0, 1)
+        kb = k[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
+        vb = v[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
+        distance = torch.arange(nk).unsqueeze(0) - torch.arange(nq).unsqueeze(1)  # j - i
+        bias = table.double()[buckets[distance + max_q - 1]].permute(2, 0, 1)  # [H, nq, nk]
         scores = torch.matmul(qb, kb.transpose(1, 2)) * scale + bias
         seen = _sees(nq, nk, causal, window)
         blind = ~seen.any(1)
-        lse = torch.logsumexp(scores.masked_fill(~seen, float("-inf")), dim=-1) if nk else \
-            torch.full((heads, nq), float("-inf"), dtype=torch.float64)
+        lse = (
+            torch.logsumexp(scores.masked_fill(~seen, float("-inf")), dim=-1)
+            if nk
+            else torch.full((heads, nq), float("-inf"), dtype=torch.float64)
+        )
         probs = torch.softmax(scores.masked_fill(~seen & ~blind[:, None], float("-inf")), dim=-1)
         probs = probs * (~blind)[:, None].double()
         if keep is not None:
-            probs = probs * keep[:, tq:tq + nq, :nk].double() / (1.0 - dropout_p)
+            probs = probs * keep[:, tq : tq + nq, :nk].double() / (1.0 - dropout_p)
         outs.append(torch.matmul(probs, vb).transpose(0, 1))
         lses.append(lse.transpose(0, 1))
         tq += nq
@@ -165,8 +171,21 @@ def _check_grads(got, ref, tol=BWD_TOL, names=("q", "k", "v", "table")):
 
 
 def _run(backend, q, k, v, lq, lk, table, buckets, max_q, max_k, causal=False, window=(-1, -1), **kwargs):
-    return ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max_q, max_k, causal=causal, return_lse=True,
-                                   backend=backend, window_size=window, position_bias=(table, buckets), **kwargs)
+    return ragged.varlen_attention(
+        q,
+        k,
+        v,
+        _cu(lq),
+        _cu(lk),
+        max_q,
+        max_k,
+        causal=causal,
+        return_lse=True,
+        backend=backend,
+        window_size=window,
+        position_bias=(table, buckets),
+        **kwargs,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -176,7 +195,7 @@ def _run(backend, q, k, v, lq, lk, table, buckets, max_q, max_k, causal=False, w
 def test_oracle_and_mpnet_buckets_on_a_hand_case():
     """Two queries, three keys, one head: the bias row of each (i, j) is buckets[j - i + 1]."""
     table = torch.tensor([[0.0], [10.0], [20.0], [30.0]], dtype=torch.float64)
-    buckets = torch.tensor([3, 2, 1, 0])                  # distances -1, 0, 1, 2
+    buckets = torch.tensor([3, 2, 1, 0])  # distances -1, 0, 1, 2
     q = torch.zeros(2, 1, 4, dtype=torch.float64)
     kv = torch.zeros(3, 1, 4, dtype=torch.float64)
     _, lse = _oracle(q, kv, kv, [2], [3], table, buckets, 2)
@@ -201,11 +220,13 @@ def test_reference_matches_the_definition(case, causal):
     up = _randn(q.shape, _seed(case, "up"), torch.float64)
     tensors = (q, k, v, table)
     ref = _forward_and_grads(lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, max_q, causal), tensors, up)[2]
-    auto = _forward_and_grads(lambda a, b, c, t: ragged.reference_attention(
-        a, b, c, _cu(lq), _cu(lk), causal, position_bias=(t, buckets)), tensors, up)[2]
+    auto = _forward_and_grads(
+        lambda a, b, c, t: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, position_bias=(t, buckets)),
+        tensors,
+        up,
+    )[2]
     _check_grads(auto, ref, {"atol": 1e-10, "rtol": 1e-10})
-    written = ragged.reference_attention_backward(up, q, k, v, _cu(lq), _cu(lk), causal,
-                                                  position_bias=(table, buckets))
+    written = ragged.reference_attention_backward(up, q, k, v, _cu(lq), _cu(lk), causal, position_bias=(table, buckets))
     assert len(written) == 4 and written[3].dtype == table.dtype
     _check_grads(written, ref, {"atol": 1e-10, "rtol": 1e-10})
 
@@ -250,9 +271,11 @@ def test_backends_forward_and_gradients(backend, case, causal):
     up = _randn(q.shape, _seed(case, "run-up"))
     tensors = (q, k, v, table)
     out, lse, got = _forward_and_grads(
-        lambda a, b, c, t: _run(backend, a, b, c, lq, lk, t, buckets, max_q, max_k, causal), tensors, up)
+        lambda a, b, c, t: _run(backend, a, b, c, lq, lk, t, buckets, max_q, max_k, causal), tensors, up
+    )
     exp, exp_lse, ref = _forward_and_grads(
-        lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, max_q, causal), tensors, up)
+        lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, max_q, causal), tensors, up
+    )
     _check(out, lse, exp, exp_lse, _blind(lq, lk, causal))
     _check_grads(got, ref)
 
@@ -269,9 +292,11 @@ def test_backends_with_windows(backend, window):
     for causal in (False, True):
         tensors = (q, k, v, table)
         out, lse, got = _forward_and_grads(
-            lambda a, b, c, t: _run(backend, a, b, c, lq, lk, t, buckets, max_q, max_k, causal, window), tensors, up)
+            lambda a, b, c, t: _run(backend, a, b, c, lq, lk, t, buckets, max_q, max_k, causal, window), tensors, up
+        )
         exp, exp_lse, ref = _forward_and_grads(
-            lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, max_q, causal, window), tensors, up)
+            lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, max_q, causal, window), tensors, up
+        )
         _check(out, lse, exp, exp_lse, _blind(lq, lk, causal, window))
         _check_grads(got, ref)
 
@@ -291,7 +316,8 @@ def test_mpnet_buckets_and_the_ragged_form(backend):
     (dtable,) = torch.autograd.grad(out.values, table, up)
     assert dtable.dtype == torch.bfloat16 and dtable.shape == (32, 2)
     exp, exp_lse, ref = _forward_and_grads(
-        lambda t: _oracle(q, k, v, lengths, lengths, t, buckets.long(), max_len), (table.detach().double(),), up)
+        lambda t: _oracle(q, k, v, lengths, lengths, t, buckets.long(), max_len), (table.detach().double(),), up
+    )
     _check(out.values, lse, exp, exp_lse, _blind(lengths, lengths, False))
     torch.testing.assert_close(dtable.double(), ref[0].to(torch.bfloat16).double(), atol=2e-2, rtol=1e-2)
 
@@ -317,7 +343,8 @@ def test_dropout_with_bias(backend):
     tensors = (q, k, v, table)
     out, lse, got = _forward_and_grads(run, tensors, up)
     exp, exp_lse, ref = _forward_and_grads(
-        lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 20, keep=keep, dropout_p=p), tensors, up)
+        lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 20, keep=keep, dropout_p=p), tensors, up
+    )
     _check(out, lse, exp, exp_lse, _blind(lq, lk, False))
     _check_grads(got, ref)
 
@@ -333,8 +360,9 @@ def test_table_without_grad_and_int32_buckets(backend):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out, _ = _run(backend, *leaves, lq, lq, table, buckets, 17, 17)
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-    ref = _forward_and_grads(lambda a, b, c: _oracle(a, b, c, lq, lq, table, buckets, 17), (q, k, v),
-                             torch.ones_like(q))[2]
+    ref = _forward_and_grads(
+        lambda a, b, c: _oracle(a, b, c, lq, lq, table, buckets, 17), (q, k, v), torch.ones_like(q)
+    )[2]
     _check_grads(grads, ref)
 
 
@@ -345,8 +373,12 @@ def test_triton_table_gradient_is_deterministic():
     q, k, v = _qkv(lq, lq, 4, 2, 16, _seed("determinism"))
     table, buckets = _bias(4, 40, 40, _seed("determinism-bias"))
     up = _randn(q.shape, _seed("determinism-up"))
-    runs = [_forward_and_grads(lambda a, b, c, t: _run("triton", a, b, c, lq, lq, t, buckets, 40, 40, True),
-                               (q, k, v, table), up)[2] for _ in range(2)]
+    runs = [
+        _forward_and_grads(
+            lambda a, b, c, t: _run("triton", a, b, c, lq, lq, t, buckets, 40, 40, True), (q, k, v, table), up
+        )[2]
+        for _ in range(2)
+    ]
     for name, a, b in zip(("q", "k", "v", "table"), *runs):
         assert torch.equal(a, b), f"d{name} differs between two runs"
 
@@ -369,9 +401,11 @@ def test_triton_tile_shapes(shapes, monkeypatch):
     for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, 3))):
         tensors = (q, k, v, table)
         out, lse, got = _forward_and_grads(
-            lambda a, b, c, t: _run("triton", a, b, c, lq, lk, t, buckets, 45, 37, causal, window), tensors, up)
+            lambda a, b, c, t: _run("triton", a, b, c, lq, lk, t, buckets, 45, 37, causal, window), tensors, up
+        )
         exp, exp_lse, ref = _forward_and_grads(
-            lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 45, causal, window), tensors, up)
+            lambda a, b, c, t: _oracle(a, b, c, lq, lk, t, buckets, 45, causal, window), tensors, up
+        )
         _check(out, lse, exp, exp_lse, _blind(lq, lk, causal, window))
         _check_grads(got, ref)
 
@@ -403,17 +437,19 @@ def test_compile_fullgraph_forward_backward(backend):
     table, buckets = _bias(4, 19, 19, _seed("compile-bias", backend))
 
     def f(a, b, c, t, cq, ck):
-        out, lse = ragged.varlen_attention(a, b, c, cq, ck, 19, 19, causal=True, return_lse=True, backend=backend,
-                                           position_bias=(t, buckets))
+        out, lse = ragged.varlen_attention(
+            a, b, c, cq, ck, 19, 19, causal=True, return_lse=True, backend=backend, position_bias=(t, buckets)
+        )
         return out * 2, lse
 
     up = _randn(q.shape, _seed("compile-up"))
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    out, lse, got = _forward_and_grads(lambda a, b, c, t: compiled(a, b, c, t, _cu(lq), _cu(lk)),
-                                       (q, k, v, table), up)
+    out, lse, got = _forward_and_grads(lambda a, b, c, t: compiled(a, b, c, t, _cu(lq), _cu(lk)), (q, k, v, table), up)
     exp, exp_lse, ref = _forward_and_grads(
         lambda a, b, c, t: (lambda o: (2 * o[0], o[1]))(_oracle(a, b, c, lq, lk, t, buckets, 19, True)),
-        (q, k, v, table), up)
+        (q, k, v, table),
+        up,
+    )
     _check(out / 2, lse, exp / 2, exp_lse, _blind(lq, lk, True))
     _check_grads(got, ref)
 
@@ -423,9 +459,10 @@ def test_opcheck(backend):
     lq, lk = [3, 0, 9], [4, 2, 9]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
     table, buckets = _bias(2, 9, 9, _seed("opcheck-bias"))
-    torch.library.opcheck(torch.ops.ragged.attention.default,
-                          (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1,
-                           table.requires_grad_(True), buckets, backend))
+    torch.library.opcheck(
+        torch.ops.ragged.attention.default,
+        (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1, table.requires_grad_(True), buckets, backend),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -445,11 +482,13 @@ def test_implementations_called_straight(backend):
     n = sum(lengths)
     tensors = (q[:n], k[:n], v[:n], table)
     exp, exp_lse, ref = _forward_and_grads(
-        lambda a, b, c, t: _oracle(a, b, c, lengths, lengths, t, buckets, 20, True, scale=0.25), tensors, do[:n])
+        lambda a, b, c, t: _oracle(a, b, c, lengths, lengths, t, buckets, 20, True, scale=0.25), tensors, do[:n]
+    )
     _check(out[:n], lse[:n], exp, exp_lse, _blind(lengths, lengths, True))
     grads = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
-    got = impl.backward_fn(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, -1, -1, table, buckets,
-                           grads=grads)
+    got = impl.backward_fn(
+        do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, -1, -1, table, buckets, grads=grads
+    )
     assert len(got) == 4 and all(g is buf for g, buf in zip(got, grads))
     _check_grads((got[0][:n], got[1][:n], got[2][:n], got[3]), ref)
     plain = impl.backward_fn(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0)
@@ -513,8 +552,9 @@ def test_explain_both_forms_with_bias():
     q = ragged.pack([_randn((n, 2, 16), _seed("explain", n)) for n in lengths])
     bias = _bias(2, 5, 5, _seed("explain-bias"))
     by_function = ragged.explain(ragged.attention, q, q, q, causal=True, position_bias=bias)
-    by_name = ragged.explain("attention", q.values, q.values, q.values, q.offsets, q.offsets, 5, 5, True, 0.0, False,
-                             (-1, -1), bias)
+    by_name = ragged.explain(
+        "attention", q.values, q.values, q.values, q.offsets, q.offsets, 5, 5, True, 0.0, False, (-1, -1), bias
+    )
     assert by_function == by_name and by_name["torch"] == []
     if TRITON_ON_CPU:
         assert by_name["triton"] == []
@@ -561,8 +601,12 @@ def test_bad_position_bias(backend, index):
     exc, bias, words = _bad_cases()[index]
     lengths = [3, 5]
     q, k, v = _qkv(lengths, lengths, 4, 2, 32, 0)
-    _raises(exc, lambda: ragged.varlen_attention(q, k, v, _cu(lengths), _cu(lengths), 5, 5, backend=backend,
-                                                 position_bias=bias), VARLEN, *words)
+    _raises(
+        exc,
+        lambda: ragged.varlen_attention(q, k, v, _cu(lengths), _cu(lengths), 5, 5, backend=backend, position_bias=bias),
+        VARLEN,
+        *words,
+    )
     rq, rk, rv = (ragged.RaggedTensor.from_lengths(t, lengths) for t in (q, k, v))
     words = tuple("q.max_len + k.max_len - 1" if w == "[9]" else w for w in words)
     _raises(exc, lambda: ragged.attention(rq, rk, rv, backend=backend, position_bias=bias), ATTN, *words)
@@ -572,16 +616,27 @@ def test_buckets_length_names_the_maxima():
     lq, lk = [3, 5], [2, 6]
     q, k, v = _qkv(lq, lk, 2, 2, 16, 0)
     table, buckets = _bias(2, 5, 6, 0)
-    _raises(ValueError, lambda: ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), 5, 6,
-                                                        position_bias=(table, buckets[1:])),
-            VARLEN, "[10] (max_seqlen_q + max_seqlen_k - 1)")
+    _raises(
+        ValueError,
+        lambda: ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), 5, 6, position_bias=(table, buckets[1:])),
+        VARLEN,
+        "[10] (max_seqlen_q + max_seqlen_k - 1)",
+    )
 
 
 def test_reference_checks_the_bias():
     lq = [3, 5]
     q, k, v = _qkv(lq, lq, 2, 2, 16, 0)
     table, buckets = _bias(2, 5, 5, 0)
-    _raises(ValueError, lambda: ragged.reference_attention(q, k, v, _cu(lq), _cu(lq), position_bias=(table, buckets[:8])),
-            "ragged.reference_attention()", "position_bias buckets", "n >= 9")
-    _raises(ValueError, lambda: ragged.reference_attention(q, k, v, _cu(lq), _cu(lq), position_bias=(table, buckets),
-                                                           max_seqlen_q=4), "max_seqlen_q")
+    _raises(
+        ValueError,
+        lambda: ragged.reference_attention(q, k, v, _cu(lq), _cu(lq), position_bias=(table, buckets[:8])),
+        "ragged.reference_attention()",
+        "position_bias buckets",
+        "n >= 9",
+    )
+    _raises(
+        ValueError,
+        lambda: ragged.reference_attention(q, k, v, _cu(lq), _cu(lq), position_bias=(table, buckets), max_seqlen_q=4),
+        "max_seqlen_q",
+    )

@@ -39,10 +39,23 @@ def test_torch_backend_equals_the_float64_reference(case, causal, window, dtype)
     q = torch.randn(sum(lq), heads, 16).to(dtype)
     k = torch.randn(sum(lk), kv_heads, 16).to(dtype)
     v = torch.randn(sum(lk), kv_heads, 16).to(dtype)
-    out, lse = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, scale=0.3,
-                                       return_lse=True, backend="torch", window_size=window)
-    ref, ref_lse = ragged.reference_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, 0.3,
-                                              window_size=window)
+    out, lse = ragged.varlen_attention(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(lq),
+        max(lk),
+        causal=causal,
+        scale=0.3,
+        return_lse=True,
+        backend="torch",
+        window_size=window,
+    )
+    ref, ref_lse = ragged.reference_attention(
+        q.double(), k.double(), v.double(), cu_q, cu_k, causal, 0.3, window_size=window
+    )
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     blind = torch.isinf(ref_lse)
@@ -55,13 +68,14 @@ def test_spare_rows_past_the_last_offset_are_zeros():
     lengths = [70, 4, 0, 33]
     cu = _cu(lengths)
     q, k, v = (torch.randn(sum(lengths) + 5, 2, 16) for _ in range(3))
-    q[sum(lengths):] = float("nan")
+    q[sum(lengths) :] = float("nan")
     impl = ragged.backends.implementation("attention", "torch")
     out, lse = impl.forward_fn(q, k, v, cu, cu, 70, 70, False, 0.25, 0.0, 0)
-    ref, ref_lse = ragged.reference_attention(q[:sum(lengths)].double(), k[:sum(lengths)].double(),
-                                              v[:sum(lengths)].double(), cu, cu, False, 0.25)
-    torch.testing.assert_close(out[:sum(lengths)].double(), ref, atol=2e-5, rtol=2e-5)
-    assert (out[sum(lengths):] == 0).all() and (lse[sum(lengths):] == 0).all()
+    ref, ref_lse = ragged.reference_attention(
+        q[: sum(lengths)].double(), k[: sum(lengths)].double(), v[: sum(lengths)].double(), cu, cu, False, 0.25
+    )
+    torch.testing.assert_close(out[: sum(lengths)].double(), ref, atol=2e-5, rtol=2e-5)
+    assert (out[sum(lengths) :] == 0).all() and (lse[sum(lengths) :] == 0).all()
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -10,26 +10,25 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import ragged
 from attention_cases import (
     BACKENDS,
-    _blind_rows,
     BWD_TOL,
+    FWD_TOL,
+    _blind_rows,
     _check_lse,
     _cu,
-    FWD_TOL,
     _grads,
     _loop_attention,
-    needs_triton,
     _qkv,
     _randn,
     _run,
     _seed,
+    needs_triton,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import ragged
 
 # --------------------------------------------------------------------------------------
 # Dropout
@@ -78,8 +77,7 @@ def test_dropout_forward(case, causal):
     assert mask.shape == (heads, q.shape[0], max_k) and mask.dtype == torch.bool
     # the kept fraction is 1 - p within 4 standard deviations of a Bernoulli mean
     assert abs(mask.float().mean().item() - (1 - p)) < 4 * (p * (1 - p) / mask.numel()) ** 0.5
-    ref, _ = ragged.reference_attention(q.double(), k.double(), v.double(), _cu(lq), _cu(lk), causal, None,
-                                        mask, p)
+    ref, _ = ragged.reference_attention(q.double(), k.double(), v.double(), _cu(lq), _cu(lk), causal, None, mask, p)
     torch.testing.assert_close(out.double(), ref, **FWD_TOL)
     exp, _ = _loop_attention(q, k, v, lq, lk, causal, keep=mask, dropout_p=p)
     torch.testing.assert_close(out.double(), exp, **FWD_TOL)
@@ -100,8 +98,9 @@ def test_dropout_backward(case, causal):
 
     def kernel(a, b, c):
         torch.manual_seed(77)
-        return ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, dropout_p=p,
-                                       backend="triton")
+        return ragged.varlen_attention(
+            a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, dropout_p=p, backend="triton"
+        )
 
     from ragged.kernels.triton.attention import dropout_keep_mask
 
@@ -112,8 +111,13 @@ def test_dropout_backward(case, causal):
 
     got = _grads(kernel, q, k, v, up)
     ref = _grads(reference, q.double(), k.double(), v.double(), up.double())
-    loop = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal, keep=mask, dropout_p=p)[0],
-                  q.double(), k.double(), v.double(), up.double())
+    loop = _grads(
+        lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal, keep=mask, dropout_p=p)[0],
+        q.double(),
+        k.double(),
+        v.double(),
+        up.double(),
+    )
     again = _grads(kernel, q, k, v, up)
     for name, g, r, lo, a in zip("qkv", got, ref, loop, again):
         assert torch.equal(g, a), f"d{name} is not reproducible"
@@ -163,8 +167,9 @@ def test_dropout_reference_backend_without_a_gpu_or_interpreter():
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
 
@@ -239,8 +244,10 @@ def test_compile_dropout_draws_a_new_mask_per_call():
 def test_opcheck(backend):
     lq, lk = [3, 0, 9], [4, 2, 9]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
-    torch.library.opcheck(torch.ops.ragged.attention.default,
-                          (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1, None, None, backend))
+    torch.library.opcheck(
+        torch.ops.ragged.attention.default,
+        (q, k, v, _cu(lq), _cu(lk), 9, 9, True, 0.25, 0.0, 0, -1, -1, None, None, backend),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -249,8 +256,12 @@ def test_opcheck(backend):
 
 @needs_triton
 @settings(max_examples=12, deadline=None)
-@given(pairs=st.lists(st.tuples(st.integers(0, 19), st.integers(0, 19)), min_size=1, max_size=5),
-       kv_heads=st.sampled_from([1, 2]), causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 19), st.integers(0, 19)), min_size=1, max_size=5),
+    kv_heads=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_triton_random_batches(pairs, kv_heads, causal, seed):
     lq = [a for a, _ in pairs]
     lk = [b for _, b in pairs]

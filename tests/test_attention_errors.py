@@ -3,19 +3,17 @@ message names the function and the argument, on every backend."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from attention_cases import (
+    _cu,
+    _qkv,
+    needs_triton,
+)
 from conftest import TRITON_ON_CPU
 
 import ragged
 from ragged import RaggedTensor
-from attention_cases import (
-    _cu,
-    needs_triton,
-    _qkv,
-)
-
 
 # --------------------------------------------------------------------------------------
 # Bad input: a ValueError or TypeError whose message names the function and the argument
@@ -28,8 +26,15 @@ ATTN = "ragged.attention()"
 def _varlen_args(**overrides):
     lq = [3, 5]
     q, k, v = _qkv(lq, lq, 4, 2, 32, 0)
-    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": _cu(lq), "cu_seqlens_k": _cu(lq), "max_seqlen_q": 5,
-            "max_seqlen_k": 5}
+    args = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "cu_seqlens_q": _cu(lq),
+        "cu_seqlens_k": _cu(lq),
+        "max_seqlen_q": 5,
+        "max_seqlen_k": 5,
+    }
     args.update(overrides)
     return args
 
@@ -40,8 +45,9 @@ def _ragged_args(**overrides):
     q, k, v = _qkv(lengths, lengths, 4, 2, 32, 0)
     values = {"q": q, "k": k, "v": v}
     values.update(overrides)
-    return {name: RaggedTensor.from_lengths(t, lengths) if isinstance(t, torch.Tensor) else t
-            for name, t in values.items()}
+    return {
+        name: RaggedTensor.from_lengths(t, lengths) if isinstance(t, torch.Tensor) else t for name, t in values.items()
+    }
 
 
 def _raises(exc, fn, *words):
@@ -55,25 +61,30 @@ def _raises(exc, fn, *words):
 def test_varlen_batch_sizes_differ():
     for cu_q, cu_k in ((_cu([3, 5]), _cu([8])), (_cu([3, 5, 0]), _cu([3, 5]))):
         args = _varlen_args(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-        _raises(ValueError, lambda args=args: ragged.varlen_attention(**args), VARLEN, "cu_seqlens_q",
-                "cu_seqlens_k", "batch size")
+        _raises(
+            ValueError,
+            lambda args=args: ragged.varlen_attention(**args),
+            VARLEN,
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "batch size",
+        )
 
 
 @pytest.mark.parametrize("kv_heads", [3, 0])
 def test_varlen_bad_head_counts(kv_heads):
     k = torch.randn(8, kv_heads, 32)
-    _raises(ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "heads",
-            f"({kv_heads})")
+    _raises(
+        ValueError, lambda: ragged.varlen_attention(**_varlen_args(k=k, v=k.clone())), VARLEN, "heads", f"({kv_heads})"
+    )
 
 
 @needs_triton
 def test_varlen_head_dim_a_forced_backend_cannot_take():
     q, k, v = (torch.randn(8, 2, 48) for _ in range(3))
     args = _varlen_args(q=q, k=k, v=v)
-    _raises(ValueError, lambda: ragged.varlen_attention(**args, backend="triton"), VARLEN, "triton", "head dim",
-            "48")
-    reasons = ragged.explain("attention", q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], 5, 5, False, 0.0,
-                             False)
+    _raises(ValueError, lambda: ragged.varlen_attention(**args, backend="triton"), VARLEN, "triton", "head dim", "48")
+    reasons = ragged.explain("attention", q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], 5, 5, False, 0.0, False)
     assert reasons["torch"] == [] and any("48" in r for r in reasons["triton"])
 
 
@@ -105,8 +116,11 @@ def test_varlen_bad_dtypes(which):
 
 
 def test_varlen_integer_inputs():
-    ints = _varlen_args(q=torch.ones(8, 4, 32, dtype=torch.int64), k=torch.ones(8, 2, 32, dtype=torch.int64),
-                        v=torch.ones(8, 2, 32, dtype=torch.int64))
+    ints = _varlen_args(
+        q=torch.ones(8, 4, 32, dtype=torch.int64),
+        k=torch.ones(8, 2, 32, dtype=torch.int64),
+        v=torch.ones(8, 2, 32, dtype=torch.int64),
+    )
     _raises(TypeError, lambda: ragged.varlen_attention(**ints), VARLEN, "floating", "torch.int64")
 
 
@@ -121,8 +135,13 @@ def test_varlen_device_mismatch(which):
 @pytest.mark.parametrize("bad", ["float", "int16", "empty", "2d", "meta"])
 def test_varlen_bad_cu_seqlens(which, bad):
     cu = _cu([3, 5])
-    value = {"float": cu.float(), "int16": cu.to(torch.int16), "empty": cu[:0], "2d": cu.view(1, 3),
-             "meta": cu.to("meta")}[bad]
+    value = {
+        "float": cu.float(),
+        "int16": cu.to(torch.int16),
+        "empty": cu[:0],
+        "2d": cu.view(1, 3),
+        "meta": cu.to("meta"),
+    }[bad]
     exc = TypeError if bad in ("float", "int16") else ValueError
     _raises(exc, lambda: ragged.varlen_attention(**_varlen_args(**{which: value})), VARLEN, which)
 
@@ -194,8 +213,12 @@ def _attention_bad_input(kind):
     if kind == "heads":
         return ValueError, _ragged_args(k=torch.randn(8, 3, 32), v=torch.randn(8, 3, 32)), {}, ("heads",)
     if kind == "head_dim_triton":
-        return (ValueError, _ragged_args(**{n: torch.randn(8, 2, 48) for n in "qkv"}), {"backend": "triton"},
-                ("head dim", "48", "triton"))
+        return (
+            ValueError,
+            _ragged_args(**{n: torch.randn(8, 2, 48) for n in "qkv"}),
+            {"backend": "triton"},
+            ("head dim", "48", "triton"),
+        )
     if kind == "dtype":
         return TypeError, _ragged_args(v=torch.randn(8, 2, 32, dtype=torch.float16)), {}, ("dtype",)
     if kind == "device":

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton, spy_hopper
 
 import ragged
 from ragged.kernels.triton import attention_hopper
-from attention_cases import _blind_rows, _cu, _grads, _loop_attention, _qkv, _randn, _seed, needs_triton, spy_hopper
 
 pytestmark = needs_triton
 
@@ -48,8 +48,9 @@ def _error_bound(q, k, v, lq, lk, causal, exp):
 def test_hopper_forward_matches_the_oracle(case, causal, hopper):
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper"), torch.float16)
-    out, lse = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                       return_lse=True, backend="triton")
+    out, lse = ragged.varlen_attention(
+        q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True, backend="triton"
+    )
     assert hopper, "the Hopper forward did not run"
     exp, exp_lse = _loop_attention(q, k, v, lq, lk, causal)
     blind = _blind_rows(lq, lk, causal)
@@ -69,13 +70,26 @@ def test_hopper_backward_matches_the_oracle(case, causal, hopper):
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-bwd"), torch.float16)
     up = _randn(q.shape, _seed(case, "hopper-up"), torch.float16)
-    got = _grads(lambda a, b, c: ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                                         backend="triton"), q, k, v, up)
+    got = _grads(
+        lambda a, b, c: ragged.varlen_attention(
+            a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton"
+        ),
+        q,
+        k,
+        v,
+        up,
+    )
     assert ("backward", q.shape) in hopper, "the Hopper backward did not run"
-    ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(), v.double(),
-                 up.double())
-    low = _grads(lambda a, b, c: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal,
-                                                            compute_dtype=torch.float16)[0], q, k, v, up)
+    ref = _grads(
+        lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q.double(), k.double(), v.double(), up.double()
+    )
+    low = _grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=torch.float16)[0],
+        q,
+        k,
+        v,
+        up,
+    )
     for name, g, r, lo in zip("qkv", got, ref, low):
         assert g.dtype == torch.float16 and torch.isfinite(g).all(), name
         err = (g.double() - r).abs().max().item() if g.numel() else 0.0
@@ -118,11 +132,16 @@ def test_hopper_window_matches_the_reference(case, window, hopper):
         return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), window_size=window, backend="triton")
 
     def reference(dtype):
-        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, False, window_size=window,
-                                                          compute_dtype=dtype)[0]
+        return lambda a, b, c: ragged.reference_attention(
+            a, b, c, cq, ck, False, window_size=window, compute_dtype=dtype
+        )[0]
 
-    _check_against(ours(q, k, v), reference(torch.float64)(q.double(), k.double(), v.double()),
-                   reference(torch.float16)(q, k, v), "out")
+    _check_against(
+        ours(q, k, v),
+        reference(torch.float64)(q.double(), k.double(), v.double()),
+        reference(torch.float16)(q, k, v),
+        "out",
+    )
     got = _grads(ours, q, k, v, up)
     assert ("backward", q.shape) in hopper and q.shape in hopper
     _check_grads(got, reference, q, k, v, up)
@@ -143,18 +162,20 @@ def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
 
     def ours(a, b, c):
         torch.manual_seed(77)
-        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), causal=causal, dropout_p=p,
-                                       backend="triton")
+        return ragged.varlen_attention(a, b, c, cq, ck, max(lq), max(lk), causal=causal, dropout_p=p, backend="triton")
 
     def reference(dtype):
-        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, causal, None, mask, p,
-                                                          compute_dtype=dtype)[0]
+        return lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, causal, None, mask, p, compute_dtype=dtype)[
+            0
+        ]
 
     out = ours(q, k, v)
-    _check_against(out, reference(torch.float64)(q.double(), k.double(), v.double()),
-                   reference(torch.float16)(q, k, v), "out")
-    assert not torch.allclose(out, ragged.varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal,
-                                                           backend="triton")), "dropout changed nothing"
+    _check_against(
+        out, reference(torch.float64)(q.double(), k.double(), v.double()), reference(torch.float16)(q, k, v), "out"
+    )
+    assert not torch.allclose(
+        out, ragged.varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, backend="triton")
+    ), "dropout changed nothing"
     got = _grads(ours, q, k, v, up)
     assert ("backward", q.shape) in hopper
     _check_grads(got, reference, q, k, v, up)
@@ -245,10 +266,11 @@ def test_hopper_forward_reads_nothing_of_other_sequences(hopper):
     q, k, v = _qkv(lq, lk, 2, 2, 64, _seed("poison"), torch.float16)
     want = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), 20, 20, backend="triton")
     buf = torch.full((2, k.shape[0] + 5, 2, 64), float("nan"), dtype=torch.float16)
-    buf[0, :k.shape[0]], buf[1, :k.shape[0]] = k, v
+    buf[0, : k.shape[0]], buf[1, : k.shape[0]] = k, v
     buf[:, 9:29] = float("nan")  # the second sequence's keys and values
-    got = ragged.varlen_attention(q, buf[0, :k.shape[0]], buf[1, :k.shape[0]], _cu(lq), _cu(lk), 20, 20,
-                                  backend="triton")
+    got = ragged.varlen_attention(
+        q, buf[0, : k.shape[0]], buf[1, : k.shape[0]], _cu(lq), _cu(lk), 20, 20, backend="triton"
+    )
     assert len(hopper) == 2
     ok = torch.ones(q.shape[0], dtype=torch.bool)
     ok[9:29] = False
@@ -268,8 +290,9 @@ def test_hopper_forward_takes_strided_views_of_a_packed_projection(hopper):
 
 
 def _usable(q, k=None, v=None, scale=0.125, dropout_p=0.0, window=None, bias=None):
-    return attention_hopper.usable(q, q if k is None else k, q if v is None else v, scale, dropout_p, window,
-                                   bias, True)
+    return attention_hopper.usable(
+        q, q if k is None else k, q if v is None else v, scale, dropout_p, window, bias, True
+    )
 
 
 def test_usable_takes_only_what_the_kernel_does(monkeypatch):
@@ -279,14 +302,14 @@ def test_usable_takes_only_what_the_kernel_does(monkeypatch):
     monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
     assert _usable(q) and _usable(q.bfloat16())
     assert _usable(torch.zeros(8, 2, 128, dtype=torch.float16))
-    assert not _usable(q.float())                                          # fp16 / bf16 only
-    assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))         # head dims 64, 128
+    assert not _usable(q.float())  # fp16 / bf16 only
+    assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))  # head dims 64, 128
     assert _usable(q, dropout_p=0.1) and _usable(q, window=(4, 0))
     assert not _usable(q, bias=torch.zeros(3, 2))
     assert not _usable(q, scale=-0.125) and not _usable(q, scale=0.0)
     flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
-    assert not _usable(flat[1:].view(8, 2, 64))                            # 2 bytes off 16-byte alignment
-    odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]             # token stride 130 elements
+    assert not _usable(flat[1:].view(8, 2, 64))  # 2 bytes off 16-byte alignment
+    odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]  # token stride 130 elements
     assert not _usable(odd)
     assert not _usable(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
 
@@ -309,8 +332,16 @@ def test_a_bad_switch_value_says_what_it_takes(value, monkeypatch):
     monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", value)
     q = torch.zeros(8, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of .*got"):
-        ragged.varlen_attention(q, q, q, torch.tensor([0, 8], dtype=torch.int32),
-                                torch.tensor([0, 8], dtype=torch.int32), 8, 8, backend="triton")
+        ragged.varlen_attention(
+            q,
+            q,
+            q,
+            torch.tensor([0, 8], dtype=torch.int32),
+            torch.tensor([0, 8], dtype=torch.int32),
+            8,
+            8,
+            backend="triton",
+        )
 
 
 def test_calls_it_does_not_take_run_the_portable_kernel(hopper):

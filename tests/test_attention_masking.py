@@ -119,8 +119,8 @@ def _inputs(lq, lk, heads, kv_heads, dim, dtype, seed):
     cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
     for b, n in enumerate(lk):
         if n <= _FEW_KEYS:
-            q[cq[b]:cq[b + 1]] *= amp
-            k[ck[b]:ck[b + 1]] *= amp
+            q[cq[b] : cq[b + 1]] *= amp
+            k[ck[b] : ck[b + 1]] *= amp
     return q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype)
 
 
@@ -131,8 +131,19 @@ def _leaves(*ts):
 def _kernel(q, k, v, do, lq, lk, causal, window):
     """``(out, lse, dq, dk, dv)`` of the Triton backend through the public API."""
     a, b, c = _leaves(q, k, v)
-    out, lse = ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                       return_lse=True, backend="triton", window_size=window)
+    out, lse = ragged.varlen_attention(
+        a,
+        b,
+        c,
+        _cu(lq),
+        _cu(lk),
+        max(lq),
+        max(lk),
+        causal=causal,
+        return_lse=True,
+        backend="triton",
+        window_size=window,
+    )
     out.backward(do)
     return out.detach(), lse, a.grad, b.grad, c.grad
 
@@ -140,8 +151,7 @@ def _kernel(q, k, v, do, lq, lk, causal, window):
 def _low(q, k, v, do, lq, lk, causal, window):
     """``(out, dq, dk, dv)`` of the reference computed in the inputs' dtype (autograd)."""
     a, b, c = _leaves(q, k, v)
-    out, _ = ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=q.dtype,
-                                        window_size=window)
+    out, _ = ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=q.dtype, window_size=window)
     out.backward(do)
     return out.detach(), a.grad, b.grad, c.grad
 
@@ -149,10 +159,10 @@ def _low(q, k, v, do, lq, lk, causal, window):
 def _exact(q, k, v, do, lq, lk, causal, window, keep=None, dropout_p=0.0):
     """``(out, lse, dq, dk, dv)`` in float64."""
     args = [t.double() for t in (q, k, v)]
-    out, lse = ragged.reference_attention(*args, _cu(lq), _cu(lk), causal, None, keep, dropout_p,
-                                          window_size=window)
-    grads = ragged.reference_attention_backward(do.double(), *args, _cu(lq), _cu(lk), causal, None, keep, dropout_p,
-                                                window)
+    out, lse = ragged.reference_attention(*args, _cu(lq), _cu(lk), causal, None, keep, dropout_p, window_size=window)
+    grads = ragged.reference_attention_backward(
+        do.double(), *args, _cu(lq), _cu(lk), causal, None, keep, dropout_p, window
+    )
     return (out, lse, *grads)
 
 
@@ -187,9 +197,9 @@ def _zero_where_unseen(lq, lk, got, exact, what):
     cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
     for b, (nq, nk) in enumerate(zip(lq, lk)):
         if nk == 0:
-            assert torch.all(out[cq[b]:cq[b + 1]] == 0) and torch.all(dq[cq[b]:cq[b + 1]] == 0), (what, b)
+            assert torch.all(out[cq[b] : cq[b + 1]] == 0) and torch.all(dq[cq[b] : cq[b + 1]] == 0), (what, b)
         if nq == 0:
-            assert torch.all(dk[ck[b]:ck[b + 1]] == 0) and torch.all(dv[ck[b]:ck[b + 1]] == 0), (what, b)
+            assert torch.all(dk[ck[b] : ck[b + 1]] == 0) and torch.all(dv[ck[b] : ck[b + 1]] == 0), (what, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -274,8 +284,9 @@ def test_dropout_with_few_key_sequences(mask):
     for name, g, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), exact[:1] + exact[2:]):
         assert torch.isfinite(g).all(), f"{what}: {name} has NaN or inf"
         # float16 storage of values of order _AMPLITUDE ** 2 (dV sums several of them)
-        torch.testing.assert_close(g.double(), e, atol=2e-2 * (1 + e.abs().max().item()), rtol=1e-2,
-                                   msg=lambda m, n=name: f"{what}: {n}: {m}")
+        torch.testing.assert_close(
+            g.double(), e, atol=2e-2 * (1 + e.abs().max().item()), rtol=1e-2, msg=lambda m, n=name: f"{what}: {n}: {m}"
+        )
     _check_lse(lse, exact[1], what)
 
 
@@ -288,6 +299,7 @@ def test_float32_scores_past_float32_range():
     assert exact[1][torch.isfinite(exact[1])].min() < -89, "the case no longer passes float32's range"
     for name, g, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), exact[:1] + exact[2:]):
         assert torch.isfinite(g).all(), f"float32: {name} has NaN or inf"
-        torch.testing.assert_close(g.double(), e, atol=1e-4 * (1 + e.abs().max().item()), rtol=1e-4,
-                                   msg=lambda m, n=name: f"float32: {n}: {m}")
+        torch.testing.assert_close(
+            g.double(), e, atol=1e-4 * (1 + e.abs().max().item()), rtol=1e-4, msg=lambda m, n=name: f"float32: {n}: {m}"
+        )
     _check_lse(lse, exact[1], "float32")

@@ -74,7 +74,7 @@ def _guarded(x, gen, lead=3, trail=40):
     """``x`` copied into the middle of a NaN buffer (NaN rows before and after, a NaN head beside
     it): a kernel that reads outside ``x`` puts NaN into its results."""
     buf = torch.full((lead + x.shape[0] + trail, x.shape[1] + 1, x.shape[2]), float("nan"), dtype=x.dtype)
-    view = buf[lead:lead + x.shape[0], 1:]
+    view = buf[lead : lead + x.shape[0], 1:]
     view.copy_(x)
     return view
 
@@ -114,8 +114,13 @@ def test_strided_cu_seqlens_every_backend(backend, causal, offsets_dtype):
     q, k, v = _qkv(LQ, LK, gen)
     up = torch.randn(q.shape, generator=gen)
     cu_q, cu_k = _strided(_offsets(LQ), offsets_dtype), _strided(_offsets(LK), offsets_dtype)
-    out, grads = _run_and_grads(lambda a, b, c: ragged.varlen_attention(a, b, c, cu_q, cu_k, max(LQ), max(LK),
-                                                                        causal=causal, backend=backend), q, k, v, up)
+    out, grads = _run_and_grads(
+        lambda a, b, c: ragged.varlen_attention(a, b, c, cu_q, cu_k, max(LQ), max(LK), causal=causal, backend=backend),
+        q,
+        k,
+        v,
+        up,
+    )
     ref, ref_grads = _reference(q, k, v, cu_q, cu_k, causal, up)
     _check(out, ref, FWD_TOL, "out")
     for name, g, r in zip("qkv", grads, ref_grads):
@@ -135,7 +140,7 @@ def test_strided_ragged_offsets_every_backend(backend, causal):
     def fn(a, b, c):
         rq, rk, rv = RaggedTensor(a, off_q, max(LQ)), RaggedTensor(b, off_k, max(LK)), RaggedTensor(c, off_k, max(LK))
         out, lse = ragged.attention(rq, rk, rv, causal=causal, return_lse=True, backend=backend)
-        assert out.offsets is off_q            # the result keeps the caller's sequences
+        assert out.offsets is off_q  # the result keeps the caller's sequences
         fn.lse = lse
         return out.values
 
@@ -163,8 +168,9 @@ def test_triton_launchers_take_strided_offsets():
     out, lse = ka.forward(q, k, v, cu_q, cu_k, max(LQ), max(LK), True, 0.25, 0.0, 0)
     dq, dk, dv = ka.backward(do, q, k, v, out, lse, cu_q, cu_k, max(LQ), max(LK), True, 0.25, 0.0, 0)
     ref, _ = ragged.reference_attention(q.double(), k.double(), v.double(), _cu(LQ), _cu(LK), True, 0.25)
-    ref_grads = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), _cu(LQ),
-                                                    _cu(LK), True, 0.25)
+    ref_grads = ragged.reference_attention_backward(
+        do.double(), q.double(), k.double(), v.double(), _cu(LQ), _cu(LK), True, 0.25
+    )
     _check(out, ref, FWD_TOL, "out")
     for name, g, r in zip("qkv", (dq, dk, dv), ref_grads):
         _check(g, r, BWD_TOL, f"d{name}")
@@ -274,8 +280,11 @@ def test_max_seqlen_takes_numpy_ints(backend):
 
 
 @pytest.mark.parametrize("which", ["max_seqlen_q", "max_seqlen_k"])
-@pytest.mark.parametrize("bad,exc", [(-1, ValueError), (np.int64(-3), ValueError), (True, TypeError),
-                                     (2.0, TypeError), ("6", TypeError)], ids=["neg", "np_neg", "bool", "float", "str"])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [(-1, ValueError), (np.int64(-3), ValueError), (True, TypeError), (2.0, TypeError), ("6", TypeError)],
+    ids=["neg", "np_neg", "bool", "float", "str"],
+)
 def test_max_seqlen_bad_values(which, bad, exc):
     gen = _gen("bad-max", which)
     q, k, v = _qkv(LQ, LK, gen)
@@ -294,8 +303,18 @@ def test_validate_true_on_good_offsets_changes_nothing(backend):
     gen = _gen("validate-good", backend)
     q, k, v = _qkv(LQ, LK, gen)
     a = ragged.varlen_attention(q, k, v, _cu(LQ), _cu(LK), max(LQ), max(LK), causal=True, backend=backend)
-    b = ragged.varlen_attention(q, k, v, _strided(_offsets(LQ)), _cu(LK, torch.int64), max(LQ), max(LK), causal=True,
-                                backend=backend, validate=True)
+    b = ragged.varlen_attention(
+        q,
+        k,
+        v,
+        _strided(_offsets(LQ)),
+        _cu(LK, torch.int64),
+        max(LQ),
+        max(LK),
+        causal=True,
+        backend=backend,
+        validate=True,
+    )
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     rq, rk = RaggedTensor.from_lengths(q, LQ), RaggedTensor.from_lengths(k, LK)
     c = ragged.attention(rq, rk, rk.with_values(v), causal=True, backend=backend, validate=True)
@@ -321,8 +340,9 @@ def test_triton_lengths_past_max_seqlen(causal):
     out, lse = ka.forward(q, k, v, cu_q, cu_k, 1, 1, causal, 0.25, 0.0, 0)
     grads = ka.backward(do, q, k, v, out, lse, cu_q, cu_k, 1, 1, causal, 0.25, 0.0, 0)
     ref, _ = ragged.reference_attention(q0.double(), k0.double(), v0.double(), cu_q, cu_k, causal, 0.25)
-    ref_grads = ragged.reference_attention_backward(do.double(), q0.double(), k0.double(), v0.double(), cu_q, cu_k,
-                                                    causal, 0.25)
+    ref_grads = ragged.reference_attention_backward(
+        do.double(), q0.double(), k0.double(), v0.double(), cu_q, cu_k, causal, 0.25
+    )
     _check(out, ref, FWD_TOL, "out")
     for name, g, r in zip("qkv", grads, ref_grads):
         _check(g, r, BWD_TOL, f"d{name}")
@@ -346,7 +366,7 @@ def test_triton_backward_grads_buffers_of_any_strides(layout):
     do = torch.randn(q.shape, generator=gen)
     cu = _cu(lengths)
     out, lse = ka.forward(q, k, v, cu, cu, 9, 9, True, 0.25, 0.0, 0)
-    if layout == "feature_strided":   # [T, H, D] views of [D, H, T] buffers: feature stride H * T
+    if layout == "feature_strided":  # [T, H, D] views of [D, H, T] buffers: feature stride H * T
         grads = tuple(torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0).permute(2, 1, 0) for t in (q, k, v))
         assert all(g.stride(-1) != 1 for g in grads)
     else:
@@ -450,17 +470,19 @@ def test_declarations_import_no_toolchain():
     import subprocess
     import sys
 
-    code = ("import sys, ragged\n"
-            "from ragged import backends\n"
-            "from ragged.kernels.triton import ATTENTION_HEAD_DIMS\n"
-            "from ragged.kernels.cuda import ATTENTION_SHORT_HEAD_DIMS, ATTENTION_SHORT_MAX_LEN\n"
-            "t, c = backends.implementation('attention', 'triton'), backends.implementation('attention', 'cuda')\n"
-            "assert t.limits == {'head_dim': ATTENTION_HEAD_DIMS}\n"
-            "assert c.limits == {'head_dim': ATTENTION_SHORT_HEAD_DIMS} and c.backward_backend == 'triton'\n"
-            "assert c.maxima == {'max_q': ATTENTION_SHORT_MAX_LEN, 'max_k': ATTENTION_SHORT_MAX_LEN}\n"
-            "assert 'packed_self_attention' in c.extras\n"
-            "assert 'triton' not in sys.modules and 'cupy' not in sys.modules, 'a toolchain was imported'\n"
-            "print('ok')\n")
+    code = (
+        "import sys, ragged\n"
+        "from ragged import backends\n"
+        "from ragged.kernels.triton import ATTENTION_HEAD_DIMS\n"
+        "from ragged.kernels.cuda import ATTENTION_SHORT_HEAD_DIMS, ATTENTION_SHORT_MAX_LEN\n"
+        "t, c = backends.implementation('attention', 'triton'), backends.implementation('attention', 'cuda')\n"
+        "assert t.limits == {'head_dim': ATTENTION_HEAD_DIMS}\n"
+        "assert c.limits == {'head_dim': ATTENTION_SHORT_HEAD_DIMS} and c.backward_backend == 'triton'\n"
+        "assert c.maxima == {'max_q': ATTENTION_SHORT_MAX_LEN, 'max_k': ATTENTION_SHORT_MAX_LEN}\n"
+        "assert 'packed_self_attention' in c.extras\n"
+        "assert 'triton' not in sys.modules and 'cupy' not in sys.modules, 'a toolchain was imported'\n"
+        "print('ok')\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
@@ -471,6 +493,7 @@ def test_triton_head_dims_are_the_declared_ones():
     from ragged.kernels.triton import attention as ka
 
     assert ka.HEAD_DIMS == ATTENTION_HEAD_DIMS
-    reasons = ragged.explain("attention", *(torch.zeros(3, 2, 48) for _ in range(3)), _cu([3]), _cu([3]), 3, 3,
-                             False, 0.0, False)
+    reasons = ragged.explain(
+        "attention", *(torch.zeros(3, 2, 48) for _ in range(3)), _cu([3]), _cu([3]), 3, 3, False, 0.0, False
+    )
     assert reasons["torch"] == [] and any("head dims" in r and "48" in r for r in reasons["triton"])

@@ -60,11 +60,14 @@ def _randn(shape, seed, dtype=torch.float32):
 
 
 def _qkv(lq, lk, heads, kv_heads, dim, seed, dtype=torch.float32):
-    return (_randn((sum(lq), heads, dim), seed, dtype), _randn((sum(lk), kv_heads, dim), seed + 1, dtype),
-            _randn((sum(lk), kv_heads, dim), seed + 2, dtype))
+    return (
+        _randn((sum(lq), heads, dim), seed, dtype),
+        _randn((sum(lk), kv_heads, dim), seed + 1, dtype),
+        _randn((sum(lk), kv_heads, dim), seed + 2, dtype),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sees(nq: int, nk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     """[nq, nk] bool from the definition, one entry at a time (not to be written to)."""
     left, right = window
@@ -86,19 +89,22 @@ def _oracle(q, k, v, lq, lk, causal, window, scale=None, keep=None, dropout_p=0.
     outs, lses = [], []
     tq = tk = 0
     for nq, nk in zip(lq, lk):
-        qb = q[tq:tq + nq].double().transpose(0, 1)
-        kb = k[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
-        vb = v[tk:tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
+        qb = q[tq : tq + nq].double().transpose(0, 1)
+        kb = k[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
+        vb = v[tk : tk + nk].double().transpose(0, 1).repeat_interleave(group, 0)
         seen = _sees(nq, nk, causal, window)
         blind = ~seen.any(1)
         scores = torch.matmul(qb, kb.transpose(1, 2)) * scale
-        lse = torch.logsumexp(scores.masked_fill(~seen, float("-inf")), dim=-1) if nk else \
-            torch.full((heads, nq), float("-inf"), dtype=torch.float64)
+        lse = (
+            torch.logsumexp(scores.masked_fill(~seen, float("-inf")), dim=-1)
+            if nk
+            else torch.full((heads, nq), float("-inf"), dtype=torch.float64)
+        )
         # blind rows take a finite softmax of their raw scores, then a zero weight
         probs = torch.softmax(scores.masked_fill(~seen & ~blind[:, None], float("-inf")), dim=-1)
         probs = probs * (~blind)[:, None].double()
         if keep is not None:
-            probs = probs * keep[:, tq:tq + nq, :nk].double() / (1.0 - dropout_p)
+            probs = probs * keep[:, tq : tq + nq, :nk].double() / (1.0 - dropout_p)
         outs.append(torch.matmul(probs, vb).transpose(0, 1))
         lses.append(lse.transpose(0, 1))
         tq += nq
@@ -128,8 +134,20 @@ def _forward_and_grads(fn, q, k, v, upstream):
 
 
 def _run(q, k, v, lq, lk, backend, causal, window, **kwargs):
-    return ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0), causal=causal,
-                                   return_lse=True, backend=backend, window_size=window, **kwargs)
+    return ragged.varlen_attention(
+        q,
+        k,
+        v,
+        _cu(lq),
+        _cu(lk),
+        max(lq, default=0),
+        max(lk, default=0),
+        causal=causal,
+        return_lse=True,
+        backend=backend,
+        window_size=window,
+        **kwargs,
+    )
 
 
 def _check(out, lse, exp, exp_lse, blind, tol=FWD_TOL):
@@ -174,8 +192,9 @@ def test_reference_matches_the_definition(case, window, causal):
     torch.testing.assert_close(lse[~blind].double(), exp_lse[~blind], atol=1e-6, rtol=1e-6)
     up = _randn(q.shape, _seed(case, "ref-up"), torch.float64)
     ref = _grads(lambda a, b, c: _oracle(a, b, c, lq, lk, causal, window)[0], q, k, v, up)
-    auto = _grads(lambda a, b, c: ragged.reference_attention(a, b, c, cu_q, cu_k, causal, window_size=window)[0],
-                  q, k, v, up)
+    auto = _grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, cu_q, cu_k, causal, window_size=window)[0], q, k, v, up
+    )
     written = ragged.reference_attention_backward(up, q, k, v, cu_q, cu_k, causal, window_size=window)
     for name, a, w, r in zip("qkv", auto, written, ref):
         torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"autograd d{n}: {m}")
@@ -183,8 +202,13 @@ def test_reference_matches_the_definition(case, window, causal):
 
 
 @settings(max_examples=40, deadline=None)
-@given(pairs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=4),
-       left=st.integers(-1, 14), right=st.integers(-1, 14), causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=4),
+    left=st.integers(-1, 14),
+    right=st.integers(-1, 14),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_effective_window_masks_the_same_keys(pairs, left, right, causal, seed):
     """effective_window drops exactly the sides that bound nothing: the mask is unchanged, and a
     side it keeps bounds some key of a sequence of the longest lengths."""
@@ -244,9 +268,14 @@ def test_windows_at_the_edges_of_the_sequences(backend):
 
 @needs_triton
 @settings(max_examples=6, deadline=None)
-@given(pairs=st.lists(st.tuples(st.integers(0, 33), st.integers(0, 33)), min_size=1, max_size=3),
-       left=st.integers(-1, 34), right=st.integers(-1, 34), causal=st.booleans(), kv_heads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 33), st.integers(0, 33)), min_size=1, max_size=3),
+    left=st.integers(-1, 34),
+    right=st.integers(-1, 34),
+    causal=st.booleans(),
+    kv_heads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_triton_random_windows(pairs, left, right, causal, kv_heads, seed):
     lq = [a for a, _ in pairs]
     lk = [b for _, b in pairs]
@@ -344,18 +373,18 @@ def test_implementations_take_any_window_and_default_to_none(backend):
     args = (q, k, v, cu, cu, 20, 20)
     plain = impl.forward_fn(*args, True, 0.25, 0.0, 0)
     none = impl.forward_fn(*args, True, 0.25, 0.0, 0, -1, -1)
-    wide = impl.forward_fn(*args, True, 0.25, 0.0, 0, 19, 7)   # bounds nothing: 19 >= max_k - 1, causal
+    wide = impl.forward_fn(*args, True, 0.25, 0.0, 0, 19, 7)  # bounds nothing: 19 >= max_k - 1, causal
     for a, b, c in zip(plain, none, wide):
         assert torch.equal(a, b) and torch.equal(a, c)
     exp, _ = _oracle(q, k, v, lengths, lengths, True, (-1, -1), scale=0.25)
     torch.testing.assert_close(plain[0].double(), exp, **FWD_TOL)
-    out, lse = impl.forward_fn(*args, True, 0.25, 0.0, 0, 2, 5)   # causal: the right side is 0
+    out, lse = impl.forward_fn(*args, True, 0.25, 0.0, 0, 2, 5)  # causal: the right side is 0
     exp, exp_lse = _oracle(q, k, v, lengths, lengths, True, (2, 0), scale=0.25)
     _check(out, lse, exp, exp_lse, _blind(lengths, lengths, True, (2, 0)))
-    got = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, 2, 5, None, None,
-                                  backend)
-    ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25,
-                                              window_size=(2, 0))
+    got = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, 2, 5, None, None, backend)
+    ref = ragged.reference_attention_backward(
+        do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25, window_size=(2, 0)
+    )
     _check_grads(got, ref)
     no_window = impl.backward_fn(do, q, k, v, *plain, cu, cu, 20, 20, True, 0.25, 0.0, 0)
     ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25)
@@ -366,8 +395,10 @@ def test_implementations_take_any_window_and_default_to_none(backend):
 def test_opcheck(backend):
     lq, lk = [3, 0, 9], [4, 2, 9]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 2, 1, 16, _seed("opcheck")))
-    torch.library.opcheck(torch.ops.ragged.attention.default,
-                          (q, k, v, _cu(lq), _cu(lk), 9, 9, False, 0.25, 0.0, 0, 2, 1, None, None, backend))
+    torch.library.opcheck(
+        torch.ops.ragged.attention.default,
+        (q, k, v, _cu(lq), _cu(lk), 9, 9, False, 0.25, 0.0, 0, 2, 1, None, None, backend),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -378,8 +409,9 @@ def test_compile_fullgraph_forward_backward(backend):
     window = (3, 2)
 
     def f(a, b, c, cq, ck):
-        out, lse = ragged.varlen_attention(a, b, c, cq, ck, 19, 19, return_lse=True, backend=backend,
-                                           window_size=window)
+        out, lse = ragged.varlen_attention(
+            a, b, c, cq, ck, 19, 19, return_lse=True, backend=backend, window_size=window
+        )
         return out * 2, lse
 
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -479,11 +511,11 @@ def test_cuda_declaration_refuses_windows(monkeypatch):
 def test_explain_takes_the_window():
     lengths = [3, 8]
     q, k, v = _qkv(lengths, lengths, 2, 2, 64, 0)
-    reasons = ragged.explain(ragged.varlen_attention, q, k, v, _cu(lengths), _cu(lengths), 8, 8,
-                             window_size=(2, 2))
+    reasons = ragged.explain(ragged.varlen_attention, q, k, v, _cu(lengths), _cu(lengths), 8, 8, window_size=(2, 2))
     assert reasons["torch"] == [] and reasons["cuda"]
-    reasons = ragged.explain("attention", q, k, v, _cu(lengths), _cu(lengths), 8, 8, False, 0.0, False,
-                             window_size=(2, 2))
+    reasons = ragged.explain(
+        "attention", q, k, v, _cu(lengths), _cu(lengths), 8, 8, False, 0.0, False, window_size=(2, 2)
+    )
     assert reasons["torch"] == []
 
 
@@ -491,15 +523,18 @@ def test_explain_takes_the_window():
 # Bad windows: a TypeError or ValueError naming the function and the argument
 
 
-@pytest.mark.parametrize(("bad", "exc", "words"), [
-    (3, TypeError, ("window_size", "tuple")),
-    ((1, 2, 3), TypeError, ("window_size", "tuple")),
-    ("ab", TypeError, ("window_size", "tuple")),
-    ((1.5, 2), TypeError, ("window_size[0]", "int")),
-    ((1, True), TypeError, ("window_size[1]", "int")),
-    ((-2, 0), ValueError, ("window_size[0]", ">= -1", "-2")),
-    ((0, -5), ValueError, ("window_size[1]", ">= -1", "-5")),
-])
+@pytest.mark.parametrize(
+    ("bad", "exc", "words"),
+    [
+        (3, TypeError, ("window_size", "tuple")),
+        ((1, 2, 3), TypeError, ("window_size", "tuple")),
+        ("ab", TypeError, ("window_size", "tuple")),
+        ((1.5, 2), TypeError, ("window_size[0]", "int")),
+        ((1, True), TypeError, ("window_size[1]", "int")),
+        ((-2, 0), ValueError, ("window_size[0]", ">= -1", "-2")),
+        ((0, -5), ValueError, ("window_size[1]", ">= -1", "-5")),
+    ],
+)
 def test_bad_window_size(bad, exc, words):
     lengths = [3, 5]
     q, k, v = _qkv(lengths, lengths, 2, 2, 16, 0)
@@ -520,7 +555,8 @@ def test_window_size_takes_lists_and_numpy_ints():
     np = pytest.importorskip("numpy")
     lengths = [3, 5]
     q, k, v = _qkv(lengths, lengths, 2, 2, 16, 0)
-    a = ragged.varlen_attention(q, k, v, _cu(lengths), _cu(lengths), 5, 5, window_size=[np.int64(1), 0],
-                                backend="torch")
+    a = ragged.varlen_attention(
+        q, k, v, _cu(lengths), _cu(lengths), 5, 5, window_size=[np.int64(1), 0], backend="torch"
+    )
     b = ragged.varlen_attention(q, k, v, _cu(lengths), _cu(lengths), 5, 5, window_size=(1, 0), backend="torch")
     assert torch.equal(a, b)

@@ -120,6 +120,7 @@ def test_use_backend_is_private_to_its_thread(monkeypatch):
                 fn()
             except Exception as exc:  # surfaced in the main thread
                 errors.append(exc)
+
         return run
 
     threads = [threading.Thread(target=guarded(fn)) for fn in (a, b, plain)]
@@ -256,9 +257,11 @@ def _spy_on(monkeypatch, op):
     ran = []
     entry = backends._OPS[op]
     for name, impl in list(entry.impls.items()):
+
         def fn(*args, _fn=impl.forward_fn, _name=name):
             ran.append(_name)
             return _fn(*args)
+
         monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=fn))
     return ran
 
@@ -303,17 +306,20 @@ def test_gpu_threads_run_their_own_backend(monkeypatch):
     lock = threading.Lock()
     entry = backends._OPS["pack"]
     for name, impl in list(entry.impls.items()):
+
         def fn(*args, _fn=impl.forward_fn, _name=name):
             with lock:
                 ran.setdefault(threading.current_thread().name, []).append(_name)
             return _fn(*args)
+
         monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=fn))
     lengths = [5, 0, 1, 97, 12]
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(len(lengths), 97, 33, generator=gen, device="cuda")
     expected = torch.cat([x[b, :n] for b, n in enumerate(lengths)])
-    usable = ["auto", "torch"] + [b for b in ("triton", "cuda") if not ragged.explain(ragged.pack, x,
-                                                                                        lengths=lengths)[b]]
+    usable = ["auto", "torch"] + [
+        b for b in ("triton", "cuda") if not ragged.explain(ragged.pack, x, lengths=lengths)[b]
+    ]
     barrier = threading.Barrier(len(usable))
     results, errors = {}, []
 
@@ -354,14 +360,17 @@ def test_get_backend_stays_cheap():
 _TESTS = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("environ, profile", [
-    ({}, "dev"),
-    ({"CI": "true"}, "ci"),
-    ({"CI": "1", "HYPOTHESIS_PROFILE": "dev"}, "ci"),
-    ({"CI": "false"}, "dev"),
-    ({"HYPOTHESIS_PROFILE": "ci"}, "ci"),
-    ({"HYPOTHESIS_PROFILE": "dev"}, "dev"),
-])
+@pytest.mark.parametrize(
+    "environ, profile",
+    [
+        ({}, "dev"),
+        ({"CI": "true"}, "ci"),
+        ({"CI": "1", "HYPOTHESIS_PROFILE": "dev"}, "ci"),
+        ({"CI": "false"}, "dev"),
+        ({"HYPOTHESIS_PROFILE": "ci"}, "ci"),
+        ({"HYPOTHESIS_PROFILE": "dev"}, "dev"),
+    ],
+)
 def test_hypothesis_profile_for_the_environment(environ, profile):
     import conftest
 
@@ -394,8 +403,9 @@ def test_ci_profile_draws_the_same_examples_every_run(environ):
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE")}
     env.update(environ)
-    out = subprocess.run([sys.executable, "-c", script, str(_TESTS)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(_TESTS)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "True", "True", "True"]
 
@@ -414,8 +424,11 @@ def test_no_test_module_overrides_the_profile():
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
             if name != "settings":
                 continue
-            offenders += [f"{path.name}:{node.lineno} settings({kw.arg}=...)" for kw in node.keywords
-                          if kw.arg in ("derandomize", "database")]
+            offenders += [
+                f"{path.name}:{node.lineno} settings({kw.arg}=...)"
+                for kw in node.keywords
+                if kw.arg in ("derandomize", "database")
+            ]
     assert not offenders, offenders
 
 
@@ -424,10 +437,17 @@ def test_auto_on_cuda_follows_the_ranks_declared_beside_the_kernels():
     lowest first, the torch reference last (the orders measured in bench/results)."""
     import ragged  # noqa: F401  (every backend registered)
 
-    expected = {"pack": ("cuda", "triton", "torch"), "unpack": ("cuda", "triton", "torch"),
-                "bias_act": ("cuda", "triton", "torch"), "add_layer_norm": ("cuda", "triton", "torch"),
-                "vocab_projection": ("triton", "torch"), "vocab_cross_entropy": ("triton", "torch"),
-                "pool": ("triton", "torch"), "rotary_embedding": ("triton", "torch"), "gated_act": ("triton", "torch")}
+    expected = {
+        "pack": ("cuda", "triton", "torch"),
+        "unpack": ("cuda", "triton", "torch"),
+        "bias_act": ("cuda", "triton", "torch"),
+        "add_layer_norm": ("cuda", "triton", "torch"),
+        "vocab_projection": ("triton", "torch"),
+        "vocab_cross_entropy": ("triton", "torch"),
+        "pool": ("triton", "torch"),
+        "rotary_embedding": ("triton", "torch"),
+        "gated_act": ("triton", "torch"),
+    }
     for op, order in expected.items():
         assert backends.op_entry(op).gpu_preference(None) == order, op
     for op in backends.op_names():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-
+from conftest import TRITON_ON_CPU
 
 from bench import measure, report
 from bench.__main__ import main
@@ -23,7 +23,6 @@ from bench.harness import (
     copy_impl,
     run_suite,
 )
-from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
@@ -98,8 +97,16 @@ def test_rows_filter_runs_only_the_named_rows():
 def test_reports(tmp_path):
     suite = _Toy()
     rows = run_suite(suite, FAST, CEILING)
-    env = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
-           "cupy": None, "git_commit": None}
+    env = {
+        "device_name": "cpu",
+        "device": "cpu",
+        "date": "d",
+        "torch": "t",
+        "triton": "t",
+        "cuda": None,
+        "cupy": None,
+        "git_commit": None,
+    }
     doc = report.suite_document(suite, rows, FAST, env, CEILING)
     report.write_json(tmp_path / "toy.json", doc)
     loaded = json.loads((tmp_path / "toy.json").read_text())
@@ -133,10 +140,15 @@ def test_more_rounds_report_the_median_and_spread_round_robin(monkeypatch):
         return next(times[name])
 
     monkeypatch.setattr(H, "median_ms", fake_median)
-    impls = [H.Impl("a", "baseline", lambda: "a"), H.Impl("b", "ragged", lambda: "b"),
-             H.Impl("c", "ragged", lambda: "c")]
-    rows = [H.Row("s", "case", "g", {}, i.name, i.kind, "ok", median_ms=m, flops=10**9)
-            for i, m in zip(impls, (3.0, 2.0, 1.0))]
+    impls = [
+        H.Impl("a", "baseline", lambda: "a"),
+        H.Impl("b", "ragged", lambda: "b"),
+        H.Impl("c", "ragged", lambda: "c"),
+    ]
+    rows = [
+        H.Row("s", "case", "g", {}, i.name, i.kind, "ok", median_ms=m, flops=10**9)
+        for i, m in zip(impls, (3.0, 2.0, 1.0))
+    ]
     rows[2].status = "failed"  # not timed again
     H._more_rounds(impls, rows, 3, H.Config(torch.device("cpu")))
     assert order == ["a", "b", "a", "b"]  # round-robin
@@ -155,8 +167,12 @@ def _git_repo(path):
     import subprocess
 
     path.mkdir(parents=True, exist_ok=True)
-    run = lambda *args: subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,  # noqa: E731
-                                       text=True).stdout.strip()
+    run = lambda *args: subprocess.run(
+        ["git", "-C", str(path), *args],
+        check=True,
+        capture_output=True,  # noqa: E731
+        text=True,
+    ).stdout.strip()
     run("init", "-q")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "outer")
     return run("rev-parse", "HEAD")
@@ -257,8 +273,10 @@ def test_settle_absolute_floor(monkeypatch):
 
     times = iter([0.0100, 0.0105, 0.0099])
     monkeypatch.setattr(measure, "short_median_ms", lambda fn, device, rep_ms: next(times))
-    assert H.settle(lambda: None, CPU, H.Timing(0, 0, settle_rep_ms=1, settle_abs_ms=0.001, settle_max_s=60)) \
-        == [0.0100, 0.0105]
+    assert H.settle(lambda: None, CPU, H.Timing(0, 0, settle_rep_ms=1, settle_abs_ms=0.001, settle_max_s=60)) == [
+        0.0100,
+        0.0105,
+    ]
 
 
 def test_rows_are_timed_after_the_check_and_the_warm_up(monkeypatch):
@@ -330,6 +348,7 @@ def test_cpu_copy_row_is_the_faster_of_two_timings(monkeypatch):
     import bench.harness as H
 
     copy_times = iter([2.0, 1.0])
+
     def fake_median(fn, device, timing):
         return next(copy_times) if fn().dtype == torch.uint8 else 1.5  # the copy row copies bytes
 
@@ -343,9 +362,21 @@ def test_cpu_copy_row_is_the_faster_of_two_timings(monkeypatch):
     assert {r.impl: r for r in run_suite(suite, FAST, None)}["copy (same bytes)"].median_ms == 1.0
 
 
-CPU_ENV = {"device_name": "Test CPU 9000", "device": "cpu", "cpu_name": "Test CPU 9000", "cpu_count": 2,
-           "torch_threads": 1, "date": "d", "torch": "t", "triton": "t", "cuda": None, "cupy": None,
-           "git_commit": "abc", "git_dirty": False, "git_commit_source": "git"}
+CPU_ENV = {
+    "device_name": "Test CPU 9000",
+    "device": "cpu",
+    "cpu_name": "Test CPU 9000",
+    "cpu_count": 2,
+    "torch_threads": 1,
+    "date": "d",
+    "torch": "t",
+    "triton": "t",
+    "cuda": None,
+    "cupy": None,
+    "git_commit": "abc",
+    "git_dirty": False,
+    "git_commit_source": "git",
+}
 GPU_ENV = {**CPU_ENV, "device": "cuda", "device_name": "NVIDIA H200"}
 
 
@@ -386,7 +417,9 @@ def test_cpu_name_from_proc_cpuinfo(monkeypatch, tmp_path):
 def test_default_cpu_cases_are_past_the_overhead():
     """Without --quick the CPU cases are sized to measure something (the tiny ones, all
     per-call overhead, are --quick's); every suite has some."""
-    from bench.suites import attention as A, encoder as E, pack as P
+    from bench.suites import attention as A
+    from bench.suites import encoder as E
+    from bench.suites import pack as P
 
     cpu = Config(CPU)
     for name in ("pack", "attention", "vocab", "encoder", "pool"):
@@ -452,14 +485,22 @@ def _overlap(a, b):
 def _encoder_like_rows():
     """Rows of two cases with a ceiling row of other (10x more) work, as the encoder's GEMM."""
     rows = []
-    for case in ("inference long case name B=64 L~lognormal(1..512) mean=131 d=768 h=12 ff=3072 x12",
-                 "inference another case B=1000 L=8..32 mean=20 d=768 h=12 ff=3072 x12"):
-        for impl, kind, tflops, flops in (("padded", "baseline", 0.004, 10), ("ragged", "ragged", 0.012, 10),
-                                          ("dense equal tokens", "ceiling", 0.02, 10),
-                                          ("GEMM ceiling (torch.mm 256^3 fp32)", "ceiling", 0.1, 99)):
+    for case in (
+        "inference long case name B=64 L~lognormal(1..512) mean=131 d=768 h=12 ff=3072 x12",
+        "inference another case B=1000 L=8..32 mean=20 d=768 h=12 ff=3072 x12",
+    ):
+        for impl, kind, tflops, flops in (
+            ("padded", "baseline", 0.004, 10),
+            ("ragged", "ragged", 0.012, 10),
+            ("dense equal tokens", "ceiling", 0.02, 10),
+            ("GEMM ceiling (torch.mm 256^3 fp32)", "ceiling", 0.1, 99),
+        ):
             params = {"d_model": 32, "nhead": 2, "dim_feedforward": 64, "layers": 2, "dtype": "fp32"}
-            rows.append(report.Row("encoder", case, "inference", params, impl, kind, "ok", median_ms=1.0, flops=flops,
-                                   tflops=tflops))
+            rows.append(
+                report.Row(
+                    "encoder", case, "inference", params, impl, kind, "ok", median_ms=1.0, flops=flops, tflops=tflops
+                )
+            )
     return rows
 
 
@@ -472,8 +513,9 @@ def test_plot_names_the_device_and_nothing_overlaps_or_is_cut(monkeypatch, tmp_p
     texts = _texts(fig)
     for t in texts:  # nothing cut at the figure's edges
         ext = t.get_window_extent(renderer)
-        assert ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1 and ext.y0 >= box.y0 - 1 and ext.y1 <= box.y1 + 1, \
+        assert ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1 and ext.y0 >= box.y0 - 1 and ext.y1 <= box.y1 + 1, (
             t.get_text()
+        )
     suptitle = fig._suptitle.get_window_extent(renderer)
     for ax in fig.axes:
         if ax.get_visible():
@@ -527,8 +569,14 @@ def test_plot_committed_gpu_results(monkeypatch, tmp_path):
         doc = json.loads(f.read_text())
         rows = [Row(**r) for r in doc["rows"]]
         c = doc["copy_ceiling"]
-        fig = _render(monkeypatch, tmp_path, SUITES[doc["suite"]], rows, doc["env"],
-                      None if c is None else CopyCeiling(c["bytes"], c["median_ms"]))
+        fig = _render(
+            monkeypatch,
+            tmp_path,
+            SUITES[doc["suite"]],
+            rows,
+            doc["env"],
+            None if c is None else CopyCeiling(c["bytes"], c["median_ms"]),
+        )
         assert doc["env"]["device_name"] in fig._suptitle.get_text()
         renderer, box = fig.canvas.get_renderer(), fig.bbox
         for t in _texts(fig):
@@ -546,8 +594,12 @@ def test_ab_compares_the_ragged_rows_of_two_trees(tmp_path):
     def write(tree, r, rows):
         folder = tmp_path / tree / f"r{r}"
         folder.mkdir(parents=True)
-        doc = {"rows": [{"suite": "s", "case": c, "impl": "ragged x", "kind": k, "status": "ok", "median_ms": ms}
-                        for c, k, ms in rows]}
+        doc = {
+            "rows": [
+                {"suite": "s", "case": c, "impl": "ragged x", "kind": k, "status": "ok", "median_ms": ms}
+                for c, k, ms in rows
+            ]
+        }
         (folder / "s.json").write_text(json.dumps(doc))
 
     write("base", 1, [("a", "ragged", 1.0), ("b", "ragged", 2.0), ("c", "baseline", 9.0)])

@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-
+from conftest import TRITON_ON_CPU
 
 from bench import report
 from bench.harness import SUITES, Config, CopyCeiling, Timing, run_suite
 from bench.suites import attention as A
-from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
@@ -35,8 +34,9 @@ def test_attention_suite_on_cpu():
     for case in cases:
         torch_row = by[(case.name, "ragged torch")]
         assert torch_row.status == "ok" and torch_row.median_ms > 0 and torch_row.tflops > 0
-        assert torch_row.flops == A.attention_flops(A.draw_lengths(TINY), TINY.heads, TINY.head_dim,
-                                                    case.params["causal"], case.params["pass"] == "fwd+bwd")
+        assert torch_row.flops == A.attention_flops(
+            A.draw_lengths(TINY), TINY.heads, TINY.head_dim, case.params["causal"], case.params["pass"] == "fwd+bwd"
+        )
         measured = {r.impl for r in rows if r.case == case.name and r.kind == "baseline" and r.status == "ok"}
         assert measured == set(A.CPU_BASELINES)
         assert set(torch_row.speedup) == measured
@@ -122,8 +122,16 @@ def test_nested_baseline_on_cpu():
 def test_speedup_table_in_markdown():
     suite = SUITES["attention"]
     rows = run_suite(suite, FAST, CEILING, cases=suite.cases(FAST)[:1])
-    env = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
-           "cupy": None, "git_commit": None}
+    env = {
+        "device_name": "cpu",
+        "device": "cpu",
+        "date": "d",
+        "torch": "t",
+        "triton": "t",
+        "cuda": None,
+        "cupy": None,
+        "git_commit": None,
+    }
     md = report.markdown(suite, rows, env, CEILING)
     assert "## Speedup over each baseline" in md and f"`{A.SDPA_MASKED}`" in md
     baselines, body = report.speedup_table(rows)

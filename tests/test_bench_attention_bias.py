@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TRITON_ON_CPU
 
 from bench.harness import SUITES, Config, Timing, run_suite
 from bench.suites import attention_bias as AB
-from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))

@@ -30,8 +30,9 @@ def test_every_row_ran_and_reports_its_columns(run):
     code, md, doc = run
     rows = doc["rows"]
     assert code == 0, [r.get("error") for r in rows]
-    assert [(r["workload"], r["world"], r["impl"]) for r in rows] == \
-        [(w, n, i) for w in WORKLOADS for n in WORLDS for i in D.ROWS]
+    assert [(r["workload"], r["world"], r["impl"]) for r in rows] == [
+        (w, n, i) for w in WORKLOADS for n in WORLDS for i in D.ROWS
+    ]
     for r in rows:
         assert r["status"] == "ok" and r["steps"] >= 1
         for key in ("tokens_per_s_per_rank", "sequences_per_s_per_rank", "step_ms", "local_ms"):
@@ -65,13 +66,17 @@ def _expected_tokens(doc, row) -> list[int]:
     out = []
     for rank in range(row["world"]):
         if row["impl"] == D.BALANCED:
-            batches = list(TokenBudgetSampler(lengths.tolist(), w["budget"], shuffle=True, seed=0,
-                                              num_replicas=row["world"], rank=rank))
+            batches = list(
+                TokenBudgetSampler(
+                    lengths.tolist(), w["budget"], shuffle=True, seed=0, num_replicas=row["world"], rank=rank
+                )
+            )
         else:
-            order = list(DistributedSampler(range(len(lengths)), num_replicas=row["world"], rank=rank,
-                                            shuffle=True, seed=0))
-            batches = [order[i:i + per_rank] for i in range(0, len(order) - per_rank + 1, per_rank)]
-        timed = batches[w["warmup"]:w["warmup"] + row["steps"]]
+            order = list(
+                DistributedSampler(range(len(lengths)), num_replicas=row["world"], rank=rank, shuffle=True, seed=0)
+            )
+            batches = [order[i : i + per_rank] for i in range(0, len(order) - per_rank + 1, per_rank)]
+        timed = batches[w["warmup"] : w["warmup"] + row["steps"]]
         assert len(timed) == row["steps"]
         out.append(int(sum(lengths[b].sum() for b in timed)))
     return out

@@ -17,8 +17,16 @@ FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 CEILING = CopyCeiling(bytes=2 << 20, median_ms=0.1)
 TINY = E.CPU_QUICK_SHAPES[0]  # the case of FAST (--quick): tiny
 SMALL = E.Shape("small", torch.float32, E.Model(8, 2, 16, 2), 3, 2, 5)
-ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
-       "cupy": None, "git_commit": None}
+ENV = {
+    "device_name": "cpu",
+    "device": "cpu",
+    "date": "d",
+    "torch": "t",
+    "triton": "t",
+    "cuda": None,
+    "cupy": None,
+    "git_commit": None,
+}
 
 INFERENCE_ROWS = [E.PADDED, E.PADDED_FAST, E.NESTED, E.DENSE, E.RAGGED, E.RAGGED_PADDED]
 TRAINING_ROWS = [E.PADDED, E.DENSE, E.RAGGED]
@@ -51,8 +59,13 @@ def test_gpu_cases():
     suite = SUITES["encoder"]
     cases = suite.cases(gpu)
     shapes = [(c.group, c.params["B"], c.params["lengths"]) for c in cases]
-    assert shapes == [(E.INFERENCE, 256, "uniform"), (E.INFERENCE, 1000, "uniform"), (E.INFERENCE, 64, "lognormal"),
-                      (E.TRAINING, 1000, "uniform"), (E.TRAINING, 64, "lognormal")]
+    assert shapes == [
+        (E.INFERENCE, 256, "uniform"),
+        (E.INFERENCE, 1000, "uniform"),
+        (E.INFERENCE, 64, "lognormal"),
+        (E.TRAINING, 1000, "uniform"),
+        (E.TRAINING, 64, "lognormal"),
+    ]
     for c in cases:
         p = c.params
         assert (p["d_model"], p["nhead"], p["dim_feedforward"], p["layers"]) == (768, 12, 3072, 12)
@@ -92,7 +105,7 @@ def test_encoder_suite_on_cpu(cpu_rows):
         case_rows = {r.impl: r for r in rows if r.case == case.name}
         ceiling = case_rows.pop(E.gemm_ceiling_name(256, torch.float32))
         assert list(case_rows) == expected
-        assert ceiling.flops == 2 * 256 ** 3
+        assert ceiling.flops == 2 * 256**3
         assert ceiling.tflops == pytest.approx(ceiling.flops / (ceiling.median_ms * 1e-3) / 1e12)
         padded, dense = case_rows[E.PADDED], case_rows[E.DENSE]
         for r in case_rows.values():
@@ -114,7 +127,7 @@ def test_flops_by_hand():
     assert E.encoder_flops([2, 3], model, backward=False) == 2 * (1280 + 208) == 2976
     assert E.encoder_flops([2, 3], model, backward=True) == 3 * 2976
     bert = E.BERT_BASE
-    per_token_layer = 2 * (4 * 768 ** 2 + 2 * 768 * 3072)  # 2 flops per weight per token
+    per_token_layer = 2 * (4 * 768**2 + 2 * 768 * 3072)  # 2 flops per weight per token
     assert E.encoder_flops([1], bert, False) == 12 * (per_token_layer + 4 * 768)
 
 
@@ -260,6 +273,7 @@ def test_gpu_clocks_reads_nvidia_smi_and_gives_up_quietly(monkeypatch):
         def run(cmd, **kwargs):
             calls.append(cmd[1])
             return subprocess.CompletedProcess(cmd, 0, stdout=text(cmd[1]), stderr="")
+
         return run
 
     monkeypatch.setattr(env.subprocess, "run", answer(lambda target: "1755, 412.37\n"))

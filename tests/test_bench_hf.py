@@ -20,11 +20,30 @@ from bench.suites import hf as H  # noqa: E402
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
-ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
-       "cupy": None, "git_commit": None}
+ENV = {
+    "device_name": "cpu",
+    "device": "cpu",
+    "date": "d",
+    "torch": "t",
+    "triton": "t",
+    "cuda": None,
+    "cupy": None,
+    "git_commit": None,
+}
 HAS_ST = importlib.util.find_spec("sentence_transformers") is not None
-SKIPPED_ON_CPU = (H.HF_COMPILED, H.HF_EAGER_COMPILED, H.ST_FA2, H.HF_FA2, H.RAG_GRAPHED_DATA, H.RAG_GRAPHED_SORTED, H.RAG_GRAPHED_8, H.RAG_ST_GRAPHED,
-                  H.ST_COMPILED_32, H.RAG_ST_GRAPHED_32, H.RAG_GRAPHED_TRAIN)
+SKIPPED_ON_CPU = (
+    H.HF_COMPILED,
+    H.HF_EAGER_COMPILED,
+    H.ST_FA2,
+    H.HF_FA2,
+    H.RAG_GRAPHED_DATA,
+    H.RAG_GRAPHED_SORTED,
+    H.RAG_GRAPHED_8,
+    H.RAG_ST_GRAPHED,
+    H.ST_COMPILED_32,
+    H.RAG_ST_GRAPHED_32,
+    H.RAG_GRAPHED_TRAIN,
+)
 GRAPHED = tuple(name for name in SKIPPED_ON_CPU if "graphed" in name)
 
 
@@ -84,8 +103,15 @@ def test_gpu_cases():
     """The GPU workloads; listing cases allocates nothing on the device."""
     suite = SUITES["hf"]
     cases = suite.cases(Config(torch.device("cuda")))
-    assert [c.group for c in cases] == [H.EMBEDDING, H.EMBEDDING, H.FINE_TUNE, H.CAUSAL_LM, H.MODERN, H.MPNET,
-                                        H.DECODER]
+    assert [c.group for c in cases] == [
+        H.EMBEDDING,
+        H.EMBEDDING,
+        H.FINE_TUNE,
+        H.CAUSAL_LM,
+        H.MODERN,
+        H.MPNET,
+        H.DECODER,
+    ]
     assert {c.params["dtype"] for c in cases} == {"bf16"}
     decoder = cases[-1].params
     assert 550e6 <= H.QWEN3_06B.params() <= 650e6 and decoder["model"] == H.QWEN3_06B.name()
@@ -106,8 +132,13 @@ def test_gpu_cases():
     assert (cases[4].params["texts"], cases[4].params["batch"]) == (2048, 32)
     quick = suite.cases(Config(torch.device("cuda"), quick=True))
     assert [(c.group, c.params.get("texts"), c.params.get("steps")) for c in quick] == [
-        (H.EMBEDDING, 3000, None), (H.FINE_TUNE, None, 4), (H.CAUSAL_LM, None, 2), (H.MODERN, 512, None),
-        (H.MPNET, 3000, None), (H.DECODER, 1024, None)]
+        (H.EMBEDDING, 3000, None),
+        (H.FINE_TUNE, None, 4),
+        (H.CAUSAL_LM, None, 2),
+        (H.MODERN, 512, None),
+        (H.MPNET, 3000, None),
+        (H.DECODER, 1024, None),
+    ]
     fp16 = suite.cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))
     assert {c.params["dtype"] for c in fp16} == {"fp16"}
 
@@ -207,9 +238,12 @@ def test_texts_tokenize_to_their_lengths():
 
 
 def test_pad_batch():
-    seqs = [{"input_ids": [], "token_type_ids": []}, {"input_ids": [5], "token_type_ids": [1]},
-            {"input_ids": [7, 8, 9, 4, 2], "token_type_ids": [0, 0, 1, 1, 1]}, {"input_ids": np.array([3, 6]),
-                                                                                 "token_type_ids": np.array([1, 0])}]
+    seqs = [
+        {"input_ids": [], "token_type_ids": []},
+        {"input_ids": [5], "token_type_ids": [1]},
+        {"input_ids": [7, 8, 9, 4, 2], "token_type_ids": [0, 0, 1, 1, 1]},
+        {"input_ids": np.array([3, 6]), "token_type_ids": np.array([1, 0])},
+    ]
     b = H.pad_batch(seqs, ("input_ids", "token_type_ids"), pad_id=99, labels=True)
     assert all(t.shape == (4, 5) and t.dtype == torch.int64 for t in b.values())
     for i, s in enumerate(seqs):

@@ -54,8 +54,9 @@ def hf_run(request, tmp_path_factory):
         mp.setattr(SUITES["hf"], "dropout", 0.0)
         threads = torch.get_num_threads()
         try:
-            code, text = _run(tmp, mp, ["--suite", "hf", "--quick", "--no-plots", "--out", str(tmp / "out")],
-                              request.param)
+            code, text = _run(
+                tmp, mp, ["--suite", "hf", "--quick", "--no-plots", "--out", str(tmp / "out")], request.param
+            )
         finally:
             torch.set_num_threads(threads)
     doc = json.loads((tmp / "out" / "hf.json").read_text())
@@ -96,10 +97,11 @@ def test_hf_output_is_short_and_true(hf_run):
         if r.kind == "ragged" and r.status == "ok" and len(r.impl) <= C.MIN_NAME:
             found = [x for x in lines if x.startswith(f"  {r.impl} ") and report._fmt_ms(r.median_ms) in x]
             assert found and all(x.endswith(report.verdict(r)) for x in found), (r.impl, found)
-    summary = " ".join(text[text.index("\nsummary: ") + 1:].split())
+    summary = " ".join(text[text.index("\nsummary: ") + 1 :].split())
     t = C.tally(rows)
-    assert f"{t.faster + t.slower} ragged rows timed against a baseline: {t.faster} faster, {t.slower} slower" \
-        in summary, summary
+    assert (
+        f"{t.faster + t.slower} ragged rows timed against a baseline: {t.faster} faster, {t.slower} slower" in summary
+    ), summary
     assert f"{t.failed} failed" in summary and f"{sum(t.skipped.values())} rows skipped" in summary, summary
 
 
@@ -126,8 +128,9 @@ class _Broken(Suite):
 
     def build(self, case, config):
         x = torch.arange(4.0)
-        return Workload([Impl("baseline", "baseline", lambda: x * 1), Impl("wrong", "ragged", lambda: x + 1)],
-                        reference=x, flops=4)
+        return Workload(
+            [Impl("baseline", "baseline", lambda: x * 1), Impl("wrong", "ragged", lambda: x + 1)], reference=x, flops=4
+        )
 
 
 def test_a_failed_check_gives_exit_status_1(tmp_path, monkeypatch):
@@ -138,11 +141,22 @@ def test_a_failed_check_gives_exit_status_1(tmp_path, monkeypatch):
 
 def test_ddp_targets_are_not_judged_on_cpu():
     def row(world, impl, tokens, spread):
-        return {"workload": "lm", "world": world, "impl": impl, "status": "ok", "tokens_per_s_per_rank": tokens,
-                "spread_ms": spread, "first_loss": 1.0}
+        return {
+            "workload": "lm",
+            "world": world,
+            "impl": impl,
+            "status": "ok",
+            "tokens_per_s_per_rank": tokens,
+            "spread_ms": spread,
+            "first_loss": 1.0,
+        }
 
-    rows = [row(1, D.PADDED, 100.0, 0.0), row(1, D.BALANCED, 100.0, 0.0), row(2, D.PADDED, 100.0, 3.0),
-            row(2, D.BALANCED, 10.0, 3.0)]
+    rows = [
+        row(1, D.PADDED, 100.0, 0.0),
+        row(1, D.BALANCED, 100.0, 0.0),
+        row(2, D.PADDED, 100.0, 3.0),
+        row(2, D.BALANCED, 10.0, 3.0),
+    ]
     D.derive(rows, on_gpu=False)
     assert rows[3]["targets"] == "GPU targets, not evaluated on CPU"
     D.derive(rows, on_gpu=True)
@@ -151,8 +165,13 @@ def test_ddp_targets_are_not_judged_on_cpu():
 
 def test_overhead_on_cpu_gives_no_verdict(tmp_path, capsys, monkeypatch):
     every = overhead.rows  # the budgeted rows and the torch ones, not Triton's (interpreted on CPU: slow)
-    monkeypatch.setattr(overhead, "rows", lambda dev: ((n, fn) for n, fn in every(dev) if "triton" not in n
-                                                       and (n in overhead.BUDGETS or n.startswith("torch"))))
+    monkeypatch.setattr(
+        overhead,
+        "rows",
+        lambda dev: (
+            (n, fn) for n, fn in every(dev) if "triton" not in n and (n in overhead.BUDGETS or n.startswith("torch"))
+        ),
+    )
     out = tmp_path / "overhead.md"
     assert overhead.main(["--device", "cpu", "--calls", "2", "--out", str(out)]) == 0
     md = out.read_text()
@@ -168,16 +187,25 @@ def test_speedup_targets_are_judged_on_a_gpu_only():
     medians = {H.RAG_SORTED: 1.0, H.HF_SORTED: 3.0, H.RAG_DATA: 1.0, H.HF_DATA: 2.0}
     assert speedup_notes(targets, medians, on_gpu=True) == {
         H.RAG_SORTED: [f">=2.5x {H.HF_SORTED}: 3.00x met", f">=1.25x {H.HF_COMPILED}: baseline did not run"],
-        H.RAG_DATA: [f">=4x {H.HF_DATA}: 2.00x MISSED"]}
-    assert speedup_notes(targets, medians, on_gpu=False) == {H.RAG_SORTED: [NOT_EVALUATED],
-                                                             H.RAG_DATA: [NOT_EVALUATED]}
+        H.RAG_DATA: [f">=4x {H.HF_DATA}: 2.00x MISSED"],
+    }
+    assert speedup_notes(targets, medians, on_gpu=False) == {H.RAG_SORTED: [NOT_EVALUATED], H.RAG_DATA: [NOT_EVALUATED]}
 
 
 # --------------------------------------------------------------------------------------
 # The compact CPU table and the summary, on rows made here (their numbers chosen)
 
-CPU_ENV = {"device_name": "Test CPU", "device": "cpu", "cpu_name": "Test CPU", "date": "d", "torch": "t",
-           "triton": "t", "cuda": None, "cupy": None, "git_commit": None}
+CPU_ENV = {
+    "device_name": "Test CPU",
+    "device": "cpu",
+    "cpu_name": "Test CPU",
+    "date": "d",
+    "torch": "t",
+    "triton": "t",
+    "cuda": None,
+    "cupy": None,
+    "git_commit": None,
+}
 LONG = "a baseline with a very long name that no terminal column of the compact table can hold whole"
 
 
@@ -190,20 +218,39 @@ class _Made(Suite):
 
 
 def _row(case, impl, kind, ms=None, status="ok", reason=None, versus=None):
-    return Row("made", case, "g", {}, impl, kind, status, reason=reason, median_ms=ms, flops=None if ms is None
-               else 10**9, tflops=None if ms is None else 1e-3 / ms, versus=versus)
+    return Row(
+        "made",
+        case,
+        "g",
+        {},
+        impl,
+        kind,
+        status,
+        reason=reason,
+        median_ms=ms,
+        flops=None if ms is None else 10**9,
+        tflops=None if ms is None else 1e-3 / ms,
+        versus=versus,
+    )
 
 
 def _made_rows():
     """Case 1: a faster and a slower ragged row, a graphed row skipped off CUDA, a failed row and a
     baseline whose name is too long for any column. Case 2 (batch 8 beside batch 256): the ragged
     batch-8 row is compared with the batch-8 baseline only."""
-    one = [_row("case one B=4", "padded", "baseline", 2.0), _row("case one B=4", LONG, "baseline", 1.0),
-           _row("case one B=4", "ragged fast", "ragged", 0.5), _row("case one B=4", "ragged slow", "ragged", 4.0),
-           _row("case one B=4", "ragged graphed", "ragged", status="skipped", reason="CUDA graphs: runs on CUDA"),
-           _row("case one B=4", "ragged broken", "ragged", status="failed", reason="wrong output: 3 of 8 differ")]
-    two = [_row("case two", "HF, batch 8", "baseline", 1.0), _row("case two", "HF, batch 256", "baseline", 0.1),
-           _row("case two", "ragged, batch 8", "ragged", 0.8, versus=["HF, batch 8"])]
+    one = [
+        _row("case one B=4", "padded", "baseline", 2.0),
+        _row("case one B=4", LONG, "baseline", 1.0),
+        _row("case one B=4", "ragged fast", "ragged", 0.5),
+        _row("case one B=4", "ragged slow", "ragged", 4.0),
+        _row("case one B=4", "ragged graphed", "ragged", status="skipped", reason="CUDA graphs: runs on CUDA"),
+        _row("case one B=4", "ragged broken", "ragged", status="failed", reason="wrong output: 3 of 8 differ"),
+    ]
+    two = [
+        _row("case two", "HF, batch 8", "baseline", 1.0),
+        _row("case two", "HF, batch 256", "baseline", 0.1),
+        _row("case two", "ragged, batch 8", "ragged", 0.8, versus=["HF, batch 8"]),
+    ]
     for rows in (one, two):
         harness._add_derived(rows, None, False)
     return one + two
@@ -231,9 +278,10 @@ def test_compact_table_says_slower_and_sums_up(width):
     marks = {m for x in lines if x.startswith("  ") for m in re.findall(r"FAILED \[(\d+)\]", x)}
     notes = {m for x in lines for m in re.findall(r"^\[(\d+)\] ", x)}
     assert marks == notes == {"1"} and any(x.startswith("[1] wrong output: 3 of 8 differ") for x in lines)
-    summary = " ".join(" ".join(lines[next(i for i, x in enumerate(lines) if x.startswith("made: ")):]).split())
-    assert summary.startswith("made: 3 ragged rows timed against a baseline: 2 faster, 1 slower than their "
-                              "fastest baseline"), summary
+    summary = " ".join(" ".join(lines[next(i for i, x in enumerate(lines) if x.startswith("made: ")) :]).split())
+    assert summary.startswith(
+        "made: 3 ragged rows timed against a baseline: 2 faster, 1 slower than their fastest baseline"
+    ), summary
     geomean = (2.0 * 0.25 * 1.25) ** (1 / 3)
     assert f"(geomean speedup {geomean:.2f}x)" in summary and "1 failed" in summary, summary
     assert "1 rows skipped (1 need CUDA)" in summary, summary
@@ -255,15 +303,17 @@ def test_cli_output_on_cpu_fits_and_ends_with_a_summary(tmp_path, monkeypatch):
     """``python -m bench`` on CPU, its output to a file: every line within 120 columns, the skipped
     rows on one line per reason, the last lines a summary naming the results folder."""
     out = tmp_path / "o"
-    code, text = _run(tmp_path, monkeypatch, ["--suite", "pack", "pool", "--quick", "--no-plots", "--out", str(out)],
-                      None)
+    code, text = _run(
+        tmp_path, monkeypatch, ["--suite", "pack", "pool", "--quick", "--no-plots", "--out", str(out)], None
+    )
     lines = text.splitlines()
     assert code == 0 and max(map(len, lines)) <= C.WIDTH, max(lines, key=len)
     rows = [Row(**r) for name in ("pack", "pool") for r in json.loads((out / f"{name}.json").read_text())["rows"]]
-    summary = " ".join(text[text.index("\nsummary: ") + 1:].split())
+    summary = " ".join(text[text.index("\nsummary: ") + 1 :].split())
     t = C.tally(rows)
-    assert summary.startswith(f"summary: {t.faster + t.slower} ragged rows timed against a baseline: {t.faster} "
-                              f"faster, {t.slower} slower"), summary
+    assert summary.startswith(
+        f"summary: {t.faster + t.slower} ragged rows timed against a baseline: {t.faster} faster, {t.slower} slower"
+    ), summary
     assert str(out) in summary and f"{sum(t.skipped.values())} rows skipped" in summary
     assert not any(line.rstrip().endswith(" ok") for line in lines)
     assert len(lines) < 30 + len([r for r in rows if r.status != "skipped"]) + len({r.case for r in rows})

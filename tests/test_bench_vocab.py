@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
+from conftest import TRITON_ON_CPU
 
 from bench import report
 from bench.__main__ import main
@@ -29,15 +29,22 @@ from bench.harness import (
     run_suite,
 )
 from bench.suites import vocab as V
-from conftest import TRITON_ON_CPU
 
 CPU = torch.device("cpu")
 FAST = Config(CPU, quick=True, timing=Timing(warmup_ms=0, rep_ms=0, min_reps=1))
 CEILING = CopyCeiling(bytes=2 << 20, median_ms=0.1)
 SMALL, CLAIM = V.CPU_QUICK_SHAPES  # the cases of FAST (--quick)
 TINY = V.Shape("tiny", torch.float32, 3, 2, 5, 32, 300, 10, 40, bias=True)
-ENV = {"device_name": "cpu", "device": "cpu", "date": "d", "torch": "t", "triton": "t", "cuda": None,
-       "cupy": None, "git_commit": None}
+ENV = {
+    "device_name": "cpu",
+    "device": "cpu",
+    "date": "d",
+    "torch": "t",
+    "triton": "t",
+    "cuda": None,
+    "cupy": None,
+    "git_commit": None,
+}
 
 BASELINES = {
     V.FWD: {V.FULL_GATHER, V.FULL_ONLY, V.UNION, V.LOOP},
@@ -82,11 +89,20 @@ def test_gpu_cases_and_dtype_filter():
     cases = SUITES["vocab"].cases(gpu)
     assert [c.group for c in cases] == list(V.GROUPS)
     p = cases[0].params
-    assert (p["dtype"], p["B"], p["min_len"], p["max_len"], p["d"], p["V"], p["min_cands"], p["max_cands"]) == \
-        ("bf16", 64, 16, 64, 1024, 32000, 500, 2000)
+    assert (p["dtype"], p["B"], p["min_len"], p["max_len"], p["d"], p["V"], p["min_cands"], p["max_cands"]) == (
+        "bf16",
+        64,
+        16,
+        64,
+        1024,
+        32000,
+        500,
+        2000,
+    )
     assert p["full_logits_bytes"] == p["T"] * 32000 * 2
-    assert {c.params["dtype"] for c in SUITES["vocab"].cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))} \
-        == {"fp16"}
+    assert {
+        c.params["dtype"] for c in SUITES["vocab"].cases(Config(torch.device("cuda"), dtypes=(torch.float16,)))
+    } == {"fp16"}
     only_bf16 = SUITES["vocab"].cases(Config(CPU, dtypes=(torch.bfloat16,)))
     assert only_bf16 and all(c.params["dtype"] == "bf16" and c.params["claim"] is None for c in only_bf16)
     assert len(SUITES["vocab"].cases(Config(CPU, quick=True, dtypes=(torch.float32,)))) == 4
@@ -217,8 +233,9 @@ def test_vocab_suite_on_cpu(cpu_rows):
         for r in rows:
             if r.case == case.name and r.status == "ok":
                 assert r.extra[V.PEAK_MB] > 0
-                assert r.extra[V.PEAK_PCT] == pytest.approx(100 * r.extra[V.PEAK_MB] * 1e6
-                                                            / case.params["full_logits_bytes"])
+                assert r.extra[V.PEAK_PCT] == pytest.approx(
+                    100 * r.extra[V.PEAK_MB] * 1e6 / case.params["full_logits_bytes"]
+                )
         if group == V.FWD:  # the full projection's output alone is the full logits
             assert by[(case.name, V.FULL_ONLY)].extra[V.PEAK_PCT] >= 99.9
 
@@ -243,9 +260,11 @@ def test_no_verdict_on_a_baseline_row():
     """Whatever the times, a baseline row carries no holds / FAILS."""
     case = next(c for c in SUITES["vocab"].cases(FAST) if c.params["claim"])
     base = dict(suite="vocab", case=case.name, group=case.group, params=case.params, status="ok")
-    rows = [Row(**base, impl=V.FULL_ONLY, kind="baseline", median_ms=10.0),
-            Row(**base, impl="ragged torch", kind="ragged", median_ms=5.0),
-            Row(**base, impl=V.LOOP, kind="baseline", median_ms=5.0)]
+    rows = [
+        Row(**base, impl=V.FULL_ONLY, kind="baseline", median_ms=10.0),
+        Row(**base, impl="ragged torch", kind="ragged", median_ms=5.0),
+        Row(**base, impl=V.LOOP, kind="baseline", median_ms=5.0),
+    ]
     SUITES["vocab"].annotate(case, rows)
     key = V.claim_key(case.params["claim"])
     assert rows[1].extra[key] == "2.0x, FAILS" and rows[2].extra[key] == "2.0x"
@@ -258,8 +277,10 @@ def test_default_cpu_cases_claim_and_size():
     assert [c.group for c in cases] == list(V.GROUPS)
     assert all(c.params["selected_fraction"] < 0.1 and c.params["T"] >= 100 for c in cases)
     assert cases[0].params["claim"] == 8.0
-    assert all(c.params["dtype"] == "bf16" and c.params["claim"] is None
-               for c in SUITES["vocab"].cases(Config(CPU, dtypes=(torch.bfloat16,))))
+    assert all(
+        c.params["dtype"] == "bf16" and c.params["claim"] is None
+        for c in SUITES["vocab"].cases(Config(CPU, dtypes=(torch.bfloat16,)))
+    )
 
 
 def test_markdown_and_json_carry_the_extra_columns(cpu_rows, tmp_path):
@@ -270,7 +291,7 @@ def test_markdown_and_json_carry_the_extra_columns(cpu_rows, tmp_path):
     assert "## Speedup over each baseline" in md and f"`{V.UNION}`" in md
     lines = md.splitlines()
     start = lines.index(header)
-    table = lines[start:lines.index("", start)]
+    table = lines[start : lines.index("", start)]
     cells = {len(re.split(r"(?<!\\)\|", line)) for line in table}
     assert len(cells) == 1  # every row has as many cells as its header
     _, body = report.speedup_table(cpu_rows)
@@ -329,10 +350,17 @@ class _Extra(Suite):
                 raise RuntimeError("no gauge")
             return {"size": 4, "ratio": 0.25, "label": impl.name}
 
-        return Workload(impls=[Impl("good", "ragged", lambda: x.clone()), Impl("bad", "ragged", lambda: x.clone()),
-                               Impl("base", "baseline", lambda: x * 1),
-                               Impl("never", "ragged", skip="not here")],
-                        reference=x, flops=8, extra=extra)
+        return Workload(
+            impls=[
+                Impl("good", "ragged", lambda: x.clone()),
+                Impl("bad", "ragged", lambda: x.clone()),
+                Impl("base", "baseline", lambda: x * 1),
+                Impl("never", "ragged", skip="not here"),
+            ],
+            reference=x,
+            flops=8,
+            extra=extra,
+        )
 
     def annotate(self, case, rows):
         for r in rows:

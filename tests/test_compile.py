@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import cpu_backends
 
 import ragged
-from conftest import cpu_backends
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -83,12 +83,12 @@ def test_eager_path_and_op_path_agree(backend):
     via_op = torch.ops.ragged.pack(x, offsets, 8, False, backend)
     assert torch.equal(eager, via_op)
     w = torch.randn_like(eager)
-    g1, = torch.autograd.grad((eager * w).sum(), x)
-    g2, = torch.autograd.grad((via_op * w).sum(), x)
+    (g1,) = torch.autograd.grad((eager * w).sum(), x)
+    (g2,) = torch.autograd.grad((via_op * w).sum(), x)
     assert torch.equal(g1, g2)
     # double backward through the eager Functions
     v = eager.detach().requires_grad_(True)
     out = ragged.unpack_values(v, offsets, 6, backend=backend)
-    g, = torch.autograd.grad((out * out).sum(), v, create_graph=True)
-    gg, = torch.autograd.grad(g.sum(), v)
+    (g,) = torch.autograd.grad((out * out).sum(), v, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), v)
     assert torch.equal(gg, torch.full_like(v, 2.0))

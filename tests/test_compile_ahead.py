@@ -9,7 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 
-def _kernel(x_ptr, n, BLOCK: "triton.language.constexpr"):  # never compiled here
+def _kernel(x_ptr, n, BLOCK: triton.language.constexpr):  # never compiled here
     pass
 
 

@@ -15,8 +15,8 @@ import torch
 
 import ragged
 from ragged import backends
-from ragged.kernels.cuda import launch as kc
 from ragged.kernels.cuda import fused as cf
+from ragged.kernels.cuda import launch as kc
 from ragged.ops import fused as ops_fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -100,22 +100,25 @@ def test_feature_counts(dtype, gpu_like):
 
 
 def test_row_count(gpu_like):
-    spec = dataclasses.replace(_spec("add_layer_norm", torch.zeros(2, 8, dtype=torch.bfloat16), None, None, None),
-                               rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK + 1)
+    spec = dataclasses.replace(
+        _spec("add_layer_norm", torch.zeros(2, 8, dtype=torch.bfloat16), None, None, None),
+        rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK + 1,
+    )
     _has(backends.implementation("add_layer_norm", "cuda").reasons(spec), "rows")
     assert not backends.implementation("add_layer_norm", "cuda").reasons(
-        dataclasses.replace(spec, rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK))
+        dataclasses.replace(spec, rows=(2**31 - 1) * cf.LN_ROWS_PER_BLOCK)
+    )
 
 
 def test_alignment_and_strides(gpu_like):
     buf = torch.zeros(6, 1024, dtype=torch.bfloat16)
     assert buf.data_ptr() % 16 == 0
-    shifted = buf[:, 1:769]          # base 2 bytes past a 16-byte boundary
+    shifted = buf[:, 1:769]  # base 2 bytes past a 16-byte boundary
     reasons = _ln(shifted, None, None, None)
     assert any("x 16-byte aligned" in r and "2 bytes" in r for r in reasons), reasons
-    odd_rows = torch.zeros(6, 772, dtype=torch.bfloat16)[:, :768]   # 1544-byte rows
+    odd_rows = torch.zeros(6, 772, dtype=torch.bfloat16)[:, :768]  # 1544-byte rows
     _has(_ln(odd_rows, None, None, None), "row strides to be multiples of 16 bytes, got 1544")
-    strided_rows = buf[:, :768]      # 2048-byte rows: fine
+    strided_rows = buf[:, :768]  # 2048-byte rows: fine
     assert _ln(strided_rows, buf[:, 256:], None, None) == []
     _has(_ln(strided_rows, buf[:, 1:769], None, None), "residual 16-byte aligned")
     w = torch.zeros(2 * 768, dtype=torch.bfloat16)
@@ -127,7 +130,7 @@ def test_alignment_and_strides(gpu_like):
     assert _ln(odd_rows[:1], None, None, None) == []
     # bias_act wants x contiguous (its kernel walks x as one run of vectors)
     _has(_ba(strided_rows, None, "gelu"), "contiguous x")
-    reasons = _ba(buf.view(-1)[1:1 + 6 * 768].view(6, 768), w[1:769], "gelu")
+    reasons = _ba(buf.view(-1)[1 : 1 + 6 * 768].view(6, 768), w[1:769], "gelu")
     _has(reasons, "x 16-byte aligned")
     _has(reasons, "bias 16-byte")
     _has(_ba(strided_rows.contiguous(), w[::2], "gelu"), "bias with unit stride")
@@ -155,16 +158,16 @@ def _cases():
     yield x, None, None, None
     yield x, buf[:, 256:1024], p[:768], p[1024:1792]
     yield x.contiguous(), None, p[:768], None
-    yield buf[:, 1:769], None, None, None                     # misaligned base
-    yield torch.zeros(6, 772, dtype=torch.bfloat16)[:, :768], None, None, None   # misaligned rows
-    yield torch.zeros(1, 772, dtype=torch.bfloat16)[:, :768], None, None, None   # one row: fine
+    yield buf[:, 1:769], None, None, None  # misaligned base
+    yield torch.zeros(6, 772, dtype=torch.bfloat16)[:, :768], None, None, None  # misaligned rows
+    yield torch.zeros(1, 772, dtype=torch.bfloat16)[:, :768], None, None, None  # one row: fine
     yield x, buf[:, 1:769], None, None
     yield x, x.float(), None, None
     yield x, None, p[1:769], None
-    yield x, None, p[::2][:768], None                          # strided weight
+    yield x, None, p[::2][:768], None  # strided weight
     yield x, None, None, p[:768].float()
-    yield buf.t()[:768], None, None, None                      # features strided
-    yield torch.zeros(3, 772, dtype=torch.bfloat16), None, None, None   # F not a multiple of 8
+    yield buf.t()[:768], None, None, None  # features strided
+    yield torch.zeros(3, 772, dtype=torch.bfloat16), None, None, None  # F not a multiple of 8
     yield torch.zeros(3, 4104, dtype=torch.bfloat16), None, None, None  # F past the widest row
     yield torch.zeros(3, 4096, dtype=torch.bfloat16), None, None, None
     yield torch.zeros(3, 2052), None, None, None
@@ -178,11 +181,11 @@ def test_the_fast_layout_check_agrees_with_the_full_walk(gpu_like):
     n_takes = 0
     for x, r, w, b in _cases():
         named = (("x", x), ("residual", r), ("weight", w), ("bias", b))
-        assert ops_fused.add_layer_norm_spec(x, r, w, b).layout == ops_fused._layout(named, True), \
-            (x.shape, x.stride())
+        assert ops_fused.add_layer_norm_spec(x, r, w, b).layout == ops_fused._layout(named, True), (x.shape, x.stride())
         for bias in (w, b):
-            full = ((("x", "address", x.data_ptr() % 16),) if x.data_ptr() % 16 else ()) + \
-                ops_fused._layout((("bias", bias),), True)
+            full = ((("x", "address", x.data_ptr() % 16),) if x.data_ptr() % 16 else ()) + ops_fused._layout(
+                (("bias", bias),), True
+            )
             assert ops_fused.bias_act_spec(x, bias, "gelu").layout == full, (x.shape, x.stride())
         n_takes += _ln(x, r, w, b) == []
     assert n_takes == 6
@@ -194,19 +197,27 @@ def test_the_op_reports_the_cuda_reasons_and_auto_takes_torch_on_cpu():
     ba = ragged.explain("bias_act", x, None, "gelu")
     assert set(ln) == set(ba) == {"torch", "triton", "cuda"}
     assert "CUDA tensor" in ln["cuda"][0] and "CUDA tensor" in ba["cuda"][0]
-    _has(ragged.explain("add_layer_norm", x.double(), None, None, None)["cuda"],
-         "cuda add_layer_norm takes float16, bfloat16 and float32, got torch.float64")
-    with pytest.raises(ValueError, match=r"ragged\.add_layer_norm\(\): backend 'cuda' cannot take this input: "
-                                         r"the CUDA kernels need a CUDA tensor"):
+    _has(
+        ragged.explain("add_layer_norm", x.double(), None, None, None)["cuda"],
+        "cuda add_layer_norm takes float16, bfloat16 and float32, got torch.float64",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.add_layer_norm\(\): backend 'cuda' cannot take this input: "
+        r"the CUDA kernels need a CUDA tensor",
+    ):
         ragged.add_layer_norm(x, None, None, None, backend="cuda")
-    with pytest.raises(ValueError, match=r"ragged\.bias_act\(\): backend 'cuda' cannot take this input: "
-                                         r"the CUDA kernels need a CUDA tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.bias_act\(\): backend 'cuda' cannot take this input: "
+        r"the CUDA kernels need a CUDA tensor",
+    ):
         ragged.bias_act(x, None, "gelu", backend="cuda")
     assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "torch"
 
 
 def test_auto_prefers_cuda_then_triton_then_torch_on_cuda_tensors(gpu_like):
-    """"auto" on CUDA tensors: the CUDA forward where it takes the input, else Triton, else torch."""
+    """ "auto" on CUDA tensors: the CUDA forward where it takes the input, else Triton, else torch."""
     backends.register_backend("triton", lambda device: None)
     try:
         x = torch.zeros(4, 768, dtype=torch.bfloat16)
@@ -258,11 +269,22 @@ def test_extras():
 # Launch configuration and arguments (the kernel launch itself replaced by a recorder)
 
 
-@pytest.mark.parametrize("dtype,n_cols,iters", [
-    (torch.bfloat16, 8, 1), (torch.bfloat16, 256, 1), (torch.bfloat16, 264, 2), (torch.bfloat16, 768, 3),
-    (torch.bfloat16, 1024, 4), (torch.float16, 1032, 6), (torch.bfloat16, 2056, 12), (torch.bfloat16, 4096, 16),
-    (torch.float32, 768, 6), (torch.float32, 1024, 8), (torch.float32, 2048, 16),
-])
+@pytest.mark.parametrize(
+    "dtype,n_cols,iters",
+    [
+        (torch.bfloat16, 8, 1),
+        (torch.bfloat16, 256, 1),
+        (torch.bfloat16, 264, 2),
+        (torch.bfloat16, 768, 3),
+        (torch.bfloat16, 1024, 4),
+        (torch.float16, 1032, 6),
+        (torch.bfloat16, 2056, 12),
+        (torch.bfloat16, 4096, 16),
+        (torch.float32, 768, 6),
+        (torch.float32, 1024, 8),
+        (torch.float32, 2048, 16),
+    ],
+)
 def test_layer_norm_takes_the_smallest_iters_that_covers_the_row(dtype, n_cols, iters):
     name, vec = cf.layer_norm_config(dtype, n_cols)
     assert name == f"ragged_add_layer_norm_{cf._TYPES[dtype][0]}_i{iters}" and vec == VEC[dtype]
@@ -278,8 +300,15 @@ class _Recorder:
     def __call__(self, src, kernel, device, grid, block, params, args):
         assert len(args) == len(params.codes)
         params.pack(args)  # every value fits its C type
-        self.calls.append({"src": src, "kernel": kernel, "grid": grid, "block": block,
-                           "args": [a.item() for a in params.scalars(args)]})
+        self.calls.append(
+            {
+                "src": src,
+                "kernel": kernel,
+                "grid": grid,
+                "block": block,
+                "args": [a.item() for a in params.scalars(args)],
+            }
+        )
 
 
 @pytest.fixture
@@ -294,7 +323,7 @@ def recorder(monkeypatch):
 @pytest.mark.parametrize("stats", [True, False])
 def test_layer_norm_arguments(recorder, return_sum, stats):
     buf = torch.zeros(7, 1024, dtype=torch.bfloat16)
-    x = buf[:, :768]                           # strided rows
+    x = buf[:, :768]  # strided rows
     r = torch.zeros(7, 768, dtype=torch.bfloat16)
     w = torch.zeros(768, dtype=torch.bfloat16)
     y, s, mean, rstd = cf.add_layer_norm_forward(x, r, w, None, 1e-5, return_sum, stats=stats)
@@ -388,7 +417,7 @@ def test_launchers_copy_layouts_they_cannot_read(recorder, monkeypatch, layout):
     cf.bias_act_forward(x, b, "none")
     px, pb = recorder.calls[-1]["args"][:2]
     assert px == x.data_ptr() and copies[pb] is b
-    xt = torch.randn(768, 3, generator=gen).t()   # features not contiguous
+    xt = torch.randn(768, 3, generator=gen).t()  # features not contiguous
     cf.add_layer_norm_forward(xt, None, None, None, 1e-5, False)
     args = recorder.calls[-1]["args"]
     assert copies[args[0]] is xt and args[10] == 768  # stride_x of the copy
@@ -448,8 +477,12 @@ def test_the_source_compiles_for_sm90_with_the_expected_entry_points(tmp_path):
     obj = tmp_path / "fused.o"
     src = kc.source("fused.cu")
     (tmp_path / "fused.cu").write_text(src)
-    subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(tmp_path / "fused.cu"), "-o", str(obj)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(tmp_path / "fused.cu"), "-o", str(obj)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     if shutil.which("nm") is None:
         return
     symbols = subprocess.run(["nm", str(obj)], check=True, capture_output=True, text=True).stdout

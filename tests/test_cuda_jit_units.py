@@ -20,15 +20,20 @@ import types
 import pytest
 import torch
 
-from ragged.kernels.cuda import attention as ca, fused as cf, launch as kc, pack as kp
+from ragged.kernels.cuda import attention as ca
+from ragged.kernels.cuda import fused as cf
+from ragged.kernels.cuda import launch as kc
+from ragged.kernels.cuda import pack as kp
 
 SOURCES = ("attention_short.cu", "fused.cu", "pack.cu")
 HAS_NVCC = shutil.which("nvcc") is not None
 needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found")
 # Compiled to sm_90 cubins: one kernel per source, those of a BERT-base bf16 inference.
-SAMPLE = (("attention_short.cu", "ragged_attention_short_pipe_bf16_d64_c32_h4"),
-          ("fused.cu", "ragged_add_layer_norm_bf16_i3"),
-          ("pack.cu", "ragged_unpack_v16_i32"))
+SAMPLE = (
+    ("attention_short.cu", "ragged_attention_short_pipe_bf16_d64_c32_h4"),
+    ("fused.cu", "ragged_add_layer_norm_bf16_i3"),
+    ("pack.cu", "ragged_unpack_v16_i32"),
+)
 # ... and the position-bias variant MPNet's inference takes, compiled alone the same way
 BIAS_SAMPLE = ("attention_short.cu", "ragged_attention_short_pipe_bias_bf16_d64_c32_h4")
 
@@ -63,8 +68,23 @@ def _ask_every_kernel():
                     q = torch.empty((batch, heads, head_dim), dtype=dtype)
                     ca.forward(q, q, q, cu, cu, max_len, max_len, False, None, 0.0, 0)
                     buckets = torch.zeros(2 * max_len - 1, dtype=torch.int32)
-                    ca.forward(q, q, q, cu, cu, max_len, max_len, False, None, 0.0, 0, -1, -1,
-                               torch.zeros((32, heads)), buckets)
+                    ca.forward(
+                        q,
+                        q,
+                        q,
+                        cu,
+                        cu,
+                        max_len,
+                        max_len,
+                        False,
+                        None,
+                        0.0,
+                        0,
+                        -1,
+                        -1,
+                        torch.zeros((32, heads)),
+                        buckets,
+                    )
                     qkv = torch.empty((batch, 3 * heads * head_dim), dtype=dtype)
                     ca.packed_self_attention(qkv, cu, max_len, heads, True, 0.125)
     for dtype, (_, vec) in cf._TYPES.items():
@@ -76,8 +96,13 @@ def _ask_every_kernel():
         for activation in cf.ACTIVATION_NAMES:
             cf.bias_act_forward(torch.empty((3, 32), dtype=dtype), torch.empty(32, dtype=dtype), activation)
     # (dtype, features) whose rows are 16, 8, 4, 2 and 1 bytes
-    for dtype, features in ((torch.float32, 4), (torch.float32, 2), (torch.float32, 1), (torch.float16, 1),
-                            (torch.int8, 1)):
+    for dtype, features in (
+        (torch.float32, 4),
+        (torch.float32, 2),
+        (torch.float32, 1),
+        (torch.float16, 1),
+        (torch.int8, 1),
+    ):
         for offsets_dtype in (torch.int32, torch.int64):
             offsets = torch.tensor([0, 2, 3], dtype=offsets_dtype)
             kp.pack(torch.zeros((2, 4, features), dtype=dtype), offsets, 3, False)
@@ -133,8 +158,11 @@ def test_programs_keep_the_source_lines_and_blank_the_instantiations():
 
 
 def test_unknown_kernel_names_the_source_and_the_kernel():
-    with pytest.raises(ValueError, match=r"csrc/fused\.cu defines no kernel 'ragged_add_layer_norm_bf16_i5'.*"
-                                         r"closest: ragged_add_layer_norm_bf16_i"):
+    with pytest.raises(
+        ValueError,
+        match=r"csrc/fused\.cu defines no kernel 'ragged_add_layer_norm_bf16_i5'.*"
+        r"closest: ragged_add_layer_norm_bf16_i",
+    ):
         kc.program("fused.cu", "ragged_add_layer_norm_bf16_i5")
     with pytest.raises(ValueError, match="csrc/pack.cu defines no kernel 'ragged_bias_act_bf16_relu'"):
         kc.program("pack.cu", "ragged_bias_act_bf16_relu")
@@ -164,13 +192,19 @@ def test_parse_expands_groups_and_skips_comments():
     assert table["k_af_c1"].line == 8 and table["k_b_c2"].line == 9
 
 
-@pytest.mark.parametrize("source,message", [
-    (_TOY + "#if 1\nONE(float, c, 1)\n#endif\n", "inside #if"),
-    (_TOY + "ONE(float, af, 1)\n", "kernel k_af_c1 is also defined at line 8"),
-    ("#define S(N) extern \"C\" __global__ void k_##N() {}\n#define G(N) S(N) int x;\nG(a)\n", "only macro invocations"),
-    ("#define S(N) extern \"C\" __global__ void k_##N() { const char* s = #N; }\nS(a)\n", "'#'"),
-    ("#define S(N) extern \"C\" __global__ void k_##N() {}\nS(a) S(b)\n", "text after the instantiation"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        (_TOY + "#if 1\nONE(float, c, 1)\n#endif\n", "inside #if"),
+        (_TOY + "ONE(float, af, 1)\n", "kernel k_af_c1 is also defined at line 8"),
+        (
+            '#define S(N) extern "C" __global__ void k_##N() {}\n#define G(N) S(N) int x;\nG(a)\n',
+            "only macro invocations",
+        ),
+        ('#define S(N) extern "C" __global__ void k_##N() { const char* s = #N; }\nS(a)\n', "'#'"),
+        ('#define S(N) extern "C" __global__ void k_##N() {}\nS(a) S(b)\n', "text after the instantiation"),
+    ],
+)
 def test_parse_refuses_what_it_cannot_follow(source, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         kc._parse("toy.cu", source)
@@ -265,15 +299,18 @@ def test_precompile_errors_propagate(monkeypatch, fresh_caches):
 
 # An extern "C" definition as nvcc -E writes it (__global__, __launch_bounds__ as attributes); a
 # macro expansion is one line, a group's kernels side by side on it.
-_DEFINITION = re.compile(r'extern\s+"C"\s+__attribute__\(\(global\)\)\s*(?:void\s*|__attribute__\(\((?:[^()]|\([^()]*\))*'
-                         r'\)\)\s*)*([A-Za-z_]\w*)\s*\(')
+_DEFINITION = re.compile(
+    r'extern\s+"C"\s+__attribute__\(\(global\)\)\s*(?:void\s*|__attribute__\(\((?:[^()]|\([^()]*\))*'
+    r"\)\)\s*)*([A-Za-z_]\w*)\s*\("
+)
 
 
 def _preprocess(text: str, path) -> dict[str, str]:
     """kernel name -> its definition in nvcc -E's output of ``text``."""
     path.write_text(text)
-    out = subprocess.run(["nvcc", "-E", "-std=c++17", str(path)], check=True, capture_output=True, text=True,
-                         timeout=120).stdout
+    out = subprocess.run(
+        ["nvcc", "-E", "-std=c++17", str(path)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     found: dict[str, str] = {}
     for line in out.splitlines():
         for piece in re.split(r'(?=\bextern\s+"C")', line):
@@ -292,12 +329,16 @@ def _pool():
 def test_each_program_preprocesses_to_its_kernel_alone_as_in_the_whole_file(tmp_path):
     with _pool() as pool:
         whole = {src: pool.submit(_preprocess, kc.source(src), tmp_path / src) for src in SOURCES}
-        per_kernel = {(src, kernel): pool.submit(_preprocess, prog.text, tmp_path / f"{kernel}.cu")
-                      for src in SOURCES for kernel, prog in kc.programs(src).items()}
+        per_kernel = {
+            (src, kernel): pool.submit(_preprocess, prog.text, tmp_path / f"{kernel}.cu")
+            for src in SOURCES
+            for kernel, prog in kc.programs(src).items()
+        }
     for src in SOURCES:
         definitions = whole[src].result()
-        assert set(definitions) == set(kc.programs(src)), \
+        assert set(definitions) == set(kc.programs(src)), (
             f"kc.programs({src!r}) differs from nvcc -E {src}: {set(definitions) ^ set(kc.programs(src))}"
+        )
     for (src, kernel), future in per_kernel.items():
         got = future.result()
         assert list(got) == [kernel], f"kc.program({src!r}, {kernel!r}): nvcc -E finds {list(got)}"
@@ -307,8 +348,12 @@ def test_each_program_preprocesses_to_its_kernel_alone_as_in_the_whole_file(tmp_
 def _cubin_kernels(text: str, path) -> set[str]:
     path.write_text(text)
     cubin = path.with_suffix(".cubin")
-    subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", str(path), "-o", str(cubin)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        ["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", str(path), "-o", str(cubin)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return {name.decode() for name in re.findall(rb"ragged_[a-z0-9_]+", cubin.read_bytes())}
 
 
@@ -317,7 +362,9 @@ def test_a_sample_of_programs_compiles_alone_for_sm90(tmp_path):
     """What NVRTC does with a program (device code, sm_90), by nvcc: each compiles on its own
     and its cubin holds its kernel and no other."""
     with _pool() as pool:
-        futures = {item: pool.submit(_cubin_kernels, kc.program(*item).text, tmp_path / f"{item[1]}.cu")
-                   for item in (*SAMPLE, BIAS_SAMPLE)}
+        futures = {
+            item: pool.submit(_cubin_kernels, kc.program(*item).text, tmp_path / f"{item[1]}.cu")
+            for item in (*SAMPLE, BIAS_SAMPLE)
+        }
     for (src, kernel), future in futures.items():
         assert future.result() == {kernel}, f"kc.program({src!r}, {kernel!r}): the cubin has {future.result()}"

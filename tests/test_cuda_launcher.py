@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragged.kernels.cuda import launch as kc, pack as kp
+from ragged.kernels.cuda import launch as kc
+from ragged.kernels.cuda import pack as kp
 
 
 def test_every_kernel_the_launcher_asks_for_exists_in_the_source():
@@ -20,9 +21,17 @@ def test_every_kernel_the_launcher_asks_for_exists_in_the_source():
     assert f"__launch_bounds__({kp._THREADS})" in src
 
 
-@pytest.mark.parametrize("quantities,expected", [
-    ((2048, 0, 4096), 16), ((2048, 8), 8), ((6, 0), 2), ((3,), 1), ((16, 16, 4), 4), ((32, 48), 16),
-])
+@pytest.mark.parametrize(
+    "quantities,expected",
+    [
+        ((2048, 0, 4096), 16),
+        ((2048, 8), 8),
+        ((6, 0), 2),
+        ((3,), 1),
+        ((16, 16, 4), 4),
+        ((32, 48), 16),
+    ],
+)
 def test_vector_width(quantities, expected):
     assert kp._vec_bytes(*quantities) == expected
 
@@ -35,8 +44,9 @@ def test_layout_covers_a_row_and_fills_the_block(row_vecs):
     assert lanes * kp._UNROLL >= min(row_vecs, 32 * kp._UNROLL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                                   torch.int8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool]
+)
 @pytest.mark.parametrize("value", [0.0, 1.0, -2.5, float("nan"), float("-inf")])
 def test_fill_words_repeat_the_element_bit_pattern(dtype, value):
     if not dtype.is_floating_point and (value != value or value in (float("-inf"), -2.5)):
@@ -51,8 +61,7 @@ def test_fill_words_repeat_the_element_bit_pattern(dtype, value):
 # Parameter lists: the packed buffer against the C layout, the codes against the sources
 
 
-_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "I": ctypes.c_uint32,
-           "f": ctypes.c_float}
+_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "I": ctypes.c_uint32, "f": ctypes.c_float}
 
 
 @pytest.mark.parametrize("codes", ["PPPqi", "PPPPPPPPqiqqf", "PPPPPPPiiiqqqqqqfi", "PPPqqqiIIII", "iqifP", "fIqq", "i"])
@@ -66,7 +75,7 @@ def test_params_pack_as_a_c_struct_of_the_parameters(codes):
             values.append(int(rng.integers(0, 2**32 if c == "I" else 2**63)))
         else:
             bits = 31 if c == "i" else 63
-            values.append(int(rng.integers(-2**bits, 2**bits)))
+            values.append(int(rng.integers(-(2**bits), 2**bits)))
 
     class Struct(ctypes.Structure):
         _fields_ = [(f"a{i}", _CTYPES[c]) for i, c in enumerate(codes)]
@@ -74,7 +83,7 @@ def test_params_pack_as_a_c_struct_of_the_parameters(codes):
     expected = bytes(Struct(*values))
     params = kc.Params(codes)
     packed = params.pack(values)
-    assert packed == expected[:len(packed)] and params.size.value == len(packed)
+    assert packed == expected[: len(packed)] and params.size.value == len(packed)
     assert len(expected) - len(packed) < 8  # at most the struct's tail padding
     scalars = params.scalars(values)
     assert [type(s) for s in scalars] == [kc._NUMPY_TYPES[c] for c in codes]
@@ -108,7 +117,8 @@ def _signature(src: str, kernel_prefix: str) -> str:
 
 
 def test_every_launcher_param_list_matches_its_kernel():
-    from ragged.kernels.cuda import attention as cuda_attention, fused as cuda_fused
+    from ragged.kernels.cuda import attention as cuda_attention
+    from ragged.kernels.cuda import fused as cuda_fused
 
     fused = kc.source("fused.cu")
     assert _codes_of(_signature(fused, "ragged_add_layer_norm_")) == cuda_fused.LN_PARAMS.codes

@@ -23,10 +23,11 @@ import ragged
 from ragged.data import RaggedBatch, StepBalance, TokenBudgetSampler, collate
 
 SETTINGS = settings(max_examples=60)
-MANY = settings(max_examples=200)   # the sampler's examples are cheap (a few ms)
+MANY = settings(max_examples=200)  # the sampler's examples are cheap (a few ms)
 
-lengths_st = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 30), st.integers(40, 90)),
-                      min_size=0, max_size=40)
+lengths_st = st.lists(
+    st.one_of(st.sampled_from([0, 1]), st.integers(0, 30), st.integers(40, 90)), min_size=0, max_size=40
+)
 cost_st = st.sampled_from(["tokens", "attention", lambda lens: 3.0 * lens + 0.5])
 
 
@@ -58,14 +59,29 @@ def _greedy(lengths, max_tokens, max_batch_size=None):
 
 
 @MANY
-@given(lengths=lengths_st, max_tokens=st.integers(1, 120), replicas=st.integers(1, 4), shuffle=st.booleans(),
-       drop_last=st.booleans(), max_batch_size=st.one_of(st.none(), st.integers(1, 6)),
-       sort_window=st.one_of(st.none(), st.integers(1, 12)), cost=cost_st, seed=st.integers(0, 5),
-       epoch=st.integers(0, 3))
-def test_sampler_invariants(lengths, max_tokens, replicas, shuffle, drop_last, max_batch_size, sort_window, cost,
-                            seed, epoch):
-    kw = dict(shuffle=shuffle, drop_last=drop_last, max_batch_size=max_batch_size, sort_window=sort_window,
-              cost=cost, seed=seed)
+@given(
+    lengths=lengths_st,
+    max_tokens=st.integers(1, 120),
+    replicas=st.integers(1, 4),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    max_batch_size=st.one_of(st.none(), st.integers(1, 6)),
+    sort_window=st.one_of(st.none(), st.integers(1, 12)),
+    cost=cost_st,
+    seed=st.integers(0, 5),
+    epoch=st.integers(0, 3),
+)
+def test_sampler_invariants(
+    lengths, max_tokens, replicas, shuffle, drop_last, max_batch_size, sort_window, cost, seed, epoch
+):
+    kw = dict(
+        shuffle=shuffle,
+        drop_last=drop_last,
+        max_batch_size=max_batch_size,
+        sort_window=sort_window,
+        cost=cost,
+        seed=seed,
+    )
     samplers, per_rank = _all_ranks(lengths, max_tokens, replicas, epoch, **kw)
     n = len(lengths)
     counts = {len(b) for b in per_rank}
@@ -117,18 +133,18 @@ def test_packing_many_small_batches_takes_the_vectorized_path():
 
 
 def test_sort_window_sorts_by_length_within_windows():
-    lengths = np.random.default_rng(2).integers(0, 70000, 103)   # past 2**16: the int64 key path too
+    lengths = np.random.default_rng(2).integers(0, 70000, 103)  # past 2**16: the int64 key path too
     for lens in (lengths, lengths % 300):
         sampler = TokenBudgetSampler(lens, 10**9, shuffle=False, sort_window=10)
         (batch,) = list(sampler)
-        expected = np.concatenate([s + np.argsort(lens[s:s + 10], kind="stable") for s in range(0, 103, 10)])
+        expected = np.concatenate([s + np.argsort(lens[s : s + 10], kind="stable") for s in range(0, 103, 10)])
         assert batch == expected.tolist()
     # shuffled: each window of the epoch's order is sorted
     sampler = TokenBudgetSampler(lengths % 300, 10**9, shuffle=True, sort_window=10, seed=3)
     (batch,) = list(sampler)
     got = (lengths % 300)[batch]
     assert sorted(batch) == list(range(103))
-    assert all((np.diff(got[s:s + 10]) >= 0).all() for s in range(0, 103, 10))
+    assert all((np.diff(got[s : s + 10]) >= 0).all() for s in range(0, 103, 10))
 
 
 def test_zero_length_and_over_budget_sequences():
@@ -166,8 +182,10 @@ def test_drop_last_rule():
     # a last batch exactly at the budget stays
     assert list(TokenBudgetSampler([5, 5, 5, 5], 10, shuffle=False, drop_last=True)) == [[0, 1], [2, 3]]
     # ... and one that ends on max_batch_size
-    assert list(TokenBudgetSampler([1, 1, 1, 1], 10, shuffle=False, drop_last=True, max_batch_size=2)) == \
-        [[0, 1], [2, 3]]
+    assert list(TokenBudgetSampler([1, 1, 1, 1], 10, shuffle=False, drop_last=True, max_batch_size=2)) == [
+        [0, 1],
+        [2, 3],
+    ]
     # 2 replicas, batches [9], [8], [7], [6] + under-budget [5]: [5] dropped, 4 left
     samplers, per_rank = _all_ranks([9, 8, 7, 6, 5], 10, 2, shuffle=False, drop_last=True)
     assert samplers[0].num_dropped == 1 and sorted(i for b in per_rank for x in b for i in x) == [0, 1, 2, 3]
@@ -230,8 +248,9 @@ def test_step_loads_in_another_cost(cost):
     per = lengths.astype(np.float64) ** 2
     got = sampler.step_loads("attention")
     np.testing.assert_allclose(got[:, 0], [per[b].sum() for b in sampler])
-    np.testing.assert_allclose(sampler.step_loads(lambda lens: lens * 2.0)[:, 0], [2.0 * lengths[b].sum()
-                                                                                 for b in sampler])
+    np.testing.assert_allclose(
+        sampler.step_loads(lambda lens: lens * 2.0)[:, 0], [2.0 * lengths[b].sum() for b in sampler]
+    )
 
 
 def test_distributed_defaults(monkeypatch):
@@ -256,28 +275,31 @@ def test_dataloader_with_the_sampler():
     assert sorted(got) == sorted(data) and len(loader) == len(loader.batch_sampler)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(lengths=[1.5, 2]), TypeError, "integer lengths"),
-    (dict(lengths=torch.tensor([1.0])), TypeError, "integer lengths"),
-    (dict(lengths=[[1, 2]]), ValueError, "1-D lengths"),
-    (dict(lengths=[3, -1]), ValueError, r"lengths\[1\] = -1"),
-    (dict(lengths="12"), TypeError, "lengths as a list"),
-    (dict(lengths=5), TypeError, "lengths as a list"),
-    (dict(max_tokens=0), ValueError, "max_tokens >= 1"),
-    (dict(max_tokens=2.0), TypeError, "max_tokens to be an int"),
-    (dict(num_replicas=0), ValueError, "num_replicas >= 1"),
-    (dict(num_replicas=2, rank=2), ValueError, r"rank in \[0, num_replicas\)"),
-    (dict(rank=-1), ValueError, "rank >= 0"),
-    (dict(max_batch_size=0), ValueError, "max_batch_size >= 1"),
-    (dict(sort_window=0), ValueError, "sort_window >= 1"),
-    (dict(seed=-1), ValueError, "seed >= 0"),
-    (dict(shuffle=1), TypeError, "shuffle to be a bool"),
-    (dict(drop_last="yes"), TypeError, "drop_last to be a bool"),
-    (dict(cost="flops"), ValueError, "cost 'tokens', 'attention' or a callable"),
-    (dict(cost=3), TypeError, "cost 'tokens', 'attention' or a callable"),
-    (dict(cost=lambda lens: lens[:1]), ValueError, "cost\\(lengths\\) of shape"),
-    (dict(cost=lambda lens: -lens), ValueError, "finite and >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(lengths=[1.5, 2]), TypeError, "integer lengths"),
+        (dict(lengths=torch.tensor([1.0])), TypeError, "integer lengths"),
+        (dict(lengths=[[1, 2]]), ValueError, "1-D lengths"),
+        (dict(lengths=[3, -1]), ValueError, r"lengths\[1\] = -1"),
+        (dict(lengths="12"), TypeError, "lengths as a list"),
+        (dict(lengths=5), TypeError, "lengths as a list"),
+        (dict(max_tokens=0), ValueError, "max_tokens >= 1"),
+        (dict(max_tokens=2.0), TypeError, "max_tokens to be an int"),
+        (dict(num_replicas=0), ValueError, "num_replicas >= 1"),
+        (dict(num_replicas=2, rank=2), ValueError, r"rank in \[0, num_replicas\)"),
+        (dict(rank=-1), ValueError, "rank >= 0"),
+        (dict(max_batch_size=0), ValueError, "max_batch_size >= 1"),
+        (dict(sort_window=0), ValueError, "sort_window >= 1"),
+        (dict(seed=-1), ValueError, "seed >= 0"),
+        (dict(shuffle=1), TypeError, "shuffle to be a bool"),
+        (dict(drop_last="yes"), TypeError, "drop_last to be a bool"),
+        (dict(cost="flops"), ValueError, "cost 'tokens', 'attention' or a callable"),
+        (dict(cost=3), TypeError, "cost 'tokens', 'attention' or a callable"),
+        (dict(cost=lambda lens: lens[:1]), ValueError, "cost\\(lengths\\) of shape"),
+        (dict(cost=lambda lens: -lens), ValueError, "finite and >= 0"),
+    ],
+)
 def test_sampler_errors(kwargs, error, match):
     args = dict(lengths=[1, 2, 3], max_tokens=4) | kwargs
     with pytest.raises(error, match=match) as info:
@@ -299,9 +321,15 @@ def _features(lengths, seed, form="list"):
     out = []
     for i, n in enumerate(lengths):
         ids = rng.integers(0, 30000, n)
-        f = {"input_ids": ids, "token_type_ids": rng.integers(0, 2, n), "attention_mask": np.ones(n, np.int64),
-             "weights": rng.standard_normal(n), "label": int(rng.integers(0, 5)), "score": float(rng.random()),
-             "text": f"seq{i}"}
+        f = {
+            "input_ids": ids,
+            "token_type_ids": rng.integers(0, 2, n),
+            "attention_mask": np.ones(n, np.int64),
+            "weights": rng.standard_normal(n),
+            "label": int(rng.integers(0, 5)),
+            "score": float(rng.random()),
+            "text": f"seq{i}",
+        }
         if form == "list":
             f = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in f.items()}
         elif form == "tensor":
@@ -335,8 +363,10 @@ def _check_against_reference(batch, features, keys=("input_ids", "token_type_ids
 
 @pytest.mark.parametrize("form", ["list", "numpy", "tensor"])
 @SETTINGS
-@given(lengths=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 40)), min_size=1, max_size=12),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    lengths=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 40)), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_collate_against_per_sequence_reference(form, lengths, seed):
     features = _features(lengths, seed, form)
     batch = collate(features)
@@ -366,14 +396,23 @@ def test_collate_honours_the_mask_of_padded_features(side, as_columns):
     padded = []
     for f in features:
         n, pad = len(f["input_ids"]), width - len(f["input_ids"])
+
         def fill(v, x):
             return v + [x] * pad if side == "right" else [x] * pad + v
-        padded.append({"input_ids": fill(f["input_ids"], -999), "token_type_ids": fill(f["token_type_ids"], -999),
-                       "weights": fill(f["weights"], float("nan")), "attention_mask": fill([1] * n, 0),
-                       "label": f["label"], "score": f["score"], "text": f["text"]})
-    if as_columns:   # a tokenizer's padded output: [B, M] tensors
-        padded = {k: torch.tensor([f[k] for f in padded]) if k != "text" else [f[k] for f in padded]
-                  for k in padded[0]}
+
+        padded.append(
+            {
+                "input_ids": fill(f["input_ids"], -999),
+                "token_type_ids": fill(f["token_type_ids"], -999),
+                "weights": fill(f["weights"], float("nan")),
+                "attention_mask": fill([1] * n, 0),
+                "label": f["label"],
+                "score": f["score"],
+                "text": f["text"],
+            }
+        )
+    if as_columns:  # a tokenizer's padded output: [B, M] tensors
+        padded = {k: torch.tensor([f[k] for f in padded]) if k != "text" else [f[k] for f in padded] for k in padded[0]}
     batch = collate(padded)
     _check_against_reference(batch, features)
     assert not torch.isnan(batch["weights"].values).any() and (batch["input_ids"].values != -999).all()
@@ -387,8 +426,11 @@ def test_collate_all_ones_mask_and_its_errors():
 
 
 def test_collate_length_mismatch_names_key_and_sequence():
-    f = [{"input_ids": [1, 2], "labels": [0, 1]}, {"input_ids": [3], "labels": [1]},
-         {"input_ids": [4, 5, 6], "labels": [1, 1]}]
+    f = [
+        {"input_ids": [1, 2], "labels": [0, 1]},
+        {"input_ids": [3], "labels": [1]},
+        {"input_ids": [4, 5, 6], "labels": [1, 1]},
+    ]
     with pytest.raises(ValueError, match=r"'labels' of sequence 2 to have as many tokens as 'input_ids' \(3\), got 2"):
         collate(f)
     # per-sequence vectors are stacked when named
@@ -399,8 +441,10 @@ def test_collate_length_mismatch_names_key_and_sequence():
 
 
 def test_collate_value_types():
-    f = [{"input_ids": [2**60 + 1, 5], "x": [1, 2.5], "m": [True, False], "pos": [[0, 1], [1, 3]]},
-         {"input_ids": [], "x": [], "m": [], "pos": []}]
+    f = [
+        {"input_ids": [2**60 + 1, 5], "x": [1, 2.5], "m": [True, False], "pos": [[0, 1], [1, 3]]},
+        {"input_ids": [], "x": [], "m": [], "pos": []},
+    ]
     out = collate(f)
     assert out["input_ids"].values.tolist() == [2**60 + 1, 5], "ints past 2**53 stay exact"
     assert out["x"].values.dtype == torch.get_default_dtype() and out["x"].values.tolist() == [1.0, 2.5]
@@ -418,17 +462,20 @@ def test_collate_value_types():
     assert collate([]) == {}
 
 
-@pytest.mark.parametrize("features, error, match", [
-    ("abc", TypeError, "a list of mappings"),
-    ([[1, 2]], TypeError, r"features\[0\] to be a mapping"),
-    ([{"input_ids": [1]}, {"labels": [1]}], ValueError, "sequence 1 with"),
-    ([{"input_ids": [1]}, {"input_ids": [1], "x": 1}], ValueError, "sequence 1 with"),
-    ([{"input_ids": [1, "a"]}], ValueError, "numbers in 'input_ids'"),
-    ([{"input_ids": [1]}, {"input_ids": 3}], ValueError, "'input_ids' of sequence 1 to hold one value per token"),
-    ([{"label": 1}, {"label": [1, 2]}], ValueError, "per-sequence values of 'label'"),
-    ({"input_ids": [[1], [2]], "label": [1]}, ValueError, "every column to hold 2 sequences"),
-    ({"input_ids": 5}, TypeError, "column 'input_ids'"),
-])
+@pytest.mark.parametrize(
+    "features, error, match",
+    [
+        ("abc", TypeError, "a list of mappings"),
+        ([[1, 2]], TypeError, r"features\[0\] to be a mapping"),
+        ([{"input_ids": [1]}, {"labels": [1]}], ValueError, "sequence 1 with"),
+        ([{"input_ids": [1]}, {"input_ids": [1], "x": 1}], ValueError, "sequence 1 with"),
+        ([{"input_ids": [1, "a"]}], ValueError, "numbers in 'input_ids'"),
+        ([{"input_ids": [1]}, {"input_ids": 3}], ValueError, "'input_ids' of sequence 1 to hold one value per token"),
+        ([{"label": 1}, {"label": [1, 2]}], ValueError, "per-sequence values of 'label'"),
+        ({"input_ids": [[1], [2]], "label": [1]}, ValueError, "every column to hold 2 sequences"),
+        ({"input_ids": 5}, TypeError, "column 'input_ids'"),
+    ],
+)
 def test_collate_errors(features, error, match):
     with pytest.raises(error, match=match) as info:
         collate(features)
@@ -444,7 +491,7 @@ def test_collate_per_sequence_error():
 def test_dataloader_integration(workers):
     rng = np.random.default_rng(8)
     lengths = rng.integers(0, 40, 150)
-    lengths[7] = 300   # over the budget: alone
+    lengths[7] = 300  # over the budget: alone
     data = _features(lengths, 9)
     sampler = TokenBudgetSampler(lengths, 256, seed=1, sort_window=32)
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers)
@@ -472,7 +519,7 @@ def test_pin_memory_and_to(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
-    out = pin_memory(batch)   # what DataLoader(pin_memory=True) calls
+    out = pin_memory(batch)  # what DataLoader(pin_memory=True) calls
     assert isinstance(out, RaggedBatch) and out.keys() == batch.keys()
     assert out["input_ids"].offsets is out["token_type_ids"].offsets, "still shared"
     for key in ("input_ids", "token_type_ids", "weights"):
@@ -492,9 +539,16 @@ def test_one_copy_views_every_dtype_and_shape_back():
 
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 5, generator=g, dtype=torch.float64)
-    tensors = [torch.randint(0, 9, (7,), generator=g, dtype=torch.int64), torch.tensor([0, 3, 3, 7], dtype=torch.int32),
-               torch.rand(3, generator=g) < 0.5, torch.randn(2, 3, generator=g).half(), torch.tensor(2.5),
-               torch.empty(0, 4, dtype=torch.int16), base[:, 1::2], torch.randint(0, 5, (3,), dtype=torch.uint8)]
+    tensors = [
+        torch.randint(0, 9, (7,), generator=g, dtype=torch.int64),
+        torch.tensor([0, 3, 3, 7], dtype=torch.int32),
+        torch.rand(3, generator=g) < 0.5,
+        torch.randn(2, 3, generator=g).half(),
+        torch.tensor(2.5),
+        torch.empty(0, 4, dtype=torch.int16),
+        base[:, 1::2],
+        torch.randint(0, 5, (3,), dtype=torch.uint8),
+    ]
     moved = _one_copy(tensors, torch.device("cpu"), False)
     for t in tensors:
         got = moved[id(t)]
@@ -505,8 +559,10 @@ def test_one_copy_views_every_dtype_and_shape_back():
 
 
 def test_import_ragged_does_not_import_data():
-    code = ("import sys, ragged; assert 'ragged.data' not in sys.modules; import ragged.data; "
-            "assert 'transformers' not in sys.modules and 'sentence_transformers' not in sys.modules")
+    code = (
+        "import sys, ragged; assert 'ragged.data' not in sys.modules; import ragged.data; "
+        "assert 'transformers' not in sys.modules and 'sentence_transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={"PATH": "", "PYTHONPATH": ":".join(sys.path)})
 
 

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
 
 
 def _compare(got, want, rtol, atol, what):
@@ -39,8 +41,14 @@ def _world(kind, mode):
     return cases.run_world(kind, mode)
 
 
-@pytest.mark.parametrize(("mode", "kind"), [pytest.param(mode, kind, marks=() if kind == "encoder" else SLOW)
-                                            for mode in ("ddp", "fsdp") for kind in cases.KINDS])
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        pytest.param(mode, kind, marks=() if kind == "encoder" else SLOW)
+        for mode in ("ddp", "fsdp")
+        for kind in cases.KINDS
+    ],
+)
 def test_gradients_equal_one_process_on_the_union(kind, mode):
     if kind != "encoder":
         pytest.importorskip("transformers")

@@ -37,18 +37,99 @@ from sentence_transformers.sentence_transformer import modules as M
 from ragged import embed as E
 
 D, MAXLEN = 32, 64
-WORDS = ["the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "he", "she", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "hot", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "which", "do", "their", "time", "quick", "brown", "fox", "jumps", "lazy", "dog", "people", "know", "water", "over"]
-VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.ascii_lowercase) + list(string.digits)
-         + list(".,!?'") + ["##" + c for c in string.ascii_lowercase + string.digits] + WORDS)
-LONG = " ".join(WORDS[i % len(WORDS)] for i in range(90))          # more than MAXLEN tokens: truncated
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "he",
+    "she",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "hot",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "an",
+    "each",
+    "which",
+    "do",
+    "their",
+    "time",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "lazy",
+    "dog",
+    "people",
+    "know",
+    "water",
+    "over",
+]
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + list(string.ascii_lowercase)
+    + list(string.digits)
+    + list(".,!?'")
+    + ["##" + c for c in string.ascii_lowercase + string.digits]
+    + WORDS
+)
+LONG = " ".join(WORDS[i % len(WORDS)] for i in range(90))  # more than MAXLEN tokens: truncated
 # 11 texts: 0, 1 and 64 tokens, duplicates, non-ASCII; 11 is not a multiple of CHUNK.
-TEXTS = ["", "a", "hello world", LONG, "the quick brown fox jumps over the lazy dog", "hello world", "zz",
-         "one two. three!", "", "people know water", "café über naïve"]
+TEXTS = [
+    "",
+    "a",
+    "hello world",
+    LONG,
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "zz",
+    "one two. three!",
+    "",
+    "people know water",
+    "café über naïve",
+]
 CHUNK = "4"
 CPU = ["--dtype", "fp32", "--device", "cpu", "--no-progress"]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-FINAL = re.compile(r"embedded (\d+) texts \((\d+) tokens\) in (\d+\.\d\d) s: (\d+\.\d) texts/s, (\d+\.\d) tokens/s; "
-                   r"whole run (\d+\.\d\d) s: (\d+\.\d) texts/s")
+FINAL = re.compile(
+    r"embedded (\d+) texts \((\d+) tokens\) in (\d+\.\d\d) s: (\d+\.\d) texts/s, (\d+\.\d) tokens/s; "
+    r"whole run (\d+\.\d\d) s: (\d+\.\d) texts/s"
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +143,27 @@ def make_model(tmp_path_factory) -> str:
     (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
     tf.BertTokenizerFast(str(path / "vocab.txt"), model_max_length=MAXLEN).save_pretrained(str(path))
     torch.manual_seed(0)
-    config = tf.BertConfig(vocab_size=len(VOCAB), hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=2 * D, max_position_embeddings=MAXLEN, hidden_dropout_prob=0.0,
-                           attention_probs_dropout_prob=0.0)
+    config = tf.BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=2 * D,
+        max_position_embeddings=MAXLEN,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     bert = tf.AutoModel.from_config(config)
     with torch.no_grad():
-        for p in bert.parameters():      # larger than the default init, so that layers matter
+        for p in bert.parameters():  # larger than the default init, so that layers matter
             p.add_(0.2 * torch.randn_like(p))
     bert.save_pretrained(str(path))
     folder = tmp_path_factory.mktemp("st")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        st = SentenceTransformer(modules=[M.Transformer(str(path)), M.Pooling(D, "mean")], device="cpu",
-                                 prompts={"query": "the query: "})
+        st = SentenceTransformer(
+            modules=[M.Transformer(str(path)), M.Pooling(D, "mean")], device="cpu", prompts={"query": "the query: "}
+        )
     st.save(str(folder))
     return str(folder)
 
@@ -119,6 +208,7 @@ def _write(path: Path, texts: list[str]) -> Path:
     else:
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
+
         pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), str(path))
     return path
 
@@ -161,7 +251,7 @@ def _interrupt_after(monkeypatch, chunks: int) -> None:
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".parquet"])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_corpus_matches_encode(model_dir, reference, tmp_path, capsys, suffix, normalize):
-    texts = TEXTS if suffix == ".txt" else TEXTS + ["two\nlines", "tab\tand \"quotes\""]
+    texts = TEXTS if suffix == ".txt" else TEXTS + ["two\nlines", 'tab\tand "quotes"']
     corpus = _write(tmp_path / f"corpus{suffix}", texts)
     out = tmp_path / "emb.npy"
     rc, stdout, err = _run(capsys, model_dir, corpus, out, "--chunk", CHUNK, *CPU, *(["--normalize"] * normalize))
@@ -170,7 +260,7 @@ def test_corpus_matches_encode(model_dir, reference, tmp_path, capsys, suffix, n
     want = reference.encode(texts, normalize_embeddings=normalize)
     assert got.dtype == np.float32 and got.shape == (len(texts), D)
     np.testing.assert_allclose(got, want, **TOL)
-    np.testing.assert_allclose(got[2], got[5], **TOL)              # a duplicate, in another chunk
+    np.testing.assert_allclose(got[2], got[5], **TOL)  # a duplicate, in another chunk
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
     assert not Path(f"{out}.parts").exists() and sorted(os.listdir(tmp_path)) == sorted([corpus.name, out.name])
@@ -179,9 +269,11 @@ def test_corpus_matches_encode(model_dir, reference, tmp_path, capsys, suffix, n
 
 def test_pipelines_and_prompts(model_dir, reference, tmp_path, capsys, pipeline):
     corpus = _write(tmp_path / "corpus.jsonl", TEXTS)
-    for extra, want in ((["--prompt", "a fox: "], reference.encode(TEXTS, prompt="a fox: ")),
-                        (["--prompt-name", "query"], reference.encode(TEXTS, prompt_name="query")),
-                        (["--batch-size", "3", "--max-tokens", "40"], reference.encode(TEXTS))):
+    for extra, want in (
+        (["--prompt", "a fox: "], reference.encode(TEXTS, prompt="a fox: ")),
+        (["--prompt-name", "query"], reference.encode(TEXTS, prompt_name="query")),
+        (["--batch-size", "3", "--max-tokens", "40"], reference.encode(TEXTS)),
+    ):
         out = tmp_path / "emb.npy"
         rc, stdout, err = _run(capsys, model_dir, corpus, out, "--chunk", CHUNK, *CPU, *extra)
         assert rc == 0, err
@@ -196,7 +288,7 @@ def test_final_line(model_dir, reference, tmp_path, capsys, pipeline):
     assert rc == 0, err
     n, tokens, seconds, texts_s, tokens_s = _final(stdout)
     assert n == len(TEXTS) and tokens > 0 and seconds > 0
-    real = int(reference.preprocess(TEXTS)["attention_mask"].sum())   # special tokens in, truncated
+    real = int(reference.preprocess(TEXTS)["attention_mask"].sum())  # special tokens in, truncated
     assert tokens == real
     # The rates are the counts over the time (up to the printed roundings).
     assert abs(n / texts_s - seconds) <= 0.006 + seconds * 1e-3
@@ -226,11 +318,12 @@ def test_empty_corpus_and_empty_lines(model_dir, reference, tmp_path, capsys):
     assert rc == 0, err
     assert np.load(tmp_path / "e.npy").shape == (0, D) and _final(stdout)[:2] == (0, 0)
     lines = tmp_path / "lines.txt"
-    lines.write_bytes(b"\n\r\nlast line without a newline")    # an empty text, one from \r\n, then one more
+    lines.write_bytes(b"\n\r\nlast line without a newline")  # an empty text, one from \r\n, then one more
     assert E.read_texts(str(lines)) == ["", "", "last line without a newline"]
     assert _run(capsys, model_dir, lines, tmp_path / "l.npy", *CPU)[0] == 0
-    np.testing.assert_allclose(np.load(tmp_path / "l.npy"), reference.encode(["", "", "last line without a newline"]),
-                               **TOL)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "l.npy"), reference.encode(["", "", "last line without a newline"]), **TOL
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -264,12 +357,13 @@ def test_malformed_input(model_dir, tmp_path, capsys, case):
     assert rc == 1 and stdout == ""
     assert err.startswith(f"python -m ragged.embed: line {line} of {corpus}: expected ") and what in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert sorted(os.listdir(tmp_path)) == [corpus.name]            # no OUTPUT, no .parts
+    assert sorted(os.listdir(tmp_path)) == [corpus.name]  # no OUTPUT, no .parts
 
 
 def test_malformed_parquet(model_dir, tmp_path, capsys):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
+
     corpus = tmp_path / "corpus.parquet"
     pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), str(corpus))
     rc, _, err = _run(capsys, model_dir, corpus, tmp_path / "emb.npy", *CPU)
@@ -287,17 +381,21 @@ def test_field_and_paths(model_dir, reference, tmp_path, capsys):
     corpus.write_text(_jsonl(*(json.dumps({"body": t}) for t in TEXTS)).decode())
     assert _run(capsys, model_dir, corpus, tmp_path / "emb.npy", "--field", "body", *CPU)[0] == 0
     np.testing.assert_allclose(np.load(tmp_path / "emb.npy"), reference.encode(TEXTS), **TOL)
-    for argv, message in (([corpus, tmp_path / "emb.csv"], "expected OUTPUT to end with .npy, .parquet"),
-                          ([tmp_path / "corpus.csv", tmp_path / "x.npy"], "expected INPUT to end with .txt"),
-                          ([tmp_path / "missing.txt", tmp_path / "x.npy"], "No such file"),
-                          ([tmp_path / "same.parquet", tmp_path / "same.parquet"], "expected OUTPUT other than INPUT"),
-                          ([corpus, tmp_path / "x.npy", "--prompt", "a", "--prompt-name", "query"], "got both"),
-                          ([corpus, tmp_path / "x.npy", "--prompt-name", "passage", "--field", "body"],
-                           "expected --prompt-name among the model's prompts [")):
+    for argv, message in (
+        ([corpus, tmp_path / "emb.csv"], "expected OUTPUT to end with .npy, .parquet"),
+        ([tmp_path / "corpus.csv", tmp_path / "x.npy"], "expected INPUT to end with .txt"),
+        ([tmp_path / "missing.txt", tmp_path / "x.npy"], "No such file"),
+        ([tmp_path / "same.parquet", tmp_path / "same.parquet"], "expected OUTPUT other than INPUT"),
+        ([corpus, tmp_path / "x.npy", "--prompt", "a", "--prompt-name", "query"], "got both"),
+        (
+            [corpus, tmp_path / "x.npy", "--prompt-name", "passage", "--field", "body"],
+            "expected --prompt-name among the model's prompts [",
+        ),
+    ):
         rc, _, err = _run(capsys, model_dir, *argv, *CPU)
         assert rc == 1 and message in err and "Traceback" not in err, (argv, err)
     assert "'query'" in err and err.rstrip().endswith("got 'passage'")
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", "emb.npy"]    # no x.npy, no x.npy.parts
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", "emb.npy"]  # no x.npy, no x.npy.parts
 
 
 # --------------------------------------------------------------------------------------
@@ -309,8 +407,12 @@ def test_resume_after_kill(model_dir, reference, tmp_path, capsys, monkeypatch):
     corpus = _write(tmp_path / "corpus.txt", texts)
     out, parts = tmp_path / "emb.npy", tmp_path / "emb.npy.parts"
     argv = [model_dir, str(corpus), str(out), "--chunk", "4", "--batch-size", "4", *CPU]
-    proc = subprocess.Popen([sys.executable, "-m", "ragged.embed", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ragged.embed", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     try:
         deadline = time.monotonic() + 180
         while len(list(parts.glob("chunk_*.npy")) if parts.exists() else []) < 2:
@@ -359,9 +461,9 @@ def test_resume_after_interruption(model_dir, reference, tmp_path, capsys, monke
         _interrupt_after(m, 2)
         rc, _, err = _run(capsys, *argv)
     assert rc == 130 and "interrupted" in err
-    assert out.read_bytes() == b"an earlier output"                 # replaced only once complete
+    assert out.read_bytes() == b"an earlier output"  # replaced only once complete
     assert sorted(p.name for p in parts.glob("chunk_*")) == ["chunk_000000.npy", "chunk_000001.npy"]
-    (parts / "chunk_000001.npy").write_bytes(b"\x93NUMPY")            # a damaged chunk: computed again
+    (parts / "chunk_000001.npy").write_bytes(b"\x93NUMPY")  # a damaged chunk: computed again
     rc, stdout, err = _run(capsys, *argv)
     assert rc == 0 and "chunk_000001.npy" in err and "embedding this chunk again" in err
     assert "resuming: 1 of 3 chunks already done" in stdout and _final(stdout)[0] == len(TEXTS) - 4
@@ -379,7 +481,7 @@ def test_output_replaced_only_when_complete(model_dir, reference, tmp_path, caps
     real = E._write_atomic
 
     def interrupted(path, write, folder=None):
-        if folder is None:                       # the manifest and the chunks
+        if folder is None:  # the manifest and the chunks
             return real(path, write, folder)
 
         def half(f):
@@ -393,8 +495,12 @@ def test_output_replaced_only_when_complete(model_dir, reference, tmp_path, caps
         m.setattr(E, "_write_atomic", interrupted)
         assert _run(capsys, *argv)[0] == 130
     assert out.read_bytes() == b"an earlier output"
-    assert sorted(p.name for p in parts.iterdir()) == ["chunk_000000.npy", "chunk_000001.npy", "chunk_000002.npy",
-                                                       "manifest.json"]
+    assert sorted(p.name for p in parts.iterdir()) == [
+        "chunk_000000.npy",
+        "chunk_000001.npy",
+        "chunk_000002.npy",
+        "manifest.json",
+    ]
     rc, stdout, err = _run(capsys, *argv)
     assert rc == 0, err
     assert stdout.splitlines()[0] == "resuming: 3 of 3 chunks already done" and _final(stdout)[:2] == (0, 0)
@@ -410,8 +516,13 @@ def test_other_run_refused(model_dir, tmp_path, capsys, monkeypatch, change):
     with monkeypatch.context() as m:
         _interrupt_after(m, 1)
         assert _run(capsys, *argv)[0] == 130
-    want = {"input": "input_size", "normalize": "normalize: False there, True now", "model": "model: ",
-            "no manifest": "no manifest.json", "bad manifest": "expected"}[change]
+    want = {
+        "input": "input_size",
+        "normalize": "normalize: False there, True now",
+        "model": "model: ",
+        "no manifest": "no manifest.json",
+        "bad manifest": "expected",
+    }[change]
     if change == "input":
         _write(corpus, TEXTS + ["one more"])
     elif change == "normalize":
@@ -434,8 +545,15 @@ def test_other_run_refused(model_dir, tmp_path, capsys, monkeypatch, change):
 # Devices
 
 
-@pytest.mark.parametrize("spec, message", [("0,x", "'x' is not an index"), ("", "is not an index"),
-                                           ("1,1", "expected distinct GPU indices"), ("-1", "is not an index")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("0,x", "'x' is not an index"),
+        ("", "is not an index"),
+        ("1,1", "expected distinct GPU indices"),
+        ("-1", "is not an index"),
+    ],
+)
 def test_devices_syntax(model_dir, tmp_path, capsys, spec, message):
     with pytest.raises(SystemExit) as exit_:
         E.main([model_dir, str(tmp_path / "c.txt"), str(tmp_path / "e.npy"), "--devices", spec])
@@ -445,11 +563,16 @@ def test_devices_syntax(model_dir, tmp_path, capsys, spec, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
-@pytest.mark.parametrize("argv, message", [(["--devices", "all"], "--devices all: no CUDA device is visible"),
-                                           (["--devices", "0,1"], "--devices 0,1: no CUDA device is visible"),
-                                           (["--device", "cuda"], "to be a visible CUDA device, got 0 visible"),
-                                           (["--device", "gpu"], "expected --device such as cuda, cpu or cuda:1"),
-                                           (["--device", "cpu", "--devices", "0"], "got both")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--devices", "all"], "--devices all: no CUDA device is visible"),
+        (["--devices", "0,1"], "--devices 0,1: no CUDA device is visible"),
+        (["--device", "cuda"], "to be a visible CUDA device, got 0 visible"),
+        (["--device", "gpu"], "expected --device such as cuda, cpu or cuda:1"),
+        (["--device", "cpu", "--devices", "0"], "got both"),
+    ],
+)
 def test_devices_without_cuda(model_dir, tmp_path, capsys, argv, message):
     corpus = _write(tmp_path / "c.txt", TEXTS)
     rc, _, err = _run(capsys, model_dir, corpus, tmp_path / "e.npy", *argv)
@@ -461,14 +584,24 @@ def test_replicas_share_the_queue(model_dir, reference, tmp_path, monkeypatch):
     """Two replicas (CPU here) in a thread each: every chunk written once, at its index; a failure in
     one thread stops the others and reaches the caller."""
     st = E._load(model_dir, ["cpu", "cpu"], "fp32")
-    assert st[0] is not st[1] and st[0][0].auto_model.embeddings.word_embeddings.weight.data_ptr() != \
-        st[1][0].auto_model.embeddings.word_embeddings.weight.data_ptr()
+    assert (
+        st[0] is not st[1]
+        and st[0][0].auto_model.embeddings.word_embeddings.weight.data_ptr()
+        != st[1][0].auto_model.embeddings.word_embeddings.weight.data_ptr()
+    )
     texts = TEXTS * 5
     options = {"prompt": None, "prompt_name": None, "normalize": False, "max_tokens": 256, "batch_size": 4}
     counted = []
     ranges = E.chunk_ranges(len(texts), 4, 4)
-    E._run_chunks([("cpu", st[0]), ("cpu", st[1])], texts, list(range(14)), ranges, str(tmp_path), options,
-                  lambda n, t: counted.append(n))
+    E._run_chunks(
+        [("cpu", st[0]), ("cpu", st[1])],
+        texts,
+        list(range(14)),
+        ranges,
+        str(tmp_path),
+        options,
+        lambda n, t: counted.append(n),
+    )
     got = np.concatenate([np.load(tmp_path / E.chunk_name(i)) for i in range(14)])
     np.testing.assert_allclose(got, reference.encode(texts), **TOL)
     assert sum(counted) == len(texts)
@@ -485,13 +618,16 @@ def test_replicas_share_the_queue(model_dir, reference, tmp_path, monkeypatch):
     folder.mkdir()
     monkeypatch.setattr(E, "_embedder", lambda: embed)
     with pytest.raises(RuntimeError, match="chunk failed"):
-        E._run_chunks([("cpu", st[0]), ("cpu", st[1])], texts, list(range(14)), ranges, str(folder), options,
-                      lambda n, t: None)
-    assert len(list(folder.glob("chunk_*.npy"))) <= 3 and len(calls) <= 4           # of 14 chunks
+        E._run_chunks(
+            [("cpu", st[0]), ("cpu", st[1])], texts, list(range(14)), ranges, str(folder), options, lambda n, t: None
+        )
+    assert len(list(folder.glob("chunk_*.npy"))) <= 3 and len(calls) <= 4  # of 14 chunks
 
 
 def test_import_is_cheap():
-    code = ("import sys, ragged.embed; heavy = [m for m in ('sentence_transformers', 'transformers', 'rich', "
-            "'pyarrow') if m in sys.modules]; assert not heavy, heavy")
+    code = (
+        "import sys, ragged.embed; heavy = [m for m in ('sentence_transformers', 'transformers', 'rich', "
+        "'pyarrow') if m in sys.modules]; assert not heavy, heavy"
+    )
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -69,11 +69,11 @@ def test_default_chunks_by_time(model_dir, reference, tmp_path, capsys, monkeypa
     argv = [model_dir, corpus, out, *CPU]
     with monkeypatch.context() as m:
         _slow(m, 0.004)
-        _interrupt_after(m, 2)                       # wraps the slowed embedder: the first chunk and one more
+        _interrupt_after(m, 2)  # wraps the slowed embedder: the first chunk and one more
         assert _run(capsys, *argv)[0] == 130
     manifest = json.loads((parts / "manifest.json").read_text())
     first, size = manifest["chunk_sizes"]
-    assert first == E.FIRST_CHUNK and 60 <= size <= 150, size      # 0.6 s at a bit over 4 ms a text
+    assert first == E.FIRST_CHUNK and 60 <= size <= 150, size  # 0.6 s at a bit over 4 ms a text
     saved = sorted(p.name for p in parts.glob("chunk_*.npy"))
     assert saved == ["chunk_000000.npy", "chunk_000001.npy"]
     kept = {name: (parts / name).read_bytes() for name in saved}
@@ -101,7 +101,7 @@ def test_chunk_is_an_upper_bound(model_dir, reference, tmp_path, capsys, monkeyp
     size is every chunk's size (nothing measured)."""
     corpus = _write(tmp_path / "corpus.txt", TEXTS)
     out, parts = tmp_path / "emb.npy", tmp_path / "emb.npy.parts"
-    for chunk, want, calls in (("300", [256, 300], 2), ("100", [100, 100], 1)):   # 2: the first chunk timed again
+    for chunk, want, calls in (("300", [256, 300], 2), ("100", [100, 100], 1)):  # 2: the first chunk timed again
         with monkeypatch.context() as m:
             _interrupt_after(m, calls)
             assert _run(capsys, model_dir, corpus, out, "--chunk", chunk, "--chunk-seconds", "3600", *CPU)[0] == 130

@@ -87,12 +87,13 @@ def test_checks_without_pyarrow(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     corpus = _write(tmp_path / "corpus.txt", TEXTS)
-    for argv, message in (([tmp_path / "same.parquet", tmp_path / "same.parquet"], "expected OUTPUT other than INPUT"),
-                          ([corpus, corpus], "expected OUTPUT to end with .npy, .parquet"),
-                          ([tmp_path / "c.parquet", tmp_path / "x.npy", "--prompt", "a", "--prompt-name", "q"],
-                           "got both"),
-                          ([tmp_path / "c.parquet", tmp_path / "x.npy"], "a .parquet INPUT needs pyarrow"),
-                          ([corpus, tmp_path / "x.parquet"], "a .parquet OUTPUT needs pyarrow")):
+    for argv, message in (
+        ([tmp_path / "same.parquet", tmp_path / "same.parquet"], "expected OUTPUT other than INPUT"),
+        ([corpus, corpus], "expected OUTPUT to end with .npy, .parquet"),
+        ([tmp_path / "c.parquet", tmp_path / "x.npy", "--prompt", "a", "--prompt-name", "q"], "got both"),
+        ([tmp_path / "c.parquet", tmp_path / "x.npy"], "a .parquet INPUT needs pyarrow"),
+        ([corpus, tmp_path / "x.parquet"], "a .parquet OUTPUT needs pyarrow"),
+    ):
         rc, _, err = _run(capsys, model_dir, *argv, *CPU)
         assert rc == 1 and message in err and "Traceback" not in err, (argv, err)
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
@@ -106,4 +107,4 @@ def test_no_progress_is_quiet(model_dir, tmp_path, capsys):
     assert "Loading weights" not in err and "it/s]" not in err, err
     import transformers
 
-    assert transformers.utils.logging.is_progress_bar_enabled()      # the process's setting given back
+    assert transformers.utils.logging.is_progress_bar_enabled()  # the process's setting given back

@@ -29,13 +29,17 @@ UNPACK = r"ragged\.unpack"
 # Offsets
 
 
-@pytest.mark.parametrize("offsets,pattern", [
-    ([1, 2, 5], r"offsets\[0\].*got 1"),
-    ([-1, 2, 5], r"offsets\[0\].*got -1"),
-    ([0, 3, 2, 5], r"non-decreasing.*offsets"),
-    ([0, 2, 4], r"offsets\[-1\].*5.*got 4"),
-    ([0, 2, 6], r"offsets\[-1\].*5.*got 6"),
-], ids=["start1", "start_neg", "decreasing", "end_short", "end_long"])
+@pytest.mark.parametrize(
+    "offsets,pattern",
+    [
+        ([1, 2, 5], r"offsets\[0\].*got 1"),
+        ([-1, 2, 5], r"offsets\[0\].*got -1"),
+        ([0, 3, 2, 5], r"non-decreasing.*offsets"),
+        ([0, 2, 4], r"offsets\[-1\].*5.*got 4"),
+        ([0, 2, 6], r"offsets\[-1\].*5.*got 6"),
+    ],
+    ids=["start1", "start_neg", "decreasing", "end_short", "end_long"],
+)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_from_offsets_bad_values(offsets, pattern, dtype):
     with pytest.raises(ValueError, match=FROM_OFFSETS + r".*" + pattern):
@@ -93,8 +97,9 @@ def test_values_zero_dim():
 # Lengths
 
 
-@pytest.mark.parametrize("lengths", [[2, -1, 4], np.array([2, -1, 4]), torch.tensor([2, -1, 4])],
-                         ids=["list", "numpy", "tensor"])
+@pytest.mark.parametrize(
+    "lengths", [[2, -1, 4], np.array([2, -1, 4]), torch.tensor([2, -1, 4])], ids=["list", "numpy", "tensor"]
+)
 def test_negative_lengths_pack(lengths):
     with pytest.raises(ValueError, match=PACK + r".*lengths\[1\].*-1"):
         ragged.pack(torch.randn(3, 4, 2), lengths=lengths)
@@ -122,8 +127,9 @@ def test_lengths_sum_mismatch():
         RaggedTensor.from_lengths(torch.randn(5, 2), [3, 3])
 
 
-@pytest.mark.parametrize("lengths", [[1.5, 2], torch.tensor([1.0, 2.0]), ["a", 1], [True, 1]],
-                         ids=["float", "float_tensor", "str", "bool"])
+@pytest.mark.parametrize(
+    "lengths", [[1.5, 2], torch.tensor([1.0, 2.0]), ["a", 1], [True, 1]], ids=["float", "float_tensor", "str", "bool"]
+)
 def test_non_integer_lengths(lengths):
     with pytest.raises(TypeError, match=FROM_LENGTHS + r".*lengths"):
         RaggedTensor.from_lengths(torch.randn(3, 2), lengths)
@@ -254,8 +260,10 @@ def _backend_calls():
         "pack_list": (PACK, lambda b: ragged.pack([torch.randn(2, 2), torch.randn(1, 2)], backend=b)),
         "unpack": (UNPACK, lambda b: ragged.unpack(rt, backend=b)),
         "to_padded": (r"(to_padded|ragged\.unpack)", lambda b: rt.to_padded(backend=b)),
-        "pack_values": (r"ragged\.pack", lambda b: ragged.pack_values(x, torch.tensor([0, 1, 4], dtype=torch.int32),
-                                                                       4, backend=b)),
+        "pack_values": (
+            r"ragged\.pack",
+            lambda b: ragged.pack_values(x, torch.tensor([0, 1, 4], dtype=torch.int32), 4, backend=b),
+        ),
     }
 
 

@@ -19,15 +19,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _example(script: str, args: list[str], missing: str | None = None, timeout: int = 240):
     """``python examples/<script> args`` from the project root, with ``import <missing>`` failing
     (``sys.modules[missing] = None`` makes every import of it raise ImportError)."""
-    code = ("import runpy, sys\n"
-            + (f"sys.modules[{missing!r}] = None\n" if missing else "")
-            + f"sys.argv = [{script!r}, *{args!r}]\n"
-            + f"runpy.run_path({str(ROOT / 'examples' / script)!r}, run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        + (f"sys.modules[{missing!r}] = None\n" if missing else "")
+        + f"sys.argv = [{script!r}, *{args!r}]\n"
+        + f"runpy.run_path({str(ROOT / 'examples' / script)!r}, run_name='__main__')\n"
+    )
     # As a user runs it on a CPU: without the Triton interpreter the test session sets.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.mark.parametrize("missing", ["datasets", "trl"])
@@ -54,8 +57,10 @@ def test_trainer_example_logs_a_training_loss_comparable_to_eval():
     must be on the eval loss's scale: near it at the start, where both are near ln 2."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    done = _example("train_with_trainer.py", ["--cpu", "--epochs", "1", "--examples", "160", "--max-tokens", "128",
-                                              "--grad-accum", "2"])
+    done = _example(
+        "train_with_trainer.py",
+        ["--cpu", "--epochs", "1", "--examples", "160", "--max-tokens", "128", "--grad-accum", "2"],
+    )
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-4000:]
     losses = [float(x) for x in re.findall(r"^step +\d+ .*training loss (\d+\.\d+)", done.stdout, re.MULTILINE)]

@@ -13,8 +13,18 @@ import torch
 import ragged
 from ragged import backends
 
-OPS = ["add_layer_norm", "attention", "bias_act", "gated_act", "pack", "pool", "rotary_embedding", "unpack",
-       "vocab_cross_entropy", "vocab_projection"]
+OPS = [
+    "add_layer_norm",
+    "attention",
+    "bias_act",
+    "gated_act",
+    "pack",
+    "pool",
+    "rotary_embedding",
+    "unpack",
+    "vocab_cross_entropy",
+    "vocab_projection",
+]
 LENGTHS = [3, 0, 1, 7]  # a zero, a one, odd sizes
 
 
@@ -54,8 +64,12 @@ def _calls(op, dtype=torch.float32, device="cpu"):
     if op == "attention":
         q = _seqs(LENGTHS, (2, 16), seed, dtype)
         q = ragged.RaggedTensor(q.values.to(device), q.offsets.to(device), q.max_len)
-        return (ragged.attention, (q, q, q), {"causal": True},
-                (q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len, True, 0.0, False))
+        return (
+            ragged.attention,
+            (q, q, q),
+            {"causal": True},
+            (q.values, q.values, q.values, q.offsets, q.offsets, q.max_len, q.max_len, True, 0.0, False),
+        )
     g = _gen(seed)
     x = torch.randn(9, 24, generator=g).to(device=device, dtype=dtype)
     if op == "bias_act":
@@ -94,8 +108,10 @@ def test_explain_runs_no_kernel_and_leaves_the_selection(op, monkeypatch):
     public, args, kwargs, _ = _calls(op)
     entry = backends._OPS[op]
     for name, impl in list(entry.impls.items()):
+
         def refuse(*_, _name=name):
             raise AssertionError(f"explain ran the {_name} implementation")
+
         monkeypatch.setitem(entry.impls, name, dataclasses.replace(impl, forward=refuse, backward=refuse))
     ragged.set_backend("torch")
     with ragged.use_backend("cuda"):
@@ -121,12 +137,18 @@ def test_missing_arguments_name_what_the_reasons_need(op):
     message = str(info.value)
     assert "got no arguments" in message
     assert f"ragged.explain(ragged.{op}," in message  # the public form is suggested
-    needs = {"attention": "q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad",
-             "pack": "x, offsets", "pool": "values, offsets, mode", "unpack": "x, offsets", "bias_act": "x, bias, activation",
-             "gated_act": "x, activation", "rotary_embedding": "x, positions, inv_freq, scaling",
-             "add_layer_norm": "x, residual, weight, bias",
-             "vocab_projection": "hidden, h_off, weight, bias, ids, v_off",
-             "vocab_cross_entropy": "hidden, h_off, weight, bias, ids, v_off"}[op]
+    needs = {
+        "attention": "q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, needs_grad",
+        "pack": "x, offsets",
+        "pool": "values, offsets, mode",
+        "unpack": "x, offsets",
+        "bias_act": "x, bias, activation",
+        "gated_act": "x, activation",
+        "rotary_embedding": "x, positions, inv_freq, scaling",
+        "add_layer_norm": "x, residual, weight, bias",
+        "vocab_projection": "hidden, h_off, weight, bias, ids, v_off",
+        "vocab_cross_entropy": "hidden, h_off, weight, bias, ids, v_off",
+    }[op]
     assert f"({needs}" in message
 
 
@@ -147,8 +169,11 @@ def test_public_form_reports_the_functions_own_argument_errors():
 
 
 def test_public_call_that_picks_no_backend():
-    with pytest.raises(ValueError, match=r"ragged.explain\(\): expected a call that picks a backend, got one of "
-                                         r"ragged.pack\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged.explain\(\): expected a call that picks a backend, got one of "
+        r"ragged.pack\(\)",
+    ):
         ragged.explain(ragged.pack, [torch.randn(2, 3), torch.randn(1, 3)])
 
 

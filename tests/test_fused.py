@@ -12,16 +12,20 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
-from conftest import TRITON_ON_CPU, cpu_backends
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
 SHAPES = [(0, 768), (1, 1), (7, 100), (33, 777)]  # (N rows, F features)
 # Backstop tolerances (atol relative to the largest reference value, rtol) by output dtype.
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
-       torch.bfloat16: (1.6e-2, 1.6e-2)}
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
 
 
 def _gen(*key) -> torch.Generator:
@@ -41,8 +45,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype |
     assert out.shape == ref.shape, what
     atol, rtol = TOL[dtype or out.dtype]
     scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
-    torch.testing.assert_close(out.double(), ref.detach().double(), atol=atol * scale, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        out.double(), ref.detach().double(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _no_worse_than_torch(out: torch.Tensor, lowp: torch.Tensor, ref: torch.Tensor, what: str, backend: str):
@@ -121,7 +126,7 @@ def test_bias_act_matches_float64(backend, dtype, activation, with_bias):
 def test_bias_act_shapes_strides_and_fresh_output(backend):
     gen = _gen("bias_act strides", backend)
     big = _randn((2, 3, 2 * 768), torch.float32, gen)
-    x = big[..., :768]                       # leading dims, row stride 2F
+    x = big[..., :768]  # leading dims, row stride 2F
     b = _randn((768,), torch.float32, gen)
     y = ragged.bias_act(x, b, "gelu_tanh", backend=backend)
     assert y.shape == x.shape and y.is_contiguous()
@@ -137,8 +142,9 @@ def test_bias_act_shapes_strides_and_fresh_output(backend):
 @pytest.mark.parametrize("backend", cpu_backends())
 def test_bias_act_mixed_dtypes_and_autocast(backend):
     """bfloat16 activations with a float32 bias (autocast's situation): nothing is cast."""
-    x, b, y, ref, (dx, db), (dx64, db64), _ = _bias_act_case(backend, torch.bfloat16, "gelu", True, 33, 100,
-                                                               param_dtype=torch.float32)
+    x, b, y, ref, (dx, db), (dx64, db64), _ = _bias_act_case(
+        backend, torch.bfloat16, "gelu", True, 33, 100, param_dtype=torch.float32
+    )
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and db.dtype == torch.float32
     _close(y, ref, "y")
     _close(dx, dx64, "dx")
@@ -240,8 +246,9 @@ def test_add_layer_norm_mixed_dtypes_and_autocast(backend):
     """autocast's situation: a bfloat16 branch added to a float32 residual stream with
     float32 parameters. The sum and the output are float32 (torch's promotion), the
     branch's gradient bfloat16, the parameters' float32."""
-    _, y, s, y64, s64, got, want = _ln_case(backend, torch.bfloat16, "full_sum", 33, 100,
-                                            res_dtype=torch.float32, param_dtype=torch.float32)
+    _, y, s, y64, s64, got, want = _ln_case(
+        backend, torch.bfloat16, "full_sum", 33, 100, res_dtype=torch.float32, param_dtype=torch.float32
+    )
     assert y.dtype == s.dtype == torch.float32
     assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
     _close(y, y64, "y")
@@ -249,8 +256,9 @@ def test_add_layer_norm_mixed_dtypes_and_autocast(backend):
     for name, g, g64 in zip(("x", "residual", "weight", "bias"), got, want):
         _close(g, g64, f"d{name}")
     # bfloat16 activations, float32 parameters, no residual: output in bfloat16
-    (x, _, w, b), y, _, y64, _, got, want = _ln_case(backend, torch.bfloat16, "no_residual_sum", 7, 100,
-                                                     param_dtype=torch.float32)
+    (x, _, w, b), y, _, y64, _, got, want = _ln_case(
+        backend, torch.bfloat16, "no_residual_sum", 7, 100, param_dtype=torch.float32
+    )
     assert y.dtype == torch.bfloat16 and got[2].dtype == torch.float32
     _close(y, y64, "y (no residual)")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -262,7 +270,7 @@ def test_add_layer_norm_mixed_dtypes_and_autocast(backend):
 def test_add_layer_norm_strided_leading_dims_and_unused_outputs(backend):
     gen = _gen("ln strided", backend)
     big = _randn((2, 5, 2 * 100), torch.float32, gen)
-    x = big[..., 100:]                                     # row stride 2F, leading dims
+    x = big[..., 100:]  # row stride 2F, leading dims
     r = _randn((2, 5, 100), torch.float32, gen)
     w, b = _randn((100,), torch.float32, gen), _randn((100,), torch.float32, gen)
     y, s = ragged.add_layer_norm(x, r, w, b, 1e-3, return_sum=True, backend=backend)
@@ -278,10 +286,10 @@ def test_add_layer_norm_strided_leading_dims_and_unused_outputs(backend):
     assert torch.equal(dx, torch.full_like(dx, 3.0)) and torch.equal(dr, dx)
     assert dw is None or torch.equal(dw, torch.zeros_like(dw))
     y, s = ragged.add_layer_norm(xg, rg, wg, b, return_sum=True, backend=backend)
-    dx, = torch.autograd.grad(y.sum(), xg)                # expanded (stride 0) upstream gradient
+    (dx,) = torch.autograd.grad(y.sum(), xg)  # expanded (stride 0) upstream gradient
     x64 = xg.detach().double().requires_grad_(True)
     y64 = F.layer_norm(x64 + rg.detach().double(), (100,), wg.detach().double(), b.double())
-    dx64, = torch.autograd.grad(y64.sum(), x64)
+    (dx64,) = torch.autograd.grad(y64.sum(), x64)
     _close(dx, dx64, "dx of y.sum()")
 
 
@@ -307,8 +315,10 @@ def test_rows_are_batch_invariant(backend):
         y_all = ragged.add_layer_norm(x, r, w, b, backend=backend)
         h_all = ragged.bias_act(x, b, "gelu", backend=backend)
         for i in (0, 13, 32):
-            assert torch.equal(ragged.add_layer_norm(x[i:i + 1], r[i:i + 1], w, b, backend=backend), y_all[i:i + 1])
-            assert torch.equal(ragged.bias_act(x[i:i + 1], b, "gelu", backend=backend), h_all[i:i + 1])
+            assert torch.equal(
+                ragged.add_layer_norm(x[i : i + 1], r[i : i + 1], w, b, backend=backend), y_all[i : i + 1]
+            )
+            assert torch.equal(ragged.bias_act(x[i : i + 1], b, "gelu", backend=backend), h_all[i : i + 1])
 
 
 def test_backends_agree():
@@ -319,8 +329,10 @@ def test_backends_agree():
     gen = _gen("agree")  # float16: the interpreter rounds fp32 -> fp16 as the GPU does (not so bf16)
     x, r = _randn((7, 100), torch.float16, gen), _randn((7, 100), torch.float16, gen)
     w, b = _randn((100,), torch.float16, gen), _randn((100,), torch.float16, gen)
-    for fn in (lambda be: ragged.add_layer_norm(x, r, w, b, return_sum=True, backend=be)[1],
-               lambda be: ragged.bias_act(x, b, "relu", backend=be)):
+    for fn in (
+        lambda be: ragged.add_layer_norm(x, r, w, b, return_sum=True, backend=be)[1],
+        lambda be: ragged.bias_act(x, b, "relu", backend=be),
+    ):
         assert torch.equal(fn("torch"), fn("triton"))
     ys = [ragged.add_layer_norm(x, r, w, b, backend=be).float() for be in ("torch", "triton")]
     assert (ys[0] - ys[1]).abs().max() <= 2**-10 * ys[0].abs().max()
@@ -342,8 +354,10 @@ def test_gradcheck_add_layer_norm(variant):
     has_r, has_w, has_b, return_sum = LN_VARIANTS[variant]
     gen = _gen("gradcheck", variant)
     x = _randn((4, 6), torch.float64, gen).requires_grad_(True)
-    inputs = [x] + [_randn(shape, torch.float64, gen).requires_grad_(True) if on else None
-                    for shape, on in (((4, 6), has_r), ((6,), has_w), ((6,), has_b))]
+    inputs = [x] + [
+        _randn(shape, torch.float64, gen).requires_grad_(True) if on else None
+        for shape, on in (((4, 6), has_r), ((6,), has_w), ((6,), has_b))
+    ]
 
     def f(x, r, w, b):
         return ragged.add_layer_norm(x, r, w, b, 1e-5, return_sum=return_sum, backend="torch")
@@ -389,8 +403,9 @@ def test_opcheck():
     torch.library.opcheck(ops.bias_act_backward.default, (g, x, b, "gelu", True, "torch"))
     _, _, mean, rstd = ops.add_layer_norm(x, None, w, b, 1e-5, False, "torch")
     torch.library.opcheck(ops.add_layer_norm_backward.default, (g, g, x, None, w, b, mean, rstd, True, False, "torch"))
-    torch.library.opcheck(ops.add_layer_norm_backward.default,
-                          (g, None, x, r.detach(), None, None, mean, rstd, False, False, "torch"))
+    torch.library.opcheck(
+        ops.add_layer_norm_backward.default, (g, None, x, r.detach(), None, None, mean, rstd, False, False, "torch")
+    )
 
 
 def test_public_api_under_fake_tensors_uses_the_ops():
@@ -421,8 +436,9 @@ def test_eager_path_and_op_path_agree(backend):
     h1 = ragged.bias_act(x, w, "gelu", backend=backend)
     h2 = torch.ops.ragged.bias_act(x, w, "gelu", backend)
     assert torch.equal(h1, h2)
-    assert all(torch.equal(a, c) for a, c in zip(torch.autograd.grad(h1.sum(), (x, w)),
-                                                  torch.autograd.grad(h2.sum(), (x, w))))
+    assert all(
+        torch.equal(a, c) for a, c in zip(torch.autograd.grad(h1.sum(), (x, w)), torch.autograd.grad(h2.sum(), (x, w)))
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -438,8 +454,11 @@ def test_auto_takes_the_reference_on_cpu_and_triton_says_why_not():
     assert reasons["torch"] == [] and any("float64" in r for r in reasons["triton"])
     with pytest.raises(ValueError, match=r"ragged\.bias_act\(\): backend 'triton' cannot take this input.*float64"):
         ragged.bias_act(x, None, backend="triton")
-    with pytest.raises(ValueError, match=r"ragged\.add_layer_norm\(\): backend 'cuda' cannot take this input: "
-                                         r"the CUDA kernels need a CUDA tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.add_layer_norm\(\): backend 'cuda' cannot take this input: "
+        r"the CUDA kernels need a CUDA tensor",
+    ):
         ragged.add_layer_norm(x, None, None, None, backend="cuda")
     with ragged.use_backend("torch"):
         torch.testing.assert_close(ragged.add_layer_norm(x, None, None, None), F.layer_norm(x, (8,)))
@@ -461,16 +480,25 @@ _bad = [
     (lambda: ragged.bias_act(_x, None, backend="numpy"), ValueError, BA + r".*backend.*'numpy'"),
     (lambda: ragged.add_layer_norm("x", None, None, None), TypeError, LN + r".*x.*torch\.Tensor.*str"),
     (lambda: ragged.add_layer_norm(torch.randn(4, 0), None, None, None), ValueError, LN + r".*x.*feature.*\(4, 0\)"),
-    (lambda: ragged.add_layer_norm(_x, torch.randn(4, 7), None, None), ValueError,
-     LN + r".*residual.*\(4, 8\).*\(4, 7\)"),
+    (
+        lambda: ragged.add_layer_norm(_x, torch.randn(4, 7), None, None),
+        ValueError,
+        LN + r".*residual.*\(4, 8\).*\(4, 7\)",
+    ),
     (lambda: ragged.add_layer_norm(_x, torch.randn(8), None, None), ValueError, LN + r".*residual.*\(4, 8\).*\(8,\)"),
-    (lambda: ragged.add_layer_norm(_x, _x.to(torch.complex64), None, None), TypeError,
-     LN + r".*residual.*floating.*complex64"),
+    (
+        lambda: ragged.add_layer_norm(_x, _x.to(torch.complex64), None, None),
+        TypeError,
+        LN + r".*residual.*floating.*complex64",
+    ),
     (lambda: ragged.add_layer_norm(_x, [1.0], None, None), TypeError, LN + r".*residual.*torch\.Tensor"),
     (lambda: ragged.add_layer_norm(_x, None, torch.randn(4), None), ValueError, LN + r".*weight.*\(8,\).*\(4,\)"),
     (lambda: ragged.add_layer_norm(_x, None, None, torch.randn(8, 1)), ValueError, LN + r".*bias.*\(8,\).*\(8, 1\)"),
-    (lambda: ragged.add_layer_norm(_x, None, torch.ones(8, dtype=torch.bool), None), TypeError,
-     LN + r".*weight.*floating.*bool"),
+    (
+        lambda: ragged.add_layer_norm(_x, None, torch.ones(8, dtype=torch.bool), None),
+        TypeError,
+        LN + r".*weight.*floating.*bool",
+    ),
     (lambda: ragged.add_layer_norm(_x, None, None, None, 0.0), ValueError, LN + r".*eps > 0.*0\.0"),
     (lambda: ragged.add_layer_norm(_x, None, None, None, -1e-5), ValueError, LN + r".*eps > 0"),
     (lambda: ragged.add_layer_norm(_x, None, None, None, float("nan")), ValueError, LN + r".*eps"),

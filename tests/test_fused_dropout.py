@@ -14,8 +14,8 @@ import zlib
 
 import pytest
 import torch
-
 from conftest import TRITON_ON_CPU
+
 from ragged.ops.fused import reference_add_layer_norm_backward, reference_bias_act_backward
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -58,7 +58,7 @@ def _same(out, want, device, what):
     """Bit for bit; but the Triton interpreter truncates fp32 -> bf16 where the GPU (and
     torch) round to nearest: there within two bf16 ulps (two roundings in a row)."""
     if device == "cpu" and out.dtype == torch.bfloat16:
-        torch.testing.assert_close(out, want, rtol=2 ** -6, atol=0, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(out, want, rtol=2**-6, atol=0, msg=lambda m: f"{what}: {m}")
     else:
         assert torch.equal(out, want), what
 
@@ -83,12 +83,19 @@ def test_layer_norm_dropout_backward(device, dtype, variant):
         # the statistics and the stored sum from the kernels' own forward, as in use
         _, s, mean, rstd = kf.add_layer_norm_forward(a, b, w, bias, 1e-5, True)
         colsum = dtype if variant != "plain" else None
-        dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(dy, ds, a, b, w, bias, mean, rstd, True, True,
-                                                                  keep, p, colsum)
+        dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(
+            dy, ds, a, b, w, bias, mean, rstd, True, True, keep, p, colsum
+        )
         # float64 oracle
         ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(
-            dy.double(), None if ds is None else ds.double(), s.double(), None if w is None else w.double(),
-            None if bias is None else bias.double(), mean.double(), rstd.double())
+            dy.double(),
+            None if ds is None else ds.double(),
+            s.double(),
+            None if w is None else w.double(),
+            None if bias is None else bias.double(),
+            mean.double(),
+            rstd.double(),
+        )
         ref_dz = ref_sum if keep is None else ref_sum * keep.double() / (1 - p)
         what = f"{variant} {dtype} [{n}, {f}]"
         _close(dsum, ref_sum, dtype, f"{what} ds_total")
@@ -120,18 +127,25 @@ def test_layer_norm_dropout_backward_strided_mask_and_inputs(device):
     gen = _gen("ln strided", device)
     n, f, p = 21, 48, 0.5
     wide = _randn((n, 2 * f), torch.float32, device, gen)
-    a, dy = wide[:, :f], _randn((n, 3 * f), torch.float32, device, gen)[:, f:2 * f]
+    a, dy = wide[:, :f], _randn((n, 3 * f), torch.float32, device, gen)[:, f : 2 * f]
     keep = _mask((n, 2 * f), p, device, gen)[:, f:]
     w, bias = _randn((f,), torch.float32, device, gen), _randn((f,), torch.float32, device, gen)
     mean = a.double().mean(1).float()
     rstd = (a.double().var(1, unbiased=False) + 1e-5).rsqrt().float()
-    dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(dy, None, a, None, w, bias, mean, rstd, True, True,
-                                                              keep, p, torch.float32)
-    ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(dy.double(), None, a.double(), w.double(),
-                                                                bias.double(), mean.double(), rstd.double())
+    dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(
+        dy, None, a, None, w, bias, mean, rstd, True, True, keep, p, torch.float32
+    )
+    ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(
+        dy.double(), None, a.double(), w.double(), bias.double(), mean.double(), rstd.double()
+    )
     ref_dz = ref_sum * keep.double() / (1 - p)
-    for got, ref, what in ((dsum, ref_sum, "ds"), (dz, ref_dz, "dz"), (dw, ref_dw, "dw"), (db, ref_db, "db"),
-                           (dc, ref_dz.sum(0), "colsum")):
+    for got, ref, what in (
+        (dsum, ref_sum, "ds"),
+        (dz, ref_dz, "dz"),
+        (dw, ref_dw, "dw"),
+        (db, ref_db, "db"),
+        (dc, ref_dz.sum(0), "colsum"),
+    ):
         _close(got, ref, torch.float32, what)
 
 
@@ -154,8 +168,9 @@ def test_bias_act_dropout_backward(device, dtype, activation):
         what = f"{activation} {dtype} [{n}, {f}]"
         _same(dx, plain_dx, device, f"{what}: not the composition with native_dropout_backward")
         _close(db, plain_db, dtype, f"{what} dbias against the plain kernel")
-        ref_dx, ref_db = reference_bias_act_backward(g.double() * keep.double() / (1 - p), x.double(),
-                                                     bias.double(), activation)
+        ref_dx, ref_db = reference_bias_act_backward(
+            g.double() * keep.double() / (1 - p), x.double(), bias.double(), activation
+        )
         _close(dx, ref_dx, dtype, f"{what} dx")
         _close(db, ref_db, dtype, f"{what} dbias")
 
@@ -183,15 +198,17 @@ def test_partial_sums_into_a_shared_buffer(device, dtype):
             k = need_w + need_b + (colsum is not None)
             col = 3
             part = torch.full((groups, col + k * f + 5), float("nan"), dtype=torch.float32, device=device)
-            got = kf.add_layer_norm_dropout_backward(dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p,
-                                                     colsum, part=part, part_col=col)
-            want = kf.add_layer_norm_dropout_backward(dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p,
-                                                      colsum)
+            got = kf.add_layer_norm_dropout_backward(
+                dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p, colsum, part=part, part_col=col
+            )
+            want = kf.add_layer_norm_dropout_backward(
+                dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p, colsum
+            )
             what = f"{dtype} [{n}, {f}] w={need_w} b={need_b} colsum={colsum is not None}"
             assert got[2:] == (None, None, None), what
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
-            assert part[:, :col].isnan().all() and part[:, col + k * f:].isnan().all(), f"{what}: wrote outside"
-            sums = part[:, col:col + k * f].sum(0).split(f)
+            assert part[:, :col].isnan().all() and part[:, col + k * f :].isnan().all(), f"{what}: wrote outside"
+            sums = part[:, col : col + k * f].sum(0).split(f)
             for s, ref in zip(sums, [t for t in want[2:] if t is not None]):
                 _close(s.to(dtype), ref, dtype, f"{what}: a partial sum")
         # bias + activation, with and without the dropout
@@ -202,8 +219,8 @@ def test_partial_sums_into_a_shared_buffer(device, dtype):
             dx, none = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p, part=part, part_col=7)
             want_dx, want_db = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p)
             assert none is None and torch.equal(dx, want_dx)
-            assert part[:, :7].isnan().all() and part[:, 7 + 2 * f:].isnan().all()
-            _close(part[:, 7:7 + 2 * f].sum(0).to(dtype), want_db, dtype, f"bias_act [{n}, {2 * f}] dbias")
+            assert part[:, :7].isnan().all() and part[:, 7 + 2 * f :].isnan().all()
+            _close(part[:, 7 : 7 + 2 * f].sum(0).to(dtype), want_db, dtype, f"bias_act [{n}, {2 * f}] dbias")
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -212,8 +229,11 @@ def test_partial_sums_buffer_checked(device):
 
     x = torch.zeros(4, 8, device=device)
     bias = torch.zeros(8, device=device)
-    for bad in (torch.zeros(4, 8, dtype=torch.float64, device=device), torch.zeros(4, 7, device=device),
-                torch.zeros(8, 4, device=device).t()):
+    for bad in (
+        torch.zeros(4, 8, dtype=torch.float64, device=device),
+        torch.zeros(4, 7, device=device),
+        torch.zeros(8, 4, device=device).t(),
+    ):
         with pytest.raises(ValueError, match=r"bias_act_backward\(\): expected part"):
             kf.bias_act_backward(x, x, bias, "relu", True, part=bad)
     with pytest.raises(ValueError, match=r"part_col=2"):

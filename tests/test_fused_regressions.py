@@ -21,10 +21,10 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_backends
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged
-from conftest import cpu_backends
 
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
 # (N rows, F features): empty, a single feature, one column block / one layer norm pass,
@@ -45,8 +45,9 @@ def _close(out, ref, what, tol=1e-5):
     """float32 results against float64: atol relative to the largest reference value."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
     scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
-    torch.testing.assert_close(out.detach().double(), ref.detach().double(), atol=tol * scale, rtol=tol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        out.detach().double(), ref.detach().double(), atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _grads(outs, leaves, gouts):
@@ -167,10 +168,16 @@ def test_add_layer_norm_strided_weight_without_bias_and_the_reverse(backend):
     x = _randn((7, 100), gen)
     w = _randn((300,), gen)[::3]
     b = _randn((200,), gen)[1::2]
-    _close(ragged.add_layer_norm(x, None, w, None, backend=backend), F.layer_norm(x.double(), (100,), w.double()),
-           "weight only")
-    _close(ragged.add_layer_norm(x, None, None, b, backend=backend),
-           F.layer_norm(x.double(), (100,), None, b.double()), "bias only")
+    _close(
+        ragged.add_layer_norm(x, None, w, None, backend=backend),
+        F.layer_norm(x.double(), (100,), w.double()),
+        "weight only",
+    )
+    _close(
+        ragged.add_layer_norm(x, None, None, b, backend=backend),
+        F.layer_norm(x.double(), (100,), None, b.double()),
+        "bias only",
+    )
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -181,8 +188,9 @@ def test_parameter_grad_accumulates_on_the_leaf(backend):
     x = _randn((7, 16), gen, shift=1.0)
     w = _randn((32,), gen).requires_grad_(True)
     b = _randn((1,), gen).requires_grad_(True)
-    y = ragged.bias_act(ragged.add_layer_norm(x, None, w[::2], w[1::2], backend=backend), b.expand(16), "gelu",
-                        backend=backend)
+    y = ragged.bias_act(
+        ragged.add_layer_norm(x, None, w[::2], w[1::2], backend=backend), b.expand(16), "gelu", backend=backend
+    )
     y.square().sum().backward()
     w64, b64 = _leaf64(w), _leaf64(b)
     y64 = F.gelu(F.layer_norm(x.double(), (16,), w64[::2], w64[1::2]) + b64.expand(16))
@@ -224,6 +232,7 @@ def test_the_parameters_reach_every_backend_with_unit_stride(monkeypatch):
         def wrapper(*args, **kwargs):
             seen.append((name, [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1]))
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name in ("bias_act_spec", "add_layer_norm_spec"):
@@ -258,15 +267,17 @@ def test_triton_launchers_take_any_layout(kind):
         dense = [t.contiguous() for t in (x, r, w, b)]
         g = _randn((1, f), gen).expand(n, f)
         ours = tf.bias_act_forward(x, b, "gelu"), tf.bias_act_backward(g, x, b, "gelu", True)
-        theirs = tf.bias_act_forward(dense[0], dense[3], "gelu"), \
-            tf.bias_act_backward(g.contiguous(), dense[0], dense[3], "gelu", True)
+        theirs = (
+            tf.bias_act_forward(dense[0], dense[3], "gelu"),
+            tf.bias_act_backward(g.contiguous(), dense[0], dense[3], "gelu", True),
+        )
         assert torch.equal(ours[0], theirs[0]) and all(map(torch.equal, ours[1], theirs[1]))
         _close(ours[0], F.gelu(x.double() + b.double()), f"bias_act F={f}")
         y, s, mean, rstd = tf.add_layer_norm_forward(x, r, w, b, 1e-5, True)
         ref = tf.add_layer_norm_forward(*dense, 1e-5, True)
         assert all(map(torch.equal, (y, s, mean, rstd), ref))
         _close(y, _ln64(x.double(), r.double(), w.double(), b.double())[0], f"add_layer_norm F={f}")
-        mean2 = torch.stack([mean, mean], 1)[:, 0]            # stride 2
+        mean2 = torch.stack([mean, mean], 1)[:, 0]  # stride 2
         ours = tf.add_layer_norm_backward(g, g.t().contiguous().t(), x, r, w, b, mean2, rstd, True, True)
         theirs = tf.add_layer_norm_backward(g.contiguous(), g.contiguous(), *dense, ref[2], ref[3], True, True)
         assert all(map(torch.equal, ours, theirs))
@@ -279,7 +290,7 @@ def test_triton_launchers_take_any_layout(kind):
 LAYOUTS = {
     "contiguous": (lambda n, f: (n, f), lambda t, n, f: t),
     "transposed": (lambda n, f: (f, n), lambda t, n, f: t.t()),
-    "column_slice": (lambda n, f: (n, f + 5), lambda t, n, f: t[:, 3:3 + f]),
+    "column_slice": (lambda n, f: (n, f + 5), lambda t, n, f: t[:, 3 : 3 + f]),
     "expanded_rows": (lambda n, f: (1, f), lambda t, n, f: t.expand(n, f)),
     "every_other_row": (lambda n, f: (2 * n, f), lambda t, n, f: t[::2]),
 }
@@ -321,7 +332,7 @@ def test_odd_layouts_of_x_and_residual(backend, x_kind, r_kind):
 def test_leading_dims_that_do_not_flatten_to_a_view(backend):
     gen = _gen("3-d", backend)
     base = _randn((4, 3, 100), gen).requires_grad_(True)
-    x = base.transpose(0, 1)                      # [3, 4, 100]: rows not evenly spaced
+    x = base.transpose(0, 1)  # [3, 4, 100]: rows not evenly spaced
     res = _randn((3, 4, 100), gen)
     y, s = ragged.add_layer_norm(x, res, None, None, return_sum=True, backend=backend)
     h = ragged.bias_act(x, None, "relu", backend=backend)
@@ -460,7 +471,7 @@ def test_add_layer_norm_second_derivatives_match_float64(backend, path, variant)
             out = _ln_fn(path, variant, backend)(*inputs)
         outs = list(out) if isinstance(out, tuple) else [out]
         y64, s64 = _ln64(*inputs64)
-        outs64 = [y64, s64][:len(outs)]
+        outs64 = [y64, s64][: len(outs)]
         gouts, vs = _second_order(outs, inputs, gen)
         with _run(path):
             first, second = _hvp(outs, inputs, gouts, vs)
@@ -498,8 +509,9 @@ def test_second_derivatives_of_a_strided_parameter(backend):
     gen = _gen("strided second", backend)
     x = _randn((5, 100), gen, shift=0.5).requires_grad_(True)
     w_leaf = (1 + 0.5 * _randn((200,), gen)).requires_grad_(True)
-    y = ragged.bias_act(ragged.add_layer_norm(x, None, w_leaf[::2], None, backend=backend), w_leaf[1::2], "gelu",
-                        backend=backend)
+    y = ragged.bias_act(
+        ragged.add_layer_norm(x, None, w_leaf[::2], None, backend=backend), w_leaf[1::2], "gelu", backend=backend
+    )
     x64, w64 = _leaf64(x), _leaf64(w_leaf)
     y64 = F.gelu(F.layer_norm(x64, (100,), w64[::2]) + w64[1::2])
     gouts, vs = _second_order([y], (x, w_leaf), gen)
@@ -511,7 +523,7 @@ def test_second_derivatives_of_a_strided_parameter(backend):
 
 @pytest.mark.parametrize("backend", cpu_backends())
 def test_bias_act_backward_op_never_aliases_its_gradient(backend):
-    """"none" passes the gradient through unchanged: the backward op must still return a new
+    """ "none" passes the gradient through unchanged: the backward op must still return a new
     tensor (a torch.library op may not alias its inputs)."""
     x = torch.randn(4, 6)
     g = torch.randn(4, 6)
@@ -520,5 +532,5 @@ def test_bias_act_backward_op_never_aliases_its_gradient(backend):
     xg = x.clone().requires_grad_(True)
     with _PassThrough():
         y = ragged.bias_act(xg, None, "none", backend=backend)
-        dx, = torch.autograd.grad(y, xg, g)
+        (dx,) = torch.autograd.grad(y, xg, g)
     assert torch.equal(dx, g)

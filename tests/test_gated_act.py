@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ragged
 from conftest import cpu_backends
 from test_fused import _close, _gen, _no_worse_than_torch, _randn
+
+import ragged
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "none"]
@@ -125,7 +125,7 @@ def test_rows_are_batch_invariant_and_spare_rows_stay_apart(backend):
     x = _randn((40, 2 * 150), torch.bfloat16, gen)
     y_all = ragged.gated_act(x, "gelu", backend=backend)
     for i in (0, 17, 39):
-        assert torch.equal(ragged.gated_act(x[i:i + 1], "gelu", backend=backend), y_all[i:i + 1])
+        assert torch.equal(ragged.gated_act(x[i : i + 1], "gelu", backend=backend), y_all[i : i + 1])
     padded = torch.cat([x, torch.full((8, 300), float("nan"), dtype=torch.bfloat16)]).requires_grad_(True)
     y = ragged.gated_act(padded, "gelu", backend=backend)
     assert torch.equal(y[:40], y_all)
@@ -144,8 +144,9 @@ def test_backends_agree_bit_for_bit_where_the_product_is_exact():
         pytest.skip("the Triton interpreter is off")
     x = _randn((9, 2 * 130), torch.float16, _gen("gated agree"))
     for activation in ("relu", "none"):
-        assert torch.equal(ragged.gated_act(x, activation, backend="torch"),
-                           ragged.gated_act(x, activation, backend="triton"))
+        assert torch.equal(
+            ragged.gated_act(x, activation, backend="torch"), ragged.gated_act(x, activation, backend="triton")
+        )
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -269,8 +270,11 @@ _bad = [
     (lambda b: ragged.gated_act(torch.randn(2, 3, 8), backend=b), ValueError, GA + r".*x.*\[T, 2F\].*\(2, 3, 8\)"),
     (lambda b: ragged.gated_act(torch.tensor(1.0), backend=b), ValueError, GA + r".*x.*\[T, 2F\].*\(\)"),
     (lambda b: ragged.gated_act(torch.randn(4, 7), backend=b), ValueError, GA + r".*x.*even last dim.*\(4, 7\)"),
-    (lambda b: ragged.gated_act(torch.ones(4, 8, dtype=torch.int64), backend=b), TypeError,
-     GA + r".*x.*floating.*int64"),
+    (
+        lambda b: ragged.gated_act(torch.ones(4, 8, dtype=torch.int64), backend=b),
+        TypeError,
+        GA + r".*x.*floating.*int64",
+    ),
     (lambda b: ragged.gated_act(torch.ones(4, 8, dtype=torch.bool), backend=b), TypeError, GA + r".*x.*floating.*bool"),
     (lambda b: ragged.gated_act(_x.to(torch.complex64), backend=b), TypeError, GA + r".*x.*floating.*complex64"),
     (lambda b: ragged.gated_act(_x, "swish", backend=b), ValueError, GA + r".*activation.*'gelu'.*'swish'"),

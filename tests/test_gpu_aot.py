@@ -21,6 +21,7 @@ if not torch.cuda.is_available() or importlib.util.find_spec("ragged._C") is Non
 @pytest.fixture
 def path(monkeypatch):
     """``path(mode)``: kernels loaded anew through ``mode`` ("aot" or "jit") from here on."""
+
     def use(mode: str) -> None:
         monkeypatch.setenv(launch.LAUNCH_VARIABLE, mode)
         monkeypatch.setattr(launch, "_paths", {})

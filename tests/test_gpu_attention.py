@@ -10,7 +10,6 @@ loop in ``test_attention.py``.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -19,22 +18,21 @@ from ragged import RaggedTensor
 
 pytestmark = pytest.mark.gpu
 from gpu_attention_cases import (
-    _assert_rule,
     ATOL,
     BACKWARD_SETS,
+    DIMS,
+    DTYPES,
+    KERNELS,
+    LENGTHS,
+    _assert_rule,
     _check_backward,
     _check_forward,
     _cu,
-    DIMS,
-    DTYPES,
     _gen,
-    KERNELS,
-    LENGTHS,
     _needs,
     _qkv,
     _reasons,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Accuracy
@@ -130,12 +128,10 @@ def test_dropout_against_reference(dtype, causal):
     up = torch.randn(q.shape, generator=_gen("dropout-up"), device="cuda").to(dtype)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     torch.manual_seed(2024)
-    out = ragged.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), causal=causal, dropout_p=p,
-                                  backend="triton")
+    out = ragged.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), causal=causal, dropout_p=p, backend="triton")
     got = torch.autograd.grad(out, leaves, up)
     torch.manual_seed(2024)
-    again = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, dropout_p=p,
-                                    backend="triton")
+    again = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, dropout_p=p, backend="triton")
     assert torch.equal(out.detach(), again)
     plain = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
     assert not torch.allclose(out.detach(), plain)
@@ -165,11 +161,13 @@ def test_no_host_sync(backend, dropout_p):
     _needs(backend)
     lq, lk = LENGTHS["short_cross"]
     gen = _gen("sync", backend)
-    q, k, v = (RaggedTensor.from_lengths(t, n) for t, n in
-               zip(_qkv(lq, lk, 4, 2, 64, torch.bfloat16, gen), (lq, lk, lk)))
+    q, k, v = (
+        RaggedTensor.from_lengths(t, n) for t, n in zip(_qkv(lq, lk, 4, 2, 64, torch.bfloat16, gen), (lq, lk, lk))
+    )
     train = backend == "triton"
-    if _reasons(backend, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, True, dropout_p,
-                train):
+    if _reasons(
+        backend, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, True, dropout_p, train
+    ):
         pytest.skip(f"{backend} cannot take this input")
     if train:
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
@@ -181,7 +179,7 @@ def test_no_host_sync(backend, dropout_p):
             out.values.backward(up)
         return out, lse
 
-    step()                       # warm up: compile the kernels
+    step()  # warm up: compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -248,7 +246,7 @@ def test_auto_backend_on_cuda():
     out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True)
     _assert_rule("auto", out, ref, low, 1e-3)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = ragged.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), causal=True)   # needs a backward
+    out = ragged.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), causal=True)  # needs a backward
     _assert_rule("auto (grad)", out.detach(), ref, low, 1e-3)
     out.float().sum().backward()
     assert all(t.grad is not None and not torch.isnan(t.grad).any() for t in leaves)

@@ -21,10 +21,10 @@ from ragged import RaggedTensor, backends
 
 pytestmark = pytest.mark.gpu
 from gpu_attention_cases import (
-    _assert_rule,
     ATOL,
-    _cu,
     DTYPES,
+    _assert_rule,
+    _cu,
     _gen,
     _needs,
     _qkv,
@@ -46,8 +46,7 @@ def _mpnet_buckets(max_q: int, max_k: int, num_buckets: int = 32, max_distance: 
     out = (n < 0).long() * half
     n = n.abs()
     exact = half // 2
-    large = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact)
-                     * (half - exact)).long()
+    large = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact) * (half - exact)).long()
     return (out + torch.where(n < exact, n, large.clamp_max(half - 1))).to(torch.int32).cuda()
 
 
@@ -62,8 +61,9 @@ def _inputs(name, heads, kv_heads, dim, dtype, tag):
 def _reference(q, k, v, lq, lk, causal, table, buckets, dtype):
     """The reference in ``dtype`` (inputs and table cast to it; float64: the oracle)."""
     cast = [t.to(dtype) for t in (q, k, v)]
-    return ragged.reference_attention(*cast, _cu(lq), _cu(lk), causal, compute_dtype=dtype,
-                                      position_bias=(table.to(dtype), buckets))
+    return ragged.reference_attention(
+        *cast, _cu(lq), _cu(lk), causal, compute_dtype=dtype, position_bias=(table.to(dtype), buckets)
+    )
 
 
 def _grads(fn, tensors, up):
@@ -84,8 +84,9 @@ def test_accuracy(name, dim, dtype, causal):
     tensors = (q, k, v, table)
 
     def kernel(a, b, c, t):
-        return ragged.varlen_attention(a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                       position_bias=(t, buckets), backend="triton")
+        return ragged.varlen_attention(
+            a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, position_bias=(t, buckets), backend="triton"
+        )
 
     def reference(dt):
         return lambda a, b, c, t: _reference(a, b, c, lq, lk, causal, t, buckets, dt)[0]
@@ -110,24 +111,52 @@ def test_windows_and_dropout(window):
     lq, lk, q, k, v, table, buckets = _inputs("self", 4, 1, 64, torch.bfloat16, ("window", window))
     up = torch.randn(q.shape, generator=_gen("window-up"), device="cuda").to(q.dtype)
     args = (_cu(lq), _cu(lk), max(lq), max(lk))
-    out, got = _grads(lambda a, b, c, t: ragged.varlen_attention(
-        a, b, c, *args, window_size=window, position_bias=(t, buckets), backend="triton"), (q, k, v, table), up)
-    ref, ref_grads = _grads(lambda a, b, c, t: ragged.reference_attention(
-        a.double(), b.double(), c.double(), _cu(lq), _cu(lk), window_size=window,
-        position_bias=(t.double(), buckets))[0], (q, k, v, table), up)
-    low, low_grads = _grads(lambda a, b, c, t: ragged.reference_attention(
-        a, b, c, _cu(lq), _cu(lk), window_size=window, compute_dtype=q.dtype,
-        position_bias=(t.to(q.dtype), buckets))[0], (q, k, v, table), up)
+    out, got = _grads(
+        lambda a, b, c, t: ragged.varlen_attention(
+            a, b, c, *args, window_size=window, position_bias=(t, buckets), backend="triton"
+        ),
+        (q, k, v, table),
+        up,
+    )
+    ref, ref_grads = _grads(
+        lambda a, b, c, t: ragged.reference_attention(
+            a.double(),
+            b.double(),
+            c.double(),
+            _cu(lq),
+            _cu(lk),
+            window_size=window,
+            position_bias=(t.double(), buckets),
+        )[0],
+        (q, k, v, table),
+        up,
+    )
+    low, low_grads = _grads(
+        lambda a, b, c, t: ragged.reference_attention(
+            a, b, c, _cu(lq), _cu(lk), window_size=window, compute_dtype=q.dtype, position_bias=(t.to(q.dtype), buckets)
+        )[0],
+        (q, k, v, table),
+        up,
+    )
     _assert_rule(f"window {window} out", out, ref, low, ATOL[q.dtype])
     for grad_name, g, r, lo in zip(("dq", "dk", "dv", "dtable"), got, ref_grads, low_grads):
         _assert_rule(f"window {window} {grad_name}", g, r, lo, ATOL[q.dtype] * (10 if grad_name == "dtable" else 1))
     # dropout: the torch backend draws the kernels' mask for the same seed
     torch.manual_seed(5)
-    drop = ragged.varlen_attention(q, k, v, *args, dropout_p=0.2, window_size=window,
-                                   position_bias=(table, buckets), backend="triton")
+    drop = ragged.varlen_attention(
+        q, k, v, *args, dropout_p=0.2, window_size=window, position_bias=(table, buckets), backend="triton"
+    )
     torch.manual_seed(5)
-    drop_ref = ragged.varlen_attention(q.double(), k.double(), v.double(), *args, dropout_p=0.2, window_size=window,
-                                       position_bias=(table.double(), buckets), backend="torch")
+    drop_ref = ragged.varlen_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        *args,
+        dropout_p=0.2,
+        window_size=window,
+        position_bias=(table.double(), buckets),
+        backend="torch",
+    )
     torch.testing.assert_close(drop.double(), drop_ref, atol=2e-2, rtol=2e-2)
 
 
@@ -138,8 +167,9 @@ def test_table_gradient_is_deterministic():
     up = torch.randn(q.shape, generator=_gen("determinism-up"), device="cuda").to(q.dtype)
     runs = []
     for _ in range(3):
-        out = ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True,
-                                      position_bias=(table, buckets), backend="triton")
+        out = ragged.varlen_attention(
+            q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True, position_bias=(table, buckets), backend="triton"
+        )
         runs.append(torch.autograd.grad(out, table, up)[0])
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
@@ -157,7 +187,7 @@ def test_no_host_sync():
         out.values.backward(up)
         return out
 
-    step()                       # warm up: compile the kernels
+    step()  # warm up: compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -179,14 +209,15 @@ def test_cuda_graph_capture():
     up = torch.randn(q.shape, generator=_gen("graph-up"), device="cuda").to(q.dtype)
 
     def step():
-        out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), position_bias=(table, buckets),
-                                      backend="triton")
+        out = ragged.varlen_attention(
+            q, k, v, cu_q, cu_k, max(lq), max(lk), position_bias=(table, buckets), backend="triton"
+        )
         return (out,) + torch.autograd.grad(out, (q, k, v, table), up)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()                   # warm up on the side stream: compile outside the capture
+        step()  # warm up on the side stream: compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -226,8 +257,9 @@ def test_cuda_forward_accuracy(name, dim, dtype, causal):
     buckets = _mpnet_buckets(max(lq), max(lk))
     args = (q, k, v, _cu(lq), _cu(lk), max(lq), max(lk))
     with torch.no_grad():
-        out, lse = ragged.varlen_attention(*args, causal=causal, position_bias=(table, buckets), return_lse=True,
-                                           backend="cuda")
+        out, lse = ragged.varlen_attention(
+            *args, causal=causal, position_bias=(table, buckets), return_lse=True, backend="cuda"
+        )
         plain = ragged.varlen_attention(*args, causal=causal, backend="cuda")
     ref, ref_lse = _reference(q, k, v, lq, lk, causal, table, buckets, torch.float64)
     low, low_lse = _reference(q, k, v, lq, lk, causal, table, buckets, dtype)
@@ -236,10 +268,12 @@ def test_cuda_forward_accuracy(name, dim, dtype, causal):
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen), f"{tag}: rows without keys differ"
     _assert_rule(f"{tag} lse", lse[seen], ref_lse[seen], low_lse[seen].float(), ATOL[dtype])
-    unbiased = ragged.reference_attention(*(t.double() for t in (q, k, v)), _cu(lq), _cu(lk), causal,
-                                          compute_dtype=torch.float64)[0]
-    assert (plain.double() - unbiased).abs().max() < (out.double() - unbiased).abs().max(), \
+    unbiased = ragged.reference_attention(
+        *(t.double() for t in (q, k, v)), _cu(lq), _cu(lk), causal, compute_dtype=torch.float64
+    )[0]
+    assert (plain.double() - unbiased).abs().max() < (out.double() - unbiased).abs().max(), (
         f"{tag}: the bias changed nothing"
+    )
 
 
 def test_auto_takes_the_cuda_kernel_for_inference_only():
@@ -264,5 +298,4 @@ def test_validate_reads_the_buckets():
     bad = buckets.clone()
     bad[3] = 32
     with pytest.raises(ValueError, match=r"position_bias buckets in \[0, 32\)"):
-        ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), position_bias=(table, bad),
-                                validate=True)
+        ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), position_bias=(table, bad), validate=True)

@@ -13,12 +13,26 @@ import ragged
 pytestmark = pytest.mark.gpu
 
 from attention_cases import spy_hopper
-from gpu_attention_cases import (ATOL, LENGTHS as CASES, _assert_rule, _check_backward, _check_forward, _cu, _gen,
-                                 _needs, _qkv)
+from gpu_attention_cases import (
+    ATOL,
+    _assert_rule,
+    _check_backward,
+    _check_forward,
+    _cu,
+    _gen,
+    _needs,
+    _qkv,
+)
+from gpu_attention_cases import (
+    LENGTHS as CASES,
+)
 
 # zero-length sequences, length 1, lengths off the tiles, cross lengths, one long sequence
-LENGTHS = {"self": CASES["self"], "cross": CASES["cross"],
-           "long_tail": ([4000, 3, 1, 129, 0, 700], [4000, 3, 1, 129, 0, 700])}
+LENGTHS = {
+    "self": CASES["self"],
+    "cross": CASES["cross"],
+    "long_tail": ([4000, 3, 1, 129, 0, 700], [4000, 3, 1, 129, 0, 700]),
+}
 
 
 @pytest.fixture
@@ -57,8 +71,14 @@ def test_hopper_backward_is_deterministic(hopper):
     lq, lk = LENGTHS["long_tail"]
     q, k, v = (t.requires_grad_(True) for t in _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-det")))
     do = torch.randn(q.shape, generator=_gen("hopper-det-do"), device="cuda").to(q.dtype)
-    runs = [torch.autograd.grad(ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True,
-                                                        backend="triton"), (q, k, v), do) for _ in range(2)]
+    runs = [
+        torch.autograd.grad(
+            ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True, backend="triton"),
+            (q, k, v),
+            do,
+        )
+        for _ in range(2)
+    ]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -105,12 +125,19 @@ def test_hopper_window_accuracy(window, dtype, hopper):
         out = fn(*leaves)
         return (out, *torch.autograd.grad(out, leaves, up.to(cast)))
 
-    got = grads(lambda a, b, c: ragged.varlen_attention(a, b, c, cu, cu, max(lq), max(lq), window_size=window,
-                                                        backend="triton"), dtype)
-    ref = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window)[0],
-                torch.float64)
-    low = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window,
-                                                           compute_dtype=dtype)[0], dtype)
+    got = grads(
+        lambda a, b, c: ragged.varlen_attention(
+            a, b, c, cu, cu, max(lq), max(lq), window_size=window, backend="triton"
+        ),
+        dtype,
+    )
+    ref = grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window)[0], torch.float64
+    )
+    low = grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, cu, cu, False, window_size=window, compute_dtype=dtype)[0],
+        dtype,
+    )
     assert q.shape in hopper and ("backward", q.shape) in hopper
     for name, g, r, lo in zip(("out", "dq", "dk", "dv"), got, ref, low):
         _assert_rule(f"window {window} {name}", g, r, lo, ATOL[dtype])
@@ -140,8 +167,9 @@ def test_hopper_dropout_accuracy(hopper):
 
     got = grads(ours, dtype)
     ref = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, True, None, mask, p)[0], torch.float64)
-    low = grads(lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, True, None, mask, p,
-                                                           compute_dtype=dtype)[0], dtype)
+    low = grads(
+        lambda a, b, c: ragged.reference_attention(a, b, c, cq, ck, True, None, mask, p, compute_dtype=dtype)[0], dtype
+    )
     assert q.shape in hopper and ("backward", q.shape) in hopper
     for name, g, r, lo in zip(("out", "dq", "dk", "dv"), got, ref, low):
         _assert_rule(f"dropout {name}", g, r, lo, ATOL[dtype])

@@ -20,12 +20,12 @@ import random
 
 import pytest
 import torch
+from test_attention_masking import _AMPLITUDE, _FEW_KEYS, MASKS, _check, _check_lse, _leaves, _seed
 
 import ragged
 from ragged import backends
 from ragged.kernels.cuda import ATTENTION_SHORT_HEAD_DIMS, ATTENTION_SHORT_MAX_LEN
 from ragged.kernels.triton import ATTENTION_HEAD_DIMS
-from test_attention_masking import _AMPLITUDE, _FEW_KEYS, MASKS, _check, _check_lse, _leaves, _seed
 
 pytestmark = pytest.mark.gpu
 
@@ -70,9 +70,9 @@ def _inputs(lq, lk, heads, kv_heads, dim, dtype, seed, amplitude=None, values=1.
     cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
     for b, n in enumerate(lk):
         if n <= _FEW_KEYS:
-            q[cq[b]:cq[b + 1]] *= amp
-            k[ck[b]:ck[b + 1]] *= amp
-            v[ck[b]:ck[b + 1]] *= values
+            q[cq[b] : cq[b + 1]] *= amp
+            k[ck[b] : ck[b + 1]] *= amp
+            v[ck[b] : ck[b + 1]] *= values
     return q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype)
 
 
@@ -80,20 +80,21 @@ def _run(backend, q, k, v, do, cu_q, cu_k, max_q, max_k, causal, window, grad=Tr
     """``(out, lse, dq, dk, dv)`` through the public API (gradients None without ``grad``)."""
     if not grad:
         with torch.no_grad():
-            out, lse = ragged.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True,
-                                               backend=backend, window_size=window)
+            out, lse = ragged.varlen_attention(
+                q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, backend=backend, window_size=window
+            )
         return out, lse, None, None, None
     a, b, c = _leaves(q, k, v)
-    out, lse = ragged.varlen_attention(a, b, c, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True,
-                                       backend=backend, window_size=window)
+    out, lse = ragged.varlen_attention(
+        a, b, c, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, backend=backend, window_size=window
+    )
     out.backward(do)
     return out.detach(), lse, a.grad, b.grad, c.grad
 
 
 def _low(q, k, v, do, lq, lk, causal, window):
     a, b, c = _leaves(q, k, v)
-    out, _ = ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=q.dtype,
-                                        window_size=window)
+    out, _ = ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=q.dtype, window_size=window)
     out.backward(do)
     return out.detach(), a.grad, b.grad, c.grad
 
@@ -113,16 +114,17 @@ def _zero_where_unseen(lq, lk, got, what):
     cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
     for b, (nq, nk) in enumerate(zip(lq, lk)):
         if nk == 0:
-            assert torch.all(out[cq[b]:cq[b + 1]] == 0), (what, "out", b)
+            assert torch.all(out[cq[b] : cq[b + 1]] == 0), (what, "out", b)
             if dq is not None:
-                assert torch.all(dq[cq[b]:cq[b + 1]] == 0), (what, "dq", b)
+                assert torch.all(dq[cq[b] : cq[b + 1]] == 0), (what, "dq", b)
         if nq == 0 and dk is not None:
-            assert torch.all(dk[ck[b]:ck[b + 1]] == 0) and torch.all(dv[ck[b]:ck[b + 1]] == 0), (what, "dk/dv", b)
+            assert torch.all(dk[ck[b] : ck[b + 1]] == 0) and torch.all(dv[ck[b] : ck[b + 1]] == 0), (what, "dk/dv", b)
 
 
 def _auto_choice(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, grad):
-    return backends.select("attention", "auto", q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.0, grad,
-                           window).backend
+    return backends.select(
+        "attention", "auto", q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.0, grad, window
+    ).backend
 
 
 def _skip_unless_taken(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, window, grad):
@@ -156,8 +158,9 @@ def test_one_key_per_sequence_float16(dim, causal, backend):
 # Every head dim in float16; bfloat16 at two (each (dtype, head dim, mask) compiles its own kernels,
 # which is most of this file's time on a GPU). "auto" picks the Triton kernels when gradients are
 # needed, which test_one_key_per_sequence_float16 checks.
-MASK_CASES = [(torch.float16, d) for d in ATTENTION_HEAD_DIMS] + [(torch.bfloat16, d) for d in (32, 128)
-                                                                  if d in ATTENTION_HEAD_DIMS]
+MASK_CASES = [(torch.float16, d) for d in ATTENTION_HEAD_DIMS] + [
+    (torch.bfloat16, d) for d in (32, 128) if d in ATTENTION_HEAD_DIMS
+]
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -218,10 +221,15 @@ def test_spare_rows_past_the_last_offset(dtype, mask):
         return torch.cat([x, torch.full((spare, *x.shape[1:]), float("nan"), dtype=x.dtype, device=DEVICE)])
 
     cu_q, cu_k = _cu(MIXED_Q), _cu(MIXED_K)
-    out, lse, dq, dk, dv = _run("triton", padded(q), padded(k), padded(v), padded(do), cu_q, cu_k, *MIXED_MAX,
-                                causal, window)
+    out, lse, dq, dk, dv = _run(
+        "triton", padded(q), padded(k), padded(v), padded(do), cu_q, cu_k, *MIXED_MAX, causal, window
+    )
     what = f"{mask} {dtype} spare rows"
     exact = _exact(q, k, v, do, MIXED_Q, MIXED_K, causal, window)
-    _check((out[:nq], dq[:nq], dk[:nk], dv[:nk]), _low(q, k, v, do, MIXED_Q, MIXED_K, causal, window),
-           exact[:1] + exact[2:], what)
+    _check(
+        (out[:nq], dq[:nq], dk[:nk], dv[:nk]),
+        _low(q, k, v, do, MIXED_Q, MIXED_K, causal, window),
+        exact[:1] + exact[2:],
+        what,
+    )
     _check_lse(lse[:nq], exact[1], what)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -12,18 +11,17 @@ from ragged import RaggedTensor, backends
 
 pytestmark = pytest.mark.gpu
 from gpu_attention_cases import (
-    _assert_rule,
     ATOL,
+    KERNELS,
+    LENGTHS,
+    _assert_rule,
     _check_backward,
     _cu,
     _gen,
-    KERNELS,
-    LENGTHS,
     _needs,
     _qkv,
     _reasons,
 )
-
 
 # --------------------------------------------------------------------------------------
 # More than 2**31 elements
@@ -43,15 +41,16 @@ def test_int64_indexing_many_short_sequences():
     k = torch.randn(total, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(total, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, total + 1, length, dtype=torch.int32, device="cuda")
-    samples = [0, 1, 12345, batch // 2, 61_681, batch - 2, batch - 1]   # 61_681 * 17 * 2048 > 2**31
+    samples = [0, 1, 12345, batch // 2, 61_681, batch - 2, batch - 1]  # 61_681 * 17 * 2048 > 2**31
     ran = []
     for backend in KERNELS:
         reasons = _reasons(backend, q, k, v, cu, cu, length, length, True)
         if reasons:
             assert backend != "triton", reasons
             continue
-        out, lse = ragged.varlen_attention(q, k, v, cu, cu, length, length, causal=True, return_lse=True,
-                                           backend=backend)
+        out, lse = ragged.varlen_attention(
+            q, k, v, cu, cu, length, length, causal=True, return_lse=True, backend=backend
+        )
         for b in samples:
             s = slice(b * length, (b + 1) * length)
             one = torch.tensor([0, length], dtype=torch.int32, device="cuda")
@@ -133,7 +132,7 @@ def test_validate_gives_one_error_on_every_backend(kind, side):
     the "torch" backend (which reads the offsets anyway) raises it without being asked."""
     lq, lk = [3, 0, 17, 9], [5, 2, 0, 20]
     q, k, v = _qkv(lq, lk, 4, 2, 64, torch.bfloat16, _gen("validate", kind, side))
-    off = {"q": [0] + [sum(lq[:i + 1]) for i in range(len(lq))], "k": [0] + [sum(lk[:i + 1]) for i in range(len(lk))]}
+    off = {"q": [0] + [sum(lq[: i + 1]) for i in range(len(lq))], "k": [0] + [sum(lk[: i + 1]) for i in range(len(lk))]}
     maxima = {"q": max(lq), "k": max(lk)}
     if kind == "max_seqlen":
         maxima[side] -= 1
@@ -143,13 +142,15 @@ def test_validate_gives_one_error_on_every_backend(kind, side):
     cu_k = torch.tensor(off["k"], dtype=torch.int32, device="cuda")
     messages = set()
     for backend in ALL_BACKENDS:
-        if backend in KERNELS and (backends.triton_reason(q.device) if backend == "triton"
-                                   else backends.cuda_reason(q.device)):
+        if backend in KERNELS and (
+            backends.triton_reason(q.device) if backend == "triton" else backends.cuda_reason(q.device)
+        ):
             continue
-        for validate in ((False, True) if backend == "torch" else (True,)):
+        for validate in (False, True) if backend == "torch" else (True,):
             with pytest.raises(ValueError) as info:
-                ragged.varlen_attention(q, k, v, cu_q, cu_k, maxima["q"], maxima["k"], backend=backend,
-                                        validate=validate)
+                ragged.varlen_attention(
+                    q, k, v, cu_q, cu_k, maxima["q"], maxima["k"], backend=backend, validate=validate
+                )
             messages.add(str(info.value))
     assert len(messages) == 1, messages
     message = messages.pop()
@@ -163,8 +164,9 @@ def test_validate_on_good_offsets_and_no_sync_without_it(backend):
     q, k, v = _qkv(lq, lk, 4, 2, 64, torch.bfloat16, _gen("validate-good", backend))
     cu_q, cu_k = _cu(lq), _cu(lk)
     _skip_unless_takes(backend, q, k, v, cu_q, cu_k, max(lq), max(lk), True)
-    checked = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend=backend,
-                                      validate=True)
+    checked = ragged.varlen_attention(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend=backend, validate=True
+    )
     out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend=backend)
     assert torch.equal(out, checked)
     if backend == "torch":
@@ -191,8 +193,11 @@ def test_ragged_host_offsets_against_values_without_sync(backend):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with pytest.raises(ValueError, match=r"ragged\.attention\(\): expected q\.offsets\[-1\] == q\.num_tokens "
-                                             r"\(7\), got 8"):
+        with pytest.raises(
+            ValueError,
+            match=r"ragged\.attention\(\): expected q\.offsets\[-1\] == q\.num_tokens "
+            r"\(7\), got 8",
+        ):
             ragged.attention(bad, good, good, backend=backend)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -200,16 +205,19 @@ def test_ragged_host_offsets_against_values_without_sync(backend):
 
 def _nan_guarded(x, lead=3, trail=64):
     """``x`` copied into the middle of a NaN buffer (NaN rows before and after, a NaN head beside)."""
-    buf = torch.full((lead + x.shape[0] + trail, x.shape[1] + 1, x.shape[2]), float("nan"), dtype=x.dtype,
-                     device=x.device)
-    view = buf[lead:lead + x.shape[0], 1:]
+    buf = torch.full(
+        (lead + x.shape[0] + trail, x.shape[1] + 1, x.shape[2]), float("nan"), dtype=x.dtype, device=x.device
+    )
+    view = buf[lead : lead + x.shape[0], 1:]
     view.copy_(x)
     return view
 
 
 # Backends whose kernels read their offsets as given (the contract: validate=True checks them).
-_TRUSTS_OFFSETS = {"triton": "the Triton attention kernels trust their offsets (clipping cost 45% of the causal "
-                             "forward); validate=True checks them"}
+_TRUSTS_OFFSETS = {
+    "triton": "the Triton attention kernels trust their offsets (clipping cost 45% of the causal "
+    "forward); validate=True checks them"
+}
 
 
 @pytest.mark.parametrize("backend", [*KERNELS, "auto"])
@@ -227,9 +235,9 @@ def test_kernels_clip_offsets_past_T(backend, side, causal):
     gen = _gen("clip", backend, side, causal)
     q0, k0, v0 = _qkv(lq, lk, 4, 2, 64, torch.bfloat16, gen)
     tq = q0.shape[0]
-    off_q = [0] + [sum(lq[:i + 1]) for i in range(len(lq))]
-    off_k = [0] + [sum(lk[:i + 1]) for i in range(len(lk))]
-    ref_cq, ref_ck = _cu(lq), _cu(lk)       # the clipped offsets are the valid ones
+    off_q = [0] + [sum(lq[: i + 1]) for i in range(len(lq))]
+    off_k = [0] + [sum(lk[: i + 1]) for i in range(len(lk))]
+    ref_cq, ref_ck = _cu(lq), _cu(lk)  # the clipped offsets are the valid ones
     if side in ("q", "both"):
         off_q[-1] += 11
     if side in ("k", "both"):
@@ -239,8 +247,9 @@ def test_kernels_clip_offsets_past_T(backend, side, causal):
     q, k, v = _nan_guarded(q0), _nan_guarded(k0), _nan_guarded(v0)
     if backend != "auto" and _reasons(backend, q, k, v, cu_q, cu_k, max(lq), max(lk), causal):
         pytest.skip(f"{backend} cannot take this input")
-    out, lse = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
-                                       backend=backend)
+    out, lse = ragged.varlen_attention(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True, backend=backend
+    )
     ref, ref_lse = ragged.reference_attention(q0.double(), k0.double(), v0.double(), ref_cq, ref_ck, causal)
     low, _ = ragged.reference_attention(q0, k0, v0, ref_cq, ref_ck, causal, compute_dtype=q0.dtype)
     _assert_rule(f"{backend} out", out, ref, low, ATOL[q0.dtype])
@@ -256,12 +265,13 @@ def test_kernels_clip_offsets_past_T(backend, side, causal):
     lse_g = torch.full((tq + 64, 4), float("nan"), device="cuda")[:tq]
     lse_g.copy_(lse)
     buffers = [torch.full((t.shape[0] + 64, *t.shape[1:]), 1234.5, dtype=t.dtype, device="cuda") for t in (q0, k0, v0)]
-    views = tuple(b[:t.shape[0]] for b, t in zip(buffers, (q0, k0, v0)))
-    grads = ka.backward(do, q, k, v, _nan_guarded(out), lse_g, cu_q, cu_k, max(lq), max(lk), causal, 0.125, 0.0, 0,
-                        grads=views)
+    views = tuple(b[: t.shape[0]] for b, t in zip(buffers, (q0, k0, v0)))
+    grads = ka.backward(
+        do, q, k, v, _nan_guarded(out), lse_g, cu_q, cu_k, max(lq), max(lk), causal, 0.125, 0.0, 0, grads=views
+    )
     for name, g, view, buf in zip("qkv", grads, views, buffers):
         assert g is view
-        assert torch.all(buf[view.shape[0]:] == 1234.5), f"d{name}: written past T"
+        assert torch.all(buf[view.shape[0] :] == 1234.5), f"d{name}: written past T"
         assert not torch.isnan(g).any(), f"d{name}: read past T"
 
 
@@ -277,8 +287,10 @@ def test_triton_backward_grads_buffers_of_any_strides(layout):
     cu = _cu(lengths)
     out, lse = ka.forward(q, k, v, cu, cu, 70, 70, True, 0.125, 0.0, 0)
     if layout == "feature_strided":
-        grads = tuple(torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0, dtype=t.dtype, device="cuda")
-                      .permute(2, 1, 0) for t in (q, k, v))
+        grads = tuple(
+            torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0, dtype=t.dtype, device="cuda").permute(2, 1, 0)
+            for t in (q, k, v)
+        )
     else:
         grads = torch.full((q.shape[0], 3, 4, 64), 7.0, dtype=q.dtype, device="cuda").unbind(1)
     got = ka.backward(do, q, k, v, out, lse, cu, cu, 70, 70, True, 0.125, 0.0, 0, grads=grads)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16]
 HEAD_DIMS = [32, 64, 128]
-HEADS = [(4, 4), (6, 2), (4, 1)]          # (query heads, key/value heads): MHA, GQA, MQA
+HEADS = [(4, 4), (6, 2), (4, 1)]  # (query heads, key/value heads): MHA, GQA, MQA
 _rng = random.Random(0)
 LENGTH_SETS = {
     "mixed": [0, 1, 7, 16, 17, 31, 32, 5, 0, 13],
@@ -48,7 +48,7 @@ def _poisoned(tokens, heads, dim, dtype, gen, lead=5, trail=3, extra_heads=2):
     """A [tokens + trail, heads, dim] view of a NaN buffer (NaN tokens before and after it, NaN
     neighbouring heads) whose first `tokens` rows hold random values."""
     buf = torch.full((lead + tokens + trail, heads + extra_heads, dim), float("nan"), dtype=dtype, device="cuda")
-    x = buf[lead:, 1:1 + heads]
+    x = buf[lead:, 1 : 1 + heads]
     x[:tokens] = torch.randn((tokens, heads, dim), generator=gen, device="cuda").to(dtype)
     return x
 
@@ -107,7 +107,7 @@ def test_matches_reference(dtype, dim, causal, heads, kv_heads, path):
     for i, (name, lengths) in enumerate(LENGTH_SETS.items()):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, heads, kv_heads, dim, dtype, seed=dim * 10 + i)
         m = max(lengths)
-        out, lse = kern.forward(q, k, v, cu_q, cu_k, m, m, causal, 1.0 / dim ** 0.5, 0.0, 0)
+        out, lse = kern.forward(q, k, v, cu_q, cu_k, m, m, causal, 1.0 / dim**0.5, 0.0, 0)
         try:
             _check(out, lse, q, k, v, cu_q, cu_k, causal)
         except AssertionError as exc:
@@ -116,8 +116,8 @@ def test_matches_reference(dtype, dim, causal, heads, kv_heads, path):
 
 CROSS = {
     "mixed": ([5, 0, 17, 32, 1, 128, 3, 2], [9, 4, 0, 32, 128, 1, 3, 7]),
-    "many_rounds": ([128, 100, 3, 40], [32, 7, 0, 31]),      # long queries, one key chunk reused
-    "many_chunks": ([16, 2, 1], [128, 100, 65]),              # key chunks with the online rescale
+    "many_rounds": ([128, 100, 3, 40], [32, 7, 0, 31]),  # long queries, one key chunk reused
+    "many_chunks": ([16, 2, 1], [128, 100, 65]),  # key chunks with the online rescale
 }
 
 
@@ -204,7 +204,7 @@ def test_empty_batches(path):
 def test_token_index_past_int32(path):
     kern = _kernel()
     free, _ = torch.cuda.mem_get_info()
-    stride = 2**24                      # elements between tokens: the last tokens sit past 2**31 elements
+    stride = 2**24  # elements between tokens: the last tokens sit past 2**31 elements
     tokens = 140
     if free < (tokens * stride) * 2 + 2**30:
         pytest.skip("not enough GPU memory")
@@ -247,8 +247,11 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.setattr(kern, "launch", lambda src, name, *a: (names.append(name), real(src, name, *a)))
     pairs = kern.PIPELINED_MIN_PAIRS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
     batch = -(-pairs // 12)
-    for lengths, expected in (([_rng.randint(8, 32) for _ in range(batch)], "pipe_bf16_d64_c32_h"),
-                              ([3, 9, 32], "short_bf16_d64_c32"), ([3, 33], "short_bf16_d64_c64")):
+    for lengths, expected in (
+        ([_rng.randint(8, 32) for _ in range(batch)], "pipe_bf16_d64_c32_h"),
+        ([3, 9, 32], "short_bf16_d64_c32"),
+        ([3, 33], "short_bf16_d64_c64"),
+    ):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 12, 12, 64, torch.bfloat16, seed=6)
         m = max(lengths)
         kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
@@ -267,15 +270,17 @@ def test_reasons():
         pytest.skip("compute capability < 8.0")
     assert _cuda_reasons(q, k, v, cu_q, cu_k, 128, 128, True, 0.0, False) == []
     for max_q, max_k in ((129, 5), (5, 129)):
-        assert any("128" in r and "129" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.0,
-                                                                    False))
+        assert any(
+            "128" in r and "129" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.0, False)
+        )
     assert any("dropout" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.1, False))
     assert any("forward only" in r for r in _cuda_reasons(q, k, v, cu_q, cu_k, 5, 5, False, 0.0, True))
     q32 = q.float()
     assert any("float32" in r for r in _cuda_reasons(q32, k.float(), v.float(), cu_q, cu_k, 5, 5, False, 0.0, False))
     q80 = torch.zeros(8, 4, 80, dtype=torch.bfloat16, device="cuda")
-    assert any("head dims" in r and "80" in r for r in _cuda_reasons(q80, q80, q80, cu_q, cu_k, 5, 5, False, 0.0,
-                                                                     False))
+    assert any(
+        "head dims" in r and "80" in r for r in _cuda_reasons(q80, q80, q80, cu_q, cu_k, 5, 5, False, 0.0, False)
+    )
     qc = q.cpu()
     assert _cuda_reasons(qc, k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 5, 5, False, 0.0, False)
     # Through the API: a forced backend that cannot take the input raises.
@@ -299,17 +304,23 @@ def test_declaration_backward_and_extras():
 
 
 def test_launcher_table_matches_the_source():
-    from ragged.kernels.cuda import launch as kc
     from ragged.kernels.cuda import attention as ca
+    from ragged.kernels.cuda import launch as kc
 
     src = kc.source("attention_short.cu")
-    declared = {(int(d), int(c), int(w))
-                for d, c, w in re.findall(r"^RAGGED_ATTENTION_SHORT_TYPES\((\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE)}
+    declared = {
+        (int(d), int(c), int(w))
+        for d, c, w in re.findall(r"^RAGGED_ATTENTION_SHORT_TYPES\((\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE)
+    }
     table = {(d, c, w) for d, configs in ca._CONFIGS.items() for c, w in configs}
     assert declared == table
     assert set(ca._CONFIGS) == set(ca.HEAD_DIMS)
-    pipelined = {(int(d), int(c), int(w), int(n)) for d, c, w, n in re.findall(
-        r"^RAGGED_ATTENTION_SHORT_PIPELINED_TYPES\((\d+), (\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE)}
+    pipelined = {
+        (int(d), int(c), int(w), int(n))
+        for d, c, w, n in re.findall(
+            r"^RAGGED_ATTENTION_SHORT_PIPELINED_TYPES\((\d+), (\d+), (\d+), (\d+), \d+\)", src, re.MULTILINE
+        )
+    }
     assert pipelined == {(d, c, w, ca.PIPELINED_HEADS) for d, (c, w) in ca._PIPELINED.items()}
 
 
@@ -328,11 +339,11 @@ def test_packed_self_attention_reads_the_input_projection_in_place(path, dim, ca
     qkv = buf[:total]  # the rows after it are NaN
     qkv.copy_(torch.randn((total, 3 * heads * dim), generator=gen, device="cuda").to(dtype))
     cu = _offsets(lengths, offsets_dtype)
-    out = kernel.packed_self_attention(qkv, cu, max(lengths), heads, causal, dim ** -0.5)
+    out = kernel.packed_self_attention(qkv, cu, max(lengths), heads, causal, dim**-0.5)
     assert out.shape == (total, heads * dim) and out.dtype == dtype
     q, k, v = qkv.view(total, 3, heads, dim).unbind(1)
-    ref64, _ = ragged.reference_attention(q.double(), k.double(), v.double(), cu, cu, causal, dim ** -0.5)
-    ref_lp, _ = ragged.reference_attention(q, k, v, cu, cu, causal, dim ** -0.5, compute_dtype=dtype)
+    ref64, _ = ragged.reference_attention(q.double(), k.double(), v.double(), cu, cu, causal, dim**-0.5)
+    ref_lp, _ = ragged.reference_attention(q, k, v, cu, cu, causal, dim**-0.5, compute_dtype=dtype)
     assert not torch.isnan(out).any()
     err = (out.view(total, heads, dim).double() - ref64).abs().max().item()
     tol = 2 * (ref_lp.double() - ref64).abs().max().item() + 1e-3

@@ -14,10 +14,10 @@ import zlib
 
 import pytest
 import torch
+from gpu_attention_cases import _assert_rule  # flash-attn's error rule, as the other GPU attention tests apply it
 
 import ragged
 from ragged import RaggedTensor, backends
-from gpu_attention_cases import _assert_rule  # flash-attn's error rule, as the other GPU attention tests apply it
 
 pytestmark = pytest.mark.gpu
 
@@ -57,8 +57,6 @@ def _needs_triton():
         pytest.skip(reason)
 
 
-
-
 def _check(lq, lk, q, k, v, causal, window, tag, backward=True, backend="triton"):
     """Forward (out, lse, rows that see no key) and, with ``backward``, dq, dk, dv of ``backend``
     against the float64 reference, by flash-attn's rule."""
@@ -73,12 +71,21 @@ def _check(lq, lk, q, k, v, causal, window, tag, backward=True, backend="triton"
         grads = torch.autograd.grad(out, leaves, up.to(dtype)) if backward else None
         return out.detach(), lse, grads
 
-    got, lse, got_grads = run(q.dtype, lambda a, b, c: ragged.varlen_attention(
-        a, b, c, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True, backend=backend, window_size=window))
-    ref, ref_lse, ref_grads = run(torch.float64, lambda a, b, c: ragged.reference_attention(
-        a, b, c, cu_q, cu_k, causal, window_size=window))
-    low, low_lse, low_grads = run(q.dtype, lambda a, b, c: ragged.reference_attention(
-        a, b, c, cu_q, cu_k, causal, compute_dtype=q.dtype, window_size=window))
+    got, lse, got_grads = run(
+        q.dtype,
+        lambda a, b, c: ragged.varlen_attention(
+            a, b, c, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True, backend=backend, window_size=window
+        ),
+    )
+    ref, ref_lse, ref_grads = run(
+        torch.float64, lambda a, b, c: ragged.reference_attention(a, b, c, cu_q, cu_k, causal, window_size=window)
+    )
+    low, low_lse, low_grads = run(
+        q.dtype,
+        lambda a, b, c: ragged.reference_attention(
+            a, b, c, cu_q, cu_k, causal, compute_dtype=q.dtype, window_size=window
+        ),
+    )
     assert got.shape == q.shape and got.dtype == q.dtype and lse.dtype == torch.float32
     _assert_rule(f"{tag} out", got, ref, low, atol)
     blind = torch.isneginf(ref_lse)
@@ -138,8 +145,9 @@ def test_dropout_against_reference():
     up = torch.randn(q.shape, generator=_gen("dropout-up"), device="cuda").to(q.dtype)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     torch.manual_seed(2024)
-    out = ragged.varlen_attention(*leaves, cu_q, cu_k, max(lq), max(lk), dropout_p=p, backend="triton",
-                                  window_size=window)
+    out = ragged.varlen_attention(
+        *leaves, cu_q, cu_k, max(lq), max(lk), dropout_p=p, backend="triton", window_size=window
+    )
     got = torch.autograd.grad(out, leaves, up)
     torch.manual_seed(2024)
     seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
@@ -147,8 +155,9 @@ def test_dropout_against_reference():
 
     def grads(dtype, compute):
         ls = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-        o, _ = ragged.reference_attention(*ls, cu_q, cu_k, False, None, mask, p, compute_dtype=compute,
-                                          window_size=window)
+        o, _ = ragged.reference_attention(
+            *ls, cu_q, cu_k, False, None, mask, p, compute_dtype=compute, window_size=window
+        )
         return o, torch.autograd.grad(o, ls, up.to(dtype))
 
     ref, ref_grads = grads(torch.float64, torch.float64)
@@ -181,8 +190,12 @@ def test_cuda_kernel_is_never_chosen_for_a_window():
     wide = ragged.explain(ragged.varlen_attention, *args, window_size=(500, 500))["cuda"]
     assert wide == [], wide
     assert backends.select("attention", "auto", q.device, *args, False, 0.0, False, (500, 500)).backend == "cuda"
-    torch.testing.assert_close(ragged.varlen_attention(*args, window_size=(500, 500)),
-                               ragged.varlen_attention(*args, backend="triton"), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        ragged.varlen_attention(*args, window_size=(500, 500)),
+        ragged.varlen_attention(*args, backend="triton"),
+        atol=2e-2,
+        rtol=2e-2,
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -190,8 +203,9 @@ def test_no_host_sync(causal):
     _needs_triton()
     lq, lk = LENGTHS["cross"]
     gen = _gen("sync", causal)
-    q, k, v = (RaggedTensor.from_lengths(t, n) for t, n in
-               zip(_qkv(lq, lk, 4, 2, 64, torch.bfloat16, gen), (lq, lk, lk)))
+    q, k, v = (
+        RaggedTensor.from_lengths(t, n) for t, n in zip(_qkv(lq, lk, 4, 2, 64, torch.bfloat16, gen), (lq, lk, lk))
+    )
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     up = torch.randn(q.values.shape, generator=gen, device="cuda").to(torch.bfloat16)
 
@@ -200,7 +214,7 @@ def test_no_host_sync(causal):
         out.values.backward(up)
         return out
 
-    step()                       # warm up: compile the kernels
+    step()  # warm up: compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -216,8 +230,9 @@ def test_compile_fullgraph_with_backward():
     torch._dynamo.reset()
 
     def f(q, k, v, cu_q, cu_k, max_q: int, max_k: int):
-        out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend="triton",
-                                      window_size=(32, -1))
+        out = ragged.varlen_attention(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend="triton", window_size=(32, -1)
+        )
         return out.float() * 2
 
     compiled = torch.compile(f, fullgraph=True)

@@ -48,8 +48,12 @@ _CHILD = textwrap.dedent("""
 
 
 def test_first_training_forward_compiles_what_the_backward_launches(tmp_path):
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), RAGGED_CACHE_DIR=str(tmp_path / "ragged"),
-               CUPY_CACHE_DIR=str(tmp_path / "cupy"))
+    env = dict(
+        os.environ,
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+        RAGGED_CACHE_DIR=str(tmp_path / "ragged"),
+        CUPY_CACHE_DIR=str(tmp_path / "cupy"),
+    )
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -65,8 +69,9 @@ def test_compile_ahead_pass_changes_nothing_the_step_computes():
     from ragged.nn import layer as core
 
     torch.manual_seed(0)
-    layer = ragged.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.2, activation="gelu", batch_first=True,
-                                              device="cuda", dtype=torch.bfloat16).train()
+    layer = ragged.nn.TransformerEncoderLayer(
+        64, 4, 128, dropout=0.2, activation="gelu", batch_first=True, device="cuda", dtype=torch.bfloat16
+    ).train()
     x = ragged.pack([torch.randn(n, 64, device="cuda", dtype=torch.bfloat16) for n in (5, 17, 1, 33)])
 
     def step():

@@ -6,21 +6,26 @@ parameter policy within bfloat16's error)."""
 
 from __future__ import annotations
 
+import distributed_cases as cases
 import numpy as np
 import pytest
 import torch
-
-import distributed_cases as cases
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or not torch.distributed.is_available():
     pytest.skip("needs CUDA and torch.distributed", allow_module_level=True)
 
-BACKENDS = [pytest.param("gloo", id="gloo-one-gpu"),
-            pytest.param("nccl", id="nccl-two-gpus", marks=pytest.mark.skipif(
-                torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
-                reason="needs two GPUs and NCCL"))]
+BACKENDS = [
+    pytest.param("gloo", id="gloo-one-gpu"),
+    pytest.param(
+        "nccl",
+        id="nccl-two-gpus",
+        marks=pytest.mark.skipif(
+            torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(), reason="needs two GPUs and NCCL"
+        ),
+    ),
+]
 
 
 def _scale(grads):
@@ -34,8 +39,10 @@ def test_gradients_equal_one_process_on_the_union(backend, kind, mode):
     if kind != "encoder":
         pytest.importorskip("transformers")
     if backend == "gloo" and mode != "ddp":
-        pytest.skip("FSDP2 over gloo with CUDA tensors hung on the GPU host (every model, > 400 s): FSDP2 on "
-                    "GPUs is tested with NCCL")
+        pytest.skip(
+            "FSDP2 over gloo with CUDA tensors hung on the GPU host (every model, > 400 s): FSDP2 on "
+            "GPUs is tested with NCCL"
+        )
     want = cases.union_grads(kind, "cuda")
     got, _ = cases.run_world(kind, mode, "cuda", backend)
     scale = _scale(want)

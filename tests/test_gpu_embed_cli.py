@@ -28,8 +28,10 @@ from sentence_transformers import SentenceTransformer
 
 from ragged import embed as E
 
-TIME = re.compile(r"time: imports ([\d.]+) s, input ([\d.]+) s, model ([\d.]+) s, embedding ([\d.]+) s "
-                  r"\((\d+) CUDA graphs? captured\), output ([\d.]+) s, other (-?[\d.]+) s")
+TIME = re.compile(
+    r"time: imports ([\d.]+) s, input ([\d.]+) s, model ([\d.]+) s, embedding ([\d.]+) s "
+    r"\((\d+) CUDA graphs? captured\), output ([\d.]+) s, other (-?[\d.]+) s"
+)
 WHOLE = re.compile(r".*; whole run ([\d.]+) s: [\d.]+ texts/s")
 
 
@@ -85,7 +87,7 @@ def test_gpu_resume_keeps_sizes(model_dir, tmp_path, capsys, monkeypatch):
 
     def embed(*args, **kwargs):
         calls.append(1)
-        if len(calls) > 3:                       # the first chunk, its warm timing, one more
+        if len(calls) > 3:  # the first chunk, its warm timing, one more
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
@@ -98,4 +100,4 @@ def test_gpu_resume_keeps_sizes(model_dir, tmp_path, capsys, monkeypatch):
     kept = [np.load(parts / E.chunk_name(i)) for i in range(2)]
     assert E.main(argv) == 0
     got = np.load(out)
-    np.testing.assert_array_equal(got[:E.FIRST_CHUNK + 1000], np.concatenate(kept))
+    np.testing.assert_array_equal(got[: E.FIRST_CHUNK + 1000], np.concatenate(kept))

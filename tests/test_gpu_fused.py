@@ -7,7 +7,6 @@ plus a small atol relative to the largest reference value.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,17 +16,16 @@ from ragged import backends
 
 pytestmark = pytest.mark.gpu
 from gpu_fused_cases import (
-    _check_bias_act,
-    LN_VARIANTS,
-    _check_add_layer_norm,
     ACTIVATIONS,
     DTYPES,
-    _gen,
+    LN_VARIANTS,
     N_ROWS,
+    _check_add_layer_norm,
+    _check_bias_act,
+    _gen,
     _needs_triton,
     _randn,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Accuracy at real sizes
@@ -130,17 +128,18 @@ def test_int64_offsets():
     torch.testing.assert_close(dx[tail].float(), ref_dx, atol=1e-2, rtol=1e-2)
     db_ref = torch.zeros(n_cols, dtype=torch.float64, device="cuda")
     for i in range(0, n_rows, 1 << 20):
-        z = x[i:i + (1 << 20)].detach().float() + b.detach()
+        z = x[i : i + (1 << 20)].detach().float() + b.detach()
         db_ref += torch.ops.aten.gelu_backward(torch.ones_like(z), z).sum(0).double()
     torch.testing.assert_close(db.double(), db_ref, atol=1e-3 * db_ref.abs().max().item(), rtol=1e-4)
     del dx, g
     w = torch.randn(n_cols, device="cuda", requires_grad=True)
     y = ragged.add_layer_norm(x, None, w, b, backend="triton")
-    torch.testing.assert_close(y[tail], ragged.add_layer_norm(x[tail].detach(), None, w.detach(), b.detach(),
-                                                              backend="torch"))
+    torch.testing.assert_close(
+        y[tail], ragged.add_layer_norm(x[tail].detach(), None, w.detach(), b.detach(), backend="torch")
+    )
     dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
     xt, wt = x[tail].detach().float().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    ref_dx, = torch.autograd.grad(F.layer_norm(xt, (n_cols,), wt, b.detach()), xt, torch.ones_like(xt))
+    (ref_dx,) = torch.autograd.grad(F.layer_norm(xt, (n_cols,), wt, b.detach()), xt, torch.ones_like(xt))
     torch.testing.assert_close(dx[tail].float(), ref_dx, atol=2e-2, rtol=2e-2)
     assert torch.isfinite(dw).all()
 
@@ -165,7 +164,7 @@ def test_no_host_sync(backend):
         z = ragged.add_layer_norm(y, None, None, None, backend=backend)
         (z.float().square().sum() + s.float().sum()).backward()
 
-    step()                       # warm up: compile the kernels
+    step()  # warm up: compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

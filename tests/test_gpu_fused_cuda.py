@@ -4,7 +4,6 @@ inputs, optional statistics, no sync, auto's choice, int64 offsets."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,17 +13,16 @@ from ragged import backends
 
 pytestmark = pytest.mark.gpu
 from gpu_fused_cases import (
-    _needs_cuda_kernels,
-    _check_bias_act,
-    CUDA_LN_VARIANTS,
-    _check_add_layer_norm,
     ACTIVATIONS,
+    CUDA_LN_VARIANTS,
     DTYPES,
-    _gen,
     N_ROWS,
+    _check_add_layer_norm,
+    _check_bias_act,
+    _gen,
+    _needs_cuda_kernels,
     _randn,
 )
-
 
 # --------------------------------------------------------------------------------------
 # The "cuda" backend: CUDA C++ forward (csrc/fused.cu), Triton backward
@@ -101,8 +99,8 @@ def test_cuda_add_layer_norm_accuracy(dtype, n_cols, variant):
     x2, r2, w2, b2 = inputs
     ours = _cuda_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
     theirs = _triton_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
-    torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)   # mean
-    torch.testing.assert_close(ours[3], theirs[3], rtol=1e-5, atol=0)      # rstd
+    torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)  # mean
+    torch.testing.assert_close(ours[3], theirs[3], rtol=1e-5, atol=0)  # rstd
 
 
 def _nan_padded(n_rows, n_cols, dtype, gen, pad=64, shift=0.0):
@@ -133,8 +131,9 @@ def test_cuda_odd_rows_and_strided_inputs(dtype, n_rows, n_cols):
     xc = x.contiguous()
     for activation in ACTIVATIONS:
         h = _forward_only("cuda", ragged.bias_act, xc, b, activation)
-        _assert_within_one_ulp(f"bias_act {activation}", h, _forward_only("triton", ragged.bias_act, xc, b,
-                                                                           activation), dtype)
+        _assert_within_one_ulp(
+            f"bias_act {activation}", h, _forward_only("triton", ragged.bias_act, xc, b, activation), dtype
+        )
     if n_rows == 1:
         return
     # strided x goes to Triton for bias_act (the CUDA kernel walks x as one contiguous run)
@@ -159,13 +158,13 @@ def test_cuda_misaligned_inputs_go_to_triton():
     _needs_cuda_kernels()
     gen = _gen("cuda_misaligned")
     buf = _randn((64, 776), torch.float16, gen)
-    x = buf[:, 1:769]                      # 2 bytes past a 16-byte boundary
+    x = buf[:, 1:769]  # 2 bytes past a 16-byte boundary
     reasons = ragged.explain("add_layer_norm", x, None, None, None)["cuda"]
     assert any("16-byte aligned" in r for r in reasons), reasons
     assert backends.select("add_layer_norm", None, x.device, x, None, None, None).name == "triton"
     with pytest.raises(ValueError, match=r"backend 'cuda' cannot take this input: .*16-byte aligned"):
         ragged.add_layer_norm(x, None, None, None, backend="cuda")
-    xb = buf.view(-1)[1:1 + 64 * 768].view(64, 768)
+    xb = buf.view(-1)[1 : 1 + 64 * 768].view(64, 768)
     assert any("x 16-byte aligned" in r for r in ragged.explain("bias_act", xb, None, "gelu")["cuda"])
     assert backends.select("bias_act", None, x.device, xb, None, "gelu").name == "triton"
     # the launchers themselves (reached with fake tensors under torch.compile, where the reasons
@@ -192,7 +191,7 @@ def test_cuda_no_host_sync():
         with torch.no_grad():
             _cuda_fused().add_layer_norm_forward(y, None, w, b, 1e-5, False, stats=False)
 
-    step()                       # warm up: compile the kernels (NVRTC and Triton)
+    step()  # warm up: compile the kernels (NVRTC and Triton)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -246,8 +245,9 @@ def test_cuda_gelu_against_torch(dtype):
     distributed z); fp16 and fp32 take erff, torch's formula."""
     _needs_cuda_kernels()
     z = torch.linspace(-12.0, 12.0, 8 * 200_001, dtype=torch.float64)
-    z = torch.cat([z, torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), 2.5, float("nan"), -0.75],
-                                   dtype=torch.float64)])
+    z = torch.cat(
+        [z, torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), 2.5, float("nan"), -0.75], dtype=torch.float64)]
+    )
     x = z.to(dtype).view(-1, 8).to("cuda")
     with torch.no_grad():
         y = ragged.bias_act(x, None, "gelu", backend="cuda").view(-1).double()

@@ -4,7 +4,6 @@ test_fused_regressions.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,15 +12,14 @@ import ragged
 
 pytestmark = pytest.mark.gpu
 from gpu_fused_cases import (
-    _needs_cuda_kernels,
     _act,
     _assert_rule,
     _gen,
     _leaf,
+    _needs_cuda_kernels,
     _needs_triton,
     _randn,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Every backend: strided / expanded parameters, odd layouts of x and residual, second
@@ -76,8 +74,12 @@ def test_strided_and_expanded_parameters(backend, dtype, kind):
     dx, dr, dwc, dbc = torch.autograd.grad(dense, (x, r, wc, bc), (gy, gs, gh))
     for name, out, ref in zip(("y", "s", "bias_act"), (y, s, h), dense):
         assert torch.equal(out, ref), f"{name} ({kind}, {backend})"
-    want = (dx, dr, torch.autograd.grad(w_view(w_leaf), w_leaf, dwc)[0],
-            torch.autograd.grad(b_view(b_leaf), b_leaf, dbc)[0])
+    want = (
+        dx,
+        dr,
+        torch.autograd.grad(w_view(w_leaf), w_leaf, dwc)[0],
+        torch.autograd.grad(b_view(b_leaf), b_leaf, dbc)[0],
+    )
     for name, g, g_ref in zip(("x", "residual", "weight's base", "bias's base"), got, want):
         assert torch.equal(g, g_ref), f"d{name} ({kind}, {backend})"
     outs = {}
@@ -93,8 +95,8 @@ def test_strided_and_expanded_parameters(backend, dtype, kind):
 # x (and the residual) as views of a leaf: (leaf shape from (N, F), view giving [N, F])
 _LAYOUTS = {
     "transposed": (lambda n, f: (f, n), lambda t, n, f: t.t()),
-    "column_slice": (lambda n, f: (n, f + 16), lambda t, n, f: t[:, 8:8 + f]),   # 16-byte aligned
-    "misaligned_slice": (lambda n, f: (n, f + 3), lambda t, n, f: t[:, 1:1 + f]),
+    "column_slice": (lambda n, f: (n, f + 16), lambda t, n, f: t[:, 8 : 8 + f]),  # 16-byte aligned
+    "misaligned_slice": (lambda n, f: (n, f + 3), lambda t, n, f: t[:, 1 : 1 + f]),
     "expanded_rows": (lambda n, f: (1, f), lambda t, n, f: t.expand(n, f)),
     "every_other_row": (lambda n, f: (2 * n, f), lambda t, n, f: t[::2]),
 }
@@ -183,5 +185,10 @@ def test_second_derivatives(backend, return_sum):
     for name, a, a64, c, c64 in zip(("x", "residual", "weight", "bias"), first, first64, second, second64):
         for what, got, ref in ((f"d{name}", a, a64), (f"second derivative, {name}", c, c64)):
             scale = max(1.0, ref.abs().max().item())
-            torch.testing.assert_close(got.detach().double(), ref.detach(), atol=1e-4 * scale, rtol=1e-4,
-                                       msg=lambda m: f"{what} ({backend}): {m}")
+            torch.testing.assert_close(
+                got.detach().double(),
+                ref.detach(),
+                atol=1e-4 * scale,
+                rtol=1e-4,
+                msg=lambda m: f"{what} ({backend}): {m}",
+            )

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_fused_cases import DTYPES, _act, _assert_rule, _gen, _needs_triton, _randn
 
 import ragged
 from ragged import backends
-from gpu_fused_cases import DTYPES, _act, _assert_rule, _gen, _needs_triton, _randn
 
 pytestmark = pytest.mark.gpu
 
@@ -70,15 +70,15 @@ def test_strided_view_of_a_linear_output():
     _needs_triton()
     gen = _gen("gated strided")
     big = _randn((4096, 2 * 1152 + 64), torch.bfloat16, gen).requires_grad_(True)
-    x = big[:, 32:32 + 2 * 1152]
+    x = big[:, 32 : 32 + 2 * 1152]
     y = ragged.gated_act(x, "gelu", backend="triton")
     assert torch.equal(y, ragged.gated_act(x.detach().contiguous(), "gelu", backend="triton"))
     g = _randn(y.shape, torch.bfloat16, gen)
     (dbig,) = torch.autograd.grad(y, big, g)
     xc = x.detach().contiguous().requires_grad_(True)
     (dxc,) = torch.autograd.grad(ragged.gated_act(xc, "gelu", backend="triton"), xc, g)
-    assert torch.equal(dbig[:, 32:32 + 2 * 1152], dxc)
-    assert not dbig[:, :32].any() and not dbig[:, 32 + 2 * 1152:].any()
+    assert torch.equal(dbig[:, 32 : 32 + 2 * 1152], dxc)
+    assert not dbig[:, :32].any() and not dbig[:, 32 + 2 * 1152 :].any()
 
 
 def test_triton_and_torch_agree():
@@ -115,8 +115,9 @@ def test_int64_offsets():
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     del y
     xt = x[tail].detach().requires_grad_(True)
-    (ref,) = torch.autograd.grad(ragged.gated_act(xt, "gelu", backend="torch"), xt, torch.ones(2048, n_cols,
-                                 dtype=torch.bfloat16, device="cuda"))
+    (ref,) = torch.autograd.grad(
+        ragged.gated_act(xt, "gelu", backend="torch"), xt, torch.ones(2048, n_cols, dtype=torch.bfloat16, device="cuda")
+    )
     torch.testing.assert_close(dx[tail], ref)
 
 
@@ -133,7 +134,7 @@ def test_no_host_sync(backend):
         out = wo(ragged.gated_act(wi(h), "gelu", backend=backend))
         out.float().square().sum().backward()
 
-    step()                       # warm up: compile the kernels
+    step()  # warm up: compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

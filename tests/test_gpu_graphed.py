@@ -25,8 +25,17 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4}
 
 def _encoder(dtype, layers=2, seed=0, norm_first=False):
     torch.manual_seed(seed)
-    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, 4 * D, dropout=0.1, activation="gelu", batch_first=True,
-                                              norm_first=norm_first, device="cuda", dtype=dtype)
+    layer = ragged.nn.TransformerEncoderLayer(
+        D,
+        HEADS,
+        4 * D,
+        dropout=0.1,
+        activation="gelu",
+        batch_first=True,
+        norm_first=norm_first,
+        device="cuda",
+        dtype=dtype,
+    )
     return ragged.nn.TransformerEncoder(layer, layers).eval()
 
 
@@ -138,8 +147,11 @@ def _hf(family: str, kind: str):
     """A converted HuggingFace model (head dim 64) in bf16 on the GPU."""
     from hf_convert_cases import FAMILIES, KINDS, _config, _randomise
 
-    over = (dict(dim=128, n_heads=2, hidden_dim=256) if family == "distilbert"
-            else dict(hidden_size=128, num_attention_heads=2, intermediate_size=256))
+    over = (
+        dict(dim=128, n_heads=2, hidden_dim=256)
+        if family == "distilbert"
+        else dict(hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    )
     hf = getattr(tf, FAMILIES[family][1] + KINDS[kind])(_config(family, kind, max_position_embeddings=160, **over))
     _randomise(hf, 3)
     hf = hf.to("cuda", torch.bfloat16).eval()

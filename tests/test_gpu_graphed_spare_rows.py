@@ -26,8 +26,13 @@ tf = pytest.importorskip("transformers")
 
 from hf_convert_cases import _randomise
 
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 TOL = {torch.bfloat16: 3e-2, torch.float32: 2e-4}
 TRAIN_TOL = 1e-3  # float32, the same kernels on more rows
 # gradients: a parameter whose true gradient is (nearly) zero gets rounding noise of the size of the
@@ -40,14 +45,10 @@ GRAD_FLOOR = 1e-3
 BATCHES = [[37, 3, 130, 1, 64], [5, 0, 1, 9], [1], [100, 3, 7], [12] * 5, [150, 2], [16, 16, 16, 16]]
 VOCAB = 50
 CASES = {  # case -> (config overrides, labels for (generator, B))
-    "regression-int": ({"num_labels": 1},
-                       lambda g, b: torch.randint(0, 5, (b,), generator=g, device="cuda")),
-    "regression-float": ({"num_labels": 1},
-                         lambda g, b: torch.randn(b, generator=g, device="cuda")),
-    "multi-label": ({"num_labels": 3},
-                    lambda g, b: torch.randint(0, 2, (b, 3), generator=g, device="cuda").float()),
-    "single-label": ({"num_labels": 3},
-                     lambda g, b: torch.randint(0, 3, (b,), generator=g, device="cuda")),
+    "regression-int": ({"num_labels": 1}, lambda g, b: torch.randint(0, 5, (b,), generator=g, device="cuda")),
+    "regression-float": ({"num_labels": 1}, lambda g, b: torch.randn(b, generator=g, device="cuda")),
+    "multi-label": ({"num_labels": 3}, lambda g, b: torch.randint(0, 2, (b, 3), generator=g, device="cuda").float()),
+    "single-label": ({"num_labels": 3}, lambda g, b: torch.randint(0, 3, (b,), generator=g, device="cuda")),
 }
 
 
@@ -57,18 +58,46 @@ def _model(family: str, kind: str, dtype: torch.dtype, **over):
     if family == "modernbert":
         if not hasattr(tf, "ModernBertModel"):
             pytest.skip("this transformers has no ModernBERT")
-        config = tf.ModernBertConfig(**{
-            "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 4,
-            "num_attention_heads": 2, "global_attn_every_n_layers": 3, "local_attention": 64,
-            "max_position_embeddings": 256, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3,
-            "cls_token_id": 2, "sep_token_id": 3, "attention_dropout": 0.0, "mlp_dropout": 0.0,
-            "embedding_dropout": 0.0, "classifier_dropout": 0.0, "num_labels": labels, **over})
+        config = tf.ModernBertConfig(
+            **{
+                "vocab_size": VOCAB,
+                "hidden_size": 128,
+                "intermediate_size": 192,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 2,
+                "global_attn_every_n_layers": 3,
+                "local_attention": 64,
+                "max_position_embeddings": 256,
+                "pad_token_id": 1,
+                "bos_token_id": 2,
+                "eos_token_id": 3,
+                "cls_token_id": 2,
+                "sep_token_id": 3,
+                "attention_dropout": 0.0,
+                "mlp_dropout": 0.0,
+                "embedding_dropout": 0.0,
+                "classifier_dropout": 0.0,
+                "num_labels": labels,
+                **over,
+            }
+        )
         prefix = "ModernBert"
     else:
-        config = tf.MPNetConfig(**{
-            "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "max_position_embeddings": 160, "pad_token_id": 1,
-            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": labels, **over})
+        config = tf.MPNetConfig(
+            **{
+                "vocab_size": VOCAB,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 160,
+                "pad_token_id": 1,
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+                "num_labels": labels,
+                **over,
+            }
+        )
         prefix = "MPNet"
     model = getattr(tf, prefix + KINDS[kind])(config)
     _randomise(model, 21)

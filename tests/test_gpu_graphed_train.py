@@ -28,8 +28,9 @@ BATCHES = [[5, 0, 1, 9], [31, 2, 17], [100, 3, 250, 1, 64, 7, 7], [12] * 20, [5,
 
 def _encoder(dtype, dropout=0.0, seed=0):
     torch.manual_seed(seed)
-    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, 4 * D, dropout=dropout, activation="gelu", batch_first=True,
-                                              device="cuda", dtype=dtype)
+    layer = ragged.nn.TransformerEncoderLayer(
+        D, HEADS, 4 * D, dropout=dropout, activation="gelu", batch_first=True, device="cuda", dtype=dtype
+    )
     return ragged.nn.TransformerEncoder(layer, 2).train()
 
 
@@ -49,9 +50,16 @@ def _bert(dtype, dropout=0.0, labels=3):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=256, num_labels=labels, hidden_dropout_prob=dropout,
-                     attention_probs_dropout_prob=dropout)
+    cfg = BertConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        num_labels=labels,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     return ragged.nn.convert(BertForSequenceClassification(cfg).to("cuda", dtype)).train()
 
 
@@ -87,14 +95,18 @@ def test_graphed_encoder_training_matches_eager(dtype):
     assert mem["graphs"] > 0 and mem["gradients"] == sum(p.numel() * p.element_size() for p in mine.parameters())
 
 
-@pytest.mark.parametrize("dtype,fused", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
-                         ids=["fp32-foreach", "fp32-fused", "bf16-fused"])
+@pytest.mark.parametrize(
+    "dtype,fused",
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
+    ids=["fp32-foreach", "fp32-fused", "bf16-fused"],
+)
 def test_converted_bert_training_trajectory_matches_eager(dtype, fused):
     model = _bert(dtype)
     mine = copy.deepcopy(model)
     g = ragged.nn.graphed(mine, max_tokens=2048, max_batch_size=8)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
-            for m in (model, mine)]
+    opts = [
+        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True) for m in (model, mine)
+    ]
     for step in range(8):
         ids, labels = _ids([[7, 1, 19, 3, 11], [64, 2], [5] * 8, [128, 1, 30]][step % 4], step)
         losses = []
@@ -246,14 +258,24 @@ def test_ragged_trainer_with_graphs_matches_without(tmp_path):
     from ragged.trainer import RaggedTrainer
 
     gen = torch.Generator().manual_seed(9)
-    data = [{"input_ids": torch.randint(5, 1000, (int(n),), generator=gen).tolist(), "labels": int(n) % 3}
-            for n in torch.randint(1, 120, (64,), generator=gen)]
+    data = [
+        {"input_ids": torch.randint(5, 1000, (int(n),), generator=gen).tolist(), "labels": int(n) % 3}
+        for n in torch.randint(1, 120, (64,), generator=gen)
+    ]
     params = []
     for graphs in (False, True):
         model = _bert(torch.float32)
-        args = TrainingArguments(str(tmp_path / str(graphs)), num_train_epochs=1, learning_rate=1e-3,
-                                 gradient_accumulation_steps=2, report_to=[], save_strategy="no", disable_tqdm=True,
-                                 seed=0, logging_strategy="no")
+        args = TrainingArguments(
+            str(tmp_path / str(graphs)),
+            num_train_epochs=1,
+            learning_rate=1e-3,
+            gradient_accumulation_steps=2,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            logging_strategy="no",
+        )
         trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=512, max_batch_size=16, graphs=graphs)
         trainer.train()
         if graphs:

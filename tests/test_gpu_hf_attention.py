@@ -43,9 +43,18 @@ def _models(family: str, dtype: torch.dtype, seed: int = 0):
     config_cls, model_cls, extra = FAMILIES[family]
     if extra.get("sliding_window") and not hf._window_param(ragged.varlen_attention):
         pytest.skip("ragged.varlen_attention takes no window_size yet")
-    config = config_cls(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                        initializer_range=0.05, attention_dropout=0.0, **extra)
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+        attention_dropout=0.0,
+        **extra,
+    )
     torch.manual_seed(seed)
     reference = model_cls(config).cuda().train()
     reference.set_attn_implementation("sdpa")
@@ -80,8 +89,9 @@ def _check_grads(model, baseline, reference):
         got, base, ref = p.grad.float(), b.grad.float(), grads[name].float()
         err = (got - ref).abs().max().item()
         base_err = (base - ref).abs().max().item()
-        assert err <= 2 * base_err + ATOL * scale, \
+        assert err <= 2 * base_err + ATOL * scale, (
             f"{name}: ragged error {err:.3g} > 2 x sdpa error {base_err:.3g} + {ATOL * scale:.3g}"
+        )
 
 
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
@@ -133,8 +143,9 @@ def test_flattened_attention_layer_runs_without_host_sync(backend):
     model, _, _ = _models("llama", torch.bfloat16)
     layer = model.model.layers[0].self_attn
     lengths = LENGTHS["long"]
-    batch = _cuda(DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": x} for x in _ids(lengths, seed=3)]))
+    batch = _cuda(
+        DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": x} for x in _ids(lengths, seed=3)])
+    )
     total = sum(lengths)
     gen = torch.Generator(device="cuda").manual_seed(4)
     hidden = torch.randn(1, total, 256, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -144,8 +155,13 @@ def test_flattened_attention_layer_runs_without_host_sync(backend):
 
     def step():
         with ragged.use_backend(None if backend == "auto" else backend):
-            out, _ = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
-                           position_ids=batch["position_ids"], **flat)
+            out, _ = layer(
+                hidden,
+                position_embeddings=position_embeddings,
+                attention_mask=None,
+                position_ids=batch["position_ids"],
+                **flat,
+            )
             out.backward(up)
         return out
 
@@ -164,8 +180,11 @@ def test_flattened_model_forward_runs_without_host_sync():
     """The whole model's forward on a flattened batch, with the model's own defaults (a cache
     is built, so transformers does not look for packed sequences in the position ids)."""
     model, _, _ = _models("qwen2", torch.bfloat16)
-    batch = _cuda(DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": x} for x in _ids(LENGTHS["long"], seed=5)]))
+    batch = _cuda(
+        DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+            [{"input_ids": x} for x in _ids(LENGTHS["long"], seed=5)]
+        )
+    )
     model.eval()
     with torch.no_grad():
         expected = model(**batch).logits

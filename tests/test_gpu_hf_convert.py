@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
+from hf_convert_cases import FAMILIES, KINDS, _config, _labels, _randomise  # the CPU tests' models
 
 import ragged
-from hf_convert_cases import FAMILIES, KINDS, _config, _labels, _randomise  # the CPU tests' models
 
 tf = pytest.importorskip("transformers")
 
@@ -34,8 +34,9 @@ def _models(family: str, kind: str, dtype: torch.dtype):
     if family == "distilbert":
         over = dict(dim=GPU_D, n_heads=GPU_HEADS, hidden_dim=2 * GPU_D, max_position_embeddings=160)
     else:
-        over = dict(hidden_size=GPU_D, num_attention_heads=GPU_HEADS, intermediate_size=2 * GPU_D,
-                    max_position_embeddings=160)
+        over = dict(
+            hidden_size=GPU_D, num_attention_heads=GPU_HEADS, intermediate_size=2 * GPU_D, max_position_embeddings=160
+        )
         if family == "electra":
             over["embedding_size"] = 64
     cls = getattr(tf, FAMILIES[family][1] + KINDS[kind])
@@ -129,8 +130,9 @@ def test_gpu_training_gradients_match_hf(family, kind, dtype):
     ids, mask = _batch()
     labels = {k: v.cuda() for k, v in _labels(kind, LENGTHS, mask.cpu(), 13).items()}
     rt = ragged.pack([row[m.bool()] for row, m in zip(ids, mask)])
-    rlabels = {k: (ragged.pack([row[m.bool()] for row, m in zip(v, mask)]) if v.dim() == 2 else v)
-               for k, v in labels.items()}
+    rlabels = {
+        k: (ragged.pack([row[m.bool()] for row, m in zip(v, mask)]) if v.dim() == 2 else v) for k, v in labels.items()
+    }
     losses = {}
     for name, model in (("oracle", oracle), ("theirs", theirs), ("ours", ours)):
         model.train()

@@ -19,17 +19,16 @@ import threading
 
 import pytest
 import torch
+from hf_convert_cases import _randomise
+from test_gpu_hf_convert import _batch, _close, _models, _values
 
 import ragged
-from test_gpu_hf_convert import _batch, _close, _models, _values
-from hf_convert_cases import _randomise
 
 tf = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.gpu
 
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs two GPUs")
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def _write_through_data(oracle, theirs, ours, seed: int) -> None:
@@ -102,8 +101,9 @@ def test_gpu_replicate_runs_each_replica_on_its_own_device(kind):
             with torch.cuda.device(device):  # as DataParallel's parallel_apply runs each replica
                 got = replica(input_ids=ids.to(device), attention_mask=mask.to(device))[main]
             assert got.device == torch.device("cuda", device)
-            _close(_values(got.to(want.device), mask), _values(hf, mask), _values(want, mask), dtype,
-                   f"replica {device}")
+            _close(
+                _values(got.to(want.device), mask), _values(hf, mask), _values(want, mask), dtype, f"replica {device}"
+            )
 
 
 @two_gpus
@@ -137,8 +137,10 @@ def test_gpu_data_parallel_matches_hf(kind):
             assert losses.shape == (2,)
             loss = losses.sum()
         else:
-            loss = sum(model(input_ids=ids[s], attention_mask=mask[s], labels=labels[s]).loss
-                       for s in (slice(0, half), slice(half, None)))
+            loss = sum(
+                model(input_ids=ids[s], attention_mask=mask[s], labels=labels[s]).loss
+                for s in (slice(0, half), slice(half, None))
+            )
         loss.backward()
         target = model.module if name == "ours" else model
         grads[name] = ({n: p.grad for n, p in target.named_parameters() if p.grad is not None}, loss.detach())
@@ -188,7 +190,8 @@ def test_gpu_data_parallel_sentence_transformer_matches_original(tmp_path):
         target = model.module if name == "ours" else model
         results[name] = (emb, loss.detach(), {n: p.grad for n, p in target.named_parameters() if p.grad is not None})
     (want, want_loss, want_grads), (hf, hf_loss, hf_grads), (got, got_loss, got_grads) = (
-        results[k] for k in ("oracle", "theirs", "ours"))
+        results[k] for k in ("oracle", "theirs", "ours")
+    )
     assert got.device == torch.device("cuda", 0) and got.shape == hf.shape
     _close(got, hf, want, dtype, "sentence_embedding")
     _close(got_loss, hf_loss, want_loss, dtype, "loss")
@@ -235,8 +238,10 @@ def test_gpu_graphed_model_from_several_threads():
     _, _, ours = _models("bert", "base", torch.float32)
     g = ragged.nn.graphed(ours, max_tokens=512, max_batch_size=16)
     gen = torch.Generator().manual_seed(40)
-    batches = [ragged.pack([torch.randint(3, 50, (n,), generator=gen) for n in lengths]).to("cuda")
-               for lengths in ([37, 5, 60], [12, 41, 33], [58, 2, 40], [20, 20, 61])]
+    batches = [
+        ragged.pack([torch.randint(3, 50, (n,), generator=gen) for n in lengths]).to("cuda")
+        for lengths in ([37, 5, 60], [12, 41, 33], [58, 2, 40], [20, 20, 61])
+    ]
     with torch.no_grad():
         eager = [ours(input_ids=rt).last_hidden_state.values for rt in batches]
     for rt, want in zip(batches, eager):  # captured here: the threads replay
@@ -256,7 +261,7 @@ def test_gpu_graphed_sentence_transformer_from_several_threads(tmp_path):
     eager = copy.deepcopy(ours)
     ragged.nn.graphed(ours, max_tokens=1024, max_batch_size=16)
     texts = gpu_st.GPU_TEXTS
-    batches = [texts[i:i + n] for i, n in ((0, 4), (2, 5), (5, 6), (1, 3))]
+    batches = [texts[i : i + n] for i, n in ((0, 4), (2, 5), (5, 6), (1, 3))]
     want = [eager.encode(b, batch_size=len(b), convert_to_tensor=True) for b in batches]
     for b, w in zip(batches, want):  # captured here: the threads replay
         assert not _mismatch("capture", ours.encode(b, batch_size=len(b), convert_to_tensor=True), w)

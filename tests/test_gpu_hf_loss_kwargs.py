@@ -21,23 +21,42 @@ tf = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ragged.nn
-
 from ragged.trainer import RaggedTrainer
 
 
 def _model(family: str, seed: int):
     torch.manual_seed(seed)
     if family == "modernbert":
-        config = tf.ModernBertConfig(vocab_size=500, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                     num_attention_heads=2, global_attn_every_n_layers=2, local_attention=16,
-                                     max_position_embeddings=256, pad_token_id=1, bos_token_id=2, eos_token_id=3,
-                                     cls_token_id=2, sep_token_id=3, attention_dropout=0.0, mlp_dropout=0.0,
-                                     embedding_dropout=0.0)
+        config = tf.ModernBertConfig(
+            vocab_size=500,
+            hidden_size=128,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            global_attn_every_n_layers=2,
+            local_attention=16,
+            max_position_embeddings=256,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=3,
+            cls_token_id=2,
+            sep_token_id=3,
+            attention_dropout=0.0,
+            mlp_dropout=0.0,
+            embedding_dropout=0.0,
+        )
         model = tf.ModernBertForMaskedLM(config)
     else:
-        config = tf.BertConfig(vocab_size=500, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                               intermediate_size=256, max_position_embeddings=256, hidden_dropout_prob=0.0,
-                               attention_probs_dropout_prob=0.0)
+        config = tf.BertConfig(
+            vocab_size=500,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=256,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         model = tf.BertForMaskedLM(config)
     return ragged.nn.convert(model.cuda().float())
 
@@ -53,19 +72,32 @@ def test_gpu_graphed_masked_lm_loss_matches_eager(tmp_path, family):
     runs = []
     for graphs in (False, True):
         model = _model(family, seed=5)
-        args = tf.TrainingArguments(str(tmp_path / str(graphs)), num_train_epochs=1, learning_rate=0.5, optim="sgd",
-                                    gradient_accumulation_steps=2, report_to=[], save_strategy="no",
-                                    disable_tqdm=True, seed=0, logging_steps=1, max_grad_norm=1e9)
+        args = tf.TrainingArguments(
+            str(tmp_path / str(graphs)),
+            num_train_epochs=1,
+            learning_rate=0.5,
+            optim="sgd",
+            gradient_accumulation_steps=2,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            logging_steps=1,
+            max_grad_norm=1e9,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=512, max_batch_size=16,
-                                    graphs=graphs)
+            trainer = RaggedTrainer(model, args, train_dataset=data, max_tokens=512, max_batch_size=16, graphs=graphs)
             trainer.train()
         if graphs:
             assert trainer._graphs.num_graphs >= 2
-        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
-                     [h["grad_norm"] for h in trainer.state.log_history if "loss" in h],
-                     {n: p.detach().clone() for n, p in model.named_parameters()}))
+        runs.append(
+            (
+                [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                [h["grad_norm"] for h in trainer.state.log_history if "loss" in h],
+                {n: p.detach().clone() for n, p in model.named_parameters()},
+            )
+        )
     (loss0, norm0, p0), (loss1, norm1, p1) = runs
     assert len(loss0) == len(loss1) >= 3
     torch.testing.assert_close(torch.tensor(loss1), torch.tensor(loss0), rtol=1e-3, atol=1e-4)

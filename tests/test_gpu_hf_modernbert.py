@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
-
-import ragged
 from gpu_family_cases import check_no_sync_and_graphs, check_outputs, check_training
 from hf_convert_cases import _randomise
+
+import ragged
 
 tf = pytest.importorskip("transformers")
 if not hasattr(tf, "ModernBertModel"):
@@ -24,16 +24,37 @@ if not hasattr(tf, "ModernBertModel"):
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 
 
 def _models(kind: str, dtype: torch.dtype, **over):
-    kw = dict(vocab_size=50, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=2,
-              global_attn_every_n_layers=3, local_attention=64, max_position_embeddings=256, pad_token_id=1,
-              bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, attention_dropout=0.0,
-              mlp_dropout=0.0, embedding_dropout=0.0, classifier_dropout=0.0, num_labels=2 if kind == "qa" else 3,
-              attn_implementation="sdpa")
+    kw = dict(
+        vocab_size=50,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        global_attn_every_n_layers=3,
+        local_attention=64,
+        max_position_embeddings=256,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=3,
+        cls_token_id=2,
+        sep_token_id=3,
+        attention_dropout=0.0,
+        mlp_dropout=0.0,
+        embedding_dropout=0.0,
+        classifier_dropout=0.0,
+        num_labels=2 if kind == "qa" else 3,
+        attn_implementation="sdpa",
+    )
     kw.update(over)
     oracle = getattr(tf, "ModernBert" + KINDS[kind])(tf.ModernBertConfig(**kw)).double()
     _randomise(oracle, 21)

@@ -13,23 +13,37 @@ import copy
 
 import pytest
 import torch
-
-import ragged
 from gpu_family_cases import check_no_sync_and_graphs, check_outputs, check_training
 from hf_convert_cases import _randomise
+
+import ragged
 
 tf = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 
 
 def _models(kind: str, dtype: torch.dtype, **over):
-    kw = dict(vocab_size=50, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-              max_position_embeddings=160, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-              num_labels=2 if kind == "qa" else 3)
+    kw = dict(
+        vocab_size=50,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=160,
+        pad_token_id=1,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2 if kind == "qa" else 3,
+    )
     kw.update(over)
     oracle = getattr(tf, "MPNet" + KINDS[kind])(tf.MPNetConfig(**kw)).double()
     _randomise(oracle, 21)

@@ -23,11 +23,12 @@ import ragged
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+from sentence_transformers.sentence_transformer import modules as M
 from sentence_transformers.util import batch_to_device  # noqa: E402
+from test_hf_sentence import LONG, MODES, TEXTS, VOCAB, WORDS  # noqa: E402  (the CPU tests' tokenizer and texts)
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from test_hf_sentence import LONG, MODES, TEXTS, VOCAB, WORDS  # noqa: E402  (the CPU tests' tokenizer and texts)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +40,30 @@ GPU_TEXTS = TEXTS + [LONG * 2, " ".join(WORDS[:37]), "x"]
 
 def _config(family: str):
     if family == "distilbert":
-        return tf.DistilBertConfig(vocab_size=len(VOCAB), dim=D, n_layers=2, n_heads=HEADS, hidden_dim=2 * D,
-                                   max_position_embeddings=MAXLEN, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+        return tf.DistilBertConfig(
+            vocab_size=len(VOCAB),
+            dim=D,
+            n_layers=2,
+            n_heads=HEADS,
+            hidden_dim=2 * D,
+            max_position_embeddings=MAXLEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=0,
+        )
     cls = tf.RobertaConfig if family == "roberta" else tf.BertConfig
-    return cls(vocab_size=len(VOCAB), hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
-               intermediate_size=2 * D, max_position_embeddings=MAXLEN + 2, type_vocab_size=2,
-               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return cls(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * D,
+        max_position_embeddings=MAXLEN + 2,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +88,11 @@ def _models(path: str, mode, dtype, after=()):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tr = M.Transformer(path)
-    oracle = SentenceTransformer(modules=[tr, M.Pooling(tr.get_embedding_dimension(), mode), *after],
-                                 device="cuda").double().eval()
+    oracle = (
+        SentenceTransformer(modules=[tr, M.Pooling(tr.get_embedding_dimension(), mode), *after], device="cuda")
+        .double()
+        .eval()
+    )
     theirs = copy.deepcopy(oracle).to(dtype)
     ours = hf_sentence.convert_sentence_transformer(copy.deepcopy(theirs))
     return oracle, theirs, ours
@@ -113,7 +135,7 @@ def test_gpu_encode_batch_does_not_sync(gpu_folders, family, dtype):
     """The forward of an encode batch (packed on the host by preprocess) reads nothing from the GPU."""
     _, _, ours = _models(gpu_folders[family], ("mean", "cls", "max", "weightedmean", "lasttoken"), dtype)
     with hf_sentence.encoding(ours[0].forward, "sentence"):
-        batches = [batch_to_device(ours.preprocess(GPU_TEXTS[i:i + 4]), "cuda") for i in range(0, len(GPU_TEXTS), 4)]
+        batches = [batch_to_device(ours.preprocess(GPU_TEXTS[i : i + 4]), "cuda") for i in range(0, len(GPU_TEXTS), 4)]
     with torch.no_grad():
         ours(copy.copy(batches[0]))  # first call: kernel compilation and tuning may read the GPU
         torch.cuda.synchronize()
@@ -132,8 +154,10 @@ def test_gpu_training_gradients(gpu_folders, dtype):
     results = {}
     for name, st in (("oracle", oracle), ("theirs", theirs), ("ours", ours)):
         st.train()
-        features = [batch_to_device(st.preprocess(GPU_TEXTS[:6]), "cuda"),
-                    batch_to_device(st.preprocess(GPU_TEXTS[5:11]), "cuda")]
+        features = [
+            batch_to_device(st.preprocess(GPU_TEXTS[:6]), "cuda"),
+            batch_to_device(st.preprocess(GPU_TEXTS[5:11]), "cuda"),
+        ]
         loss = losses.MultipleNegativesRankingLoss(st)(features, torch.zeros(0))
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in st.named_parameters()})

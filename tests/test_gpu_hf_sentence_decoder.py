@@ -24,14 +24,15 @@ import ragged
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+from sentence_transformers.sentence_transformer import modules as M
 from sentence_transformers.util import batch_to_device  # noqa: E402
-
-from ragged.nn.hf import decoder as hf_decoder  # noqa: E402
-from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from test_gpu_hf_sentence import _close  # noqa: E402  (flash-attn's rule against the float64 oracle)
 from test_hf_sentence import LONG, WORDS  # noqa: E402
 from test_hf_sentence_decoder import INSTRUCT, TEXTS, _config, _tokenizer  # noqa: E402
+
+from ragged.nn.hf import decoder as hf_decoder  # noqa: E402
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -47,8 +48,9 @@ def gpu_folders(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"gpu_{family}")
         _tokenizer("eos", max_length=96).save_pretrained(str(path))
         torch.manual_seed(200 + seed)
-        model = tf.AutoModel.from_config(_config(family, hidden_size=D, intermediate_size=2 * D, head_dim=HEAD,
-                                                 max_position_embeddings=MAXLEN))
+        model = tf.AutoModel.from_config(
+            _config(family, hidden_size=D, intermediate_size=2 * D, head_dim=HEAD, max_position_embeddings=MAXLEN)
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -77,8 +79,9 @@ def test_gpu_encode_matches_original(gpu_folders, family, side, dtype):
     for mode, include in (("lasttoken", True), ("mean", True), ("mean", False)):
         oracle, theirs, ours = _models(gpu_folders[family], mode, dtype, side, [M.Normalize()], include_prompt=include)
         for kw in ({}, {"prompt": INSTRUCT}):
-            want, hf, got = (m.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True, **kw)
-                             for m in (oracle, theirs, ours))
+            want, hf, got = (
+                m.encode(GPU_TEXTS, batch_size=4, convert_to_tensor=True, **kw) for m in (oracle, theirs, ours)
+            )
             assert got.dtype == dtype and got.device.type == "cuda"
             _close(got, hf, want, dtype, f"{mode} {kw}")
 
@@ -89,8 +92,10 @@ def test_gpu_encode_batch_does_not_sync(gpu_folders, family):
     reads nothing from the GPU."""
     _, _, ours = _models(gpu_folders[family], ("lasttoken", "mean", "cls", "max"), torch.bfloat16)
     with hf_sentence.encoding(ours[0].forward, "sentence"):
-        batches = [batch_to_device(ours.preprocess(GPU_TEXTS[i:i + 4], prompt=INSTRUCT), "cuda")
-                   for i in range(0, len(GPU_TEXTS), 4)]
+        batches = [
+            batch_to_device(ours.preprocess(GPU_TEXTS[i : i + 4], prompt=INSTRUCT), "cuda")
+            for i in range(0, len(GPU_TEXTS), 4)
+        ]
     with torch.no_grad():
         ours(copy.copy(batches[0]))  # first call: kernel compilation and tuning may read the GPU
         torch.cuda.synchronize()
@@ -110,8 +115,10 @@ def test_gpu_training_gradients(gpu_folders, side):
     results = {}
     for name, st in (("oracle", oracle), ("theirs", theirs), ("ours", ours)):
         st.train()
-        features = [batch_to_device(st.preprocess(GPU_TEXTS[:6]), "cuda"),
-                    batch_to_device(st.preprocess(GPU_TEXTS[5:11]), "cuda")]
+        features = [
+            batch_to_device(st.preprocess(GPU_TEXTS[:6]), "cuda"),
+            batch_to_device(st.preprocess(GPU_TEXTS[5:11]), "cuda"),
+        ]
         loss = losses.MultipleNegativesRankingLoss(st)(features, torch.zeros(0))
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in st.named_parameters()})

@@ -20,7 +20,6 @@ import torch
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
-from ragged.nn.hf import sentence as hf_sentence
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as M
 from test_gpu_hf_sentence import _close
@@ -28,6 +27,7 @@ from test_hf_sentence_decoder import TEXTS
 from test_hf_sentence_decoder_inputs import save_model
 
 import ragged
+from ragged.nn.hf import sentence as hf_sentence
 
 pytestmark = pytest.mark.gpu
 
@@ -37,8 +37,10 @@ HIDDEN = 128  # heads of 32 features: the GPU kernels' head sizes (the CPU file'
 
 @pytest.fixture(scope="module")
 def gpu_folders(tmp_path_factory):
-    return {family: save_model(tmp_path_factory.mktemp(f"gpu_{family}"), family, seed=30 + i, hidden=HIDDEN)
-            for i, family in enumerate(("qwen3", "distilbert"))}
+    return {
+        family: save_model(tmp_path_factory.mktemp(f"gpu_{family}"), family, seed=30 + i, hidden=HIDDEN)
+        for i, family in enumerate(("qwen3", "distilbert"))
+    }
 
 
 def _models(path: str, side: str):

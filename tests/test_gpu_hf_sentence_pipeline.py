@@ -20,10 +20,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
-from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
 from test_gpu_hf_sentence import GPU_TEXTS, _close, _models, gpu_folders  # noqa: E402,F401
 from test_hf_sentence import WORDS  # noqa: E402
+
+from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
+from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -63,11 +64,16 @@ def test_gpu_pipeline_by_default(gpu_folders, calls, family, dtype):
     _close(got, hf, want, dtype, "pipelined sentence_embedding")
     _close(again.flip(0), hf, want, dtype, "pipelined, reversed input")
     numpy = ours.encode(texts, normalize_embeddings=True)
-    assert isinstance(numpy, np.ndarray) and numpy.dtype == (np.float32 if dtype == torch.bfloat16 else
-                                                             torch.empty(0, dtype=dtype).numpy().dtype)
-    _close(torch.from_numpy(np.asarray(numpy, dtype=np.float64)),
-           theirs.encode(texts, normalize_embeddings=True, convert_to_tensor=True),
-           oracle.encode(texts, normalize_embeddings=True, convert_to_tensor=True), dtype, "normalized")
+    assert isinstance(numpy, np.ndarray) and numpy.dtype == (
+        np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    )
+    _close(
+        torch.from_numpy(np.asarray(numpy, dtype=np.float64)),
+        theirs.encode(texts, normalize_embeddings=True, convert_to_tensor=True),
+        oracle.encode(texts, normalize_embeddings=True, convert_to_tensor=True),
+        dtype,
+        "normalized",
+    )
 
 
 def test_gpu_pipeline_after_moving_the_model(gpu_folders):
@@ -123,8 +129,13 @@ def test_gpu_pipeline_threads_before_any_capture(gpu_folders):
     for t in threads:
         t.join()
     for texts, g in zip(sets, got):
-        _close(g, theirs.encode(texts, convert_to_tensor=True), oracle.encode(texts, convert_to_tensor=True),
-               torch.bfloat16, "threads")
+        _close(
+            g,
+            theirs.encode(texts, convert_to_tensor=True),
+            oracle.encode(texts, convert_to_tensor=True),
+            torch.bfloat16,
+            "threads",
+        )
 
 
 def test_gpu_pipeline_left_padding(gpu_folders, calls):
@@ -135,8 +146,13 @@ def test_gpu_pipeline_left_padding(gpu_folders, calls):
     texts = _texts(50, 3)
     got = ours.encode(texts, batch_size=7, convert_to_tensor=True)
     assert calls == [len(texts)] and not ours.encode.pipeline.cache
-    _close(got, theirs.encode(texts, batch_size=7, convert_to_tensor=True),
-           oracle.encode(texts, batch_size=7, convert_to_tensor=True), torch.float16, "left padding")
+    _close(
+        got,
+        theirs.encode(texts, batch_size=7, convert_to_tensor=True),
+        oracle.encode(texts, batch_size=7, convert_to_tensor=True),
+        torch.float16,
+        "left padding",
+    )
 
 
 def test_gpu_embed(gpu_folders):
@@ -145,5 +161,10 @@ def test_gpu_embed(gpu_folders):
     tokens = []
     out = sp.embed(ours, texts, on_batch=lambda n, t: tokens.append(t), max_tokens=512)
     assert out.dtype == np.float32 and out.shape[0] == len(texts) and len(tokens) > 2
-    _close(torch.from_numpy(out), theirs.encode(texts, convert_to_tensor=True),
-           oracle.encode(texts, convert_to_tensor=True), torch.bfloat16, "embed")
+    _close(
+        torch.from_numpy(out),
+        theirs.encode(texts, convert_to_tensor=True),
+        oracle.encode(texts, convert_to_tensor=True),
+        torch.bfloat16,
+        "embed",
+    )

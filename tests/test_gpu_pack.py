@@ -27,8 +27,11 @@ LENGTH_SETS = {
 
 
 def _needs(backend: str):
-    reason = backends.cuda_reason(torch.device("cuda")) if backend == "cuda" else \
-        backends.triton_reason(torch.device("cuda"))
+    reason = (
+        backends.cuda_reason(torch.device("cuda"))
+        if backend == "cuda"
+        else backends.triton_reason(torch.device("cuda"))
+    )
     if reason:
         pytest.skip(reason)
 
@@ -37,7 +40,7 @@ def _random(shape, dtype, gen):
     if dtype == torch.bool:
         return torch.rand(shape, generator=gen, device="cuda") > 0.5
     if dtype == torch.int64:
-        return torch.randint(-2**40, 2**40, shape, generator=gen, device="cuda")
+        return torch.randint(-(2**40), 2**40, shape, generator=gen, device="cuda")
     return torch.randn(shape, generator=gen, device="cuda").to(dtype)
 
 
@@ -68,8 +71,11 @@ def test_pack_unpack_bit_exact(backend, dtype, feat, side):
         out = rt.to_padded(padding_value=fill, total_length=max(lengths) + 5, padding_side=side, backend=backend)
         exp = ref.to_padded(padding_value=fill, total_length=max(lengths) + 5, padding_side=side, backend="torch")
         assert out.shape == exp.shape
-        assert torch.equal(out, exp) if not dtype.is_floating_point else torch.allclose(
-            out.double(), exp.double(), rtol=0, atol=0, equal_nan=True), name
+        assert (
+            torch.equal(out, exp)
+            if not dtype.is_floating_point
+            else torch.allclose(out.double(), exp.double(), rtol=0, atol=0, equal_nan=True)
+        ), name
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -78,7 +84,7 @@ def test_offsets_int64_and_strided_padded(backend):
     gen = torch.Generator(device="cuda").manual_seed(1)
     lengths = [3, 0, 17, 9, 1]
     seq_first = torch.randn(20, 5, 64, generator=gen, device="cuda")
-    x = seq_first.transpose(0, 1)                      # [B, M, F] view with strided B/M dims
+    x = seq_first.transpose(0, 1)  # [B, M, F] view with strided B/M dims
     offsets = torch.tensor([0, 3, 3, 20, 29, 30], dtype=torch.int64, device="cuda")
     got = ragged.pack_values(x, offsets, 30, backend=backend)
     assert torch.equal(got, ragged.reference_pack(x, offsets, 30))
@@ -92,11 +98,11 @@ def test_misaligned_and_noncontiguous_features(backend):
     _needs(backend)
     gen = torch.Generator(device="cuda").manual_seed(2)
     base = torch.randn(4 * 9 * 10 + 1, generator=gen, device="cuda").half()
-    x = base[1:].view(4, 9, 10)                       # data_ptr off 16-byte alignment
+    x = base[1:].view(4, 9, 10)  # data_ptr off 16-byte alignment
     lengths = [9, 2, 0, 5]
     got = ragged.pack(x, lengths=lengths, backend=backend)
     assert torch.equal(got.values, ragged.pack(x, lengths=lengths, backend="torch").values)
-    y = torch.randn(4, 9, 6, 5, generator=gen, device="cuda").transpose(2, 3)   # features not contiguous
+    y = torch.randn(4, 9, 6, 5, generator=gen, device="cuda").transpose(2, 3)  # features not contiguous
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = ragged.pack(y, lengths=lengths, backend=backend)
@@ -121,7 +127,7 @@ def test_no_host_sync(backend):
     _needs(backend)
     lengths = [5, 0, 31, 12]
     x = torch.randn(4, 40, 32, device="cuda", requires_grad=True)
-    ragged.pack(x, lengths=lengths, backend=backend)   # warm up: compile kernels, pin buffers
+    ragged.pack(x, lengths=lengths, backend=backend)  # warm up: compile kernels, pin buffers
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -164,7 +170,7 @@ def test_cuda_graph_capture(backend):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ragged.pack_values(x, rt.offsets, rt.num_tokens, backend=backend)   # warm-up on the side stream
+        ragged.pack_values(x, rt.offsets, rt.num_tokens, backend=backend)  # warm-up on the side stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -187,7 +193,7 @@ def test_int64_indexing(backend):
     """B * M * row > 2**31 elements: index arithmetic must not wrap."""
     _needs(backend)
     free, _ = torch.cuda.mem_get_info()
-    batch, width, feat = 2, 2**20 + 7, 1100          # 2.3e9 elements of bf16 in the padded tensor
+    batch, width, feat = 2, 2**20 + 7, 1100  # 2.3e9 elements of bf16 in the padded tensor
     if free < 12 * 2**30:
         pytest.skip("needs 12 GiB of free GPU memory")
     x = torch.empty(batch, width, feat, dtype=torch.bfloat16, device="cuda")
@@ -249,9 +255,11 @@ def test_strided_offsets_every_entry_point(backend, odtype, side):
     assert torch.equal(ragged.pack_values(x, offsets, total, padding_side=side, backend=backend), ref)
     got = ragged.unpack_values(ref, offsets, width, padding_value=-3.0, padding_side=side, backend=backend)
     assert torch.equal(got, ref_padded)
-    for rt in (RaggedTensor.from_offsets(ref, offsets),
-               RaggedTensor.from_offsets(ref, offsets, max(lengths), validate=False),
-               ragged.from_cu_seqlens(ref, offsets, max(lengths), validate=False)):
+    for rt in (
+        RaggedTensor.from_offsets(ref, offsets),
+        RaggedTensor.from_offsets(ref, offsets, max(lengths), validate=False),
+        ragged.from_cu_seqlens(ref, offsets, max(lengths), validate=False),
+    ):
         assert rt.offsets.is_contiguous()
         got = rt.to_padded(padding_value=-3.0, total_length=width, padding_side=side, backend=backend)
         assert torch.equal(got, ref_padded)
@@ -295,12 +303,16 @@ def test_width_checks_on_cuda(backend):
         with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected max_len >= the longest sequence \(5\)"):
             rt.to_padded(backend=backend)
         with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected padding_value representable"):
-            ragged.unpack(RaggedTensor.from_lengths(values.to(torch.uint8), lengths), padding_value=-1.0,
-                          backend=backend)
+            ragged.unpack(
+                RaggedTensor.from_lengths(values.to(torch.uint8), lengths), padding_value=-1.0, backend=backend
+            )
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    with pytest.raises(ValueError, match=r"ragged\.unpack_values\(\): expected every length <= width \(4\), "
-                                         r"got a length of 5"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.unpack_values\(\): expected every length <= width \(4\), "
+        r"got a length of 5",
+    ):
         ragged.unpack_values(values, offsets, 4, backend=backend, validate=True)
     padded = torch.randn(4, 4, 3, device="cuda")
     with pytest.raises(ValueError, match=r"ragged\.pack_values\(\): expected every length <= the padded width"):
@@ -339,8 +351,18 @@ def test_unchecked_length_past_width_stays_in_bounds(backend, side):
     assert torch.equal(packed.cpu(), exp_packed)
 
 
-FILL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-               torch.float16, torch.bfloat16, torch.float32, torch.float64]
+FILL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 FILL_VALUES = [0.5, -1.0, -1, 1e10, float("nan"), float("inf"), -0.0, True, 300, 2**62 + 1, 1e300, -0.7]
 
 
@@ -380,7 +402,7 @@ def test_mask_value_check_adds_no_sync(backend):
         ragged.pack(x, mask=good.long(), backend=backend)
 
     def syncs(mask):
-        ragged.pack(x, attention_mask=mask, backend=backend)     # warm up (kernels compiled)
+        ragged.pack(x, attention_mask=mask, backend=backend)  # warm up (kernels compiled)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:

@@ -11,10 +11,10 @@ import zlib
 
 import pytest
 import torch
+from test_pool import _oracle  # the float64 per-sequence oracle of the CPU tests
 
 import ragged
 from ragged import RaggedTensor, backends
-from test_pool import _oracle  # the float64 per-sequence oracle of the CPU tests
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +22,12 @@ BACKENDS = ["triton", "torch"]
 MODES = ["mean", "sum", "max", "first", "last"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # output rounding of the dtype; float32 also float32 sums of up to 512 terms of size ~1
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 5e-5), torch.float16: (2e-3, 2e-3),
-       torch.bfloat16: (8e-3, 8e-3)}
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 5e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (8e-3, 8e-3),
+}
 
 
 def _needs(backend):
@@ -40,7 +44,7 @@ def _gen(*parts):
 def _long_tailed(batch, longest, gen):
     """Host lengths: mostly short, a long tail up to ``longest`` (which occurs), a few zeros."""
     u = torch.rand(batch, generator=gen, device="cuda").cpu()
-    lengths = (longest * u ** 4).long().tolist()
+    lengths = (longest * u**4).long().tolist()
     lengths[0], lengths[1], lengths[-1] = longest, 0, 1
     return lengths
 
@@ -48,8 +52,8 @@ def _long_tailed(batch, longest, gen):
 def _values(total, feat, dtype, gen):
     """Random ``[total, *feat]`` values as rows ``[7, 7 + total)`` of a NaN-filled buffer."""
     buf = torch.full((total + 9, *feat), float("nan"), dtype=dtype, device="cuda")
-    buf[7:7 + total] = torch.randn((total, *feat), generator=gen, device="cuda").to(dtype)
-    return buf[7:7 + total]
+    buf[7 : 7 + total] = torch.randn((total, *feat), generator=gen, device="cuda").to(dtype)
+    return buf[7 : 7 + total]
 
 
 def _assert_close(out, expected, dtype):
@@ -87,7 +91,7 @@ def test_feature_shapes_strides_and_int64_offsets(backend, feat):
     total = sum(lengths)
     wide = (*feat[:-1], 2 * feat[-1]) if feat else (2,)
     buf = torch.full((2 * total, *wide), float("nan"), device="cuda")
-    values = buf[::2, ..., ::2] if feat else buf[::2, 0]   # every other row and column
+    values = buf[::2, ..., ::2] if feat else buf[::2, 0]  # every other row and column
     values.copy_(torch.randn(values.shape, generator=gen, device="cuda"))
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
     rt = RaggedTensor.from_offsets(values, offsets)
@@ -98,7 +102,7 @@ def test_feature_shapes_strides_and_int64_offsets(backend, feat):
         expected = _oracle(ref, lengths, mode)
         assert out.shape == (len(lengths), *feat)
         _assert_close(out, expected.detach(), torch.float32)
-        (got,) = torch.autograd.grad(out.sum(), x)   # an expanded gradient
+        (got,) = torch.autograd.grad(out.sum(), x)  # an expanded gradient
         (want,) = torch.autograd.grad(expected.sum(), ref)
         _assert_close(got, want, torch.float32)
 
@@ -123,9 +127,9 @@ def test_nan_inf_and_ties(backend):
         g = torch.randn(out.shape, generator=gen, device="cuda")
         (got,) = torch.autograd.grad(out, x, g)
         (want,) = torch.autograd.grad(expected, ref, g.double())
-        if mode == "mean":   # grad / L rounded to float32
+        if mode == "mean":  # grad / L rounded to float32
             _assert_close(got, want, torch.float32)
-        else:                # grad itself, at the one token or at every token
+        else:  # grad itself, at the one token or at every token
             assert torch.equal(got.double(), want), mode
 
 
@@ -139,8 +143,9 @@ def test_gradcheck_float64_torch_and_float32_kernel(backend):
     for mode in MODES:
         if backend == "torch":
             v = values.clone().requires_grad_(True)
-            assert torch.autograd.gradcheck(lambda t: ragged.pool(RaggedTensor(t, offsets, 6), mode, backend="torch"),
-                                            (v,))
+            assert torch.autograd.gradcheck(
+                lambda t: ragged.pool(RaggedTensor(t, offsets, 6), mode, backend="torch"), (v,)
+            )
         else:  # the kernels take float32 at most: their backward against the reference's
             v = values.float().requires_grad_(True)
             out = ragged.pool(RaggedTensor(v, offsets, 6), mode, backend="triton")
@@ -158,7 +163,7 @@ def test_no_host_sync(backend):
     lengths = _long_tailed(64, 300, gen)
     values = torch.randn(sum(lengths), 96, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rt = RaggedTensor.from_lengths(values, lengths)
-    for mode in MODES:   # warm up: compile the kernels
+    for mode in MODES:  # warm up: compile the kernels
         ragged.pool(rt, mode, backend=backend).float().sum().backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -214,7 +219,7 @@ def test_cuda_graph_capture():
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for mode in MODES:
-            ragged.pool(rt, mode, backend="triton")   # warm-up on the side stream
+            ragged.pool(rt, mode, backend="triton")  # warm-up on the side stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -232,7 +237,7 @@ def test_int64_indexing(backend):
     _needs(backend)
     free, _ = torch.cuda.mem_get_info()
     feat = 64
-    total = 2**31 // feat + 1000                   # 2.1e9 bf16 elements, 4.3 GB
+    total = 2**31 // feat + 1000  # 2.1e9 bf16 elements, 4.3 GB
     if free < (16 if backend == "torch" else 12) * 2**30:
         pytest.skip("needs 12 GiB (16 for the reference) of free GPU memory")
     values = torch.zeros(total, feat, dtype=torch.bfloat16, device="cuda")

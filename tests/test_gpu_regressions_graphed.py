@@ -36,8 +36,11 @@ def _longest(family: str, maxpos: int = MAXPOS) -> int:
 
 def _hf(family: str, kind: str, dtype, maxpos: int = MAXPOS):
     """A converted HuggingFace model (head dim 64) with ``maxpos`` position rows, on the GPU."""
-    over = (dict(dim=128, n_heads=2, hidden_dim=256) if family == "distilbert"
-            else dict(hidden_size=128, num_attention_heads=2, intermediate_size=256))
+    over = (
+        dict(dim=128, n_heads=2, hidden_dim=256)
+        if family == "distilbert"
+        else dict(hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    )
     hf = getattr(tf, FAMILIES[family][1] + KINDS[kind])(_config(family, kind, max_position_embeddings=maxpos, **over))
     _randomise(hf, 3)
     hf = hf.to("cuda", dtype).eval()
@@ -100,8 +103,9 @@ def test_buckets_and_batches_past_the_table_are_refused_on_the_host(family):
     with pytest.raises(ValueError, match=rf"expected max_len <= {top}"):
         ragged.nn.graphed(model, max_tokens=1024, max_batch_size=8, max_len=top + 1)
     # custom buckets inside the table, one of them its end
-    g = ragged.nn.graphed(model, max_tokens=1024, max_batch_size=8, length_buckets=[24, 80, top],
-                          token_buckets=[512, 1024])
+    g = ragged.nn.graphed(
+        model, max_tokens=1024, max_batch_size=8, length_buckets=[24, 80, top], token_buckets=[512, 1024]
+    )
     assert g.length_buckets == (24, 80, top)
     gen = torch.Generator(device="cuda").manual_seed(7)
     for lengths in ([81, 2], [top, 1], [23], [24, 25]):
@@ -119,7 +123,6 @@ def test_graphed_sentence_transformer_with_a_short_position_table(tmp_path):
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as M
-
     from test_hf_sentence import LONG, TEXTS, VOCAB, WORDS
 
     texts = TEXTS + [LONG * 2, " ".join(WORDS[:70]), " ".join(WORDS[:90]), "x"]
@@ -131,14 +134,31 @@ def test_graphed_sentence_transformer_with_a_short_position_table(tmp_path):
         (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
         tf.BertTokenizerFast(str(path / "vocab.txt"), model_max_length=longest).save_pretrained(str(path))
         if family == "distilbert":
-            config = tf.DistilBertConfig(vocab_size=len(VOCAB), dim=128, n_layers=2, n_heads=2, hidden_dim=256,
-                                         max_position_embeddings=MAXPOS, dropout=0.0, attention_dropout=0.0,
-                                         pad_token_id=0)
+            config = tf.DistilBertConfig(
+                vocab_size=len(VOCAB),
+                dim=128,
+                n_layers=2,
+                n_heads=2,
+                hidden_dim=256,
+                max_position_embeddings=MAXPOS,
+                dropout=0.0,
+                attention_dropout=0.0,
+                pad_token_id=0,
+            )
         else:
             cls = tf.RobertaConfig if family == "roberta" else tf.BertConfig
-            config = cls(vocab_size=len(VOCAB), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=256, max_position_embeddings=MAXPOS, type_vocab_size=2,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+            config = cls(
+                vocab_size=len(VOCAB),
+                hidden_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=256,
+                max_position_embeddings=MAXPOS,
+                type_vocab_size=2,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                pad_token_id=0,
+            )
         torch.manual_seed(11)
         tf.AutoModel.from_config(config).save_pretrained(str(path))
         with warnings.catch_warnings():

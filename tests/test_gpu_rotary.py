@@ -16,11 +16,11 @@ import zlib
 
 import pytest
 import torch
+from test_rotary import _inv_freq, _oracle  # the float64 oracle of the CPU tests
 
 import ragged
 from ragged import backends
 from ragged.ops.rotary import ROTARY_EMBEDDING
-from test_rotary import _inv_freq, _oracle  # the float64 oracle of the CPU tests
 
 pytestmark = pytest.mark.gpu
 
@@ -44,12 +44,12 @@ def _batch(batch, longest, heads, dim, dtype, gen):
     """A fused QKV output ``[T, 3 * heads * dim]`` of long-tailed lengths (the v heads NaN), its
     q/k view ``[T, 2 * heads, dim]`` and the packed positions."""
     u = torch.rand(batch, generator=gen, device="cuda").cpu()
-    lengths = (longest * u ** 3).long().tolist()
+    lengths = (longest * u**3).long().tolist()
     lengths[0], lengths[1], lengths[-1] = longest, 0, 1
     total = sum(lengths)
     qkv = torch.randn(total, 3, heads, dim, generator=gen, device="cuda").to(dtype)
     qkv[:, 2] = float("nan")
-    x = qkv[:, :2].flatten(1, 2)                           # [T, 2H, D], row stride 3 * H * D
+    x = qkv[:, :2].flatten(1, 2)  # [T, 2H, D], row stride 3 * H * D
     rt = ragged.pack([torch.zeros(n, device="cuda") for n in lengths])
     return qkv, x, rt.position_ids()
 
@@ -100,7 +100,7 @@ def test_shapes_strides_and_expanded_gradients(backend, shape):
     gen = _gen("shapes", backend, shape)
     total, heads, dim = shape
     buf = torch.full((total, heads + 1, 2 * dim), float("nan"), device="cuda")
-    x = buf[:, 1:, ::2]                                    # strides everywhere, last-dim stride 2
+    x = buf[:, 1:, ::2]  # strides everywhere, last-dim stride 2
     x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
     positions = torch.randint(0, 4096, (total,), generator=gen, device="cuda", dtype=torch.int32)
     inv_freq = _inv_freq(dim).cuda()
@@ -109,7 +109,7 @@ def test_shapes_strides_and_expanded_gradients(backend, shape):
     out = ragged.rotary_embedding(xg, positions, inv_freq, 0.75, backend=backend)
     expected = _oracle(ref, positions, inv_freq, 0.75)
     torch.testing.assert_close(out.double(), expected.detach(), rtol=1e-5, atol=1e-5)
-    (got,) = torch.autograd.grad(out.sum(), xg)            # an expanded gradient
+    (got,) = torch.autograd.grad(out.sum(), xg)  # an expanded gradient
     (want,) = torch.autograd.grad(expected.sum(), ref)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -160,8 +160,9 @@ def test_auto_takes_the_kernel_on_cuda_where_it_can():
     positions, inv_freq = torch.arange(9, device="cuda"), _inv_freq(8).cuda()
     expected = "triton" if not backends.triton_reason(x.device) else "torch"
     for dtype in DTYPES:
-        assert backends.select("rotary_embedding", "auto", x.device, x.to(dtype), positions,
-                               inv_freq).backend == expected
+        assert (
+            backends.select("rotary_embedding", "auto", x.device, x.to(dtype), positions, inv_freq).backend == expected
+        )
     assert backends.select("rotary_embedding", "auto", x.device, x.double(), positions, inv_freq).backend == "torch"
     out = ragged.rotary_embedding(x.double(), positions, inv_freq)
     torch.testing.assert_close(out, _oracle(x.double(), positions, inv_freq), rtol=1e-12, atol=1e-12)
@@ -201,7 +202,7 @@ def test_cuda_graph_capture():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ragged.rotary_embedding(x, positions, inv_freq, backend="triton")   # warm-up on the side stream
+        ragged.rotary_embedding(x, positions, inv_freq, backend="triton")  # warm-up on the side stream
         ROTARY_EMBEDDING.call_backward(g, positions, inv_freq, 1.0, "triton")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -222,7 +223,7 @@ def test_int64_indexing(backend):
     """Token rows past 2**31 elements of a fused QKV buffer: index arithmetic must not wrap."""
     _needs(backend)
     heads, dim = 16, 128
-    total = 2**31 // (3 * heads * dim) + 1000       # 2.1e9 bf16 elements, 4.3 GB (+2.9 GB out)
+    total = 2**31 // (3 * heads * dim) + 1000  # 2.1e9 bf16 elements, 4.3 GB (+2.9 GB out)
     free, _ = torch.cuda.mem_get_info()
     if free < (40 if backend == "torch" else 12) * 2**30:
         pytest.skip("needs 12 GiB (40 for the reference) of free GPU memory")

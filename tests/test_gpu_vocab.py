@@ -22,11 +22,10 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
-def _batch(seed, dtype, shared=False, lens=(17, 0, 64, 1, 33), counts=(300, 7, 1, 0, 129), vocab_size=5000,
-           dim=256):
+def _batch(seed, dtype, shared=False, lens=(17, 0, 64, 1, 33), counts=(300, 7, 1, 0, 129), vocab_size=5000, dim=256):
     gen = torch.Generator().manual_seed(seed)
     hidden = RaggedTensor.from_lengths(torch.randn(sum(lens), dim, generator=gen).to("cuda", dtype), list(lens))
-    weight = (torch.randn(vocab_size, dim, generator=gen) / dim ** 0.5).to("cuda", dtype)
+    weight = (torch.randn(vocab_size, dim, generator=gen) / dim**0.5).to("cuda", dtype)
     bias = torch.randn(vocab_size, generator=gen).to("cuda", dtype)
     if shared:
         ids = torch.randperm(vocab_size, generator=gen)[:200].sort().values
@@ -41,7 +40,7 @@ def _loop(values, lens, weight, bias, cands, dtype):
     out, t = [], 0
     for n, c in zip(lens, cands):
         c = c.cuda()
-        block = values[t:t + n].to(dtype) @ weight[c].to(dtype).T + bias[c].to(dtype)
+        block = values[t : t + n].to(dtype) @ weight[c].to(dtype).T + bias[c].to(dtype)
         out.append(block.reshape(-1))
         t += n
     return torch.cat(out)
@@ -85,8 +84,10 @@ def test_projection_gradients(dtype, deterministic):
         prior = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
         try:
-            got = grads(lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b,
-                                                                backend=backend).values, leaves)
+            got = grads(
+                lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b, backend=backend).values,
+                leaves,
+            )
         finally:
             torch.use_deterministic_algorithms(prior)
         for name, a, r, lo in zip(("hidden", "weight", "bias"), got, ref, low):
@@ -110,8 +111,8 @@ def test_cross_entropy_every_backend(dtype, smoothing):
         losses, t = [], 0
         for n, c in zip(lens, cands):
             c = c.cuda()
-            z = h[t:t + n].double() @ w[c].double().T + b[c].double()
-            y = target[t:t + n]
+            z = h[t : t + n].double() @ w[c].double().T + b[c].double()
+            y = target[t : t + n]
             local = torch.where(y >= 0, torch.searchsorted(c, y.clamp_min(0)), -100)
             if n and len(c):
                 losses.append(F.cross_entropy(z, local, reduction="sum", label_smoothing=smoothing))
@@ -123,8 +124,9 @@ def test_cross_entropy_every_backend(dtype, smoothing):
     ref.backward()
     for backend in _backends(hidden, weight, bias, vocab):
         mine = [t.detach().clone().requires_grad_(True) for t in (hidden.values, weight, bias)]
-        loss = ragged.vocab_cross_entropy(hidden.with_values(mine[0]), mine[1], vocab, target, mine[2],
-                                          label_smoothing=smoothing, backend=backend)
+        loss = ragged.vocab_cross_entropy(
+            hidden.with_values(mine[0]), mine[1], vocab, target, mine[2], label_smoothing=smoothing, backend=backend
+        )
         loss.backward()
         tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]
         assert abs(loss.double().item() - ref.item()) <= tol * max(1.0, abs(ref.item())), backend
@@ -164,12 +166,13 @@ def test_no_host_sync():
     hidden.values.requires_grad_(True)
     weight.requires_grad_(True)
     # each token's target among its candidates (0 for a sequence without candidates: ignored)
-    target = torch.cat([c[:n].repeat(n + 1)[:n] if len(c) else torch.zeros(n, dtype=torch.int64)
-                        for n, c in zip(lens, cands)]).cuda()
+    target = torch.cat(
+        [c[:n].repeat(n + 1)[:n] if len(c) else torch.zeros(n, dtype=torch.int64) for n, c in zip(lens, cands)]
+    ).cuda()
     # the torch backend is the reference (a host loop over the sequences, which reads the
     # offsets); the kernels must not read the device
     for backend in [b for b in _backends(hidden, weight, bias, vocab) if b != "torch"]:
-        ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)   # warm up
+        ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)  # warm up
         ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore", backend=backend)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -177,8 +180,9 @@ def test_no_host_sync():
             logits = ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)
             logits.values.float().sum().backward()
             logits.argmax(), logits.topk(3), logits.log_softmax()
-            loss = ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore",
-                                              backend=backend)
+            loss = ragged.vocab_cross_entropy(
+                hidden, weight, vocab, target, bias, out_of_vocab="ignore", backend=backend
+            )
             loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
@@ -197,8 +201,10 @@ def test_cross_entropy_forward_backward_captured_in_a_cuda_graph(monkeypatch, ch
     gen = torch.Generator().manual_seed(9)
 
     def targets():
-        picks = [c[torch.randint(0, len(c), (n,), generator=gen)] if len(c) else torch.full((n,), -100)
-                 for n, c in zip(lens, cands)]
+        picks = [
+            c[torch.randint(0, len(c), (n,), generator=gen)] if len(c) else torch.full((n,), -100)
+            for n, c in zip(lens, cands)
+        ]
         return torch.cat(picks).cuda()
 
     h = hidden.values.clone().requires_grad_(True)
@@ -221,8 +227,11 @@ def test_cross_entropy_forward_backward_captured_in_a_cuda_graph(monkeypatch, ch
     junk = []
     for _ in range(2):
         # take the freed pinned host blocks (the sizes of offsets) and fill them with other values
-        junk += [torch.full((n,), 1 << 20, dtype=dt, pin_memory=True) for n in range(1, 40) for dt in
-                 (torch.int32, torch.int64)]
+        junk += [
+            torch.full((n,), 1 << 20, dtype=dt, pin_memory=True)
+            for n in range(1, 40)
+            for dt in (torch.int32, torch.int64)
+        ]
         with torch.no_grad():
             h.copy_(torch.randn(h.shape, generator=gen).cuda())
             w.copy_(torch.randn(w.shape, generator=gen).cuda() / w.shape[1] ** 0.5)
@@ -282,7 +291,7 @@ def _reg_cands(seed, shared):
 def _reg_loop(h, w, b, cands, lens=REG_LENS):
     blocks, t = [], 0
     for n, c in zip(lens, cands):
-        blocks.append(h[t:t + n].double() @ w[c].double().T + b[c].double())
+        blocks.append(h[t : t + n].double() @ w[c].double().T + b[c].double())
         t += n
     return blocks
 
@@ -290,7 +299,7 @@ def _reg_loop(h, w, b, cands, lens=REG_LENS):
 def _reg_ce(h, w, b, cands, target, smoothing=0.0, lens=REG_LENS):
     total, kept, t = h.sum().double() * 0, 0, 0
     for block, n, c in zip(_reg_loop(h, w, b, cands, lens), lens, cands):
-        y = target[t:t + n]
+        y = target[t : t + n]
         t += n
         if n and len(c):
             local = torch.searchsorted(c, y)
@@ -309,8 +318,9 @@ def _reg_targets(cands, seed, lens=REG_LENS):
 
 def _assert_grads_close(got, want, what):
     for k, (a, r) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a.double(), r.double(), atol=2e-3, rtol=2e-3,
-                                   msg=lambda m, k=k: f"{what} [{k}]: {m}")
+        torch.testing.assert_close(
+            a.double(), r.double(), atol=2e-3, rtol=2e-3, msg=lambda m, k=k: f"{what} [{k}]: {m}"
+        )
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host_offsets", "device_offsets"])
@@ -321,20 +331,23 @@ def test_strided_offsets_ids_bias_target_every_backend(shared, host):
     gen = torch.Generator().manual_seed(21)
     cands = _reg_cands(22, shared)
     h_full = torch.randn(sum(REG_LENS), 2 * REG_D, generator=gen).cuda()
-    w_full = (torch.randn(REG_V, 2 * REG_D, generator=gen) / REG_D ** 0.5).cuda()
+    w_full = (torch.randn(REG_V, 2 * REG_D, generator=gen) / REG_D**0.5).cuda()
     b_full = torch.randn(2 * REG_V, generator=gen).cuda()
     h_off = _cuda_offsets(REG_LENS)
     target = _reg_targets(cands, 23)
 
     def build(hf, wf, bf):
-        hidden = RaggedTensor(hf[:, ::2], _every_other(h_off), max(REG_LENS),
-                              tuple(h_off.tolist()) if host else None)
+        hidden = RaggedTensor(hf[:, ::2], _every_other(h_off), max(REG_LENS), tuple(h_off.tolist()) if host else None)
         if shared:
             vocab = _every_other(cands[0])
         else:
             v_off = _cuda_offsets(REG_COUNTS)
-            vocab = RaggedTensor(_every_other(torch.cat(cands).to(torch.int32)), _every_other(v_off),
-                                 max(REG_COUNTS), tuple(v_off.tolist()) if host else None)
+            vocab = RaggedTensor(
+                _every_other(torch.cat(cands).to(torch.int32)),
+                _every_other(v_off),
+                max(REG_COUNTS),
+                tuple(v_off.tolist()) if host else None,
+            )
         return hidden, wf[:, ::2], vocab, bf[::2]
 
     def grads(fn):
@@ -355,12 +368,13 @@ def test_strided_offsets_ids_bias_target_every_backend(shared, host):
         got_p, got_pg = grads(lambda hf, wf, bf: ragged.vocab_projection(*build(hf, wf, bf), backend=backend).values)
         torch.testing.assert_close(got_p.double(), ref_p, atol=1e-3, rtol=1e-3, msg=lambda m: f"{backend}: {m}")
         _assert_grads_close(got_pg, ref_pg, f"{backend} projection")
-        assert torch.all(got_pg[2][1::2] == 0)      # the bias buffer's other entries get no gradient
+        assert torch.all(got_pg[2][1::2] == 0)  # the bias buffer's other entries get no gradient
 
         def ce(hf, wf, bf):
             hidden, weight, vocab, bias = build(hf, wf, bf)
-            return ragged.vocab_cross_entropy(hidden, weight, vocab, _every_other(target), bias, label_smoothing=0.1,
-                                              backend=backend)
+            return ragged.vocab_cross_entropy(
+                hidden, weight, vocab, _every_other(target), bias, label_smoothing=0.1, backend=backend
+            )
 
         got_c, got_cg = grads(ce)
         torch.testing.assert_close(got_c.double(), ref_c, atol=1e-4, rtol=1e-4, msg=lambda m: f"{backend}: {m}")
@@ -398,7 +412,7 @@ def test_out_of_range_ids_every_backend(shared, bad_id):
     hidden = RaggedTensor.from_lengths(torch.randn(sum(REG_LENS), REG_D, generator=gen).cuda(), REG_LENS)
     w_buf = torch.randn(REG_V + 8, REG_D, generator=gen).cuda()
     b_buf = torch.randn(REG_V + 8, generator=gen).cuda()
-    weight, bias = w_buf[4:4 + REG_V], b_buf[4:4 + REG_V]
+    weight, bias = w_buf[4 : 4 + REG_V], b_buf[4 : 4 + REG_V]
     target = torch.full((sum(REG_LENS),), -100, device="cuda")
     pattern = rf"expected {name.replace('.', '[.]')} in \[0, {REG_V}\)"
     # the contract: an outside id reads as a zero row with no bias
@@ -419,8 +433,9 @@ def test_out_of_range_ids_every_backend(shared, bad_id):
         torch.cuda.set_sync_debug_mode("error")
         try:
             got = ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend).values
-            loss = ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore",
-                                              reduction="sum", backend=backend)
+            loss = ragged.vocab_cross_entropy(
+                hidden, weight, vocab, target, bias, out_of_vocab="ignore", reduction="sum", backend=backend
+            )
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-3)
@@ -449,8 +464,7 @@ def test_unsorted_ids_cross_entropy_every_backend(shared):
             ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, validate=True, backend=backend)
         if backend == "torch":
             with pytest.raises(ValueError, match=pattern):
-                ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore",
-                                           backend=backend)
+                ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, out_of_vocab="ignore", backend=backend)
 
 
 @pytest.mark.parametrize("what", ["projection", "cross_entropy"])
@@ -465,11 +479,15 @@ def test_double_backward_raises_every_backend(what):
     for backend in _every_backend(hidden, weight, bias, vocab):
         leaves = [t.clone().requires_grad_(True) for t in (hidden.values, weight, bias)]
         if what == "projection":
-            out = ragged.vocab_projection(hidden.with_values(leaves[0]), leaves[1], vocab, leaves[2],
-                                          backend=backend).values.square().sum()
+            out = (
+                ragged.vocab_projection(hidden.with_values(leaves[0]), leaves[1], vocab, leaves[2], backend=backend)
+                .values.square()
+                .sum()
+            )
         else:
-            out = ragged.vocab_cross_entropy(hidden.with_values(leaves[0]), leaves[1], vocab, target, leaves[2],
-                                             backend=backend)
+            out = ragged.vocab_cross_entropy(
+                hidden.with_values(leaves[0]), leaves[1], vocab, target, leaves[2], backend=backend
+            )
         grads = torch.autograd.grad(out, leaves, create_graph=True)
         with pytest.raises(NotImplementedError, match="double backward") as info:
             sum(g.square().sum() for g in grads).backward()
@@ -485,7 +503,7 @@ def test_label_smoothing_edges_with_an_empty_candidate_list_every_backend(smooth
     cands = [torch.randperm(REG_V, generator=gen)[:n].sort().values.cuda() for n in counts]
     target = _reg_targets(cands, 62, lens)
     values = torch.randn(sum(lens), REG_D, generator=gen).cuda()
-    weight = (torch.randn(REG_V, REG_D, generator=gen) / REG_D ** 0.5).cuda()
+    weight = (torch.randn(REG_V, REG_D, generator=gen) / REG_D**0.5).cuda()
     bias = torch.randn(REG_V, generator=gen).cuda()
     hidden = RaggedTensor.from_lengths(values, lens)
     vocab = RaggedTensor.from_lengths(torch.cat(cands), counts)
@@ -494,8 +512,15 @@ def test_label_smoothing_edges_with_an_empty_candidate_list_every_backend(smooth
     ref.backward()
     for backend in _every_backend(hidden, weight, bias, vocab):
         leaves = [t.clone().requires_grad_(True) for t in (values, weight, bias)]
-        loss = ragged.vocab_cross_entropy(hidden.with_values(leaves[0]), leaves[1], vocab, target, leaves[2],
-                                          label_smoothing=smoothing, backend=backend)
+        loss = ragged.vocab_cross_entropy(
+            hidden.with_values(leaves[0]),
+            leaves[1],
+            vocab,
+            target,
+            leaves[2],
+            label_smoothing=smoothing,
+            backend=backend,
+        )
         loss.backward()
         assert torch.isfinite(loss), backend
         torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-4, rtol=1e-4)

@@ -8,17 +8,18 @@ import warnings
 
 import pytest
 import torch
+from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 import ragged
-from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 D, HEADS = 32, 4
 
 
 def _encoder(seed=0, layers=2):
     torch.manual_seed(seed)
-    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, activation="gelu", batch_first=True,
-                                              dtype=torch.float64)
+    layer = ragged.nn.TransformerEncoderLayer(
+        D, HEADS, 2 * D, dropout=0.0, activation="gelu", batch_first=True, dtype=torch.float64
+    )
     return ragged.nn.TransformerEncoder(layer, layers).eval()
 
 
@@ -85,8 +86,9 @@ def test_bucket_choice():
     assert g.bucket(1000, 100, 5) == (1000, 100, 16)
     assert g.bucket(1001, 1, 5) is None and g.bucket(5, 101, 5) is None
     assert g.bucket(0, 1, 0) == (64, 1, 16)
-    custom = ragged.nn.Graphed(_encoder(), 300, 8, token_buckets=[100, 200], batch_buckets=[8],
-                               length_buckets=[50], capture=False)
+    custom = ragged.nn.Graphed(
+        _encoder(), 300, 8, token_buckets=[100, 200], batch_buckets=[8], length_buckets=[50], capture=False
+    )
     assert custom.token_buckets == (100, 200, 300) and custom.batch_buckets == (8,)
     assert custom.length_buckets == (50, 300)
 
@@ -128,8 +130,11 @@ def test_errors():
         ragged.nn.graphed(enc, max_tokens=64, max_batch_size=4, token_buckets=[128])
     g = ragged.nn.Graphed(enc, 64, 4, capture=False)
     x = _batch([3, 5])
-    with pytest.raises(TypeError, match=r"ragged.nn.Graphed.forward\(\): expected RaggedTensor arguments, "
-                                        r"per-sequence tensors and constants .* got \[1, 2\] for argument 1"):
+    with pytest.raises(
+        TypeError,
+        match=r"ragged.nn.Graphed.forward\(\): expected RaggedTensor arguments, "
+        r"per-sequence tensors and constants .* got \[1, 2\] for argument 1",
+    ):
         g(x, [1, 2])
     with pytest.raises(TypeError, match="expected at least one RaggedTensor"):
         g(x.values)
@@ -137,8 +142,11 @@ def test_errors():
         g(src=None)
     with pytest.raises(ValueError, match="of the first one's batch"):
         g(x, _batch([3]))
-    with pytest.raises(ValueError, match=r"expected tensor argument 'mask' to hold one entry per sequence "
-                                         r"\(shape \[2, \.\.\.\] on cpu\), got shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected tensor argument 'mask' to hold one entry per sequence "
+        r"\(shape \[2, \.\.\.\] on cpu\), got shape \(3,\)",
+    ):
         g(x, mask=torch.zeros(3))
     enc.train()
     with pytest.warns(UserWarning, match="training mode under torch.no_grad"), torch.no_grad():
@@ -202,6 +210,5 @@ def test_attention_weights_with_spare_rows_past_the_last_offset():
             want = mha._weights(q, k, x, x, PaddedLayout(x.max_len), PaddedLayout(x.max_len), causal, False)
             junk = torch.full((spare, *q.shape[1:]), float("nan"), dtype=q.dtype)
             qs, ks = torch.cat([q, junk]), torch.cat([k, junk])
-            got = mha._weights(qs, ks, padded, padded, PaddedLayout(x.max_len), PaddedLayout(x.max_len), causal,
-                               False)
+            got = mha._weights(qs, ks, padded, padded, PaddedLayout(x.max_len), PaddedLayout(x.max_len), causal, False)
         torch.testing.assert_close(got, want, rtol=0, atol=0)

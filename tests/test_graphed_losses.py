@@ -32,9 +32,11 @@ def _family_model(family: str, kind: str, **over):
     """(converted model, HuggingFace's copy), float64."""
     if family == "modernbert":
         from test_hf_modernbert import _model
+
         return _model(kind, seed=4, **over)
     if family == "mpnet":
         from test_hf_mpnet import _model
+
         return _model(kind, seed=4, **over)
     return _bert_like(family, kind, seed=4, **over)
 
@@ -43,15 +45,27 @@ def _family_model(family: str, kind: str, **over):
 CASES = {
     "regression-int": ("sequence", {"num_labels": 1}, lambda g, b: torch.randint(0, 5, (b,), generator=g)),
     "regression-float": ("sequence", {"num_labels": 1}, lambda g, b: torch.randn(b, generator=g, dtype=torch.float64)),
-    "regression-float-column": ("sequence", {"num_labels": 1},
-                                lambda g, b: torch.randn(b, 1, generator=g, dtype=torch.float64)),
-    "regression-3": ("sequence", {"num_labels": 3, "problem_type": "regression"},
-                     lambda g, b: torch.randn(b, 3, generator=g, dtype=torch.float64)),
+    "regression-float-column": (
+        "sequence",
+        {"num_labels": 1},
+        lambda g, b: torch.randn(b, 1, generator=g, dtype=torch.float64),
+    ),
+    "regression-3": (
+        "sequence",
+        {"num_labels": 3, "problem_type": "regression"},
+        lambda g, b: torch.randn(b, 3, generator=g, dtype=torch.float64),
+    ),
     "single-label": ("sequence", {"num_labels": 3}, lambda g, b: torch.randint(0, 3, (b,), generator=g)),
-    "multi-label": ("sequence", {"num_labels": 3},
-                    lambda g, b: torch.randint(0, 2, (b, 3), generator=g).to(torch.float64)),
-    "multi-label-set": ("sequence", {"num_labels": 3, "problem_type": "multi_label_classification"},
-                        lambda g, b: torch.rand(b, 3, generator=g, dtype=torch.float64)),
+    "multi-label": (
+        "sequence",
+        {"num_labels": 3},
+        lambda g, b: torch.randint(0, 2, (b, 3), generator=g).to(torch.float64),
+    ),
+    "multi-label-set": (
+        "sequence",
+        {"num_labels": 3, "problem_type": "multi_label_classification"},
+        lambda g, b: torch.rand(b, 3, generator=g, dtype=torch.float64),
+    ),
     "token": ("token", {}, None),
     "masked-lm": ("masked_lm", {}, None),
     "qa": ("qa", {}, None),
@@ -67,7 +81,7 @@ def _padded(seqs, fill):
     width = max(len(s) for s in seqs)
     out = torch.full((len(seqs), width), fill, dtype=seqs[0].dtype)
     for i, s in enumerate(seqs):
-        out[i, :len(s)] = s
+        out[i, : len(s)] = s
     return out
 
 
@@ -192,8 +206,10 @@ def test_labels_no_loss_could_keep_spare_entries_out_of_are_refused(train):
     def call(model, **kw):
         model.train(train)
         g = ragged.nn.Graphed(model, 256, 8, capture=False)
-        with pytest.raises(ValueError, match=GRAPHED.replace(".", r"\.") + r"\(\): expected .*") as err, \
-                torch.set_grad_enabled(train):
+        with (
+            pytest.raises(ValueError, match=GRAPHED.replace(".", r"\.") + r"\(\): expected .*") as err,
+            torch.set_grad_enabled(train),
+        ):
             g(input_ids=ragged.pack(_sequences()), **kw)
         assert g.num_graphs == 0
         return str(err.value)
@@ -208,8 +224,10 @@ def test_labels_no_loss_could_keep_spare_entries_out_of_are_refused(train):
     ids = ragged.pack(_sequences())
     why = call(_family_model("bert", "token")[0], labels=ids.with_values(torch.zeros(ids.num_tokens)))
     assert "integer labels" in why and "torch.float32" in why
-    why = call(_family_model("bert", "sequence", problem_type="single_label_classification")[0],
-               labels=torch.ones(b, dtype=torch.float64))
+    why = call(
+        _family_model("bert", "sequence", problem_type="single_label_classification")[0],
+        labels=torch.ones(b, dtype=torch.float64),
+    )
     assert "integer labels" in why
     # float span positions
     why = call(_family_model("bert", "qa")[0], start_positions=torch.zeros(b), end_positions=torch.zeros(b))
@@ -233,7 +251,13 @@ def test_float_labels_of_other_modules_are_refused(train):
     model = _Scored().train(train)
     g = ragged.nn.Graphed(model, 256, 8, capture=False)
     x = ragged.pack([torch.randn(n, 4, dtype=torch.float64) for n in LENGTHS])
-    with pytest.raises(ValueError, match=r"ragged\.nn\.Graphed\.forward\(\): expected integer labels .* got labels "
-                                         r"of dtype torch\.float64"), torch.set_grad_enabled(train):
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"ragged\.nn\.Graphed\.forward\(\): expected integer labels .* got labels "
+            r"of dtype torch\.float64",
+        ),
+        torch.set_grad_enabled(train),
+    ):
         g(x, labels=torch.randn(len(LENGTHS), dtype=torch.float64))
     assert g.num_graphs == 0

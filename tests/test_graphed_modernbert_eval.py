@@ -22,8 +22,13 @@ from test_hf_modernbert import _model
 # spare rows and sequences, a full bucket (64 tokens in 4 sequences), windows cut (local layers
 # see 4 tokens each side), empty sequences
 BATCHES = [[5, 0, 1, 9], [1], [0, 0, 3], [63], [7, 11, 2, 13, 1, 30, 4], [16, 16, 16, 16]]
-FIELDS = {"base": ("last_hidden_state",), "sequence": ("logits",), "token": ("logits",),
-          "masked_lm": ("logits",), "qa": ("start_logits", "end_logits")}
+FIELDS = {
+    "base": ("last_hidden_state",),
+    "sequence": ("logits",),
+    "token": ("logits",),
+    "masked_lm": ("logits",),
+    "qa": ("start_logits", "end_logits"),
+}
 
 
 def _poison(g: ragged.nn.Graphed) -> None:
@@ -81,6 +86,9 @@ def test_graphed_modernbert_with_sparse_prediction_in_eval_equals_eager():
 def test_public_varlen_attention_still_refuses_rows_past_the_offsets():
     q = torch.randn(8, 2, 16)
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)  # 5 rows in sequences, 8 given
-    with pytest.raises(ValueError, match=r"ragged\.varlen_attention\(\): expected cu_seqlens_q\[-1\] == "
-                                         r"q\.shape\[0\] \(8\), got 5"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.varlen_attention\(\): expected cu_seqlens_q\[-1\] == "
+        r"q\.shape\[0\] \(8\), got 5",
+    ):
         ragged.varlen_attention(q, q, q, cu, cu, 3, 3)

@@ -12,19 +12,21 @@ import copy
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hf_convert_cases import _model  # the CPU tests' HuggingFace models
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ragged
 from ragged.nn import graphed_train
-from hf_convert_cases import _model  # the CPU tests' HuggingFace models
 
 D, HEADS = 32, 4
 
 
 def _encoder(seed=0):
     torch.manual_seed(seed)
-    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, activation="gelu", batch_first=True,
-                                              dtype=torch.float64)
+    layer = ragged.nn.TransformerEncoderLayer(
+        D, HEADS, 2 * D, dropout=0.0, activation="gelu", batch_first=True, dtype=torch.float64
+    )
     return ragged.nn.TransformerEncoder(layer, 2).train()
 
 
@@ -61,7 +63,7 @@ def test_training_buckets_give_every_spare_row_to_a_filler(n_tok, batch, longest
     tail = off[batch:].tolist()
     lens = np.diff(tail)
     assert tail[-1] == t_b and (lens >= 0).all() and (lens <= l_b).all()
-    assert (lens > 0).sum() == fillers and all(v == n_tok for v in tail[:b_b - batch - fillers + 1])
+    assert (lens > 0).sum() == fillers and all(v == n_tok for v in tail[: b_b - batch - fillers + 1])
 
 
 def _grads(module):
@@ -86,10 +88,10 @@ def test_bucketed_training_step_equals_eager(lengths):
     g(_values([20, 3]))  # an earlier batch of another bucket
     _poison(g)
     want = enc(x)
-    (want.values ** 2).sum().backward()
+    (want.values**2).sum().backward()
     got = g(y)
     assert got.offsets is y.offsets and got.values.shape == want.values.shape
-    (got.values ** 2).sum().backward()
+    (got.values**2).sum().backward()
     torch.testing.assert_close(got.values, want.values, rtol=1e-10, atol=1e-10)
     _same_grads(_grads(mine), _grads(enc), 1e-9)
     torch.testing.assert_close(y.values.grad, x.values.grad, rtol=1e-9, atol=1e-9)
@@ -129,8 +131,11 @@ def test_float_labels_no_loss_takes_are_refused_and_spare_labels_ignored_in_eval
     model = _model("bert", "sequence", seed=4)[0].train()
     g = ragged.nn.Graphed(model, 256, 8, capture=False)
     ids = ragged.pack([torch.randint(5, 50, (n,)) for n in (4, 9, 2)])
-    with pytest.raises(ValueError, match=r"ragged.nn.Graphed.forward\(\): expected integer labels .* got labels "
-                                         r"of dtype torch.float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged.nn.Graphed.forward\(\): expected integer labels .* got labels "
+        r"of dtype torch.float32",
+    ):
         g(input_ids=ids, labels=torch.ones(3))
     assert g.num_graphs == 0
     model.eval()

@@ -18,27 +18,25 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
+from conftest import cpu_backends  # noqa: E402
+from hf_attention_cases import (
+    DTYPES,
+    FAMILIES,
+    LENGTHS,
+    VOCAB,
+    _assert_grads,
+    _bert_pair,
+    _close,
+    _flat,
+    _ids,
+    _padded,
+    _pair,
+    _per_sequence_loss,
+)
 
 import ragged  # noqa: E402
 import ragged.hf  # noqa: E402
 from ragged import hf  # noqa: E402
-
-from conftest import cpu_backends  # noqa: E402
-from hf_attention_cases import (
-    _padded,
-    _bert_pair,
-    _assert_grads,
-    _close,
-    DTYPES,
-    FAMILIES,
-    _flat,
-    _ids,
-    LENGTHS,
-    _pair,
-    _per_sequence_loss,
-    VOCAB,
-)
-
 
 # --------------------------------------------------------------------------------------
 # Flattened batches
@@ -99,7 +97,7 @@ def test_flattened_by_position_ids_only(monkeypatch):
         for i, x in enumerate(ids):
             positions = torch.arange(start, start + len(x)).unsqueeze(0)
             expected = reference(input_ids=torch.tensor([x]), position_ids=positions).logits[0]
-            _close(logits[offsets[i]:offsets[i + 1]], expected)
+            _close(logits[offsets[i] : offsets[i + 1]], expected)
 
 
 def test_flattened_kwargs_read_nothing_on_the_host(monkeypatch):
@@ -113,8 +111,14 @@ def test_flattened_kwargs_read_nothing_on_the_host(monkeypatch):
 
 
 def test_from_config_and_from_pretrained_take_the_name(tmp_path):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="ragged")
     assert model.config._attn_implementation == "ragged"
     model.save_pretrained(tmp_path)
@@ -189,9 +193,14 @@ def test_decoding_with_a_cache_and_a_left_padded_mask():
     for m in (model, reference):
         step_ids, step_mask, cache, logits = ids, mask, None, []
         for _ in range(3):
-            positions = (step_mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]
-            out = m(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+            positions = (step_mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
+            out = m(
+                input_ids=step_ids,
+                attention_mask=step_mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache = out.past_key_values
             logits.append(out.logits[:, -1])
             step_ids = out.logits[:, -1:].argmax(-1)
@@ -238,10 +247,19 @@ def test_bert_padded_non_causal(side, dtype):
 def test_bert_decoder_with_cross_attention(encoder_length):
     """A BERT decoder (causal self-attention) attending to padded encoder states: the encoder mask
     describes the keys only, also where the two lengths coincide (12)."""
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, initializer_range=0.1, is_decoder=True,
-                                     add_cross_attention=True)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.1,
+        is_decoder=True,
+        add_cross_attention=True,
+    )
     torch.manual_seed(2)
     reference = transformers.BertModel(config, add_pooling_layer=False).double()
     reference.set_attn_implementation("sdpa")
@@ -254,8 +272,16 @@ def test_bert_decoder_with_cross_attention(encoder_length):
     for b, n in enumerate([encoder_length, 2, 5]):
         encoder_mask[b, :n] = 1
     real = mask.bool()
-    outs = [m(input_ids=ids, attention_mask=mask, encoder_hidden_states=encoded, encoder_attention_mask=encoder_mask,
-              use_cache=False).last_hidden_state for m in (model, reference)]
+    outs = [
+        m(
+            input_ids=ids,
+            attention_mask=mask,
+            encoder_hidden_states=encoded,
+            encoder_attention_mask=encoder_mask,
+            use_cache=False,
+        ).last_hidden_state
+        for m in (model, reference)
+    ]
     _close(outs[0][real], outs[1][real])
 
 
@@ -263,10 +289,11 @@ def test_bert_flattened_equals_per_sequence():
     model, reference = _bert_pair(seed=1)
     ids = _ids([1, 4, 19, 8], seed=10)
     batch = _flat(ids, return_flash_attn_kwargs=True)
-    got = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                **{k: batch[k] for k in hf._FLAT_KEYS}).last_hidden_state[0]
+    got = model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{k: batch[k] for k in hf._FLAT_KEYS}
+    ).last_hidden_state[0]
     start = 0
     for x in ids:
         expected = reference(input_ids=torch.tensor([x])).last_hidden_state[0]
-        _close(got[start:start + len(x)], expected)
+        _close(got[start : start + len(x)], expected)
         start += len(x)

@@ -15,23 +15,21 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
-
-import ragged  # noqa: E402
-import ragged.hf  # noqa: E402
-from ragged import hf  # noqa: E402
-
 from hf_attention_cases import (
-    _padded,
-    _bert_pair,
+    LENGTHS,
     _assert_grads,
+    _bert_pair,
     _close,
     _flat,
     _ids,
-    LENGTHS,
+    _padded,
     _pair,
     _per_sequence_loss,
 )
 
+import ragged  # noqa: E402
+import ragged.hf  # noqa: E402
+from ragged import hf  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # What reaches ragged.varlen_attention
@@ -42,8 +40,18 @@ def _spy(monkeypatch):
     real = ragged.varlen_attention
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None, dropout_p=0.0, **kwargs):
-        calls.append(dict(heads=q.shape[1], kv_heads=k.shape[1], max_q=max_q, max_k=max_k, causal=causal,
-                          scale=scale, dropout_p=dropout_p, **kwargs))
+        calls.append(
+            dict(
+                heads=q.shape[1],
+                kv_heads=k.shape[1],
+                max_q=max_q,
+                max_k=max_k,
+                causal=causal,
+                scale=scale,
+                dropout_p=dropout_p,
+                **kwargs,
+            )
+        )
         return real(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, dropout_p=dropout_p, **kwargs)
 
     monkeypatch.setattr(ragged, "varlen_attention", spy)
@@ -61,7 +69,7 @@ def test_gqa_scale_causal_and_dropout_reach_the_kernel(monkeypatch):
     for call, rate, longest in zip(calls, (0.25, 0.25, 0.0, 0.0), (4, 4, 33, 33)):
         assert (call["heads"], call["kv_heads"]) == (4, 2)  # the key/value heads are not repeated
         assert call["causal"] is True
-        assert call["scale"] == pytest.approx(16 ** -0.5)
+        assert call["scale"] == pytest.approx(16**-0.5)
         assert call["dropout_p"] == rate
         assert (call["max_q"], call["max_k"]) == (longest, longest)
         assert "window_size" not in call
@@ -97,7 +105,8 @@ def test_value_head_dim_narrower_than_query():
     out, weights = hf.attention_forward(module, q, k, v, None, scaling=0.3)
     assert weights is None and out.shape == (2, 9, 4, 8)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True, scale=0.3)
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True, scale=0.3
+    )
     _close(out, expected.transpose(1, 2).float())
 
 
@@ -112,15 +121,19 @@ def test_direct_call_with_empty_sequences_and_a_padded_mask():
     k = torch.randn(1, 2, total, 16, generator=gen)
     v = torch.randn(1, 2, total, 16, generator=gen)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    out, _ = hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12,
-                                  max_length_k=12)
+    out, _ = hf.attention_forward(
+        module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12
+    )
     start = 0
     for n in lengths:
         if n:
             part = slice(start, start + n)
             expected = torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, part].double(), k[:, :, part].double().repeat_interleave(2, 1),
-                v[:, :, part].double().repeat_interleave(2, 1), is_causal=True)
+                q[:, :, part].double(),
+                k[:, :, part].double().repeat_interleave(2, 1),
+                v[:, :, part].double().repeat_interleave(2, 1),
+                is_causal=True,
+            )
             _close(out[:, part], expected.transpose(1, 2).float())
         start += n
     for batch in (0, 2):  # no tokens at all
@@ -129,14 +142,22 @@ def test_direct_call_with_empty_sequences_and_a_padded_mask():
     mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     q, k, v = (torch.randn(3, h, 4, 16, generator=gen) for h in (4, 2, 2))
     nan = ~mask[:, None, :, None]
-    out, _ = hf.attention_forward(module, q.masked_fill(nan, float("nan")), k.masked_fill(nan, float("nan")),
-                                  v.masked_fill(nan, float("nan")), mask)
+    out, _ = hf.attention_forward(
+        module,
+        q.masked_fill(nan, float("nan")),
+        k.masked_fill(nan, float("nan")),
+        v.masked_fill(nan, float("nan")),
+        mask,
+    )
     assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
     for b in (0, 2):
         n = int(mask[b].sum())
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q[b:b + 1, :, :n].double(), k[b:b + 1, :, :n].double().repeat_interleave(2, 1),
-            v[b:b + 1, :, :n].double().repeat_interleave(2, 1), is_causal=True)
+            q[b : b + 1, :, :n].double(),
+            k[b : b + 1, :, :n].double().repeat_interleave(2, 1),
+            v[b : b + 1, :, :n].double().repeat_interleave(2, 1),
+            is_causal=True,
+        )
         _close(out[b, :n], expected[0].transpose(0, 1).float())
 
 
@@ -144,8 +165,9 @@ def test_direct_call_with_empty_sequences_and_a_padded_mask():
 # Sliding windows
 
 
-def _windowed_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None, dropout_p=0.0,
-                        window_size=(-1, -1), **_):
+def _windowed_reference(
+    q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None, dropout_p=0.0, window_size=(-1, -1), **_
+):
     """Attention with flash-attn's window rule, per sequence, in float64 (differentiable): query
     ``i`` (aligned to the end of the keys) sees key ``j`` iff ``i - left <= j <= i + right``."""
     left, right = window_size
@@ -154,9 +176,9 @@ def _windowed_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=N
     outs = []
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
-        qb = q[cq[b]:cq[b + 1]].double().transpose(0, 1)
-        kb = k[ck[b]:ck[b + 1]].double().transpose(0, 1).repeat_interleave(group, 0)
-        vb = v[ck[b]:ck[b + 1]].double().transpose(0, 1).repeat_interleave(group, 0)
+        qb = q[cq[b] : cq[b + 1]].double().transpose(0, 1)
+        kb = k[ck[b] : ck[b + 1]].double().transpose(0, 1).repeat_interleave(group, 0)
+        vb = v[ck[b] : ck[b + 1]].double().transpose(0, 1).repeat_interleave(group, 0)
         lq, lk = qb.shape[1], kb.shape[1]
         i = torch.arange(lq).unsqueeze(1) + (lk - lq)
         j = torch.arange(lk).unsqueeze(0)
@@ -181,7 +203,7 @@ def _windowed_kernel(request, monkeypatch):
 
 @pytest.fixture(params=["reference", "ragged"])
 def windowed(request, monkeypatch):
-    """"reference": a float64 windowed attention stands in for the kernels (checks what
+    """ "reference": a float64 windowed attention stands in for the kernels (checks what
     attention_forward passes); "ragged": ragged's own kernels, once they take a window."""
     _windowed_kernel(request, monkeypatch)
     return request.param
@@ -220,9 +242,13 @@ def test_window_longer_than_every_sequence_is_not_passed(monkeypatch):
 
 def test_window_without_kernel_support_raises(monkeypatch):
     real = ragged.varlen_attention
-    monkeypatch.setattr(ragged, "varlen_attention",
-                        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None, dropout_p=0.0:
-                        real(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p))
+    monkeypatch.setattr(
+        ragged,
+        "varlen_attention",
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None, dropout_p=0.0: real(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p
+        ),
+    )
     model, _ = _pair("mistral", sliding_window=8)
     with pytest.raises(NotImplementedError, match=r"MistralAttention attends within a sliding window of 8 tokens"):
         model(**_flat(_ids(LENGTHS, seed=18), return_flash_attn_kwargs=True))
@@ -232,8 +258,10 @@ def test_window_over_a_mask_with_holes_raises():
     model, _ = _pair("mistral", sliding_window=4)
     ids, mask = _padded([9, 6], "right", seed=21)
     mask[0, 2] = 0
-    with pytest.raises(NotImplementedError, match="sliding window of 4 tokens with a padding mask whose tokens"), \
-            warnings.catch_warnings():
+    with (
+        pytest.raises(NotImplementedError, match="sliding window of 4 tokens with a padding mask whose tokens"),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         model(input_ids=ids, attention_mask=mask)
 
@@ -252,14 +280,17 @@ def _qkv(batch=1, length=5):
     return torch.randn(batch, 4, length, 16), torch.randn(batch, 2, length, 16), torch.randn(batch, 2, length, 16)
 
 
-@pytest.mark.parametrize("key,value,feature", [
-    ("softcap", 30.0, "soft-capping"),
-    ("s_aux", torch.zeros(4), "attention sinks"),
-    ("sinks", torch.zeros(4), "attention sinks"),
-    ("head_mask", torch.ones(4), "head_mask"),
-    ("position_bias", torch.zeros(1, 4, 5, 5), "position bias"),
-    ("output_attentions", True, "output_attentions"),
-])
+@pytest.mark.parametrize(
+    "key,value,feature",
+    [
+        ("softcap", 30.0, "soft-capping"),
+        ("s_aux", torch.zeros(4), "attention sinks"),
+        ("sinks", torch.zeros(4), "attention sinks"),
+        ("head_mask", torch.ones(4), "head_mask"),
+        ("position_bias", torch.zeros(1, 4, 5, 5), "position bias"),
+        ("output_attentions", True, "output_attentions"),
+    ],
+)
 def test_unsupported_features_are_refused(key, value, feature):
     with pytest.raises(NotImplementedError, match=rf"ragged\.hf\.attention_forward\(\): Module .*{feature}"):
         hf.attention_forward(_module(), *_qkv(), None, **{key: value})
@@ -281,13 +312,21 @@ def test_a_4d_mask_is_refused():
 def test_mask_and_flattened_kwargs_together_are_refused():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="either a padding mask or cu_seq_lens_q/k"):
-        hf.attention_forward(_module(), *_qkv(), torch.ones(1, 5, dtype=torch.bool), cu_seq_lens_q=cu,
-                             cu_seq_lens_k=cu, max_length_q=3, max_length_k=3)
+        hf.attention_forward(
+            _module(),
+            *_qkv(),
+            torch.ones(1, 5, dtype=torch.bool),
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=3,
+            max_length_k=3,
+        )
     with pytest.raises(ValueError, match="missing max_length_q, max_length_k"):
         hf.attention_forward(_module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     with pytest.raises(TypeError, match="expected max_length_q to be an int, got 3.0"):
-        hf.attention_forward(_module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3.0,
-                             max_length_k=3)
+        hf.attention_forward(
+            _module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3.0, max_length_k=3
+        )
     with pytest.raises(ValueError, match=r"expected a padding mask of shape \[1, 5\]"):
         hf.attention_forward(_module(), *_qkv(), torch.ones(2, 5, dtype=torch.bool))
 
@@ -298,15 +337,23 @@ def test_overlaid_mask_functions_are_refused():
     model, _ = _pair("llama")
     embeds = torch.zeros(1, 4, 64)
     with pytest.raises(NotImplementedError, match="LlamaConfig overlays a custom mask function"):
-        create_causal_mask(model.config, embeds, torch.ones(1, 4, dtype=torch.long), None,
-                           or_mask_function=lambda b, h, q, kv: q == kv)
+        create_causal_mask(
+            model.config, embeds, torch.ones(1, 4, dtype=torch.long), None, or_mask_function=lambda b, h, q, kv: q == kv
+        )
 
 
 def test_import_ragged_does_not_import_transformers():
-    probe = ("import json, sys; import ragged; mods = ['transformers', 'ragged.hf']; "
-             "print(json.dumps([m for m in mods if m in sys.modules]))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         env={"PATH": "", "PYTHONPATH": ":".join(p for p in sys.path if p)})
+    probe = (
+        "import json, sys; import ragged; mods = ['transformers', 'ragged.hf']; "
+        "print(json.dumps([m for m in mods if m in sys.modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "", "PYTHONPATH": ":".join(p for p in sys.path if p)},
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert transformers.AttentionInterface._global_mapping["ragged"] is hf.attention_forward
     assert transformers.AttentionMaskInterface._global_mapping["ragged"] is hf.padding_mask

@@ -20,19 +20,18 @@ import ragged
 tf = pytest.importorskip("transformers")
 
 from hf_convert_cases import (  # noqa: E402
-    D,
-    PAD,
-    VOCAB,
-    _batch,
     FAMILIES,
     KINDS,
     LENGTHS,
+    PAD,
+    TOL,
+    VOCAB,
+    D,
+    _batch,
     _model,
     _ragged,
     _real,
-    TOL,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Outputs
@@ -124,8 +123,11 @@ def test_embeddings_token_types_and_positions(family):
         want = hf(input_ids=ids, attention_mask=mask, position_ids=pos.expand_as(ids), **extra).last_hidden_state
         got = ours(input_ids=ids, attention_mask=mask, position_ids=pos, **extra).last_hidden_state
         torch.testing.assert_close(_real(got, mask), _real(want, mask), **TOL)
-        got = ours(input_ids=_ragged(ids, mask), position_ids=_ragged(pos.expand_as(ids), mask),
-                   **{k: _ragged(v, mask) for k, v in extra.items()}).last_hidden_state
+        got = ours(
+            input_ids=_ragged(ids, mask),
+            position_ids=_ragged(pos.expand_as(ids), mask),
+            **{k: _ragged(v, mask) for k, v in extra.items()},
+        ).last_hidden_state
         torch.testing.assert_close(got.values, _real(want, mask), **TOL)
 
 
@@ -149,8 +151,9 @@ def test_hidden_states_and_tuples():
         # HuggingFace's own output-capturing hooks (now on hf's layers) do not stop a conversion
         assert any(layer._forward_hooks for layer in hf.encoder.layer)
         again = ragged.nn.convert(copy.deepcopy(hf))
-        torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).last_hidden_state,
-                                   got.last_hidden_state, rtol=0, atol=0)
+        torch.testing.assert_close(
+            again(input_ids=ids, attention_mask=mask).last_hidden_state, got.last_hidden_state, rtol=0, atol=0
+        )
         # return_dict=False: HuggingFace's tuple
         t_ours = ours(input_ids=ids, attention_mask=mask, return_dict=False)
         t_hf = hf(input_ids=ids, attention_mask=mask, return_dict=False)

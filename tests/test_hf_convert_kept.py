@@ -21,18 +21,17 @@ import ragged
 tf = pytest.importorskip("transformers")
 
 from hf_convert_cases import (  # noqa: E402
-    D,
+    LENGTHS,
+    TOL,
     VOCAB,
+    D,
     _batch,
     _config,
-    LENGTHS,
     _model,
     _ragged,
     _randomise,
     _real,
-    TOL,
 )
-
 
 # --------------------------------------------------------------------------------------
 # What is kept
@@ -112,8 +111,9 @@ def test_subclass_defined_elsewhere_converts_its_base_model():
     assert "forward" not in model.__dict__ and ragged.nn.hf.is_converted(model.bert)
     ids, mask = _batch(LENGTHS)
     with torch.no_grad():  # HuggingFace's head code on the converted base model's padded outputs
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
-                                   ref(input_ids=ids, attention_mask=mask).logits, **TOL)
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits, **TOL
+        )
 
 
 def test_nested_model_that_cannot_be_converted():
@@ -146,10 +146,12 @@ def test_sentence_transformers_contract():
 
 
 def test_converting_a_torch_model_imports_no_transformers():
-    code = ("import sys, torch, ragged, ragged.nn\n"
-            "m = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,"
-            " enable_nested_tensor=False)\n"
-            "ragged.nn.convert(m)\nprint('transformers' in sys.modules)\n")
+    code = (
+        "import sys, torch, ragged, ragged.nn\n"
+        "m = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,"
+        " enable_nested_tensor=False)\n"
+        "ragged.nn.convert(m)\nprint('transformers' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
 
@@ -181,8 +183,11 @@ def _refused(model, *words):
 def test_refusals_leave_the_model_untouched():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # DeBERTa builds with torch.jit.script
-        deberta = tf.DebertaModel(tf.DebertaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1,
-                                                   num_attention_heads=4, intermediate_size=2 * D))
+        deberta = tf.DebertaModel(
+            tf.DebertaConfig(
+                vocab_size=VOCAB, hidden_size=D, num_hidden_layers=1, num_attention_heads=4, intermediate_size=2 * D
+            )
+        )
     _refused(deberta, "DeBERTa")
     _refused(tf.BertForNextSentencePrediction(_config("bert")), "not a supported BERT class")
     _refused(tf.BertModel(_config("bert", is_decoder=True)), "is_decoder")
@@ -217,10 +222,12 @@ def test_call_time_refusals_and_bad_inputs():
     ids, mask = _batch(LENGTHS)
     rt = _ragged(ids, mask)
     fn = "BertModel.forward"
-    for kw, what in (({"output_attentions": True}, "output_attentions"),
-                     ({"head_mask": torch.ones(2, 4)}, "head_mask"),
-                     ({"encoder_hidden_states": torch.zeros(4, 3, D)}, "cross-attention"),
-                     ({"past_key_values": object()}, "past_key_values")):
+    for kw, what in (
+        ({"output_attentions": True}, "output_attentions"),
+        ({"head_mask": torch.ones(2, 4)}, "head_mask"),
+        ({"encoder_hidden_states": torch.zeros(4, 3, D)}, "cross-attention"),
+        ({"past_key_values": object()}, "past_key_values"),
+    ):
         with pytest.raises(NotImplementedError, match=what):
             ours(input_ids=rt, **kw)
     with pytest.raises(NotImplementedError, match="4-D"):

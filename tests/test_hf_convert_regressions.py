@@ -12,10 +12,10 @@ import pickle
 
 import pytest
 import torch
+from hf_convert_cases import LENGTHS, TOL, _batch, _model, _ragged, _real
 
 import ragged
 from ragged.nn import hf as hf_convert
-from hf_convert_cases import LENGTHS, TOL, _batch, _model, _ragged, _real
 
 tf = pytest.importorskip("transformers")
 # the module (torch.nn.parallel re-exports its function under the same name)
@@ -66,16 +66,22 @@ def test_hidden_state_selection_from_the_config():
     except Exception as err:  # transformers 5.17's config validates a bool there
         pytest.skip(f"this transformers' config takes no selection: {type(err).__name__}")
     with torch.no_grad():
-        _same_hidden(ours(input_ids=ids, attention_mask=mask).hidden_states,
-                     hf(input_ids=ids, attention_mask=mask).hidden_states, mask)
+        _same_hidden(
+            ours(input_ids=ids, attention_mask=mask).hidden_states,
+            hf(input_ids=ids, attention_mask=mask).hidden_states,
+            mask,
+        )
 
 
 def test_hidden_state_selection_refuses_what_is_not_an_index():
     ours, _ = _model("bert")
     ids, mask = _batch([3, 2])
     for bad in (["1"], [1.5], [None]):
-        with pytest.raises(TypeError, match=r"BertModel.forward\(\): expected output_hidden_states to be a bool, an "
-                                            r"int or a list of ints"):
+        with pytest.raises(
+            TypeError,
+            match=r"BertModel.forward\(\): expected output_hidden_states to be a bool, an "
+            r"int or a list of ints",
+        ):
             ours(input_ids=ids, attention_mask=mask, output_hidden_states=bad)
 
 
@@ -113,8 +119,9 @@ def test_inference_sees_weights_written_through_data(mode):
     # re-initialising one projection through .data
     for m in (ours, hf):
         g = torch.Generator().manual_seed(10)
-        m.encoder.layer[1].attention.self.value.weight.data.copy_(torch.randn(32, 32, generator=g,
-                                                                              dtype=torch.float64) / 6)
+        m.encoder.layer[1].attention.self.value.weight.data.copy_(
+            torch.randn(32, 32, generator=g, dtype=torch.float64) / 6
+        )
         m.encoder.layer[0].attention.self.query.bias.data.fill_(0.3)
     check()
 
@@ -126,6 +133,7 @@ def test_inference_sees_weights_written_through_data(mode):
 def _replicate(model, copies: int, detach: bool, monkeypatch):
     """``torch.nn.parallel.replicate`` itself, with the broadcast of parameters and buffers (CUDA
     only) replaced by clones on the CPU: each replica gets new parameter tensors, as on GPUs."""
+
     def broadcast(tensors, devices, detach=False):
         return [[t.detach().clone() if detach else t.clone() for t in tensors] for _ in devices]
 
@@ -143,12 +151,15 @@ def test_replicas_run_their_own_parameters(family, kind, monkeypatch):
     first, second = _replicate(ours, 2, True, monkeypatch)
     assert hf_convert.is_done(first) and hf_convert.is_done(second)
     # change the second replica's weights (its own tensors): only its output follows
-    layers = (second.bert if kind == "sequence" else second).__getattr__(
-        "transformer" if family == "distilbert" else "encoder").layer
+    layers = (
+        (second.bert if kind == "sequence" else second)
+        .__getattr__("transformer" if family == "distilbert" else "encoder")
+        .layer
+    )
     q = layers[0].attention.q_lin if family == "distilbert" else layers[0].attention.self.query
     q.weight.mul_(-2.0)
     changed = copy.deepcopy(hf)
-    q_ref = (changed.bert if kind == "sequence" else changed)
+    q_ref = changed.bert if kind == "sequence" else changed
     q_ref = q_ref.__getattr__("transformer" if family == "distilbert" else "encoder").layer[0]
     q_ref = q_ref.attention.q_lin if family == "distilbert" else q_ref.attention.self.query
     with torch.no_grad():
@@ -159,7 +170,8 @@ def test_replicas_run_their_own_parameters(family, kind, monkeypatch):
         got_original = ours(input_ids=ids, attention_mask=mask)[main]
     if kind == "base":
         got_first, got_second, got_original, want, want_changed = (
-            _real(t, mask) for t in (got_first, got_second, got_original, want, want_changed))
+            _real(t, mask) for t in (got_first, got_second, got_original, want, want_changed)
+        )
     torch.testing.assert_close(got_first, want, **TOL)
     torch.testing.assert_close(got_original, want, **TOL)
     torch.testing.assert_close(got_second, want_changed, **TOL)

@@ -4,7 +4,6 @@ inference cache following the weights."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -13,17 +12,16 @@ import ragged
 tf = pytest.importorskip("transformers")
 
 from hf_convert_cases import (  # noqa: E402
-    _labels,
-    _batch,
     FAMILIES,
     KINDS,
     LENGTHS,
+    TOL,
+    _batch,
+    _labels,
     _model,
     _ragged,
     _real,
-    TOL,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Training
@@ -130,16 +128,22 @@ def test_dropout_rates_and_activations():
         return convert_hf.identify(model)[0].layer_spec(layer)
 
     for family, over, style, rates in (
-            ("bert", dict(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.2), "bert", (0.1, 0.2, 0.0, 0.2)),
-            ("distilbert", dict(attention_dropout=0.1, dropout=0.2), "distil", (0.1, 0.0, 0.0, 0.2))):
+        ("bert", dict(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.2), "bert", (0.1, 0.2, 0.0, 0.2)),
+        ("distilbert", dict(attention_dropout=0.1, dropout=0.2), "distil", (0.1, 0.0, 0.0, 0.2)),
+    ):
         ours, _ = _model(family, **over)
         layers = (ours.transformer if style == "distil" else ours.encoder).layer
         ours.train()
         assert layer_spec(ours, layers[0]).dropout == rates
         ours.eval()
         assert layer_spec(ours, layers[0]).dropout == (0.0, 0.0, 0.0, 0.0)
-    for act, fused in (("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"),
-                       ("relu", "relu"), ("silu", None)):
+    for act, fused in (
+        ("gelu", "gelu"),
+        ("gelu_new", "gelu_tanh"),
+        ("gelu_pytorch_tanh", "gelu_tanh"),
+        ("relu", "relu"),
+        ("silu", None),
+    ):
         ours, hf = _model("bert", hidden_act=act)
         spec = layer_spec(ours, ours.encoder.layer[0])
         module = ours.encoder.layer[0].intermediate.intermediate_act_fn

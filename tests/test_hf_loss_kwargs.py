@@ -29,26 +29,38 @@ import warnings
 
 import numpy as np
 import pytest
-import ragged.nn
 import torch
 
 import ragged
+import ragged.nn
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from hf_convert_cases import _batch, _labels, _randomise
 from hf_convert_cases import _config as _bert_like_config
-from ragged.nn.hf import FAMILIES
 
 from ragged.data import collate
+from ragged.nn.hf import FAMILIES
 from ragged.trainer import RaggedTrainer
 
 VOCAB, PAD = 50, 1
-HEADS = {"sequence": "ForSequenceClassification", "token": "ForTokenClassification", "masked_lm": "ForMaskedLM",
-         "qa": "ForQuestionAnswering"}
-PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert",
-          "electra": "Electra", "distilbert": "DistilBert", "mpnet": "MPNet", "modernbert": "ModernBert"}
+HEADS = {
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
+PREFIX = {
+    "bert": "Bert",
+    "roberta": "Roberta",
+    "xlm-roberta": "XLMRoberta",
+    "camembert": "Camembert",
+    "electra": "Electra",
+    "distilbert": "DistilBert",
+    "mpnet": "MPNet",
+    "modernbert": "ModernBert",
+}
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 LOOSE = {"rtol": 2e-5, "atol": 1e-6}  # ModernBERT: HuggingFace's float32 rotary angles and masked-LM loss
 
@@ -56,16 +68,42 @@ LOOSE = {"rtol": 2e-5, "atol": 1e-6}  # ModernBERT: HuggingFace's float32 rotary
 def _config(family: str, kind: str, **over):
     labels = 2 if kind == "qa" else 3
     if family == "mpnet":
-        return tf.MPNetConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                              intermediate_size=32, max_position_embeddings=64, pad_token_id=PAD,
-                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=labels, **over)
+        return tf.MPNetConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+            pad_token_id=PAD,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=labels,
+            **over,
+        )
     if family == "modernbert":
-        return tf.ModernBertConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                   num_attention_heads=2, global_attn_every_n_layers=2, local_attention=8,
-                                   max_position_embeddings=64, pad_token_id=PAD, bos_token_id=2, eos_token_id=3,
-                                   cls_token_id=2, sep_token_id=3, attention_dropout=0.0, mlp_dropout=0.0,
-                                   embedding_dropout=0.0, classifier_dropout=0.0, num_labels=labels,
-                                   attn_implementation="sdpa", **over)
+        return tf.ModernBertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            global_attn_every_n_layers=2,
+            local_attention=8,
+            max_position_embeddings=64,
+            pad_token_id=PAD,
+            bos_token_id=2,
+            eos_token_id=3,
+            cls_token_id=2,
+            sep_token_id=3,
+            attention_dropout=0.0,
+            mlp_dropout=0.0,
+            embedding_dropout=0.0,
+            classifier_dropout=0.0,
+            num_labels=labels,
+            attn_implementation="sdpa",
+            **over,
+        )
     return _bert_like_config(family, kind, **over)
 
 
@@ -102,8 +140,9 @@ def test_families_declare_the_heads_huggingface_computes_with_loss_function():
             if kind == "base":
                 continue
             cls = getattr(mod, family.prefix + suffix)
-            assert _calls_loss_function(cls) == (kind in family.loss_function_heads), \
+            assert _calls_loss_function(cls) == (kind in family.loss_function_heads), (
                 f"{cls.__name__}: HuggingFace's loss_function use and {family!r}.loss_function_heads differ"
+            )
             checked += 1
     assert checked >= 4 * len(PREFIX)
 
@@ -127,8 +166,14 @@ def _same(got, want, tol):
     torch.testing.assert_close(got.double(), want.double(), **tol)
 
 
-LOSS_KWARGS = [{}, {"num_items_in_batch": 7}, {"num_items_in_batch": torch.tensor(11)}, {"ignore_index": 5},
-               {"num_items_in_batch": 9, "ignore_index": 5}, {"reduction": "sum"}]
+LOSS_KWARGS = [
+    {},
+    {"num_items_in_batch": 7},
+    {"num_items_in_batch": torch.tensor(11)},
+    {"ignore_index": 5},
+    {"num_items_in_batch": 9, "ignore_index": 5},
+    {"reduction": "sum"},
+]
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
@@ -136,7 +181,7 @@ LOSS_KWARGS = [{}, {"num_items_in_batch": 7}, {"num_items_in_batch": torch.tenso
 def test_direct_call_with_loss_kwargs_matches_hf(family, kind):
     ours, hf = _pair(family, kind)
     full = [6, 6, 6]  # no padding: the question-answering softmax spans the same tokens on both sides
-    for lengths in ([full] if kind in ("qa", "sequence") else [full, [4, 1, 9, 6]]):
+    for lengths in [full] if kind in ("qa", "sequence") else [full, [4, 1, 9, 6]]:
         ids, mask = _batch(lengths)
         labels = _labels(kind, lengths, mask, seed=3)
         for kw in LOSS_KWARGS:
@@ -165,8 +210,9 @@ def test_modernbert_masked_lm_num_items_on_ragged_input(sparse):
         kw = {} if n is None else {"num_items_in_batch": n}
         want = hf(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
         torch.testing.assert_close(ours(input_ids=rt, labels=rl, **kw).loss.double(), want.double(), **LOOSE)
-        torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss.double(),
-                                   want.double(), **LOOSE)
+        torch.testing.assert_close(
+            ours(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss.double(), want.double(), **LOOSE
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -196,24 +242,46 @@ def _dataset(kind: str, n: int, seed: int, equal: bool = False) -> list[dict]:
 def _pad(features: list[dict]) -> dict:
     """HuggingFace's padded batch: ids padded with the pad id, token labels with -100."""
     width = max(len(f["input_ids"]) for f in features)
-    out = {"input_ids": torch.tensor([f["input_ids"] + [PAD] * (width - len(f["input_ids"])) for f in features]),
-           "attention_mask": torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
-                                           for f in features])}
+    out = {
+        "input_ids": torch.tensor([f["input_ids"] + [PAD] * (width - len(f["input_ids"])) for f in features]),
+        "attention_mask": torch.tensor(
+            [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+        ),
+    }
     for key in features[0]:
         if key == "input_ids":
             continue
         values = [f[key] for f in features]
-        out[key] = torch.tensor([v + [-100] * (width - len(v)) for v in values]) if isinstance(values[0], list) \
+        out[key] = (
+            torch.tensor([v + [-100] * (width - len(v)) for v in values])
+            if isinstance(values[0], list)
             else torch.tensor(values)
+        )
     return out
 
 
 def _args(path, **kw):
-    return tf.TrainingArguments(**{
-        "output_dir": str(path), "report_to": [], "optim": "sgd", "learning_rate": 0.5, "weight_decay": 0.0,
-        "lr_scheduler_type": "constant", "max_grad_norm": 1e9, "gradient_accumulation_steps": 2,
-        "per_device_train_batch_size": 3, "num_train_epochs": 1, "logging_steps": 1, "save_strategy": "no",
-        "seed": 7, "data_seed": 7, "use_cpu": True, "disable_tqdm": True, **kw})
+    return tf.TrainingArguments(
+        **{
+            "output_dir": str(path),
+            "report_to": [],
+            "optim": "sgd",
+            "learning_rate": 0.5,
+            "weight_decay": 0.0,
+            "lr_scheduler_type": "constant",
+            "max_grad_norm": 1e9,
+            "gradient_accumulation_steps": 2,
+            "per_device_train_batch_size": 3,
+            "num_train_epochs": 1,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "seed": 7,
+            "data_seed": 7,
+            "use_cpu": True,
+            "disable_tqdm": True,
+            **kw,
+        }
+    )
 
 
 def _history(trainer) -> list[tuple[float, float]]:
@@ -223,8 +291,7 @@ def _history(trainer) -> list[tuple[float, float]]:
 def _assert_same_run(ours_model, ours, theirs_model, theirs, tol):
     got, want = _history(ours), _history(theirs)
     assert len(got) == len(want) >= 2
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                               **tol)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **tol)
     a, b = dict(ours_model.named_parameters()), dict(theirs_model.named_parameters())
     assert a.keys() == b.keys()
     for k, value in a.items():
@@ -282,8 +349,9 @@ def _ragged_trainer_run(tmp_path, family, graphs, **over):
         kw = {}
         if graphs:
             kw["graphs"] = ragged.nn.Graphed(ours_model, 128, 16, capture=False)
-        ours = RaggedTrainer(ours_model, _args(tmp_path / "ours"), train_dataset=data, max_tokens=24,
-                             data_collator=rec, **kw)
+        ours = RaggedTrainer(
+            ours_model, _args(tmp_path / "ours"), train_dataset=data, max_tokens=24, data_collator=rec, **kw
+        )
         ours_model.train()
         ours.train()
         assert len(rec.batches) >= 4 and len({len(b) for b in rec.batches}) > 1
@@ -323,6 +391,7 @@ def test_graphed_call_runs_a_question_answering_head_eagerly_with_num_items():
     want = hf(input_ids=ids, attention_mask=mask, **positions, num_items_in_batch=4).loss
     torch.testing.assert_close(call(input_ids=rt, **positions, num_items_in_batch=4).loss, want, **LOOSE)
     assert graphs.num_graphs == 0  # eagerly
-    torch.testing.assert_close(call(input_ids=rt, **positions).loss,
-                               hf(input_ids=ids, attention_mask=mask, **positions).loss, **LOOSE)
+    torch.testing.assert_close(
+        call(input_ids=rt, **positions).loss, hf(input_ids=ids, attention_mask=mask, **positions).loss, **LOOSE
+    )
     assert graphs.num_graphs == 1

@@ -3,7 +3,8 @@
 Tiny models (4 layers: global, local, local, global; hidden 32, 2 heads of 16; local window
 of 4 tokens each side, so that sequences of up to 21 tokens are cut by it) with random
 weights. Outputs and every parameter's gradient equal HuggingFace's (its SDPA path, with the
-sliding-window mask it builds; its eager path gives NaN in float64 under a padding mask) on right-, left- and scattered-padded batches and RaggedTensors, for every
+sliding-window mask it builds; its eager path gives NaN in float64 under a padding mask) on right-,
+left- and scattered-padded batches and RaggedTensors, for every
 head, both classifier poolings, sparse masked-LM prediction, hidden states; the float32
 comparison is bounded by HuggingFace computing rotary angles in float32 (float64 here would
 still differ there).
@@ -22,21 +23,42 @@ tf = pytest.importorskip("transformers")
 if not hasattr(tf, "ModernBertModel"):
     pytest.skip("this transformers has no ModernBERT", allow_module_level=True)
 
-from hf_convert_cases import _batch, _labels, _ragged, _real, _randomise  # noqa: E402
+from hf_convert_cases import _batch, _labels, _ragged, _randomise, _real  # noqa: E402
 
 VOCAB, D, PAD = 50, 32, 1
 LENGTHS = [9, 1, 21, 14, 3]
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float64 both sides; HuggingFace rounds cos and sin to float32
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 
 
 def _config(kind="base", **over):
-    kw = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
-              global_attn_every_n_layers=3, local_attention=8, max_position_embeddings=64, pad_token_id=PAD,
-              bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, attention_dropout=0.0,
-              mlp_dropout=0.0, embedding_dropout=0.0, classifier_dropout=0.0, num_labels=2 if kind == "qa" else 3,
-              attn_implementation="sdpa")
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        global_attn_every_n_layers=3,
+        local_attention=8,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        bos_token_id=2,
+        eos_token_id=3,
+        cls_token_id=2,
+        sep_token_id=3,
+        attention_dropout=0.0,
+        mlp_dropout=0.0,
+        embedding_dropout=0.0,
+        classifier_dropout=0.0,
+        num_labels=2 if kind == "qa" else 3,
+        attn_implementation="sdpa",
+    )
     kw.update(over)
     return tf.ModernBertConfig(**kw)
 
@@ -201,8 +223,11 @@ def test_state_dict_and_save_round_trip(tmp_path):
     assert "forward" not in loaded.__dict__
     ids, mask = _batch(LENGTHS)
     with torch.no_grad():
-        torch.testing.assert_close(_real(ragged.nn.convert(loaded)(input_ids=ids, attention_mask=mask).logits, mask),
-                                   _real(hf(input_ids=ids, attention_mask=mask).logits, mask), **TOL)
+        torch.testing.assert_close(
+            _real(ragged.nn.convert(loaded)(input_ids=ids, attention_mask=mask).logits, mask),
+            _real(hf(input_ids=ids, attention_mask=mask).logits, mask),
+            **TOL,
+        )
 
 
 def test_sentence_transformers_over_modernbert(tmp_path):
@@ -211,9 +236,9 @@ def test_sentence_transformers_over_modernbert(tmp_path):
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as M
+    from test_hf_sentence import MODES, TEXTS, VOCAB
 
     from ragged.nn.hf import sentence as hf_sentence
-    from test_hf_sentence import MODES, TEXTS, VOCAB
 
     (tmp_path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
     tf.BertTokenizerFast(str(tmp_path / "vocab.txt"), model_max_length=64).save_pretrained(str(tmp_path))
@@ -221,8 +246,11 @@ def test_sentence_transformers_over_modernbert(tmp_path):
     _randomise(model, 9)
     model.save_pretrained(str(tmp_path))
     for mode in MODES:
-        original = SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, mode)],
-                                       device="cpu").double().eval()
+        original = (
+            SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, mode)], device="cpu")
+            .double()
+            .eval()
+        )
         ours = copy.deepcopy(original)
         assert hf_sentence.convert_sentence_transformer(ours) is ours
         want = original.encode(TEXTS, convert_to_tensor=True, batch_size=3)

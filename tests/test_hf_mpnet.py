@@ -17,19 +17,33 @@ import ragged
 
 tf = pytest.importorskip("transformers")
 
-from hf_convert_cases import _batch, _labels, _ragged, _real, _randomise  # noqa: E402
+from hf_convert_cases import _batch, _labels, _ragged, _randomise, _real  # noqa: E402
 
 VOCAB, D, PAD = 50, 32, 1
 LENGTHS = [9, 1, 45, 14, 3]
 TOL = {"rtol": 1e-9, "atol": 1e-10}
-KINDS = {"base": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
-         "masked_lm": "ForMaskedLM", "qa": "ForQuestionAnswering"}
+KINDS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+}
 
 
 def _config(kind="base", **over):
-    kw = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
-              max_position_embeddings=64, pad_token_id=PAD, hidden_dropout_prob=0.0,
-              attention_probs_dropout_prob=0.0, num_labels=2 if kind == "qa" else 3)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=2 * D,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2 if kind == "qa" else 3,
+    )
     kw.update(over)
     return tf.MPNetConfig(**kw)
 
@@ -152,17 +166,19 @@ def test_refused_with_the_model_untouched():
     assert "forward" not in model.__dict__
 
 
-@pytest.mark.parametrize("mode", ["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken",
-                                  ("cls", "mean", "max")], ids=str)
+@pytest.mark.parametrize(
+    "mode", ["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", ("cls", "mean", "max")], ids=str
+)
 def test_sentence_transformers_over_mpnet(tmp_path, mode):
     """A SentenceTransformer over MPNet (all-mpnet-base-v2's structure: a pooling, then
     Normalize) is converted as a whole: encode's embeddings equal the original's, every pooling."""
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as M
+    from test_hf_sentence import TEXTS
+    from test_hf_sentence import VOCAB as WORDS
 
     from ragged.nn.hf import sentence as hf_sentence
-    from test_hf_sentence import TEXTS, VOCAB as WORDS
 
     (tmp_path / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     tf.BertTokenizerFast(str(tmp_path / "vocab.txt"), model_max_length=60).save_pretrained(str(tmp_path))
@@ -170,8 +186,11 @@ def test_sentence_transformers_over_mpnet(tmp_path, mode):
     _randomise(model, 9)
     model.save_pretrained(str(tmp_path))
     modes = mode if isinstance(mode, tuple) else (mode,)
-    original = SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, modes), M.Normalize()],
-                                   device="cpu").double().eval()
+    original = (
+        SentenceTransformer(modules=[M.Transformer(str(tmp_path)), M.Pooling(D, modes), M.Normalize()], device="cpu")
+        .double()
+        .eval()
+    )
     ours = copy.deepcopy(original)
     assert hf_sentence.convert_sentence_transformer(ours) is ours
     want = original.encode(TEXTS, convert_to_tensor=True, batch_size=3)

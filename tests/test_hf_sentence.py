@@ -29,35 +29,70 @@ import ragged
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+from sentence_transformers.sentence_transformer import modules as M
 
 from ragged.nn import hf
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 
 D, MAXLEN = 32, 64
-WORDS = ("the a of and to in is it that was for on are with as he she they be at one have this from or had by hot "
-         "word but what some we can out other were all there when up use your how said an each which do their time "
-         "if will way about many then them write would like so these her long make thing see him two has look more "
-         "day could go come did number sound no most people my over know water than call first who may down side "
-         "been now find quick brown fox jumps lazy dog").split()
-VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.ascii_lowercase) + list(string.digits)
-         + list(".,!?'") + ["##" + c for c in string.ascii_lowercase + string.digits] + WORDS)
+WORDS = (
+    "the a of and to in is it that was for on are with as he she they be at one have this from or had by hot "
+    "word but what some we can out other were all there when up use your how said an each which do their time "
+    "if will way about many then them write would like so these her long make thing see him two has look more "
+    "day could go come did number sound no most people my over know water than call first who may down side "
+    "been now find quick brown fox jumps lazy dog"
+).split()
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + list(string.ascii_lowercase)
+    + list(string.digits)
+    + list(".,!?'")
+    + ["##" + c for c in string.ascii_lowercase + string.digits]
+    + WORDS
+)
 LONG = " ".join(WORDS[i % len(WORDS)] + ("xq" if i % 7 == 0 else "") for i in range(80))  # truncated to 64 tokens
-TEXTS = ["", "a", "hello world", LONG, "the quick brown fox jumps over the lazy dog", "zz", "one two. three!",
-         "people know water"]
+TEXTS = [
+    "",
+    "a",
+    "hello world",
+    LONG,
+    "the quick brown fox jumps over the lazy dog",
+    "zz",
+    "one two. three!",
+    "people know water",
+]
 MODES = ["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", ("cls", "mean", "max")]
 TOL = {"rtol": 1e-9, "atol": 1e-10}  # float64 on both sides
 
 
 def _config(family: str):
     if family == "distilbert":
-        return tf.DistilBertConfig(vocab_size=len(VOCAB), dim=D, n_layers=2, n_heads=4, hidden_dim=2 * D,
-                                   max_position_embeddings=MAXLEN, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+        return tf.DistilBertConfig(
+            vocab_size=len(VOCAB),
+            dim=D,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=2 * D,
+            max_position_embeddings=MAXLEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=0,
+        )
     cls = tf.RobertaConfig if family == "roberta" else tf.BertConfig
     extra = 2 if family == "roberta" else 0  # RoBERTa's positions start past padding_idx
-    return cls(vocab_size=len(VOCAB), hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
-               intermediate_size=2 * D, max_position_embeddings=MAXLEN + extra, type_vocab_size=2,
-               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return cls(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=2 * D,
+        max_position_embeddings=MAXLEN + extra,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +141,8 @@ def _close(a, b, **tol):
 def _untouched(st) -> bool:
     """No converted forward / preprocess / encode anywhere in ``st``."""
     return "encode" not in st.__dict__ and all(
-        "forward" not in m.__dict__ and "preprocess" not in m.__dict__ for m in st.modules())
+        "forward" not in m.__dict__ and "preprocess" not in m.__dict__ for m in st.modules()
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -165,9 +201,17 @@ def test_sentence_level_modules(transformers_):
 
 def test_encode_options(transformers_):
     original, ours = _st(transformers_, "roberta", ("mean", "lasttoken"), [M.Dense(2 * D, 24)])
-    for kw in ({"convert_to_tensor": True}, {"convert_to_numpy": False}, {"normalize_embeddings": True},
-               {"truncate_dim": 8}, {"precision": "binary"}, {"precision": "int8"}, {"show_progress_bar": True},
-               {"batch_size": 1}, {"batch_size": 100}):
+    for kw in (
+        {"convert_to_tensor": True},
+        {"convert_to_numpy": False},
+        {"normalize_embeddings": True},
+        {"truncate_dim": 8},
+        {"precision": "binary"},
+        {"precision": "int8"},
+        {"show_progress_bar": True},
+        {"batch_size": 1},
+        {"batch_size": 100},
+    ):
         want, got = original.encode(TEXTS, **kw), ours.encode(TEXTS, **kw)
         if isinstance(want, list):
             want, got = torch.stack(want), torch.stack(got)
@@ -184,11 +228,14 @@ def test_prompt_left_out(transformers_, mode):
     original, ours = _st(transformers_, "bert", mode, include_prompt=False)
     for st in (original, ours):
         st.prompts = {"query": "query: the "}
-    _close(ours.encode(TEXTS, prompt_name="query", batch_size=3), original.encode(TEXTS, prompt_name="query",
-                                                                                   batch_size=3))
+    _close(
+        ours.encode(TEXTS, prompt_name="query", batch_size=3), original.encode(TEXTS, prompt_name="query", batch_size=3)
+    )
     _close(ours.encode_query(TEXTS[:3]), original.encode_query(TEXTS[:3]))
-    _close(ours.encode(TEXTS, prompt="a b c d e f g h i j k l m n o p q r s t u v w x y z "),
-           original.encode(TEXTS, prompt="a b c d e f g h i j k l m n o p q r s t u v w x y z "))
+    _close(
+        ours.encode(TEXTS, prompt="a b c d e f g h i j k l m n o p q r s t u v w x y z "),
+        original.encode(TEXTS, prompt="a b c d e f g h i j k l m n o p q r s t u v w x y z "),
+    )
 
 
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
@@ -233,8 +280,12 @@ def test_pool_tokens_matches_padded_pooling(mode, prompt):
         mask = rt.attention_mask(total_length=width, padding_side=side)
         want = pooling({"token_embeddings": padded, "attention_mask": mask, **extra})["sentence_embedding"]
         cls = "cls" in np.atleast_1d(mode)
-        rows = [i for i, n in enumerate(lengths) if not (n == 0 and (cls or "max" in np.atleast_1d(mode)))
-                and not (cls and side == "left" and prompt is not None and n <= prompt)]
+        rows = [
+            i
+            for i, n in enumerate(lengths)
+            if not (n == 0 and (cls or "max" in np.atleast_1d(mode)))
+            and not (cls and side == "left" and prompt is not None and n <= prompt)
+        ]
         _close(got[rows], want[rows])
         weights = torch.randn(want.shape, generator=g, dtype=torch.float64)
         (dg,) = torch.autograd.grad((got[rows] * weights[rows]).sum(), x)
@@ -251,8 +302,9 @@ def _poisoned(features, seed=0):
     g = torch.Generator().manual_seed(seed)
     pad = features["attention_mask"] == 0
     out = dict(features)
-    out["input_ids"] = features["input_ids"].masked_scatter(pad, torch.randint(5, len(VOCAB), (int(pad.sum()),),
-                                                                               generator=g))
+    out["input_ids"] = features["input_ids"].masked_scatter(
+        pad, torch.randint(5, len(VOCAB), (int(pad.sum()),), generator=g)
+    )
     out["token_type_ids"] = features["token_type_ids"].masked_fill(pad, 1)
     return out
 
@@ -278,9 +330,11 @@ def test_training_gradients(transformers_):
     for st in (original, ours):
         st.train()
     anchors, positives = TEXTS[1:5], TEXTS[4:8]
-    for make in (lambda st: losses.MultipleNegativesRankingLoss(st),
-                 lambda st: losses.CachedMultipleNegativesRankingLoss(st, mini_batch_size=2),
-                 None):
+    for make in (
+        lambda st: losses.MultipleNegativesRankingLoss(st),
+        lambda st: losses.CachedMultipleNegativesRankingLoss(st, mini_batch_size=2),
+        None,
+    ):
         results = []
         for st in (original, ours):
             st.zero_grad(set_to_none=True)
@@ -340,8 +394,9 @@ def test_keeps_modules_parameters_and_files(transformers_, tmp_path):
     ours.save(str(tmp_path / "ours"))
     original.save(str(tmp_path / "original"))
     names = sorted(str(p.relative_to(tmp_path / "ours")) for p in (tmp_path / "ours").rglob("*") if p.is_file())
-    assert names == sorted(str(p.relative_to(tmp_path / "original"))
-                           for p in (tmp_path / "original").rglob("*") if p.is_file())
+    assert names == sorted(
+        str(p.relative_to(tmp_path / "original")) for p in (tmp_path / "original").rglob("*") if p.is_file()
+    )
     for name in names:
         if name.endswith(".json") or name.endswith(".txt"):
             assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "original" / name).read_bytes(), name
@@ -406,9 +461,17 @@ class _Reader(nn.Module):
 
 
 def test_modules_left_on_padded_token_embeddings(transformers_):
-    for mods, patched in (([_Scale(), M.Pooling(D, "weightedmean")], False), ([M.Pooling(D, "max"), _Reader()], True),
-                          ([M.Pooling(D, "mean"), M.Dense(D, D, module_input_name="token_embeddings",
-                                                          module_output_name="token_embeddings")], True)):
+    for mods, patched in (
+        ([_Scale(), M.Pooling(D, "weightedmean")], False),
+        ([M.Pooling(D, "max"), _Reader()], True),
+        (
+            [
+                M.Pooling(D, "mean"),
+                M.Dense(D, D, module_input_name="token_embeddings", module_output_name="token_embeddings"),
+            ],
+            True,
+        ),
+    ):
         original = SentenceTransformer(modules=[copy.deepcopy(transformers_["bert"]), *mods], device="cpu").double()
         ours = copy.deepcopy(original)
         with pytest.raises(NotImplementedError, match="padded token embeddings: '[12]'"):
@@ -435,8 +498,9 @@ def test_pooling_reads_replaced_token_embeddings_padded(transformers_):
 
 
 def _patches(st) -> list:
-    return [st.__dict__.get("encode")] + [(m.__dict__.get("forward"), m.__dict__.get("preprocess"))
-                                          for m in st.modules()]
+    return [st.__dict__.get("encode")] + [
+        (m.__dict__.get("forward"), m.__dict__.get("preprocess")) for m in st.modules()
+    ]
 
 
 def _refused(st, match, **kw):
@@ -479,10 +543,12 @@ def test_refusals(transformers_, folders):
 
 
 def test_is_sentence_transformer_imports_nothing():
-    code = ("import sys, torch, ragged.nn.hf.sentence as s;"
-            "assert not s.is_sentence_transformer(torch.nn.Linear(1, 1));"
-            "import ragged.nn; ragged.nn.convert(torch.nn.Sequential(torch.nn.Linear(1, 1)));"
-            "assert 'sentence_transformers' not in sys.modules, 'imported'")
+    code = (
+        "import sys, torch, ragged.nn.hf.sentence as s;"
+        "assert not s.is_sentence_transformer(torch.nn.Linear(1, 1));"
+        "import ragged.nn; ragged.nn.convert(torch.nn.Sequential(torch.nn.Linear(1, 1)));"
+        "assert 'sentence_transformers' not in sys.modules, 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -24,23 +24,38 @@ import warnings
 
 import pytest
 import torch
+
 import ragged
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer import losses, modules as M  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+from sentence_transformers.sentence_transformer import modules as M
+from test_hf_sentence import LONG, MODES, WORDS, _close  # noqa: E402
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors  # noqa: E402
 
 from ragged.nn.hf import decoder as hf_decoder  # noqa: E402
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from test_hf_sentence import LONG, MODES, WORDS, _close  # noqa: E402
 
 D, MAXLEN, WINDOW = 32, 64, 6
-VOCAB = ["<pad>", "<unk>", "<s>", "</s>", "<sys>"] + list(string.ascii_lowercase) + list(string.digits) \
-    + list(".,!?':|") + WORDS
-TEXTS = ["", "a", "hello world", LONG, "the quick brown fox jumps over the lazy dog", "zz", "one two. three!",
-         "people know water"]
+VOCAB = (
+    ["<pad>", "<unk>", "<s>", "</s>", "<sys>"]
+    + list(string.ascii_lowercase)
+    + list(string.digits)
+    + list(".,!?':|")
+    + WORDS
+)
+TEXTS = [
+    "",
+    "a",
+    "hello world",
+    LONG,
+    "the quick brown fox jumps over the lazy dog",
+    "zz",
+    "one two. three!",
+    "people know water",
+]
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral", "gemma", "gemma2", "gemma3"]
 INSTRUCT = "Instruct: find the text that answers the question\nQuery: "
 
@@ -52,19 +67,30 @@ FLOAT32_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _config(family: str, **overrides):
-    common = dict(vocab_size=len(VOCAB), hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAXLEN, pad_token_id=0,
-                  attention_dropout=0.0)
+    common = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        intermediate_size=2 * D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAXLEN,
+        pad_token_id=0,
+        attention_dropout=0.0,
+    )
     head = dict(head_dim=8)
     window = dict(sliding_window=WINDOW)
-    make = {"qwen3": lambda: tf.Qwen3Config(**common, **head),
-            "qwen2": lambda: tf.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1, **window),
-            "llama": lambda: tf.LlamaConfig(**common),
-            "mistral": lambda: tf.MistralConfig(**common, **window),
-            "gemma": lambda: tf.GemmaConfig(**common, **head),
-            "gemma2": lambda: tf.Gemma2Config(**common, **head, **window, attn_logit_softcapping=None,
-                                              final_logit_softcapping=None),
-            "gemma3": lambda: tf.Gemma3TextConfig(**common, **head, **window, use_bidirectional_attention=True)}
+    make = {
+        "qwen3": lambda: tf.Qwen3Config(**common, **head),
+        "qwen2": lambda: tf.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1, **window),
+        "llama": lambda: tf.LlamaConfig(**common),
+        "mistral": lambda: tf.MistralConfig(**common, **window),
+        "gemma": lambda: tf.GemmaConfig(**common, **head),
+        "gemma2": lambda: tf.Gemma2Config(
+            **common, **head, **window, attn_logit_softcapping=None, final_logit_softcapping=None
+        ),
+        "gemma3": lambda: tf.Gemma3TextConfig(**common, **head, **window, use_bidirectional_attention=True),
+    }
     config = make[family]()
     for k, v in overrides.items():
         setattr(config, k, v)
@@ -77,11 +103,18 @@ def _tokenizer(style: str, chat: bool = False, max_length: int = 24):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    single, pair, special = ("$A </s>", "$A $B </s>", ("</s>", 3)) if style == "eos" else \
-        ("<s> $A", "<s> $A $B", ("<s>", 2))
+    single, pair, special = (
+        ("$A </s>", "$A $B </s>", ("</s>", 3)) if style == "eos" else ("<s> $A", "<s> $A $B", ("<s>", 2))
+    )
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=[special])
-    out = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
-                                     bos_token="<s>", model_max_length=max_length)
+    out = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="</s>",
+        bos_token="<s>",
+        model_max_length=max_length,
+    )
     if chat:
         out.chat_template = "{% for m in messages %}<sys> {{ m['role'] }} : {{ m['content'] }} {% endfor %}"
     return out
@@ -122,8 +155,11 @@ def _st(transformers_, name="qwen3", mode="lasttoken", side="left", after=(), pr
     """(original, converted) SentenceTransformers in float64, the tokenizer padding on ``side``."""
     tr = copy.deepcopy(transformers_[name])
     tr.tokenizer.padding_side = side
-    original = SentenceTransformer(modules=[tr, M.Pooling(D, mode, **kw), *after], device="cpu",
-                                   prompts=prompts).double().eval()
+    original = (
+        SentenceTransformer(modules=[tr, M.Pooling(D, mode, **kw), *after], device="cpu", prompts=prompts)
+        .double()
+        .eval()
+    )
     ours = copy.deepcopy(original)
     assert hf_sentence.convert_sentence_transformer(ours) is ours
     return original, ours
@@ -170,10 +206,14 @@ def test_prompts(transformers_, mode, side):
     """An instruction prompt by ``prompt=``, by ``prompt_name=`` and as the model's default, its
     tokens pooled or left out (``include_prompt=False``), as sentence-transformers does."""
     for include in (True, False):
-        original, ours = _st(transformers_, "qwen3", mode, side, prompts={"query": INSTRUCT, "doc": ""},
-                             include_prompt=include)
-        for kw in ({"prompt": INSTRUCT}, {"prompt_name": "query"}, {"prompt": "a b c d e f g h i j k l m n o p q r s "
-                                                                             "t u v w x y z 1 2 3 "}):
+        original, ours = _st(
+            transformers_, "qwen3", mode, side, prompts={"query": INSTRUCT, "doc": ""}, include_prompt=include
+        )
+        for kw in (
+            {"prompt": INSTRUCT},
+            {"prompt_name": "query"},
+            {"prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z 1 2 3 "},
+        ):
             _close(ours.encode(TEXTS, batch_size=3, **kw), original.encode(TEXTS, batch_size=3, **kw))
         _close(ours.encode_query(TEXTS[:4]), original.encode_query(TEXTS[:4]))
         for st in (original, ours):
@@ -435,8 +475,9 @@ def test_graphed_sentence_transformer_on_the_cpu(transformers_):
 
 
 def _state(st):
-    return [st.__dict__.get("encode")] + [(m.__dict__.get("forward"), m.__dict__.get("preprocess"))
-                                          for m in st.modules()], _attention(st)
+    return [st.__dict__.get("encode")] + [
+        (m.__dict__.get("forward"), m.__dict__.get("preprocess")) for m in st.modules()
+    ], _attention(st)
 
 
 def _refused(st, match):

@@ -21,9 +21,6 @@ import torch
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
-from ragged.nn.hf import decoder as hf_decoder
-from ragged.nn.hf import sentence as hf_sentence
-from ragged.nn.hf import sentence_pipeline as sp
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as M
 from test_hf_sentence import _close
@@ -31,6 +28,9 @@ from test_hf_sentence_decoder import TEXTS, VOCAB, D, _config
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 import ragged
+from ragged.nn.hf import decoder as hf_decoder
+from ragged.nn.hf import sentence as hf_sentence
+from ragged.nn.hf import sentence_pipeline as sp
 
 TYPED = ["input_ids", "token_type_ids", "attention_mask"]
 ROTARY_TOL = {"rtol": 1e-5, "atol": 1e-6}  # ModernBERT: HuggingFace rounds its rotary angles to float32
@@ -42,21 +42,51 @@ def typed_tokenizer(max_length: int = 24):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tok.post_processor = processors.TemplateProcessing(single="$A:1 </s>:1", pair="$A:0 </s>:0 $B:1 </s>:1",
-                                                       special_tokens=[("</s>", 3)])
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
-                                      model_max_length=max_length, model_input_names=TYPED)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A:1 </s>:1", pair="$A:0 </s>:0 $B:1 </s>:1", special_tokens=[("</s>", 3)]
+    )
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="</s>",
+        model_max_length=max_length,
+        model_input_names=TYPED,
+    )
 
 
 def _encoder_config(family: str, hidden: int):
     if family == "distilbert":
-        return tf.DistilBertConfig(vocab_size=len(VOCAB), dim=hidden, n_layers=2, n_heads=4, hidden_dim=2 * hidden,
-                                   max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
-    return tf.ModernBertConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=2, global_attn_every_n_layers=2, local_attention=8,
-                               max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=3,
-                               cls_token_id=2, sep_token_id=3, attention_dropout=0.0, mlp_dropout=0.0,
-                               embedding_dropout=0.0, attn_implementation="sdpa")
+        return tf.DistilBertConfig(
+            vocab_size=len(VOCAB),
+            dim=hidden,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=2 * hidden,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=0,
+        )
+    return tf.ModernBertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=hidden,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        cls_token_id=2,
+        sep_token_id=3,
+        attention_dropout=0.0,
+        mlp_dropout=0.0,
+        embedding_dropout=0.0,
+        attn_implementation="sdpa",
+    )
 
 
 def save_model(path, family: str, seed: int = 0, hidden: int = D) -> str:
@@ -78,8 +108,10 @@ def save_model(path, family: str, seed: int = 0, hidden: int = D) -> str:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {family: save_model(tmp_path_factory.mktemp(family), family, seed=i)
-            for i, family in enumerate(("qwen3", "llama", "distilbert", "modernbert"))}
+    return {
+        family: save_model(tmp_path_factory.mktemp(family), family, seed=i)
+        for i, family in enumerate(("qwen3", "llama", "distilbert", "modernbert"))
+    }
 
 
 def _st(path: str, mode: str = "lasttoken", side: str = "left"):

@@ -17,11 +17,19 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
+from test_hf_sentence_decoder import (
+    FAMILIES,
+    FLOAT32_INSIDE,
+    FLOAT32_TOL,
+    INSTRUCT,
+    TEXTS,
+    _close,
+    _st,  # noqa: E402,F401
+)
+
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
 from ragged.nn.hf.sentence_pooling import weightedmean_origin  # noqa: E402
-from test_hf_sentence_decoder import (FAMILIES, FLOAT32_INSIDE, FLOAT32_TOL, INSTRUCT, TEXTS, _close, _st,  # noqa: E402,F401
-                                      folders, transformers_)
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +79,10 @@ def test_modes_and_prompts(transformers_, batches, mode, side):
         else:
             _close(got, _want(original, TEXTS, side, **kw))
     lost = _st(transformers_, "qwen3", mode, side, include_prompt=False)
-    _close(lost[1].encode(TEXTS, batch_size=3, prompt=INSTRUCT),
-           lost[0].encode(TEXTS, batch_size=1 if side == "left" and not keeps_batches else 3, prompt=INSTRUCT))
+    _close(
+        lost[1].encode(TEXTS, batch_size=3, prompt=INSTRUCT),
+        lost[0].encode(TEXTS, batch_size=1 if side == "left" and not keeps_batches else 3, prompt=INSTRUCT),
+    )
 
 
 def test_left_padded_decoder_takes_budget_batches(transformers_, batches):

@@ -24,10 +24,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
 import test_hf_sentence as base  # noqa: E402
+from test_hf_sentence import (
+    TEXTS,
+    _close,
+    _st,
+    test_encode_matches_original,  # noqa: E402,F401
+)
+
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
-from test_hf_sentence import (TEXTS, _close, _st, folders, test_encode_matches_original,  # noqa: E402,F401
-                              test_left_padding, test_prompt_left_out, test_sentence_level_modules, transformers_)
 
 M = base.M
 BUDGET = 40  # tokens per batch: a few texts each
@@ -80,10 +85,22 @@ def test_arguments(transformers_, pipeline_everywhere):
     for st in (original, ours):
         st.prompts = {"query": "query: the ", "doc": ""}
     texts = _texts(23, 5)
-    cases = [{}, {"convert_to_tensor": True}, {"convert_to_numpy": False}, {"normalize_embeddings": True},
-             {"truncate_dim": 8}, {"truncate_dim": 8, "normalize_embeddings": True}, {"prompt": "a b c "},
-             {"prompt_name": "query"}, {"prompt_name": "doc"}, {"show_progress_bar": True}, {"batch_size": 1},
-             {"batch_size": 1000}, {"precision": "float32"}, {"device": "cpu"}]
+    cases = [
+        {},
+        {"convert_to_tensor": True},
+        {"convert_to_numpy": False},
+        {"normalize_embeddings": True},
+        {"truncate_dim": 8},
+        {"truncate_dim": 8, "normalize_embeddings": True},
+        {"prompt": "a b c "},
+        {"prompt_name": "query"},
+        {"prompt_name": "doc"},
+        {"show_progress_bar": True},
+        {"batch_size": 1},
+        {"batch_size": 1000},
+        {"precision": "float32"},
+        {"device": "cpu"},
+    ]
     for kw in cases:
         pipeline_everywhere.clear()
         want, got = original.encode(texts, **kw), ours.encode(texts, **kw)
@@ -207,5 +224,6 @@ def test_several_devices_run_sentence_transformers_processes(transformers_, pipe
     texts = _texts(40, 6)
     got = ours.encode(texts, device=["cpu", "cpu"], chunk_size=7)
     assert pipeline_everywhere == []  # this process only hands the texts out
-    _close(torch.from_numpy(np.asarray(got)), torch.from_numpy(np.asarray(original.encode(texts))), rtol=1e-5,
-           atol=1e-6)
+    _close(
+        torch.from_numpy(np.asarray(got)), torch.from_numpy(np.asarray(original.encode(texts))), rtol=1e-5, atol=1e-6
+    )

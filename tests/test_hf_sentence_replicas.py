@@ -23,10 +23,10 @@ import ragged
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers.sentence_transformer import modules as M  # noqa: E402
+from test_hf_sentence import TEXTS, D, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 
 from ragged.nn import hf
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from test_hf_sentence import D, TEXTS, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 
 replicate_module = importlib.import_module("torch.nn.parallel.replicate")
 scatter_gather = importlib.import_module("torch.nn.parallel.scatter_gather")
@@ -34,6 +34,7 @@ scatter_gather = importlib.import_module("torch.nn.parallel.scatter_gather")
 
 def _replicate(model, copies: int, detach: bool, monkeypatch):
     """``torch.nn.parallel.replicate`` itself, the CUDA broadcast replaced by clones on the CPU."""
+
     def broadcast(tensors, devices, detach=False):
         return [[t.detach().clone() if detach else t.clone() for t in tensors] for _ in devices]
 
@@ -55,9 +56,14 @@ def _embed(st, features):
 
 def _owns_its_patches(st) -> bool:
     """Every converted forward, preprocess and encode of ``st`` holds ``st``'s own modules."""
-    return (hf_sentence.is_converted(st) and st.encode.model is st and st[0].forward.module is st[0]
-            and st[0].preprocess.module is st[0] and st[1].forward.module is st[1]
-            and hf.is_done(st[0].auto_model))
+    return (
+        hf_sentence.is_converted(st)
+        and st.encode.model is st
+        and st[0].forward.module is st[0]
+        and st[0].preprocess.module is st[0]
+        and st[1].forward.module is st[1]
+        and hf.is_done(st[0].auto_model)
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -87,8 +93,9 @@ def test_replicas_outputs_gather_as_data_parallel_gathers_them(transformers_, mo
     (``torch.nn.parallel.gather``, run here with its CUDA concatenation done on the CPU)."""
     original, ours = _st(transformers_, "bert", "max")
     f = original.preprocess(TEXTS)
-    halves = [{k: v[h] if isinstance(v, torch.Tensor) else v for k, v in f.items()}
-              for h in (slice(0, 3), slice(3, None))]
+    halves = [
+        {k: v[h] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for h in (slice(0, 3), slice(3, None))
+    ]
 
     class Concatenate:
         @staticmethod
@@ -111,8 +118,9 @@ def test_replica_gradients_reach_the_original_parameters(transformers_, monkeypa
     for st in (original, ours):
         st.train()  # dropout rates are 0 in these configs
     f = original.preprocess(TEXTS)
-    halves = [{k: v[h] if isinstance(v, torch.Tensor) else v for k, v in f.items()}
-              for h in (slice(0, 4), slice(4, None))]
+    halves = [
+        {k: v[h] if isinstance(v, torch.Tensor) else v for k, v in f.items()} for h in (slice(0, 4), slice(4, None))
+    ]
     replicas = _replicate(ours, 2, False, monkeypatch)
     copies = [_query(r).weight for r in replicas]
     for w in copies:
@@ -198,8 +206,10 @@ def test_graphed_calls_from_two_threads_take_turns():
     while the first thread's call runs on them: it waits for the first call to end."""
     gate = _Gate().eval()
     g = ragged.nn.Graphed(gate, 64, 4, capture=False)
-    batches = [ragged.pack([torch.full((n, 3), float(i + 1), dtype=torch.float64) for n in lengths])
-               for i, lengths in enumerate(([5, 2, 7], [6, 1, 4]))]
+    batches = [
+        ragged.pack([torch.full((n, 3), float(i + 1), dtype=torch.float64) for n in lengths])
+        for i, lengths in enumerate(([5, 2, 7], [6, 1, 4]))
+    ]
     assert g.bucket(14, 3, 7) == g.bucket(11, 3, 6)  # one bucket: the same buffers
     second_waits = threading.Event()  # the second thread has reached the lock, or run without it
     g.lock = _Watched(second_waits)

@@ -26,12 +26,25 @@ pytest.importorskip("sentence_transformers")
 
 import test_hf_sentence as enc  # noqa: E402
 import test_hf_sentence_decoder as dec  # noqa: E402
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
-from ragged.nn.hf import sentence_tokens as stok  # noqa: E402
 from test_hf_sentence import folders, transformers_  # noqa: E402,F401
 
-TEXTS = [*enc.TEXTS, "Mixed CASE Words", "  padded  spaces  ", "a [SEP] inside [CLS] text", "ünïcödé ß 東京",
-         "the " * 70, "", "x", "photo.jpg", "https://example.com/cat.png", "song.mp3", "clip.mp4"]
+from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
+from ragged.nn.hf import sentence_tokens as stok  # noqa: E402
+
+TEXTS = [
+    *enc.TEXTS,
+    "Mixed CASE Words",
+    "  padded  spaces  ",
+    "a [SEP] inside [CLS] text",
+    "ünïcödé ß 東京",
+    "the " * 70,
+    "",
+    "x",
+    "photo.jpg",
+    "https://example.com/cat.png",
+    "song.mp3",
+    "clip.mp4",
+]
 
 
 @pytest.fixture
@@ -137,8 +150,14 @@ def test_calls_left_to_sentence_transformers(transformers_, fast_calls):
     with stok.flat_ids(module):
         padded = module.preprocess(TEXTS[:4])
     assert not fast_calls and padded["input_ids"].dim() == 2
-    kwargs = {"common": {"padding": False, "return_tensors": None, "return_attention_mask": False,
-                         "return_token_type_ids": False}}
+    kwargs = {
+        "common": {
+            "padding": False,
+            "return_tensors": None,
+            "return_attention_mask": False,
+            "return_token_type_ids": False,
+        }
+    }
     with stok.flat_ids(module):
         out = module.preprocess(TEXTS[:4], processing_kwargs=kwargs)
     assert not fast_calls and isinstance(out["input_ids"], list) and "token_type_ids" not in out

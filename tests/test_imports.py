@@ -24,8 +24,13 @@ print(json.dumps({"seconds": seconds, "heavy": [m for m in ("torch._dynamo", "tr
 
 
 def _probe() -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
-                         env={"PATH": "", "PYTHONPATH": ":".join(p for p in sys.path if p)})
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "", "PYTHONPATH": ":".join(p for p in sys.path if p)},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -86,15 +91,17 @@ def test_installed_package_wins_over_a_folder_named_ragged(tmp_path):
 
     # The distribution is ragged-kernels (the import name is ragged). A build can leave an egg-info
     # in the checkout, which a run from the checkout also finds: it has no direct_url.json.
-    urls = [d.read_text("direct_url.json") for d in importlib.metadata.distributions()
-            if d.metadata["Name"] == "ragged-kernels"]
+    urls = [
+        d.read_text("direct_url.json")
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"] == "ragged-kernels"
+    ]
     if not any(json.loads(u).get("dir_info", {}).get("editable") for u in urls if u):
         pytest.skip("ragged is not installed in editable mode")
     (tmp_path / "ragged" / "nn").mkdir(parents=True)  # a clone: folders without __init__.py
     script = tmp_path / "script.py"
     script.write_text("import ragged, ragged.nn\nprint(ragged.pack.__module__, ragged.nn.convert.__module__)\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PATH": ""})
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env={"PATH": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ragged.interop", "ragged.nn.convert"], out.stdout
 
@@ -104,6 +111,7 @@ def test_triton_is_installed_only_where_it_runs_kernels():
     interpreter."""
     import pathlib
     import re
+
     import tomllib
 
     project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]

@@ -37,7 +37,7 @@ def _offsets(lengths):
 def _loop_padded(seqs, width, feat, fill=0.0):
     out = torch.full((len(seqs), width, *feat), fill, dtype=seqs[0].dtype if seqs else torch.float32)
     for b, s in enumerate(seqs):
-        out[b, :s.shape[0]] = s
+        out[b, : s.shape[0]] = s
     return out
 
 
@@ -164,7 +164,7 @@ def test_from_nested_with_holes():
     lengths = torch.tensor([4, 0, 3])
     nt = torch.nested.narrow(dense, 1, starts, lengths, layout=torch.jagged)
     rt = ragged.from_nested(nt)
-    expected = torch.cat([dense[b, int(s):int(s) + int(n)] for b, (s, n) in enumerate(zip(starts, lengths))])
+    expected = torch.cat([dense[b, int(s) : int(s) + int(n)] for b, (s, n) in enumerate(zip(starts, lengths))])
     assert torch.equal(rt.values, expected)
     assert rt.offsets.dtype == torch.int32
     assert rt.offsets.tolist() == _offsets(lengths.tolist())
@@ -340,8 +340,7 @@ def test_attention_mask_round_trip(backend, side, total_length):
         row = [0] * (width - n) + [1] * n if side == "left" else [1] * n + [0] * (width - n)
         assert am[b].tolist() == row
     x = rt.to_padded(total_length=total_length, padding_side=side, padding_value=float("nan"), backend=backend)
-    for got in (ragged.from_attention_mask(x, am, backend=backend),
-                ragged.pack(x, attention_mask=am, backend=backend)):
+    for got in (ragged.from_attention_mask(x, am, backend=backend), ragged.pack(x, attention_mask=am, backend=backend)):
         assert torch.equal(got.values, rt.values)
         assert torch.equal(got.offsets, rt.offsets)
         assert got.max_len == rt.max_len

@@ -25,10 +25,20 @@ _SHARED_LIMIT = 232448  # bytes of shared memory an H100 / H200 block may use
 def records():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--chosen"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
-    if run.returncode and "No such file or directory" in run.stderr and ("ptxas" in run.stderr
-                                                                          or "cuobjdump" in run.stderr):
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_resources", "--chosen"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if (
+        run.returncode
+        and "No such file or directory" in run.stderr
+        and ("ptxas" in run.stderr or "cuobjdump" in run.stderr)
+    ):
         pytest.skip("this Triton build has no NVIDIA tools (ptxas, cuobjdump)")
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -37,8 +47,9 @@ def records():
 def test_every_chosen_shape_compiled(records):
     kinds = {(r["kernel"], r["head_dim"], r["causal"], r["variant"]) for r in records}
     plain = {(k, d, c, "plain") for k in ("forward", "dkdv", "dq") for d in (64, 128) for c in (False, True)}
-    assert kinds == plain | {(k, 128, c, v) for k in ("forward", "dkdv", "dq")
-                             for c, v in ((False, "window"), (True, "dropout"))}
+    assert kinds == plain | {
+        (k, 128, c, v) for k in ("forward", "dkdv", "dq") for c, v in ((False, "window"), (True, "dropout"))
+    }
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])

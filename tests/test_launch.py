@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+
 @pytest.mark.gpu
 def test_cached_launch_respecialises_on_alignment_and_ints():
     from ragged.kernels.triton import fused as kf
@@ -69,14 +70,31 @@ def test_inline_key_is_the_per_argument_spec():
     from ragged.kernels.triton import launch
 
     base = torch.zeros(64)
-    ints = [0, 1, 2, 15, 16, 17, 48, -16, -1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**63 - 1, 2**63,
-            2**64 - 16]
+    ints = [
+        0,
+        1,
+        2,
+        15,
+        16,
+        17,
+        48,
+        -16,
+        -1,
+        2**31 - 1,
+        2**31,
+        -(2**31),
+        -(2**31) - 1,
+        2**40,
+        2**63 - 1,
+        2**63,
+        2**64 - 16,
+    ]
     args = [base, base[1:], base[4:], torch.nn.Parameter(base), *ints, 0.5, 1.0, None, True, False]
     key = launch._key_function(len(args))
     got = key(*args)
     assert got == tuple(launch._spec(a) for a in args)
     assert len(set(got[:2])) == 2 and got[0] == got[2] == got[3], "alignment"  # base[4:] is 16-byte aligned
-    codes = dict(zip(ints, got[4:4 + len(ints)]))
+    codes = dict(zip(ints, got[4 : 4 + len(ints)]))
     assert codes[1] != codes[2] and codes[16] != codes[17] and codes[0] == codes[16] == codes[48] == codes[-16]
     assert codes[2**31 - 1] != codes[2**31] and codes[-(2**31)] != codes[-(2**31) - 1]
     assert codes[2**63 - 1] != codes[2**63]

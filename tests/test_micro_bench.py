@@ -13,9 +13,9 @@ import itertools
 
 import pytest
 import torch
+from conftest import HAS_CUDA
 
 import ragged
-from conftest import HAS_CUDA
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 BACKENDS = ("torch", "triton", "cuda")
@@ -23,8 +23,8 @@ BACKENDS = ("torch", "triton", "cuda")
 # (id, dtype, B, M, feature shape): B sequences of lengths in [1, M], padded to M.
 CASES = (
     [("fp32", torch.float32, 4, 16, (8,)), ("int64-ids", torch.int64, 4, 16, ())]
-    if not HAS_CUDA else
-    [("bf16", torch.bfloat16, 64, 256, (512,)), ("int64-ids", torch.int64, 256, 512, ())]
+    if not HAS_CUDA
+    else [("bf16", torch.bfloat16, 64, 256, (512,)), ("int64-ids", torch.int64, 256, 512, ())]
 )
 
 
@@ -49,11 +49,13 @@ def _skip_unless_runnable(op, backend, *args):
 
 def _timed(fn):
     """``fn`` with a device sync, so that a benchmark round measures finished work."""
+
     def run(*args, **kwargs):
         out = fn(*args, **kwargs)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         return out
+
     return run
 
 

@@ -220,8 +220,9 @@ def _ragged_types(model: nn.Module) -> None:
 def test_convert_strict_changes_nothing(kind):
     model, reference = _build(kind)
     before = _snapshot(model)
-    with pytest.raises(NotImplementedError, match=r"ragged\.nn\.convert\(\): nothing converted.*'bad'.*"
-                       + BAD[kind][1]):
+    with pytest.raises(
+        NotImplementedError, match=r"ragged\.nn\.convert\(\): nothing converted.*'bad'.*" + BAD[kind][1]
+    ):
         ragged.nn.convert(model, strict=True)
     _assert_untouched(model, before)
     _assert_same_outputs(model, reference, exact=True)
@@ -304,8 +305,9 @@ def test_convert_top_level_encoder():
     for m in (enc, reference):
         prune.l1_unstructured(m.layers[2].linear1, "weight", 0.5)
     before = _snapshot(enc)
-    with pytest.raises(NotImplementedError,
-                       match=r"the model \(TransformerEncoder\): its layers\.2\.linear1 is pruned"):
+    with pytest.raises(
+        NotImplementedError, match=r"the model \(TransformerEncoder\): its layers\.2\.linear1 is pruned"
+    ):
         ragged.nn.convert(enc, strict=True)
     _assert_untouched(enc, before)
     with pytest.warns(UserWarning, match="layers.2.linear1 is pruned"):
@@ -313,8 +315,9 @@ def test_convert_top_level_encoder():
     _assert_untouched(enc, before)
     x, pad = _input()
     with torch.no_grad():
-        torch.testing.assert_close(enc(x, src_key_padding_mask=pad), reference(x, src_key_padding_mask=pad),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            enc(x, src_key_padding_mask=pad), reference(x, src_key_padding_mask=pad), rtol=0, atol=0
+        )
 
 
 def test_convert_shared_module_stays_one_module():
@@ -413,8 +416,9 @@ def test_convert_keeps_the_modes_of_a_shared_activation_module():
     assert new.activation is act and not act.training and new.training
     x, pad = _input()
     with torch.no_grad():
-        torch.testing.assert_close(new(x, src_key_padding_mask=pad)[~pad], layer(x, src_key_padding_mask=pad)[~pad],
-                                   **TOL)
+        torch.testing.assert_close(
+            new(x, src_key_padding_mask=pad)[~pad], layer(x, src_key_padding_mask=pad)[~pad], **TOL
+        )
 
 
 def test_convert_checks_its_flags():

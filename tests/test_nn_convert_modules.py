@@ -11,20 +11,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import ragged
 from transformer_cases import (
-    D,
     FF,
     HEADS,
+    TOL,
+    D,
     _causal_mask,
     _check,
     _padded,
     _randomise,
-    TOL,
     _torch_encoder,
 )
 
+import ragged
 
 # state_dict, from_torch, convert
 
@@ -33,8 +32,9 @@ from transformer_cases import (
 def test_state_dict_round_trips(bias):
     enc = _torch_encoder(bias=bias, norm=True, seed=41)
     layer = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, batch_first=True, bias=bias)
-    ours = ragged.nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(D, bias=bias), enable_nested_tensor=True,
-                                        mask_check=False)
+    ours = ragged.nn.TransformerEncoder(
+        layer, 2, norm=nn.LayerNorm(D, bias=bias), enable_nested_tensor=True, mask_check=False
+    )
     assert list(ours.state_dict()) == list(enc.state_dict())
     ours.load_state_dict(enc.state_dict())
     for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), enc.state_dict().items()):
@@ -49,9 +49,19 @@ def test_state_dict_round_trips(bias):
 
 
 def test_constructor_takes_torch_arguments():
-    layer = ragged.nn.TransformerEncoderLayer(d_model=D, nhead=HEADS, dim_feedforward=FF, dropout=0.1,
-                                              activation=F.gelu, layer_norm_eps=1e-6, batch_first=True,
-                                              norm_first=True, bias=False, device="cpu", dtype=torch.float64)
+    layer = ragged.nn.TransformerEncoderLayer(
+        d_model=D,
+        nhead=HEADS,
+        dim_feedforward=FF,
+        dropout=0.1,
+        activation=F.gelu,
+        layer_norm_eps=1e-6,
+        batch_first=True,
+        norm_first=True,
+        bias=False,
+        device="cpu",
+        dtype=torch.float64,
+    )
     assert layer.linear1.weight.dtype == torch.float64 and layer.norm1.eps == 1e-6
     assert layer.activation_relu_or_gelu == 2
     with warnings.catch_warnings():
@@ -102,8 +112,12 @@ class _Net(nn.Module):
         super().__init__()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.first = nn.Sequential(nn.Linear(D, D), nn.ModuleDict({
-                "enc": nn.TransformerEncoder(nn.TransformerEncoderLayer(D, HEADS, FF, 0.0, batch_first=True), 2)}))
+            self.first = nn.Sequential(
+                nn.Linear(D, D),
+                nn.ModuleDict(
+                    {"enc": nn.TransformerEncoder(nn.TransformerEncoderLayer(D, HEADS, FF, 0.0, batch_first=True), 2)}
+                ),
+            )
             self.layer = nn.TransformerEncoderLayer(D, HEADS, FF, 0.0, batch_first=True, norm_first=True)
             self.again = self.layer  # one module at two places
             self.block = _Block()
@@ -148,8 +162,10 @@ def test_convert_copy_and_top_level():
     enc = _torch_encoder(seed=59, dtype=torch.float64)
     new = ragged.nn.convert(enc, copy=True)
     assert type(new) is ragged.nn.TransformerEncoder and type(enc) is nn.TransformerEncoder
-    assert all(p1 is not p2 and torch.equal(p1, p2) and p1.dtype == torch.float64
-               for p1, p2 in zip(new.parameters(), enc.parameters()))
+    assert all(
+        p1 is not p2 and torch.equal(p1, p2) and p1.dtype == torch.float64
+        for p1, p2 in zip(new.parameters(), enc.parameters())
+    )
     mha = nn.MultiheadAttention(D, HEADS)
     assert type(ragged.nn.convert(mha)) is ragged.nn.MultiheadAttention
     with pytest.warns(UserWarning, match="add_bias_kv"):
@@ -169,8 +185,12 @@ def test_convert_full_transformer():
     src_len, tgt_len = [7, 3, 5], [5, 2, 4]
     src, src_pad = _padded(src_len, seed=25)
     tgt, tgt_pad = _padded(tgt_len, seed=26)
-    kwargs = {"tgt_mask": _causal_mask(5, torch.bool), "src_key_padding_mask": src_pad,
-              "tgt_key_padding_mask": tgt_pad, "memory_key_padding_mask": src_pad}
+    kwargs = {
+        "tgt_mask": _causal_mask(5, torch.bool),
+        "src_key_padding_mask": src_pad,
+        "tgt_key_padding_mask": tgt_pad,
+        "memory_key_padding_mask": src_pad,
+    }
     with torch.no_grad():
         expected = model.train()(src, tgt, tgt_is_causal=True, **kwargs)
         got = ours(src, tgt, **kwargs)

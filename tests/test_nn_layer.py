@@ -1,7 +1,8 @@
 """The encoder layer core (ragged.nn.layer): the one-autograd-node training step and the direct
 inference path of ragged.nn.TransformerEncoderLayer.
 
-Oracle: the per-op path of the same layer (the same LayerSpec through the Recorded kernel set) (every op recorded by autograd), in float64 on
+Oracle: the per-op path of the same layer (the same LayerSpec through the Recorded kernel set)
+(every op recorded by autograd), in float64 on
 the CPU with the fused ops' torch backends: values and every gradient. With dropout the
 two paths draw their masks in another order, so there the backward is checked by
 ``torch.autograd.gradcheck`` on a function that reseeds torch before each call.
@@ -18,8 +19,7 @@ import torch
 from torch import nn
 
 import ragged
-from ragged import RaggedTensor
-from ragged import backends
+from ragged import RaggedTensor, backends
 from ragged.nn import layer as layer_mod
 from ragged.nn import transformer as tmod
 
@@ -30,8 +30,17 @@ LENGTHS = [3, 0, 5, 1, 4]
 
 def _layer(norm_first, activation, bias, dropout=0.0, seed=0):
     act = nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
-    layer = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=dropout, activation=act, batch_first=True,
-                                              norm_first=norm_first, bias=bias, dtype=torch.float64)
+    layer = ragged.nn.TransformerEncoderLayer(
+        D,
+        HEADS,
+        FF,
+        dropout=dropout,
+        activation=act,
+        batch_first=True,
+        norm_first=norm_first,
+        bias=bias,
+        dtype=torch.float64,
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -71,8 +80,9 @@ def _force_kernels(monkeypatch, ln, act):
 
     def choose(*args):
         found = real(*args)
-        return layer_mod.LayerKernels(found.attention, backends.implementation("add_layer_norm", ln),
-                                      backends.implementation("bias_act", act))
+        return layer_mod.LayerKernels(
+            found.attention, backends.implementation("add_layer_norm", ln), backends.implementation("bias_act", act)
+        )
 
     monkeypatch.setattr(layer_mod, "choose_kernels", choose)
 
@@ -162,8 +172,9 @@ def test_direct_inference_only_where_it_applies(torch_backends):
     calls = _spy_direct(torch_backends)
     with torch.no_grad():
         layer(rt)  # training mode with dropout: the no-autograd forward of the one-node step, masks drawn
-    callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
-                                                     batch_first=True, dtype=torch.float64).eval()
+    callable_act = ragged.nn.TransformerEncoderLayer(
+        D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(), batch_first=True, dtype=torch.float64
+    ).eval()
     with torch.no_grad():
         callable_act(rt)
         layer.eval()(RaggedTensor.from_lengths(torch.zeros(0, D, dtype=torch.float64), [0, 0]))
@@ -298,8 +309,9 @@ def test_one_node_only_where_it_applies(torch_backends):
     x, rt = _input([2, 3], 0)
     with torch.no_grad():
         assert layer(rt).values.grad_fn is None
-    callable_act = ragged.nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(),
-                                                     batch_first=True, dtype=torch.float64).train()
+    callable_act = ragged.nn.TransformerEncoderLayer(
+        D, HEADS, FF, dropout=0.0, activation=lambda t: t.tanh(), batch_first=True, dtype=torch.float64
+    ).train()
     out = callable_act(rt).values
     assert type(out.grad_fn).__name__ != "LayerFunctionBackward"
     frozen = _layer(False, "relu", True)
@@ -335,13 +347,22 @@ def test_gpu_one_node_matches_per_op_path(monkeypatch, norm_first, dtype):
     """Same kernels, one autograd node against the per-op path: values and every gradient
     (dropout 0), then with dropout: reproducible, finite, no host sync."""
     d, heads = 128, 2
-    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, activation="gelu", batch_first=True,
-                                              norm_first=norm_first, device="cuda", dtype=dtype).train()
+    layer = ragged.nn.TransformerEncoderLayer(
+        d,
+        heads,
+        2 * d,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=norm_first,
+        device="cuda",
+        dtype=dtype,
+    ).train()
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             noise = torch.randn(p.shape, generator=g).to("cuda", dtype)
-            p.copy_(1.0 + 0.1 * noise if name.startswith("norm") and name.endswith("weight") else d ** -0.5 * noise)
+            p.copy_(1.0 + 0.1 * noise if name.startswith("norm") and name.endswith("weight") else d**-0.5 * noise)
     lengths = [37, 0, 130, 1, 64]
     x = torch.randn(sum(lengths), d, generator=g).to("cuda", dtype).requires_grad_(True)
     rt = RaggedTensor.from_lengths(x, lengths)
@@ -387,18 +408,27 @@ def test_gpu_direct_inference_matches_per_op_path(monkeypatch, norm_first, dtype
     the long batch and for float32), no host sync, against the per-op path; the first layer's
     input misaligned (its LayerNorm then takes the general kernel)."""
     d, heads = 128, 2
-    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.1, activation="gelu", batch_first=True,
-                                              norm_first=norm_first, device="cuda", dtype=dtype)
+    layer = ragged.nn.TransformerEncoderLayer(
+        d,
+        heads,
+        2 * d,
+        dropout=0.1,
+        activation="gelu",
+        batch_first=True,
+        norm_first=norm_first,
+        device="cuda",
+        dtype=dtype,
+    )
     enc = ragged.nn.TransformerEncoder(layer, 2).eval()
     g = torch.Generator().manual_seed(12)
     with torch.no_grad():
         for name, p in enc.named_parameters():
             noise = torch.randn(p.shape, generator=g).to("cuda", dtype)
-            p.copy_(1.0 + 0.1 * noise if ".norm" in name and name.endswith("weight") else d ** -0.5 * noise)
+            p.copy_(1.0 + 0.1 * noise if ".norm" in name and name.endswith("weight") else d**-0.5 * noise)
     total = sum(lengths)
     for misaligned in (False, True):
         buf = torch.full((total * d + 8,), float("nan"), dtype=dtype, device="cuda")
-        x = buf[1:1 + total * d].view(total, d) if misaligned else buf[:total * d].view(total, d)
+        x = buf[1 : 1 + total * d].view(total, d) if misaligned else buf[: total * d].view(total, d)
         x.copy_(torch.randn((total, d), generator=g).to("cuda", dtype))
         assert (x.data_ptr() % 16 != 0) == misaligned
         rt = RaggedTensor.from_lengths(x, lengths)
@@ -437,15 +467,27 @@ def test_a_layer_spec_built_by_hand_runs_without_a_module(norm_first):
     LayerSpec, through run_layer on every path (recorded, one node, direct), give torch.nn's
     values and gradients (float64, CPU, the fused ops' torch backends)."""
     torch.manual_seed(0)
-    ref = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation="gelu", batch_first=True,
-                                     norm_first=norm_first, dtype=torch.float64).eval()
+    ref = nn.TransformerEncoderLayer(
+        D, HEADS, FF, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first, dtype=torch.float64
+    ).eval()
     attn = ref.self_attn
-    weights = layer_mod.LayerWeights(attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
-                                     attn.out_proj.bias, ref.norm1.weight, ref.norm1.bias, ref.linear1.weight,
-                                     ref.linear1.bias, ref.linear2.weight, ref.linear2.bias, ref.norm2.weight,
-                                     ref.norm2.bias)
-    spec = layer_mod.LayerSpec(HEADS, D // HEADS, norm_first, "gelu", (ref.norm1.eps, ref.norm2.eps),
-                               (0.0, 0.0, 0.0, 0.0), weights)
+    weights = layer_mod.LayerWeights(
+        attn.in_proj_weight,
+        attn.in_proj_bias,
+        attn.out_proj.weight,
+        attn.out_proj.bias,
+        ref.norm1.weight,
+        ref.norm1.bias,
+        ref.linear1.weight,
+        ref.linear1.bias,
+        ref.linear2.weight,
+        ref.linear2.bias,
+        ref.norm2.weight,
+        ref.norm2.bias,
+    )
+    spec = layer_mod.LayerSpec(
+        HEADS, D // HEADS, norm_first, "gelu", (ref.norm1.eps, ref.norm2.eps), (0.0, 0.0, 0.0, 0.0), weights
+    )
     x, rt = _input(LENGTHS, 21)
     padded = rt.to_padded()
     want = ref(padded, src_key_padding_mask=rt.padding_mask())
@@ -458,8 +500,9 @@ def test_a_layer_spec_built_by_hand_runs_without_a_module(norm_first):
         (gx,) = torch.autograd.grad(got, x, up)
         torch.testing.assert_close(gx, want_gx, rtol=1e-9, atol=1e-11)
         with torch.no_grad():
-            torch.testing.assert_close(layer_mod.run_layer(spec, x, rt.offsets, rt.max_len, False, fused, eager),
-                                       want, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(
+                layer_mod.run_layer(spec, x, rt.offsets, rt.max_len, False, fused, eager), want, rtol=1e-10, atol=1e-12
+            )
 
 
 @pytest.mark.gpu
@@ -470,8 +513,17 @@ def test_gpu_layer_norm_parameters_of_another_dtype(norm_first):
     stack's CUDA choice is confirmed per call); values and gradients against the same layer run
     in float32."""
     d, heads = 64, 2
-    layer = ragged.nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, activation="gelu", batch_first=True,
-                                              norm_first=norm_first, device="cuda", dtype=torch.bfloat16).train()
+    layer = ragged.nn.TransformerEncoderLayer(
+        d,
+        heads,
+        2 * d,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=norm_first,
+        device="cuda",
+        dtype=torch.bfloat16,
+    ).train()
     for norm in (layer.norm1, layer.norm2):
         norm.float()
         with torch.no_grad():
@@ -492,8 +544,9 @@ def test_gpu_layer_norm_parameters_of_another_dtype(norm_first):
     scale = want_gx.abs().max()
     torch.testing.assert_close(gx.float() / scale, want_gx / scale, rtol=3e-2, atol=3e-2)
     with torch.no_grad():
-        torch.testing.assert_close(layer.eval()(rt).values.float(), ref.eval()(rt.with_values(xr)).values,
-                                   rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(
+            layer.eval()(rt).values.float(), ref.eval()(rt.with_values(xr)).values, rtol=3e-2, atol=3e-2
+        )
 
 
 def _copy_float(layer):

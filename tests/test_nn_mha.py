@@ -3,26 +3,24 @@ gradients), torch.compile and autocast of the modules, and bad inputs with clear
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
-
-import ragged
-from ragged import RaggedTensor
 from transformer_cases import (
-    D,
     FF,
+    GRAD_TOL,
     HEADS,
+    TOL,
+    D,
     _causal_mask,
     _check,
-    GRAD_TOL,
     _padded,
     _randomise,
-    TOL,
     _torch_encoder,
 )
 
+import ragged
+from ragged import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # MultiheadAttention against torch.nn.MultiheadAttention
@@ -44,8 +42,9 @@ def test_mha_self_attention(batch_first, bias, causal):
     src = x if batch_first else x.transpose(0, 1)
     mask = _causal_mask(6, torch.bool) if causal else None
     with torch.no_grad():
-        exp, exp_w = theirs(src, src, src, key_padding_mask=pad, attn_mask=mask, is_causal=causal,
-                            average_attn_weights=False)
+        exp, exp_w = theirs(
+            src, src, src, key_padding_mask=pad, attn_mask=mask, is_causal=causal, average_attn_weights=False
+        )
         got, got_w = ours(src, src, src, key_padding_mask=pad, attn_mask=mask, average_attn_weights=False)
         none = ours(src, src, src, key_padding_mask=pad, is_causal=causal, need_weights=False)
     assert none[1] is None
@@ -59,8 +58,7 @@ def test_mha_self_attention(batch_first, bias, causal):
         assert torch.all(got_w[b, :, n:] == 0)
 
 
-@pytest.mark.parametrize("kdim,vdim,shared_kv", [(None, None, True), (None, None, False), (6, 6, True),
-                                                  (6, 10, False)])
+@pytest.mark.parametrize("kdim,vdim,shared_kv", [(None, None, True), (None, None, False), (6, 6, True), (6, 10, False)])
 def test_mha_cross_attention(kdim, vdim, shared_kv):
     theirs, ours = _mha_pair(batch_first=True, kdim=kdim, vdim=vdim)
     lq, lk = [4, 2, 5], [3, 7, 1]
@@ -83,7 +81,7 @@ def test_mha_cross_attention(kdim, vdim, shared_kv):
     _check(out.to_padded(total_length=5), exp, lq)
     assert w.shape == (3, max(lq), max(lk))
     for b, n in enumerate(lq):
-        torch.testing.assert_close(w[b, :n, :lk[b]], exp_w[b, :n, :lk[b]], **TOL)
+        torch.testing.assert_close(w[b, :n, : lk[b]], exp_w[b, :n, : lk[b]], **TOL)
     assert ours(q_rt, k_rt, v_rt, need_weights=False)[1] is None
 
 

@@ -16,42 +16,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import ragged
-from ragged import RaggedTensor
 from transformer_cases import (
     ACTIVATION_MODULES,
-    D,
     FF,
+    GRAD_TOL,
     HEADS,
+    LENGTHS,
+    TOL,
+    D,
     _causal_mask,
     _check,
-    GRAD_TOL,
-    LENGTHS,
     _padded,
     _randomise,
     _run_ragged,
     _run_torch,
-    TOL,
     _torch_encoder,
 )
 
+import ragged
+from ragged import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # Values against torch.nn
 
 
-GRID = list(itertools.product([True, False], [False, True], ["relu", "gelu", "callable"], [True, False],
-                              [False, True]))
+GRID = list(itertools.product([True, False], [False, True], ["relu", "gelu", "callable"], [True, False], [False, True]))
 
 
-@pytest.mark.parametrize("batch_first,norm_first,activation,bias,causal", GRID,
-                         ids=["-".join(map(str, c)) for c in GRID])
+@pytest.mark.parametrize(
+    "batch_first,norm_first,activation,bias,causal", GRID, ids=["-".join(map(str, c)) for c in GRID]
+)
 def test_encoder_matches_torch(batch_first, norm_first, activation, bias, causal):
     act = (lambda t: F.silu(t) * 0.5) if activation == "callable" else activation
     seed = zlib.crc32(repr((batch_first, norm_first, activation, bias, causal)).encode()) % 1000
-    enc = _torch_encoder(batch_first=batch_first, norm_first=norm_first, activation=act, bias=bias,
-                         norm=bool(seed % 2), seed=seed)
+    enc = _torch_encoder(
+        batch_first=batch_first, norm_first=norm_first, activation=act, bias=bias, norm=bool(seed % 2), seed=seed
+    )
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
     for case, lengths in LENGTHS.items():
         x, pad = _padded(lengths, seed=len(case))
@@ -60,17 +60,20 @@ def test_encoder_matches_torch(batch_first, norm_first, activation, bias, causal
             ours.train(training)
             with torch.no_grad():
                 expected = _run_torch(enc, x, pad, causal, batch_first)
-                got = _run_ragged(enc=ours, x=x, pad=pad, causal=causal, batch_first=batch_first,
-                                  how="flag" if training else "mask")
+                got = _run_ragged(
+                    enc=ours, x=x, pad=pad, causal=causal, batch_first=batch_first, how="flag" if training else "mask"
+                )
             _check(got, expected, lengths)
 
 
-FUSED_GRID = list(itertools.product(["torch", "triton"], [False, True], ["relu", "gelu", "gelu_tanh", "callable"],
-                                     [True, False]))
+FUSED_GRID = list(
+    itertools.product(["torch", "triton"], [False, True], ["relu", "gelu", "gelu_tanh", "callable"], [True, False])
+)
 
 
-@pytest.mark.parametrize("backend,norm_first,activation,bias", FUSED_GRID,
-                         ids=["-".join(map(str, c)) for c in FUSED_GRID])
+@pytest.mark.parametrize(
+    "backend,norm_first,activation,bias", FUSED_GRID, ids=["-".join(map(str, c)) for c in FUSED_GRID]
+)
 def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, activation, bias):
     """The GPU layer body (bias + activation and residual + LayerNorm through the fused ops)
     run here on the CPU with the fused ops' torch reference or the Triton interpreter:
@@ -80,8 +83,7 @@ def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, ac
     if backend == "triton" and ragged.backends.triton_reason(torch.device("cpu")):
         pytest.skip("Triton cannot run on the CPU here")
     monkeypatch.setattr(rt_mod, "fused_backend", lambda x: backend)
-    act = {"callable": lambda t: F.silu(t) * 0.5, "gelu_tanh": nn.GELU(approximate="tanh")}.get(activation,
-                                                                                               activation)
+    act = {"callable": lambda t: F.silu(t) * 0.5, "gelu_tanh": nn.GELU(approximate="tanh")}.get(activation, activation)
     seed = zlib.crc32(repr((backend, norm_first, activation, bias)).encode()) % 1000
     enc = _torch_encoder(norm_first=norm_first, activation=act, bias=bias, norm=bool(seed % 2), seed=seed)
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
@@ -100,10 +102,7 @@ def test_fused_per_token_path_matches_torch(monkeypatch, backend, norm_first, ac
     torch.testing.assert_close(xr.grad * real, xt.grad * real, rtol=1e-4, atol=1e-4)
     theirs = dict(enc.named_parameters())
     for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-
-
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -169,8 +168,8 @@ def test_float_left_and_scattered_padding_masks():
         got = ours(left_x, src_key_padding_mask=left_pad)
         for b, n in enumerate(lengths):
             if n:
-                torch.testing.assert_close(got[b, 7 - n:], expected[b, :n], **TOL)
-            assert torch.all(got[b, :7 - n] == 0)
+                torch.testing.assert_close(got[b, 7 - n :], expected[b, :n], **TOL)
+            assert torch.all(got[b, : 7 - n] == 0)
         # scattered: padding between tokens (order of the tokens kept)
         perm = torch.tensor([0, 4, 1, 5, 2, 6, 3])
         sx, spad = x[:, perm], pad[:, perm]
@@ -240,17 +239,22 @@ def test_float64():
     lengths = [4, 9, 2]
     x, pad = _padded(lengths, dtype=torch.float64)
     with torch.no_grad():
-        _check(ours(x, src_key_padding_mask=pad), enc(x, src_key_padding_mask=pad), lengths,
-               tol={"rtol": 1e-12, "atol": 1e-12})
+        _check(
+            ours(x, src_key_padding_mask=pad),
+            enc(x, src_key_padding_mask=pad),
+            lengths,
+            tol={"rtol": 1e-12, "atol": 1e-12},
+        )
 
 
 # --------------------------------------------------------------------------------------
 # Gradients against torch.nn
 
 
-@pytest.mark.parametrize("norm_first,causal,bias,batch_first",
-                         [(False, False, True, True), (True, True, True, True), (False, True, False, False),
-                          (True, False, False, False)])
+@pytest.mark.parametrize(
+    "norm_first,causal,bias,batch_first",
+    [(False, False, True, True), (True, True, True, True), (False, True, False, False), (True, False, False, False)],
+)
 def test_gradients_match_torch(norm_first, causal, bias, batch_first):
     enc = _torch_encoder(norm_first=norm_first, bias=bias, norm=True, batch_first=batch_first, seed=31).train()
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)

@@ -10,8 +10,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-
-import ragged
 from transformer_cases import (
     ACTIVATION_MODULES,
     D,
@@ -23,6 +21,7 @@ from transformer_cases import (
     _torch_encoder,
 )
 
+import ragged
 
 # --------------------------------------------------------------------------------------
 # GPU (pytest -m gpu): the Triton / CUDA attention kernels behind the modules
@@ -34,10 +33,19 @@ GPU_LENGTHS = [37, 0, 130, 1, 64]
 def _gpu_pair(dtype, dropout=0.0, norm_first=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = nn.TransformerEncoderLayer(GPU_D, GPU_HEADS, 2 * GPU_D, dropout=dropout, activation="gelu",
-                                           batch_first=True, norm_first=norm_first, device="cuda", dtype=dtype)
+        layer = nn.TransformerEncoderLayer(
+            GPU_D,
+            GPU_HEADS,
+            2 * GPU_D,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=norm_first,
+            device="cuda",
+            dtype=dtype,
+        )
         enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(GPU_D, device="cuda", dtype=dtype))
-    _randomise(enc, 83, scale=GPU_D ** -0.5)
+    _randomise(enc, 83, scale=GPU_D**-0.5)
     return enc, ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
 
 
@@ -165,11 +173,17 @@ def test_gpu_fused_path_calls_custom_activation_modules(monkeypatch, backend, ac
     _force_fused(monkeypatch, backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = nn.TransformerEncoderLayer(GPU_D, GPU_HEADS, 2 * GPU_D, dropout=0.0,
-                                           activation=ACTIVATION_MODULES[activation](), batch_first=True,
-                                           device="cuda")
+        layer = nn.TransformerEncoderLayer(
+            GPU_D,
+            GPU_HEADS,
+            2 * GPU_D,
+            dropout=0.0,
+            activation=ACTIVATION_MODULES[activation](),
+            batch_first=True,
+            device="cuda",
+        )
         enc = nn.TransformerEncoder(layer, 2)
-    _randomise(enc, 89, scale=GPU_D ** -0.5)
+    _randomise(enc, 89, scale=GPU_D**-0.5)
     ours = ragged.nn.TransformerEncoder.from_torch(enc, copy=True)
     x, pad = _gpu_input(torch.float32)
     enc.train()

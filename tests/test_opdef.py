@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 import ragged
-from ragged import opdef, backends
+from ragged import backends, opdef
 from ragged.backends import Implementation
 
 NAME = "opdef_test_scale"
@@ -59,12 +59,18 @@ def _rule(ctx, grad, _dstat):
     return dx, None
 
 
-OP = opdef.define(NAME, _signature, spec=toy_spec, setup=_setup, backward=_rule,
-                   fake=lambda x, factor: (torch.empty_like(x), x.new_empty(x.shape[:-1])),
-                   backward_signature=_backward_signature,
-                   backward_fake=lambda grad, factor, need: (torch.empty_like(grad),),
-                   backward_present=lambda grad, factor, need: (need,),
-                   non_differentiable=lambda inputs, out: (out[1],))
+OP = opdef.define(
+    NAME,
+    _signature,
+    spec=toy_spec,
+    setup=_setup,
+    backward=_rule,
+    fake=lambda x, factor: (torch.empty_like(x), x.new_empty(x.shape[:-1])),
+    backward_signature=_backward_signature,
+    backward_fake=lambda grad, factor, need: (torch.empty_like(grad),),
+    backward_present=lambda grad, factor, need: (need,),
+    non_differentiable=lambda inputs, out: (out[1],),
+)
 backends.register(Implementation(NAME, "torch", _forward, _backward))
 
 
@@ -76,8 +82,16 @@ def toy_backend(monkeypatch):
     monkeypatch.setattr(backends, "_BACKEND_REASONS", dict(backends._BACKEND_REASONS))
     monkeypatch.setattr(backends._OPS[NAME], "impls", backends._OPS[NAME].impls)
     backends.register_backend("toy", lambda d: None if d.type == "cpu" else f"toy runs on the CPU, got {d.type}")
-    impl = Implementation(NAME, "toy", f"{__name__}:_forward", f"{__name__}:_backward", dtypes=(torch.float32,),
-                          limits={"width": (2, 4, 6, 8)}, maxima={"width": 6}, rank=0)
+    impl = Implementation(
+        NAME,
+        "toy",
+        f"{__name__}:_forward",
+        f"{__name__}:_backward",
+        dtypes=(torch.float32,),
+        limits={"width": (2, 4, 6, 8)},
+        maxima={"width": 6},
+        rank=0,
+    )
     monkeypatch.setitem(backends._OPS[NAME].impls, "toy", impl)
     yield impl
     monkeypatch.undo()
@@ -167,11 +181,16 @@ def test_a_new_backend_is_one_registration(toy_backend):
 def test_declared_support_gives_every_reason(toy_backend):
     x = _x(width=7, dtype=torch.float64)
     reasons = ragged.explain(NAME, x, 1.0)["toy"]
-    assert reasons == ["toy opdef_test_scale takes float32, got torch.float64",
-                       "toy opdef_test_scale takes widths (2, 4, 6, 8), got 7",
-                       "toy opdef_test_scale takes width <= 6, got 7"]
-    with pytest.raises(ValueError, match=r"ragged\.opdef_test_scale\(\): backend 'toy' cannot take this input: "
-                                         r"toy opdef_test_scale takes float32"):
+    assert reasons == [
+        "toy opdef_test_scale takes float32, got torch.float64",
+        "toy opdef_test_scale takes widths (2, 4, 6, 8), got 7",
+        "toy opdef_test_scale takes width <= 6, got 7",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.opdef_test_scale\(\): backend 'toy' cannot take this input: "
+        r"toy opdef_test_scale takes float32",
+    ):
         backends.select_spec(NAME, "toy", toy_spec(x, 1.0))
     assert ragged.explain(NAME, _x(width=8), 1.0)["toy"] == ["toy opdef_test_scale takes width <= 6, got 8"]
     # "auto" off the GPU takes the reference, whatever the order says
@@ -183,7 +202,7 @@ def test_implementations_are_imported_on_first_use(toy_backend):
     assert toy_backend.forward_fn is _forward and toy_backend.backward_fn is _backward
     lazy = Implementation(NAME, "toy", "ragged.no_such_module:f")
     with pytest.raises(ModuleNotFoundError):
-        lazy.forward_fn
+        _ = lazy.forward_fn
 
 
 def test_backend_names_are_checked():

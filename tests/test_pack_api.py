@@ -46,7 +46,7 @@ def _loop_pack(x, lengths, side="right"):
     width = x.shape[1]
     rows = []
     for b, n in enumerate(lengths):
-        rows.append(x[b, :n] if side == "right" else x[b, width - n:])
+        rows.append(x[b, :n] if side == "right" else x[b, width - n :])
     if not rows:
         return x.new_empty((0, *x.shape[2:]))
     return torch.cat(rows)
@@ -81,7 +81,7 @@ def _poisoned_padded(lengths, width, feat, side, seed, dtype=torch.float32, pois
         if side == "right":
             x[b, n:] = poison
         else:
-            x[b, :width - n] = poison
+            x[b, : width - n] = poison
     return x
 
 
@@ -167,7 +167,7 @@ def test_pack_unpack_round_trip_restores_padded(backend):
             if side == "right":
                 mask[b, :n] = True
             else:
-                mask[b, 97 - n:] = True
+                mask[b, 97 - n :] = True
         assert torch.equal(back[mask], x[mask])
         assert torch.equal(back[~mask], torch.zeros_like(x[~mask]))
 
@@ -235,7 +235,7 @@ def test_dtypes_pack_unpack_exact(backend, dtype, fills):
                 if side == "right":
                     pad[b, :n] = False
                 else:
-                    pad[b, width - n:] = False
+                    pad[b, width - n :] = False
             want = torch.tensor(fill, dtype=dtype)
             assert (got[pad] == want).all(), (dtype, fill, side, got[pad].unique())
 
@@ -305,7 +305,7 @@ def _right_mask(lengths, width):
 def _left_mask(lengths, width):
     keep = torch.zeros(len(lengths), width, dtype=torch.bool)
     for b, n in enumerate(lengths):
-        keep[b, width - n:] = True
+        keep[b, width - n :] = True
     return keep
 
 
@@ -328,8 +328,10 @@ def test_pack_from_key_padding_mask(backend, lengths, side, kind):
     assert torch.equal(rt.values, _loop_pack(x, lengths, side))
     assert rt.offsets.tolist() == _offsets(lengths)
     assert rt.max_len == max(lengths)
-    assert torch.equal(rt.to_padded(total_length=width, padding_side=side, backend=backend),
-                       torch.where(keep[..., None], x, torch.zeros(())))
+    assert torch.equal(
+        rt.to_padded(total_length=width, padding_side=side, backend=backend),
+        torch.where(keep[..., None], x, torch.zeros(())),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -369,13 +371,16 @@ def fresh_warnings(monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arg", ["mask", "attention_mask"])
 def test_pack_mask_with_holes(backend, arg, fresh_warnings):
-    keep = torch.tensor([
-        [1, 0, 1, 1, 0, 0],
-        [0, 1, 0, 0, 0, 1],
-        [0, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1],
-        [0, 0, 1, 0, 1, 0],
-    ], dtype=torch.bool)
+    keep = torch.tensor(
+        [
+            [1, 0, 1, 1, 0, 0],
+            [0, 1, 0, 0, 0, 1],
+            [0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1],
+            [0, 0, 1, 0, 1, 0],
+        ],
+        dtype=torch.bool,
+    )
     x = _random((5, 6, 3), seed=14)
     x[~keep] = float("nan")
     rows, lengths = [], []
@@ -429,7 +434,8 @@ def test_gradcheck_unpack(backend, side):
     lengths = [3, 0, 4, 1]
     v = _random((8, 2), torch.float64, seed=17).requires_grad_()
     fn = lambda t: RaggedTensor.from_lengths(t, lengths).to_padded(
-        padding_value=2.0, total_length=6, padding_side=side, backend=backend)
+        padding_value=2.0, total_length=6, padding_side=side, backend=backend
+    )
     assert torch.autograd.gradcheck(fn, (v,))
 
 
@@ -440,7 +446,8 @@ def test_gradgradcheck_pack_and_unpack(backend):
     assert torch.autograd.gradgradcheck(lambda t: ragged.pack(t, lengths=lengths, backend=backend).values, (x,))
     v = _random((5, 2), torch.float64, seed=19).requires_grad_()
     assert torch.autograd.gradgradcheck(
-        lambda t: RaggedTensor.from_lengths(t, lengths).to_padded(backend=backend), (v,))
+        lambda t: RaggedTensor.from_lengths(t, lengths).to_padded(backend=backend), (v,)
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -489,8 +496,11 @@ def test_unpack_gradient_ignores_padding(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,feat", [(torch.float32, (1100,)), (torch.bool, (4100,)), (torch.float32, ()),
-                                        (torch.float16, (3, 700))], ids=["wide_f32", "wide_bool", "T", "HD"])
+@pytest.mark.parametrize(
+    "dtype,feat",
+    [(torch.float32, (1100,)), (torch.bool, (4100,)), (torch.float32, ()), (torch.float16, (3, 700))],
+    ids=["wide_f32", "wide_bool", "T", "HD"],
+)
 def test_tile_boundaries(backend, dtype, feat):
     lengths = [3, 0, 2, 1] if feat else [1200, 0, 1300, 1]
     width = max(lengths) + 1
@@ -522,8 +532,17 @@ def test_many_sequences(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("dtype,fill", [(torch.float64, 0.1), (torch.float64, 1e-300), (torch.float64, 1 / 3),
-                                        (torch.float32, 0.1), (torch.bfloat16, 0.1), (torch.int64, 2**40 + 1)])
+@pytest.mark.parametrize(
+    "dtype,fill",
+    [
+        (torch.float64, 0.1),
+        (torch.float64, 1e-300),
+        (torch.float64, 1 / 3),
+        (torch.float32, 0.1),
+        (torch.bfloat16, 0.1),
+        (torch.int64, 2**40 + 1),
+    ],
+)
 def test_padding_value_exact_on_gpu(backend, dtype, fill):
     lengths = [2, 0, 3]
     values = _random((5, 3), dtype, seed=28).cuda()

@@ -44,7 +44,7 @@ def _strided(host, dtype, garbage=99):
     buf = torch.full((2 * len(host),), garbage, dtype=dtype)
     buf[::2] = torch.tensor(host, dtype=dtype)
     view = buf[::2]
-    assert view.stride() == (2,)   # one entry (B = 0) still counts as contiguous: its stride is what kernels see
+    assert view.stride() == (2,)  # one entry (B = 0) still counts as contiguous: its stride is what kernels see
     return view
 
 
@@ -53,14 +53,14 @@ def _loop_unpack(values, lengths, width, fill=0.0, side="right"):
     t = 0
     for b, n in enumerate(lengths):
         start = 0 if side == "right" else width - n
-        out[b, start:start + n] = values[t:t + n]
+        out[b, start : start + n] = values[t : t + n]
         t += n
     return out
 
 
 def _loop_pack(x, lengths, side="right"):
     width = x.shape[1]
-    rows = [x[b, :n] if side == "right" else x[b, width - n:] for b, n in enumerate(lengths)]
+    rows = [x[b, :n] if side == "right" else x[b, width - n :] for b, n in enumerate(lengths)]
     return torch.cat(rows) if rows else x.new_empty((0, *x.shape[2:]))
 
 
@@ -142,12 +142,17 @@ def test_unpack_values_width_below_a_length_raises(backend, side):
     values = torch.randn(8, 3, generator=_gen(11))
     offsets = torch.tensor(_offsets(lengths), dtype=torch.int32)
     for width in (4, 0):
-        with pytest.raises(ValueError, match=r"ragged\.unpack_values\(\): expected every length <= width "
-                                             rf"\({width}\), got a length of 5"):
+        with pytest.raises(
+            ValueError,
+            match=r"ragged\.unpack_values\(\): expected every length <= width "
+            rf"\({width}\), got a length of 5",
+        ):
             ragged.unpack_values(values, offsets, width, padding_side=side, backend=backend)
     # The longest sequence exactly fills the width: fine.
-    assert torch.equal(ragged.unpack_values(values, offsets, 5, padding_side=side, backend=backend),
-                       _loop_unpack(values, lengths, 5, 0.0, side))
+    assert torch.equal(
+        ragged.unpack_values(values, offsets, 5, padding_side=side, backend=backend),
+        _loop_unpack(values, lengths, 5, 0.0, side),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -170,26 +175,36 @@ def test_to_padded_max_len_below_a_length_raises(backend, side):
     lengths = [2, 3, 0]
     values = torch.randn(5, 2, generator=_gen(12))
     rt = RaggedTensor.from_lengths(values, lengths, max_len=2, validate=False)
-    with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected max_len >= the longest sequence \(3\), "
-                                         r"got 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.unpack\(\): expected max_len >= the longest sequence \(3\), "
+        r"got 2",
+    ):
         rt.to_padded(padding_side=side, backend=backend)
     with pytest.raises(ValueError, match=r"ragged\.unpack\(\).*total_length.*\(3\).*got 2"):
         rt.to_padded(total_length=2, padding_side=side, backend=backend)
-    assert torch.equal(rt.to_padded(total_length=3, padding_side=side, backend=backend),
-                       _loop_unpack(values, lengths, 3, 0.0, side))
+    assert torch.equal(
+        rt.to_padded(total_length=3, padding_side=side, backend=backend), _loop_unpack(values, lengths, 3, 0.0, side)
+    )
     # No host offsets: CPU offsets are read (free) to check the width.
     rt = RaggedTensor.from_offsets(values, torch.tensor(_offsets(lengths), dtype=torch.int32), 2, validate=False)
     assert rt._host_offsets is None
-    with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected every length <= max_len \(2\), "
-                                         r"got a length of 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.unpack\(\): expected every length <= max_len \(2\), "
+        r"got a length of 3",
+    ):
         rt.to_padded(padding_side=side, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pack_values_checks_cpu_offsets(backend):
     x = torch.randn(2, 3, 2, generator=_gen(13))
-    with pytest.raises(ValueError, match=r"ragged\.pack_values\(\): expected every length <= the padded width "
-                                         r"padded\.shape\[1\] \(3\), got a length of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.pack_values\(\): expected every length <= the padded width "
+        r"padded\.shape\[1\] \(3\), got a length of 4",
+    ):
         ragged.pack_values(x, torch.tensor([0, 1, 5], dtype=torch.int32), 5, backend=backend)
     with pytest.raises(ValueError, match=r"ragged\.pack_values\(\): expected offsets\[-1\] == total \(3\), got 4"):
         ragged.pack_values(x, torch.tensor([0, 1, 4], dtype=torch.int32), 3, backend=backend)
@@ -208,10 +223,36 @@ def test_pack_values_checks_cpu_offsets(backend):
 # --------------------------------------------------------------------------------------
 # 3. The padding value: torch's cast, on every backend
 
-FILL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-               torch.float16, torch.bfloat16, torch.float32, torch.float64]
-FILL_VALUES = [0.5, -1.0, -1, 1e10, float("nan"), float("inf"), float("-inf"), -0.0, 0.0, True, 300,
-               2**40 + 1, 1e300, -0.7, np.float32(2.5), np.int64(-3)]
+FILL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
+FILL_VALUES = [
+    0.5,
+    -1.0,
+    -1,
+    1e10,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -0.0,
+    0.0,
+    True,
+    300,
+    2**40 + 1,
+    1e300,
+    -0.7,
+    np.float32(2.5),
+    np.int64(-3),
+]
 
 
 def _torch_cast(value, dtype):
@@ -244,8 +285,9 @@ def test_padding_value_is_torchs_cast(backend, dtype):
         for side in ("right", "left"):
             side_pad = pad if side == "right" else pad.flip(1)
             if want is None:
-                with pytest.raises(ValueError, match=r"ragged\.unpack\(\): expected padding_value representable in "
-                                                     + str(dtype)):
+                with pytest.raises(
+                    ValueError, match=r"ragged\.unpack\(\): expected padding_value representable in " + str(dtype)
+                ):
                     rt.to_padded(padding_value=value, total_length=width, padding_side=side, backend=backend)
                 with pytest.raises(ValueError, match=r"ragged\.unpack_values\(\): expected padding_value"):
                     ragged.unpack_values(values, rt.offsets, width, padding_value=value, backend=backend)
@@ -308,8 +350,11 @@ def test_int64_padding_value_stays_exact(backend):
 def test_attention_mask_other_values_raise(backend, dtype, bad):
     x = torch.randn(1, 3, 2)
     m = torch.tensor(bad).to(dtype)
-    with pytest.raises(ValueError, match=r"ragged\.pack\(\): expected attention_mask values to be 0 \(padding\) "
-                                         r"or 1 \(token\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged\.pack\(\): expected attention_mask values to be 0 \(padding\) "
+        r"or 1 \(token\)",
+    ):
         ragged.pack(x, attention_mask=m, backend=backend)
     with pytest.raises(ValueError, match=r"ragged\.from_attention_mask\(\): expected attention_mask values"):
         ragged.from_attention_mask(x, m, backend=backend)
@@ -321,8 +366,10 @@ def test_attention_mask_zero_one_any_dtype(backend, dtype):
     lengths = [3, 0, 1]
     x = torch.randn(3, 4, 2, generator=_gen(15))
     m = torch.tensor([[j < n for j in range(4)] for n in lengths]).to(dtype)
-    for call in (lambda: ragged.pack(x, attention_mask=m, backend=backend),
-                 lambda: ragged.from_attention_mask(x, m, backend=backend)):
+    for call in (
+        lambda: ragged.pack(x, attention_mask=m, backend=backend),
+        lambda: ragged.from_attention_mask(x, m, backend=backend),
+    ):
         rt = call()
         assert rt.host_lengths() == lengths
         assert torch.equal(rt.values, _loop_pack(x, lengths))
@@ -332,8 +379,9 @@ def test_attention_mask_zero_one_any_dtype(backend, dtype):
 def test_integer_key_padding_mask_is_refused(dtype):
     x = torch.randn(2, 3, 2)
     m = torch.tensor([[1, 1, 0], [1, 0, 0]]).to(dtype)
-    with pytest.raises(TypeError, match=r"ragged\.pack\(\): expected mask of dtype bool .*got " + str(dtype)
-                                        + r".*use attention_mask="):
+    with pytest.raises(
+        TypeError, match=r"ragged\.pack\(\): expected mask of dtype bool .*got " + str(dtype) + r".*use attention_mask="
+    ):
         ragged.pack(x, mask=m)
 
 
@@ -400,7 +448,7 @@ def test_meta_lengths_raise_naming_the_function():
     offsets = torch.empty(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match=r"ragged\.RaggedTensor\.from_offsets\(\): expected offsets .*meta"):
         RaggedTensor.from_offsets(values, offsets)
-    rt = RaggedTensor.from_offsets(values, offsets, 3, validate=False)   # nothing to read: fine
+    rt = RaggedTensor.from_offsets(values, offsets, 3, validate=False)  # nothing to read: fine
     with pytest.raises(ValueError, match=r"host_offsets\(\): expected offsets .*meta"):
         rt.host_offsets()
 
@@ -443,11 +491,12 @@ def test_to_nested_emits_no_fx_tracing_notice():
 
 
 def test_to_nested_prints_nothing_in_a_fresh_process():
-    script = ("import warnings; warnings.simplefilter('always'); import torch, ragged; "
-              "rt = ragged.pack([torch.randn(2, 3), torch.randn(4, 3)]); nt = rt.to_nested(); "
-              "print(tuple(t.shape[0] for t in nt.unbind()))")
-    done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    script = (
+        "import warnings; warnings.simplefilter('always'); import torch, ragged; "
+        "rt = ragged.pack([torch.randn(2, 3), torch.randn(4, 3)]); nt = rt.to_nested(); "
+        "print(tuple(t.shape[0] for t in nt.unbind()))"
+    )
+    done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(2, 4)"
     assert "is_fx_tracing" not in done.stderr, done.stderr

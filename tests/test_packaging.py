@@ -35,7 +35,9 @@ def _norm(name: str) -> str:
 
 def _readme_test_line() -> tuple[str, str]:
     """(install, run) of the README's test command: the bash line that runs pytest."""
-    bash = [body for tag, body in re.findall(r"^```(\w*)\n(.*?)^```", README, re.DOTALL | re.MULTILINE) if tag == "bash"]
+    bash = [
+        body for tag, body in re.findall(r"^```(\w*)\n(.*?)^```", README, re.DOTALL | re.MULTILINE) if tag == "bash"
+    ]
     lines = [line.strip() for body in bash for line in body.splitlines() if "pytest" in line and " && " in line]
     assert len(lines) == 1, f"README.md should give one install-and-test line, found {lines}"
     install, _, run = lines[0].partition(" && ")
@@ -54,7 +56,7 @@ def _pip_install_args(statement: str) -> list[str] | None:
     for i, word in enumerate(words[:-1]):
         if word in ("pip", "pip3") and words[i + 1] == "install":
             args = []
-            for arg in words[i + 2:]:
+            for arg in words[i + 2 :]:
                 if arg in (";", "&&", "||", ">", ">>"):
                     break
                 if arg in ("-q", "-U", "--upgrade", "--quiet"):
@@ -69,7 +71,7 @@ def _installs_before_readme_tests(script: str) -> list[list[str]]:
     run = _readme_test_line()[1].replace("python ", "python3 ")
     at = [i for i, s in enumerate(statements) if run in s]
     assert at, f".ci/run does not run the README's test command {run!r}"
-    return [args for s in statements[:at[0]] if (args := _pip_install_args(s)) is not None]
+    return [args for s in statements[: at[0]] if (args := _pip_install_args(s)) is not None]
 
 
 def _is_torch_only(args: list[str]) -> bool:
@@ -99,9 +101,11 @@ def test_ci_installs_nothing_before_the_readme_tests_that_the_readme_line_does_n
 def test_the_ci_check_catches_an_extra_install():
     """The check above flags a package installed before the README's tests, and only that one."""
     install, run = _readme_test_line()
-    script = (f"python3 -m pip install -q torch==2.13.0\npython3 -m {install}\n"
-              f"python3 -m pip install -q -U trl \\\n    rich\n{run.replace('python ', 'python3 ')}\n"
-              "python3 -m pip install -q datasets\n")
+    script = (
+        f"python3 -m pip install -q torch==2.13.0\npython3 -m {install}\n"
+        f"python3 -m pip install -q -U trl \\\n    rich\n{run.replace('python ', 'python3 ')}\n"
+        "python3 -m pip install -q datasets\n"
+    )
     assert _extra_installs(script) == [["trl", "rich"]]
 
 
@@ -154,8 +158,14 @@ def _skipped_modules(node: ast.AST) -> set[str]:
         if isinstance(call, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
         todo.extend(ast.iter_child_nodes(call))
-        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "importorskip"
-                and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)):
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "importorskip"
+            and call.args
+            and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str)
+        ):
             out.add(call.args[0].value.split(".")[0])
     return out
 
@@ -171,8 +181,9 @@ def _unguarded_imports(source: str, allowed) -> list[tuple[int, str]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             skipped = skipped | _skipped_modules(node)
         if isinstance(node, ast.Try) and any(
-                h.type is None or re.search(r"\b(ImportError|ModuleNotFoundError|Exception)\b", ast.unparse(h.type))
-                for h in node.handlers):
+            h.type is None or re.search(r"\b(ImportError|ModuleNotFoundError|Exception)\b", ast.unparse(h.type))
+            for h in node.handlers
+        ):
             for child in node.body:
                 visit(child, skipped, True)
             for child in [*node.handlers, *node.orelse, *node.finalbody]:
@@ -214,26 +225,31 @@ def test_tests_import_only_what_the_readme_extras_install():
     """A test module that imports a package outside the README's extras (pyarrow, datasets, trl,
     pandas, peft, ...) without ``pytest.importorskip`` fails the README's command for a new user."""
     allowed = _provided_by_readme_extras()
-    found = {f"{path.name}:{line}: {name}"
-             for path in sorted((ROOT / "tests").glob("*.py"))
-             for line, name in _unguarded_imports(path.read_text(), allowed)}
+    found = {
+        f"{path.name}:{line}: {name}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for line, name in _unguarded_imports(path.read_text(), allowed)
+    }
     assert not found, sorted(found)
 
 
 def test_the_import_check_catches_an_unguarded_import():
     allowed = _provided_by_readme_extras()
-    source = ("import os\nimport torch\nimport pyarrow.parquet\n"
-              "try:\n    import peft\nexcept ImportError:\n    peft = None\n"
-              "def test_a():\n    pytest.importorskip('datasets')\n    import datasets\n"
-              "def test_b():\n    import datasets\n    from trl import SFTTrainer\n")
+    source = (
+        "import os\nimport torch\nimport pyarrow.parquet\n"
+        "try:\n    import peft\nexcept ImportError:\n    peft = None\n"
+        "def test_a():\n    pytest.importorskip('datasets')\n    import datasets\n"
+        "def test_b():\n    import datasets\n    from trl import SFTTrainer\n"
+    )
     assert _unguarded_imports(source, allowed) == [(3, "pyarrow.parquet"), (12, "datasets"), (13, "trl")]
 
 
 def test_readme_extras_leave_out_what_the_tests_must_skip_without():
     """The README's extras do not bring pyarrow, datasets, trl or peft (else the check above could not
     tell): each test that needs one skips without it."""
-    closure = _requirement_closure(PROJECT["name"], set(re.search(
-        r'-e "\.\[([^\]]*)\]"', _readme_test_line()[0]).group(1).split(",")))
+    closure = _requirement_closure(
+        PROJECT["name"], set(re.search(r'-e "\.\[([^\]]*)\]"', _readme_test_line()[0]).group(1).split(","))
+    )
     assert not closure & {"pyarrow", "datasets", "trl", "peft"}, closure & {"pyarrow", "datasets", "trl", "peft"}
 
 

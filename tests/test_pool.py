@@ -35,8 +35,12 @@ FEATURES = {"T": (), "TF": (6,), "TF1F2": (3, 4)}
 # Output rounding of each dtype, and for float32 the float32 sums of up to 300 terms of
 # size ~1 (the oracle is float64; the Triton interpreter rounds float32 -> bfloat16 toward
 # zero, one unit in the last place off round-to-nearest).
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 3e-5), torch.float16: (2e-3, 2e-3),
-       torch.bfloat16: (1.6e-2, 1e-2)}
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 3e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
 
 
 def _seed(*parts) -> int:
@@ -66,8 +70,8 @@ def _values(total, feat, dtype, seed, layout="slice"):
     data = _random((total, *feat), dtype, gen)
     if layout == "slice":
         buf = torch.full((total + 5, *feat), _poison(dtype), dtype=dtype)
-        buf[3:3 + total] = data
-        return buf[3:3 + total]
+        buf[3 : 3 + total] = data
+        return buf[3 : 3 + total]
     wide = (*feat[:-1], 2 * feat[-1]) if feat else (2,)
     buf = torch.full((2 * total + 1, *wide), _poison(dtype), dtype=dtype)
     view = buf[1::2, ..., ::2] if feat else buf[1::2, 0]
@@ -86,7 +90,7 @@ def _oracle(values, lengths, mode):
     x = values.to(torch.float64) if values.dtype != torch.bool else values.to(torch.int64).to(torch.float64)
     rows, start = [], 0
     for n in lengths:
-        seq = x[start:start + n]
+        seq = x[start : start + n]
         start += n
         if n == 0 or mode == "sum":
             rows.append(seq.sum(0))  # an empty sum is 0, the fill of every mode
@@ -108,8 +112,7 @@ def _oracle(values, lengths, mode):
 
 def _assert_close(out, expected, dtype):
     rtol, atol = TOL.get(dtype, (0, 0))
-    torch.testing.assert_close(out.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol,
-                               equal_nan=True)
+    torch.testing.assert_close(out.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol, equal_nan=True)
 
 
 def _supported(backend, dtype):
@@ -189,9 +192,9 @@ def test_16_bit_sums_accumulate_in_float32(backend, dtype):
 def test_nan_propagates_like_amax_and_its_gradient_goes_to_the_first_nan(backend, dtype):
     lengths = [6, 4, 3, 0]
     values = _values(sum(lengths), (5,), dtype, _seed("nan", backend, dtype)).clone()
-    values[1, 0] = values[4, 0] = float("nan")   # sequence 0, feature 0: two NaNs
-    values[8, 2] = float("nan")                  # sequence 1, feature 2
-    values[11, 1] = float("-inf")                # sequence 2 ends with -inf
+    values[1, 0] = values[4, 0] = float("nan")  # sequence 0, feature 0: two NaNs
+    values[8, 2] = float("nan")  # sequence 1, feature 2
+    values[11, 1] = float("-inf")  # sequence 2 ends with -inf
     values[10, 3] = float("inf")
     x = values.detach().requires_grad_(True)
     rt = _ragged(x, lengths)
@@ -265,8 +268,9 @@ def test_gradcheck_float64(mode):
     values = (torch.randperm(sum(lengths) * 4, generator=gen).to(torch.float64) / 7).view(-1, 2, 2)
     values.requires_grad_(True)
     offsets = _ragged(values.detach(), lengths).offsets
-    assert torch.autograd.gradcheck(lambda v: ragged.pool(RaggedTensor(v, offsets, 6), mode, backend="torch"),
-                                    (values,))
+    assert torch.autograd.gradcheck(
+        lambda v: ragged.pool(RaggedTensor(v, offsets, 6), mode, backend="torch"), (values,)
+    )
     # the reference itself, called directly, is differentiable by torch autograd
     flat = values.detach().view(-1, 4).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda v: pool_module.reference_pool(v, offsets, mode)[0], (flat,))
@@ -318,8 +322,9 @@ def test_opcheck(mode):
     offsets = torch.tensor([0, 4, 4, 5, 10], dtype=torch.int32)
     torch.library.opcheck(torch.ops.ragged.pool.default, (values, offsets, mode, "torch"))
     out, index = torch.ops.ragged.pool(values.detach(), offsets, mode, "torch")
-    torch.library.opcheck(torch.ops.ragged.pool_backward.default, (torch.ones_like(out), offsets, index, mode, 10,
-                                                                   "torch"))
+    torch.library.opcheck(
+        torch.ops.ragged.pool_backward.default, (torch.ones_like(out), offsets, index, mode, 10, "torch")
+    )
 
 
 def test_fake_tensors_reach_the_fake_implementation():
@@ -354,8 +359,9 @@ def test_auto_takes_the_reference_on_cpu(monkeypatch):
     ran = []
     entry = backends._OPS["pool"]
     impl = entry.impls["torch"]
-    monkeypatch.setitem(entry.impls, "torch", dataclasses.replace(
-        impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a)))
+    monkeypatch.setitem(
+        entry.impls, "torch", dataclasses.replace(impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a))
+    )
     ragged.pool(_ragged(torch.randn(4, 2), [1, 3]), "sum")
     assert ran == ["torch"]
     assert entry.gpu_preference(None) == ("triton", "torch")  # on CUDA inputs
@@ -386,8 +392,11 @@ def test_errors_name_the_function_the_argument_and_what_came():
     with pytest.raises(TypeError, match=r"ragged.pool\(\): expected mode to be a str.*got \['mean'\]"):
         ragged.pool(rt, ["mean"])
     ints = _ragged(torch.arange(4), [1, 3])
-    with pytest.raises(TypeError, match=r"ragged.pool\(\): expected rt.values of a floating-point dtype .* "
-                                        r"for mode='mean', got torch.int64"):
+    with pytest.raises(
+        TypeError,
+        match=r"ragged.pool\(\): expected rt.values of a floating-point dtype .* "
+        r"for mode='mean', got torch.int64",
+    ):
         ragged.pool(ints, "mean")
     flags = _ragged(torch.ones(4, dtype=torch.bool), [1, 3])
     with pytest.raises(TypeError, match=r"for mode='sum', got torch.bool"):

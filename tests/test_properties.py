@@ -46,7 +46,7 @@ def _keep_mask(lengths, width, side):
         if side == "right":
             keep[b, :n] = True
         elif n:
-            keep[b, width - n:] = True
+            keep[b, width - n :] = True
     return keep
 
 
@@ -74,8 +74,14 @@ def _seqs(lengths, feat, dtype, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
-@given(lengths=lengths_st, feat=feat_st, dtype=dtype_st, seed=seed_st, extra=st.integers(0, 3),
-       side=st.sampled_from(["right", "left"]))
+@given(
+    lengths=lengths_st,
+    feat=feat_st,
+    dtype=dtype_st,
+    seed=seed_st,
+    extra=st.integers(0, 3),
+    side=st.sampled_from(["right", "left"]),
+)
 def test_pack_list_equals_pack_lengths_equals_pack_mask(backend, lengths, feat, dtype, seed, extra, side):
     seqs = _seqs(lengths, feat, dtype, seed)
     width = max(lengths, default=0) + extra
@@ -99,8 +105,15 @@ def test_pack_list_equals_pack_lengths_equals_pack_mask(backend, lengths, feat, 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
-@given(lengths=lengths_st, feat=feat_st, dtype=dtype_st, seed=seed_st, extra=st.integers(0, 3), fill=pad_st,
-       side=st.sampled_from(["right", "left"]))
+@given(
+    lengths=lengths_st,
+    feat=feat_st,
+    dtype=dtype_st,
+    seed=seed_st,
+    extra=st.integers(0, 3),
+    fill=pad_st,
+    side=st.sampled_from(["right", "left"]),
+)
 def test_unpack_pack_round_trip(backend, lengths, feat, dtype, seed, extra, fill, side):
     if dtype == torch.int64:
         fill = 0.0 if math.isnan(fill) else fill
@@ -151,8 +164,10 @@ def test_left_padding_round_trip(backend, lengths, feat, seed, extra):
     assert torch.equal(torch.isnan(left), torch.isnan(expected))
     assert torch.equal(torch.nan_to_num(left), torch.nan_to_num(expected))
     am = rt.attention_mask(total_length=width, padding_side="left")
-    for back in (ragged.pack(left, lengths=lengths, padding_side="left", backend=backend),
-                 ragged.pack(left, attention_mask=am, backend=backend)):
+    for back in (
+        ragged.pack(left, lengths=lengths, padding_side="left", backend=backend),
+        ragged.pack(left, attention_mask=am, backend=backend),
+    ):
         _assert_ragged_equal(back, rt)
 
 

@@ -47,9 +47,14 @@ WORDS = (  # noqa: SIM905  (one string reads better than 120 quoted words)
     "the a an of and to in is it that was for on are with as be at this from or by but what some we can out "
     "other all there when up use how said each which do their time if will way about many then them would "
     "like so these long make thing see two has look more day could go come did first who may down side been "
-    "now find good bad film short text longer example few words second hour too").split()
-VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.ascii_lowercase + string.digits + ".,!?'")
-         + ["##" + c for c in string.ascii_lowercase + string.digits] + WORDS)
+    "now find good bad film short text longer example few words second hour too"
+).split()
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + list(string.ascii_lowercase + string.digits + ".,!?'")
+    + ["##" + c for c in string.ascii_lowercase + string.digits]
+    + WORDS
+)
 D = 32
 
 
@@ -64,8 +69,15 @@ def _tokenizer(folder: pathlib.Path):
 def _bert_config(**kw):
     import transformers as tf
 
-    return tf.BertConfig(vocab_size=len(VOCAB), hidden_size=D, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=2 * D, max_position_embeddings=128, **kw)
+    return tf.BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * D,
+        max_position_embeddings=128,
+        **kw,
+    )
 
 
 def _tiny_sentence_transformer(folder: pathlib.Path) -> None:
@@ -75,8 +87,10 @@ def _tiny_sentence_transformer(folder: pathlib.Path) -> None:
 
     _tokenizer(folder / "encoder")
     tf.BertModel(_bert_config()).save_pretrained(str(folder / "encoder"))
-    st = SentenceTransformer(modules=[modules.Transformer(str(folder / "encoder")), modules.Pooling(D, "mean"),
-                                      modules.Normalize()], device="cpu")
+    st = SentenceTransformer(
+        modules=[modules.Transformer(str(folder / "encoder")), modules.Pooling(D, "mean"), modules.Normalize()],
+        device="cpu",
+    )
     st.save(str(folder))
 
 
@@ -91,8 +105,15 @@ def _tiny_causal_lm(folder: pathlib.Path) -> None:
     import transformers as tf
 
     _tokenizer(folder)
-    config = tf.Qwen2Config(vocab_size=len(VOCAB), hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = tf.Qwen2Config(
+        vocab_size=len(VOCAB),
+        hidden_size=D,
+        intermediate_size=2 * D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     tf.Qwen2ForCausalLM(config).save_pretrained(str(folder))
 
 
@@ -138,19 +159,29 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
 
 def test_stand_ins_replace_every_hub_name():
     """The stand-in check reads the names of the calls the README uses."""
-    code = ('m = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")\n'
-            'name = "bert-base-uncased"\nAutoModel.from_pretrained(name, num_labels=2)\n'
-            'AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B", attn_implementation="ragged")\n'
-            'AutoModel.from_pretrained("org/other-model")\n')
-    assert _hub_names(code) == {"sentence-transformers/all-MiniLM-L6-v2", "bert-base-uncased",
-                                "Qwen/Qwen2.5-0.5B", "org/other-model"}
+    code = (
+        'm = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")\n'
+        'name = "bert-base-uncased"\nAutoModel.from_pretrained(name, num_labels=2)\n'
+        'AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B", attn_implementation="ragged")\n'
+        'AutoModel.from_pretrained("org/other-model")\n'
+    )
+    assert _hub_names(code) == {
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "bert-base-uncased",
+        "Qwen/Qwen2.5-0.5B",
+        "org/other-model",
+    }
 
 
 def test_readme_test_command_is_what_ci_runs():
     """The README's test command (the line that runs pytest) appears as such in .ci/run."""
     ci = (ROOT / ".ci" / "run").read_text()
-    commands = [line.strip() for _, body in _blocks("bash") for line in body.splitlines()
-                if "pytest" in line and " && " in line and not line.strip().startswith("#")]
+    commands = [
+        line.strip()
+        for _, body in _blocks("bash")
+        for line in body.splitlines()
+        if "pytest" in line and " && " in line and not line.strip().startswith("#")
+    ]
     assert commands, "README.md gives no test command"
     for command in commands:
         install, _, run = command.partition(" && ")

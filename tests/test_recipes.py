@@ -166,23 +166,23 @@ def backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torc
     return dx, dw
 '''
 
-TRITON_DECLARATION = '''
+TRITON_DECLARATION = """
 
 # ---- token_scale -------------------------------------------------------------
 register(Implementation("token_scale", "triton", f"{_HERE}.token_scale:forward",
                         f"{_HERE}.token_scale:backward", dtypes=(torch.float16, torch.bfloat16, torch.float32),
                         rank=0))
-'''
+"""
 
 # step 3: the export in ragged/__init__.py
 
-OP_EXPORT = '''
+OP_EXPORT = """
 from .ops.token_scale import token_scale  # noqa: E402
 
 __all__.append("token_scale")
-'''
+"""
 
-OP_CHECKS = '''
+OP_CHECKS = """
 import torch
 
 import ragged
@@ -253,7 +253,7 @@ except ValueError as exc:
 else:
     raise AssertionError("a forced backend that cannot take the input did not raise")
 print("ok", cpu)
-'''
+"""
 
 # ---------------------------------------------------------------------------------------
 # "Add a backend", steps 1 and 2: ragged/kernels/toy/__init__.py and the kernels beside it
@@ -320,11 +320,11 @@ def pool_backward(grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor
 
 # step 3: import the package in ragged/__init__.py
 
-BACKEND_IMPORT = '''
+BACKEND_IMPORT = """
 from .kernels import toy as _toy_backend  # noqa: E402,F401  (it registers)
-'''
+"""
 
-BACKEND_CHECKS = '''
+BACKEND_CHECKS = """
 import torch
 
 import ragged
@@ -387,7 +387,7 @@ assert picked == {
     (torch.float16, "max"): "triton" if triton_ok else "torch",
 }, picked
 print("ok")
-'''
+"""
 
 
 def _copy_package(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -403,23 +403,29 @@ def _append(path: pathlib.Path, text: str) -> None:
 def _run(root: pathlib.Path, checks: str) -> str:
     """Run ``checks`` in a fresh interpreter that imports ragged from ``root``."""
     script = root / "checks.py"
-    script.write_text(f"import ragged\nassert ragged.__file__ == {str(root / 'ragged' / '__init__.py')!r}, "
-                      f"ragged.__file__\n" + textwrap.dedent(checks))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), *(p for p in sys.path if p and "__editable__" not in p)]))
+    script.write_text(
+        f"import ragged\nassert ragged.__file__ == {str(root / 'ragged' / '__init__.py')!r}, "
+        f"ragged.__file__\n" + textwrap.dedent(checks)
+    )
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(root), *(p for p in sys.path if p and "__editable__" not in p)]),
+    )
     # -S: no site hooks, so an editable install's import finder cannot take ragged from the checkout
-    done = subprocess.run([sys.executable, "-S", str(script)], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-S", str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
 def test_add_an_op(tmp_path):
     package = _copy_package(tmp_path)
-    (package / "ops" / "token_scale.py").write_text(OP_FILE)                 # step 1
+    (package / "ops" / "token_scale.py").write_text(OP_FILE)  # step 1
     (package / "kernels" / "triton" / "token_scale.py").write_text(TRITON_FILE)  # step 2
     _append(package / "kernels" / "triton" / "__init__.py", TRITON_DECLARATION)
-    _append(package / "__init__.py", OP_EXPORT)                             # step 3
+    _append(package / "__init__.py", OP_EXPORT)  # step 3
     out = _run(tmp_path, OP_CHECKS)
     assert out.startswith("ok")
     if importlib.util.find_spec("triton") is not None:
@@ -429,7 +435,7 @@ def test_add_an_op(tmp_path):
 def test_add_a_backend(tmp_path):
     package = _copy_package(tmp_path)
     (package / "kernels" / "toy").mkdir()
-    (package / "kernels" / "toy" / "__init__.py").write_text(BACKEND_INIT)   # step 1
-    (package / "kernels" / "toy" / "pool.py").write_text(BACKEND_KERNELS)    # step 2
-    _append(package / "__init__.py", BACKEND_IMPORT)                        # step 3
+    (package / "kernels" / "toy" / "__init__.py").write_text(BACKEND_INIT)  # step 1
+    (package / "kernels" / "toy" / "pool.py").write_text(BACKEND_KERNELS)  # step 2
+    _append(package / "__init__.py", BACKEND_IMPORT)  # step 3
     assert _run(tmp_path, BACKEND_CHECKS).startswith("ok")

@@ -36,8 +36,9 @@ def toy(monkeypatch):
     for name in ("Layer", "Attention", "SelfAttention", "SelfOutput", "Intermediate", "Output"):
         setattr(module, f"ToyBert{name}", getattr(bert, f"Bert{name}"))  # BERT's layers under the family's names
     module.ToyBertModel = type("ToyBertModel", (bert.BertModel,), {"__module__": MODULE})
-    module.ToyBertForSequenceClassification = type("ToyBertForSequenceClassification",
-                                                   (bert.BertForSequenceClassification,), {"__module__": MODULE})
+    module.ToyBertForSequenceClassification = type(
+        "ToyBertForSequenceClassification", (bert.BertForSequenceClassification,), {"__module__": MODULE}
+    )
     monkeypatch.setitem(sys.modules, MODULE, module)
 
     class ToyFamily(BertFamily):  # the family file: what differs from BERT (here, only the classes taken)
@@ -56,8 +57,9 @@ def test_a_toy_family_converts_through_the_registry(toy):
         ids, mask = _batch([5, 1, 12], side)
         with torch.no_grad():
             got, want = ours(input_ids=ids, attention_mask=mask), theirs(input_ids=ids, attention_mask=mask)
-        torch.testing.assert_close(_real(got.last_hidden_state, mask), _real(want.last_hidden_state, mask),
-                                   rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(
+            _real(got.last_hidden_state, mask), _real(want.last_hidden_state, mask), rtol=1e-9, atol=1e-10
+        )
         if side == "right":
             torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-9, atol=1e-10)
 
@@ -68,8 +70,11 @@ def test_a_toy_family_refuses_what_it_does_not_declare(toy):
         ragged.nn.convert(head)
     assert "forward" not in head.__dict__
     with pytest.raises(NotImplementedError, match="ToyBERT"):  # listed among the supported families
-        ragged.nn.convert(tf.DebertaV2Model(tf.DebertaV2Config(hidden_size=32, num_hidden_layers=1,
-                                                                num_attention_heads=2, intermediate_size=64)))
+        ragged.nn.convert(
+            tf.DebertaV2Model(
+                tf.DebertaV2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+            )
+        )
 
 
 def test_without_the_entry_the_toy_family_is_unknown(toy, monkeypatch):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_convert_cases import FAMILIES, KINDS, _config, _randomise
 from torch import nn
 
 import ragged
-from hf_convert_cases import FAMILIES, KINDS, _config, _randomise
 
 tf = pytest.importorskip("transformers")
 
@@ -88,15 +88,21 @@ def test_graphed_heads_take_the_base_models_table(kind):
 
 def test_graphed_refuses_length_buckets_and_batches_past_the_model():
     model, _ = _hf("bert", "base", 100)
-    with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected length_buckets of ints in 1..100 \(the "
-                                         r"longest sequence BertModel takes: .*100 rows\), got \[64, 128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged.nn.graphed\(\): expected length_buckets of ints in 1..100 \(the "
+        r"longest sequence BertModel takes: .*100 rows\), got \[64, 128\]",
+    ):
         ragged.nn.graphed(model, max_tokens=512, max_batch_size=4, length_buckets=[64, 128])
     with pytest.raises(ValueError, match=r"ragged.nn.graphed\(\): expected max_len <= 100, .* got 101"):
         ragged.nn.graphed(model, max_tokens=512, max_batch_size=4, max_len=101)
     g = ragged.nn.Graphed(model, 512, 4, length_buckets=[64, 100], capture=False)
     assert g.length_buckets == (64, 100)
-    with pytest.raises(ValueError, match=r"ragged.nn.Graphed.forward\(\): expected sequences of at most 100 tokens.*"
-                                         r"max_len is 101"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged.nn.Graphed.forward\(\): expected sequences of at most 100 tokens.*"
+        r"max_len is 101",
+    ):
         g(input_ids=_ids([101, 2], seed=0))
     # a lower max_len of the caller's own, for a module whose table graphed cannot read
     enc = ragged.nn.TransformerEncoder(ragged.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1).eval()
@@ -126,9 +132,17 @@ LLAMA_VOCAB = 97
 
 def _llama_pair(seed=0):
     """(ragged model, sdpa model) in float32 eval mode, the same random weights."""
-    config = tf.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            initializer_range=0.1, attention_dropout=0.0)
+    config = tf.LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(seed)
     reference = tf.LlamaForCausalLM(config).float()
     reference.set_attn_implementation("sdpa")
@@ -146,7 +160,7 @@ def _per_sequence(reference, ids, lengths):
     out, start = [], 0
     with torch.no_grad():
         for n in lengths:
-            out.append(reference(input_ids=ids[:, start:start + n]).logits[0])
+            out.append(reference(input_ids=ids[:, start : start + n]).logits[0])
             start += n
     return torch.cat(out)
 
@@ -221,8 +235,11 @@ def test_a_mask_written_after_its_layout_was_read_is_read_again():
             n = int(mask[b].sum())
             if n:
                 want = torch.nn.functional.scaled_dot_product_attention(
-                    q[b:b + 1, :, :n], k[b:b + 1, :, :n].repeat_interleave(2, 1),
-                    v[b:b + 1, :, :n].repeat_interleave(2, 1), is_causal=True)
+                    q[b : b + 1, :, :n],
+                    k[b : b + 1, :, :n].repeat_interleave(2, 1),
+                    v[b : b + 1, :, :n].repeat_interleave(2, 1),
+                    is_causal=True,
+                )
                 torch.testing.assert_close(out[b, :n], want[0].transpose(0, 1), rtol=1e-10, atol=1e-12)
             assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
     # the mask the mask function hands the layers keeps the layout of what it holds
@@ -264,8 +281,10 @@ class _Net(nn.Module):
 def _state(net):
     tensors = {k: v.detach().clone() for k, v in net.state_dict(keep_vars=True).items()}
     flags = {name: m.training for name, m in net.named_modules()}
-    grads = {name: (p.grad, None if p.grad is None else p.grad.clone(), p.requires_grad)
-             for name, p in net.named_parameters()}
+    grads = {
+        name: (p.grad, None if p.grad is None else p.grad.clone(), p.requires_grad)
+        for name, p in net.named_parameters()
+    }
     return tensors, flags, grads
 
 
@@ -377,5 +396,4 @@ def test_graphed_sentence_transformer_buckets_stay_in_the_table(transformers_, f
     with torch.no_grad():
         want = model(input_ids=ids, return_dict=True)
     got = g(input_ids=ids, return_dict=True)
-    torch.testing.assert_close(got["last_hidden_state"].values, want["last_hidden_state"].values, rtol=1e-9,
-                               atol=1e-9)
+    torch.testing.assert_close(got["last_hidden_state"].values, want["last_hidden_state"].values, rtol=1e-9, atol=1e-9)

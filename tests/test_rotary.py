@@ -27,8 +27,12 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Output rounding of each dtype (the oracle is float64; the Triton interpreter rounds float32 ->
 # bfloat16 toward zero, one unit in the last place off round-to-nearest).
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
-       torch.bfloat16: (1.6e-2, 1e-2)}
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
 LAYOUTS = ("slice", "qkv", "strided")
 LENGTHS = [5, 0, 1, 7]  # the positions of a packed batch: a zero, a one, odd sizes
 
@@ -58,11 +62,11 @@ def _x(total, heads, dim, dtype, layout, gen) -> torch.Tensor:
     data = torch.randn((total, heads, dim), generator=gen, dtype=torch.float64).to(dtype)
     if layout == "slice":
         buf = torch.full((total + 4, heads, dim), float("nan"), dtype=dtype)
-        view = buf[2:2 + total]
+        view = buf[2 : 2 + total]
     elif layout == "qkv":
         h = heads // 2
         buf = torch.full((total + 3, 3 * h * dim), float("nan"), dtype=dtype)
-        view = buf[1:1 + total].view(total, 3, h, dim)[:, :2].flatten(1, 2)
+        view = buf[1 : 1 + total].view(total, 3, h, dim)[:, :2].flatten(1, 2)
     else:
         buf = torch.full((total, heads, 2 * dim), float("nan"), dtype=dtype)
         view = buf[..., 1::2]
@@ -164,8 +168,13 @@ def _hf_case(module, rope_parameters, dtype, backend):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     heads, dim, total = 3, 16, 21
-    config = transformers.LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, head_dim=dim,
-                                      max_position_embeddings=256, rope_parameters=rope_parameters)
+    config = transformers.LlamaConfig(
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        head_dim=dim,
+        max_position_embeddings=256,
+        rope_parameters=rope_parameters,
+    )
     rope = LlamaRotaryEmbedding(config)
     gen = _gen("hf", module.__name__, rope_parameters["rope_type"], dtype, backend)
     qkv = torch.randn(total, 3 * heads * dim, generator=gen).to(dtype)
@@ -175,7 +184,7 @@ def _hf_case(module, rope_parameters, dtype, backend):
     out = ragged.rotary_embedding(x, positions, rope.inv_freq, rope.attention_scaling, backend=backend)
     q, k = out[:, :heads], out[:, heads:]
     cos, sin = rope(qkv, positions[None])
-    hq, hk, _ = qkv.view(1, total, 3, heads, dim).unbind(dim=2)                 # [1, T, H, D]
+    hq, hk, _ = qkv.view(1, total, 3, heads, dim).unbind(dim=2)  # [1, T, H, D]
     want_q, want_k = module.apply_rotary_pos_emb(hq.transpose(1, 2), hk.transpose(1, 2), cos, sin)
     return (q, k), (want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)), rope
 
@@ -187,7 +196,7 @@ def test_matches_huggingface_llama(backend, rope_type):
     from transformers.models.llama import modeling_llama
 
     params = {"rope_type": rope_type, "rope_theta": 10000.0}
-    if rope_type == "yarn":   # an attention_scaling other than 1
+    if rope_type == "yarn":  # an attention_scaling other than 1
         params.update(factor=4.0, original_max_position_embeddings=64)
     got, want, rope = _hf_case(modeling_llama, params, torch.float32, backend)
     assert (rope.attention_scaling != 1.0) == (rope_type == "yarn")
@@ -321,9 +330,10 @@ def test_opcheck():
     x = torch.randn(10, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     positions, inv_freq = _positions(10), _inv_freq(8)
     torch.library.opcheck(torch.ops.ragged.rotary_embedding.default, (x, positions, inv_freq, 0.5, "torch"))
-    torch.library.opcheck(torch.ops.ragged.rotary_embedding_backward.default,
-                          (torch.randn(10, 3, 8, generator=gen, dtype=torch.float64), positions, inv_freq, 0.5,
-                           "torch"))
+    torch.library.opcheck(
+        torch.ops.ragged.rotary_embedding_backward.default,
+        (torch.randn(10, 3, 8, generator=gen, dtype=torch.float64), positions, inv_freq, 0.5, "torch"),
+    )
 
 
 def test_fake_tensors_reach_the_fake_implementation():
@@ -354,8 +364,9 @@ def test_auto_takes_the_reference_on_cpu_and_the_kernel_first_on_cuda(monkeypatc
     ran = []
     entry = backends.op_entry("rotary_embedding")
     impl = entry.impls["torch"]
-    monkeypatch.setitem(entry.impls, "torch", dataclasses.replace(
-        impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a)))
+    monkeypatch.setitem(
+        entry.impls, "torch", dataclasses.replace(impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a))
+    )
     ragged.rotary_embedding(torch.randn(3, 2, 4), torch.arange(3), _inv_freq(4))
     assert ran == ["torch"]
     assert entry.gpu_preference(None) == ("triton", "torch")  # on CUDA inputs
@@ -387,8 +398,12 @@ def _errors():
         ((x.to(torch.complex64), pos, freq), TypeError, fn + r"expected x of a floating-point .*got torch.complex64"),
         ((torch.randn(5, 2, 7), pos, freq), ValueError, fn + r"expected x's head dim D .* even, got shape \(5, 2, 7\)"),
         ((x, [0, 1, 2, 3, 4], freq), TypeError, fn + r"expected positions to be a torch.Tensor, got list"),
-        ((x, pos.float(), freq), TypeError, fn + r"expected positions of dtype torch.int32 or torch.int64, "
-                                                 r"got torch.float32"),
+        (
+            (x, pos.float(), freq),
+            TypeError,
+            fn + r"expected positions of dtype torch.int32 or torch.int64, "
+            r"got torch.float32",
+        ),
         ((x, pos[None], freq), ValueError, fn + r"expected positions of shape \(5,\) \(one per token .*got \(1, 5\)"),
         ((x, pos[:4], freq), ValueError, fn + r"expected positions of shape \(5,\) .*got \(4,\)"),
         ((x, pos.to("meta"), freq), ValueError, fn + r"expected positions on cpu \(the device of x\), got meta"),
@@ -410,8 +425,10 @@ def test_errors_name_the_function_the_argument_and_what_came(backend):
             ragged.rotary_embedding(*args, backend=backend)
     # the integer scaling of a caller is taken as a float
     x = torch.randn(3, 1, 4)
-    assert torch.equal(ragged.rotary_embedding(x, torch.arange(3), _inv_freq(4), 1, backend="torch"),
-                       ragged.rotary_embedding(x, torch.arange(3), _inv_freq(4), backend="torch"))
+    assert torch.equal(
+        ragged.rotary_embedding(x, torch.arange(3), _inv_freq(4), 1, backend="torch"),
+        ragged.rotary_embedding(x, torch.arange(3), _inv_freq(4), backend="torch"),
+    )
 
 
 def test_backend_errors():
@@ -420,6 +437,9 @@ def test_backend_errors():
         ragged.rotary_embedding(x, pos, freq, backend="numpy")
     with pytest.raises(ValueError, match=r"ragged.rotary_embedding\(\): backend 'cuda' has no implementation"):
         ragged.rotary_embedding(x, pos, freq, backend="cuda")
-    with pytest.raises(ValueError, match=r"ragged.rotary_embedding\(\): backend 'triton' cannot take this input: "
-                                         r".*float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"ragged.rotary_embedding\(\): backend 'triton' cannot take this input: "
+        r".*float64",
+    ):
         ragged.rotary_embedding(x.double(), pos, freq, backend="triton")

@@ -279,8 +279,21 @@ def test_getitem_ints():
         rt[1.0]
 
 
-@pytest.mark.parametrize("index", [slice(None), slice(1, 3), slice(0, 1), slice(-2, None), slice(None, -1),
-                                   slice(2, 2), slice(3, 1), slice(10, 20), slice(-100, 2), slice(1, None, 1)])
+@pytest.mark.parametrize(
+    "index",
+    [
+        slice(None),
+        slice(1, 3),
+        slice(0, 1),
+        slice(-2, None),
+        slice(None, -1),
+        slice(2, 2),
+        slice(3, 1),
+        slice(10, 20),
+        slice(-100, 2),
+        slice(1, None, 1),
+    ],
+)
 def test_getitem_slices(index):
     lengths = [2, 0, 5, 1, 3]
     seqs = _seqs(lengths, feat=(2,), seed=10)
@@ -322,8 +335,10 @@ def test_with_values():
 # to / dtype shortcuts / device moves
 
 
-@pytest.mark.parametrize("method,dtype", [("half", torch.float16), ("bfloat16", torch.bfloat16),
-                                          ("float", torch.float32), ("double", torch.float64)])
+@pytest.mark.parametrize(
+    "method,dtype",
+    [("half", torch.float16), ("bfloat16", torch.bfloat16), ("float", torch.float32), ("double", torch.float64)],
+)
 def test_dtype_shortcuts(method, dtype):
     rt = ragged.pack(_seqs([3, 0, 4], dtype=torch.float64, seed=14))
     out = getattr(rt, method)()
@@ -461,8 +476,9 @@ def test_save_load_round_trip(load_kwargs):
 
 def test_save_load_in_containers_and_without_host_offsets():
     a = ragged.pack(_seqs([1, 2], seed=19))
-    b = RaggedTensor.from_offsets(torch.randn(5, 2), torch.tensor([0, 2, 5], dtype=torch.int32), max_len=3,
-                                  validate=False)
+    b = RaggedTensor.from_offsets(
+        torch.randn(5, 2), torch.tensor([0, 2, 5], dtype=torch.int32), max_len=3, validate=False
+    )
     empty = RaggedTensor.from_lengths(torch.randn(0, 2), [])
     back = _round_trip({"a": a, "list": [b, empty], "n": 3})
     assert back["n"] == 3

@@ -10,8 +10,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import (BertConfig, BertForSequenceClassification,  # noqa: E402
-                          BertForTokenClassification, Trainer, TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,  # noqa: E402
+    BertForTokenClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 import ragged.nn  # noqa: E402
 from ragged.data import collate  # noqa: E402
@@ -21,9 +26,17 @@ VOCAB = 50
 
 
 def _config(num_labels=3):
-    return BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=32, max_position_embeddings=64, num_labels=num_labels,
-                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def _model(cls, seed):
@@ -51,9 +64,19 @@ def _dataset(n, seed, token_labels=False):
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to=[], learning_rate=1e-2, weight_decay=0.0,
-                lr_scheduler_type="constant", max_grad_norm=0.0, logging_strategy="no", save_strategy="no",
-                seed=1234, use_cpu=True, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path),
+        report_to=[],
+        learning_rate=1e-2,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_strategy="no",
+        save_strategy="no",
+        seed=1234,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -76,11 +99,15 @@ def _pad(features):
     out = {}
     for key, fill in (("input_ids", 0), ("token_type_ids", 0)):
         out[key] = torch.tensor([f[key] + [fill] * (width - len(f[key])) for f in features])
-    out["attention_mask"] = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
-                                          for f in features])
+    out["attention_mask"] = torch.tensor(
+        [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+    )
     labels = [f["labels"] for f in features]
-    out["labels"] = (torch.tensor([x + [-100] * (width - len(x)) for x in labels]) if isinstance(labels[0], list)
-                     else torch.tensor(labels))
+    out["labels"] = (
+        torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+        if isinstance(labels[0], list)
+        else torch.tensor(labels)
+    )
     return out
 
 
@@ -136,8 +163,9 @@ def test_gradient_accumulation_matches_hf_trainer(tmp_path, cls, token):
     before = _params(hf)
     rec = _Recorder(data)
     kw = dict(num_train_epochs=1, gradient_accumulation_steps=2, optim="sgd")
-    trainer = RaggedTrainer(ragged.nn.convert(hf), _args(tmp_path / "r", **kw), train_dataset=data,
-                            max_tokens=80, data_collator=rec)
+    trainer = RaggedTrainer(
+        ragged.nn.convert(hf), _args(tmp_path / "r", **kw), train_dataset=data, max_tokens=80, data_collator=rec
+    )
     trainer.train()
     assert len(rec.batches) >= 4
     ref = _FixedBatches(plain, _args(tmp_path / "p", **kw), train_dataset=data, batches=rec.batches)
@@ -155,8 +183,7 @@ class _NanAt:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._calls = getattr(self, "_calls", 0) + 1
         self.host_filter = getattr(self, "host_filter", set()) | {self.args.logging_nan_inf_filter}
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if self._calls in self.nan_calls and model.training:
             loss = loss + (torch.full_like(loss, float("nan")) - loss).detach()
         return loss
@@ -205,7 +232,7 @@ def test_evaluate_and_predict_match_hf_trainer(tmp_path, cls, token):
     p_ours, p_theirs = ours.predict(data), theirs.predict(data)
     assert p_ours.predictions.shape == p_theirs.predictions.shape
     np.testing.assert_array_equal(p_ours.label_ids, p_theirs.label_ids)
-    real = p_theirs.label_ids != -100   # token logits at padding differ (HF computes values there)
+    real = p_theirs.label_ids != -100  # token logits at padding differ (HF computes values there)
     np.testing.assert_allclose(p_ours.predictions[real], p_theirs.predictions[real], rtol=1e-9, atol=1e-12)
 
 
@@ -213,22 +240,26 @@ def test_batches_respect_budget_and_cover_each_epoch(tmp_path):
     data = _dataset(50, seed=105)
     rec = _Recorder(data)
     budget = 70
-    trainer = RaggedTrainer(ragged.nn.convert(_model(BertForSequenceClassification, seed=4)),
-                            _args(tmp_path, num_train_epochs=3, optim="sgd"), train_dataset=data,
-                            max_tokens=budget, data_collator=rec)
+    trainer = RaggedTrainer(
+        ragged.nn.convert(_model(BertForSequenceClassification, seed=4)),
+        _args(tmp_path, num_train_epochs=3, optim="sgd"),
+        train_dataset=data,
+        max_tokens=budget,
+        data_collator=rec,
+    )
     trainer.train()
     lengths = [len(x["input_ids"]) for x in data]
     epochs, batch = [], 0
     for epoch in range(3):
         trainer._train_sampler.set_epoch(epoch)
         count = len(trainer._train_sampler)
-        epochs.append(rec.batches[batch:batch + count])
+        epochs.append(rec.batches[batch : batch + count])
         batch += count
     assert batch == len(rec.batches) == trainer.state.global_step
     for batches in epochs:
         assert sorted(i for b in batches for i in b) == list(range(len(data)))
         assert all(sum(lengths[i] for i in b) <= budget for b in batches)
-    assert epochs[0] != epochs[1]   # a new order each epoch
+    assert epochs[0] != epochs[1]  # a new order each epoch
 
 
 def test_errors(tmp_path):
@@ -258,10 +289,23 @@ def test_graphs_train_and_evaluate_as_without(tmp_path, cls, token):
     graphs = ragged.nn.Graphed(model, 256, 16, capture=False)
     kw = dict(num_train_epochs=1, gradient_accumulation_steps=2, optim="adamw_torch", per_device_eval_batch_size=7)
     recs = [_Recorder(data), _Recorder(data)]
-    ours = RaggedTrainer(model, _args(tmp_path / "g", **kw), train_dataset=data, eval_dataset=data, max_tokens=80,
-                         data_collator=recs[0], graphs=graphs)
-    ref = RaggedTrainer(plain, _args(tmp_path / "p", **kw, seed=ours.args.seed), train_dataset=data,
-                        eval_dataset=data, max_tokens=80, data_collator=recs[1])
+    ours = RaggedTrainer(
+        model,
+        _args(tmp_path / "g", **kw),
+        train_dataset=data,
+        eval_dataset=data,
+        max_tokens=80,
+        data_collator=recs[0],
+        graphs=graphs,
+    )
+    ref = RaggedTrainer(
+        plain,
+        _args(tmp_path / "p", **kw, seed=ours.args.seed),
+        train_dataset=data,
+        eval_dataset=data,
+        max_tokens=80,
+        data_collator=recs[1],
+    )
     ours.train()
     ref.train()
     assert recs[0].batches == recs[1].batches and graphs.num_graphs >= 2
@@ -274,8 +318,9 @@ def test_graphs_errors(tmp_path):
     args = _args(tmp_path)
     data = _dataset(4, seed=0)
     with pytest.raises(ValueError, match=r"RaggedTrainer\(\): graphs= needs a model converted by ragged.nn.convert"):
-        RaggedTrainer(_model(BertForSequenceClassification, seed=5), args, train_dataset=data, max_tokens=8,
-                      graphs=True)
+        RaggedTrainer(
+            _model(BertForSequenceClassification, seed=5), args, train_dataset=data, max_tokens=8, graphs=True
+        )
     model = ragged.nn.convert(_model(BertForSequenceClassification, seed=5))
     other = ragged.nn.convert(_model(BertForSequenceClassification, seed=5))
     with pytest.raises(ValueError, match=r"expected graphs= to be a ragged.nn.Graphed of the trainer's model"):
@@ -292,13 +337,21 @@ def test_a_datasets_dataset_with_text_columns(tmp_path):
     items = _dataset(30, seed=107)
     rows = [{**x, "text": " ".join(map(str, x["input_ids"]))} for x in items]
     results = []
-    for data in (items, datasets.Dataset.from_list(rows),
-                 datasets.Dataset.from_list([{**r, "length": len(r["input_ids"])} for r in rows])):
+    for data in (
+        items,
+        datasets.Dataset.from_list(rows),
+        datasets.Dataset.from_list([{**r, "length": len(r["input_ids"])} for r in rows]),
+    ):
         rec = _Recorder(items)
         hf = _model(BertForSequenceClassification, seed=7)
         model = ragged.nn.convert(hf)
-        trainer = RaggedTrainer(model, _args(tmp_path / str(len(results)), num_train_epochs=1, optim="sgd", seed=3),
-                                train_dataset=data, max_tokens=90, data_collator=rec)
+        trainer = RaggedTrainer(
+            model,
+            _args(tmp_path / str(len(results)), num_train_epochs=1, optim="sgd", seed=3),
+            train_dataset=data,
+            max_tokens=90,
+            data_collator=rec,
+        )
         trainer.train()
         results.append((rec.batches, _params(model)))
     for batches, params in results[1:]:
@@ -314,7 +367,11 @@ class _Stream(torch.utils.data.IterableDataset):
 def test_import_ragged_does_not_import_trainer():
     import subprocess
     import sys
-    code = "import sys, ragged, ragged.data; assert 'ragged.trainer' not in sys.modules and 'transformers' not in sys.modules"
+
+    code = (
+        "import sys, ragged, ragged.data; "
+        "assert 'ragged.trainer' not in sys.modules and 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -325,7 +382,8 @@ def test_several_gpus_in_one_process_train_on_one(tmp_path):
     args = _args(tmp_path)
     args._n_gpu = 2  # what TrainingArguments finds on a two-GPU host without torchrun
     with pytest.warns(UserWarning, match="training on one of them"):
-        trainer = RaggedTrainer(ragged.nn.convert(_model(BertForSequenceClassification, seed=5)), args,
-                                train_dataset=data, max_tokens=64)
+        trainer = RaggedTrainer(
+            ragged.nn.convert(_model(BertForSequenceClassification, seed=5)), args, train_dataset=data, max_tokens=64
+        )
     assert trainer.args.n_gpu == 1
     assert trainer._wrap_model(trainer.model) is trainer.model  # no DataParallel

@@ -15,5 +15,7 @@ def test_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = dict(os.environ, TRITON_INTERPRET="0")
     script = pathlib.Path(__file__).with_name("aot_sm90.py")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

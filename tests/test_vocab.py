@@ -11,30 +11,29 @@ through the interpreter, see ``conftest.py``; their tests skip while
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import ragged
-from ragged import RaggedLogits, RaggedTensor
 from vocab_cases import (
-    _targets,
     BACKENDS,
     CASES,
+    FP32_TOL,
+    NEG_INF,
     _close,
     _flat,
-    FP32_TOL,
     _grads,
     _ids_and_offsets,
     _loop_blocks,
     _make,
-    NEG_INF,
     _randn,
     _seed,
     _skip_if_backend_cannot,
+    _targets,
 )
+
+import ragged
+from ragged import RaggedLogits, RaggedTensor
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
@@ -48,8 +47,14 @@ def test_reference_matches_loop(case, with_bias, shared):
     assert out.dtype == torch.float64 and out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
     # float32 in, float32 out
-    out32 = ragged.reference_vocab_projection(hidden.values.float(), hidden.offsets, weight.float(),
-                                              None if bias is None else bias.float(), ids.to(torch.int32), v_off)
+    out32 = ragged.reference_vocab_projection(
+        hidden.values.float(),
+        hidden.offsets,
+        weight.float(),
+        None if bias is None else bias.float(),
+        ids.to(torch.int32),
+        v_off,
+    )
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32.double(), expected, **FP32_TOL)
     # the written-out backward and autograd through the reference, against the loop
@@ -58,8 +63,9 @@ def test_reference_matches_loop(case, with_bias, shared):
     ref = _grads(lambda h, w, b: _flat(_loop_blocks(h, lens, w, b, cands)), leaves, up)
     auto = _grads(lambda h, w, b: ragged.reference_vocab_projection(h, hidden.offsets, w, b, ids, v_off), leaves, up)
     _close(auto, ref, {"atol": 1e-10, "rtol": 1e-10}, "autograd")
-    written = ragged.reference_vocab_projection_backward(up, hidden.values, hidden.offsets, weight, ids, v_off,
-                                                         True, True, with_bias)
+    written = ragged.reference_vocab_projection_backward(
+        up, hidden.values, hidden.offsets, weight, ids, v_off, True, True, with_bias
+    )
     _close(written, ref, {"atol": 1e-10, "rtol": 1e-10}, "written-out")
 
 
@@ -67,11 +73,13 @@ def test_reference_backward_returns_only_what_is_asked():
     hidden, weight, _, vocab, _, _ = _make("mixed", 1)
     grad = torch.ones(sum(t * v for t, v in zip(*CASES["mixed"][:2])), dtype=torch.float64)
     for flags in ((True, False, False), (False, True, False), (False, False, True)):
-        out = ragged.reference_vocab_projection_backward(grad, hidden.values, hidden.offsets, weight, vocab.values,
-                                                         vocab.offsets, *flags)
+        out = ragged.reference_vocab_projection_backward(
+            grad, hidden.values, hidden.offsets, weight, vocab.values, vocab.offsets, *flags
+        )
         assert [g is not None for g in out] == list(flags)
-    dh, dw, db = ragged.reference_vocab_projection_backward(grad, hidden.values, hidden.offsets, weight,
-                                                            vocab.values, vocab.offsets)
+    dh, dw, db = ragged.reference_vocab_projection_backward(
+        grad, hidden.values, hidden.offsets, weight, vocab.values, vocab.offsets
+    )
     assert dh.shape == hidden.values.shape and dw.shape == weight.shape and db.shape == (weight.shape[0],)
 
 
@@ -99,8 +107,9 @@ def test_projection_forward_backward(backend, case, shared):
     assert logits.logit_offsets.dtype == torch.int64 and logits.logit_offsets.tolist() == expected_l_off
     up = _randn(expected.shape, _seed(case, backend, "up"))
     leaves = (hidden.values, weight, bias)
-    got = _grads(lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b,
-                                                         backend=backend).values, leaves, up)
+    got = _grads(
+        lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b, backend=backend).values, leaves, up
+    )
     ref = _grads(lambda h, w, b: _flat(_loop_blocks(h, lens, w, b, cands)), leaves, up)
     _close(got, ref, tol, backend)
     # rows of ids that no sequence lists get no gradient
@@ -126,7 +135,7 @@ def test_overlapping_candidates_sum_weight_gradients(backend):
     per_seq = []
     for h, c in zip(hidden.unbind(), cands):
         dw = torch.zeros_like(weight)
-        dw[c] = h.sum(0).expand(len(c), dim)   # d(sum of logits)/dW[id] = sum of the sequence's tokens
+        dw[c] = h.sum(0).expand(len(c), dim)  # d(sum of logits)/dW[id] = sum of the sequence's tokens
         per_seq.append(dw)
     torch.testing.assert_close(w.grad, sum(per_seq), **FP32_TOL)
     counts = torch.zeros(8, dtype=dtype)
@@ -158,8 +167,11 @@ def test_triton_deterministic_backward():
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        got = _grads(lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b,
-                                                             backend="triton").values, leaves, up)
+        got = _grads(
+            lambda h, w, b: ragged.vocab_projection(hidden.with_values(h), w, vocab, b, backend="triton").values,
+            leaves,
+            up,
+        )
     finally:
         torch.use_deterministic_algorithms(previous)
     _close(got, ref, {"atol": 5e-5, "rtol": 5e-5}, "deterministic")
@@ -187,8 +199,12 @@ def test_host_offsets_are_read_only_when_missing():
 
 
 @settings(max_examples=15, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 9)), min_size=0, max_size=5),
-       vocab_size=st.integers(1, 20), with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 9)), min_size=0, max_size=5),
+    vocab_size=st.integers(1, 20),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_random_batches_reference(seqs, vocab_size, with_bias, seed):
     lens = [t for t, _ in seqs]
     counts = [min(v, vocab_size) for _, v in seqs]
@@ -211,7 +227,7 @@ def _restricted_full(full, lens, cands):
     out = torch.full_like(full, NEG_INF)
     t = 0
     for n, c in zip(lens, cands):
-        out[t:t + n, c] = full[t:t + n, c]
+        out[t : t + n, c] = full[t : t + n, c]
         t += n
     return out
 
@@ -246,9 +262,9 @@ def test_argmax_ties_and_nan():
     weight = torch.zeros(6, 2)
     vocab = RaggedTensor.from_lengths(torch.tensor([1, 3, 4, 0, 5]), [3, 2])
     logits = ragged.vocab_projection(hidden, weight, vocab)
-    assert logits.argmax().tolist() == [1, 1, 0]          # ties: the smallest id, as torch.argmax
+    assert logits.argmax().tolist() == [1, 1, 0]  # ties: the smallest id, as torch.argmax
     values = logits.values.clone()
-    values[4] = float("nan")                               # token 1, candidate 1 (id 3)
+    values[4] = float("nan")  # token 1, candidate 1 (id 3)
     assert logits.with_values(values).argmax().tolist() == [1, 3, 0]
 
 
@@ -264,20 +280,30 @@ def test_log_softmax_softmax_logsumexp(case, shared):
     torch.testing.assert_close(logp.values, _flat([torch.log_softmax(b, dim=1) for b in blocks]))
     torch.testing.assert_close(logits.softmax().values, _flat([torch.softmax(b, dim=1) for b in blocks]))
     # rows sum to one (tokens with candidates); their exp through the padded form
-    probs = logp.to_padded().exp().sum(-1)                 # [B, max T, ]
+    probs = logp.to_padded().exp().sum(-1)  # [B, max T, ]
     for b, (n, c) in enumerate(zip(lens, cands)):
         if len(c):
             torch.testing.assert_close(probs[b, :n], torch.ones(n, dtype=torch.float64))
     lse = logits.logsumexp()
-    expected = torch.cat([torch.logsumexp(b, 1) if b.shape[1] else torch.full((b.shape[0],), NEG_INF,
-                                                                               dtype=torch.float64)
-                          for b in blocks]) if blocks else torch.zeros(0, dtype=torch.float64)
+    expected = (
+        torch.cat(
+            [
+                torch.logsumexp(b, 1) if b.shape[1] else torch.full((b.shape[0],), NEG_INF, dtype=torch.float64)
+                for b in blocks
+            ]
+        )
+        if blocks
+        else torch.zeros(0, dtype=torch.float64)
+    )
     torch.testing.assert_close(lse, expected)
     if logits.numel():  # gradients flow through the normalisation
         up = _randn(logp.values.shape, 9)
         (g,) = torch.autograd.grad(logp.values, values, up)
-        ref = _grads(lambda h: _flat([torch.log_softmax(b, 1) for b in _loop_blocks(h, lens, weight, bias, cands)]),
-                     [hidden.values], up)[0]
+        ref = _grads(
+            lambda h: _flat([torch.log_softmax(b, 1) for b in _loop_blocks(h, lens, weight, bias, cands)]),
+            [hidden.values],
+            up,
+        )[0]
         torch.testing.assert_close(g, ref)
 
 
@@ -300,13 +326,14 @@ def test_to_padded_and_to_full(case, shared):
     assert padded.shape == (len(lens), max_t, max_v)
     expected = torch.full((len(lens), max_t, max_v), NEG_INF, dtype=torch.float64)
     for b, block in enumerate(blocks):
-        expected[b, :block.shape[0], :block.shape[1]] = block
+        expected[b, : block.shape[0], : block.shape[1]] = block
     # float64 logits from the kernel and from the per-sequence loop may differ in the last bit
     # (another summation order); the padding must be exactly -inf / exactly the fill value
     torch.testing.assert_close(padded, expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(padded == NEG_INF, expected == NEG_INF)
-    torch.testing.assert_close(logits.to_padded(0.0), torch.where(expected == NEG_INF, 0.0, expected),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        logits.to_padded(0.0), torch.where(expected == NEG_INF, 0.0, expected), rtol=1e-12, atol=1e-12
+    )
     assert torch.equal(logits.to_padded(0.0) == 0, torch.where(expected == NEG_INF, 0.0, expected) == 0)
     full = logits.to_full()
     assert full.shape == (sum(lens), weight.shape[0])
@@ -365,8 +392,9 @@ def test_logits_methods_read_nothing_back(no_host_reads, shared):
     with no_host_reads():
         logits.argmax(), logits.topk(3), logits.topk(9), logits.to_padded(), logits.to_full()
         logits.log_softmax().softmax(), logits.logsumexp(), repr(logits)
-        local, missing = ragged.ops.vocab_reference.locate_targets(target, layout.h_off, layout.ids, layout.v_off,
-                                                               weight.shape[0], -100)
+        local, missing = ragged.ops.vocab_reference.locate_targets(
+            target, layout.h_off, layout.ids, layout.v_off, weight.shape[0], -100
+        )
     assert local.shape == target.shape and missing.shape == ()
 
 

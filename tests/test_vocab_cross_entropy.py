@@ -12,17 +12,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ragged
-from ragged import RaggedTensor
 from vocab_cases import (
-    _targets,
     BACKENDS,
     CE,
-    _close,
-    _flat,
     FN,
     FP32_TOL,
+    _close,
+    _flat,
     _grads,
     _ids_and_offsets,
     _loop_blocks,
@@ -30,8 +26,11 @@ from vocab_cases import (
     _randn,
     _seed,
     _skip_if_backend_cannot,
+    _targets,
 )
 
+import ragged
+from ragged import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # Cross-entropy against F.cross_entropy on each sequence's gathered logits
@@ -44,16 +43,19 @@ def _loop_cross_entropy(values, lens, weight, bias, cands, target, ignore_index,
     losses, kept, t = [], 0, 0
     for block, n, c in zip(blocks, lens, cands):
         position = {int(i): j for j, i in enumerate(c.tolist())}
-        local = torch.tensor([position.get(int(x), ignore_index) if int(x) != ignore_index else ignore_index
-                              for x in target[t:t + n]], dtype=torch.int64)
+        local = torch.tensor(
+            [position.get(int(x), ignore_index) if int(x) != ignore_index else ignore_index for x in target[t : t + n]],
+            dtype=torch.int64,
+        )
         t += n
         if n == 0:
             continue
         if block.shape[1] == 0:
             losses.append(block.new_zeros(n))
             continue
-        losses.append(F.cross_entropy(block, local, ignore_index=ignore_index, reduction="none",
-                                      label_smoothing=label_smoothing))
+        losses.append(
+            F.cross_entropy(block, local, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+        )
         kept += int((local != ignore_index).sum())
     per_token = torch.cat(losses) if losses else values.new_zeros(0, dtype=torch.float64)
     if reduction == "none":
@@ -95,9 +97,10 @@ def test_cross_entropy_shared_vocabulary_is_f_cross_entropy_on_the_batch():
     logits = hidden.values @ weight[vocab].T + bias[vocab]
     local = torch.where(target >= 0, torch.searchsorted(vocab, target.clamp_min(0)), -100)
     for reduction in ("mean", "sum", "none"):
-        torch.testing.assert_close(ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, reduction=reduction,
-                                                              label_smoothing=0.1),
-                                   F.cross_entropy(logits, local, reduction=reduction, label_smoothing=0.1))
+        torch.testing.assert_close(
+            ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, reduction=reduction, label_smoothing=0.1),
+            F.cross_entropy(logits, local, reduction=reduction, label_smoothing=0.1),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -107,8 +110,9 @@ def test_cross_entropy_each_backend(backend):
     target = _targets(lens, cands, weight.shape[0], 32)
 
     def ours(h, w, b):
-        return ragged.vocab_cross_entropy(hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1,
-                                          backend=backend)
+        return ragged.vocab_cross_entropy(
+            hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1, backend=backend
+        )
 
     def oracle(h, w, b):
         return _loop_cross_entropy(h, lens, w, b, cands, target, -100, "mean", 0.1)
@@ -195,12 +199,14 @@ def test_vocab_projection_module():
     assert "in_features=16, num_embeddings=40, bias=True" in repr(proj)
     hidden, _, _, vocab, cands, lens = _make("mixed", 71)
     logits = proj(hidden, vocab)
-    torch.testing.assert_close(logits.values, _flat(_loop_blocks(hidden.values, lens, proj.weight.detach(),
-                                                                 proj.bias.detach(), cands)))
+    torch.testing.assert_close(
+        logits.values, _flat(_loop_blocks(hidden.values, lens, proj.weight.detach(), proj.bias.detach(), cands))
+    )
     target = _targets(lens, cands, 40, 72)
     loss = proj.loss(hidden, vocab, target, label_smoothing=0.1)
-    torch.testing.assert_close(loss, ragged.vocab_cross_entropy(hidden, proj.weight, vocab, target, proj.bias,
-                                                                label_smoothing=0.1))
+    torch.testing.assert_close(
+        loss, ragged.vocab_cross_entropy(hidden, proj.weight, vocab, target, proj.bias, label_smoothing=0.1)
+    )
     loss.backward()
     assert proj.weight.grad is not None and proj.bias.grad is not None
     assert ragged.nn.VocabProjection(8, 5, bias=False).bias is None
@@ -239,8 +245,7 @@ def test_vocab_projection_ties_a_linear_and_loads_its_state_dict():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_fullgraph_forward_backward(backend, shared):
     torch._dynamo.reset()
-    hidden, weight, bias, vocab, cands, lens = _make("mixed", _seed("compile", backend), torch.float32,
-                                                     shared=shared)
+    hidden, weight, bias, vocab, cands, lens = _make("mixed", _seed("compile", backend), torch.float32, shared=shared)
     _skip_if_backend_cannot(backend, hidden, weight, bias, vocab)
 
     def f(h, w, b, voc):
@@ -248,8 +253,9 @@ def test_compile_fullgraph_forward_backward(backend, shared):
         return logits.values * 2, logits.log_softmax().values
 
     leaves = [t.clone().requires_grad_(True) for t in (hidden.values, weight, bias)]
-    out, logp = torch.compile(f, fullgraph=True, backend="aot_eager")(hidden.with_values(leaves[0]), leaves[1],
-                                                                       leaves[2], vocab)
+    out, logp = torch.compile(f, fullgraph=True, backend="aot_eager")(
+        hidden.with_values(leaves[0]), leaves[1], leaves[2], vocab
+    )
     blocks = _loop_blocks(hidden.values, lens, weight, bias, cands)
     torch.testing.assert_close(out.double(), 2 * _flat(blocks), **FP32_TOL)
     torch.testing.assert_close(logp.double(), _flat([torch.log_softmax(b, 1) for b in blocks]), **FP32_TOL)
@@ -276,7 +282,7 @@ def test_compile_cross_entropy(out_of_vocab):
     w_ref = weight.clone().requires_grad_(True)
     f(hidden, w_ref, bias, target).backward()
     torch.testing.assert_close(w.grad, w_ref.grad)
-    if out_of_vocab == "error":   # under compile a device-side assert, not a read
+    if out_of_vocab == "error":  # under compile a device-side assert, not a read
         outside = target.clone()
         outside[0] = int(torch.tensor([i for i in range(40) if i not in cands[0].tolist()])[0])
         with pytest.raises(RuntimeError, match="candidate"):
@@ -300,8 +306,10 @@ def test_opcheck(shared):
     h, h_off, w, _b, ids, v_off, l_off, total, max_t, max_v, backend = _op_args(shared=shared, grad=False)
     grad = torch.randn(total)
     for flags in ((True, True, True), (False, True, False)):
-        torch.library.opcheck(torch.ops.ragged.vocab_projection_backward.default,
-                              (grad, h, h_off, w, ids, v_off, l_off, max_t, max_v, *flags, False, backend))
+        torch.library.opcheck(
+            torch.ops.ragged.vocab_projection_backward.default,
+            (grad, h, h_off, w, ids, v_off, l_off, max_t, max_v, *flags, False, backend),
+        )
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
@@ -317,9 +325,31 @@ def test_opcheck_cross_entropy(shared):
     host = (list(hidden.host_offsets()), None if shared else list(vocab.host_offsets()))
     grad = torch.randn(loss.shape[0])
     for flags, (host_h, host_v) in (((True, True, True), host), ((False, True, False), (None, None))):
-        torch.library.opcheck(torch.ops.ragged.vocab_cross_entropy_backward.default,
-                              (grad, h.detach(), h_off, w.detach(), b.detach(), ids, v_off, l_off, total, local,
-                               lse.detach(), None, 0.1, max_t, max_v, *flags, False, host_h, host_v, backend))
+        torch.library.opcheck(
+            torch.ops.ragged.vocab_cross_entropy_backward.default,
+            (
+                grad,
+                h.detach(),
+                h_off,
+                w.detach(),
+                b.detach(),
+                ids,
+                v_off,
+                l_off,
+                total,
+                local,
+                lse.detach(),
+                None,
+                0.1,
+                max_t,
+                max_v,
+                *flags,
+                False,
+                host_h,
+                host_v,
+                backend,
+            ),
+        )
 
 
 def test_fake_implementations_give_shapes():
@@ -331,18 +361,45 @@ def test_fake_implementations_give_shapes():
         ids = torch.empty(11, dtype=torch.int64)
         l_off = torch.empty(4, dtype=torch.int64)
         out = torch.ops.ragged.vocab_projection(h, h_off, w, None, ids, h_off, l_off, 37, 5, 6, "torch")
-        grads = torch.ops.ragged.vocab_projection_backward(out, h, h_off, w, ids, h_off, l_off, 5, 6, True, False,
-                                                           True, False, "torch")
+        grads = torch.ops.ragged.vocab_projection_backward(
+            out, h, h_off, w, ids, h_off, l_off, 5, 6, True, False, True, False, "torch"
+        )
         target = torch.empty(9, dtype=torch.int64)
-        ce = torch.ops.ragged.vocab_cross_entropy(h.double(), h_off, w.double(), None, ids, None, l_off, 99, 5, 11,
-                                                  target, -100, 0.0, "torch")
-        ce_grads = torch.ops.ragged.vocab_cross_entropy_backward(ce[0], h, h_off, w, None, ids, h_off, l_off, 37,
-                                                                 ce[2], ce[1], None, 0.0, 5, 6, False, True, False,
-                                                                 False, None, None, "torch")
+        ce = torch.ops.ragged.vocab_cross_entropy(
+            h.double(), h_off, w.double(), None, ids, None, l_off, 99, 5, 11, target, -100, 0.0, "torch"
+        )
+        ce_grads = torch.ops.ragged.vocab_cross_entropy_backward(
+            ce[0],
+            h,
+            h_off,
+            w,
+            None,
+            ids,
+            h_off,
+            l_off,
+            37,
+            ce[2],
+            ce[1],
+            None,
+            0.0,
+            5,
+            6,
+            False,
+            True,
+            False,
+            False,
+            None,
+            None,
+            "torch",
+        )
     assert out.shape == (37,)
     assert [tuple(g.shape) for g in grads] == [(9, 16), (0,), (40,)]
-    assert [(tuple(t.shape), t.dtype) for t in ce] == [((9,), torch.float64), ((9,), torch.float64),
-                                                      ((9,), torch.int32), ((), torch.int64)]
+    assert [(tuple(t.shape), t.dtype) for t in ce] == [
+        ((9,), torch.float64),
+        ((9,), torch.float64),
+        ((9,), torch.int32),
+        ((), torch.int64),
+    ]
     assert [tuple(g.shape) for g in ce_grads] == [(0,), (40, 16), (0,)]
 
 
@@ -351,10 +408,16 @@ def test_public_api_under_fake_tensors_uses_the_ops():
 
     hidden, weight, _bias, vocab, _, _lens = _make("mixed", 111, torch.float32)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = RaggedTensor(mode.from_tensor(hidden.values), mode.from_tensor(hidden.offsets), hidden.max_len,
-                            hidden._host_offsets)
-        logits = ragged.vocab_projection(fake, mode.from_tensor(weight), RaggedTensor(
-            mode.from_tensor(vocab.values), mode.from_tensor(vocab.offsets), vocab.max_len, vocab._host_offsets))
+        fake = RaggedTensor(
+            mode.from_tensor(hidden.values), mode.from_tensor(hidden.offsets), hidden.max_len, hidden._host_offsets
+        )
+        logits = ragged.vocab_projection(
+            fake,
+            mode.from_tensor(weight),
+            RaggedTensor(
+                mode.from_tensor(vocab.values), mode.from_tensor(vocab.offsets), vocab.max_len, vocab._host_offsets
+            ),
+        )
     assert logits.values.shape == (38,)
 
 
@@ -379,32 +442,54 @@ def _vocab(ids, counts, dtype=torch.int64):
     return RaggedTensor.from_lengths(torch.tensor(ids, dtype=dtype), counts)
 
 
-@pytest.mark.parametrize("bad,words", [
-    (([[3, 1, 5], [2]], [3, 1]), ("sorted", "3 before 1", "sequence 0")),
-    (([[1, 5, 5], [2]], [3, 1]), ("unique", "5 twice", "sequence 0")),
-    (([[1, 5], [2, 40]], [2, 2]), ("[0, 40)", "got 40", "sequence 1")),
-    (([[-1, 5], [2]], [2, 1]), ("[0, 40)", "got -1",)),
-], ids=["unsorted", "duplicate", "too_large", "negative"])
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (([[3, 1, 5], [2]], [3, 1]), ("sorted", "3 before 1", "sequence 0")),
+        (([[1, 5, 5], [2]], [3, 1]), ("unique", "5 twice", "sequence 0")),
+        (([[1, 5], [2, 40]], [2, 2]), ("[0, 40)", "got 40", "sequence 1")),
+        (
+            ([[-1, 5], [2]], [2, 1]),
+            (
+                "[0, 40)",
+                "got -1",
+            ),
+        ),
+    ],
+    ids=["unsorted", "duplicate", "too_large", "negative"],
+)
 def test_validate_catches_bad_ids(bad, words):
     hidden, weight, bias, _, _ = _good()
     lists, counts = bad
     hidden = RaggedTensor.from_lengths(hidden.values[:5], [3, 2])
     vocab = _vocab([i for ids in lists for i in ids], counts)
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, vocab, bias, validate=True), FN, "vocab.values",
-            *words)
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_projection(hidden, weight, vocab, bias, validate=True),
+        FN,
+        "vocab.values",
+        *words,
+    )
     target = torch.full((5,), -100)
-    _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, validate=True), CE,
-            *words)
+    _raises(
+        ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, validate=True), CE, *words
+    )
 
 
 def test_validate_shared_vocabulary_and_good_input():
     hidden, weight, bias, vocab, _ = _good()
     ragged.vocab_projection(hidden, weight, vocab, bias, validate=True)
     ragged.vocab_projection(hidden, weight, torch.tensor([0, 3, 39]), bias, validate=True)
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, torch.tensor([0, 3, 3]), validate=True), FN,
-            "unique", "3 twice")
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, torch.tensor([4, 3]), validate=True), FN,
-            "sorted")
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_projection(hidden, weight, torch.tensor([0, 3, 3]), validate=True),
+        FN,
+        "unique",
+        "3 twice",
+    )
+    _raises(
+        ValueError, lambda: ragged.vocab_projection(hidden, weight, torch.tensor([4, 3]), validate=True), FN, "sorted"
+    )
     # sequences are checked separately: the same id in two sequences and a drop across a boundary are fine
     two = RaggedTensor.from_lengths(hidden.values[:5], [3, 2])
     ragged.vocab_projection(two, weight, _vocab([1, 5, 9, 1, 5], [3, 2]), validate=True)
@@ -412,10 +497,20 @@ def test_validate_shared_vocabulary_and_good_input():
 
 def test_bad_hidden():
     _, weight, bias, vocab, _ = _good()
-    _raises(TypeError, lambda: ragged.vocab_projection(torch.randn(14, 16), weight, vocab, bias), FN, "hidden",
-            "RaggedTensor")
-    _raises(TypeError, lambda: ragged.vocab_cross_entropy(torch.randn(14, 16), weight, vocab, torch.zeros(14)), CE,
-            "hidden", "RaggedTensor")
+    _raises(
+        TypeError,
+        lambda: ragged.vocab_projection(torch.randn(14, 16), weight, vocab, bias),
+        FN,
+        "hidden",
+        "RaggedTensor",
+    )
+    _raises(
+        TypeError,
+        lambda: ragged.vocab_cross_entropy(torch.randn(14, 16), weight, vocab, torch.zeros(14)),
+        CE,
+        "hidden",
+        "RaggedTensor",
+    )
     three_d = RaggedTensor.from_lengths(torch.randn(14, 2, 8), [3, 0, 5, 2, 4])
     _raises(ValueError, lambda: ragged.vocab_projection(three_d, weight, vocab), FN, "hidden.values", "[T, d]")
     ints = RaggedTensor.from_lengths(torch.ones(14, 16, dtype=torch.int64), [3, 0, 5, 2, 4])
@@ -424,35 +519,61 @@ def test_bad_hidden():
 
 def test_bad_weight_and_bias():
     hidden, weight, bias, vocab, _ = _good()
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, torch.randn(40, 8), vocab), FN, "weight",
-            "[V, 16]", "(40, 8)")
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_projection(hidden, torch.randn(40, 8), vocab),
+        FN,
+        "weight",
+        "[V, 16]",
+        "(40, 8)",
+    )
     _raises(ValueError, lambda: ragged.vocab_projection(hidden, torch.randn(40), vocab), FN, "weight")
     _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight.numpy(), vocab), FN, "weight", "torch.Tensor")
-    _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight.double(), vocab), FN, "weight",
-            "torch.float64")
+    _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight.double(), vocab), FN, "weight", "torch.float64")
     _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight.to("meta"), vocab), FN, "weight", "meta")
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, vocab, torch.randn(39)), FN, "bias", "[40]",
-            "(39,)")
+    _raises(
+        ValueError, lambda: ragged.vocab_projection(hidden, weight, vocab, torch.randn(39)), FN, "bias", "[40]", "(39,)"
+    )
     _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, vocab, torch.randn(1, 40)), FN, "bias")
-    _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight, vocab, bias.half()), FN, "bias",
-            "torch.float16")
-    _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, torch.zeros(14, dtype=torch.int64),
-                                                           torch.randn(7)), CE, "bias")
+    _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight, vocab, bias.half()), FN, "bias", "torch.float16")
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, torch.zeros(14, dtype=torch.int64), torch.randn(7)),
+        CE,
+        "bias",
+    )
 
 
 def test_bad_vocab():
     hidden, weight, _bias, vocab, _ = _good()
     short = RaggedTensor.from_lengths(vocab.values[:7], [4, 3])
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, short), FN, "vocab", "batch size", "(5)",
-            "got 2")
+    _raises(
+        ValueError, lambda: ragged.vocab_projection(hidden, weight, short), FN, "vocab", "batch size", "(5)", "got 2"
+    )
     for dtype in (torch.float32, torch.int16, torch.uint8):
         bad = RaggedTensor.from_lengths(vocab.values.to(dtype), [4, 3, 0, 1, 6])
-        _raises(TypeError, lambda bad=bad: ragged.vocab_projection(hidden, weight, bad), FN, "vocab.values",
-                "torch.int32 or torch.int64", str(dtype))
-        _raises(TypeError, lambda dtype=dtype: ragged.vocab_projection(hidden, weight, torch.arange(4).to(dtype)), FN,
-                "vocab", str(dtype))
-    _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, torch.zeros(2, 3, dtype=torch.int64)), FN,
-            "vocab", "1-D")
+        _raises(
+            TypeError,
+            lambda bad=bad: ragged.vocab_projection(hidden, weight, bad),
+            FN,
+            "vocab.values",
+            "torch.int32 or torch.int64",
+            str(dtype),
+        )
+        _raises(
+            TypeError,
+            lambda dtype=dtype: ragged.vocab_projection(hidden, weight, torch.arange(4).to(dtype)),
+            FN,
+            "vocab",
+            str(dtype),
+        )
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_projection(hidden, weight, torch.zeros(2, 3, dtype=torch.int64)),
+        FN,
+        "vocab",
+        "1-D",
+    )
     two_d = RaggedTensor.from_lengths(torch.zeros(14, 1, dtype=torch.int64), [4, 3, 0, 1, 6])
     _raises(ValueError, lambda: ragged.vocab_projection(hidden, weight, two_d), FN, "vocab.values", "1-D")
     _raises(TypeError, lambda: ragged.vocab_projection(hidden, weight, [1, 2, 3]), FN, "vocab")
@@ -461,23 +582,41 @@ def test_bad_vocab():
 
 def test_bad_target():
     hidden, weight, bias, vocab, target = _good()
-    _raises(TypeError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target.float(), bias), CE, "target",
-            "torch.int64 or torch.int32", "torch.float32")
-    _raises(TypeError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target.to(torch.int16), bias), CE,
-            "target", "torch.int16")
-    _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target[:-1], bias), CE, "target",
-            "[14]")
+    _raises(
+        TypeError,
+        lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target.float(), bias),
+        CE,
+        "target",
+        "torch.int64 or torch.int32",
+        "torch.float32",
+    )
+    _raises(
+        TypeError,
+        lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target.to(torch.int16), bias),
+        CE,
+        "target",
+        "torch.int16",
+    )
+    _raises(
+        ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target[:-1], bias), CE, "target", "[14]"
+    )
     _raises(TypeError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target.tolist(), bias), CE, "target")
     outside = target.clone()
-    outside[3] = 0 if 0 not in vocab[2].tolist() else 1      # token 3: sequence 2 (5 tokens, no candidates)
-    _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, outside, bias), CE, "candidate",
-            "token 3 (sequence 2)", "out_of_vocab='ignore'")
+    outside[3] = 0 if 0 not in vocab[2].tolist() else 1  # token 3: sequence 2 (5 tokens, no candidates)
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, outside, bias),
+        CE,
+        "candidate",
+        "token 3 (sequence 2)",
+        "out_of_vocab='ignore'",
+    )
     mid = target.clone()
     cand0 = set(vocab[0].tolist())
-    mid[0] = next(i for i in range(40) if i not in cand0)      # in [0, V) but not a candidate of sequence 0
+    mid[0] = next(i for i in range(40) if i not in cand0)  # in [0, V) but not a candidate of sequence 0
     _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, mid, bias), CE, "token 0")
     big = target.clone()
-    big[0] = 40                                                  # outside the vocabulary altogether
+    big[0] = 40  # outside the vocabulary altogether
     _raises(ValueError, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, big, bias), CE, "target 40")
 
 
@@ -500,14 +639,24 @@ def test_bad_options():
 def test_forced_triton_that_cannot_take_the_input():
     hidden, weight, _bias, vocab, _ = _good()
     h64 = hidden.double()
-    reasons = ragged.explain("vocab_projection", h64.values, h64.offsets, weight.double(), None, vocab.values,
-                             vocab.offsets)
+    reasons = ragged.explain(
+        "vocab_projection", h64.values, h64.offsets, weight.double(), None, vocab.values, vocab.offsets
+    )
     assert reasons["torch"] == [] and reasons["triton"]
-    _raises(ValueError, lambda: ragged.vocab_projection(h64, weight.double(), vocab, backend="triton"), FN,
-            "triton", "cannot take")
+    _raises(
+        ValueError,
+        lambda: ragged.vocab_projection(h64, weight.double(), vocab, backend="triton"),
+        FN,
+        "triton",
+        "cannot take",
+    )
     with ragged.use_backend("triton"):
-        _raises(ValueError, lambda: ragged.vocab_cross_entropy(h64, weight.double(), vocab,
-                                                               torch.full((14,), -100)), CE, "triton")
+        _raises(
+            ValueError,
+            lambda: ragged.vocab_cross_entropy(h64, weight.double(), vocab, torch.full((14,), -100)),
+            CE,
+            "triton",
+        )
 
 
 def test_missing_kernel_module_is_a_reason_not_an_import_error():
@@ -533,8 +682,9 @@ def test_missing_kernel_module_is_a_reason_not_an_import_error():
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
 
@@ -548,8 +698,9 @@ def test_compile_cross_entropy_each_backend(backend, shared):
     target = _targets(lens, cands, weight.shape[0], 96)
 
     def f(h, w, b):
-        return ragged.vocab_cross_entropy(hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1,
-                                          out_of_vocab="ignore", backend=backend)
+        return ragged.vocab_cross_entropy(
+            hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1, out_of_vocab="ignore", backend=backend
+        )
 
     leaves = [t.clone().requires_grad_(True) for t in (hidden.values, weight, bias)]
     loss = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)

@@ -21,18 +21,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import ragged
-from ragged import RaggedTensor
 from vocab_cases import _flat, _loop_blocks
 from vocab_regression_cases import (
     BACKENDS,
     CE,
     COUNTS,
-    D,
     FN,
     LENS,
     TOL,
+    D,
     V,
     _candidates,
     _close,
@@ -43,6 +40,8 @@ from vocab_regression_cases import (
     _targets,
 )
 
+import ragged
+from ragged import RaggedTensor
 
 # --------------------------------------------------------------------------------------
 # 1. Double backward: a clear error naming the function, on both the eager path and the
@@ -80,8 +79,9 @@ def test_double_backward_raises_naming_the_function(backend, path, what):
     def f(h, w, b):
         if what == "projection":
             return ragged.vocab_projection(hidden.with_values(h), w, vocab, b, backend=backend).values.square().sum()
-        return ragged.vocab_cross_entropy(hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1,
-                                          backend=backend)
+        return ragged.vocab_cross_entropy(
+            hidden.with_values(h), w, vocab, target, b, label_smoothing=0.1, backend=backend
+        )
 
     def oracle(h, w, b):
         if what == "projection":
@@ -136,7 +136,7 @@ def _bad_id_case(shared, bad_id, seed):
         name = "vocab"
     else:
         lists = [c.clone() for c in cands]
-        lists[3] = torch.cat([lists[3][:-1], torch.tensor([bad_id])]).sort().values   # sequence 3
+        lists[3] = torch.cat([lists[3][:-1], torch.tensor([bad_id])]).sort().values  # sequence 3
         vocab = RaggedTensor.from_lengths(torch.cat(lists), COUNTS)
         name = "vocab.values"
     return hidden, weight, bias, vocab, name
@@ -149,10 +149,16 @@ def test_out_of_range_ids_raise_value_error(backend, shared, bad_id):
     hidden, weight, bias, vocab, name = _bad_id_case(shared, bad_id, 8)
     target = torch.full((sum(LENS),), -100)
     words = (f"expected {name} in [0, {V})", f"got {bad_id}")
-    for fn, call in ((FN, lambda: ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)),
-                     (CE, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend)),
-                     (CE, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend,
-                                                             out_of_vocab="ignore"))):
+    for fn, call in (
+        (FN, lambda: ragged.vocab_projection(hidden, weight, vocab, bias, backend=backend)),
+        (CE, lambda: ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend)),
+        (
+            CE,
+            lambda: ragged.vocab_cross_entropy(
+                hidden, weight, vocab, target, bias, backend=backend, out_of_vocab="ignore"
+            ),
+        ),
+    ):
         with pytest.raises(ValueError) as info:
             call()
         message = str(info.value)
@@ -181,7 +187,7 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     kce = pytest.importorskip("ragged.kernels.triton.vocab_cross_entropy")
     g = _gen("oob", shared)
     w_buf, b_buf = torch.randn(V + 6, D, generator=g), torch.randn(V + 6, generator=g)
-    weight, bias = w_buf[3:3 + V], b_buf[3:3 + V]
+    weight, bias = w_buf[3 : 3 + V], b_buf[3 : 3 + V]
     hidden = torch.randn(sum(LENS), D, generator=g)
     cands = _candidates(COUNTS, 9, shared)
     # sorted lists with an id below 0 first and one past V last (sequences without candidates stay empty)
@@ -199,12 +205,30 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     _flat(_loop_blocks(leaves[0], LENS, leaves[1], leaves[2], mapped)).backward(grad.double())
     for deterministic in (False, True):
         dw_buf, db_buf = torch.zeros(V + 6, D), torch.zeros(V + 6)
-        dh, _, _ = kv.backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, True, True, True,
-                               deterministic, dw_out=dw_buf[3:3 + V], db_out=db_buf[3:3 + V])
-        _close((dh, dw_buf[3:3 + V], db_buf[3:3 + V]), (leaves[0].grad, leaves[1].grad[:V], leaves[2].grad[:V]),
-               f"deterministic={deterministic}")
-        assert torch.all(dw_buf[:3] == 0) and torch.all(dw_buf[3 + V:] == 0)
-        assert torch.all(db_buf[:3] == 0) and torch.all(db_buf[3 + V:] == 0)
+        dh, _, _ = kv.backward(
+            grad,
+            hidden,
+            h_off,
+            weight,
+            ids,
+            v_off,
+            l_off,
+            max_t,
+            max_v,
+            True,
+            True,
+            True,
+            deterministic,
+            dw_out=dw_buf[3 : 3 + V],
+            db_out=db_buf[3 : 3 + V],
+        )
+        _close(
+            (dh, dw_buf[3 : 3 + V], db_buf[3 : 3 + V]),
+            (leaves[0].grad, leaves[1].grad[:V], leaves[2].grad[:V]),
+            f"deterministic={deterministic}",
+        )
+        assert torch.all(dw_buf[:3] == 0) and torch.all(dw_buf[3 + V :] == 0)
+        assert torch.all(db_buf[:3] == 0) and torch.all(db_buf[3 + V :] == 0)
     # the fused cross-entropy: the outside ids score 0 as in the projection, and the targets
     # are found by the binary search past them
     target, want_local = [], []
@@ -214,23 +238,46 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
             target.append(int(c[j]) if j >= 0 else -100)
             want_local.append(j)
     target, want_local = torch.tensor(target), torch.tensor(want_local, dtype=torch.int32)
-    loss, lse, local, missing = kce.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target,
-                                        -100, 0.0)
+    loss, lse, local, missing = kce.forward(
+        hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, -100, 0.0
+    )
     assert torch.equal(local, want_local) and missing.item() == 0
     leaves = [t.double().requires_grad_(True) for t in (hidden, w_ext, b_ext)]
     per_token, t = [], 0
     for block, n, c in zip(_loop_blocks(leaves[0], LENS, leaves[1], leaves[2], mapped), LENS, lists):
-        y = want_local[t:t + n].to(torch.int64)
+        y = want_local[t : t + n].to(torch.int64)
         t += n
         if n:
-            per_token.append(F.cross_entropy(block, y, ignore_index=-1, reduction="none") if len(c)
-                             else block.new_zeros(n))
+            per_token.append(
+                F.cross_entropy(block, y, ignore_index=-1, reduction="none") if len(c) else block.new_zeros(n)
+            )
     want = torch.cat(per_token)
     torch.testing.assert_close(loss.double(), want.detach(), **TOL)
     grad_loss = torch.randn(sum(LENS), generator=g)
     (want * grad_loss.double()).sum().backward()
-    got = kce.backward(grad_loss, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, None, 0.0,
-                       max_t, max_v, True, True, True, False, None, None)
+    got = kce.backward(
+        grad_loss,
+        hidden,
+        h_off,
+        weight,
+        bias,
+        ids,
+        v_off,
+        l_off,
+        total,
+        local,
+        lse,
+        None,
+        0.0,
+        max_t,
+        max_v,
+        True,
+        True,
+        True,
+        False,
+        None,
+        None,
+    )
     _close(got, (leaves[0].grad, leaves[1].grad[:V], leaves[2].grad[:V]), "cross_entropy_backward")
 
 
@@ -294,9 +341,10 @@ def test_unchecked_ids_are_checked_in_the_out_of_vocab_read(monkeypatch, backend
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
     loss = ragged.vocab_cross_entropy(hidden, weight, vocab, target, bias, backend=backend)
     monkeypatch.undo()
-    torch.testing.assert_close(loss.double(), _loop_cross_entropy(hidden.values, LENS, weight, bias, cands, target),
-                               **TOL)
-    if backend == "triton":   # the torch backend also reads the offsets for its per-sequence loop
+    torch.testing.assert_close(
+        loss.double(), _loop_cross_entropy(hidden.values, LENS, weight, bias, cands, target), **TOL
+    )
+    if backend == "triton":  # the torch backend also reads the offsets for its per-sequence loop
         assert len(reads) == 1, reads
 
 
@@ -318,13 +366,14 @@ def test_fused_cross_entropy_has_no_invalid_value_warning(label_smoothing):
     target = _targets(lens, cands, 13)
 
     def ours(h, w, b):
-        return ragged.vocab_cross_entropy(hidden.with_values(h), w, vocab, target, b, label_smoothing=label_smoothing,
-                                          backend="triton")
+        return ragged.vocab_cross_entropy(
+            hidden.with_values(h), w, vocab, target, b, label_smoothing=label_smoothing, backend="triton"
+        )
 
     def oracle(h, w, b):
         total, kept, t = h.sum() * 0, 0, 0
         for block, n, c in zip(_loop_blocks(h, lens, w, b, cands), lens, cands):
-            y = target[t:t + n]
+            y = target[t : t + n]
             t += n
             if n and len(c):
                 local = torch.searchsorted(c, y)

@@ -11,8 +11,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-
-from conftest import TRITON_ON_CPU, HAS_CUDA
+from conftest import HAS_CUDA, TRITON_ON_CPU
 
 pytestmark = pytest.mark.skipif(not (TRITON_ON_CPU or HAS_CUDA), reason="needs the Triton interpreter or a GPU")
 
@@ -21,7 +20,7 @@ kce = pytest.importorskip("ragged.kernels.triton.vocab_cross_entropy")
 DEVICE = "cuda" if HAS_CUDA and not TRITON_ON_CPU else "cpu"
 V, D = 60, 24
 CASES = {
-    "mixed": ([3, 0, 5, 1], [4, 7, 1, 0]),   # a sequence with no tokens, one with no candidates, one with 1
+    "mixed": ([3, 0, 5, 1], [4, 7, 1, 0]),  # a sequence with no tokens, one with no candidates, one with 1
     "two": ([9, 2], [6, 33]),
 }
 
@@ -33,7 +32,7 @@ def _case(name, shared, seed):
     if shared:
         lists = [torch.randperm(V, generator=gen)[:7].sort().values] * batch
         ids, v_off, v_lens = lists[0], None, [7] * batch
-    else:   # overlapping candidate lists across sequences
+    else:  # overlapping candidate lists across sequences
         lists = [torch.randperm(V, generator=gen)[:n].sort().values for n in v_lens]
         ids, v_off = torch.cat(lists), [0, *itertools.accumulate(v_lens)]
     h_off = [0, *itertools.accumulate(t_lens)]
@@ -41,8 +40,19 @@ def _case(name, shared, seed):
     hidden = torch.randn(h_off[-1], D, generator=gen)
     weight = torch.randn(V, D, generator=gen)
     bias = torch.randn(V, generator=gen)
-    return dict(t_lens=t_lens, v_lens=v_lens, lists=lists, ids=ids, v_off=v_off, h_off=h_off, l_off=l_off,
-                hidden=hidden, weight=weight, bias=bias, gen=gen)
+    return dict(
+        t_lens=t_lens,
+        v_lens=v_lens,
+        lists=lists,
+        ids=ids,
+        v_off=v_off,
+        h_off=h_off,
+        l_off=l_off,
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        gen=gen,
+    )
 
 
 def _i32(x):
@@ -56,7 +66,7 @@ def _dev(c):
 def _loop_logits(h, w, b, c):
     blocks = []
     for i, ids in enumerate(c["lists"]):
-        hb = h[c["h_off"][i]:c["h_off"][i + 1]]
+        hb = h[c["h_off"][i] : c["h_off"][i + 1]]
         blocks.append((hb @ w[ids].T + b[ids]).reshape(-1))
     return torch.cat(blocks)
 
@@ -68,15 +78,38 @@ def test_projection_forward_backward(shared, name, deterministic):
     c = _case(name, shared, seed=hash((shared, name)) % 1000)
     d = _dev(c)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    out = kv.forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off,
-                     c["l_off"][-1], max(c["t_lens"]), max(c["v_lens"]))
+    out = kv.forward(
+        d["hidden"],
+        _i32(c["h_off"]),
+        d["weight"],
+        d["bias"],
+        d["ids"],
+        _i32(c["v_off"]),
+        l_off,
+        c["l_off"][-1],
+        max(c["t_lens"]),
+        max(c["v_lens"]),
+    )
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     ref = _loop_logits(h64, w64, b64, c)
     torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-5)
     grad = torch.randn(ref.shape, generator=c["gen"])
     ref.backward(grad.double())
-    dh, dw, db = kv.backward(grad.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"], d["ids"], _i32(c["v_off"]),
-                             l_off, max(c["t_lens"]), max(c["v_lens"]), True, True, True, deterministic)
+    dh, dw, db = kv.backward(
+        grad.to(DEVICE),
+        d["hidden"],
+        _i32(c["h_off"]),
+        d["weight"],
+        d["ids"],
+        _i32(c["v_off"]),
+        l_off,
+        max(c["t_lens"]),
+        max(c["v_lens"]),
+        True,
+        True,
+        True,
+        deterministic,
+    )
     for got, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -90,7 +123,7 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     ignore = -100
     targets, local_t = [], []
     for b, (t_len, v_len) in enumerate(zip(c["t_lens"], c["v_lens"])):
-        for _ in range(t_len):   # some tokens without a target (ignore_index)
+        for _ in range(t_len):  # some tokens without a target (ignore_index)
             keep = v_len and torch.rand((), generator=c["gen"]) > 0.2
             k = int(torch.randint(0, v_len, (), generator=c["gen"])) if keep else -1
             local_t.append(k)
@@ -98,26 +131,60 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     target = torch.tensor(targets)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
     total, max_t, max_v = c["l_off"][-1], max(c["t_lens"]), max(c["v_lens"])
-    loss, lse, local, missing = kce.forward(d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
-                                        _i32(c["v_off"]), l_off, total, max_t, max_v, target.to(DEVICE), ignore,
-                                        smoothing)
+    loss, lse, local, missing = kce.forward(
+        d["hidden"],
+        _i32(c["h_off"]),
+        d["weight"],
+        d["bias"],
+        d["ids"],
+        _i32(c["v_off"]),
+        l_off,
+        total,
+        max_t,
+        max_v,
+        target.to(DEVICE),
+        ignore,
+        smoothing,
+    )
     assert missing.item() == 0 and local.cpu().tolist() == local_t
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     losses = []
     for b, ids in enumerate(c["lists"]):
-        z = h64[c["h_off"][b]:c["h_off"][b + 1]] @ w64[ids].T + b64[ids]
+        z = h64[c["h_off"][b] : c["h_off"][b + 1]] @ w64[ids].T + b64[ids]
         for t in range(z.shape[0]):
             y = local_t[c["h_off"][b] + t]
-            losses.append(F.cross_entropy(z[t:t + 1], torch.tensor([y]), label_smoothing=smoothing) if y >= 0
-                          else h64.sum() * 0)
+            losses.append(
+                F.cross_entropy(z[t : t + 1], torch.tensor([y]), label_smoothing=smoothing) if y >= 0 else h64.sum() * 0
+            )
     ref = torch.stack(losses)
     torch.testing.assert_close(loss.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-5)
     grad_loss = torch.randn(len(targets), generator=c["gen"])
     (ref * grad_loss.double()).sum().backward()
     host = (c["h_off"], c["v_off"]) if use_host else (None, None)
-    dh, dw, db = kce.backward(grad_loss.to(DEVICE), d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"],
-                              _i32(c["v_off"]), l_off, total, local, lse, None, smoothing, max_t, max_v, True, True,
-                              True, False, host[0], host[1], chunk_elems=chunk)
+    dh, dw, db = kce.backward(
+        grad_loss.to(DEVICE),
+        d["hidden"],
+        _i32(c["h_off"]),
+        d["weight"],
+        d["bias"],
+        d["ids"],
+        _i32(c["v_off"]),
+        l_off,
+        total,
+        local,
+        lse,
+        None,
+        smoothing,
+        max_t,
+        max_v,
+        True,
+        True,
+        True,
+        False,
+        host[0],
+        host[1],
+        chunk_elems=chunk,
+    )
     for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -152,15 +219,28 @@ def test_fused_cross_entropy_locates_global_targets(shared):
     want_local = torch.tensor([max(x, -1) for x in local_t], dtype=torch.int32)
     bad_tokens = [i for i, x in enumerate(local_t) if x == -2]
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    args = (d["hidden"], _i32(c["h_off"]), d["weight"], d["bias"], d["ids"], _i32(c["v_off"]), l_off, c["l_off"][-1],
-            max(c["t_lens"]), max(c["v_lens"]))
+    args = (
+        d["hidden"],
+        _i32(c["h_off"]),
+        d["weight"],
+        d["bias"],
+        d["ids"],
+        _i32(c["v_off"]),
+        l_off,
+        c["l_off"][-1],
+        max(c["t_lens"]),
+        max(c["v_lens"]),
+    )
     loss, lse, local, missing = kce.forward(*args, torch.tensor(global_t, device=DEVICE), ignore, 0.1)
     assert torch.equal(local.cpu(), want_local)
     assert missing.item() == len(bad_tokens)
     # the same losses with the local targets given as candidates' ids and the rest ignored
     lists = c["lists"]
-    again = [int(lists[b][k]) if k >= 0 else ignore
-             for b, (t0, t1) in enumerate(zip(c["h_off"][:-1], c["h_off"][1:])) for k in want_local[t0:t1].tolist()]
+    again = [
+        int(lists[b][k]) if k >= 0 else ignore
+        for b, (t0, t1) in enumerate(zip(c["h_off"][:-1], c["h_off"][1:]))
+        for k in want_local[t0:t1].tolist()
+    ]
     loss2, lse2, local2, missing2 = kce.forward(*args, torch.tensor(again, device=DEVICE), ignore, 0.1)
     assert torch.equal(local2.cpu(), want_local) and missing2.item() == 0
     torch.testing.assert_close(loss.cpu(), loss2.cpu(), rtol=0, atol=0)

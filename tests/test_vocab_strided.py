@@ -13,16 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ragged
-from ragged import RaggedLogits, RaggedTensor
 from vocab_cases import _flat, _loop_blocks
 from vocab_regression_cases import (
     BACKENDS,
     COUNTS,
-    D,
     LENS,
     TOL,
+    D,
     V,
     _candidates,
     _close,
@@ -33,6 +30,9 @@ from vocab_regression_cases import (
     _offsets,
     _targets,
 )
+
+import ragged
+from ragged import RaggedLogits, RaggedTensor
 
 
 def _strided_inputs(seed, shared, host):
@@ -54,8 +54,12 @@ def _strided_inputs(seed, shared, host):
             vocab = _interleave(cands[0], 0)
         else:
             v_off = _offsets(COUNTS)
-            vocab = RaggedTensor(_interleave(torch.cat(cands).to(torch.int32), 0), _interleave(v_off, 0),
-                                 max(COUNTS), tuple(v_off.tolist()) if host else None)
+            vocab = RaggedTensor(
+                _interleave(torch.cat(cands).to(torch.int32), 0),
+                _interleave(v_off, 0),
+                max(COUNTS),
+                tuple(v_off.tolist()) if host else None,
+            )
         return hidden, wf[:, ::2], vocab, bf[::2]
 
     return (h_full, w_full, b_full), build, cands
@@ -94,8 +98,13 @@ def test_ragged_logits_of_strided_inputs(backend, shared):
         plain_vocab = RaggedTensor.from_lengths(vocab.values.contiguous(), COUNTS)
     else:
         plain_vocab = vocab.contiguous()
-    plain = ragged.vocab_projection(RaggedTensor.from_lengths(hidden.values.contiguous(), LENS),
-                                    weight.contiguous(), plain_vocab, bias.contiguous(), backend=backend)
+    plain = ragged.vocab_projection(
+        RaggedTensor.from_lengths(hidden.values.contiguous(), LENS),
+        weight.contiguous(),
+        plain_vocab,
+        bias.contiguous(),
+        backend=backend,
+    )
     torch.testing.assert_close(strided.values, plain.values, **TOL)
     assert torch.equal(strided.argmax(), plain.argmax())
     for a, b in zip(strided.topk(3), plain.topk(3)):
@@ -106,10 +115,17 @@ def test_ragged_logits_of_strided_inputs(backend, shared):
     torch.testing.assert_close(strided.logsumexp(), plain.logsumexp(), **TOL)
     assert [t.shape for t in strided.unbind()] == [t.shape for t in plain.unbind()]
     # a RaggedLogits built by hand on strided metadata (its methods are torch ops on the layout)
-    by_hand = RaggedLogits(_interleave(plain.values, 0.0), _interleave(plain.offsets, 0), plain.num_tokens,
-                           plain.max_len, _interleave(plain.ids, 0),
-                           None if plain.shared else _interleave(plain.vocab_offsets, 0), plain.max_candidates,
-                           _interleave(plain.logit_offsets, 0), plain.num_embeddings)
+    by_hand = RaggedLogits(
+        _interleave(plain.values, 0.0),
+        _interleave(plain.offsets, 0),
+        plain.num_tokens,
+        plain.max_len,
+        _interleave(plain.ids, 0),
+        None if plain.shared else _interleave(plain.vocab_offsets, 0),
+        plain.max_candidates,
+        _interleave(plain.logit_offsets, 0),
+        plain.num_embeddings,
+    )
     assert torch.equal(by_hand.argmax(), plain.argmax())
     for a, b in zip(by_hand.topk(3), plain.topk(3)):
         torch.testing.assert_close(a, b)
@@ -126,8 +142,9 @@ def test_cross_entropy_takes_strided_offsets_ids_bias_target(backend, shared):
 
     def ours(hf, wf, bf):
         hidden, weight, vocab, bias = build(hf, wf, bf)
-        return ragged.vocab_cross_entropy(hidden, weight, vocab, _interleave(target, 0), bias, label_smoothing=0.1,
-                                          backend=backend)
+        return ragged.vocab_cross_entropy(
+            hidden, weight, vocab, _interleave(target, 0), bias, label_smoothing=0.1, backend=backend
+        )
 
     def oracle(hf, wf, bf):
         return _loop_cross_entropy(hf[:, ::2], LENS, wf[:, ::2], bf[::2], cands, target, 0.1)
@@ -165,15 +182,24 @@ def test_implementations_take_strided_metadata(shared, backend):
     cross_entropy = ragged.backends.implementation("vocab_cross_entropy", backend)
     g = _gen("launch", shared)
     cands = _candidates(COUNTS, 5, shared)
-    hidden, weight, bias = (torch.randn(sum(LENS), D, generator=g), torch.randn(V, D, generator=g),
-                            torch.randn(V, generator=g))
+    hidden, weight, bias = (
+        torch.randn(sum(LENS), D, generator=g),
+        torch.randn(V, D, generator=g),
+        torch.randn(V, generator=g),
+    )
     sizes = [len(c) for c in cands]
     l_off = _offsets([t * v for t, v in zip(LENS, sizes)], torch.int64)
     total, max_t, max_v = int(l_off[-1]), max(LENS), max(sizes)
     ids = cands[0] if shared else torch.cat(cands)
     v_off = None if shared else _interleave(_offsets(COUNTS), 0)
-    args = (_interleave(_offsets(LENS), 0), weight, _interleave(bias, 0.0), _interleave(ids, 0), v_off,
-            _interleave(l_off, 0))
+    args = (
+        _interleave(_offsets(LENS), 0),
+        weight,
+        _interleave(bias, 0.0),
+        _interleave(ids, 0),
+        v_off,
+        _interleave(l_off, 0),
+    )
     h_off, _, b_s, ids_s, v_s, l_s = args
     out = projection.forward_fn(hidden, *args, total, max_t, max_v)
     want = _flat(_loop_blocks(hidden, LENS, weight, bias, cands))
@@ -182,30 +208,33 @@ def test_implementations_take_strided_metadata(shared, backend):
     leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     _flat(_loop_blocks(*leaves[:1], LENS, *leaves[1:], cands)).backward(grad.double())
     for deterministic in (False, True):
-        got = projection.backward_fn(grad, hidden, h_off, weight, ids_s, v_s, l_s, max_t, max_v, True, True, True,
-                                     deterministic)
+        got = projection.backward_fn(
+            grad, hidden, h_off, weight, ids_s, v_s, l_s, max_t, max_v, True, True, True, deterministic
+        )
         _close(got, [t.grad for t in leaves], f"{backend} backward deterministic={deterministic}")
     target = _targets(LENS, cands, 5)
-    forward = cross_entropy.forward_fn(hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, max_t, max_v,
-                                       _interleave(target, 0), -100, 0.1)
+    forward = cross_entropy.forward_fn(
+        hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, max_t, max_v, _interleave(target, 0), -100, 0.1
+    )
     loss, lse, local, missing = forward
     assert missing.item() == 0 and local.dtype == torch.int32
     per_token = []
     t = 0
     for block, n, c in zip(_loop_blocks(hidden, LENS, weight, bias, cands), LENS, cands):
-        y = target[t:t + n]
+        y = target[t : t + n]
         t += n
         if n:
             local_y = torch.where(y >= 0, torch.searchsorted(c, y.clamp_min(0)), -100)
-            per_token.append(F.cross_entropy(block, local_y, reduction="none", label_smoothing=0.1)
-                             if len(c) else block.new_zeros(n))
+            per_token.append(
+                F.cross_entropy(block, local_y, reduction="none", label_smoothing=0.1) if len(c) else block.new_zeros(n)
+            )
     torch.testing.assert_close(loss.double(), torch.cat(per_token), **TOL)
     grad_loss = _interleave(torch.randn(sum(LENS), generator=g), 0.0)
     host = (list(_offsets(LENS).tolist()), None if shared else list(_offsets(COUNTS).tolist()))
     leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     per_token, t = [], 0
     for block, n, c in zip(_loop_blocks(leaves[0], LENS, leaves[1], leaves[2], cands), LENS, cands):
-        y = target[t:t + n]
+        y = target[t : t + n]
         t += n
         if n and len(c):
             local_y = torch.where(y >= 0, torch.searchsorted(c, y.clamp_min(0)), -100)
@@ -213,11 +242,34 @@ def test_implementations_take_strided_metadata(shared, backend):
         elif n:
             per_token.append(block.new_zeros(n))
     (torch.cat(per_token) * grad_loss.double()).sum().backward()
-    kept = getattr(forward, "logits", None)   # the logits an implementation's forward keeps for its backward
+    kept = getattr(forward, "logits", None)  # the logits an implementation's forward keeps for its backward
     for host_h, host_v in ((None, None), host):
         for logits in (None,) if kept is None else (None, kept):
-            got = cross_entropy.backward_fn(grad_loss, hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, local,
-                                            _interleave(lse, 0.0), logits, 0.1, max_t, max_v, True, True, True, False,
-                                            host_h, host_v)
-            _close(got, [t.grad for t in leaves], f"{backend} cross_entropy backward, host offsets "
-                                                   f"{host_h is not None}, logits {logits is not None}")
+            got = cross_entropy.backward_fn(
+                grad_loss,
+                hidden,
+                h_off,
+                weight,
+                b_s,
+                ids_s,
+                v_s,
+                l_s,
+                total,
+                local,
+                _interleave(lse, 0.0),
+                logits,
+                0.1,
+                max_t,
+                max_v,
+                True,
+                True,
+                True,
+                False,
+                host_h,
+                host_v,
+            )
+            _close(
+                got,
+                [t.grad for t in leaves],
+                f"{backend} cross_entropy backward, host offsets {host_h is not None}, logits {logits is not None}",
+            )

@@ -9,7 +9,6 @@ import warnings
 import torch
 from torch import nn
 
-
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-5}
 D, HEADS, FF = 16, 4, 32
@@ -34,12 +33,31 @@ def _randomise(module: nn.Module, seed: int, scale: float = 0.3) -> None:
                 p.copy_(scale * noise)
 
 
-def _torch_encoder(*, batch_first=True, norm_first=False, activation="relu", bias=True, norm=False, layers=2,
-                   dropout=0.0, dtype=torch.float32, seed=0) -> nn.TransformerEncoder:
+def _torch_encoder(
+    *,
+    batch_first=True,
+    norm_first=False,
+    activation="relu",
+    bias=True,
+    norm=False,
+    layers=2,
+    dropout=0.0,
+    dtype=torch.float32,
+    seed=0,
+) -> nn.TransformerEncoder:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns when its nested fast path cannot apply
-        layer = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=dropout, activation=activation,
-                                           batch_first=batch_first, norm_first=norm_first, bias=bias, dtype=dtype)
+        layer = nn.TransformerEncoderLayer(
+            D,
+            HEADS,
+            FF,
+            dropout=dropout,
+            activation=activation,
+            batch_first=batch_first,
+            norm_first=norm_first,
+            bias=bias,
+            dtype=dtype,
+        )
         final = nn.LayerNorm(D, bias=bias, dtype=dtype) if norm else None
         enc = nn.TransformerEncoder(layer, layers, norm=final)
     _randomise(enc, seed)

@@ -18,8 +18,8 @@ NEG_INF = float("-inf")
 
 # name: (tokens per sequence, candidates per sequence, V, d)
 CASES = {
-    "mixed": ([3, 0, 5, 2, 4], [4, 3, 0, 1, 6], 40, 16),    # 0 tokens, 0 candidates, 1 candidate
-    "overlap": ([4, 6, 3], [10, 10, 10], 12, 16),           # ids from 12: most rows listed thrice
+    "mixed": ([3, 0, 5, 2, 4], [4, 3, 0, 1, 6], 40, 16),  # 0 tokens, 0 candidates, 1 candidate
+    "overlap": ([4, 6, 3], [10, 10, 10], 12, 16),  # ids from 12: most rows listed thrice
     "single": ([7], [5], 30, 16),
     "odd_dim": ([5, 9, 1], [7, 3, 17], 25, 19),
     "no_tokens": ([0, 0], [3, 2], 10, 16),
@@ -68,7 +68,7 @@ def _loop_blocks(values, lens, weight, bias, cands):
     """float64 ``[T_b, V_b]`` blocks, one per sequence (differentiable)."""
     blocks, t = [], 0
     for n, c in zip(lens, cands):
-        block = values[t:t + n].double() @ weight[c].double().T
+        block = values[t : t + n].double() @ weight[c].double().T
         if bias is not None:
             block = block + bias[c].double()
         blocks.append(block)

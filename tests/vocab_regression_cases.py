@@ -12,13 +12,12 @@ import zlib
 import torch
 import torch.nn.functional as F
 from conftest import cpu_backends
-
 from vocab_cases import _loop_blocks
 
 BACKENDS = cpu_backends()
 FN, CE = "ragged.vocab_projection()", "ragged.vocab_cross_entropy()"
 TOL = {"atol": 5e-5, "rtol": 5e-5}
-LENS, COUNTS, V, D = [3, 0, 5, 1, 2], [4, 2, 0, 3, 5], 13, 8   # 0 tokens, 0 candidates, 1 token
+LENS, COUNTS, V, D = [3, 0, 5, 1, 2], [4, 2, 0, 3, 5], 13, 8  # 0 tokens, 0 candidates, 1 token
 
 
 def _seed(*parts) -> int:
@@ -56,11 +55,12 @@ def _loop_cross_entropy(values, lens, weight, bias, cands, target, label_smoothi
     total, kept, t = values.sum() * 0, 0, 0
     for block, n, c in zip(_loop_blocks(values, lens, weight, bias, cands), lens, cands):
         position = {int(i): j for j, i in enumerate(c.tolist())}
-        local = torch.tensor([position.get(int(x), ignore_index) for x in target[t:t + n]], dtype=torch.int64)
+        local = torch.tensor([position.get(int(x), ignore_index) for x in target[t : t + n]], dtype=torch.int64)
         t += n
         if n and len(c) and (local != ignore_index).any():
-            total = total + F.cross_entropy(block, local, ignore_index=ignore_index, reduction="sum",
-                                            label_smoothing=label_smoothing)
+            total = total + F.cross_entropy(
+                block, local, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+            )
             kept += int((local != ignore_index).sum())
     return total / kept
 

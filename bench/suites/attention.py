@@ -26,15 +26,28 @@ import dataclasses
 import inspect
 import itertools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import ragged
 
-from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, interpreter_skip,
-                       max_error_compare, register, workload_shapes)
+from ..harness import (
+    Case,
+    Config,
+    Impl,
+    Skip,
+    Suite,
+    Workload,
+    _error_text,
+    dtype_name,
+    interpreter_skip,
+    max_error_compare,
+    register,
+    workload_shapes,
+)
 
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 GRAPHED = "ragged graphed"
@@ -103,16 +116,40 @@ class Shape:
 
 GPU_SHAPES = (
     Shape("short", torch.bfloat16, 256, 12, 64, 8, 32, note="many short sequences"),
-    Shape("long-tailed", torch.bfloat16, 64, 12, 64, 1, 512, dist="lognormal", median=150 * math.exp(-0.5),
-          sigma=1.0, note="long-tailed lengths (lognormal, sigma=1, clipped), mean about 130"),
+    Shape(
+        "long-tailed",
+        torch.bfloat16,
+        64,
+        12,
+        64,
+        1,
+        512,
+        dist="lognormal",
+        median=150 * math.exp(-0.5),
+        sigma=1.0,
+        note="long-tailed lengths (lognormal, sigma=1, clipped), mean about 130",
+    ),
     Shape("long", torch.bfloat16, 16, 16, 128, 256, 4096, note="long sequences"),
 )
 QUICK_SHAPE = 1  # --quick on a GPU: the long-tailed workload only
 # CPU: long-tailed lengths, where skipping the padding pays (ragged's torch backend loops
 # over the sequences: sum(L^2) work against SDPA's B * M^2 on the padded batch); a few
 # seconds for the four groups on one thread.
-CPU_SHAPES = (Shape("long-tailed", torch.float32, 16, 4, 32, 1, 256, dist="lognormal", median=75 * math.exp(-0.5),
-                    sigma=1.0, note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 256), mean about 58"),)
+CPU_SHAPES = (
+    Shape(
+        "long-tailed",
+        torch.float32,
+        16,
+        4,
+        32,
+        1,
+        256,
+        dist="lognormal",
+        median=75 * math.exp(-0.5),
+        sigma=1.0,
+        note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 256), mean about 58",
+    ),
+)
 CPU_QUICK_SHAPES = (Shape("tiny", torch.float32, 4, 2, 32, 3, 17, note="tiny CPU smoke case: per-call overhead only"),)
 PASSES = ((False, False), (True, False), (False, True), (True, True))  # (causal, backward)
 
@@ -127,8 +164,9 @@ def draw_lengths(shape: Shape, seed: int = SEED) -> list[int]:
     if shape.dist == "uniform":
         lengths = torch.randint(shape.min_len, shape.max_len + 1, (shape.batch,), generator=gen)
     elif shape.dist == "lognormal":
-        draws = torch.empty(shape.batch, dtype=torch.float64).log_normal_(math.log(shape.median), shape.sigma,
-                                                                          generator=gen)
+        draws = torch.empty(shape.batch, dtype=torch.float64).log_normal_(
+            math.log(shape.median), shape.sigma, generator=gen
+        )
         lengths = draws.round().clamp(shape.min_len, shape.max_len).to(torch.int64)
     else:
         raise ValueError(f"unknown length distribution {shape.dist!r}")
@@ -182,7 +220,7 @@ class Problem:
         return int(self.flat_index.numel())
 
     @classmethod
-    def make(cls, shape: Shape, device: torch.device) -> "Problem":
+    def make(cls, shape: Shape, device: torch.device) -> Problem:
         lengths = draw_lengths(shape)
         width = max(lengths)
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
@@ -191,8 +229,20 @@ class Problem:
         flat_index = torch.nonzero(key_valid.reshape(-1)).squeeze(1)
         size = (sum(lengths), shape.heads, shape.head_dim)
         q, k, v, do = (_randn(size, shape.dtype, device, SEED + 1 + i) for i in range(4))
-        return cls(lengths, shape.heads, shape.head_dim, width, offsets, offsets.to(torch.int64), flat_index,
-                   key_valid, q, k, v, do)
+        return cls(
+            lengths,
+            shape.heads,
+            shape.head_dim,
+            width,
+            offsets,
+            offsets.to(torch.int64),
+            flat_index,
+            key_valid,
+            q,
+            k,
+            v,
+            do,
+        )
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[T, H, D]`` -> contiguous padded ``[B, H, M, D]`` (zeros at the padding)."""
@@ -214,8 +264,9 @@ class Problem:
             return x.values()
         if x.dim() == 4:
             if x.shape[0] != self.batch or x.shape[2] != self.width:
-                raise ValueError(f"padded output of shape {tuple(x.shape)}, expected "
-                                 f"[{self.batch}, H, {self.width}, D]")
+                raise ValueError(
+                    f"padded output of shape {tuple(x.shape)}, expected [{self.batch}, H, {self.width}, D]"
+                )
             return self.packed(x)
         return x
 
@@ -238,7 +289,7 @@ def reference_outputs(p: Problem, causal: bool, backward: bool) -> tuple[torch.T
             used += per_seq[e]
             e += 1
         lo, hi = starts[b], starts[e]
-        cu = torch.tensor([s - lo for s in starts[b:e + 1]], dtype=torch.int32, device=p.q.device)
+        cu = torch.tensor([s - lo for s in starts[b : e + 1]], dtype=torch.int32, device=p.q.device)
         q, k, v = (t[lo:hi].to(dtype, copy=True).requires_grad_(backward) for t in (p.q, p.k, p.v))
         with torch.set_grad_enabled(backward):
             out, _ = ragged.reference_attention(q, k, v, cu, cu, causal=causal, compute_dtype=dtype)
@@ -260,8 +311,9 @@ def make_compare(p: Problem, tol: float) -> Callable[[Any, Any], str | None]:
 # Implementations
 
 
-def forward_or_backward(forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                         grad_out: torch.Tensor | None) -> Callable[[], Any]:
+def forward_or_backward(
+    forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None
+) -> Callable[[], Any]:
     """The timed callable: ``forward(*inputs)``, or forward then ``autograd.grad`` with
     ``grad_out`` (``inputs`` are then leaves requiring grad); returns ``out`` or
     ``(out, dq, dk, dv)`` in the layout of the implementation."""
@@ -279,8 +331,9 @@ def _leaves(tensors: tuple[torch.Tensor, ...], backward: bool) -> tuple[torch.Te
     return tuple(t.detach().requires_grad_(True) for t in tensors) if backward else tensors
 
 
-def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
-                 triton_skip: str | None = None) -> list[Impl]:
+def ragged_impls(
+    p: Problem, causal: bool, backward: bool, device: torch.device, triton_skip: str | None = None
+) -> list[Impl]:
     """``ragged <backend>``: ``ragged.varlen_attention(..., backend=b)``; the triton row
     skipped with ``triton_skip`` when given."""
     M = p.width
@@ -309,8 +362,9 @@ def ragged_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
     return impls
 
 
-def _hopper_impl(p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why,
-                 on: bool = True) -> Impl:
+def _hopper_impl(
+    p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why, on: bool = True
+) -> Impl:
     """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
     backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
     portable``, the same with them off (the portable kernels, what other GPUs run)."""
@@ -405,8 +459,9 @@ def _sdpa_nested(p: Problem, causal: bool, backward: bool, device: torch.device)
     shortest = min(p.lengths)
 
     def nested(x):  # [T, H, D] -> NJT [B, H, j, D]; both bounds given, else SDPA reads them from the device
-        return torch.nested.nested_tensor_from_jagged(x, p.offsets64, min_seqlen=shortest,
-                                                      max_seqlen=p.width).transpose(1, 2)
+        return torch.nested.nested_tensor_from_jagged(
+            x, p.offsets64, min_seqlen=shortest, max_seqlen=p.width
+        ).transpose(1, 2)
 
     def forward(q, k, v):
         out = F.scaled_dot_product_attention(nested(q), nested(k), nested(v), is_causal=causal)
@@ -444,8 +499,9 @@ def _flex(p: Problem, causal: bool, backward: bool, device: torch.device) -> Imp
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     T = p.total
-    doc = torch.repeat_interleave(torch.arange(p.batch, device=device, dtype=torch.int32),
-                                  torch.tensor(p.lengths, device=device))  # [T]: sequence id of each token
+    doc = torch.repeat_interleave(
+        torch.arange(p.batch, device=device, dtype=torch.int32), torch.tensor(p.lengths, device=device)
+    )  # [T]: sequence id of each token
 
     def document(b, h, q_idx, kv_idx):
         return doc[q_idx] == doc[kv_idx]
@@ -462,8 +518,12 @@ def _flex(p: Problem, causal: bool, backward: bool, device: torch.device) -> Imp
     inputs = _leaves((p.q, p.k, p.v), backward)
 
     def forward(q, k, v):  # packed [T, H, D] as a batch of one: [1, H, T, D] views
-        out = compiled(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                       v.transpose(0, 1).unsqueeze(0), block_mask=block_mask)
+        out = compiled(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            block_mask=block_mask,
+        )
         return out.squeeze(0).transpose(0, 1)  # [T, H, D] view
 
     return Impl(FLEX, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
@@ -479,14 +539,18 @@ BASELINE_BUILDERS = {
 }
 
 
-def baseline_impls(p: Problem, causal: bool, backward: bool, device: torch.device,
-                   measured: tuple[str, ...]) -> list[Impl]:
+def baseline_impls(
+    p: Problem, causal: bool, backward: bool, device: torch.device, measured: tuple[str, ...]
+) -> list[Impl]:
     """Every baseline; those not in ``measured``, or whose setup raises, are skipped with the reason."""
     impls = []
     for name, build in BASELINE_BUILDERS.items():
         if name not in measured:
-            impls.append(Impl(name, "baseline", skip="GPU baseline; the CPU run measures the torch reference "
-                                                      "and padded SDPA only"))
+            impls.append(
+                Impl(
+                    name, "baseline", skip="GPU baseline; the CPU run measures the torch reference and padded SDPA only"
+                )
+            )
             continue
         try:
             impls.append(build(p, causal, backward, device))
@@ -499,12 +563,19 @@ def baseline_impls(p: Problem, causal: bool, backward: bool, device: torch.devic
     return impls
 
 
-def build_workload(shape: Shape, causal: bool, backward: bool, device: torch.device,
-                   measured: tuple[str, ...] = BASELINES, triton_skip: str | None = None) -> Workload:
+def build_workload(
+    shape: Shape,
+    causal: bool,
+    backward: bool,
+    device: torch.device,
+    measured: tuple[str, ...] = BASELINES,
+    triton_skip: str | None = None,
+) -> Workload:
     p = Problem.make(shape, device)
     reference = reference_outputs(p, causal, backward)
-    impls = (ragged_impls(p, causal, backward, device, triton_skip)
-             + baseline_impls(p, causal, backward, device, measured))
+    impls = ragged_impls(p, causal, backward, device, triton_skip) + baseline_impls(
+        p, causal, backward, device, measured
+    )
     tol = TOLERANCE.get(shape.dtype, 2e-2)
     flops = attention_flops(p.lengths, shape.heads, shape.head_dim, causal, backward)
     return Workload(impls, reference=reference, flops=flops, compare=make_compare(p, tol))
@@ -579,11 +650,21 @@ sequences at a time); max abs error <= 2e-2 for bf16 (gradients: 2e-2 x max(1, m
                 lengths = draw_lengths(shape)
                 total = sum(lengths)
                 params = {
-                    "workload": shape.label, "pass": "fwd+bwd" if backward else "fwd", "causal": causal,
-                    "dtype": dtype_name(shape.dtype), "B": shape.batch, "H": shape.heads, "D": shape.head_dim,
-                    "lengths": shape.dist, "min_len": shape.min_len, "max_len": shape.max_len,
-                    "mean_len": round(total / shape.batch, 2), "T": total, "M": max(lengths),
-                    "real_fraction": round(total / (shape.batch * max(lengths)), 4), "note": shape.note,
+                    "workload": shape.label,
+                    "pass": "fwd+bwd" if backward else "fwd",
+                    "causal": causal,
+                    "dtype": dtype_name(shape.dtype),
+                    "B": shape.batch,
+                    "H": shape.heads,
+                    "D": shape.head_dim,
+                    "lengths": shape.dist,
+                    "min_len": shape.min_len,
+                    "max_len": shape.max_len,
+                    "mean_len": round(total / shape.batch, 2),
+                    "T": total,
+                    "M": max(lengths),
+                    "real_fraction": round(total / (shape.batch * max(lengths)), 4),
+                    "note": shape.note,
                 }
                 name = f"{group} {shape.name()} mean={total / shape.batch:.0f}"
                 cases.append(Case(name, params, group=group, spec=(shape, causal, backward)))

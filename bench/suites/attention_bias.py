@@ -14,8 +14,20 @@ import torch.nn.functional as F
 
 import ragged
 
-from ..harness import (Case, Config, Impl, Skip, Suite, Workload, _error_text, dtype_name, interpreter_skip,
-                       max_error_compare, register, workload_shapes)
+from ..harness import (
+    Case,
+    Config,
+    Impl,
+    Skip,
+    Suite,
+    Workload,
+    _error_text,
+    dtype_name,
+    interpreter_skip,
+    max_error_compare,
+    register,
+    workload_shapes,
+)
 from ..measure import graphed_replay
 from .attention import Problem, Shape, attention_flops, draw_lengths, forward_or_backward
 
@@ -31,8 +43,18 @@ SDPA_BIAS = "SDPA padded, bias as float mask"
 FLEX_BIAS = "flex_attention score_mod (compiled)"
 BASELINES = (EAGER, SDPA_BIAS, FLEX_BIAS)  # the rows a ragged row's speedups are over
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
-GPU_SHAPES = (Shape("MPNet sentences", torch.bfloat16, 256, 12, 64, 8, 128,
-                    note="all-mpnet-base-v2's attention: 256 sentences of 8..128 tokens"),)
+GPU_SHAPES = (
+    Shape(
+        "MPNet sentences",
+        torch.bfloat16,
+        256,
+        12,
+        64,
+        8,
+        128,
+        note="all-mpnet-base-v2's attention: 256 sentences of 8..128 tokens",
+    ),
+)
 CPU_SHAPES = (Shape("tiny", torch.float32, 6, 2, 32, 1, 24, note="tiny CPU smoke case"),)
 PASSES = (False, True)  # backward
 
@@ -48,11 +70,11 @@ def _buckets(width: int, device: torch.device) -> torch.Tensor:
 @dataclasses.dataclass
 class BiasProblem:
     p: Problem
-    table: torch.Tensor    # [NUM_BUCKETS, H] float32
+    table: torch.Tensor  # [NUM_BUCKETS, H] float32
     buckets: torch.Tensor  # [2M - 1] int32
 
     @classmethod
-    def make(cls, shape: Shape, device: torch.device) -> "BiasProblem":
+    def make(cls, shape: Shape, device: torch.device) -> BiasProblem:
         p = Problem.make(shape, device)
         gen = torch.Generator(device=device).manual_seed(7)
         table = torch.randn((NUM_BUCKETS, shape.heads), generator=gen, device=device)
@@ -73,8 +95,9 @@ def reference(bp: BiasProblem, backward: bool) -> tuple[torch.Tensor, ...]:
     p = bp.p
     leaves = [t.float().requires_grad_(backward) for t in (p.q, p.k, p.v, bp.table)]
     with torch.set_grad_enabled(backward):
-        out = ragged.varlen_attention(*leaves[:3], p.offsets, p.offsets, p.width, p.width, backend="torch",
-                                      position_bias=(leaves[3], bp.buckets))
+        out = ragged.varlen_attention(
+            *leaves[:3], p.offsets, p.offsets, p.width, p.width, backend="torch", position_bias=(leaves[3], bp.buckets)
+        )
     if not backward:
         return (out.detach(),)
     return (out.detach(), *torch.autograd.grad(out, leaves, p.do.float()))
@@ -94,12 +117,26 @@ def _ragged(bp: BiasProblem, backward: bool, name: str) -> Impl:
     backend = {TRITON: "triton", CUDA: "cuda"}.get(name)
 
     def forward(q, k, v, table):
-        return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, p.width, p.width, backend=backend,
-                                       position_bias=None if table is None else (table, bp.buckets))
+        return ragged.varlen_attention(
+            q,
+            k,
+            v,
+            p.offsets,
+            p.offsets,
+            p.width,
+            p.width,
+            backend=backend,
+            position_bias=None if table is None else (table, bp.buckets),
+        )
 
     do = p.do if backward else None
     if name == NO_BIAS:
-        return Impl(NO_BIAS, "baseline", forward_or_backward(lambda q, k, v: forward(q, k, v, None), inputs[:3], do), check=False)
+        return Impl(
+            NO_BIAS,
+            "baseline",
+            forward_or_backward(lambda q, k, v: forward(q, k, v, None), inputs[:3], do),
+            check=False,
+        )
     return Impl(name, "ragged", forward_or_backward(forward, inputs, do))
 
 
@@ -131,8 +168,12 @@ def _eager(bp: BiasProblem, backward: bool, names: tuple[str, ...]) -> Impl:
         return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
     tol = 2.5 * TOLERANCE.get(bp.p.q.dtype, 2e-2)
-    return Impl(EAGER, "baseline", forward_or_backward(forward, inputs, _padded_do(bp) if backward else None),
-                compare=max_error_compare(names, bp.flatten, tol, absolute=("out",)))
+    return Impl(
+        EAGER,
+        "baseline",
+        forward_or_backward(forward, inputs, _padded_do(bp) if backward else None),
+        compare=max_error_compare(names, bp.flatten, tol, absolute=("out",)),
+    )
 
 
 def _sdpa(bp: BiasProblem, backward: bool) -> Impl:
@@ -174,8 +215,13 @@ def _flex(bp: BiasProblem, backward: bool) -> Impl:
         def bias(score, b, h, q_idx, kv_idx):
             return score + table[buckets[pos[kv_idx] - pos[q_idx] + shift], h]
 
-        out = compiled(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                       v.transpose(0, 1).unsqueeze(0), score_mod=bias, block_mask=block_mask)
+        out = compiled(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            score_mod=bias,
+            block_mask=block_mask,
+        )
         return out.squeeze(0).transpose(0, 1)
 
     return Impl(FLEX_BIAS, "baseline", forward_or_backward(forward, inputs, p.do if backward else None))
@@ -187,22 +233,45 @@ def build_workload(shape: Shape, backward: bool, device: torch.device, triton_sk
     names = ("out", "dq", "dk", "dv", "dtable") if backward else ("out",)
     impls = []
     p = bp.p
-    reasons = ragged.explain("attention", p.q, p.k, p.v, p.offsets, p.offsets, p.width, p.width, False, 0.0,
-                             backward, (-1, -1), (bp.table, bp.buckets))
-    unable = {TRITON: reasons.get("triton", ["no triton attention is registered"]),
-              CUDA: reasons.get("cuda", ["no cuda attention is registered"])}
+    reasons = ragged.explain(
+        "attention",
+        p.q,
+        p.k,
+        p.v,
+        p.offsets,
+        p.offsets,
+        p.width,
+        p.width,
+        False,
+        0.0,
+        backward,
+        (-1, -1),
+        (bp.table, bp.buckets),
+    )
+    unable = {
+        TRITON: reasons.get("triton", ["no triton attention is registered"]),
+        CUDA: reasons.get("cuda", ["no cuda attention is registered"]),
+    }
     unable[TRITON_GRAPHED] = unable[TRITON]
     if device.type == "cpu":  # "auto" on CPU tensors is the torch backend: what a CPU user runs
         unable[TRITON_GRAPHED] = unable[NO_BIAS_GRAPHED] = ["CUDA graphs: CUDA only"]
-    for name, build in ((AUTO, lambda: _ragged(bp, backward, AUTO)), (TRITON, lambda: _ragged(bp, backward, TRITON)),
-                        (CUDA, lambda: _ragged(bp, backward, CUDA)), (NO_BIAS, lambda: _ragged(bp, backward, NO_BIAS)),
-                        (TRITON_GRAPHED, lambda: _ragged_graphed(bp, backward, TRITON_GRAPHED)),
-                        (NO_BIAS_GRAPHED, lambda: _ragged_graphed(bp, backward, NO_BIAS_GRAPHED)),
-                        (EAGER, lambda: _eager(bp, backward, names)), (SDPA_BIAS, lambda: _sdpa(bp, backward)),
-                        (FLEX_BIAS, lambda: _flex(bp, backward))):
+    for name, build in (
+        (AUTO, lambda: _ragged(bp, backward, AUTO)),
+        (TRITON, lambda: _ragged(bp, backward, TRITON)),
+        (CUDA, lambda: _ragged(bp, backward, CUDA)),
+        (NO_BIAS, lambda: _ragged(bp, backward, NO_BIAS)),
+        (TRITON_GRAPHED, lambda: _ragged_graphed(bp, backward, TRITON_GRAPHED)),
+        (NO_BIAS_GRAPHED, lambda: _ragged_graphed(bp, backward, NO_BIAS_GRAPHED)),
+        (EAGER, lambda: _eager(bp, backward, names)),
+        (SDPA_BIAS, lambda: _sdpa(bp, backward)),
+        (FLEX_BIAS, lambda: _flex(bp, backward)),
+    ):
         kind = "ragged" if name in (AUTO, TRITON, CUDA, TRITON_GRAPHED) else "baseline"
-        why = "compiled FlexAttention: CUDA only" if name == FLEX_BIAS and device.type != "cuda" else \
-            "; ".join(unable.get(name, [])) or None
+        why = (
+            "compiled FlexAttention: CUDA only"
+            if name == FLEX_BIAS and device.type != "cuda"
+            else "; ".join(unable.get(name, [])) or None
+        )
         if name in (TRITON, TRITON_GRAPHED) and triton_skip:
             why = triton_skip
         if why:
@@ -236,7 +305,8 @@ times the forward then `torch.autograd.grad` to q, k, v and the table with a fix
 TFLOP/s count the attention's useful flops (the bias adds none).
 
 - `ragged`: `ragged.varlen_attention(..., position_bias=(table, buckets))` with the backend
-  "auto" picks (on CPU tensors the torch backend); `ragged triton` / `ragged cuda` forced: Triton reads the bias per tile inside
+  "auto" picks (on CPU tensors the torch backend); `ragged triton` / `ragged cuda` forced: Triton reads the bias
+  per tile inside
   the kernels from `j - i` and sums the table's gradient per bucket; the CUDA short-sequence
   kernel (forward only, sequences up to 128 tokens) reads it per score.
 - `ragged, no bias`: the same call without the bias, the ceiling (not checked: other outputs;
@@ -267,11 +337,23 @@ float32; max abs error <= 2e-2 for bf16 (gradients: 2e-2 x max(1, max |ref|)).
             for shape in self.shapes(config):
                 lengths = draw_lengths(shape)
                 total = sum(lengths)
-                params = {"workload": shape.label, "pass": group, "dtype": dtype_name(shape.dtype), "B": shape.batch,
-                          "H": shape.heads, "D": shape.head_dim, "lengths": shape.dist, "min_len": shape.min_len,
-                          "max_len": shape.max_len, "mean_len": round(total / shape.batch, 2), "T": total,
-                          "M": max(lengths), "num_buckets": NUM_BUCKETS, "max_distance": MAX_DISTANCE,
-                          "note": shape.note}
+                params = {
+                    "workload": shape.label,
+                    "pass": group,
+                    "dtype": dtype_name(shape.dtype),
+                    "B": shape.batch,
+                    "H": shape.heads,
+                    "D": shape.head_dim,
+                    "lengths": shape.dist,
+                    "min_len": shape.min_len,
+                    "max_len": shape.max_len,
+                    "mean_len": round(total / shape.batch, 2),
+                    "T": total,
+                    "M": max(lengths),
+                    "num_buckets": NUM_BUCKETS,
+                    "max_distance": MAX_DISTANCE,
+                    "note": shape.note,
+                }
                 name = f"{group} bias {shape.name()} mean={total / shape.batch:.0f}"
                 cases.append(Case(name, params, group=group, spec=(shape, backward)))
         return cases

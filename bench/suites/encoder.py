@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +43,7 @@ from torch import nn
 import ragged.nn as rnn
 
 from ..env import gpu_clocks
-from ..harness import (Case, Config, Impl, Row, Suite, Workload, dtype_name, gpu_busy_ms, register,
-                       workload_shapes)
+from ..harness import Case, Config, Impl, Row, Suite, Workload, dtype_name, gpu_busy_ms, register, workload_shapes
 from .encoder_problem import (
     BERT_BASE,
     CEILING_N,
@@ -55,24 +55,23 @@ from .encoder_problem import (
     GPU_SHAPES,
     GROUPS,
     INFERENCE,  # noqa: F401  (the tests read it here)
-    Model,
-    Models,
     NESTED,
     PADDED,
     PADDED_FAST,
     PCT_GEMM,
-    Problem,
     QUICK_SHAPE,
     RAGGED,
     RAGGED_GRAPHED,
     RAGGED_PADDED,
     SEED,
-    Shape,
     TOLERANCE,
     TRAINING,
     VS_DENSE,
     VS_PADDED,
-    seeded_randn,
+    Model,
+    Models,
+    Problem,
+    Shape,
     dense_length,
     draw_lengths,
     encoder_flops,
@@ -81,9 +80,9 @@ from .encoder_problem import (
     make_compare,
     output_names,
     reference_outputs,
+    seeded_randn,
     training_mode,
 )
-
 
 # --------------------------------------------------------------------------------------
 # Implementations
@@ -98,8 +97,12 @@ class TrainStep:
     dropout on), returning the gradients.
     """
 
-    def __init__(self, module: nn.Module, step: Callable[[], tuple[torch.Tensor, ...]],
-                 check: Callable[[], tuple[torch.Tensor, ...]]):
+    def __init__(
+        self,
+        module: nn.Module,
+        step: Callable[[], tuple[torch.Tensor, ...]],
+        check: Callable[[], tuple[torch.Tensor, ...]],
+    ):
         self.module, self.step, self.check = module, step, check
         self.checked = False
 
@@ -156,8 +159,7 @@ def inference_impls(m: Models, p: Problem) -> list[Impl]:
     ]
     if p.rt.values.is_cuda:
         # CUDA graphs per bucket: the batch's bucket is captured by the untimed check call
-        graphed = rnn.graphed(m.ragged, max_tokens=1 << p.rt.num_tokens.bit_length(),
-                                    max_batch_size=p.rt.batch_size)
+        graphed = rnn.graphed(m.ragged, max_tokens=1 << p.rt.num_tokens.bit_length(), max_batch_size=p.rt.batch_size)
         impls.append(Impl(RAGGED_GRAPHED, "ragged", lambda: graphed(p.rt)))
     return impls
 
@@ -165,6 +167,7 @@ def inference_impls(m: Models, p: Problem) -> list[Impl]:
 def padded_check(m: Models, p: Problem, backward: bool) -> Callable[[], Any]:
     """torch.nn's padded plain-ops row as the gate sees it (what ``torch_error`` measures)."""
     if not backward:
+
         def forward():
             with torch.no_grad(), fastpath(False):
                 return m.padded(p.padded, src_key_padding_mask=p.mask)
@@ -243,9 +246,13 @@ def build_workload(shape: Shape, group: str, device: torch.device, dropout: floa
     impls = training_impls(m, p) if backward else inference_impls(m, p)
     m.train(backward)
     impls.append(gemm_ceiling_impl(ceiling_size(device), shape.dtype, device))
-    return Workload(impls, reference=reference, flops=encoder_flops(p.lengths, shape.model, backward),
-                    compare=make_compare(names, p, TOLERANCE.get(shape.dtype, 2e-2), torch_error),
-                    extra=lambda impl: row_diagnostics(impl, device))
+    return Workload(
+        impls,
+        reference=reference,
+        flops=encoder_flops(p.lengths, shape.model, backward),
+        compare=make_compare(names, p, TOLERANCE.get(shape.dtype, 2e-2), torch_error),
+        extra=lambda impl: row_diagnostics(impl, device),
+    )
 
 
 def row_diagnostics(impl: Impl, device: torch.device) -> dict[str, Any]:
@@ -349,9 +356,13 @@ tol = 2e-2 for bf16, 1e-4 for fp32.
         """``BERT-base encoder: ...`` when every case ran BERT-base, else the models the cases
         ran (``Transformer encoder (d=128 h=4 ff=512 x2, fp32): ...``); ``description``
         when the params name no model."""
-        models = list(dict.fromkeys(
-            (Model(p["d_model"], p["nhead"], p["dim_feedforward"], p["layers"]), p.get("dtype", "")) for p in params
-            if "d_model" in p))
+        models = list(
+            dict.fromkeys(
+                (Model(p["d_model"], p["nhead"], p["dim_feedforward"], p["layers"]), p.get("dtype", ""))
+                for p in params
+                if "d_model" in p
+            )
+        )
         what = self.description.split(": ", 1)[1]
         if not models:
             return self.description
@@ -369,13 +380,25 @@ tol = 2e-2 for bf16, 1e-4 for fp32.
                 lengths = draw_lengths(shape)
                 total, width, model = sum(lengths), max(lengths), shape.model
                 params = {
-                    "workload": shape.label, "pass": "fwd+bwd" if group == TRAINING else "fwd",
-                    "dtype": dtype_name(shape.dtype), "B": shape.batch, "d_model": model.d_model,
-                    "nhead": model.nhead, "dim_feedforward": model.dim_feedforward, "layers": model.layers,
-                    "dropout": self.dropout if group == TRAINING else 0.0, "lengths": shape.dist,
-                    "min_len": shape.min_len, "max_len": shape.max_len, "mean_len": round(total / shape.batch, 2),
-                    "T": total, "M": width, "real_fraction": round(total / (shape.batch * width), 4),
-                    "dense_len": dense_length(lengths), "gemm_n": gemm_n, "note": shape.note,
+                    "workload": shape.label,
+                    "pass": "fwd+bwd" if group == TRAINING else "fwd",
+                    "dtype": dtype_name(shape.dtype),
+                    "B": shape.batch,
+                    "d_model": model.d_model,
+                    "nhead": model.nhead,
+                    "dim_feedforward": model.dim_feedforward,
+                    "layers": model.layers,
+                    "dropout": self.dropout if group == TRAINING else 0.0,
+                    "lengths": shape.dist,
+                    "min_len": shape.min_len,
+                    "max_len": shape.max_len,
+                    "mean_len": round(total / shape.batch, 2),
+                    "T": total,
+                    "M": width,
+                    "real_fraction": round(total / (shape.batch * width), 4),
+                    "dense_len": dense_length(lengths),
+                    "gemm_n": gemm_n,
+                    "note": shape.note,
                 }
                 name = f"{group} {shape.name()} mean={total / shape.batch:.0f} {model.name()}"
                 cases.append(Case(name, params, group=group, spec=(shape, group)))

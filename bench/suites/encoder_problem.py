@@ -9,7 +9,8 @@ import copy
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,23 +108,54 @@ _TAILED = attention.GPU_SHAPES[1]  # the attention suite's long-tailed lengths (
 GPU_SHAPES = (
     Shape("short", torch.bfloat16, BERT_BASE, 256, 8, 32, groups=(INFERENCE,), note="many short sequences"),
     Shape("short, large batch", torch.bfloat16, BERT_BASE, 1000, 8, 32, note="many short sequences, large batch"),
-    Shape("long-tailed", torch.bfloat16, BERT_BASE, 64, _TAILED.min_len, _TAILED.max_len, dist=_TAILED.dist,
-          median=_TAILED.median, sigma=_TAILED.sigma,
-          note="long-tailed lengths up to 512 (the attention suite's: lognormal, sigma=1, clipped)"),
+    Shape(
+        "long-tailed",
+        torch.bfloat16,
+        BERT_BASE,
+        64,
+        _TAILED.min_len,
+        _TAILED.max_len,
+        dist=_TAILED.dist,
+        median=_TAILED.median,
+        sigma=_TAILED.sigma,
+        note="long-tailed lengths up to 512 (the attention suite's: lognormal, sigma=1, clipped)",
+    ),
 )
 QUICK_SHAPE = 2  # --quick on a GPU: the long-tailed workload only
 # CPU: long-tailed lengths (the attention suite's distribution, scaled to a longest of 128)
 # through a small model, where skipping the padding pays; about 5 s on one thread.
-CPU_SHAPES = (Shape("long-tailed", torch.float32, SMALL, 16, 1, 128, dist="lognormal", median=40 * math.exp(-0.5),
-                    sigma=1.0, note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 128), mean about 30"),)
+CPU_SHAPES = (
+    Shape(
+        "long-tailed",
+        torch.float32,
+        SMALL,
+        16,
+        1,
+        128,
+        dist="lognormal",
+        median=40 * math.exp(-0.5),
+        sigma=1.0,
+        note="CPU: long-tailed lengths (lognormal, sigma=1, clipped to 128), mean about 30",
+    ),
+)
 CPU_QUICK_SHAPES = (Shape("tiny", torch.float32, TINY, 6, 3, 17, note="tiny CPU smoke case: per-call overhead only"),)
 CEILING_N = {"cuda": 8192, "cpu": 256}  # square GEMM of the ceiling row, per device type
 
 
 def draw_lengths(shape: Shape, seed: int = SEED) -> list[int]:
     """``B`` host lengths, seeded: :func:`bench.suites.attention.draw_lengths`."""
-    spec = attention.Shape(shape.label, shape.dtype, shape.batch, 1, 1, shape.min_len, shape.max_len,
-                           dist=shape.dist, median=shape.median, sigma=shape.sigma)
+    spec = attention.Shape(
+        shape.label,
+        shape.dtype,
+        shape.batch,
+        1,
+        1,
+        shape.min_len,
+        shape.max_len,
+        dist=shape.dist,
+        median=shape.median,
+        sigma=shape.sigma,
+    )
     return attention.draw_lengths(spec, seed)
 
 
@@ -172,7 +204,7 @@ class Problem:
         return len(self.lengths)
 
     @classmethod
-    def make(cls, shape: Shape, device: torch.device) -> "Problem":
+    def make(cls, shape: Shape, device: torch.device) -> Problem:
         lengths = draw_lengths(shape)
         B, M, d, T = len(lengths), max(lengths), shape.model.d_model, sum(lengths)
         n = dense_length(lengths)
@@ -187,10 +219,20 @@ class Problem:
             out.index_copy_(0, flat_index, x)
             return out.view(B, M, d)
 
-        return cls(lengths, [0, *itertools.accumulate(lengths)], M, values,
-                   ragged.pack(list(values.split(lengths))), padded(values), ~valid, flat_index,
-                   seeded_randn((B, n, d), shape.dtype, device, SEED + 3), grad, padded(grad),
-                   seeded_randn((B, n, d), shape.dtype, device, SEED + 4))
+        return cls(
+            lengths,
+            [0, *itertools.accumulate(lengths)],
+            M,
+            values,
+            ragged.pack(list(values.split(lengths))),
+            padded(values),
+            ~valid,
+            flat_index,
+            seeded_randn((B, n, d), shape.dtype, device, SEED + 3),
+            grad,
+            padded(grad),
+            seeded_randn((B, n, d), shape.dtype, device, SEED + 4),
+        )
 
     def as_packed(self, x: Any) -> torch.Tensor:
         """An output in the packed ``[T, d]`` layout: a RaggedTensor's values, or the real
@@ -201,8 +243,7 @@ class Problem:
             raise TypeError(f"expected a tensor or a RaggedTensor, got {type(x).__name__}")
         if x.dim() == 3:
             if tuple(x.shape[:2]) != (self.batch, self.width):
-                raise ValueError(f"padded output of shape {tuple(x.shape)}, expected "
-                                 f"[{self.batch}, {self.width}, d]")
+                raise ValueError(f"padded output of shape {tuple(x.shape)}, expected [{self.batch}, {self.width}, d]")
             return x.reshape(-1, x.shape[-1]).index_select(0, self.flat_index)
         return x
 
@@ -223,10 +264,18 @@ class Models:
         self.ragged.train(mode)
 
     @classmethod
-    def make(cls, model: Model, dtype: torch.dtype, device: torch.device, dropout: float) -> "Models":
-        layer = nn.TransformerEncoderLayer(model.d_model, model.nhead, model.dim_feedforward, dropout,
-                                           activation="gelu", batch_first=True, norm_first=False, device=device,
-                                           dtype=dtype)
+    def make(cls, model: Model, dtype: torch.dtype, device: torch.device, dropout: float) -> Models:
+        layer = nn.TransformerEncoderLayer(
+            model.d_model,
+            model.nhead,
+            model.dim_feedforward,
+            dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=False,
+            device=device,
+            dtype=dtype,
+        )
         nested = nn.TransformerEncoder(layer, model.layers, enable_nested_tensor=True)
         padded = nn.TransformerEncoder(layer, model.layers, enable_nested_tensor=False)
         padded.layers = nested.layers
@@ -302,8 +351,9 @@ def output_names(models: Models, backward: bool) -> tuple[str, ...]:
     return ("out", *(f"d {n}" for n in models.names)) if backward else ("out",)
 
 
-def errors(names: tuple[str, ...], outs: Any, ref: tuple[torch.Tensor, ...],
-           flatten: Callable[[Any], torch.Tensor]) -> dict[str, float]:
+def errors(
+    names: tuple[str, ...], outs: Any, ref: tuple[torch.Tensor, ...], flatten: Callable[[Any], torch.Tensor]
+) -> dict[str, float]:
     """Max abs error of each output (the first one through ``flatten``) against ``ref``."""
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     if len(outs) != len(ref):
@@ -317,8 +367,9 @@ def errors(names: tuple[str, ...], outs: Any, ref: tuple[torch.Tensor, ...],
     return result
 
 
-def make_compare(names: tuple[str, ...], p: Problem, tol: float,
-                 torch_error: dict[str, float]) -> Callable[[Any, Any], str | None]:
+def make_compare(
+    names: tuple[str, ...], p: Problem, tol: float, torch_error: dict[str, float]
+) -> Callable[[Any, Any], str | None]:
     """A ``Workload.compare``: the max abs error of each output (at the real tokens) must be
     <= ``max(tol * max(1, max |ref|), SLACK * torch_error[name])``, where ``torch_error`` is
     that of torch.nn's padded plain-ops row in the same dtype. NaN always fails."""

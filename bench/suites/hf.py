@@ -23,88 +23,66 @@ import torch
 
 from ..harness import Case, Config, Row, Skip, Suite, Workload, dtype_name, register
 from ..targets import NOT_EVALUATED, speedup_notes, verdict
-from .encoder_problem import Model as EncoderModel, encoder_flops
-
-from .hf_decoder import build_decoder
-from .hf_families import build_family
-from .hf_texts import (MeanPooled, Texts, convert_st, embed_file_pass, encode_pass,  # noqa: F401
-                       graphed_encode_pass, load_st, make_texts, padded_pass, ragged_pass, word_tokenizer)
+from .encoder_problem import Model as EncoderModel
+from .encoder_problem import encoder_flops
 from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests read them here)
     _B,
     _R,
-    assemble,
-    attempt,
-    Bert,
     BERT_BASE,
-    Corpus,
-    graphed_row,
-    QWEN3_06B,
-    EMBEDDERS,
-    RAG_ST_GRAPHED_32,
-    ST_COMPILED_32,
-    broken,
-    case_lengths,
     CAUSAL_LM,
-    DECODER,
-    checkpoint_model,
     COSINE,
     COSINE_FLOOR,
     COSINE_TARGET,
-    cosine_checks,
     CPU_SHAPES,
+    DECODER,
+    EMBEDDERS,
     EMBEDDING,
+    FAMILY_WORKLOADS,
     FINE_TUNE,
-    flash_attention_skip,
-    GRAPHS_ON_CUDA,
     GPU_QUICK_SHAPES,
     GPU_SHAPES,
+    GRAPHS_ON_CUDA,
     HF_COMPILED,
     HF_DATA,
     HF_DATA_8,
-    HF_FA2,
-    HF_PADDED,
-    HF_SORTED,
-    Lengths,
-    Llama,
-    LLAMA_05B,
-    lm_flops,
-    LOSS_DIFF,
-    LOSS_FLOOR,
-    LOSS_VS_HF,
-    min_cosine,
-    MINILM,
-    MODERN,
-    MPNET,
     HF_EAGER_COMPILED,
     HF_EAGER_DATA,
     HF_EAGER_SORTED,
-    FAMILY_WORKLOADS,
+    HF_FA2,
+    HF_PADDED,
+    HF_SORTED,
+    LLAMA_05B,
+    LOSS_DIFF,
+    LOSS_FLOOR,
+    LOSS_VS_HF,
+    MINILM,
     MODEL_VARIABLE,
-    pad_batch,
+    MODERN,
+    MPNET,
     PEAK,
-    quiet,
+    QWEN3_06B,
     RAG_BUDGET_DATA,
     RAG_BUDGET_SORTED,
     RAG_DATA,
     RAG_DATA_8,
+    RAG_EMBED_FILE,
     RAG_GRAPHED_8,
     RAG_GRAPHED_DATA,
     RAG_GRAPHED_SORTED,
     RAG_GRAPHED_TRAIN,
     RAG_SORTED,
-    RAG_ST_256,
     RAG_ST_32,
+    RAG_ST_256,
     RAG_ST_GRAPHED,
-    RAG_EMBED_FILE,
+    RAG_ST_GRAPHED_32,
     RAGGED,
     ROWS,
-    Run,
     SEED,
     SENTENCES,
-    Shape,
     SLACK,
-    ST_256,
     ST_32,
+    ST_256,
+    ST_COMPILED_32,
     ST_FA2,
     STEP_MS,
     TARGETS,
@@ -112,16 +90,47 @@ from .hf_common import (  # noqa: F401  (re-exported: bench.ddp and the tests re
     TEXTS_S,
     TINY_BERT,
     TINY_LLAMA,
-    to_device,
     TOKENS_S,
-    train_steps,
     VERSUS,
-    training_run,
-    training_workload,
     WORKLOAD_KEYS,
     WORKLOADS_VARIABLE,
+    Bert,
+    Corpus,
+    Lengths,
+    Llama,
+    Run,
+    Shape,
+    assemble,
+    attempt,
+    broken,
+    case_lengths,
+    checkpoint_model,
+    cosine_checks,
+    flash_attention_skip,
+    graphed_row,
+    lm_flops,
+    min_cosine,
+    pad_batch,
+    quiet,
+    to_device,
+    train_steps,
+    training_run,
+    training_workload,
 )
-
+from .hf_decoder import build_decoder
+from .hf_families import build_family
+from .hf_texts import (
+    Texts,
+    convert_st,
+    embed_file_pass,
+    encode_pass,  # noqa: F401
+    graphed_encode_pass,
+    load_st,
+    make_texts,
+    padded_pass,
+    ragged_pass,
+    word_tokenizer,
+)
 
 # --------------------------------------------------------------------------------------
 # Embedding
@@ -154,21 +163,27 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
         if importlib.util.find_spec("sentence_transformers") is None:
             fns.update(dict.fromkeys((ST_32, ST_256, ST_FA2, RAG_ST_32, RAG_ST_256, RAG_EMBED_FILE), st_error))
         else:
-            st, st_error = attempt("sentence-transformers could not load the model",
-                                   lambda: load_st(src, shape.dtype, device, dim))
+            st, st_error = attempt(
+                "sentence-transformers could not load the model", lambda: load_st(src, shape.dtype, device, dim)
+            )
         model = st[0].auto_model if st is not None else AutoModel.from_pretrained(src, dtype=shape.dtype).to(device)
         model.eval().set_attn_implementation("sdpa")
         if flash_attention_skip(device):
             fns.setdefault(ST_FA2, flash_attention_skip(device))
         elif st is not None:
-            st_fa2, why = attempt("flash_attention_2 unavailable", lambda: load_st(
-                src, shape.dtype, device, dim, attn_implementation="flash_attention_2"))
+            st_fa2, why = attempt(
+                "flash_attention_2 unavailable",
+                lambda: load_st(src, shape.dtype, device, dim, attn_implementation="flash_attention_2"),
+            )
             fns[ST_FA2] = why or Run(encode_pass(st_fa2, data.texts, 256))
     # Deep copies: convert(copy=True) of a model that holds a HuggingFace model converts the
     # one inside in place, and the ST's model is the HF rows' model.
     converted, convert_error = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
-    st_converted, st_convert_error = (None, st_error) if st is None else attempt(
-        "ragged.nn.convert of the SentenceTransformer failed", lambda: convert_st(copy.deepcopy(st)))
+    st_converted, st_convert_error = (
+        (None, st_error)
+        if st is None
+        else attempt("ragged.nn.convert of the SentenceTransformer failed", lambda: convert_st(copy.deepcopy(st)))
+    )
 
     N, B = len(data.texts), shape.batch
     data_order, sorted_order = np.arange(N), np.argsort(data.lengths, kind="stable")
@@ -178,37 +193,57 @@ def build_embedding(shape: Shape, device: torch.device, path: str | None) -> Wor
     hf_error = 1.0 - min_cosine(padded_pass(model, data, data.chunks(sorted_order, B))(), reference)
     fns[HF_DATA] = Run(padded_pass(model, data, data.chunks(data_order, B)))
     fns[HF_SORTED] = Run(padded_pass(model, data, data.chunks(sorted_order, B)))
-    fns[HF_COMPILED] = Run(padded_pass(torch.compile(model, dynamic=True), data, data.chunks(sorted_order, B))) \
-        if device.type == "cuda" else \
-        "CPU smoke run: torch.compile builds for tens of seconds on a CPU, past the run's budget (runs on CUDA)"
+    fns[HF_COMPILED] = (
+        Run(padded_pass(torch.compile(model, dynamic=True), data, data.chunks(sorted_order, B)))
+        if device.type == "cuda"
+        else "CPU smoke run: torch.compile builds for tens of seconds on a CPU, past the run's budget (runs on CUDA)"
+    )
     for name, batch in ((ST_32, 32), (ST_256, 256), (ST_FA2, 256)):
         if name not in fns:  # ST_FA2: set above unless sentence-transformers failed to load
             fns[name] = broken(st_error) if st is None else Run(encode_pass(st, data.texts, batch))
-    for name, batches in ((RAG_DATA, data.chunks(data_order, B)), (RAG_SORTED, data.chunks(sorted_order, B)),
-                          (RAG_BUDGET_DATA, budget_data), (RAG_BUDGET_SORTED, budget_sorted)):
+    for name, batches in (
+        (RAG_DATA, data.chunks(data_order, B)),
+        (RAG_SORTED, data.chunks(sorted_order, B)),
+        (RAG_BUDGET_DATA, budget_data),
+        (RAG_BUDGET_SORTED, budget_sorted),
+    ):
         fns[name] = broken(convert_error) if converted is None else Run(ragged_pass(converted, data, batches))
     fns[HF_DATA_8] = Run(padded_pass(model, data, data.chunks(data_order, 8)))
-    fns[RAG_DATA_8] = broken(convert_error) if converted is None else Run(
-        ragged_pass(converted, data, data.chunks(data_order, 8)))
-    for name, batches in ((RAG_GRAPHED_DATA, data.chunks(data_order, B)),
-                          (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B)), (RAG_GRAPHED_8, data.chunks(data_order, 8))):
-        fns[name] = graphed_row(converted, convert_error, device,
-                                lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True))
-    fns[RAG_ST_GRAPHED] = graphed_row(st_converted, st_convert_error, device,
-                                      lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())))
+    fns[RAG_DATA_8] = (
+        broken(convert_error) if converted is None else Run(ragged_pass(converted, data, data.chunks(data_order, 8)))
+    )
+    for name, batches in (
+        (RAG_GRAPHED_DATA, data.chunks(data_order, B)),
+        (RAG_GRAPHED_SORTED, data.chunks(sorted_order, B)),
+        (RAG_GRAPHED_8, data.chunks(data_order, 8)),
+    ):
+        fns[name] = graphed_row(
+            converted, convert_error, device, lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True)
+        )
+    fns[RAG_ST_GRAPHED] = graphed_row(
+        st_converted,
+        st_convert_error,
+        device,
+        lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())),
+    )
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         if name not in fns:
-            fns[name] = broken(st_convert_error) if st_converted is None else \
-                Run(encode_pass(st_converted, data.texts, batch))
-    fns[RAG_EMBED_FILE] = broken(st_convert_error) if st_converted is None else \
-        Run(embed_file_pass(st_converted, data.texts))
+            fns[name] = (
+                broken(st_convert_error) if st_converted is None else Run(encode_pass(st_converted, data.texts, batch))
+            )
+    fns[RAG_EMBED_FILE] = (
+        broken(st_convert_error) if st_converted is None else Run(embed_file_pass(st_converted, data.texts))
+    )
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
 
     compare, extra = cosine_checks(reference, bound)
 
     c = model.config
-    flops = encoder_flops(data.lengths.tolist(), EncoderModel(c.hidden_size, c.num_attention_heads,
-                                                              c.intermediate_size, c.num_hidden_layers), False)
+    flops = encoder_flops(
+        data.lengths.tolist(),
+        EncoderModel(c.hidden_size, c.num_attention_heads, c.intermediate_size, c.num_hidden_layers),
+        False,
+    )
     return Workload(assemble(EMBEDDING, fns), reference=reference, flops=flops, compare=compare, extra=extra)
 
 
@@ -224,8 +259,10 @@ def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workl
 
     rng = np.random.default_rng(SEED + 1)
     lengths = case_lengths(shape)
-    batches = [[{"input_ids": rng.integers(5, shape.model.vocab, n).tolist(), "labels": int(rng.integers(0, 2))}
-                for n in b] for b in lengths]
+    batches = [
+        [{"input_ids": rng.integers(5, shape.model.vocab, n).tolist(), "labels": int(rng.integers(0, 2))} for n in b]
+        for b in lengths
+    ]
 
     def padded(batch):
         b = pad_batch(batch, ("input_ids",), 0)
@@ -248,8 +285,10 @@ def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workl
         with torch.no_grad():
             hf_error = abs(float(model(**padded(batches[0])).loss) - reference)
     converted, why = attempt("ragged.nn.convert failed", lambda: rnn.convert(copy.deepcopy(model)))
-    fns = {HF_PADDED: training_run(model, device, batches, padded),
-           RAGGED: broken(why) if converted is None else training_run(converted, device, batches, packed)}
+    fns = {
+        HF_PADDED: training_run(model, device, batches, padded),
+        RAGGED: broken(why) if converted is None else training_run(converted, device, batches, packed),
+    }
     # the same converted model through the training graphs (its own copy: the graphs hold its
     # parameters); skipped off CUDA, where there is no graph to replay (timing the bucketed batches
     # run eagerly would time another row under this one's name)
@@ -314,8 +353,9 @@ def build_causal_lm(shape: Shape, device: torch.device) -> Workload:
             fa2, why = attempt("flash_attention_2 unavailable", lambda: with_attention("flash_attention_2"))
             fns[HF_FA2] = why if fa2 is None else training_run(fa2, device, batches, flattened)
     fns[HF_PADDED] = training_run(model, device, batches, padded)
-    return training_workload(assemble(CAUSAL_LM, fns), reference, hf_error, shape.dtype,
-                             lm_flops(lengths, shape.model), device)
+    return training_workload(
+        assemble(CAUSAL_LM, fns), reference, hf_error, shape.dtype, lm_flops(lengths, shape.model), device
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -433,8 +473,9 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         shapes = list(GPU_QUICK_SHAPES if config.quick else GPU_SHAPES) if config.on_gpu else list(CPU_SHAPES)
         names = [w.strip() for w in os.environ.get(WORKLOADS_VARIABLE, "").split(",") if w.strip()]
         if unknown := [w for w in names if w not in WORKLOAD_KEYS]:
-            raise ValueError(f"{WORKLOADS_VARIABLE}: expected workloads among {', '.join(WORKLOAD_KEYS)}, "
-                             f"got {', '.join(unknown)}")
+            raise ValueError(
+                f"{WORKLOADS_VARIABLE}: expected workloads among {', '.join(WORKLOAD_KEYS)}, got {', '.join(unknown)}"
+            )
         if names:
             shapes = [s for s in shapes if s.workload in {WORKLOAD_KEYS[w] for w in names}]
         if config.dtypes is not None:
@@ -447,9 +488,15 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
             batches = case_lengths(shape)
             flat = [n for b in batches for n in b]
             total, kind = sum(flat), dtype_name(shape.dtype)
-            params: dict[str, Any] = {"workload": shape.workload, "model": shape.model.name(), "dtype": kind,
-                                      "lengths": shape.lengths.text(), "T": total,
-                                      "mean_len": round(total / len(flat), 2), "M": max(flat)}
+            params: dict[str, Any] = {
+                "workload": shape.workload,
+                "model": shape.model.name(),
+                "dtype": kind,
+                "lengths": shape.lengths.text(),
+                "T": total,
+                "mean_len": round(total / len(flat), 2),
+                "M": max(flat),
+            }
             checkpoint = None
             if shape.workload in EMBEDDERS:
                 params.update(texts=len(flat), batch=shape.batch, checkpoint="random weights")
@@ -463,13 +510,15 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
                 name = f"{EMBEDDING} {label} {kind} N={shape.count} mean={total / len(flat):.0f}"
             else:
                 padded = sum(len(b) * max(b) for b in batches)
-                params.update(steps=shape.steps, sequences=len(flat), padded_tokens=padded,
-                              real_fraction=round(total / padded, 4))
+                params.update(
+                    steps=shape.steps, sequences=len(flat), padded_tokens=padded, real_fraction=round(total / padded, 4)
+                )
                 if shape.workload == FINE_TUNE:
                     params.update(batch=shape.count, dropout=self.dropout)
                 else:
-                    params.update(tokens_per_step=shape.count, params=shape.model.params(),
-                                  gradient_checkpointing=False)
+                    params.update(
+                        tokens_per_step=shape.count, params=shape.model.params(), gradient_checkpointing=False
+                    )
                 name = f"{shape.workload} {shape.label} {kind} steps={shape.steps} T={total}"
             cases.append(Case(name, params, group=shape.workload, spec=(shape, checkpoint, config.on_gpu)))
         return cases
@@ -501,8 +550,13 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
     def console_notes(self, rows: list[Row]) -> list[str]:
         """What the ``targets`` cells say, counted: whether the speed targets were judged, and how
         many of the output checks (cosine) held."""
-        cells = [item.strip() for r in rows if r.kind == "ragged" and r.status == "ok"
-                 for item in str(r.extra.get(TARGETS, "")).split(";") if item.strip()]
+        cells = [
+            item.strip()
+            for r in rows
+            if r.kind == "ragged" and r.status == "ok"
+            for item in str(r.extra.get(TARGETS, "")).split(";")
+            if item.strip()
+        ]
         if not cells:
             return []
         unjudged = any(c == NOT_EVALUATED for c in cells)
@@ -510,11 +564,15 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         speed = [c for c in cells if c != NOT_EVALUATED and not c.startswith("cos>=")]
         parts = [f"speed targets: {NOT_EVALUATED}"] if unjudged else []
         if speed:
-            parts.append(f"speed targets: {sum(c.endswith(' met') for c in speed)} met, "
-                         f"{sum('MISSED' in c for c in speed)} missed of {len(speed)}")
+            parts.append(
+                f"speed targets: {sum(c.endswith(' met') for c in speed)} met, "
+                f"{sum('MISSED' in c for c in speed)} missed of {len(speed)}"
+            )
         if checks:
-            parts.append(f"output checks (min cosine): {sum(c.endswith(': met') for c in checks)} met, "
-                         f"{sum('MISSED' in c for c in checks)} missed of {len(checks)}")
+            parts.append(
+                f"output checks (min cosine): {sum(c.endswith(': met') for c in checks)} met, "
+                f"{sum('MISSED' in c for c in checks)} missed of {len(checks)}"
+            )
         return [f"targets (the `{TARGETS}` column of {self.name}.md): " + "; ".join(parts)]
 
     def annotate(self, case: Case, rows: list[Row]) -> None:
@@ -534,8 +592,13 @@ weights). `peak GiB`: peak memory of one call (CUDA). `ms/step`: median / steps.
         for r in ok.values():
             if r.kind == "ragged" and COSINE in r.extra:  # a check of the output: judged on CPU too
                 cos = float(r.extra[COSINE])
-                note = f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}" if not family else \
-                    f"cos>=HF's own {float(own):.6f}: {verdict(cos >= float(own) - 1e-5)}" if own is not None else None
+                note = (
+                    f"cos>={COSINE_TARGET:g}: {verdict(cos >= COSINE_TARGET)}"
+                    if not family
+                    else f"cos>=HF's own {float(own):.6f}: {verdict(cos >= float(own) - 1e-5)}"
+                    if own is not None
+                    else None
+                )
                 if note:
                     notes.setdefault(r.impl, []).append(note)
         for name, items in notes.items():

@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +26,14 @@ SEED = 0
 MODEL_VARIABLE, WORKLOADS_VARIABLE = "BENCH_HF_MODEL", "BENCH_HF_WORKLOADS"
 EMBEDDING, FINE_TUNE, CAUSAL_LM, MODERN, MPNET = "embedding", "fine-tune", "causal LM", "ModernBERT", "MPNet"
 DECODER = "decoder embedder"
-WORKLOAD_KEYS = {"embedding": EMBEDDING, "fine-tune": FINE_TUNE, "lm": CAUSAL_LM, "modernbert": MODERN, "mpnet": MPNET,
-                 "decoder": DECODER}
+WORKLOAD_KEYS = {
+    "embedding": EMBEDDING,
+    "fine-tune": FINE_TUNE,
+    "lm": CAUSAL_LM,
+    "modernbert": MODERN,
+    "mpnet": MPNET,
+    "decoder": DECODER,
+}
 FAMILY_WORKLOADS = (MODERN, MPNET)  # texts embedded by one model family (bench/suites/hf_families.py)
 # workloads that embed N texts and judge the embeddings against the original model's own error
 EMBEDDERS = (*FAMILY_WORKLOADS, DECODER)
@@ -34,8 +41,11 @@ EMBEDDERS = (*FAMILY_WORKLOADS, DECODER)
 # Row names (the rows' ``impl``).
 HF_DATA, HF_SORTED, HF_COMPILED = "HF SDPA, data order", "HF SDPA, sorted", "HF SDPA compiled, sorted"
 # a model with no SDPA path (MPNet: its attention adds a bias to eager scores)
-HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED = ("HF eager, data order", "HF eager, sorted",
-                                                     "HF eager compiled, sorted")
+HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED = (
+    "HF eager, data order",
+    "HF eager, sorted",
+    "HF eager compiled, sorted",
+)
 ST_32, ST_256, ST_FA2 = "ST encode, batch 32", "ST encode, batch 256", "ST encode flash_attention_2, batch 256"
 ST_COMPILED_32 = "ST encode, model compiled, batch 32"
 RAG_ST_GRAPHED_32 = "ragged graphed ST encode, batch 32"
@@ -47,23 +57,66 @@ RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED = "ragged graphed, data order", "ragged gra
 RAG_ST_GRAPHED = "ragged graphed ST encode, batch 256"
 RAG_EMBED_FILE = "ragged.embed path (JSONL in, .npy out)"
 RAG_GRAPHED_TRAIN = "ragged graphed"
-HF_DATA_8, RAG_DATA_8, RAG_GRAPHED_8 = ("HF SDPA, data order, batch 8", "ragged, data order, batch 8",
-                                        "ragged graphed, data order, batch 8")
+HF_DATA_8, RAG_DATA_8, RAG_GRAPHED_8 = (
+    "HF SDPA, data order, batch 8",
+    "ragged, data order, batch 8",
+    "ragged graphed, data order, batch 8",
+)
 _B, _R = "baseline", "ragged"
 ROWS = {
-    EMBEDDING: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (ST_32, _B), (ST_256, _B), (ST_FA2, _B),
-                (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_BUDGET_DATA, _R), (RAG_BUDGET_SORTED, _R), (RAG_ST_32, _R),
-                (RAG_ST_256, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (HF_DATA_8, _B), (RAG_DATA_8, _R),
-                (RAG_GRAPHED_8, _R), (RAG_ST_GRAPHED, _R), (RAG_EMBED_FILE, _R)),
+    EMBEDDING: (
+        (HF_DATA, _B),
+        (HF_SORTED, _B),
+        (HF_COMPILED, _B),
+        (ST_32, _B),
+        (ST_256, _B),
+        (ST_FA2, _B),
+        (RAG_DATA, _R),
+        (RAG_SORTED, _R),
+        (RAG_BUDGET_DATA, _R),
+        (RAG_BUDGET_SORTED, _R),
+        (RAG_ST_32, _R),
+        (RAG_ST_256, _R),
+        (RAG_GRAPHED_DATA, _R),
+        (RAG_GRAPHED_SORTED, _R),
+        (HF_DATA_8, _B),
+        (RAG_DATA_8, _R),
+        (RAG_GRAPHED_8, _R),
+        (RAG_ST_GRAPHED, _R),
+        (RAG_EMBED_FILE, _R),
+    ),
     FINE_TUNE: ((HF_PADDED, _B), (RAGGED, _R), (RAG_GRAPHED_TRAIN, _R)),
     CAUSAL_LM: ((HF_PADDED, _B), (HF_FA2, _B), (RAGGED, _R)),
-    MODERN: ((HF_DATA, _B), (HF_SORTED, _B), (HF_COMPILED, _B), (RAG_DATA, _R), (RAG_SORTED, _R),
-             (RAG_GRAPHED_DATA, _R)),
-    MPNET: ((HF_EAGER_DATA, _B), (HF_EAGER_SORTED, _B), (HF_EAGER_COMPILED, _B), (ST_32, _B), (ST_256, _B),
-            (RAG_DATA, _R), (RAG_SORTED, _R), (RAG_GRAPHED_DATA, _R), (RAG_GRAPHED_SORTED, _R), (RAG_ST_32, _R),
-            (RAG_ST_256, _R), (RAG_ST_GRAPHED, _R)),
-    DECODER: ((ST_32, _B), (ST_COMPILED_32, _B), (ST_256, _B), (RAG_ST_32, _R), (RAG_ST_GRAPHED_32, _R),
-              (RAG_ST_256, _R)),
+    MODERN: (
+        (HF_DATA, _B),
+        (HF_SORTED, _B),
+        (HF_COMPILED, _B),
+        (RAG_DATA, _R),
+        (RAG_SORTED, _R),
+        (RAG_GRAPHED_DATA, _R),
+    ),
+    MPNET: (
+        (HF_EAGER_DATA, _B),
+        (HF_EAGER_SORTED, _B),
+        (HF_EAGER_COMPILED, _B),
+        (ST_32, _B),
+        (ST_256, _B),
+        (RAG_DATA, _R),
+        (RAG_SORTED, _R),
+        (RAG_GRAPHED_DATA, _R),
+        (RAG_GRAPHED_SORTED, _R),
+        (RAG_ST_32, _R),
+        (RAG_ST_256, _R),
+        (RAG_ST_GRAPHED, _R),
+    ),
+    DECODER: (
+        (ST_32, _B),
+        (ST_COMPILED_32, _B),
+        (ST_256, _B),
+        (RAG_ST_32, _R),
+        (RAG_ST_GRAPHED_32, _R),
+        (RAG_ST_256, _R),
+    ),
 }
 
 # The baselines each ragged row does the same work as (``Impl.versus``: its speedups are over these
@@ -72,13 +125,22 @@ ROWS = {
 # every baseline of its case.
 _TOKENIZED, _EAGER = (HF_DATA, HF_SORTED, HF_COMPILED), (HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED)
 VERSUS = {
-    EMBEDDING: {**dict.fromkeys((RAG_DATA, RAG_SORTED, RAG_BUDGET_DATA, RAG_BUDGET_SORTED, RAG_GRAPHED_DATA,
-                                 RAG_GRAPHED_SORTED), _TOKENIZED),
-                **dict.fromkeys((RAG_DATA_8, RAG_GRAPHED_8), (HF_DATA_8,)),
-                RAG_ST_32: (ST_32,), RAG_ST_256: (ST_256, ST_FA2), RAG_ST_GRAPHED: (ST_256, ST_FA2),
-                RAG_EMBED_FILE: (ST_32, ST_256, ST_FA2)},
-    MPNET: {**dict.fromkeys((RAG_DATA, RAG_SORTED, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED), _EAGER),
-            RAG_ST_32: (ST_32,), RAG_ST_256: (ST_256,), RAG_ST_GRAPHED: (ST_256,)},
+    EMBEDDING: {
+        **dict.fromkeys(
+            (RAG_DATA, RAG_SORTED, RAG_BUDGET_DATA, RAG_BUDGET_SORTED, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED), _TOKENIZED
+        ),
+        **dict.fromkeys((RAG_DATA_8, RAG_GRAPHED_8), (HF_DATA_8,)),
+        RAG_ST_32: (ST_32,),
+        RAG_ST_256: (ST_256, ST_FA2),
+        RAG_ST_GRAPHED: (ST_256, ST_FA2),
+        RAG_EMBED_FILE: (ST_32, ST_256, ST_FA2),
+    },
+    MPNET: {
+        **dict.fromkeys((RAG_DATA, RAG_SORTED, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED), _EAGER),
+        RAG_ST_32: (ST_32,),
+        RAG_ST_256: (ST_256,),
+        RAG_ST_GRAPHED: (ST_256,),
+    },
     DECODER: {RAG_ST_32: (ST_32, ST_COMPILED_32), RAG_ST_GRAPHED_32: (ST_32, ST_COMPILED_32), RAG_ST_256: (ST_256,)},
 }
 
@@ -88,15 +150,27 @@ LOSS_DIFF, LOSS_VS_HF, PEAK, TARGETS = "loss diff vs fp32", "max loss diff vs HF
 
 # GPU targets printed beside the rows (reported, never asserted): (ragged row, baseline row, speedup).
 TARGETS_BY_WORKLOAD = {
-    EMBEDDING: ((RAG_SORTED, HF_SORTED, 2.5), (RAG_DATA, HF_DATA, 4.0), (RAG_SORTED, HF_COMPILED, 1.25),
-                (RAG_BUDGET_SORTED, ST_32, 10.0), (RAG_ST_32, ST_32, 10.0), (RAG_ST_256, ST_32, 10.0),
-                (RAG_ST_256, ST_256, 4.0), (RAG_ST_32, RAG_GRAPHED_DATA, 0.6), (RAG_EMBED_FILE, RAG_ST_32, 0.9),
-                (RAG_GRAPHED_DATA, HF_COMPILED, 2.0), (RAG_GRAPHED_8, HF_DATA_8, 2.0)),
+    EMBEDDING: (
+        (RAG_SORTED, HF_SORTED, 2.5),
+        (RAG_DATA, HF_DATA, 4.0),
+        (RAG_SORTED, HF_COMPILED, 1.25),
+        (RAG_BUDGET_SORTED, ST_32, 10.0),
+        (RAG_ST_32, ST_32, 10.0),
+        (RAG_ST_256, ST_32, 10.0),
+        (RAG_ST_256, ST_256, 4.0),
+        (RAG_ST_32, RAG_GRAPHED_DATA, 0.6),
+        (RAG_EMBED_FILE, RAG_ST_32, 0.9),
+        (RAG_GRAPHED_DATA, HF_COMPILED, 2.0),
+        (RAG_GRAPHED_8, HF_DATA_8, 2.0),
+    ),
     FINE_TUNE: ((RAGGED, HF_PADDED, 2.5), (RAG_GRAPHED_TRAIN, HF_PADDED, 3.0)),
     CAUSAL_LM: ((RAGGED, HF_PADDED, 2.0),),
     MODERN: ((RAG_DATA, HF_DATA, 3.0),),
-    MPNET: ((RAG_DATA, HF_EAGER_DATA, 3.0), (RAG_SORTED, HF_EAGER_COMPILED, 1.5),
-            (RAG_GRAPHED_DATA, HF_EAGER_COMPILED, 2.0)),
+    MPNET: (
+        (RAG_DATA, HF_EAGER_DATA, 3.0),
+        (RAG_SORTED, HF_EAGER_COMPILED, 1.5),
+        (RAG_GRAPHED_DATA, HF_EAGER_COMPILED, 2.0),
+    ),
     DECODER: ((RAG_ST_32, ST_32, 3.0), (RAG_ST_32, ST_COMPILED_32, 1.5), (RAG_ST_GRAPHED_32, ST_COMPILED_32, 2.0)),
 }
 COSINE_TARGET = 0.9999
@@ -123,8 +197,15 @@ class Bert:
     def config(self, **kw):
         from transformers import BertConfig
 
-        return BertConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
-                          num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
+        return BertConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            intermediate_size=self.ff,
+            initializer_range=self.init,
+            **kw,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +215,8 @@ class ModernBert:
     heads: int
     ff: int
     vocab: int = 50368
-    local: int = 128        # local_attention: the window of the local layers, both sides together
-    every: int = 3          # global_attn_every_n_layers
+    local: int = 128  # local_attention: the window of the local layers, both sides together
+    every: int = 3  # global_attn_every_n_layers
     init: float = 0.02
     model_class = "ModernBertModel"
     attention = "sdpa"
@@ -146,10 +227,22 @@ class ModernBert:
     def config(self, **kw):
         from transformers import ModernBertConfig
 
-        return ModernBertConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
-                                num_attention_heads=self.heads, intermediate_size=self.ff, local_attention=self.local,
-                                global_attn_every_n_layers=self.every, initializer_range=self.init, pad_token_id=0,
-                                bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, **kw)
+        return ModernBertConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            intermediate_size=self.ff,
+            local_attention=self.local,
+            global_attn_every_n_layers=self.every,
+            initializer_range=self.init,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+            cls_token_id=2,
+            sep_token_id=3,
+            **kw,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +262,15 @@ class MPNet:
     def config(self, **kw):
         from transformers import MPNetConfig
 
-        return MPNetConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
-                           num_attention_heads=self.heads, intermediate_size=self.ff, initializer_range=self.init, **kw)
+        return MPNetConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            intermediate_size=self.ff,
+            initializer_range=self.init,
+            **kw,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +284,10 @@ class Llama:
     init: float = 0.02
 
     def name(self) -> str:
-        return f"Llama {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} " \
-               f"({self.params() / 1e6:.0f}M)"
+        return (
+            f"Llama {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} "
+            f"({self.params() / 1e6:.0f}M)"
+        )
 
     def matmul_params(self) -> int:
         """Matmul weights a token meets: q/k/v/o and the gated MLP of every layer, the LM head."""
@@ -199,10 +301,18 @@ class Llama:
     def config(self):
         from transformers import LlamaConfig
 
-        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ff,
-                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                           num_key_value_heads=self.kv_heads, max_position_embeddings=4096,
-                           tie_word_embeddings=False, attention_dropout=0.0, initializer_range=self.init)
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.ff,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            initializer_range=self.init,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,17 +336,30 @@ class Qwen3:
         return self.layers * per_layer + self.vocab * self.hidden + self.hidden
 
     def name(self) -> str:
-        return f"Qwen3 {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} " \
-               f"({self.params() / 1e6:.0f}M)"
+        return (
+            f"Qwen3 {self.layers}x{self.hidden} h={self.heads} kv={self.kv_heads} ff={self.ff} "
+            f"({self.params() / 1e6:.0f}M)"
+        )
 
     def config(self, **kw):
         from transformers import Qwen3Config
 
-        return Qwen3Config(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ff,
-                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                           num_key_value_heads=self.kv_heads, head_dim=self.head_dim, max_position_embeddings=4096,
-                           tie_word_embeddings=True, initializer_range=self.init, pad_token_id=0, eos_token_id=0,
-                           bos_token_id=0, **kw)
+        return Qwen3Config(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.ff,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            initializer_range=self.init,
+            pad_token_id=0,
+            eos_token_id=0,
+            bos_token_id=0,
+            **kw,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,9 +440,14 @@ GPU_SHAPES = (
     Shape(MPNET, "MPNet-base-size", torch.bfloat16, MPNET_BASE, Corpus(MPNET_BASE.vocab), 12000, batch=256),
     Shape(DECODER, "Qwen3-Embedding-0.6B-size", torch.bfloat16, QWEN3_06B, Corpus(32000, "byte_bpe"), 4096, batch=32),
 )
-GPU_QUICK_SHAPES = (dataclasses.replace(GPU_SHAPES[0], count=3000), dataclasses.replace(GPU_SHAPES[2], steps=4),
-                    dataclasses.replace(GPU_SHAPES[3], steps=2), dataclasses.replace(GPU_SHAPES[4], count=512),
-                    dataclasses.replace(GPU_SHAPES[5], count=3000), dataclasses.replace(GPU_SHAPES[6], count=1024))
+GPU_QUICK_SHAPES = (
+    dataclasses.replace(GPU_SHAPES[0], count=3000),
+    dataclasses.replace(GPU_SHAPES[2], steps=4),
+    dataclasses.replace(GPU_SHAPES[3], steps=2),
+    dataclasses.replace(GPU_SHAPES[4], count=512),
+    dataclasses.replace(GPU_SHAPES[5], count=3000),
+    dataclasses.replace(GPU_SHAPES[6], count=1024),
+)
 CPU_SHAPES = (
     Shape(EMBEDDING, "tiny", torch.float32, TINY_BERT, Lengths(3, 40, 10, 0.8), 48, batch=16),
     Shape(FINE_TUNE, "tiny", torch.float32, TINY_BERT, Lengths(4, 48, 12, 0.8), 4, steps=2),
@@ -347,11 +475,11 @@ def case_lengths(shape: Shape) -> list[list[int]]:
         return [shape.lengths.draw(shape.count)]
     if shape.workload == FINE_TUNE:
         flat = shape.lengths.draw(shape.count * shape.steps)
-        return [flat[i * shape.count:(i + 1) * shape.count] for i in range(shape.steps)]
+        return [flat[i * shape.count : (i + 1) * shape.count] for i in range(shape.steps)]
     from ragged.data import TokenBudgetSampler
 
     pool = shape.lengths.draw(shape.steps * max(2, shape.count // shape.lengths.lo) + 1)
-    cuts = list(TokenBudgetSampler(pool, shape.count, shuffle=False))[:shape.steps]
+    cuts = list(TokenBudgetSampler(pool, shape.count, shuffle=False))[: shape.steps]
     return [[pool[i] for i in batch] for batch in cuts]
 
 
@@ -398,6 +526,7 @@ def attempt(what: str, make: Callable[[], Any]) -> tuple[Any, str | None]:
 
 def broken(reason: str) -> Callable[[], Any]:
     """A row whose setup failed: raising, it is marked skipped (baseline) or failed (ragged)."""
+
     def fn():
         raise RuntimeError(reason)
 
@@ -429,8 +558,12 @@ def assemble(workload: str, fns: dict[str, Any]) -> list[Impl]:
     """The workload's rows in order: ``fns[name]`` a callable, or a string (the reason to skip);
     each ragged row compared with the baselines of :data:`VERSUS`."""
     versus = VERSUS.get(workload, {})
-    return [Impl(name, kind, skip=fns[name], versus=versus.get(name)) if isinstance(fns[name], str) else
-            Impl(name, kind, fns[name], versus=versus.get(name)) for name, kind in ROWS[workload]]
+    return [
+        Impl(name, kind, skip=fns[name], versus=versus.get(name))
+        if isinstance(fns[name], str)
+        else Impl(name, kind, fns[name], versus=versus.get(name))
+        for name, kind in ROWS[workload]
+    ]
 
 
 class Run:
@@ -506,8 +639,9 @@ def training_run(model, device: torch.device, batches: list, make: Callable[[Any
     return Run(step, check)
 
 
-def training_workload(impls: list[Impl], reference: float, hf_error: float, dtype: torch.dtype, flops: int,
-                      device: torch.device) -> Workload:
+def training_workload(
+    impls: list[Impl], reference: float, hf_error: float, dtype: torch.dtype, flops: int, device: torch.device
+) -> Workload:
     """Gate: step 1's loss (before any update) against the float32 model's. Extra columns: that
     error, the ragged row's largest loss difference to the HF padded row over the check call's
     steps (same batches, same updates), peak memory (CUDA)."""
@@ -551,4 +685,3 @@ def cosine_checks(reference: torch.Tensor, bound: float):
         return {COSINE: f"{min_cosine(first, reference):.6f}"}
 
     return compare, extra
-

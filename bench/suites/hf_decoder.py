@@ -14,9 +14,28 @@ from typing import Any
 import torch
 
 from ..harness import Workload
-from .hf_common import (COSINE_FLOOR, DECODER, RAG_ST_256, RAG_ST_32, RAG_ST_GRAPHED_32, ROWS, SEED, SLACK,
-                        ST_256, ST_32, ST_COMPILED_32, Run, Shape, assemble, attempt, broken, cosine_checks,
-                        graphed_row, min_cosine, quiet)
+from .hf_common import (
+    COSINE_FLOOR,
+    DECODER,
+    RAG_ST_32,
+    RAG_ST_256,
+    RAG_ST_GRAPHED_32,
+    ROWS,
+    SEED,
+    SLACK,
+    ST_32,
+    ST_256,
+    ST_COMPILED_32,
+    Run,
+    Shape,
+    assemble,
+    attempt,
+    broken,
+    cosine_checks,
+    graphed_row,
+    min_cosine,
+    quiet,
+)
 from .hf_texts import encode_pass, graphed_encode_pass
 
 __all__ = ["build_decoder", "decoder_flops"]
@@ -42,6 +61,7 @@ def build_decoder(shape: Shape, device: torch.device) -> Workload:
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     import ragged.nn as rnn
+
     from .. import corpus
 
     fns: dict[str, Any] = {}
@@ -53,14 +73,18 @@ def build_decoder(shape: Shape, device: torch.device) -> Workload:
         getattr(transformers, shape.model.model_class)(shape.model.config()).save_pretrained(tmp)
 
         def load(dtype, **kw):
-            modules = [Transformer(tmp, model_kwargs={"dtype": dtype, "attn_implementation": "sdpa", **kw}),
-                       Pooling(shape.model.hidden, "lasttoken"), Normalize()]
+            modules = [
+                Transformer(tmp, model_kwargs={"dtype": dtype, "attn_implementation": "sdpa", **kw}),
+                Pooling(shape.model.hidden, "lasttoken"),
+                Normalize(),
+            ]
             return SentenceTransformer(modules=modules, device=str(device)).eval()
 
         reference = encode_pass(load(torch.float32), texts, 32)()
         st = load(shape.dtype)
-    converted, convert_error = attempt("ragged.nn.convert of the SentenceTransformer failed",
-                                       lambda: rnn.convert(copy.deepcopy(st)))
+    converted, convert_error = attempt(
+        "ragged.nn.convert of the SentenceTransformer failed", lambda: rnn.convert(copy.deepcopy(st))
+    )
     hf_error = 1.0 - min_cosine(encode_pass(st, texts, 32)(), reference)
     fns[ST_32], fns[ST_256] = Run(encode_pass(st, texts, 32)), Run(encode_pass(st, texts, 256))
     if device.type == "cuda":
@@ -71,11 +95,22 @@ def build_decoder(shape: Shape, device: torch.device) -> Workload:
         fns[ST_COMPILED_32] = "CPU smoke run: torch.compile builds for tens of seconds on a CPU (runs on CUDA)"
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         fns[name] = broken(convert_error) if converted is None else Run(encode_pass(converted, texts, batch))
-    fns[RAG_ST_GRAPHED_32] = graphed_row(converted, convert_error, device, lambda m: graphed_encode_pass(
-        m, texts, 32, max(len(ids) for ids in m.tokenizer(texts, truncation=True)["input_ids"])))
+    fns[RAG_ST_GRAPHED_32] = graphed_row(
+        converted,
+        convert_error,
+        device,
+        lambda m: graphed_encode_pass(
+            m, texts, 32, max(len(ids) for ids in m.tokenizer(texts, truncation=True)["input_ids"])
+        ),
+    )
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
     compare, extra = cosine_checks(reference, bound)
     lengths = shape.lengths.draw(shape.count)
     fns = {name: fn for name, fn in fns.items() if name in dict(ROWS[DECODER])}
-    return Workload(assemble(DECODER, fns), reference=reference, flops=decoder_flops(lengths, shape.model),
-                    compare=compare, extra=extra)
+    return Workload(
+        assemble(DECODER, fns),
+        reference=reference,
+        flops=decoder_flops(lengths, shape.model),
+        compare=compare,
+        extra=extra,
+    )

@@ -13,12 +13,49 @@ import numpy as np
 import torch
 
 from ..harness import Workload
-from .encoder_problem import Model as EncoderModel, encoder_flops
-from .hf_common import (COSINE_FLOOR, Corpus, HF_COMPILED, HF_DATA, HF_EAGER_COMPILED, HF_EAGER_DATA, HF_EAGER_SORTED,
-                        HF_SORTED, RAG_DATA, RAG_GRAPHED_DATA, RAG_GRAPHED_SORTED, RAG_ST_256, RAG_ST_32,
-                        RAG_ST_GRAPHED, RAG_SORTED, ROWS, SEED, SLACK, ST_256, ST_32, Run, Shape, assemble, attempt,
-                        broken, cosine_checks, graphed_row, min_cosine, quiet)
-from .hf_texts import Texts, convert_st, encode_pass, graphed_encode_pass, make_texts, padded_pass, ragged_pass, word_tokenizer
+from .encoder_problem import Model as EncoderModel
+from .encoder_problem import encoder_flops
+from .hf_common import (
+    COSINE_FLOOR,
+    HF_COMPILED,
+    HF_DATA,
+    HF_EAGER_COMPILED,
+    HF_EAGER_DATA,
+    HF_EAGER_SORTED,
+    HF_SORTED,
+    RAG_DATA,
+    RAG_GRAPHED_DATA,
+    RAG_GRAPHED_SORTED,
+    RAG_SORTED,
+    RAG_ST_32,
+    RAG_ST_256,
+    RAG_ST_GRAPHED,
+    ROWS,
+    SEED,
+    SLACK,
+    ST_32,
+    ST_256,
+    Corpus,
+    Run,
+    Shape,
+    assemble,
+    attempt,
+    broken,
+    cosine_checks,
+    graphed_row,
+    min_cosine,
+    quiet,
+)
+from .hf_texts import (
+    Texts,
+    convert_st,
+    encode_pass,
+    graphed_encode_pass,
+    make_texts,
+    padded_pass,
+    ragged_pass,
+    word_tokenizer,
+)
 
 ST_ROWS = (ST_32, ST_256, RAG_ST_32, RAG_ST_256, RAG_ST_GRAPHED)
 
@@ -46,7 +83,8 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
         torch.manual_seed(SEED)
         attention = shape.model.attention
         reference_model = getattr(transformers, shape.model.model_class)(
-            shape.model.config(attn_implementation=attention))
+            shape.model.config(attn_implementation=attention)
+        )
         data = Texts(tokenizer, texts, device)
         order = np.argsort(data.lengths, kind="stable")
         reference_model = reference_model.to(device).eval()
@@ -57,17 +95,24 @@ def build_family(shape: Shape, device: torch.device) -> Workload:
     B = shape.batch
     data_order, sorted_order = data.chunks(np.arange(len(data.texts)), B), data.chunks(order, B)
     hf_error = 1.0 - min_cosine(padded_pass(model, data, sorted_order)(), reference)
-    hf_data, hf_sorted, hf_compiled = (HF_DATA, HF_SORTED, HF_COMPILED) if attention == "sdpa" else \
-        (HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED)
+    hf_data, hf_sorted, hf_compiled = (
+        (HF_DATA, HF_SORTED, HF_COMPILED)
+        if attention == "sdpa"
+        else (HF_EAGER_DATA, HF_EAGER_SORTED, HF_EAGER_COMPILED)
+    )
     fns[hf_data] = Run(padded_pass(model, data, data_order))
     fns[hf_sorted] = Run(padded_pass(model, data, sorted_order))
-    fns[hf_compiled] = Run(padded_pass(torch.compile(model, dynamic=True), data, sorted_order)) \
-        if device.type == "cuda" else "CPU smoke run: torch.compile builds for tens of seconds on a CPU (runs on CUDA)"
+    fns[hf_compiled] = (
+        Run(padded_pass(torch.compile(model, dynamic=True), data, sorted_order))
+        if device.type == "cuda"
+        else "CPU smoke run: torch.compile builds for tens of seconds on a CPU (runs on CUDA)"
+    )
     for name, batches in ((RAG_DATA, data_order), (RAG_SORTED, sorted_order)):
         fns[name] = broken(convert_error) if converted is None else Run(ragged_pass(converted, data, batches))
     for name, batches in ((RAG_GRAPHED_DATA, data_order), (RAG_GRAPHED_SORTED, sorted_order)):
-        fns[name] = graphed_row(converted, convert_error, device,
-                                lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True))
+        fns[name] = graphed_row(
+            converted, convert_error, device, lambda m, batches=batches: ragged_pass(m, data, batches, graphed=True)
+        )
     if any(name in dict(ROWS[shape.workload]) for name in ST_ROWS):
         fns.update(_sentence_rows(model, tokenizer, data, device))
     bound = max(COSINE_FLOOR.get(shape.dtype, 1e-3), SLACK * hf_error)
@@ -99,16 +144,22 @@ def _sentence_rows(model, tokenizer, data: Texts, device: torch.device) -> dict[
     with quiet(), tempfile.TemporaryDirectory(prefix="ragged_bench_st_") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        st, why = attempt("sentence-transformers could not load the model", lambda: SentenceTransformer(
-            modules=[Transformer(tmp, model_kwargs={"dtype": model.dtype}), Pooling(dim, "mean"), Normalize()],
-            device=str(device)).eval())
+        st, why = attempt(
+            "sentence-transformers could not load the model",
+            lambda: SentenceTransformer(
+                modules=[Transformer(tmp, model_kwargs={"dtype": model.dtype}), Pooling(dim, "mean"), Normalize()],
+                device=str(device),
+            ).eval(),
+        )
     if st is None:
         return dict.fromkeys(ST_ROWS, why)
-    converted, convert_error = attempt("ragged.nn.convert of the SentenceTransformer failed",
-                                       lambda: convert_st(copy.deepcopy(st)))
+    converted, convert_error = attempt(
+        "ragged.nn.convert of the SentenceTransformer failed", lambda: convert_st(copy.deepcopy(st))
+    )
     fns: dict[str, Any] = {ST_32: Run(encode_pass(st, data.texts, 32)), ST_256: Run(encode_pass(st, data.texts, 256))}
     for name, batch in ((RAG_ST_32, 32), (RAG_ST_256, 256)):
         fns[name] = broken(convert_error) if converted is None else Run(encode_pass(converted, data.texts, batch))
-    fns[RAG_ST_GRAPHED] = graphed_row(converted, convert_error, device,
-                                      lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max())))
+    fns[RAG_ST_GRAPHED] = graphed_row(
+        converted, convert_error, device, lambda m: graphed_encode_pass(m, data.texts, 256, int(data.lengths.max()))
+    )
     return fns

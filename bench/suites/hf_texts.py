@@ -5,7 +5,7 @@ batches) or of a converted one (collated RaggedTensors, optionally graphed) over
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,8 +15,19 @@ import ragged
 from ..harness import Skip
 from .hf_common import SEED, pad_batch, to_device
 
-__all__ = ["MeanPooled", "Texts", "convert_st", "embed_file_pass", "encode_pass", "graphed_encode_pass", "load_st", "make_texts",
-           "padded_pass", "ragged_pass", "word_tokenizer"]
+__all__ = [
+    "MeanPooled",
+    "Texts",
+    "convert_st",
+    "embed_file_pass",
+    "encode_pass",
+    "graphed_encode_pass",
+    "load_st",
+    "make_texts",
+    "padded_pass",
+    "ragged_pass",
+    "word_tokenizer",
+]
 
 
 def word_tokenizer(vocab: int):
@@ -51,7 +62,7 @@ class Texts:
         self.pad_id, self.texts, self.device = tokenizer.pad_token_id or 0, texts, device
 
     def chunks(self, order: np.ndarray, size: int) -> list[np.ndarray]:
-        return [order[i:i + size] for i in range(0, order.size, size)]
+        return [order[i : i + size] for i in range(0, order.size, size)]
 
     def inverse(self, batches: list[np.ndarray]) -> torch.Tensor:
         """Row of each text in the concatenation of the batches' outputs."""

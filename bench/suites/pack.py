@@ -107,7 +107,7 @@ class Batch:
     flat_index: torch.Tensor  # [T] int64: row of each token in padded.view(B*M, F)
 
     @classmethod
-    def make(cls, shape: Shape, device: torch.device) -> "Batch":
+    def make(cls, shape: Shape, device: torch.device) -> Batch:
         lengths = draw_lengths(shape)
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
         lens = torch.tensor(lengths, device=device)
@@ -125,8 +125,9 @@ def _ragged_impls(op: str, call, *explain_args, triton_skip: str | None = None) 
         why = reasons.get(backend, [f"no {backend!r} implementation is registered for {op}"])
         if backend == "triton" and triton_skip and not why:
             why = [triton_skip]
-        impls.append(Impl(f"ragged {backend}", "ragged", fn=lambda b=backend: call(b),
-                          skip="; ".join(why) if why else None))
+        impls.append(
+            Impl(f"ragged {backend}", "ragged", fn=lambda b=backend: call(b), skip="; ".join(why) if why else None)
+        )
     return impls
 
 
@@ -143,8 +144,9 @@ def pack_workload(shape: Shape, batch: Batch, device: torch.device, triton_skip:
         return nt.contiguous().values()
 
     nbytes = pack_bytes(T, shape)
-    impls = _ragged_impls("pack", lambda b: ragged.pack_values(padded, offsets, T, backend=b), padded, offsets,
-                          triton_skip=triton_skip)
+    impls = _ragged_impls(
+        "pack", lambda b: ragged.pack_values(padded, offsets, T, backend=b), padded, offsets, triton_skip=triton_skip
+    )
     impls += [
         Impl("x[~mask]", "baseline", lambda: padded[~mask]),
         Impl("index_select", "baseline", lambda: padded.view(B * M, F).index_select(0, idx)),
@@ -179,8 +181,13 @@ def unpack_workload(shape: Shape, batch: Batch, device: torch.device, triton_ski
         return torch.nn.utils.rnn.pad_sequence(values.split(lengths), batch_first=True)
 
     nbytes = unpack_bytes(T, shape)
-    impls = _ragged_impls("unpack", lambda b: ragged.unpack_values(values, offsets, M, backend=b), values, offsets,
-                          triton_skip=triton_skip)
+    impls = _ragged_impls(
+        "unpack",
+        lambda b: ragged.unpack_values(values, offsets, M, backend=b),
+        values,
+        offsets,
+        triton_skip=triton_skip,
+    )
     impls += [
         Impl("out[~mask] = values", "baseline", index_put),
         Impl("index_copy_", "baseline", index_copy),
@@ -232,9 +239,17 @@ index of the real tokens, precomputed outside the timed region):
         for op in OPS:
             for shape in self.shapes(config):
                 total = sum(draw_lengths(shape))
-                params = {"op": op, "dtype": dtype_name(shape.dtype), "B": shape.batch, "M": shape.width,
-                          "F": shape.features, "T": total, "min_len": shape.min_len,
-                          "real_fraction": round(total / (shape.batch * shape.width), 4), "note": shape.note}
+                params = {
+                    "op": op,
+                    "dtype": dtype_name(shape.dtype),
+                    "B": shape.batch,
+                    "M": shape.width,
+                    "F": shape.features,
+                    "T": total,
+                    "min_len": shape.min_len,
+                    "real_fraction": round(total / (shape.batch * shape.width), 4),
+                    "note": shape.note,
+                }
                 cases.append(Case(f"{op} {shape.name()}", params, group=op, spec=(op, shape)))
         return cases
 

@@ -21,8 +21,19 @@ import torch
 import ragged
 from ragged.ops.pool import reference_pool
 
-from ..harness import (Case, Config, Impl, Suite, Workload, copy_impl, dtype_name, interpreter_skip,
-                       max_error_compare, register, workload_shapes)
+from ..harness import (
+    Case,
+    Config,
+    Impl,
+    Suite,
+    Workload,
+    copy_impl,
+    dtype_name,
+    interpreter_skip,
+    max_error_compare,
+    register,
+    workload_shapes,
+)
 
 RAGGED_BACKENDS = ("triton", "torch")
 MODES = ("mean", "max")
@@ -43,8 +54,10 @@ class Shape:
     note: str = ""
 
     def name(self) -> str:
-        return (f"{dtype_name(self.dtype)} B={self.batch} L~{self.lengths}({self.min_len}..{self.max_len}) "
-                f"F={self.features}")
+        return (
+            f"{dtype_name(self.dtype)} B={self.batch} L~{self.lengths}({self.min_len}..{self.max_len}) "
+            f"F={self.features}"
+        )
 
 
 GPU_SHAPES = (
@@ -73,7 +86,7 @@ def pool_workload(shape: Shape, mode: str, device: torch.device, triton_skip: st
     values = torch.randn((sum(lengths), shape.features), generator=gen, device=device).to(shape.dtype)
     rt = ragged.RaggedTensor.from_lengths(values, lengths)
     padded = rt.to_padded()
-    keep = ~rt.padding_mask()                                            # [B, M], True at tokens
+    keep = ~rt.padding_mask()  # [B, M], True at tokens
     counts = torch.tensor(lengths, device=device).clamp_min(1).to(values.dtype)[:, None]
     seq = rt.seq_ids()
     offsets64 = rt.offsets.to(torch.int64)
@@ -94,8 +107,14 @@ def pool_workload(shape: Shape, mode: str, device: torch.device, triton_skip: st
     impls = []
     for backend in RAGGED_BACKENDS:
         why = reasons.get(backend) or ([triton_skip] if backend == "triton" and triton_skip else [])
-        impls.append(Impl(f"ragged {backend}", "ragged", fn=lambda b=backend: ragged.pool(rt, mode, backend=b),
-                          skip="; ".join(why) if why else None))
+        impls.append(
+            Impl(
+                f"ragged {backend}",
+                "ragged",
+                fn=lambda b=backend: ragged.pool(rt, mode, backend=b),
+                skip="; ".join(why) if why else None,
+            )
+        )
     impls += [Impl("padded masked", "baseline", masked), Impl("segment_reduce", "baseline", segment)]
     if mode == "mean":
         impls.append(Impl("index_add_", "baseline", index_add))
@@ -104,8 +123,12 @@ def pool_workload(shape: Shape, mode: str, device: torch.device, triton_skip: st
     impls.append(copy_impl(nbytes, device))
     reference = reference_pool(values.double(), rt.offsets, mode)[0]
     tol = 1e-5 if shape.dtype == torch.float32 else 2e-2
-    return Workload(impls, reference=(reference,), bytes_moved=nbytes,
-                    compare=max_error_compare(("out",), lambda t: t.double(), tol))
+    return Workload(
+        impls,
+        reference=(reference,),
+        bytes_moved=nbytes,
+        compare=max_error_compare(("out",), lambda t: t.double(), tol),
+    )
 
 
 @register
@@ -127,9 +150,17 @@ of (bytes read + bytes written) / 2 bytes.
         shapes = workload_shapes(config, GPU_SHAPES, CPU_SHAPES, 0, CPU_QUICK_SHAPES)
         for mode, shape in itertools.product(MODES, shapes):
             lengths = draw_lengths(shape)
-            params = {"mode": mode, "dtype": dtype_name(shape.dtype), "B": shape.batch, "F": shape.features,
-                      "lengths": shape.lengths, "min_len": shape.min_len, "max_len": shape.max_len,
-                      "T": sum(lengths), "note": shape.note}
+            params = {
+                "mode": mode,
+                "dtype": dtype_name(shape.dtype),
+                "B": shape.batch,
+                "F": shape.features,
+                "lengths": shape.lengths,
+                "min_len": shape.min_len,
+                "max_len": shape.max_len,
+                "T": sum(lengths),
+                "note": shape.note,
+            }
             cases.append(Case(f"{mode} {shape.name()}", params, group=mode, spec=(mode, shape)))
         return cases
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +72,12 @@ from .vocab_problem import (  # noqa: F401  (re-exported: the tests read them he
     LOOP,
     PEAK_MB,
     PEAK_PCT,
-    Problem,
     RAGGED_BACKENDS,
     SEED,
-    Shape,
     TOLERANCE,
     UNION,
+    Problem,
+    Shape,
     draw,
     full_logits_bytes,
     selected_logits,
@@ -86,8 +87,7 @@ from .vocab_problem import (  # noqa: F401  (re-exported: the tests read them he
 
 def loop_logits(p: Problem, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor]:
     """Per sequence: ``F.linear(h_i, W[V_i], b[V_i])``, ``[T_i, |V_i|]``."""
-    return [F.linear(h[s:e], w.index_select(0, c), None if b is None else b.index_select(0, c))
-            for s, e, c in p.spans]
+    return [F.linear(h[s:e], w.index_select(0, c), None if b is None else b.index_select(0, c)) for s, e, c in p.spans]
 
 
 def loop_cross_entropy(p: Problem, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -155,8 +155,9 @@ def ragged_api() -> tuple[tuple[Callable, Callable] | None, str | None]:
         module = importlib.import_module("ragged.ops.vocab")
     except Exception as exc:
         return None, f"ragged.ops.vocab cannot be imported ({_error_text(exc)})"
-    fns = tuple(getattr(ragged, n, None) or getattr(module, n, None) for n in ("vocab_projection",
-                                                                             "vocab_cross_entropy"))
+    fns = tuple(
+        getattr(ragged, n, None) or getattr(module, n, None) for n in ("vocab_projection", "vocab_cross_entropy")
+    )
     missing = [n for n, f in zip(("vocab_projection", "vocab_cross_entropy"), fns) if f is None]
     if missing:
         return None, f"ragged has no {' / '.join(missing)}"
@@ -171,8 +172,10 @@ def _backend_skip(shape: Shape, group: str, backend: str, device: torch.device) 
         if why:
             return why
         if device.type == "cpu" and triton_interpreted() and group not in shape.interpreted_triton:
-            return ("too slow under the Triton interpreter (TRITON_INTERPRET=1); interpreted in the small fwd case "
-                    "of --quick only")
+            return (
+                "too slow under the Triton interpreter (TRITON_INTERPRET=1); interpreted in the small fwd case "
+                "of --quick only"
+            )
     return None
 
 
@@ -223,16 +226,29 @@ def ragged_impls(p: Problem, group: str, device: torch.device) -> list[Impl]:
         if group == CE:  # the default out_of_vocab="error" reads one flag from the device; "ignore" reads none
 
             def ce_ignore(b=backend, hidden=hidden, h=h, w=w, vocab=vocab):
-                loss = _forced(cross_entropy, hidden, w, vocab, p.target, bias=p.bias, reduction="mean", backend=b,
-                               out_of_vocab="ignore")
+                loss = _forced(
+                    cross_entropy,
+                    hidden,
+                    w,
+                    vocab,
+                    p.target,
+                    bias=p.bias,
+                    reduction="mean",
+                    backend=b,
+                    out_of_vocab="ignore",
+                )
                 return (loss, *torch.autograd.grad(loss, (h, w)))
 
             impls.append(Impl(f"{name} (out_of_vocab=ignore)", "ragged", ce_ignore))
     return impls
 
 
-def _timed(forward: Callable[[torch.Tensor, torch.Tensor], Any], p: Problem, backward: bool,
-           grad_out: torch.Tensor | None = None) -> Callable[[], Any]:
+def _timed(
+    forward: Callable[[torch.Tensor, torch.Tensor], Any],
+    p: Problem,
+    backward: bool,
+    grad_out: torch.Tensor | None = None,
+) -> Callable[[], Any]:
     """``forward(h, W)``; with ``backward``, then ``autograd.grad`` w.r.t. ``(h, W)`` with
     ``grad_out`` (``None`` for a scalar loss), returning ``(out, dh, dW)``."""
     h, w = p.leaves(backward)
@@ -321,11 +337,17 @@ def build_workload(shape: Shape, group: str, device: torch.device) -> Workload:
         api, _ = ragged_api()
         impls += graph_impls(p, api[1] if api else None, "ragged triton (out_of_vocab=ignore)", CE_GATHER, device)
     flops = vocab_flops(p.lengths, p.counts, shape.dim, backward=group != FWD)
-    return Workload(impls, reference=reference, flops=flops,
-                    compare=make_compare(p, group, TOLERANCE.get(shape.dtype, 2e-2)),
-                    extra=memory_extra(device, full_logits_bytes(p.total, shape.vocab, shape.dtype),
-                                       0 if group == FWD else sum(t.numel() * t.element_size()
-                                                                  for t in (p.hidden, p.weight))))
+    return Workload(
+        impls,
+        reference=reference,
+        flops=flops,
+        compare=make_compare(p, group, TOLERANCE.get(shape.dtype, 2e-2)),
+        extra=memory_extra(
+            device,
+            full_logits_bytes(p.total, shape.vocab, shape.dtype),
+            0 if group == FWD else sum(t.numel() * t.element_size() for t in (p.hidden, p.weight)),
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -412,8 +434,9 @@ than the full one; the cell gives `full h@W.T only` ms / this row's ms for
             return list(cpu)
         first, *others = cpu
         # The claim is about fp32: another dtype's first case carries none.
-        return ([dataclasses.replace(first, dtype=d, claim=first.claim if d == torch.float32 else None)
-                 for d in floats] + [s for s in others if config.wants(s.dtype)])
+        return [
+            dataclasses.replace(first, dtype=d, claim=first.claim if d == torch.float32 else None) for d in floats
+        ] + [s for s in others if config.wants(s.dtype)]
 
     def cases(self, config: Config) -> list[Case]:
         cases = []
@@ -425,13 +448,25 @@ than the full one; the cell gives `full h@W.T only` ms / this row's ms for
                 counts = [int(c.numel()) for c in cands]
                 total, selected = sum(lengths), selected_logits(lengths, counts)
                 params = {
-                    "workload": shape.label, "pass": group, "dtype": dtype_name(shape.dtype), "B": shape.batch,
-                    "T": total, "min_len": shape.min_len, "max_len": shape.max_len, "d": shape.dim,
-                    "V": shape.vocab, "min_cands": shape.min_cands, "max_cands": shape.max_cands,
-                    "mean_cands": round(sum(counts) / len(counts), 1), "union": int(torch.unique(torch.cat(cands)).numel()),
-                    "selected_logits": selected, "selected_fraction": round(selected / (total * shape.vocab), 5),
-                    "full_logits_bytes": full_logits_bytes(total, shape.vocab, shape.dtype), "bias": shape.bias,
-                    "claim": shape.claim, "note": shape.note,
+                    "workload": shape.label,
+                    "pass": group,
+                    "dtype": dtype_name(shape.dtype),
+                    "B": shape.batch,
+                    "T": total,
+                    "min_len": shape.min_len,
+                    "max_len": shape.max_len,
+                    "d": shape.dim,
+                    "V": shape.vocab,
+                    "min_cands": shape.min_cands,
+                    "max_cands": shape.max_cands,
+                    "mean_cands": round(sum(counts) / len(counts), 1),
+                    "union": int(torch.unique(torch.cat(cands)).numel()),
+                    "selected_logits": selected,
+                    "selected_fraction": round(selected / (total * shape.vocab), 5),
+                    "full_logits_bytes": full_logits_bytes(total, shape.vocab, shape.dtype),
+                    "bias": shape.bias,
+                    "claim": shape.claim,
+                    "note": shape.note,
                 }
                 cases.append(Case(f"{group} {shape.name()}", params, group=group, spec=(shape, group)))
         return cases
@@ -442,8 +477,13 @@ than the full one; the cell gives `full h@W.T only` ms / this row's ms for
 
     def console_notes(self, rows: list[Row]) -> list[str]:
         """The claim cells of the ragged rows, one line each."""
-        return [f"{key}: {r.impl}, {r.case}: {r.extra[key]}" for r in rows if r.kind == "ragged"
-                for key in r.extra if key.startswith("claim:")]
+        return [
+            f"{key}: {r.impl}, {r.case}: {r.extra[key]}"
+            for r in rows
+            if r.kind == "ragged"
+            for key in r.extra
+            if key.startswith("claim:")
+        ]
 
     def annotate(self, case: Case, rows: list[Row]) -> None:
         """Claim cases: the full projection's time over that of the ragged torch row (with

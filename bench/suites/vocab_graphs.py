@@ -7,7 +7,8 @@ of host time: these rows measure the kernels without the per-op host cost of the
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,9 @@ def _graphed(run: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[
     return replay
 
 
-def graph_impls(p: Any, cross_entropy: Callable | None, ragged_name: str, gather_name: str,
-                device: torch.device) -> list[Impl]:
+def graph_impls(
+    p: Any, cross_entropy: Callable | None, ragged_name: str, gather_name: str, device: torch.device
+) -> list[Impl]:
     """The graphed rows of the ``ce`` group (CUDA only): ragged's fused loss and the
     full + gather + CE baseline, each one forward and ``autograd.grad`` w.r.t. ``(h, W)``."""
     if device.type != "cuda":

@@ -72,26 +72,65 @@ class Shape:
 
     def name(self) -> str:
         cands = f"{self.min_cands}" if self.min_cands == self.max_cands else f"{self.min_cands}..{self.max_cands}"
-        return (f"{dtype_name(self.dtype)} B={self.batch} T_i={self.min_len}..{self.max_len} d={self.dim} "
-                f"V={self.vocab} cands={cands}" + (" +bias" if self.bias else ""))
+        return (
+            f"{dtype_name(self.dtype)} B={self.batch} T_i={self.min_len}..{self.max_len} d={self.dim} "
+            f"V={self.vocab} cands={cands}" + (" +bias" if self.bias else "")
+        )
 
 
 GPU_SHAPES = (
-    Shape("target", torch.bfloat16, 64, 16, 64, 1024, 32000, 500, 2000, torch_backend=False,
-          note="translation batch with per-sentence shortlists"),
+    Shape(
+        "target",
+        torch.bfloat16,
+        64,
+        16,
+        64,
+        1024,
+        32000,
+        500,
+        2000,
+        torch_backend=False,
+        note="translation batch with per-sentence shortlists",
+    ),
 )
 # CPU: one shortlist workload in every group, candidates about 4% of the vocabulary, sized
 # so that the full-vocabulary rows (the slow ones) take tens of ms: a few seconds in all.
 CPU_SHAPES = (
-    Shape("shortlist", torch.float32, 8, 8, 32, 128, 16000, 250, 1000, bias=True, interpreted_triton=(), claim=8.0,
-          note="CPU: per-sentence shortlists, about 4% of the vocabulary"),
+    Shape(
+        "shortlist",
+        torch.float32,
+        8,
+        8,
+        32,
+        128,
+        16000,
+        250,
+        1000,
+        bias=True,
+        interpreted_triton=(),
+        claim=8.0,
+        note="CPU: per-sentence shortlists, about 4% of the vocabulary",
+    ),
 )
 # --quick on CPU (and the tests): a small case whose fwd triton row runs interpreted, and the
 # claim case of the selected projection.
 CPU_QUICK_SHAPES = (
     Shape("small", torch.float32, 8, 4, 16, 256, 5000, 50, 200, bias=True, note="small CPU case"),
-    Shape("claim", torch.float32, 16, 16, 64, 512, 50000, 2000, 2000, groups=(FWD,), interpreted_triton=(),
-          claim=8.0, note="selected projection >= 8x faster than the full one"),
+    Shape(
+        "claim",
+        torch.float32,
+        16,
+        16,
+        64,
+        512,
+        50000,
+        2000,
+        2000,
+        groups=(FWD,),
+        interpreted_triton=(),
+        claim=8.0,
+        note="selected projection >= 8x faster than the full one",
+    ),
 )
 
 
@@ -156,7 +195,7 @@ class Problem:
         return [(self.starts[i], self.starts[i + 1], c) for i, c in enumerate(self.candidates)]
 
     @classmethod
-    def make(cls, shape: Shape, device: torch.device) -> "Problem":
+    def make(cls, shape: Shape, device: torch.device) -> Problem:
         lengths, cands = (list(x) for x in draw(shape))
         counts = [int(c.numel()) for c in cands]
         starts = [0]
@@ -165,7 +204,7 @@ class Problem:
         T, V, d = starts[-1], shape.vocab, shape.dim
         gen = torch.Generator().manual_seed(SEED + 1)  # on the host: the same inputs on every device
         hidden = torch.randn(T, d, generator=gen)
-        weight = torch.randn(V, d, generator=gen) / d ** 0.5  # logits about N(0, 1)
+        weight = torch.randn(V, d, generator=gen) / d**0.5  # logits about N(0, 1)
         bias = 0.1 * torch.randn(V, generator=gen) if shape.bias else None
         picks = [torch.randint(0, n, (t,), generator=gen) for t, n in zip(lengths, counts)]
         target = torch.cat([c[k] for c, k in zip(cands, picks)])
@@ -182,10 +221,23 @@ class Problem:
             return x.to(device=device, dtype=dtype or x.dtype)
 
         dev_cands = [put(c) for c in cands]
-        return cls(shape, lengths, counts, starts, put(hidden, shape.dtype), put(weight, shape.dtype),
-                   None if bias is None else put(bias, shape.dtype), dev_cands, torch.cat(dev_cands),
-                   put(target), put(torch.cat(picks)), put(grad, shape.dtype), put(torch.cat(full_index)),
-                   put(union), put(torch.cat(union_index)))
+        return cls(
+            shape,
+            lengths,
+            counts,
+            starts,
+            put(hidden, shape.dtype),
+            put(weight, shape.dtype),
+            None if bias is None else put(bias, shape.dtype),
+            dev_cands,
+            torch.cat(dev_cands),
+            put(target),
+            put(torch.cat(picks)),
+            put(grad, shape.dtype),
+            put(torch.cat(full_index)),
+            put(union),
+            put(torch.cat(union_index)),
+        )
 
     # Inputs of the individual implementations (built outside the timed region).
 
@@ -204,8 +256,9 @@ class Problem:
             rows[i, : c.numel()] = c
         lengths = torch.tensor(self.counts, device=rows.device)
         pad = torch.arange(width, device=rows.device)[None, :] >= lengths[:, None]
-        seq = torch.repeat_interleave(torch.arange(len(self.counts), device=rows.device),
-                                      torch.tensor(self.lengths, device=rows.device))
+        seq = torch.repeat_interleave(
+            torch.arange(len(self.counts), device=rows.device), torch.tensor(self.lengths, device=rows.device)
+        )
         return rows[seq], pad[seq]
 
     def leaves(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,8 @@ gives each replica a forward of its own, which runs the replica's parameters; a 
   ``pooler_output`` and sequence-level logits as ``[B, ...]`` tensors.
 
 **Positions.** As HuggingFace computes them: BERT, ELECTRA, DistilBERT and ModernBERT (its
-rotary positions) number the columns of the padded input (so a left-padded row starts past 0, as in HuggingFace), RoBERTa-style
+rotary positions) number the columns of the padded input (so a left-padded row starts past 0, as in
+HuggingFace), RoBERTa-style
 models count the ids that are not ``padding_idx`` from ``padding_idx + 1`` (a segment
 cumulative sum on the packed tokens, on the device: HuggingFace's values whenever the
 padding holds the pad id, as tokenizers write it) and their ``inputs_embeds`` columns from
@@ -88,7 +89,8 @@ a ``position_embedding_type`` other than ``"absolute"``, layers whose modules ar
 HuggingFace's (a LoRA Linear, a custom layer class), hooks on the modules the converted
 forward does not call (the base model of a head, the encoder and everything in it; HuggingFace's
 own output-capturing hooks are fine; hooks added there after conversion do not run, except on
-the layers themselves, see below) and models dispatched by accelerate. A layer Linear replaced after conversion (an adapter) raises at the
+the layers themselves, see below) and models dispatched by accelerate. A layer Linear replaced
+after conversion (an adapter) raises at the
 next call instead of being read as a plain Linear. At call time:
 ``output_attentions=True`` (the attention probabilities are never formed), ``head_mask``,
 cross-attention inputs, ``past_key_values``, ``is_causal=True`` and flash-attention packing
@@ -104,8 +106,30 @@ conversion see those packed values.
 
 from __future__ import annotations
 
-from .forward import (FAMILIES, RaggedForward, convert_model, hidden_picks, identify, is_converted, is_done,
-                      is_hf_model, patch, unpatch, why_not)
+from .forward import (
+    FAMILIES,
+    RaggedForward,
+    convert_model,
+    hidden_picks,
+    identify,
+    is_converted,
+    is_done,
+    is_hf_model,
+    patch,
+    unpatch,
+    why_not,
+)
 
-__all__ = ["FAMILIES", "RaggedForward", "convert_model", "hidden_picks", "identify", "is_converted", "is_done",
-           "is_hf_model", "patch", "unpatch", "why_not"]
+__all__ = [
+    "FAMILIES",
+    "RaggedForward",
+    "convert_model",
+    "hidden_picks",
+    "identify",
+    "is_converted",
+    "is_done",
+    "is_hf_model",
+    "patch",
+    "unpatch",
+    "why_not",
+]

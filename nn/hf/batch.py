@@ -47,8 +47,10 @@ class Batch:
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"{fn}(): expected {name} to be a RaggedTensor or a tensor, got {describe(t)}")
             if v.dim() != 1 + features or v.shape[0] != total:
-                raise ValueError(f"{fn}(): expected {name} with values of {1 + features} dims and {total} tokens "
-                                 f"(those of the input), got shape {tuple(v.shape)}")
+                raise ValueError(
+                    f"{fn}(): expected {name} with values of {1 + features} dims and {total} tokens "
+                    f"(those of the input), got shape {tuple(v.shape)}"
+                )
             return v
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}(): expected {name} to be a tensor or a RaggedTensor, got {describe(t)}")
@@ -56,8 +58,10 @@ class Batch:
         if broadcast and t.dim() == 2 + features and t.shape[0] == 1 and batch != 1:
             t = t.expand(batch, *t.shape[1:])
         if t.dim() != 2 + features or tuple(t.shape[:2]) != (batch, width):
-            raise ValueError(f"{fn}(): expected {name} of shape ({batch}, {width}{', ...' if features else ''}) "
-                             f"like the input, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{fn}(): expected {name} of shape ({batch}, {width}{', ...' if features else ''}) "
+                f"like the input, got {tuple(t.shape)}"
+            )
         if self.layout.side == "scattered":
             return t[self.layout.index]
         return ragged.pack_values(t, self.rt.offsets, total, padding_side=self.layout.side)
@@ -88,8 +92,9 @@ def read_batch(fn: str, name: str, src, attention_mask, features: int) -> Batch:
     a scattered mask one more, for its token coordinates), or as full rows without one."""
     if isinstance(src, RaggedTensor):
         if attention_mask is not None:
-            raise ValueError(f"{fn}(): attention_mask applies to padded inputs; the RaggedTensor {name} carries "
-                             "its own lengths")
+            raise ValueError(
+                f"{fn}(): attention_mask applies to padded inputs; the RaggedTensor {name} carries its own lengths"
+            )
         if src.values.dim() != 1 + features:
             shape = "[T, E]" if features else "[T]"
             raise ValueError(f"{fn}(): expected {name} with values of shape {shape}, got {tuple(src.values.shape)}")
@@ -106,11 +111,14 @@ def read_batch(fn: str, name: str, src, attention_mask, features: int) -> Batch:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{fn}(): expected attention_mask to be a tensor, got {describe(mask)}")
     if mask.dim() != 2:
-        raise NotImplementedError(f"{fn}(): attention_mask of shape {tuple(mask.shape)} is not supported: ragged takes "
-                                  "the 2-D [B, M] padding mask (1 at tokens, 0 at padding), not 4-D attention masks")
+        raise NotImplementedError(
+            f"{fn}(): attention_mask of shape {tuple(mask.shape)} is not supported: ragged takes "
+            "the 2-D [B, M] padding mask (1 at tokens, 0 at padding), not 4-D attention masks"
+        )
     if tuple(mask.shape) != (batch, width):
-        raise ValueError(f"{fn}(): expected attention_mask of shape ({batch}, {width}) like {name}, "
-                         f"got {tuple(mask.shape)}")
+        raise ValueError(
+            f"{fn}(): expected attention_mask of shape ({batch}, {width}) like {name}, got {tuple(mask.shape)}"
+        )
     if mask.device != src.device:
         raise ValueError(f"{fn}(): expected attention_mask on {src.device} (the device of {name}), got {mask.device}")
     keep, bad = mask_keep(fn, "attention_mask", mask, "hf")

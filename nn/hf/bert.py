@@ -10,8 +10,12 @@ __all__ = ["BertFamily", "FAMILIES"]
 
 
 class BertFamily(SpecFamily):
-    head_modules = {"sequence": ("dropout", "classifier"), "token": ("dropout", "classifier"),
-                    "masked_lm": ("cls",), "qa": ("qa_outputs",)}
+    head_modules = {
+        "sequence": ("dropout", "classifier"),
+        "token": ("dropout", "classifier"),
+        "masked_lm": ("cls",),
+        "qa": ("qa_outputs",),
+    }
 
     def model_reason(self, model, base, kind, prefix):
         if kind == "sequence" and base._modules.get("pooler") is None:

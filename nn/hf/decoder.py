@@ -39,8 +39,18 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe
 
-__all__ = ["DECODERS", "Decoder", "PackedDecoder", "identify_decoder", "restore_attention", "run_packed", "supported",
-           "use_ragged_attention", "uses_ragged_attention", "why_not"]
+__all__ = [
+    "DECODERS",
+    "Decoder",
+    "PackedDecoder",
+    "identify_decoder",
+    "restore_attention",
+    "run_packed",
+    "supported",
+    "use_ragged_attention",
+    "uses_ragged_attention",
+    "why_not",
+]
 
 NAME = "ragged"  # the attention implementation's name (ragged.hf.NAME; read here without importing transformers)
 
@@ -95,8 +105,10 @@ def why_not(model: nn.Module) -> str | None:
         return f"{type(model).__name__} is not a decoder ragged runs on packed batches (supported: {supported()})"
     config = model.config
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        return (f"its config sets attn_logit_softcapping={config.attn_logit_softcapping!r} (attention logit "
-                "soft-capping), which ragged's attention does not compute")
+        return (
+            f"its config sets attn_logit_softcapping={config.attn_logit_softcapping!r} (attention logit "
+            "soft-capping), which ragged's attention does not compute"
+        )
     if getattr(config, "output_attentions", False):
         return "its config sets output_attentions=True; ragged's attention forms no attention weights"
     return None
@@ -136,7 +148,8 @@ def run_packed(model: nn.Module, input_ids: RaggedTensor, position_ids: torch.Te
         raise NotImplementedError(
             f"{fn}(): the packed batch needs attn_implementation={NAME!r}, but the model's is "
             f"{getattr(model.config, '_attn_implementation', None)!r} (changed after conversion?): every sequence "
-            "would attend to the others; convert the model again")
+            "would attend to the others; convert the model again"
+        )
     if not isinstance(input_ids, RaggedTensor):
         raise TypeError(f"{fn}(): expected input_ids to be a RaggedTensor of token ids, got {describe(input_ids)}")
     if position_ids is None:
@@ -149,9 +162,17 @@ def run_packed(model: nn.Module, input_ids: RaggedTensor, position_ids: torch.Te
     if d is not None and d.mask_mapping:
         types = dict.fromkeys((*_MASK_TYPES, *(getattr(model.config, "layer_types", None) or ())))
         kwargs["attention_mask"] = types  # prepared masks, all None: the offsets carry the sequences
-    out = model(input_ids=input_ids.values.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
-                use_cache=False, return_dict=True, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-                max_length_q=longest, max_length_k=longest, **kwargs)
+    out = model(
+        input_ids=input_ids.values.reshape(1, -1),
+        position_ids=position_ids.reshape(1, -1),
+        use_cache=False,
+        return_dict=True,
+        cu_seq_lens_q=offsets,
+        cu_seq_lens_k=offsets,
+        max_length_q=longest,
+        max_length_k=longest,
+        **kwargs,
+    )
     hidden = out.get("hidden_states")
     if hidden is not None:
         hidden = tuple(None if h is None else input_ids.with_values(h[0]) for h in hidden)
@@ -195,11 +216,18 @@ class PackedDecoder(nn.Module):
     def training(self, mode: bool) -> None:
         pass  # train() / eval() set the model's own, which this reads
 
-    def forward(self, input_ids: RaggedTensor, position_ids: RaggedTensor | None = None,
-                return_dict: bool = True, token_type_ids: RaggedTensor | None = None) -> dict:
+    def forward(
+        self,
+        input_ids: RaggedTensor,
+        position_ids: RaggedTensor | None = None,
+        return_dict: bool = True,
+        token_type_ids: RaggedTensor | None = None,
+    ) -> dict:
         if not isinstance(input_ids, RaggedTensor):
-            raise TypeError(f"PackedDecoder.forward(): expected input_ids to be a RaggedTensor of token ids, got "
-                            f"{describe(input_ids)}")
+            raise TypeError(
+                f"PackedDecoder.forward(): expected input_ids to be a RaggedTensor of token ids, got "
+                f"{describe(input_ids)}"
+            )
         rows, longest, offsets = input_ids.values.shape[0], max(input_ids.max_len, 1), input_ids.offsets
         if position_ids is None:
             positions = input_ids.position_ids()
@@ -209,6 +237,9 @@ class PackedDecoder(nn.Module):
         spare = (offsets[-1:] + ends).clamp_(max=rows)
         out = run_packed(self.model, RaggedTensor(input_ids.values, torch.cat([offsets, spare]), longest), positions)
         hidden = out["hidden_states"]  # with the caller's offsets again
-        return {"last_hidden_state": input_ids.with_values(out["last_hidden_state"].values),
-                "hidden_states": None if hidden is None else tuple(
-                    None if h is None else input_ids.with_values(h.values) for h in hidden)}
+        return {
+            "last_hidden_state": input_ids.with_values(out["last_hidden_state"].values),
+            "hidden_states": None
+            if hidden is None
+            else tuple(None if h is None else input_ids.with_values(h.values) for h in hidden),
+        }

@@ -20,19 +20,32 @@ class DistilBertFamily(SpecFamily):
     base_output = "BaseModelOutput"
     layer_class = "TransformerBlock"
     layer_parts = {"ffn": "FFN"}
-    head_modules = {"sequence": ("pre_classifier", "dropout", "classifier"), "token": ("dropout", "classifier"),
-                    "masked_lm": ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),
-                    "qa": ("dropout", "qa_outputs")}
+    head_modules = {
+        "sequence": ("pre_classifier", "dropout", "classifier"),
+        "token": ("dropout", "classifier"),
+        "masked_lm": ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),
+        "qa": ("dropout", "qa_outputs"),
+    }
 
     def hidden_size(self, config):
         return config.dim
 
     def layer_modules(self, layer):
         attn, ffn = sub(layer, "attention"), sub(layer, "ffn")
-        return {"attn": attn, "q": sub(attn, "q_lin"), "k": sub(attn, "k_lin"), "v": sub(attn, "v_lin"),
-                "out": sub(attn, "out_lin"), "norm1": sub(layer, "sa_layer_norm"), "drop1": None,
-                "ff1": sub(ffn, "lin1"), "act": getattr(ffn, "activation"), "ff2": sub(ffn, "lin2"),
-                "drop2": sub(ffn, "dropout"), "norm2": sub(layer, "output_layer_norm")}
+        return {
+            "attn": attn,
+            "q": sub(attn, "q_lin"),
+            "k": sub(attn, "k_lin"),
+            "v": sub(attn, "v_lin"),
+            "out": sub(attn, "out_lin"),
+            "norm1": sub(layer, "sa_layer_norm"),
+            "drop1": None,
+            "ff1": sub(ffn, "lin1"),
+            "act": ffn.activation,
+            "ff2": sub(ffn, "lin2"),
+            "drop2": sub(ffn, "dropout"),
+            "norm2": sub(layer, "output_layer_norm"),
+        }
 
     def attention_shape(self, attn):
         return attn.n_heads, attn.attention_head_size
@@ -42,7 +55,7 @@ class DistilBertFamily(SpecFamily):
         pos = batch.pack(fn, "position_ids", position_ids, 0, broadcast=True)
         if pos is None:
             pos = batch.columns()
-        one = (lambda t: None if t is None else t.unsqueeze(0))
+        one = lambda t: None if t is None else t.unsqueeze(0)
         return sub(base, "embeddings")(one(ids), one(embeds), one(pos))[0]
 
     def base_fields(self, base, enc):

@@ -12,8 +12,12 @@ __all__ = ["ElectraFamily", "FAMILIES"]
 
 class ElectraFamily(SpecFamily):
     base_output = "BaseModelOutputWithPastAndCrossAttentions"
-    head_modules = {"sequence": ("classifier",), "token": ("dropout", "classifier"),
-                    "masked_lm": ("generator_predictions", "generator_lm_head"), "qa": ("qa_outputs",)}
+    head_modules = {
+        "sequence": ("classifier",),
+        "token": ("dropout", "classifier"),
+        "masked_lm": ("generator_predictions", "generator_lm_head"),
+        "qa": ("qa_outputs",),
+    }
 
     def embed(self, fn, base, batch, ids, embeds, token_type_ids, position_ids):
         h = super().embed(fn, base, batch, ids, embeds, token_type_ids, position_ids)

@@ -42,7 +42,9 @@ def _checkpointing(layers) -> bool:
     return any(getattr(layer, "gradient_checkpointing", False) and layer.training for layer in layers)
 
 
-def run_encoder(family: Family, base: nn.Module, x: torch.Tensor, ctx, collect: bool) -> tuple[torch.Tensor, list | None]:
+def run_encoder(
+    family: Family, base: nn.Module, x: torch.Tensor, ctx, collect: bool
+) -> tuple[torch.Tensor, list | None]:
     """The layers on ``x [T, d]``: ``(y, hidden)`` with ``hidden`` the input of every layer
     and the last output when ``collect`` (before :meth:`Family.finish`). Inference without
     collection runs the family's stack where it has one; otherwise layer by layer."""
@@ -87,8 +89,17 @@ class Encoded:
         return tuple(None if h is None else self.batch.out(h) for h in self.hidden)
 
 
-def encode(fn: str, family: Family, base: nn.Module, input_ids, attention_mask, token_type_ids, position_ids,
-           inputs_embeds, picks: tuple | None) -> Encoded:
+def encode(
+    fn: str,
+    family: Family,
+    base: nn.Module,
+    input_ids,
+    attention_mask,
+    token_type_ids,
+    position_ids,
+    inputs_embeds,
+    picks: tuple | None,
+) -> Encoded:
     """Read the batch, embed the packed tokens, run the layers and the family's final step.
     ``picks``: None (no hidden states) or, per entry of the hidden states returned, the index
     of the hidden state it holds (0 the embeddings' output, ``i`` layer ``i``'s) or None."""

@@ -40,12 +40,26 @@ from ragged.utils import eager
 from ..layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
 from .batch import Batch
 
-__all__ = ["KINDS", "Family", "SpecFamily", "exact", "fused_activation", "hook_kinds", "packed_in_projection",
-           "param", "sub"]
+__all__ = [
+    "KINDS",
+    "Family",
+    "SpecFamily",
+    "exact",
+    "fused_activation",
+    "hook_kinds",
+    "packed_in_projection",
+    "param",
+    "sub",
+]
 
 # class-name suffix -> head kind, for the families that have all of them
-KINDS = {"Model": "base", "ForSequenceClassification": "sequence", "ForTokenClassification": "token",
-         "ForMaskedLM": "masked_lm", "ForQuestionAnswering": "qa"}
+KINDS = {
+    "Model": "base",
+    "ForSequenceClassification": "sequence",
+    "ForTokenClassification": "token",
+    "ForMaskedLM": "masked_lm",
+    "ForQuestionAnswering": "qa",
+}
 
 _MISSING = object()
 
@@ -117,8 +131,10 @@ def hook_kinds(module: nn.Module) -> list[str]:
     kinds = []
     for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
         for hook in (getattr(module, name, None) or {}).values():
-            if not (getattr(hook, "__name__", "") == "output_capturing_hook"
-                    and getattr(hook, "__module__", "").startswith("transformers.")):
+            if not (
+                getattr(hook, "__name__", "") == "output_capturing_hook"
+                and getattr(hook, "__module__", "").startswith("transformers.")
+            ):
                 kinds.append(name.strip("_").replace("_", " "))
                 break
     return kinds
@@ -134,18 +150,18 @@ class Family:
     differs; one instance per transformers modeling module."""
 
     kinds = KINDS
-    layer_path = "encoder.layer"   # from the base model to the ModuleList of layers
+    layer_path = "encoder.layer"  # from the base model to the ModuleList of layers
     base_output = "BaseModelOutputWithPoolingAndCrossAttentions"
-    head_modules: ClassVar[dict[str, tuple[str, ...]]] = {}   # head kind -> the head's submodules called
-    positions_from_ids = False     # positions counted from the ids (RoBERTa) rather than columns
+    head_modules: ClassVar[dict[str, tuple[str, ...]]] = {}  # head kind -> the head's submodules called
+    positions_from_ids = False  # positions counted from the ids (RoBERTa) rather than columns
     # head kinds ("masked_lm", "qa") whose HuggingFace loss is ``self.loss_function(..., **kwargs)``: the
     # forward's other keyword arguments reach it (num_items_in_batch, ignore_index), as in the converted head
     loss_function_heads: tuple[str, ...] = ()
-    refused_families = ()          # (module fragment, why) for classes near this family it refuses
+    refused_families = ()  # (module fragment, why) for classes near this family it refuses
 
     def __init__(self, name: str, module: str, prefix: str) -> None:
-        self.name = name        # as the documentation names it
-        self.module = module    # the modeling module in transformers
+        self.name = name  # as the documentation names it
+        self.module = module  # the modeling module in transformers
         self.prefix = prefix
 
     def __repr__(self) -> str:
@@ -168,8 +184,7 @@ class Family:
         without calling them, whose hooks or replaced forwards would not run: by default the
         subtree of the module holding the layers (the encoder)."""
         path = self.layer_path.rsplit(".", 1)[0]
-        return [(f"{path}.{p}" if p else path, s)
-                for p, s in base._modules[path].named_modules(remove_duplicate=False)]
+        return [(f"{path}.{p}" if p else path, s) for p, s in base._modules[path].named_modules(remove_duplicate=False)]
 
     def hidden_size(self, config) -> int:
         return config.hidden_size
@@ -264,8 +279,12 @@ class SpecFamily(Family):
     @property
     def layer_parts(self) -> dict[str, str]:
         """Submodule path -> the transformers class it must be."""
-        return {"attention": f"{self.prefix}Attention", "attention.output": f"{self.prefix}SelfOutput",
-                "intermediate": f"{self.prefix}Intermediate", "output": f"{self.prefix}Output"}
+        return {
+            "attention": f"{self.prefix}Attention",
+            "attention.output": f"{self.prefix}SelfOutput",
+            "intermediate": f"{self.prefix}Intermediate",
+            "output": f"{self.prefix}Output",
+        }
 
     def layer_modules(self, layer: nn.Module) -> dict:
         """The modules of one layer under common names: the self-attention (``attn``), its
@@ -275,10 +294,20 @@ class SpecFamily(Family):
         attention = sub(layer, "attention")
         attn, self_out = sub(attention, "self"), sub(attention, "output")
         inter, out = sub(layer, "intermediate"), sub(layer, "output")
-        return {"attn": attn, "q": sub(attn, "query"), "k": sub(attn, "key"), "v": sub(attn, "value"),
-                "out": sub(self_out, "dense"), "norm1": sub(self_out, "LayerNorm"), "drop1": sub(self_out, "dropout"),
-                "ff1": sub(inter, "dense"), "act": inter.intermediate_act_fn, "ff2": sub(out, "dense"),
-                "drop2": sub(out, "dropout"), "norm2": sub(out, "LayerNorm")}
+        return {
+            "attn": attn,
+            "q": sub(attn, "query"),
+            "k": sub(attn, "key"),
+            "v": sub(attn, "value"),
+            "out": sub(self_out, "dense"),
+            "norm1": sub(self_out, "LayerNorm"),
+            "drop1": sub(self_out, "dropout"),
+            "ff1": sub(inter, "dense"),
+            "act": inter.intermediate_act_fn,
+            "ff2": sub(out, "dense"),
+            "drop2": sub(out, "dropout"),
+            "norm2": sub(out, "LayerNorm"),
+        }
 
     def attention_shape(self, attn: nn.Module) -> tuple[int, int]:
         """``(heads, head_dim)`` of a layer's self-attention."""
@@ -292,22 +321,41 @@ class SpecFamily(Family):
         m = self.layer_modules(layer)
         attn = m["attn"]
         linear = nn.Linear
-        if not (type(m["q"]) is linear and type(m["k"]) is linear and type(m["v"]) is linear
-                and type(m["out"]) is linear and type(m["ff1"]) is linear and type(m["ff2"]) is linear):
+        if not (
+            type(m["q"]) is linear
+            and type(m["k"]) is linear
+            and type(m["v"]) is linear
+            and type(m["out"]) is linear
+            and type(m["ff1"]) is linear
+            and type(m["ff2"]) is linear
+        ):
             # a module swapped in after conversion (an adapter's Linear, say) would be read as a plain Linear
             names = [n for n in ("q", "k", "v", "out", "ff1", "ff2") if type(m[n]) is not linear]
-            raise NotImplementedError(f"ragged.nn.hf: the layer's {', '.join(names)} projection is a "
-                                      f"{type(m[names[0]]).__name__}, not a torch.nn.Linear: convert the model "
-                                      "after such changes (which it refuses) or undo them")
+            raise NotImplementedError(
+                f"ragged.nn.hf: the layer's {', '.join(names)} projection is a "
+                f"{type(m[names[0]]).__name__}, not a torch.nn.Linear: convert the model "
+                "after such changes (which it refuses) or undo them"
+            )
         heads, head_dim = self.attention_shape(attn)
         in_w, in_b = packed_in_projection(m["q"], m["k"], m["v"])
         out, ff1, ff2, norm1, norm2 = m["out"], m["ff1"], m["ff2"], m["norm1"], m["norm2"]
         p_attn = sub(attn, "dropout").p if attn.training else 0.0
         drop1 = m["drop1"]
         dropout = (p_attn, 0.0 if drop1 is None else rate(drop1), 0.0, rate(m["drop2"]))
-        weights = LayerWeights(in_w, in_b, param(out, "weight"), param(out, "bias"), param(norm1, "weight"),
-                               param(norm1, "bias"), param(ff1, "weight"), param(ff1, "bias"), param(ff2, "weight"),
-                               param(ff2, "bias"), param(norm2, "weight"), param(norm2, "bias"))
+        weights = LayerWeights(
+            in_w,
+            in_b,
+            param(out, "weight"),
+            param(out, "bias"),
+            param(norm1, "weight"),
+            param(norm1, "bias"),
+            param(ff1, "weight"),
+            param(ff1, "bias"),
+            param(ff2, "weight"),
+            param(ff2, "bias"),
+            param(norm2, "weight"),
+            param(norm2, "bias"),
+        )
         return LayerSpec(heads, head_dim, False, fused_activation(m["act"]), (norm1.eps, norm2.eps), dropout, weights)
 
     def context(self, fn, base, batch, x, position_ids):
@@ -358,8 +406,11 @@ class SpecFamily(Family):
                 return f"its {path} {name} projection is not a {hidden} x {hidden} Linear"
         if (m["q"].bias is None) != (m["k"].bias is None) or (m["q"].bias is None) != (m["v"].bias is None):
             return f"its {path} query, key and value projections do not all have biases, or all lack them"
-        if m["ff1"].in_features != hidden or m["ff2"].out_features != hidden or \
-                m["ff2"].in_features != m["ff1"].out_features:
+        if (
+            m["ff1"].in_features != hidden
+            or m["ff2"].out_features != hidden
+            or m["ff2"].in_features != m["ff1"].out_features
+        ):
             return f"its {path} feed-forward Linears do not map {hidden} -> ff -> {hidden}"
         for name in ("norm1", "norm2"):
             norm = m[name]
@@ -396,8 +447,9 @@ class SpecFamily(Family):
         if pos is None:
             pos = self.embed_positions(base, batch, ids)
         types = batch.pack(fn, "token_type_ids", token_type_ids, 0, broadcast=True)
-        h = sub(base, "embeddings")(input_ids=_row(ids), token_type_ids=_row(types), position_ids=_row(pos),
-                                     inputs_embeds=_row(embeds))
+        h = sub(base, "embeddings")(
+            input_ids=_row(ids), token_type_ids=_row(types), position_ids=_row(pos), inputs_embeds=_row(embeds)
+        )
         return h[0]
 
     def base_fields(self, base, enc):

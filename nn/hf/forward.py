@@ -23,8 +23,21 @@ from .families import FAMILIES
 from .family import Family, hook_kinds
 from .heads import head_outputs
 
-__all__ = ["FAMILIES", "RaggedForward", "convert_model", "hidden_picks", "identify", "is_converted", "is_done",
-           "is_hf_model", "loss_function_head", "loss_items", "patch", "unpatch", "why_not"]
+__all__ = [
+    "FAMILIES",
+    "RaggedForward",
+    "convert_model",
+    "hidden_picks",
+    "identify",
+    "is_converted",
+    "is_done",
+    "is_hf_model",
+    "loss_function_head",
+    "loss_items",
+    "patch",
+    "unpatch",
+    "why_not",
+]
 
 # Keyword arguments HuggingFace's forward takes whose meaning the converted forward does not compute.
 _REFUSED = {
@@ -37,8 +50,12 @@ _REFUSED = {
     "max_length_q": "flash-attention packing arguments (max_length_q); pass a RaggedTensor instead",
     "max_length_k": "flash-attention packing arguments (max_length_k); pass a RaggedTensor instead",
 }
-_HEAD_OUTPUTS = {"sequence": "SequenceClassifierOutput", "token": "TokenClassifierOutput",
-                 "masked_lm": "MaskedLMOutput", "qa": "QuestionAnsweringModelOutput"}
+_HEAD_OUTPUTS = {
+    "sequence": "SequenceClassifierOutput",
+    "token": "TokenClassifierOutput",
+    "masked_lm": "MaskedLMOutput",
+    "qa": "QuestionAnsweringModelOutput",
+}
 # modeling-module fragment -> why no family converts its classes
 _NOT_CONVERTED = {".deberta": "uses DeBERTa's disentangled relative attention, which ragged does not compute"}
 
@@ -52,8 +69,11 @@ def is_hf_model(module: nn.Module) -> bool:
     """Whether ``module`` is a model class of transformers itself (a ``PreTrainedModel``
     defined in transformers; a subclass defined elsewhere is an ordinary container)."""
     utils = sys.modules.get("transformers.modeling_utils")
-    return (utils is not None and type(module).__module__.startswith("transformers.")
-            and isinstance(module, utils.PreTrainedModel))
+    return (
+        utils is not None
+        and type(module).__module__.startswith("transformers.")
+        and isinstance(module, utils.PreTrainedModel)
+    )
 
 
 def identify(model: nn.Module) -> tuple[Family, str] | str:
@@ -123,8 +143,9 @@ def why_not(model: nn.Module) -> str | None:
         return f"its {prefix} is a {type(base).__name__}, not a transformers {base_cls.__name__}"
     for path, sub in model.named_modules(remove_duplicate=False):
         if hasattr(sub, "_hf_hook"):
-            return (f"{_its(path)} is dispatched by accelerate (device_map / offloading hooks), which ragged "
-                    "would bypass")
+            return (
+                f"{_its(path)} is dispatched by accelerate (device_map / offloading hooks), which ragged would bypass"
+            )
     where = "" if kind == "base" else f"{prefix}."
     try:
         layers = family.layers(base)
@@ -208,8 +229,7 @@ def is_done(model: nn.Module) -> bool:
     if not is_converted(model):
         return False
     ident = identify(model)
-    return isinstance(ident, str) or ident[1] == "base" or \
-        is_converted(model._modules[type(model).base_model_prefix])
+    return isinstance(ident, str) or ident[1] == "base" or is_converted(model._modules[type(model).base_model_prefix])
 
 
 def patch(model: nn.Module) -> list[nn.Module]:
@@ -244,8 +264,9 @@ def convert_model(model: nn.Module, copy: bool) -> nn.Module:
         return copying.deepcopy(model) if copy else model
     why = why_not(model)
     if why is not None:
-        raise NotImplementedError(f"ragged.nn.convert(): cannot convert {type(model).__name__}: {why}; the model "
-                                  "is unchanged")
+        raise NotImplementedError(
+            f"ragged.nn.convert(): cannot convert {type(model).__name__}: {why}; the model is unchanged"
+        )
     target = copying.deepcopy(model) if copy else model
     patch(target)
     return target
@@ -263,10 +284,17 @@ def _parameters(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
     if names is None:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
         names = _PARAMETERS[cls] = (
-            tuple(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)),
-            frozenset(p.name for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                               inspect.Parameter.VAR_KEYWORD)))
+            tuple(
+                p.name
+                for p in params
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ),
+            frozenset(
+                p.name
+                for p in params
+                if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            ),
+        )
     return names
 
 
@@ -308,8 +336,10 @@ def _indices(fn: str, value) -> list[int]:
     try:
         return [operator.index(i) for i in value]
     except TypeError:
-        raise TypeError(f"{fn}(): expected output_hidden_states to be a bool, an int or a list of ints (hidden "
-                        f"state indices), got {value!r}") from None
+        raise TypeError(
+            f"{fn}(): expected output_hidden_states to be a bool, an int or a list of ints (hidden "
+            f"state indices), got {value!r}"
+        ) from None
 
 
 def hidden_picks(fn: str, hidden, layers: int) -> tuple | None:
@@ -363,8 +393,10 @@ def _forward(model: nn.Module, kind: str, args: tuple, kwargs: dict):
     if attentions is None:
         attentions = getattr(config, "output_attentions", False)
     if attentions:
-        raise NotImplementedError(f"{fn}(): output_attentions=True is not supported: ragged's attention never forms "
-                                  "the attention probabilities")
+        raise NotImplementedError(
+            f"{fn}(): output_attentions=True is not supported: ragged's attention never forms "
+            "the attention probabilities"
+        )
     if kw.get("is_causal"):
         raise NotImplementedError(f"{fn}(): is_causal=True is not supported: the converted encoder is bidirectional")
     return_dict = kw.get("return_dict")
@@ -375,15 +407,34 @@ def _forward(model: nn.Module, kind: str, args: tuple, kwargs: dict):
         hidden = getattr(config, "output_hidden_states", False)
     base = model if kind == "base" else model._modules[cls.base_model_prefix]
     layers = len(family.layers(base))
-    enc = encode(fn, family, base, kw.get("input_ids"), kw.get("attention_mask"), kw.get("token_type_ids"),
-                 kw.get("position_ids"), kw.get("inputs_embeds"), hidden_picks(fn, hidden, layers))
+    enc = encode(
+        fn,
+        family,
+        base,
+        kw.get("input_ids"),
+        kw.get("attention_mask"),
+        kw.get("token_type_ids"),
+        kw.get("position_ids"),
+        kw.get("inputs_embeds"),
+        hidden_picks(fn, hidden, layers),
+    )
     if kind == "base":
         fields = {"last_hidden_state": enc.batch.out(enc.values), **family.base_fields(base, enc)}
         name = family.base_output
     else:
         loss_kwargs = _loss_kwargs(cls, kw) if kind in family.loss_function_heads else None
-        fields = head_outputs(fn, kind, family, model, base, enc, kw.get("labels"), kw.get("start_positions"),
-                              kw.get("end_positions"), loss_kwargs)
+        fields = head_outputs(
+            fn,
+            kind,
+            family,
+            model,
+            base,
+            enc,
+            kw.get("labels"),
+            kw.get("start_positions"),
+            kw.get("end_positions"),
+            loss_kwargs,
+        )
         name = _HEAD_OUTPUTS[kind]
     fields["hidden_states"] = enc.hidden_states()
     return _output(name, fields, return_dict)

@@ -74,8 +74,16 @@ def _positions(fn: str, name: str, t, batch: int) -> torch.Tensor:
     return t
 
 
-def _qa_loss(fn: str, enc: Encoded, start: torch.Tensor, end: torch.Tensor, start_positions,
-             end_positions, loss_function=None, loss_kwargs=None) -> torch.Tensor:
+def _qa_loss(
+    fn: str,
+    enc: Encoded,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    start_positions,
+    end_positions,
+    loss_function=None,
+    loss_kwargs=None,
+) -> torch.Tensor:
     """See the module docstring. Each sequence's logits are laid out as in the caller's
     batch ``[B, M]`` with the dtype's lowest value at padding (no contribution to the softmax,
     and no NaN in the rows of empty sequences); targets outside the sequence's tokens become
@@ -108,12 +116,24 @@ def _qa_loss(fn: str, enc: Encoded, start: torch.Tensor, end: torch.Tensor, star
     (start_logits, start_target), (end_logits, end_target) = laid_out(start, starts), laid_out(end, ends)
     if loss_function is not None:
         return loss_function(start_logits, end_logits, start_target, end_target, **loss_kwargs)
-    return (F.cross_entropy(start_logits, start_target, ignore_index=width)
-            + F.cross_entropy(end_logits, end_target, ignore_index=width)) / 2
+    return (
+        F.cross_entropy(start_logits, start_target, ignore_index=width)
+        + F.cross_entropy(end_logits, end_target, ignore_index=width)
+    ) / 2
 
 
-def head_outputs(fn: str, kind: str, family: Family, model: nn.Module, base: nn.Module, enc: Encoded,
-                 labels, start_positions, end_positions, loss_kwargs: dict | None = None) -> dict:
+def head_outputs(
+    fn: str,
+    kind: str,
+    family: Family,
+    model: nn.Module,
+    base: nn.Module,
+    enc: Encoded,
+    labels,
+    start_positions,
+    end_positions,
+    loss_kwargs: dict | None = None,
+) -> dict:
     """The output fields of head ``kind`` (``loss`` None without labels): logits in the
     caller's form (a RaggedTensor for a RaggedTensor input, padded with zeros otherwise).
     ``loss_kwargs``: for a head of ``family.loss_function_heads``, the keyword arguments
@@ -140,15 +160,18 @@ def head_outputs(fn: str, kind: str, family: Family, model: nn.Module, base: nn.
         chosen = family.masked_lm_tokens(model, target)
         if chosen is not None:  # logits of the labelled tokens only, flat [N, V] (HuggingFace's sparse prediction)
             logits = family.masked_lm_logits(model, h.index_select(0, chosen))
-            return {"loss": _token_loss(model, logits, target.index_select(0, chosen), loss_function, loss_kwargs),
-                    "logits": logits}
+            return {
+                "loss": _token_loss(model, logits, target.index_select(0, chosen), loss_function, loss_kwargs),
+                "logits": logits,
+            }
         logits = family.masked_lm_logits(model, h)
     loss = None if target is None else _token_loss(model, logits, target, loss_function, loss_kwargs)
     return {"loss": loss, "logits": enc.batch.out(logits)}
 
 
-def _token_loss(model: nn.Module, logits: torch.Tensor, target: torch.Tensor, loss_function,
-                loss_kwargs: dict | None) -> torch.Tensor:
+def _token_loss(
+    model: nn.Module, logits: torch.Tensor, target: torch.Tensor, loss_function, loss_kwargs: dict | None
+) -> torch.Tensor:
     """The loss of the packed tokens' logits ``[T, V]`` against ``target [T]``: HuggingFace's
     masked-LM ``loss_function`` with ``loss_kwargs`` where the head computes it so, else the
     cross-entropy averaged over the labelled tokens (labels -100 ignored)."""

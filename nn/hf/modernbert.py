@@ -70,8 +70,9 @@ def _linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return F.linear(x, param(linear, "weight"), param(linear, "bias"))
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context, window: tuple[int, int],
-               p: float) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context, window: tuple[int, int], p: float
+) -> torch.Tensor:
     """Attention of one layer over the batch's sequences: ``q, k, v [rows, H, D]``, ``window``
     (``(left, right)`` or ``NO_WINDOW``), dropout ``p``; ``[rows, H, D]``.
 
@@ -84,10 +85,41 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context, 
     if window is not NO_WINDOW:
         window = effective_window(window, False, max_len, max_len)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    backend = backends.select("attention", None, q.device, q, k, v, ctx.offsets, ctx.offsets, max_len, max_len,
-                              False, p, needs_grad, window, None).backend
-    return ATTENTION(q, k, v, ctx.offsets, ctx.offsets, max_len, max_len, False, 1.0 / math.sqrt(q.shape[2]), p,
-                     dropout_seed(p, q.device), window[0], window[1], None, None, backend)[0]
+    backend = backends.select(
+        "attention",
+        None,
+        q.device,
+        q,
+        k,
+        v,
+        ctx.offsets,
+        ctx.offsets,
+        max_len,
+        max_len,
+        False,
+        p,
+        needs_grad,
+        window,
+        None,
+    ).backend
+    return ATTENTION(
+        q,
+        k,
+        v,
+        ctx.offsets,
+        ctx.offsets,
+        max_len,
+        max_len,
+        False,
+        1.0 / math.sqrt(q.shape[2]),
+        p,
+        dropout_seed(p, q.device),
+        window[0],
+        window[1],
+        None,
+        None,
+        backend,
+    )[0]
 
 
 class ModernBertFamily(Family):
@@ -95,12 +127,17 @@ class ModernBertFamily(Family):
     base_output = "BaseModelOutput"
     loss_function_heads = ("masked_lm", "qa")
     head_modules: ClassVar[dict[str, tuple[str, ...]]] = {
-        "sequence": ("head", "drop", "classifier"), "token": ("head", "drop", "classifier"),
-        "masked_lm": ("head", "decoder"), "qa": ("head", "drop", "classifier")}
+        "sequence": ("head", "drop", "classifier"),
+        "token": ("head", "drop", "classifier"),
+        "masked_lm": ("head", "decoder"),
+        "qa": ("head", "drop", "classifier"),
+    }
 
     def bypassed(self, base):
-        out = [(f"layers.{p}" if p else "layers", s) for p, s in base._modules["layers"].named_modules(
-            remove_duplicate=False)]
+        out = [
+            (f"layers.{p}" if p else "layers", s)
+            for p, s in base._modules["layers"].named_modules(remove_duplicate=False)
+        ]
         rotary = base._modules.get("rotary_emb")
         return out + ([("rotary_emb", rotary)] if rotary is not None else [])
 
@@ -114,8 +151,10 @@ class ModernBertFamily(Family):
         for kind, rope in (getattr(config, "rope_parameters", None) or {}).items():
             rope_type = (rope or {}).get("rope_type", "default")
             if rope_type in _MOVING_ROPE:
-                return (f"config.rope_parameters[{kind!r}] has rope_type={rope_type!r}, whose frequencies change with "
-                        "the sequence length; ragged takes rotary types with fixed frequencies")
+                return (
+                    f"config.rope_parameters[{kind!r}] has rope_type={rope_type!r}, whose frequencies change with "
+                    "the sequence length; ragged takes rotary types with fixed frequencies"
+                )
         return None
 
     def model_reason(self, model, base, kind, prefix):
@@ -153,8 +192,12 @@ class ModernBertFamily(Family):
         if heads * head_dim != hidden:
             return f"its {path} attention has {heads} heads of {head_dim} features, not the hidden size {hidden}"
         ff = mlp.Wo.in_features
-        shapes = {"attn.Wqkv": (hidden, 3 * hidden), "attn.Wo": (hidden, hidden), "mlp.Wi": (hidden, 2 * ff),
-                  "mlp.Wo": (ff, hidden)}
+        shapes = {
+            "attn.Wqkv": (hidden, 3 * hidden),
+            "attn.Wo": (hidden, hidden),
+            "mlp.Wi": (hidden, 2 * ff),
+            "mlp.Wo": (ff, hidden),
+        }
         for name, shape in shapes.items():
             linear = linears[name]
             if (linear.in_features, linear.out_features) != shape:
@@ -177,7 +220,7 @@ class ModernBertFamily(Family):
     # ---- compute
 
     def embed(self, fn, base, batch, ids, embeds, token_type_ids, position_ids):
-        row = (lambda t: None if t is None else t.unsqueeze(0))
+        row = lambda t: None if t is None else t.unsqueeze(0)
         return sub(base, "embeddings")(input_ids=row(ids), inputs_embeds=row(embeds))[0]
 
     def context(self, fn, base, batch, x, position_ids):

@@ -35,8 +35,9 @@ __all__ = ["FAMILIES", "MPNetFamily", "relative_buckets"]
 NUM_BUCKETS, MAX_DISTANCE = 32, 128  # HuggingFace's compute_position_bias
 
 
-def relative_buckets(distance: torch.Tensor, num_buckets: int = NUM_BUCKETS,
-                     max_distance: int = MAX_DISTANCE) -> torch.Tensor:
+def relative_buckets(
+    distance: torch.Tensor, num_buckets: int = NUM_BUCKETS, max_distance: int = MAX_DISTANCE
+) -> torch.Tensor:
     """The bucket of each key-minus-query distance ``j - i`` (int64 tensor), bidirectional:
     half the buckets for keys before the query, half for keys after; in each half, distances
     below a quarter of the buckets exactly, then logarithmically up to ``max_distance``."""
@@ -69,16 +70,28 @@ class MPNetFamily(RobertaFamily):
         attention = sub(layer, "attention")
         attn = sub(attention, "attn")
         inter, out = sub(layer, "intermediate"), sub(layer, "output")
-        return {"attn": attn, "q": sub(attn, "q"), "k": sub(attn, "k"), "v": sub(attn, "v"), "out": sub(attn, "o"),
-                "norm1": sub(attention, "LayerNorm"), "drop1": sub(attention, "dropout"), "ff1": sub(inter, "dense"),
-                "act": getattr(inter, "intermediate_act_fn"), "ff2": sub(out, "dense"), "drop2": sub(out, "dropout"),
-                "norm2": sub(out, "LayerNorm")}
+        return {
+            "attn": attn,
+            "q": sub(attn, "q"),
+            "k": sub(attn, "k"),
+            "v": sub(attn, "v"),
+            "out": sub(attn, "o"),
+            "norm1": sub(attention, "LayerNorm"),
+            "drop1": sub(attention, "dropout"),
+            "ff1": sub(inter, "dense"),
+            "act": inter.intermediate_act_fn,
+            "ff2": sub(out, "dense"),
+            "drop2": sub(out, "dropout"),
+            "norm2": sub(out, "LayerNorm"),
+        }
 
     def config_reason(self, config):
         buckets = getattr(config, "relative_attention_num_buckets", NUM_BUCKETS)
         if buckets < NUM_BUCKETS:
-            return (f"config.relative_attention_num_buckets={buckets}: HuggingFace's MPNet reads {NUM_BUCKETS} "
-                    "buckets of its relative attention bias")
+            return (
+                f"config.relative_attention_num_buckets={buckets}: HuggingFace's MPNet reads {NUM_BUCKETS} "
+                "buckets of its relative attention bias"
+            )
         return None
 
     def model_reason(self, model, base, kind, prefix):
@@ -92,7 +105,7 @@ class MPNetFamily(RobertaFamily):
         pos = batch.pack(fn, "position_ids", position_ids, 0, broadcast=True)
         if pos is None:
             pos = self.embed_positions(base, batch, ids)
-        row = (lambda t: None if t is None else t.unsqueeze(0))
+        row = lambda t: None if t is None else t.unsqueeze(0)
         return sub(base, "embeddings")(input_ids=row(ids), position_ids=row(pos), inputs_embeds=row(embeds))[0]
 
     def context(self, fn, base, batch, x, position_ids):

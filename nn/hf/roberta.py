@@ -31,8 +31,12 @@ def roberta_positions(ids: torch.Tensor, batch: Batch, pad: int) -> torch.Tensor
 
 class RobertaFamily(SpecFamily):
     positions_from_ids = True
-    head_modules = {"sequence": ("classifier",), "token": ("dropout", "classifier"), "masked_lm": ("lm_head",),
-                    "qa": ("qa_outputs",)}
+    head_modules = {
+        "sequence": ("classifier",),
+        "token": ("dropout", "classifier"),
+        "masked_lm": ("lm_head",),
+        "qa": ("qa_outputs",),
+    }
 
     def embed_positions(self, base, batch, ids):
         pad = sub(base, "embeddings").padding_idx

@@ -113,17 +113,49 @@ from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_at
 from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
 from .sentence_pipeline import Pipeline, finish, reason, run
 from .sentence_plan import Plan, plan_conversion
-from .sentence_pooling import (TOKENS_KEY, RaggedPooling, ReplicaForward, TokenEmbeddings, pool_tokens,
-                                  set_patches, weightedmean_origin)
+from .sentence_pooling import (
+    TOKENS_KEY,
+    RaggedPooling,
+    ReplicaForward,
+    TokenEmbeddings,
+    pool_tokens,
+    set_patches,
+    weightedmean_origin,
+)
 
-__all__ = ["INPUT_KEY", "TOKENS_KEY", "PackedInput", "RaggedEncode", "RaggedPooling", "RaggedPreprocess",
-           "RaggedTransformerForward", "ReplicaForward", "TokenEmbeddings", "convert_sentence_transformer", "encoding",
-           "graph_target", "is_converted", "is_sentence_transformer", "pool_tokens", "why_not"]
+__all__ = [
+    "INPUT_KEY",
+    "TOKENS_KEY",
+    "PackedInput",
+    "RaggedEncode",
+    "RaggedPooling",
+    "RaggedPreprocess",
+    "RaggedTransformerForward",
+    "ReplicaForward",
+    "TokenEmbeddings",
+    "convert_sentence_transformer",
+    "encoding",
+    "graph_target",
+    "is_converted",
+    "is_sentence_transformer",
+    "pool_tokens",
+    "why_not",
+]
 
 _TEXT_MODALITIES = ("text", "message")  # a message modality's features are text too, unless media come with them
-_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "prompt_length",
-                        "offset_mapping", "special_tokens_mask", "overflow_to_sample_mapping",
-                        "query_expansion_positions"})
+_TEXT_KEYS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "position_ids",
+        "prompt_length",
+        "offset_mapping",
+        "special_tokens_mask",
+        "overflow_to_sample_mapping",
+        "query_expansion_positions",
+    }
+)
 _FN = "ragged.nn.convert"
 
 # A call's state lives in its context (each thread and asyncio task has its own), never on shared modules:
@@ -133,7 +165,7 @@ _PREPROCESSING: contextvars.ContextVar[tuple] = contextvars.ContextVar("ragged_s
 
 
 @contextlib.contextmanager
-def encoding(forward: "RaggedTransformerForward", mode: str, graphed=None):
+def encoding(forward: RaggedTransformerForward, mode: str, graphed=None):
     """Within the block, in this thread or task only, the converted Transformer whose forward
     is ``forward`` runs as inside ``encode``: ``mode`` ``"sentence"`` (its preprocess packs the
     batch on the host, tokenizing without padding where it can) or ``"tokens"`` (the padded
@@ -141,8 +173,10 @@ def encoding(forward: "RaggedTransformerForward", mode: str, graphed=None):
     ``graphed``: a :class:`ragged.nn.Graphed` of the model the forward replays in eval mode
     (the encode pipeline's own, :mod:`.sentence_pipeline`) where ``forward.graphed`` is None."""
     if not isinstance(forward, RaggedTransformerForward):
-        raise TypeError(f"ragged.nn.hf.sentence.encoding(): expected the forward of a converted Transformer, got "
-                        f"{describe(forward)}")
+        raise TypeError(
+            f"ragged.nn.hf.sentence.encoding(): expected the forward of a converted Transformer, got "
+            f"{describe(forward)}"
+        )
     if mode not in ("sentence", "tokens"):
         raise ValueError(f"ragged.nn.hf.sentence.encoding(): expected mode 'sentence' or 'tokens', got {mode!r}")
     token = _ENCODING.set((*_ENCODING.get(), (forward, mode, graphed)))
@@ -152,7 +186,7 @@ def encoding(forward: "RaggedTransformerForward", mode: str, graphed=None):
         _ENCODING.reset(token)
 
 
-def _mode(forward: "RaggedTransformerForward", index: int = 1):
+def _mode(forward: RaggedTransformerForward, index: int = 1):
     """The mode (``index`` 2: the graphs) of the innermost encode of ``forward`` in this
     context; None outside encode."""
     for entry in reversed(_ENCODING.get()):
@@ -181,8 +215,9 @@ class RaggedTransformerForward:
 
     decoder = False
 
-    def __init__(self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool,
-                 decoder: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, from_ids: bool, takes_types: bool, pad_token_embeddings: bool, decoder: bool = False
+    ) -> None:
         self.module = module
         self.from_ids = from_ids
         self.takes_types = takes_types
@@ -196,8 +231,11 @@ class RaggedTransformerForward:
     def for_replica(self, replica: nn.Module) -> dict:
         """The forward of ``replica``, a DataParallel replica of this module: no graphs (they
         hold this module's parameters)."""
-        return {"forward": RaggedTransformerForward(replica, self.from_ids, self.takes_types, self.pad_token_embeddings,
-                                                    self.decoder)}
+        return {
+            "forward": RaggedTransformerForward(
+                replica, self.from_ids, self.takes_types, self.pad_token_embeddings, self.decoder
+            )
+        }
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "graphed": None}  # graphs are of this process
@@ -214,13 +252,18 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     modality = merged.get("modality", "text")
     if modality not in _TEXT_MODALITIES:
         raise NotImplementedError(f"{fn}(): the ragged forward takes text inputs, got modality {modality!r}")
-    media = [k for k, v in merged.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS] \
-        if modality == "message" else ()
+    media = (
+        [k for k, v in merged.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS]
+        if modality == "message"
+        else ()
+    )
     if media:
         raise NotImplementedError(f"{fn}(): the ragged forward takes text-only messages, got inputs {media}")
     if merged.get("cu_seq_lens_q") is not None:
-        raise NotImplementedError(f"{fn}(): flattened inputs (cu_seq_lens_q, from unpad_inputs) are not taken by the "
-                                  "ragged forward: set unpad_inputs = False on the Transformer")
+        raise NotImplementedError(
+            f"{fn}(): flattened inputs (cu_seq_lens_q, from unpad_inputs) are not taken by the "
+            "ragged forward: set unpad_inputs = False on the Transformer"
+        )
     if merged.get("inputs_embeds") is not None:
         raise NotImplementedError(f"{fn}(): inputs_embeds is not supported by the ragged forward; pass input_ids")
     model = self.module._modules["model"]
@@ -231,13 +274,22 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
     elif not isinstance(ids, torch.Tensor):
         raise ValueError(f"{fn}(): expected features['input_ids'] to be a tensor [B, M], got {describe(ids)}")
     else:
-        packed = pack_input(fn, self.from_ids, ids, merged.get("attention_mask"),
-                            merged.get("token_type_ids") if self.takes_types else None, merged.get("position_ids"))
+        packed = pack_input(
+            fn,
+            self.from_ids,
+            ids,
+            merged.get("attention_mask"),
+            merged.get("token_type_ids") if self.takes_types else None,
+            merged.get("position_ids"),
+        )
     # token types only for a model that takes them: the others' forward ignores them (its **kwargs),
     # and so must the graphs' module, which would take them as inputs of its bucket
     types = packed.token_type_ids if self.takes_types else None
-    inputs = {k: t for k, t in (("input_ids", packed.ids), ("token_type_ids", types),
-                                ("position_ids", packed.position_ids)) if t is not None}
+    inputs = {
+        k: t
+        for k, t in (("input_ids", packed.ids), ("token_type_ids", types), ("position_ids", packed.position_ids))
+        if t is not None
+    }
     graphed = self.graphed if self.graphed is not None else _mode(self, 2)
     if graphed is not None and not model.training and packed.ids.values.is_cuda:  # RaggedTensors of one batch
         inputs = {k: t if k == "input_ids" else packed.ids.with_values(t) for k, t in inputs.items()}
@@ -248,8 +300,10 @@ def _transformer_forward(self: RaggedTransformerForward, features: dict, kwargs:
         out = model(**inputs, return_dict=True)
     rt = out["last_hidden_state"]
     if not isinstance(rt, RaggedTensor):
-        raise NotImplementedError(f"{fn}(): its auto_model returned {describe(rt)}, not a RaggedTensor: its converted "
-                                  "forward was removed; convert the SentenceTransformer again")
+        raise NotImplementedError(
+            f"{fn}(): its auto_model returned {describe(rt)}, not a RaggedTensor: its converted "
+            "forward was removed; convert the SentenceTransformer again"
+        )
     pad = self.pad_token_embeddings or _mode(self) == "tokens"
     padded = packed.layout.unpack(rt) if pad else None
     features[TOKENS_KEY] = TokenEmbeddings(rt, packed.layout, padded)
@@ -293,8 +347,11 @@ class RaggedPreprocess:
             return original(module, *args, **kwargs)
         forward = _own(module, "forward", RaggedTransformerForward)
         mode = None if forward is None else _mode(forward)
-        side = unpadded_side(module, kwargs) if mode == "sentence" and not forward.pad_token_embeddings \
-            and len(args) <= 2 else None
+        side = (
+            unpadded_side(module, kwargs)
+            if mode == "sentence" and not forward.pad_token_embeddings and len(args) <= 2
+            else None
+        )
         if side is not None:  # the common kwargs override the text ones in sentence-transformers' tokenizer call
             pk = dict(kwargs.get("processing_kwargs") or {})
             kwargs = {**kwargs, "processing_kwargs": {**pk, "common": {**pk.get("common", {}), **UNPADDED}}}
@@ -304,19 +361,30 @@ class RaggedPreprocess:
                 features = original(module, *args, **kwargs)
         finally:
             _PREPROCESSING.reset(token)
-        if mode is None or not isinstance(features, MutableMapping) or "cu_seq_lens_q" in features \
-                or features.get("modality", "text") not in _TEXT_MODALITIES:
+        if (
+            mode is None
+            or not isinstance(features, MutableMapping)
+            or "cu_seq_lens_q" in features
+            or features.get("modality", "text") not in _TEXT_MODALITIES
+        ):
             return features
         ids = features.get("input_ids")
         types = features.get("token_type_ids") if forward.takes_types else None
         if isinstance(ids, list) and all(isinstance(row, list) for row in ids):
-            features[INPUT_KEY] = from_lists(ids, types if isinstance(types, list) else None, side or "right",
-                                              not forward.from_ids)
+            features[INPUT_KEY] = from_lists(
+                ids, types if isinstance(types, list) else None, side or "right", not forward.from_ids
+            )
             for name in ("input_ids", "token_type_ids", "attention_mask"):
                 features.pop(name, None)
         elif host_padded(features):
-            features[INPUT_KEY] = pack_input("Transformer.preprocess", forward.from_ids, ids,
-                                             features.get("attention_mask"), types, features.get("position_ids"))
+            features[INPUT_KEY] = pack_input(
+                "Transformer.preprocess",
+                forward.from_ids,
+                ids,
+                features.get("attention_mask"),
+                types,
+                features.get("position_ids"),
+            )
         return features
 
     def __getstate__(self) -> dict:
@@ -352,8 +420,15 @@ class RaggedEncode:
         """``[N, d]`` embeddings of ``arguments["inputs"]`` through the pipeline (``arguments``:
         encode's, by name), on the device, in the input order, before truncation and normalisation."""
         model = self.model
-        return run(model, model[0].forward, self.pipeline if settings is None else settings, arguments,
-                   lambda: graph_target(model), encoding, on_batch)
+        return run(
+            model,
+            model[0].forward,
+            self.pipeline if settings is None else settings,
+            arguments,
+            lambda: graph_target(model),
+            encoding,
+            on_batch,
+        )
 
     def __call__(self, *args, **kwargs):
         model = self.model
@@ -395,8 +470,13 @@ def _own_tokens(row: object) -> None:
     if not isinstance(row, MutableMapping) or not isinstance(row.get(TOKENS_KEY), TokenEmbeddings):
         return
     padded, mask = row.get("token_embeddings"), row.get("attention_mask")
-    if isinstance(padded, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dim() == 1 \
-            and padded.dim() >= 2 and padded.shape[0] == mask.shape[0]:
+    if (
+        isinstance(padded, torch.Tensor)
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 1
+        and padded.dim() >= 2
+        and padded.shape[0] == mask.shape[0]
+    ):
         row[TOKENS_KEY] = padded[mask.bool()]
     else:
         del row[TOKENS_KEY]  # never another text's tokens
@@ -428,10 +508,19 @@ def _own(module: nn.Module, name: str, cls: type):
 def is_converted(model: nn.Module) -> bool:
     """Whether the SentenceTransformer ``model`` is converted: its encode, its Transformer's
     forward and preprocess and its Poolings' ragged forwards are patches of their own module."""
-    own = len(model) > 0 and all(_own(m, name, cls) is not None for m, name, cls in (
-        (model, "encode", RaggedEncode), (model[0], "forward", RaggedTransformerForward),
-        (model[0], "preprocess", RaggedPreprocess), *((m, "forward", RaggedPooling) for m in model._modules.values()
-                                                      if isinstance(m.__dict__.get("forward"), RaggedPooling))))
+    own = len(model) > 0 and all(
+        _own(m, name, cls) is not None
+        for m, name, cls in (
+            (model, "encode", RaggedEncode),
+            (model[0], "forward", RaggedTransformerForward),
+            (model[0], "preprocess", RaggedPreprocess),
+            *(
+                (m, "forward", RaggedPooling)
+                for m in model._modules.values()
+                if isinstance(m.__dict__.get("forward"), RaggedPooling)
+            ),
+        )
+    )
     # a decoder runs packed under "ragged" attention only: another set since is not converted
     return own and (not model[0].forward.decoder or uses_ragged_attention(model[0]._modules["model"]))
 
@@ -462,12 +551,19 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
     if plan.padded:
         listing = "; ".join(f"{name!r} ({cls}): {why}" for name, cls, why in plan.padded)
         if strict:
-            raise NotImplementedError(f"{_FN}(): nothing converted: {len(plan.padded)} module(s) of "
-                                      f"{type(model).__name__} would run on padded token embeddings: {listing}")
-        warnings.warn(f"{_FN}(): {len(plan.padded)} module(s) of {type(model).__name__} run on padded token "
-                      f"embeddings: {listing}", stacklevel=3)
-    if any("weightedmean" in ((p.pooling_mode,) if isinstance(p.pooling_mode, str) else p.pooling_mode)
-           for p in plan.poolings):
+            raise NotImplementedError(
+                f"{_FN}(): nothing converted: {len(plan.padded)} module(s) of "
+                f"{type(model).__name__} would run on padded token embeddings: {listing}"
+            )
+        warnings.warn(
+            f"{_FN}(): {len(plan.padded)} module(s) of {type(model).__name__} run on padded token "
+            f"embeddings: {listing}",
+            stacklevel=3,
+        )
+    if any(
+        "weightedmean" in ((p.pooling_mode,) if isinstance(p.pooling_mode, str) else p.pooling_mode)
+        for p in plan.poolings
+    ):
         weightedmean_origin()  # read once here (or refused), not while a forward is traced or captured
     if copy:
         model = copying.deepcopy(model)
@@ -481,12 +577,19 @@ def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict
         from_ids, attention = hf_forward.identify(auto)[0].positions_from_ids, None
         patched = [] if hf_forward.is_done(auto) else hf_forward.patch(auto)
     # what a shallow copy shares with a converted model is its own already: kept as it is (graphs included)
-    wanted = [(first, "forward", RaggedTransformerForward,
-               lambda: RaggedTransformerForward(first, from_ids, takes_types and not plan.decoder, bool(plan.padded),
-                                                plan.decoder)),
-              (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
-              (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
-              *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings)]
+    wanted = [
+        (
+            first,
+            "forward",
+            RaggedTransformerForward,
+            lambda: RaggedTransformerForward(
+                first, from_ids, takes_types and not plan.decoder, bool(plan.padded), plan.decoder
+            ),
+        ),
+        (first, "preprocess", RaggedPreprocess, lambda: RaggedPreprocess(first)),
+        (model, "encode", RaggedEncode, lambda: RaggedEncode(model)),
+        *((p, "forward", RaggedPooling, lambda p=p: RaggedPooling(p)) for p in plan.poolings),
+    ]
     done = []
     try:  # plain attribute settings: nothing here is expected to fail, but leave nothing half done
         for module in dict.fromkeys(m for m, *_ in wanted):

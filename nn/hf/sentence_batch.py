@@ -36,10 +36,12 @@ class PackedInput:
 
     def matches(self, input_ids: object) -> bool:
         """Whether this batch was packed from padded ids of ``input_ids``' shape."""
-        return isinstance(input_ids, torch.Tensor) and tuple(input_ids.shape) == (self.ids.batch_size,
-                                                                                  self.layout.width)
+        return isinstance(input_ids, torch.Tensor) and tuple(input_ids.shape) == (
+            self.ids.batch_size,
+            self.layout.width,
+        )
 
-    def to(self, device: torch.device) -> "PackedInput":
+    def to(self, device: torch.device) -> PackedInput:
         """On ``device``; host tensors go to CUDA through pinned memory, without blocking."""
         if self.ids.device == device:
             return self
@@ -80,15 +82,20 @@ def unpadded_side(module: nn.Module, kwargs: dict) -> str | None:
     (it rewrites the padded tensors), padding settings in the processing kwargs (a padding side;
     for left padding a width other than the longest text's too)."""
     side = getattr(module.tokenizer, "padding_side", "right")
-    if getattr(module, "query_expansion", None) is not None or side not in ("right", "left") \
-            or module.processor is not module.tokenizer or "message" in module.modality_config:
+    if (
+        getattr(module, "query_expansion", None) is not None
+        or side not in ("right", "left")
+        or module.processor is not module.tokenizer
+        or "message" in module.modality_config
+    ):
         return None
     if side == "left" and getattr(module.tokenizer, "pad_to_multiple_of", None) is not None:
         return None
     keys = {"padding_side"} if side == "right" else {"padding_side", "padding", "pad_to_multiple_of"}
     for pk in (module.processing_kwargs, kwargs.get("processing_kwargs")):
-        if pk is not None and (not isinstance(pk, dict) or any(
-                isinstance(v, dict) and keys & set(v) for v in pk.values())):
+        if pk is not None and (
+            not isinstance(pk, dict) or any(isinstance(v, dict) and keys & set(v) for v in pk.values())
+        ):
             return None
     return side
 
@@ -118,5 +125,8 @@ def host_padded(features) -> bool:
     """Whether ``features`` holds a padded batch on the host that can be packed there."""
     ids = features.get("input_ids")
     tensors = [features.get(k) for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids")]
-    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and all(
-        t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu") for t in tensors)
+    return (
+        isinstance(ids, torch.Tensor)
+        and ids.dim() == 2
+        and all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu") for t in tensors)
+    )

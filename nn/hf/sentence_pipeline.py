@@ -53,7 +53,8 @@ import itertools
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,13 +110,26 @@ class Pipeline:
         self.__dict__.update(state)
         self.cache, self.lock, self.running = {}, threading.Lock(), threading.RLock()
 
-    def __deepcopy__(self, memo) -> "Pipeline":  # settings only: graphs are of the model copied
+    def __deepcopy__(self, memo) -> Pipeline:  # settings only: graphs are of the model copied
         return Pipeline(self.enabled, self.max_tokens, self.max_batch, self.graphs, self.workers)
 
 
-_PIPELINE_ARGS = frozenset({"inputs", "prompt_name", "prompt", "batch_size", "show_progress_bar", "output_value",
-                            "precision", "convert_to_numpy", "convert_to_tensor", "device", "normalize_embeddings",
-                            "truncate_dim"})
+_PIPELINE_ARGS = frozenset(
+    {
+        "inputs",
+        "prompt_name",
+        "prompt",
+        "batch_size",
+        "show_progress_bar",
+        "output_value",
+        "precision",
+        "convert_to_numpy",
+        "convert_to_tensor",
+        "device",
+        "normalize_embeddings",
+        "truncate_dim",
+    }
+)
 
 
 def reason(model: nn.Module, forward, settings: Pipeline, arguments: dict) -> str | None:
@@ -134,8 +148,12 @@ def reason(model: nn.Module, forward, settings: Pipeline, arguments: dict) -> st
     if extra:
         return f"arguments {sorted(extra)}"
     batch_size, precision = arguments.get("batch_size", 32), arguments.get("precision", "float32")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0 or \
-            precision not in (None, "float32", "int8", "uint8", "binary", "ubinary"):
+    if (
+        not isinstance(batch_size, int)
+        or isinstance(batch_size, bool)
+        or batch_size <= 0
+        or precision not in (None, "float32", "int8", "uint8", "binary", "ubinary")
+    ):
         return "arguments sentence-transformers refuses (its encode says why)"
     if arguments.get("output_value", "sentence_embedding") != "sentence_embedding":
         return "output_value other than 'sentence_embedding'"
@@ -165,8 +183,7 @@ def _tokenize(module: nn.Module, lock: threading.Lock, texts: list[str], prompt:
     converted preprocess's (a fast tokenizer keeps its padding setting in shared state, which
     every call sets); the tokenizer itself spreads a batch over the cores."""
     with lock, flat_ids(module):
-        features = type(module).preprocess(module, texts, prompt=prompt,
-                                           processing_kwargs={"common": dict(UNPADDED)})
+        features = type(module).preprocess(module, texts, prompt=prompt, processing_kwargs={"common": dict(UNPADDED)})
     ids = features.pop("input_ids")
     types = features.pop("token_type_ids", None)
     features.pop("attention_mask", None)
@@ -219,8 +236,9 @@ def _budget_batches(lengths: np.ndarray, max_tokens: int, max_batch: int) -> lis
     return out
 
 
-def _packed(lengths: np.ndarray, flat: np.ndarray, types, starts: np.ndarray, rows: np.ndarray, side: str,
-            columns: bool) -> PackedInput:
+def _packed(
+    lengths: np.ndarray, flat: np.ndarray, types, starts: np.ndarray, rows: np.ndarray, side: str, columns: bool
+) -> PackedInput:
     """The PackedInput of texts ``rows`` of a chunk (``starts``: each text's first id in ``flat``)."""
     n = lengths[rows]
     total = int(n.sum())
@@ -231,8 +249,9 @@ def _packed(lengths: np.ndarray, flat: np.ndarray, types, starts: np.ndarray, ro
     if side == "left" and columns and total:
         begin = np.repeat(np.cumsum(n) - n, n)
         positions = torch.from_numpy(np.arange(total, dtype=np.int64) - begin + np.repeat(rt.max_len - n, n))
-    return PackedInput(rt, None if types is None else torch.from_numpy(types[take]), positions,
-                       PaddedLayout(rt.max_len, side))
+    return PackedInput(
+        rt, None if types is None else torch.from_numpy(types[take]), positions, PaddedLayout(rt.max_len, side)
+    )
 
 
 GRAPHS: Callable | None = None
@@ -258,8 +277,15 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
     return held[1]
 
 
-def run(model: nn.Module, forward, settings: Pipeline, arguments: dict, target: Callable[[], nn.Module],
-        encoding: Callable, on_batch: Callable[[int, int], None] | None = None) -> torch.Tensor:
+def run(
+    model: nn.Module,
+    forward,
+    settings: Pipeline,
+    arguments: dict,
+    target: Callable[[], nn.Module],
+    encoding: Callable,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
     """``[N, d]`` sentence embeddings of ``arguments["inputs"]`` (before ``truncate_dim`` and
     normalisation), on the device, in the input order. ``target()``: what the graphs capture;
     ``encoding``: :func:`ragged.nn.hf.sentence.encoding`."""
@@ -286,8 +312,11 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
     if own_batches and getattr(model, "_can_flatten_inputs", lambda: False)():
         order = np.asarray(model._interleave_sorted_indices(order))
     batch_size = int(arguments.get("batch_size", 32))
-    chunks = [order[i:i + batch_size * 64] for i in range(0, order.size, batch_size * 64)] if own_batches \
+    chunks = (
+        [order[i : i + batch_size * 64] for i in range(0, order.size, batch_size * 64)]
+        if own_batches
         else _chunks(order, chars)
+    )
     graphed, max_tokens, max_batch = None, settings.max_tokens, settings.max_batch
     if forward.graphed is not None:  # the model's own graphs (ragged.nn.graphed): batches they take
         max_tokens = min(max_tokens, forward.graphed.max_tokens - 1)  # a spare row for spare sequences
@@ -299,8 +328,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
     lock = getattr(module.__dict__.get("preprocess"), "lock", None) or threading.Lock()
     workers = max(1, min(settings.workers, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ragged-tokenize") as pool:
-        pending = [pool.submit(_tokenize, module, lock, [texts[i] for i in c], prompt)
-                   for c in chunks[:workers + 1]]
+        pending = [pool.submit(_tokenize, module, lock, [texts[i] for i in c], prompt) for c in chunks[: workers + 1]]
         try:
             for k, rows_in_input in enumerate(chunks):
                 lengths, flat, types, extra = pending[k].result()
@@ -309,8 +337,11 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
                     pending.append(pool.submit(_tokenize, module, lock, [texts[i] for i in nxt], prompt))
                 starts = np.cumsum(lengths) - lengths
                 local_order = np.arange(lengths.size)
-                runs = [(s, min(s + batch_size, lengths.size)) for s in range(0, lengths.size, batch_size)] \
-                    if own_batches else _budget_batches(lengths, max_tokens, max_batch)
+                runs = (
+                    [(s, min(s + batch_size, lengths.size)) for s in range(0, lengths.size, batch_size)]
+                    if own_batches
+                    else _budget_batches(lengths, max_tokens, max_batch)
+                )
                 for s, e in runs:
                     rows = local_order[s:e]
                     packed = _packed(lengths, flat, types, starts, rows, side, columns)
@@ -397,25 +428,47 @@ def finish(model: nn.Module, out: torch.Tensor, arguments: dict, single: bool):
     return result[0] if single else result
 
 
-def embed(st: nn.Module, texts: list[str], *, prompt: str | None = None, prompt_name: str | None = None,
-          normalize: bool = False, max_tokens: int | None = None, batch_size: int = 32,
-          on_batch: Callable[[int, int], None] | None = None) -> np.ndarray:
+def embed(
+    st: nn.Module,
+    texts: list[str],
+    *,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
+    normalize: bool = False,
+    max_tokens: int | None = None,
+    batch_size: int = 32,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
     """``[len(texts), d]`` float32 embeddings of ``texts`` in their order, through the pipeline
     on any device (``python -m ragged.embed``'s step): ``st`` a SentenceTransformer converted by
     :func:`ragged.nn.convert`; ``on_batch(texts, tokens)`` after each batch."""
     encode = st.__dict__.get("encode")
     if not callable(getattr(encode, "pipelined", None)):
-        raise ValueError("ragged.nn.hf.sentence_pipeline.embed(): expected a SentenceTransformer converted by "
-                         f"ragged.nn.convert, got {type(st).__name__} not converted")
+        raise ValueError(
+            "ragged.nn.hf.sentence_pipeline.embed(): expected a SentenceTransformer converted by "
+            f"ragged.nn.convert, got {type(st).__name__} not converted"
+        )
     if not texts:
         width = getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension
         return np.zeros((0, width() or 0), dtype=np.float32)
-    settings = dataclasses.replace(encode.pipeline, enabled=True, cache=encode.pipeline.cache,
-                                   lock=encode.pipeline.lock, running=encode.pipeline.running)
+    settings = dataclasses.replace(
+        encode.pipeline,
+        enabled=True,
+        cache=encode.pipeline.cache,
+        lock=encode.pipeline.lock,
+        running=encode.pipeline.running,
+    )
     if max_tokens is not None:
         settings.max_tokens = int(max_tokens)
-    arguments = {"inputs": list(texts), "prompt": prompt, "prompt_name": prompt_name, "batch_size": batch_size,
-                 "show_progress_bar": False, "normalize_embeddings": normalize, "convert_to_numpy": True}
+    arguments = {
+        "inputs": list(texts),
+        "prompt": prompt,
+        "prompt_name": prompt_name,
+        "batch_size": batch_size,
+        "show_progress_bar": False,
+        "normalize_embeddings": normalize,
+        "convert_to_numpy": True,
+    }
     why = reason(st, st[0].forward, settings, arguments)
     if why is not None:
         raise ValueError(f"ragged.nn.hf.sentence_pipeline.embed(): the pipeline cannot take this call: {why}")

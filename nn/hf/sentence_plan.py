@@ -21,16 +21,18 @@ def st_classes() -> dict[str, type]:
     """sentence-transformers' module classes that conversion tells apart, by name."""
     from sentence_transformers.sentence_transformer import modules
 
-    return {name: getattr(modules, name) for name in ("Transformer", "Pooling", "Dense", "Normalize", "Dropout",
-                                                      "LayerNorm")}
+    return {
+        name: getattr(modules, name)
+        for name in ("Transformer", "Pooling", "Dense", "Normalize", "Dropout", "LayerNorm")
+    }
 
 
 @dataclasses.dataclass
 class Plan:
     transformer: nn.Module
-    poolings: list[nn.Module]                 # Pooling modules that read the Transformer's token embeddings
-    padded: list[tuple[str, str, str]]        # (name, class, why) of modules left on padded token embeddings
-    decoder: bool = False                     # the auto_model is a decoder run packed (ragged.nn.hf.decoder)
+    poolings: list[nn.Module]  # Pooling modules that read the Transformer's token embeddings
+    padded: list[tuple[str, str, str]]  # (name, class, why) of modules left on padded token embeddings
+    decoder: bool = False  # the auto_model is a decoder run packed (ragged.nn.hf.decoder)
 
 
 def replaced(module: nn.Module, name: str, ours: type) -> bool:
@@ -48,15 +50,19 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
     c = st_classes()
     first = model[0]
     if type(first) is not c["Transformer"]:
-        return (f"its first module is a {type(first).__name__}, not sentence-transformers' Transformer (ragged runs a "
-                "Transformer over a model ragged.nn.convert converts)")
+        return (
+            f"its first module is a {type(first).__name__}, not sentence-transformers' Transformer (ragged runs a "
+            "Transformer over a model ragged.nn.convert converts)"
+        )
     if first.backend != "torch":
         return f"its Transformer runs the {first.backend!r} backend, not torch"
     if first.transformer_task != "feature-extraction":
         return f"its Transformer's task is {first.transformer_task!r}, not 'feature-extraction'"
     if first.module_output_name != "token_embeddings" or first.modality_config.get("text") != TEXT:
-        return (f"its Transformer maps text to {first.modality_config.get('text')!r} -> {first.module_output_name!r}, "
-                "not the model's forward's last_hidden_state -> token_embeddings")
+        return (
+            f"its Transformer maps text to {first.modality_config.get('text')!r} -> {first.module_output_name!r}, "
+            "not the model's forward's last_hidden_state -> token_embeddings"
+        )
     message = first.modality_config.get("message")
     if message is not None and {k: v for k, v in message.items() if k != "format"} != TEXT:
         return f"its Transformer maps chat messages to {message!r}, not the model's forward's last_hidden_state"
@@ -66,9 +72,11 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
     if expansion is not None and not expansion.get("attend", True):
         return "its Transformer uses query expansion with attend=False (embeddings read at padding positions)"
     forward, preprocess, encode = patches
-    for owner, name, ours, where in ((first, "forward", forward, "its Transformer"),
-                                     (first, "preprocess", preprocess, "its Transformer"),
-                                     (model, "encode", encode, "it")):
+    for owner, name, ours, where in (
+        (first, "forward", forward, "its Transformer"),
+        (first, "preprocess", preprocess, "its Transformer"),
+        (model, "encode", encode, "it"),
+    ):
         if replaced(owner, name, ours):
             return f"{where} has its {name} replaced, which the converted model would not run"
     auto = first._modules.get("model")
@@ -83,8 +91,11 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
         if not hf_forward.is_done(auto):
             why = hf_forward.why_not(auto)
             if why is not None:
-                also = f"; decoders run on packed batches: {hf_decoder.supported()}" \
-                    if isinstance(hf_forward.identify(auto), str) else ""
+                also = (
+                    f"; decoders run on packed batches: {hf_decoder.supported()}"
+                    if isinstance(hf_forward.identify(auto), str)
+                    else ""
+                )
                 return f"its auto_model cannot be converted: {why}{also}"
         ident = hf_forward.identify(auto)
         if isinstance(ident, str) or ident[1] != "base":
@@ -94,8 +105,10 @@ def plan_conversion(model: nn.Module, patches: tuple[type, type, type]) -> Plan 
         kind = type(module)
         if kind is c["Pooling"] and changed_by is None and not replaced(module, "forward", RaggedPooling):
             poolings.append(module)
-        elif kind in (c["Dropout"], c["LayerNorm"]) or (kind in (c["Dense"], c["Normalize"]) and "token_embeddings"
-                                                         not in (module.module_input_name, module.module_output_name)):
+        elif kind in (c["Dropout"], c["LayerNorm"]) or (
+            kind in (c["Dense"], c["Normalize"])
+            and "token_embeddings" not in (module.module_input_name, module.module_output_name)
+        ):
             pass  # sentence-level: [B, d] in, [B, d] out
         else:
             if kind is c["Pooling"] and changed_by is not None:

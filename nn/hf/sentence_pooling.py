@@ -25,8 +25,16 @@ import ragged
 from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
-__all__ = ["TOKENS_KEY", "RaggedPooling", "Replicate", "ReplicaForward", "TokenEmbeddings", "pool_tokens",
-           "set_patches", "weightedmean_origin"]
+__all__ = [
+    "TOKENS_KEY",
+    "RaggedPooling",
+    "Replicate",
+    "ReplicaForward",
+    "TokenEmbeddings",
+    "pool_tokens",
+    "set_patches",
+    "weightedmean_origin",
+]
 
 TOKENS_KEY = "ragged_token_embeddings"
 
@@ -85,7 +93,8 @@ def weightedmean_origin() -> str:
             return origin
     raise NotImplementedError(
         "Pooling.forward(): the installed sentence-transformers' weightedmean weighs tokens in a way the ragged "
-        f"pooling does not know (a left-padded row of 0, 0, 1 pools to {value!r}, neither 3/5 nor 2/3)")
+        f"pooling does not know (a left-padded row of 0, 0, 1 pools to {value!r}, neither 3/5 nor 2/3)"
+    )
 
 
 class Replicate:
@@ -218,12 +227,15 @@ def pool_tokens(pooling: nn.Module, tokens: TokenEmbeddings, features: dict) -> 
             where = tokens.columns() if weightedmean_origin() == "column" else tokens.from_first()
             w = ((where + 1).to(acc) * (1 if keep is None else keep)).unsqueeze(1)
             total = ragged.pool(rt.with_values(x.to(acc) * w), "sum")
-            norm = weights_sum.to(acc).unsqueeze(1) if weights_sum is not None else \
-                ragged.pool(rt.with_values(w), "sum")
+            norm = (
+                weights_sum.to(acc).unsqueeze(1) if weights_sum is not None else ragged.pool(rt.with_values(w), "sum")
+            )
             out.append((total / norm.clamp(min=1e-9)).to(x.dtype))
         else:
-            raise NotImplementedError(f"Pooling.forward(): pooling mode {mode!r} is not supported by the ragged "
-                                      f"pooling (supported: {', '.join(type(pooling).POOLING_MODES)})")
+            raise NotImplementedError(
+                f"Pooling.forward(): pooling mode {mode!r} is not supported by the ragged "
+                f"pooling (supported: {', '.join(type(pooling).POOLING_MODES)})"
+            )
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 

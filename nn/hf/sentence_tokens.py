@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from torch import nn
@@ -36,9 +36,20 @@ _PLAIN = {"padding": False, "return_tensors": None, "return_attention_mask": Fal
 _TAKEN = {*_PLAIN, "truncation", "max_length"}
 _MEDIA = {"image", "video", "audio"}
 # the methods between a tokenizer's __call__ and its Rust tokenizer
-_CALL_PATH = ("__call__", "_call_one", "encode_plus", "batch_encode_plus", "_encode_plus", "_batch_encode_plus",
-              "_convert_encoding", "set_truncation_and_padding", "_get_padding_truncation_strategies",
-              "prepare_for_tokenization", "tokenize", "_tokenize")
+_CALL_PATH = (
+    "__call__",
+    "_call_one",
+    "encode_plus",
+    "batch_encode_plus",
+    "_encode_plus",
+    "_batch_encode_plus",
+    "_convert_encoding",
+    "set_truncation_and_padding",
+    "_get_padding_truncation_strategies",
+    "prepare_for_tokenization",
+    "tokenize",
+    "_tokenize",
+)
 
 
 class Flat:
@@ -60,14 +71,18 @@ def _fast(tokenizer) -> bool:
     except ImportError:  # pragma: no cover - sentence-transformers needs transformers
         return False
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not all(
-            callable(getattr(tokenizer, name, None))
-            for name in ("_get_padding_truncation_strategies", "set_truncation_and_padding")):
+        callable(getattr(tokenizer, name, None))
+        for name in ("_get_padding_truncation_strategies", "set_truncation_and_padding")
+    ):
         return False
     # a tokenizer class that changes the call on its way to the Rust tokenizer (CodeLlama's, the
     # layout models', ...) keeps its own call
     cls = type(tokenizer)
-    return all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name)
-               for name in _CALL_PATH if hasattr(PreTrainedTokenizerFast, name))
+    return all(
+        getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name)
+        for name in _CALL_PATH
+        if hasattr(PreTrainedTokenizerFast, name)
+    )
 
 
 def _flatten(rows: list, total: int) -> np.ndarray:
@@ -81,19 +96,28 @@ def encode(tokenizer, texts: list[str], truncation, max_length) -> Flat | None:
     from transformers.tokenization_utils_base import TruncationStrategy
 
     padding, truncating, max_length, _ = tokenizer._get_padding_truncation_strategies(
-        padding=False, truncation=truncation, max_length=max_length)
+        padding=False, truncation=truncation, max_length=max_length
+    )
     if truncating == TruncationStrategy.DO_NOT_TRUNCATE:
         return None
-    tokenizer.set_truncation_and_padding(padding_strategy=padding, truncation_strategy=truncating,
-                                         max_length=max_length, stride=0, pad_to_multiple_of=None,
-                                         padding_side=None)
+    tokenizer.set_truncation_and_padding(
+        padding_strategy=padding,
+        truncation_strategy=truncating,
+        max_length=max_length,
+        stride=0,
+        pad_to_multiple_of=None,
+        padding_side=None,
+    )
     backend = tokenizer._tokenizer
     split = bool(getattr(tokenizer, "split_special_tokens", False))
     if backend.encode_special_tokens != split:
         backend.encode_special_tokens = split
     run = getattr(backend, "encode_batch_fast", None)  # the same ids, no character offsets
-    encodings = run(texts, add_special_tokens=True) if run is not None else \
-        backend.encode_batch(texts, add_special_tokens=True, is_pretokenized=False)
+    encodings = (
+        run(texts, add_special_tokens=True)
+        if run is not None
+        else backend.encode_batch(texts, add_special_tokens=True, is_pretokenized=False)
+    )
     rows = [e.ids for e in encodings]
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     total = int(lengths.sum())
@@ -117,10 +141,15 @@ def flat_ids(module: nn.Module) -> Iterator[None]:
     def call(modality, processor_inputs, modality_kwargs, common_kwargs):
         kwargs = {**modality_kwargs.get("text", {}), **common_kwargs}
         texts = processor_inputs.get("text")
-        if modality == "text" and module.processor is tokenizer and set(processor_inputs) == {"text"} \
-                and set(kwargs) <= _TAKEN and all(k in kwargs and kwargs[k] is v for k, v in _PLAIN.items()) \
-                and isinstance(texts, list) \
-                and all(type(t) is str for t in texts):
+        if (
+            modality == "text"
+            and module.processor is tokenizer
+            and set(processor_inputs) == {"text"}
+            and set(kwargs) <= _TAKEN
+            and all(k in kwargs and kwargs[k] is v for k, v in _PLAIN.items())
+            and isinstance(texts, list)
+            and all(type(t) is str for t in texts)
+        ):
             flat = encode(tokenizer, texts, kwargs.get("truncation"), kwargs.get("max_length"))
             if flat is not None:
                 return {"input_ids": flat}
@@ -129,8 +158,12 @@ def flat_ids(module: nn.Module) -> Iterator[None]:
     formatter = getattr(module, "input_formatter", None)
     parse = getattr(formatter, "parse_inputs", None)
     supported = getattr(formatter, "supported_modalities", None)
-    text_only = parse is not None and "parse_inputs" not in vars(formatter) and supported is not None \
+    text_only = (
+        parse is not None
+        and "parse_inputs" not in vars(formatter)
+        and supported is not None
         and not _MEDIA & set(supported)
+    )
 
     def parse_inputs(inputs):
         # sentence-transformers reads each string for a media URL or file name first (several us a

@@ -80,13 +80,19 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
-from . import attention_cpu
-from .attention_reference import (NO_WINDOW, check_bucket_values, check_position_bias, check_window,
-                                  effective_window, reference_attention, reference_attention_backward,
-                                  reference_dropout_mask)
-from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager
 from ..tensor import RaggedTensor
-
+from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager
+from . import attention_cpu
+from .attention_reference import (
+    NO_WINDOW,
+    check_bucket_values,
+    check_position_bias,
+    check_window,
+    effective_window,
+    reference_attention,
+    reference_attention_backward,
+    reference_dropout_mask,
+)
 
 # --------------------------------------------------------------------------------------
 # The op: ragged::attention (+ ragged::attention_backward), one autograd rule
@@ -116,34 +122,106 @@ class AttentionSpec:
     bias_buckets: int = 0
 
 
-def attention_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                   max_q: int, max_k: int, causal: bool, dropout_p: float, needs_grad: bool,
-                   window_size: tuple[int, int] = NO_WINDOW,
-                   position_bias: tuple[Tensor, Tensor] | None = None) -> AttentionSpec:
+def attention_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    dropout_p: float,
+    needs_grad: bool,
+    window_size: tuple[int, int] = NO_WINDOW,
+    position_bias: tuple[Tensor, Tensor] | None = None,
+) -> AttentionSpec:
     """The spec of attention over ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]``, ``cu_q, cu_k [B+1]``
     (these are also the arguments of ``ragged.explain("attention", ...)``); ``window_size`` is
     taken as :func:`effective_window` makes it; ``position_bias``: ``(table, buckets)`` or None."""
-    window = NO_WINDOW if window_size is NO_WINDOW else effective_window(
-        (int(window_size[0]), int(window_size[1])), bool(causal), max_q, max_k)
+    window = (
+        NO_WINDOW
+        if window_size is NO_WINDOW
+        else effective_window((int(window_size[0]), int(window_size[1])), bool(causal), max_q, max_k)
+    )
     buckets = 0 if position_bias is None else int(position_bias[0].shape[0])
-    return AttentionSpec(q.device, q.dtype, q.shape[2], q.shape[1], k.shape[1], cu_q.shape[0] - 1, max_q, max_k,
-                         bool(causal), float(dropout_p), bool(needs_grad), window, buckets)
+    return AttentionSpec(
+        q.device,
+        q.dtype,
+        q.shape[2],
+        q.shape[1],
+        k.shape[1],
+        cu_q.shape[0] - 1,
+        max_q,
+        max_k,
+        bool(causal),
+        float(dropout_p),
+        bool(needs_grad),
+        window,
+        buckets,
+    )
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
-               scale: float, dropout_p: float, seed: int, window_left: int, window_right: int,
-               bias_table: Tensor | None, bias_buckets: Tensor | None) -> tuple[Tensor, Tensor]: ...
+def _signature(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: int,
+    window_left: int,
+    window_right: int,
+    bias_table: Tensor | None,
+    bias_buckets: Tensor | None,
+) -> tuple[Tensor, Tensor]: ...
 
 
-def _backward_signature(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
-                        cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float,
-                        seed: int, window_left: int, window_right: int, bias_table: Tensor | None,
-                        bias_buckets: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+def _backward_signature(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: int,
+    window_left: int,
+    window_right: int,
+    bias_table: Tensor | None,
+    bias_buckets: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
 
 def _setup(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, bias_table,
-     bias_buckets, backend) = inputs
+    (
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal,
+        scale,
+        dropout_p,
+        seed,
+        window_left,
+        window_right,
+        bias_table,
+        bias_buckets,
+        backend,
+    ) = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, bias_table, bias_buckets)
     ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)
     ctx.backend = backend
@@ -153,26 +231,51 @@ def _backward(ctx, do, dlse):
     # lse is a constant of the graph (non_differentiable below): dlse is never used.
     q, k, v, out, lse, cu_q, cu_k, bias_table, bias_buckets = ctx.saved_tensors
     # The backend's backward follows its declaration (the forward-only CUDA kernel: Triton's).
-    grads = ATTENTION.call_backward(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args, bias_table,
-                                    bias_buckets, ctx.backend)
+    grads = ATTENTION.call_backward(
+        do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args, bias_table, bias_buckets, ctx.backend
+    )
     dtable = grads[3] if len(grads) > 3 else None  # an implementation's dtable follows (dq, dk, dv) when given
     # no gradient for cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, nor
     # bias_buckets (an index)
     return (*grads[:3], *(None,) * 10, dtable, None)
 
 
-def _backward_fake(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left,
-                   window_right, bias_table, bias_buckets):
+def _backward_fake(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left,
+    window_right,
+    bias_table,
+    bias_buckets,
+):
     dtable = q.new_empty(0) if bias_table is None else torch.empty_like(bias_table)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 ATTENTION = opdef.define(
-    "attention", _signature, spec=attention_spec, setup=_setup, backward=_backward,
+    "attention",
+    _signature,
+    spec=attention_spec,
+    setup=_setup,
+    backward=_backward,
     fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
-    backward_signature=_backward_signature, backward_fake=_backward_fake,
+    backward_signature=_backward_signature,
+    backward_fake=_backward_fake,
     backward_present=lambda *operands: (True, True, True, operands[16] is not None),
-    non_differentiable=lambda inputs, output: (output[1],))
+    non_differentiable=lambda inputs, output: (output[1],),
+)
 
 
 def _reference_mask(q, cu_q, max_k, dropout_p, seed):
@@ -181,20 +284,54 @@ def _reference_mask(q, cu_q, max_k, dropout_p, seed):
     return reference_dropout_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
 
 
-def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
-                       window_right=-1, bias_table=None, bias_buckets=None):
+def _reference_forward(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left=-1,
+    window_right=-1,
+    bias_table=None,
+    bias_buckets=None,
+):
     bias = None if bias_table is None else (bias_table, bias_buckets)
     if attention_cpu.available(q, dropout_p):  # one fused call per group of lengths, not per sequence
         with torch.no_grad():
-            out, lse = attention_cpu.grouped_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale,
-                                                       (window_left, window_right),
-                                                       None if bias is None else (*bias, max_q))
+            out, lse = attention_cpu.grouped_attention(
+                q,
+                k,
+                v,
+                cu_q.tolist(),
+                cu_k.tolist(),
+                causal,
+                scale,
+                (window_left, window_right),
+                None if bias is None else (*bias, max_q),
+            )
     else:
         mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
         with torch.no_grad():
-            out, lse = reference_attention(q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                           window_size=(window_left, window_right), position_bias=bias,
-                                           max_seqlen_q=max_q)
+            out, lse = reference_attention(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                causal,
+                scale,
+                mask,
+                dropout_p,
+                window_size=(window_left, window_right),
+                position_bias=bias,
+                max_seqlen_q=max_q,
+            )
     spare = q.shape[0] - out.shape[0]  # rows past the last offset (a graphed bucket's): zeros, as the op's shape
     if spare > 0:
         out = torch.cat([out, out.new_zeros((spare, *out.shape[1:]))])
@@ -202,15 +339,47 @@ def _reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout
     return out, lse
 
 
-def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                        window_left=-1, window_right=-1, bias_table=None, bias_buckets=None, grads=None):
+def _reference_backward(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left=-1,
+    window_right=-1,
+    bias_table=None,
+    bias_buckets=None,
+    grads=None,
+):
     """The op's backward by :func:`reference_attention_backward`: ``(dq, dk, dv)``, and ``dtable``
     after them with a bias table; ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of
     q, k, v, any strides) copied into and returned."""
     mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
     bias = None if bias_table is None else (bias_table, bias_buckets)
-    result = reference_attention_backward(do, q, k, v, cu_q, cu_k, causal, scale, mask, dropout_p,
-                                          (window_left, window_right), position_bias=bias, max_seqlen_q=max_q)
+    result = reference_attention_backward(
+        do,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        causal,
+        scale,
+        mask,
+        dropout_p,
+        (window_left, window_right),
+        position_bias=bias,
+        max_seqlen_q=max_q,
+    )
     if grads is None:
         return result
     fn = "ragged.ops.attention._reference_backward"
@@ -218,8 +387,10 @@ def _reference_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
         raise TypeError(f"{fn}(): expected grads as a tuple (dq, dk, dv), got {type(grads).__name__}")
     for name, buf, grad in zip(("dq", "dk", "dv"), grads, result):
         if not isinstance(buf, torch.Tensor) or buf.shape != grad.shape:
-            raise ValueError(f"{fn}(): expected {name} of shape {tuple(grad.shape)}, got "
-                             f"{tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}")
+            raise ValueError(
+                f"{fn}(): expected {name} of shape {tuple(grad.shape)}, got "
+                f"{tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}"
+            )
         buf.copy_(grad)
     return (*grads, *result[3:])
 
@@ -263,10 +434,18 @@ class _Caller:
     total_k: str
 
 
-_VARLEN = _Caller("ragged.varlen_attention", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                  "q.shape[0]", "k.shape[0]")
-_RAGGED = _Caller("ragged.attention", "q.offsets", "k.offsets", "q.max_len", "k.max_len", "q.num_tokens",
-                  "k.num_tokens")
+_VARLEN = _Caller(
+    "ragged.varlen_attention",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "q.shape[0]",
+    "k.shape[0]",
+)
+_RAGGED = _Caller(
+    "ragged.attention", "q.offsets", "k.offsets", "q.max_len", "k.max_len", "q.num_tokens", "k.num_tokens"
+)
 
 
 def _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
@@ -290,13 +469,16 @@ def _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p):
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}(): expected q and k of the same head dim, got {q.shape[2]} and {k.shape[2]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value "
-                         f"heads ({k.shape[1]})")
+        raise ValueError(
+            f"{fn}(): expected the query heads ({q.shape[1]}) to be a multiple of the key/value heads ({k.shape[1]})"
+        )
     cu_q = check_offsets_tensor(fn, cu_q, q, name=caller.cu_q)
     cu_k = check_offsets_tensor(fn, cu_k, k, name=caller.cu_k)
     if cu_q.shape != cu_k.shape:
-        raise ValueError(f"{fn}(): expected {caller.cu_q} and {caller.cu_k} of the same batch size, got "
-                         f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences")
+        raise ValueError(
+            f"{fn}(): expected {caller.cu_q} and {caller.cu_k} of the same batch size, got "
+            f"{cu_q.shape[0] - 1} and {cu_k.shape[0] - 1} sequences"
+        )
     max_q = check_int(fn, caller.max_q, max_q, minimum=0)
     max_k = check_int(fn, caller.max_k, max_k, minimum=0)
     if scale is not None and not isinstance(scale, (int, float)):
@@ -329,28 +511,44 @@ def _check_offset_values(caller, cu_q, cu_k, total_q, total_k, max_q, max_k):
     sequence longer than its max. One device-to-host read of 8 numbers (a sync on CUDA)."""
     fn = caller.fn
     first_q, last_q, low_q, high_q, first_k, last_k, low_k, high_k = torch.cat(
-        [_summary(cu_q), _summary(cu_k)]).tolist()
+        [_summary(cu_q), _summary(cu_k)]
+    ).tolist()
     for cu, (first, last, low, high), total, longest, (name, max_name, total_name) in (
-            (cu_q, (first_q, last_q, low_q, high_q), total_q, max_q, (caller.cu_q, caller.max_q, caller.total_q)),
-            (cu_k, (first_k, last_k, low_k, high_k), total_k, max_k, (caller.cu_k, caller.max_k, caller.total_k))):
+        (cu_q, (first_q, last_q, low_q, high_q), total_q, max_q, (caller.cu_q, caller.max_q, caller.total_q)),
+        (cu_k, (first_k, last_k, low_k, high_k), total_k, max_k, (caller.cu_k, caller.max_k, caller.total_k)),
+    ):
         if first != 0:
             raise ValueError(f"{fn}(): expected {name}[0] == 0, got {first}")
         if low < 0:  # the error path: reading all of them to name the first decrease is fine here
             host = cu.tolist()
             i = next(i for i in range(len(host) - 1) if host[i + 1] < host[i])
-            raise ValueError(f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > "
-                             f"{name}[{i + 1}] = {host[i + 1]}")
+            raise ValueError(
+                f"{fn}(): expected non-decreasing {name}, got {name}[{i}] = {host[i]} > {name}[{i + 1}] = {host[i + 1]}"
+            )
         if last != total:
             raise ValueError(f"{fn}(): expected {name}[-1] == {total_name} ({total}), got {last}")
         if high > longest:
             raise ValueError(f"{fn}(): expected {max_name} >= the longest sequence ({high}), got {longest}")
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
-                     scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                     backend: str | None = None, *, window_size: tuple[int, int] = NO_WINDOW,
-                     position_bias: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = False):
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+    *,
+    window_size: tuple[int, int] = NO_WINDOW,
+    position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = False,
+):
     """Attention in flash-attn's varlen convention (see the module docstring for shapes).
 
     ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (Python or numpy; no sync). ``dropout_p > 0``
@@ -386,12 +584,46 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     read or write out of bounds. Pass ``validate=True`` (or host offsets through
     :func:`attention`) where they may be wrong.
     """
-    return _varlen(_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                   dropout_p, return_lse, backend, validate, window_size, position_bias)
+    return _varlen(
+        _VARLEN,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        dropout_p,
+        return_lse,
+        backend,
+        validate,
+        window_size,
+        position_bias,
+    )
 
 
-def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, return_lse, backend, validate,
-            window_size, position_bias, host_q=None, host_k=None):
+def _varlen(
+    caller,
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    return_lse,
+    backend,
+    validate,
+    window_size,
+    position_bias,
+    host_q=None,
+    host_k=None,
+):
     """Both public forms: ``caller`` names their arguments; ``host_q`` / ``host_k``: the offsets
     as host ints when known (a RaggedTensor's), else None."""
     cu_q, cu_k, max_q, max_k = _validate(caller, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout_p)
@@ -401,8 +633,14 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
         window = effective_window(check_window(caller.fn, window_size), bool(causal), max_q, max_k)
     table = buckets = None
     if position_bias is not None:
-        table, buckets = check_position_bias(caller.fn, position_bias, q.shape[1], q.device, max(max_q + max_k - 1, 0),
-                                             f"{caller.max_q} + {caller.max_k} - 1")
+        table, buckets = check_position_bias(
+            caller.fn,
+            position_bias,
+            q.shape[1],
+            q.device,
+            max(max_q + max_k - 1, 0),
+            f"{caller.max_q} + {caller.max_k} - 1",
+        )
     # Offsets on the CPU cost nothing to read (and cannot be read while tracing: eager() is False).
     checked = bool(validate) or (cu_q.device.type == "cpu" and eager(cu_q, cu_k))
     if checked:
@@ -416,10 +654,27 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
             _check_host_ends(caller.fn, host_k, k.shape[0], caller.cu_k, caller.total_k)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     causal, dropout_p = bool(causal), float(dropout_p)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                              or (table is not None and table.requires_grad))
-    backend = backends.select("attention", backend, q.device, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p,
-                              needs_grad, window, position_bias, fn=caller.fn).backend
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (table is not None and table.requires_grad)
+    )
+    backend = backends.select(
+        "attention",
+        backend,
+        q.device,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal,
+        dropout_p,
+        needs_grad,
+        window,
+        position_bias,
+        fn=caller.fn,
+    ).backend
     if not checked and backend == "torch" and eager(cu_q, cu_k):
         # The reference reads the offsets on the host anyway: check them rather than return
         # a wrong number of rows (and the buckets rather than index out of the table).
@@ -427,15 +682,26 @@ def _varlen(caller, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p,
         if buckets is not None:
             check_bucket_values(caller.fn, table, buckets)
     seed = dropout_seed(dropout_p, q.device)
-    out, lse = ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window[0], window[1],
-                         table, buckets, backend)
+    out, lse = ATTENTION(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window[0], window[1], table, buckets, backend
+    )
     return (out, lse) if return_lse else out
 
 
-def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = False, scale: float | None = None,
-              dropout_p: float = 0.0, return_lse: bool = False, backend: str | None = None, *,
-              window_size: tuple[int, int] = NO_WINDOW, position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-              validate: bool = False):
+def attention(
+    q: RaggedTensor,
+    k: RaggedTensor,
+    v: RaggedTensor,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+    *,
+    window_size: tuple[int, int] = NO_WINDOW,
+    position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = False,
+):
     """Padding-free attention over RaggedTensors (``values [T, H, D]``).
 
     ``k`` and ``v`` share their sequences; ``q`` may have other lengths (cross-attention)
@@ -453,19 +719,46 @@ def attention(q: RaggedTensor, k: RaggedTensor, v: RaggedTensor, causal: bool = 
     fn = _RAGGED.fn
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, RaggedTensor):
-            raise TypeError(f"{fn}(): expected {name} to be a RaggedTensor, got {describe(t)}; "
-                            "for packed tensors with cu_seqlens use ragged.varlen_attention")
+            raise TypeError(
+                f"{fn}(): expected {name} to be a RaggedTensor, got {describe(t)}; "
+                "for packed tensors with cu_seqlens use ragged.varlen_attention"
+            )
     if k.offsets is not v.offsets:
-        if k.offsets.shape != v.offsets.shape or k.num_tokens != v.num_tokens or (
-                k.known_host_offsets is not None and v.known_host_offsets is not None
-                and k.known_host_offsets != v.known_host_offsets):
-            raise ValueError(f"{fn}(): expected k and v with the same sequences, got lengths "
-                             f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)")
+        if (
+            k.offsets.shape != v.offsets.shape
+            or k.num_tokens != v.num_tokens
+            or (
+                k.known_host_offsets is not None
+                and v.known_host_offsets is not None
+                and k.known_host_offsets != v.known_host_offsets
+            )
+        ):
+            raise ValueError(
+                f"{fn}(): expected k and v with the same sequences, got lengths "
+                f"{k.batch_size}/{k.num_tokens} and {v.batch_size}/{v.num_tokens} (batch/tokens)"
+            )
     if q.batch_size != k.batch_size:
         raise ValueError(f"{fn}(): expected q and k with the same batch size, got {q.batch_size} and {k.batch_size}")
-    result = _varlen(_RAGGED, q.values, k.values, v.values, q.offsets, k.offsets, q.max_len, k.max_len, causal, scale,
-                     dropout_p, return_lse, backend, validate, window_size, position_bias, q.known_host_offsets,
-                     k.known_host_offsets)
+    result = _varlen(
+        _RAGGED,
+        q.values,
+        k.values,
+        v.values,
+        q.offsets,
+        k.offsets,
+        q.max_len,
+        k.max_len,
+        causal,
+        scale,
+        dropout_p,
+        return_lse,
+        backend,
+        validate,
+        window_size,
+        position_bias,
+        q.known_host_offsets,
+        k.known_host_offsets,
+    )
     if return_lse:
         out, lse = result
         return q.with_values(out), lse

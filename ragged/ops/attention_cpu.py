@@ -91,26 +91,32 @@ def band(i: torch.Tensor, j: torch.Tensor, causal: bool, window: tuple[int, int]
     return seen
 
 
-def _mask(lq: list[int], lk: list[int], mq: int, mk: int, causal: bool, window: tuple[int, int]
-          ) -> torch.Tensor | None:
+def _mask(lq: list[int], lk: list[int], mq: int, mk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor | None:
     """``[n, 1, mq or 1, mk]`` bool, True where a query sees a key (key padding, causal masking and
     the window, aligned as the reference aligns them), or None where every slot sees every key."""
     left, right = window
     tq = torch.tensor(lq, dtype=torch.int64).view(-1, 1, 1)
     tk = torch.tensor(lk, dtype=torch.int64).view(-1, 1, 1)
     j = torch.arange(mk).view(1, 1, -1)
-    seen = j < tk if min(lk) < mk else None                                      # [n, 1, mk]
+    seen = j < tk if min(lk) < mk else None  # [n, 1, mk]
     if causal or left >= 0 or right >= 0:
-        a = torch.arange(mq).view(1, -1, 1) + (tk - tq)                          # aligned positions
-        rule = band(a, j, causal, window)                                        # [n, mq, mk]
+        a = torch.arange(mq).view(1, -1, 1) + (tk - tq)  # aligned positions
+        rule = band(a, j, causal, window)  # [n, mq, mk]
         seen = rule if seen is None else rule & seen
     return None if seen is None else seen.unsqueeze(1)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: list[int], ck: list[int],
-                      causal: bool, scale: float, window: tuple[int, int],
-                      position_bias: tuple[torch.Tensor, torch.Tensor, int] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cq: list[int],
+    ck: list[int],
+    causal: bool,
+    scale: float,
+    window: tuple[int, int],
+    position_bias: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the packed sequences of offsets ``cq`` / ``ck`` (host ints), one kernel call
     per group of :func:`plan`. ``position_bias``: ``(table [num_buckets, H], buckets, max_q)``,
     see :mod:`ragged.ops.attention_reference`. Returns ``(out [cq[-1], H, D] in q.dtype,
@@ -120,7 +126,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: lis
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if position_bias is not None:
         table, buckets, max_q = position_bias
-        table = table.to(dtype).t()                                              # [H, num_buckets]
+        table = table.to(dtype).t()  # [H, num_buckets]
     total = cq[-1]
     groups = plan(cq, ck)
     whole = len(groups) == 1 and len(groups[0]) == len(cq) - 1
@@ -143,13 +149,13 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: lis
             bias = None if seen is None else torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
         else:
             rel = torch.arange(mk).unsqueeze(0) - torch.arange(mq).unsqueeze(1) + (max_q - 1)
-            bias = table[:, buckets[rel]].unsqueeze(0)                           # [1, H, mq, mk]
+            bias = table[:, buckets[rel]].unsqueeze(0)  # [1, H, mq, mk]
             if seen is not None:
                 bias = bias.masked_fill(~seen, float("-inf"))
         o, s = _FLASH(qg, kg, vg, 0.0, self_causal, attn_mask=bias, scale=scale)  # [n,H,mq,D], [n,H,mq]
         o, s = o.transpose(1, 2)[valid_q], s.transpose(1, 2)[valid_q].to(torch.float32)
         if seen is not None and seen.shape[2] > 1:
-            blind = ~seen[:, 0].any(-1)[valid_q]                                 # queries that see no key
+            blind = ~seen[:, 0].any(-1)[valid_q]  # queries that see no key
             if bool(blind.any()):
                 o[blind] = 0.0
                 s[blind] = float("-inf")

@@ -21,8 +21,8 @@ import math
 import torch
 
 from .. import backends
-from . import attention_cpu
 from ..utils import check_int, describe, no_autocast
+from . import attention_cpu
 
 NO_WINDOW = (-1, -1)  # window_size of attention without a sliding window
 
@@ -31,8 +31,9 @@ def check_window(fn: str, window_size: object) -> tuple[int, int]:
     """``window_size`` as ``(left, right)`` Python ints, each ``>= -1`` (``-1``: that side is
     unbounded): a tuple or list of two ints, else ``TypeError`` / ``ValueError`` naming ``fn``."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"{fn}(): expected window_size to be a tuple (left, right) of two ints, got "
-                        f"{describe(window_size)}")
+        raise TypeError(
+            f"{fn}(): expected window_size to be a tuple (left, right) of two ints, got {describe(window_size)}"
+        )
     left = check_int(fn, "window_size[0]", window_size[0], minimum=-1)
     right = check_int(fn, "window_size[1]", window_size[1], minimum=-1)
     return left, right
@@ -58,20 +59,23 @@ def _visible(lq: int, lk: int, causal: bool, window: tuple[int, int], device: to
     left, right = window
     if not causal and left < 0 and right < 0:
         return None
-    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)                # aligned query positions
+    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)  # aligned query positions
     j = torch.arange(lk, device=device).unsqueeze(0)
     return attention_cpu.band(i, j, causal, window)
 
 
-def check_position_bias(fn: str, position_bias: object, heads: int, device: torch.device, span: int,
-                        span_name: str, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def check_position_bias(
+    fn: str, position_bias: object, heads: int, device: torch.device, span: int, span_name: str, exact: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``position_bias`` as ``(table, buckets)``: a tuple or list of two tensors on ``device``,
     ``table [num_buckets >= 1, heads]`` floating point, ``buckets`` int32/int64 of shape ``[span]``
     (``exact``) or at least ``span`` long; else ``TypeError`` / ``ValueError`` naming ``fn`` (and
     ``span_name``, what ``span`` is). Reads no tensor's values (:func:`check_bucket_values` does)."""
     if not isinstance(position_bias, (tuple, list)) or len(position_bias) != 2:
-        raise TypeError(f"{fn}(): expected position_bias to be a tuple (table, buckets) of two tensors, got "
-                        f"{describe(position_bias)}")
+        raise TypeError(
+            f"{fn}(): expected position_bias to be a tuple (table, buckets) of two tensors, got "
+            f"{describe(position_bias)}"
+        )
     table, buckets = position_bias
     for name, t in (("table", table), ("buckets", buckets)):
         if not isinstance(t, torch.Tensor):
@@ -81,15 +85,20 @@ def check_position_bias(fn: str, position_bias: object, heads: int, device: torc
     if buckets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}(): expected position_bias buckets of dtype int32 or int64, got {buckets.dtype}")
     if table.dim() != 2 or table.shape[1] != heads or table.shape[0] == 0:
-        raise ValueError(f"{fn}(): expected a position_bias table of shape [num_buckets, {heads}] (num_buckets "
-                         f">= 1, one column per query head), got {tuple(table.shape)}")
+        raise ValueError(
+            f"{fn}(): expected a position_bias table of shape [num_buckets, {heads}] (num_buckets "
+            f">= 1, one column per query head), got {tuple(table.shape)}"
+        )
     if buckets.dim() != 1 or (buckets.shape[0] != span if exact else buckets.shape[0] < span):
         need = f"[{span}]" if exact else f"[n] with n >= {span}"
-        raise ValueError(f"{fn}(): expected position_bias buckets of shape {need} ({span_name}), got "
-                         f"{tuple(buckets.shape)}")
+        raise ValueError(
+            f"{fn}(): expected position_bias buckets of shape {need} ({span_name}), got {tuple(buckets.shape)}"
+        )
     if table.device != device or buckets.device != device:
-        raise ValueError(f"{fn}(): expected the position_bias table and buckets on q's device ({device}), got "
-                         f"{table.device} and {buckets.device}")
+        raise ValueError(
+            f"{fn}(): expected the position_bias table and buckets on q's device ({device}), got "
+            f"{table.device} and {buckets.device}"
+        )
     return table, buckets
 
 
@@ -100,8 +109,10 @@ def check_bucket_values(fn: str, table: torch.Tensor, buckets: torch.Tensor) -> 
         return
     low, high = torch.stack(torch.aminmax(buckets)).tolist()
     if low < 0 or high >= table.shape[0]:
-        raise ValueError(f"{fn}(): expected position_bias buckets in [0, {table.shape[0]}) (rows of the table), "
-                         f"got values from {low} to {high}")
+        raise ValueError(
+            f"{fn}(): expected position_bias buckets in [0, {table.shape[0]}) (rows of the table), "
+            f"got values from {low} to {high}"
+        )
 
 
 def bucket_block(buckets: torch.Tensor, lq: int, lk: int, max_q: int) -> torch.Tensor:
@@ -111,27 +122,44 @@ def bucket_block(buckets: torch.Tensor, lq: int, lk: int, max_q: int) -> torch.T
     return buckets[rel + (max_q - 1)].long()
 
 
-def _bias_of(fn: str, position_bias, heads: int, device: torch.device, cq: list[int], ck: list[int],
-             max_seqlen_q: int | None):
+def _bias_of(
+    fn: str, position_bias, heads: int, device: torch.device, cq: list[int], ck: list[int], max_seqlen_q: int | None
+):
     """``(table, buckets, max_q)`` of the reference's ``position_bias`` (checked), or None."""
     if position_bias is None:
         return None
     longest_q = max((cq[b + 1] - cq[b] for b in range(len(cq) - 1)), default=0)
     longest_k = max((ck[b + 1] - ck[b] for b in range(len(ck) - 1)), default=0)
     max_q = longest_q if max_seqlen_q is None else check_int(fn, "max_seqlen_q", max_seqlen_q, minimum=longest_q)
-    table, buckets = check_position_bias(fn, position_bias, heads, device, max(max_q + longest_k - 1, 0),
-                                         "max_seqlen_q + the longest key sequence - 1", exact=False)
+    table, buckets = check_position_bias(
+        fn,
+        position_bias,
+        heads,
+        device,
+        max(max_q + longest_k - 1, 0),
+        "max_seqlen_q + the longest key sequence - 1",
+        exact=False,
+    )
     return table, buckets, max_q
 
 
 @no_autocast
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor, causal: bool = False, scale: float | None = None,
-                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        compute_dtype: torch.dtype | None = None,
-                        window_size: tuple[int, int] = (-1, -1), *,
-                        position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        max_seqlen_q: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    *,
+    position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seqlen_q: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence attention in ``compute_dtype`` (float32 by default; float64 for float64 inputs).
 
     Differentiable through torch autograd. Reads the offsets on the host (one sync on
@@ -153,24 +181,24 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
     bias = _bias_of(fn, position_bias, heads, q.device, cq, ck, max_seqlen_q)
-    table = None if bias is None else bias[0].to(dtype).t()                     # [H, num_buckets]
+    table = None if bias is None else bias[0].to(dtype).t()  # [H, num_buckets]
     outs, lses = [], []
     for b in range(len(cq) - 1):
-        qb = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)                       # [H, Lq, D]
-        kb = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        vb = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        qb = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)  # [H, Lq, D]
+        kb = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        vb = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         lq, lk = qb.shape[1], kb.shape[1]
-        s = torch.matmul(qb, kb.transpose(1, 2)) * scale                         # [H, Lq, Lk]
+        s = torch.matmul(qb, kb.transpose(1, 2)) * scale  # [H, Lq, Lk]
         if bias is not None:
             s = s + table[:, bucket_block(bias[1], lq, lk, bias[2])]
         seen = _visible(lq, lk, causal, window, q.device)
         if seen is not None:
             s = s.masked_fill(~seen, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                         # [H, Lq]; -inf if no key
+        lse = torch.logsumexp(s, dim=-1)  # [H, Lq]; -inf if no key
         p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(dtype).min))
         p = torch.nan_to_num(p, nan=0.0)
         if dropout_mask is not None and dropout_p > 0:
-            keep = dropout_mask[:, cq[b]:cq[b + 1], :lk]
+            keep = dropout_mask[:, cq[b] : cq[b + 1], :lk]
             p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros((), dtype=dtype, device=p.device))
         outs.append(torch.matmul(p, vb).transpose(0, 1))
         lses.append(lse.transpose(0, 1))
@@ -182,12 +210,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 
 
 @no_autocast
-def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False,
-                                 scale: float | None = None, dropout_mask: torch.Tensor | None = None,
-                                 dropout_p: float = 0.0, window_size: tuple[int, int] = (-1, -1), *,
-                                 position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                 max_seqlen_q: int | None = None) -> tuple[torch.Tensor, ...]:
+def reference_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
+    *,
+    position_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seqlen_q: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Gradients of :func:`reference_attention` (float32; float64 for float64 inputs), written out:
     ``(dq, dk, dv)``, and ``dtable`` (the table's shape and dtype) after them with ``position_bias``.
 
@@ -213,15 +251,15 @@ def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
     ck = cu_seqlens_k.tolist()
     bias = _bias_of(fn, position_bias, heads, q.device, cq, ck, max_seqlen_q)
     if bias is not None:
-        table = bias[0].to(dtype).t()                                            # [H, num_buckets]
+        table = bias[0].to(dtype).t()  # [H, num_buckets]
         dtable = torch.zeros(bias[0].shape, dtype=dtype, device=q.device)
     for b in range(len(cq) - 1):
         qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
         lq, lk = qe - qs, ke - ks
         if lq == 0 or lk == 0:
             continue
-        qb = q[qs:qe].to(dtype).transpose(0, 1)                                  # [H, Lq, D]
-        kb = k[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)     # [H, Lk, D]
+        qb = q[qs:qe].to(dtype).transpose(0, 1)  # [H, Lq, D]
+        kb = k[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)  # [H, Lk, D]
         vb = v[ks:ke].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         dob = do[qs:qe].to(dtype).transpose(0, 1)
         s = torch.matmul(qb, kb.transpose(1, 2)) * scale
@@ -238,7 +276,7 @@ def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
             keep = dropout_mask[:, qs:qe, :lk].to(dtype) / (1.0 - dropout_p)
             zp = p * keep
         out = torch.matmul(zp, vb)
-        dvb = torch.matmul(zp.transpose(1, 2), dob)                              # [H, Lk, D]
+        dvb = torch.matmul(zp.transpose(1, 2), dob)  # [H, Lk, D]
         dp = torch.matmul(dob, vb.transpose(1, 2))
         if zp is not p:
             dp = dp * keep
@@ -254,8 +292,9 @@ def reference_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def reference_dropout_mask(seed: int, dropout_p: float, cu_seqlens_q: torch.Tensor, heads: int, total_q: int,
-                           max_k: int, device: torch.device) -> torch.Tensor:
+def reference_dropout_mask(
+    seed: int, dropout_p: float, cu_seqlens_q: torch.Tensor, heads: int, total_q: int, max_k: int, device: torch.device
+) -> torch.Tensor:
     """``[H, Tq, max_k]`` keep mask for ``seed``: the Triton kernels' own mask wherever Triton
     can run on ``device`` (so the reference and the kernels drop the same entries), else
     one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern).

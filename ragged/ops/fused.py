@@ -92,8 +92,9 @@ def reference_bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: s
 
 
 @no_autocast
-def reference_bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                                activation: str = "gelu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def reference_bias_act_backward(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dbias)`` of :func:`reference_bias_act` for ``grad`` (x's shape), written out:
     ``dx = grad * act'(x + bias)``, ``dbias = dx.sum(rows)`` (reduced before rounding).
     In float32 (float64 for float64), returned in x's and bias's dtypes (dbias None
@@ -123,14 +124,25 @@ def _stats(x, residual, weight, bias, eps):
     dtype = _compute_dtype(x.dtype, *[t.dtype for t in (residual, weight, bias) if t is not None])
     s = x if residual is None else (x.to(dtype) + residual.to(dtype)).to(_sum_dtype(x, residual))
     n_cols = x.shape[-1]
-    y, mean, rstd = torch.native_layer_norm(s.to(dtype), (n_cols,), None if weight is None else weight.to(dtype),
-                                            None if bias is None else bias.to(dtype), eps)
+    y, mean, rstd = torch.native_layer_norm(
+        s.to(dtype),
+        (n_cols,),
+        None if weight is None else weight.to(dtype),
+        None if bias is None else bias.to(dtype),
+        eps,
+    )
     return y, s, mean, rstd, dtype
 
 
 @no_autocast
-def reference_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                             bias: torch.Tensor | None, eps: float = 1e-5, return_sum: bool = False):
+def reference_add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    return_sum: bool = False,
+):
     """``LayerNorm(x + residual)`` over the last dim, in float32 (float64 if any input is float64).
 
     ``x [..., F]``, ``residual`` x's shape or None, ``weight [F]`` / ``bias [F]`` or None.
@@ -143,9 +155,17 @@ def reference_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, wei
 
 
 @no_autocast
-def reference_add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor,
-                                      weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
-                                      rstd: torch.Tensor, need_weight: bool = True, need_bias: bool = True):
+def reference_add_layer_norm_backward(
+    dy: torch.Tensor,
+    ds: torch.Tensor | None,
+    s: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_weight: bool = True,
+    need_bias: bool = True,
+):
     """Gradients of :func:`reference_add_layer_norm`, written out.
 
     With ``xhat = (s - mean) * rstd`` and ``g = dy * weight`` (``dy`` without a weight),
@@ -224,8 +244,9 @@ def _add_layer_norm_torch_forward(x, residual, weight, bias, eps, return_sum):
 def _add_layer_norm_torch_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
     dtype = _compute_dtype(a.dtype, *([] if b is None else [b.dtype]))
     s = a if b is None else (a.to(dtype) + b.to(dtype)).to(_sum_dtype(a, b))
-    dsum, dweight, dbias = reference_add_layer_norm_backward(dy, ds, s, weight, bias, mean, rstd, need_weight,
-                                                             need_bias)
+    dsum, dweight, dbias = reference_add_layer_norm_backward(
+        dy, ds, s, weight, bias, mean, rstd, need_weight, need_bias
+    )
     return dsum.contiguous(), dweight, dbias
 
 
@@ -243,12 +264,12 @@ class BiasActSpec:
     """``bias_act(x [N, F], bias [F] or None, activation)`` as the implementations see it."""
 
     device: torch.device
-    dtype: torch.dtype                      # x's
+    dtype: torch.dtype  # x's
     bias_dtype: torch.dtype | None
     activation: str
-    features: int                           # F
-    contiguous: bool                        # x one dense run of N * F elements
-    layout: tuple[LayoutFault, ...] = ()    # of bias (and of x's address); see LayoutFault
+    features: int  # F
+    contiguous: bool  # x one dense run of N * F elements
+    layout: tuple[LayoutFault, ...] = ()  # of bias (and of x's address); see LayoutFault
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,13 +278,13 @@ class AddLayerNormSpec:
     None)`` as the implementations see it."""
 
     device: torch.device
-    dtype: torch.dtype                      # x's
+    dtype: torch.dtype  # x's
     residual_dtype: torch.dtype | None
     weight_dtype: torch.dtype | None
     bias_dtype: torch.dtype | None
-    rows: int                               # N
-    features: int                           # F
-    layout: tuple[LayoutFault, ...] = ()    # of every tensor; see LayoutFault
+    rows: int  # N
+    features: int  # F
+    layout: tuple[LayoutFault, ...] = ()  # of every tensor; see LayoutFault
 
 
 def _layout(named, addresses: bool) -> tuple[LayoutFault, ...]:
@@ -298,12 +319,14 @@ def bias_act_spec(x: Tensor, bias: Tensor | None, activation: str) -> BiasActSpe
         layout = _layout((("bias", bias),), addresses)
         if addresses and x.data_ptr() % 16:
             layout = (("x", "address", x.data_ptr() % 16), *layout)
-    return BiasActSpec(x.device, x.dtype, None if bias is None else bias.dtype, activation, x.shape[-1],
-                       x.is_contiguous(), layout)
+    return BiasActSpec(
+        x.device, x.dtype, None if bias is None else bias.dtype, activation, x.shape[-1], x.is_contiguous(), layout
+    )
 
 
-def add_layer_norm_spec(x: Tensor, residual: Tensor | None, weight: Tensor | None,
-                        bias: Tensor | None) -> AddLayerNormSpec:
+def add_layer_norm_spec(
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None
+) -> AddLayerNormSpec:
     """The spec of ``add_layer_norm``'s operands (the arguments of
     ``ragged.explain("add_layer_norm", ...)``)."""
     shape = x.shape
@@ -330,9 +353,16 @@ def add_layer_norm_spec(x: Tensor, residual: Tensor | None, weight: Tensor | Non
     layout = ()
     if not unit or (pointers | strides) & 15:
         layout = _layout((("x", x), ("residual", residual), ("weight", weight), ("bias", bias)), addresses)
-    return AddLayerNormSpec(x.device, x.dtype, None if residual is None else residual.dtype,
-                            None if weight is None else weight.dtype, None if bias is None else bias.dtype, rows,
-                            shape[-1], layout)
+    return AddLayerNormSpec(
+        x.device,
+        x.dtype,
+        None if residual is None else residual.dtype,
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+        rows,
+        shape[-1],
+        layout,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -342,8 +372,9 @@ def add_layer_norm_spec(x: Tensor, residual: Tensor | None, weight: Tensor | Non
 def _bias_act_signature(x: Tensor, bias: Tensor | None, activation: str) -> Tensor: ...
 
 
-def _bias_act_backward_signature(grad: Tensor, x: Tensor, bias: Tensor | None, activation: str,
-                                 need_bias: bool) -> tuple[Tensor, Tensor]: ...
+def _bias_act_backward_signature(
+    grad: Tensor, x: Tensor, bias: Tensor | None, activation: str, need_bias: bool
+) -> tuple[Tensor, Tensor]: ...
 
 
 def _bias_act_backward_fake(grad, x, bias, activation, need_bias):
@@ -371,34 +402,56 @@ def _bias_act_backward(ctx, grad):
 
 
 BIAS_ACT = opdef.define(
-    "bias_act", _bias_act_signature, spec=bias_act_spec, setup=_bias_act_setup, backward=_bias_act_backward,
+    "bias_act",
+    _bias_act_signature,
+    spec=bias_act_spec,
+    setup=_bias_act_setup,
+    backward=_bias_act_backward,
     fake=lambda x, bias, activation: x.new_empty(x.shape),
-    backward_signature=_bias_act_backward_signature, backward_fake=_bias_act_backward_fake,
-    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias))
+    backward_signature=_bias_act_backward_signature,
+    backward_fake=_bias_act_backward_fake,
+    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias),
+)
 # add_layer_norm: the op and its autograd rule
 
 
-def _add_layer_norm_signature(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
-                              eps: float, return_sum: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+def _add_layer_norm_signature(
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float, return_sum: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
 
 def _add_layer_norm_fake(x, residual, weight, bias, eps, return_sum):
     dtype = _sum_dtype(x, residual)
     stat = _compute_dtype(x.dtype, *[t.dtype for t in (residual, weight, bias) if t is not None])
     n_rows = x.shape[0]
-    return (x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape if return_sum else (0,), dtype=dtype),
-            x.new_empty((n_rows,), dtype=stat), x.new_empty((n_rows,), dtype=stat))
+    return (
+        x.new_empty(x.shape, dtype=dtype),
+        x.new_empty(x.shape if return_sum else (0,), dtype=dtype),
+        x.new_empty((n_rows,), dtype=stat),
+        x.new_empty((n_rows,), dtype=stat),
+    )
 
 
-def _add_layer_norm_backward_signature(dy: Tensor, ds: Tensor | None, a: Tensor, b: Tensor | None,
-                                       weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor,
-                                       need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]: ...
+def _add_layer_norm_backward_signature(
+    dy: Tensor,
+    ds: Tensor | None,
+    a: Tensor,
+    b: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def _add_layer_norm_backward_fake(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
-    return (a.new_empty(a.shape, dtype=_sum_dtype(a, b)),
-            weight.new_empty(weight.shape) if need_weight and weight is not None else dy.new_empty(0),
-            bias.new_empty(bias.shape) if need_bias and bias is not None else dy.new_empty(0))
+    return (
+        a.new_empty(a.shape, dtype=_sum_dtype(a, b)),
+        weight.new_empty(weight.shape) if need_weight and weight is not None else dy.new_empty(0),
+        bias.new_empty(bias.shape) if need_bias and bias is not None else dy.new_empty(0),
+    )
 
 
 def _add_layer_norm_setup(ctx, inputs, output):
@@ -441,12 +494,23 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
         if need_bias:
             dbias = torch.zeros_like(bias)
     elif torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
-        dsum, dweight, dbias = _differentiable_add_layer_norm_backward(dy, ds, a, b, weight, bias, ctx.eps,
-                                                                       need_weight, need_bias)
+        dsum, dweight, dbias = _differentiable_add_layer_norm_backward(
+            dy, ds, a, b, weight, bias, ctx.eps, need_weight, need_bias
+        )
     else:
         dsum, dweight, dbias = ADD_LAYER_NORM.call_backward(
-            _unit_feature_stride(dy), None if ds is None else _unit_feature_stride(ds), a, b, weight, bias, mean,
-            rstd, need_weight, need_bias, ctx.backend)
+            _unit_feature_stride(dy),
+            None if ds is None else _unit_feature_stride(ds),
+            a,
+            b,
+            weight,
+            bias,
+            mean,
+            rstd,
+            need_weight,
+            need_bias,
+            ctx.backend,
+        )
     x_dtype, r_dtype = ctx.dtypes
     dx = dsum.to(x_dtype) if need[0] and dsum is not None else None
     dres = dsum.to(r_dtype) if r_dtype is not None and need[1] and dsum is not None else None
@@ -454,13 +518,22 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
 
 
 ADD_LAYER_NORM = opdef.define(
-    "add_layer_norm", _add_layer_norm_signature, spec=add_layer_norm_spec, setup=_add_layer_norm_setup,
-    backward=_add_layer_norm_backward, fake=_add_layer_norm_fake,
-    backward_signature=_add_layer_norm_backward_signature, backward_fake=_add_layer_norm_backward_fake,
+    "add_layer_norm",
+    _add_layer_norm_signature,
+    spec=add_layer_norm_spec,
+    setup=_add_layer_norm_setup,
+    backward=_add_layer_norm_backward,
+    fake=_add_layer_norm_fake,
+    backward_signature=_add_layer_norm_backward_signature,
+    backward_fake=_add_layer_norm_backward_fake,
     backward_present=lambda dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias: (
-        True, need_weight, need_bias),
+        True,
+        need_weight,
+        need_bias,
+    ),
     # constants to autograd: mean and rstd, and s unless it is returned (an empty placeholder)
-    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:])
+    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:],
+)
 
 backends.register(
     backends.Implementation("bias_act", "torch", _bias_act_torch_forward, _bias_act_torch_backward),
@@ -517,8 +590,9 @@ def _validate_bias_act(fn, x, bias, activation) -> torch.Tensor | None:
     return bias
 
 
-def _validate_add_layer_norm(fn, x, residual, weight, bias, eps,
-                             return_sum) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _validate_add_layer_norm(
+    fn, x, residual, weight, bias, eps, return_sum
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Checks the arguments; returns ``(weight, bias)`` to use (unit stride, see :func:`_check_param`)."""
     _check_x(fn, x)
     if x.shape[-1] == 0:
@@ -541,8 +615,9 @@ def _validate_add_layer_norm(fn, x, residual, weight, bias, eps,
     return weight, bias
 
 
-def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu", *,
-             backend: str | None = None) -> torch.Tensor:
+def bias_act(
+    x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu", *, backend: str | None = None
+) -> torch.Tensor:
     """``act(x + bias)`` in one pass.
 
     ``x``: ``[..., F]`` floating point (rows may be strided; the features should be
@@ -560,9 +635,16 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu
     return BIAS_ACT(x2, bias, activation, impl.backend).view(x.shape)
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                   bias: torch.Tensor | None, eps: float = 1e-5, *, return_sum: bool = False,
-                   backend: str | None = None):
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    return_sum: bool = False,
+    backend: str | None = None,
+):
     """``LayerNorm(x + residual)`` over the last dim, in one pass.
 
     ``x``: ``[..., F]`` floating point; ``residual``: x's shape or None; ``weight``,

@@ -42,8 +42,14 @@ from .. import backends, opdef
 from ..utils import check_tensor, describe, no_autocast
 from .fused import ACTIVATIONS, reference_bias_act, reference_bias_act_backward
 
-__all__ = ["GATED_ACT", "GatedActSpec", "gated_act", "gated_act_spec", "reference_gated_act",
-           "reference_gated_act_backward"]
+__all__ = [
+    "GATED_ACT",
+    "GatedActSpec",
+    "gated_act",
+    "gated_act_spec",
+    "reference_gated_act",
+    "reference_gated_act_backward",
+]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,9 +107,9 @@ class GatedActSpec:
     """``gated_act(x [N, 2F], activation)`` as the implementations see it."""
 
     device: torch.device
-    dtype: torch.dtype       # x's
+    dtype: torch.dtype  # x's
     activation: str
-    features: int            # F, the output's columns (half of x's)
+    features: int  # F, the output's columns (half of x's)
 
 
 def gated_act_spec(x: Tensor, activation: str) -> GatedActSpec:
@@ -138,12 +144,17 @@ def _gated_act_backward(ctx, grad):
 
 
 GATED_ACT = opdef.define(
-    "gated_act", _gated_act_signature, spec=gated_act_spec, setup=_gated_act_setup, backward=_gated_act_backward,
-    fake=_gated_act_fake, backward_signature=_gated_act_backward_signature,
-    backward_fake=lambda grad, x, activation: (x.new_empty(x.shape),))
+    "gated_act",
+    _gated_act_signature,
+    spec=gated_act_spec,
+    setup=_gated_act_setup,
+    backward=_gated_act_backward,
+    fake=_gated_act_fake,
+    backward_signature=_gated_act_backward_signature,
+    backward_fake=lambda grad, x, activation: (x.new_empty(x.shape),),
+)
 
-backends.register(backends.Implementation("gated_act", "torch", _gated_act_torch_forward,
-                                          _gated_act_torch_backward))
+backends.register(backends.Implementation("gated_act", "torch", _gated_act_torch_forward, _gated_act_torch_backward))
 
 
 # --------------------------------------------------------------------------------------
@@ -160,8 +171,9 @@ def _validate_gated_act(fn: str, x: object, activation: object) -> None:
     if x.dim() != 2:
         raise ValueError(f"{fn}(): expected x of shape [T, 2F] (2-D), got shape {tuple(x.shape)}")
     if x.shape[1] % 2:
-        raise ValueError(f"{fn}(): expected x with an even last dim 2F (input and gate halves), "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{fn}(): expected x with an even last dim 2F (input and gate halves), got shape {tuple(x.shape)}"
+        )
     if not x.dtype.is_floating_point:
         raise TypeError(f"{fn}(): expected x of a floating-point dtype, got {x.dtype}")
     if not isinstance(activation, str) or activation not in ACTIVATIONS:

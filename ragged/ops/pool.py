@@ -53,8 +53,8 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
-from ..utils import describe
 from ..tensor import RaggedTensor
+from ..utils import describe
 
 MODES = ("mean", "sum", "max", "first", "last")
 
@@ -94,8 +94,7 @@ def _segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
     """(int64 offsets [B+1], lengths [B], sequence index of every token [T])."""
     o = offsets.to(torch.int64)
     lengths = o[1:] - o[:-1]
-    seg = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
-                                  output_size=total)
+    seg = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths, output_size=total)
     return o, lengths, seg
 
 
@@ -140,17 +139,21 @@ def reference_pool(values: Tensor, offsets: Tensor, mode: str) -> tuple[Tensor, 
         # does not hang on how scatter_reduce treats NaN on a device.
         nan = x.isnan()
         top = torch.zeros((batch, feat), dtype=x.dtype, device=x.device).scatter_reduce(
-            0, seg_rows, x.masked_fill(nan, float("-inf")), "amax", include_self=False)
-        has_nan = torch.zeros((batch, feat), dtype=torch.int32, device=x.device).index_add(
-            0, seg, nan.to(torch.int32)) > 0
+            0, seg_rows, x.masked_fill(nan, float("-inf")), "amax", include_self=False
+        )
+        has_nan = (
+            torch.zeros((batch, feat), dtype=torch.int32, device=x.device).index_add(0, seg, nan.to(torch.int32)) > 0
+        )
         hit = torch.where(has_nan.index_select(0, seg), nan, x == top.index_select(0, seg))
     else:
         top = torch.zeros((batch, feat), dtype=x.dtype, device=x.device).scatter_reduce(
-            0, seg_rows, x, "amax", include_self=False)
+            0, seg_rows, x, "amax", include_self=False
+        )
         hit = x == top.index_select(0, seg)
     token = torch.arange(total, device=x.device).unsqueeze(1).expand(total, feat)
     first_hit = torch.full((batch, feat), total, dtype=torch.int64, device=x.device).scatter_reduce(
-        0, seg_rows, torch.where(hit, token, total), "amin", include_self=True)
+        0, seg_rows, torch.where(hit, token, total), "amin", include_self=True
+    )
     nonempty = (lengths > 0).unsqueeze(1)
     index = torch.where(nonempty, first_hit, index)
     # A gather of the input itself: exact, and its gradient goes to that one token.
@@ -226,15 +229,20 @@ def _pool_backward(ctx, grad, grad_index):
     return grad_values, None, None
 
 
-def _pool_backward_signature(grad: Tensor, offsets: Tensor, index: Tensor, mode: str,
-                             total: int) -> tuple[Tensor]: ...
+def _pool_backward_signature(grad: Tensor, offsets: Tensor, index: Tensor, mode: str, total: int) -> tuple[Tensor]: ...
 
 
 POOL = opdef.define(
-    "pool", _pool_signature, spec=pool_spec, fake=_pool_fake, setup=_pool_setup, backward=_pool_backward,
+    "pool",
+    _pool_signature,
+    spec=pool_spec,
+    fake=_pool_fake,
+    setup=_pool_setup,
+    backward=_pool_backward,
     backward_signature=_pool_backward_signature,
     backward_fake=lambda grad, offsets, index, mode, total: (grad.new_empty((total, grad.shape[1])),),
-    non_differentiable=lambda inputs, outputs: (outputs[1],))
+    non_differentiable=lambda inputs, outputs: (outputs[1],),
+)
 
 backends.register(backends.Implementation("pool", "torch", reference_pool, backward=reference_pool_backward))
 

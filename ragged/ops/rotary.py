@@ -60,7 +60,7 @@ def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float, sign
     """``x`` rotated by ``sign`` times each token's angle (see the module docstring)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     angle = (positions.to(torch.float32).unsqueeze(1) * inv_freq.to(torch.float32).unsqueeze(0)).to(dtype)
-    c = (angle.cos() * scaling).unsqueeze(1)          # [T, 1, D/2]
+    c = (angle.cos() * scaling).unsqueeze(1)  # [T, 1, D/2]
     s = (angle.sin() * (scaling * sign)).unsqueeze(1)
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
@@ -75,8 +75,9 @@ def reference_rotary_embedding(x: Tensor, positions: Tensor, inv_freq: Tensor, s
 
 
 @no_autocast
-def reference_rotary_embedding_backward(grad: Tensor, positions: Tensor, inv_freq: Tensor,
-                                        scaling: float = 1.0) -> tuple[Tensor]:
+def reference_rotary_embedding_backward(
+    grad: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float = 1.0
+) -> tuple[Tensor]:
     """``grad [T, N, D]`` (any strides) -> ``(grad_x [T, N, D],)`` in ``grad``'s dtype: the
     rotation by the opposite angle. Torch ops: differentiable (``create_graph=True``)."""
     return (_rotate(grad, positions, inv_freq, scaling, -1.0),)
@@ -127,13 +128,21 @@ def _backward(ctx, grad):
 
 
 ROTARY_EMBEDDING = opdef.define(
-    "rotary_embedding", _signature, spec=rotary_embedding_spec, setup=_setup, backward=_backward,
+    "rotary_embedding",
+    _signature,
+    spec=rotary_embedding_spec,
+    setup=_setup,
+    backward=_backward,
     fake=lambda x, positions, inv_freq, scaling: x.new_empty(x.shape),
     backward_signature=_backward_signature,
-    backward_fake=lambda grad, positions, inv_freq, scaling: (grad.new_empty(grad.shape),))
+    backward_fake=lambda grad, positions, inv_freq, scaling: (grad.new_empty(grad.shape),),
+)
 
-backends.register(backends.Implementation("rotary_embedding", "torch", reference_rotary_embedding,
-                                          backward=reference_rotary_embedding_backward))
+backends.register(
+    backends.Implementation(
+        "rotary_embedding", "torch", reference_rotary_embedding, backward=reference_rotary_embedding_backward
+    )
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -145,11 +154,11 @@ def _validate(fn: str, x: object, positions: object, inv_freq: object, scaling: 
     a Python float)."""
     check_tensor(fn, "x", x)
     if x.dim() != 3:
-        raise ValueError(f"{fn}(): expected x of shape [T, N, D] (tokens, heads, head dim), got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(f"{fn}(): expected x of shape [T, N, D] (tokens, heads, head dim), got shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
-        raise TypeError(f"{fn}(): expected x of a floating-point dtype (float16, bfloat16, float32, float64), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{fn}(): expected x of a floating-point dtype (float16, bfloat16, float32, float64), got {x.dtype}"
+        )
     total, _, dim = x.shape
     if dim % 2:
         raise ValueError(f"{fn}(): expected x's head dim D (its last dim) to be even, got shape {tuple(x.shape)}")
@@ -157,8 +166,10 @@ def _validate(fn: str, x: object, positions: object, inv_freq: object, scaling: 
     if positions.dtype not in OFFSET_DTYPES:
         raise TypeError(f"{fn}(): expected positions of dtype torch.int32 or torch.int64, got {positions.dtype}")
     if tuple(positions.shape) != (total,):
-        raise ValueError(f"{fn}(): expected positions of shape ({total},) (one per token of x, the first dim of "
-                         f"x), got {tuple(positions.shape)}")
+        raise ValueError(
+            f"{fn}(): expected positions of shape ({total},) (one per token of x, the first dim of "
+            f"x), got {tuple(positions.shape)}"
+        )
     if positions.device != x.device:
         raise ValueError(f"{fn}(): expected positions on {x.device} (the device of x), got {positions.device}")
     inv_freq = check_vector(fn, "inv_freq", inv_freq, dim // 2, x.device, what=" (D/2, half of x's last dim)")
@@ -172,8 +183,9 @@ def _validate(fn: str, x: object, positions: object, inv_freq: object, scaling: 
     return inv_freq, scaling
 
 
-def rotary_embedding(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float = 1.0, *,
-                     backend: str | None = None) -> Tensor:
+def rotary_embedding(
+    x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float = 1.0, *, backend: str | None = None
+) -> Tensor:
     """Rotary position embedding of packed heads, HuggingFace's ``apply_rotary_pos_emb``.
 
     ``x``: ``[T, N, D]`` float16 / bfloat16 / float32 / float64, ``D`` even, any strides (the
@@ -199,6 +211,5 @@ def rotary_embedding(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: fl
     """
     fn = "ragged.rotary_embedding"
     inv_freq, scaling = _validate(fn, x, positions, inv_freq, scaling)
-    impl = backends.select_spec("rotary_embedding", backend, RotaryEmbeddingSpec(x.device, x.dtype, x.shape[2]),
-                                fn=fn)
+    impl = backends.select_spec("rotary_embedding", backend, RotaryEmbeddingSpec(x.device, x.dtype, x.shape[2]), fn=fn)
     return ROTARY_EMBEDDING(x, positions, inv_freq, scaling, impl.backend)

@@ -57,9 +57,9 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
-from ..utils import describe
 from ..logits import RaggedLogits, compute_dtype
 from ..tensor import RaggedTensor
+from ..utils import describe
 from . import vocab_reference as _reference
 from .vocab_checks import (
     CE_ID_CHECKS,
@@ -73,9 +73,17 @@ from .vocab_checks import (
 )
 from .vocab_reference import reference_vocab_projection, reference_vocab_projection_backward
 
-__all__ = ["VOCAB_CROSS_ENTROPY", "VOCAB_PROJECTION", "VocabSpec", "reference_vocab_projection",
-           "reference_vocab_projection_backward", "union_vocab", "vocab_cross_entropy", "vocab_projection",
-           "vocab_spec"]
+__all__ = [
+    "VOCAB_CROSS_ENTROPY",
+    "VOCAB_PROJECTION",
+    "VocabSpec",
+    "reference_vocab_projection",
+    "reference_vocab_projection_backward",
+    "union_vocab",
+    "vocab_cross_entropy",
+    "vocab_projection",
+    "vocab_spec",
+]
 
 REDUCTIONS = ("mean", "sum", "none")
 OUT_OF_VOCAB = ("error", "ignore")
@@ -120,7 +128,8 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise NotImplementedError(
             f"{ctx.fn}: double backward is not supported (expected one backward through the op, got a backward "
             f"through its gradient: create_graph=True followed by a backward, or gradgradcheck); its gradient is "
-            f"computed by kernels that are not differentiable")
+            f"computed by kernels that are not differentiable"
+        )
 
 
 def _first_order(fn: str, grads: tuple, *inputs) -> tuple:
@@ -137,9 +146,11 @@ def _first_order(fn: str, grads: tuple, *inputs) -> tuple:
 
 
 def _gradient_fakes(grad, hidden, weight, need_hidden, need_weight, need_bias):
-    return (hidden.new_empty(hidden.shape) if need_hidden else grad.new_empty(0),
-            weight.new_empty(weight.shape) if need_weight else grad.new_empty(0),
-            weight.new_empty(weight.shape[0]) if need_bias else grad.new_empty(0))
+    return (
+        hidden.new_empty(hidden.shape) if need_hidden else grad.new_empty(0),
+        weight.new_empty(weight.shape) if need_weight else grad.new_empty(0),
+        weight.new_empty(weight.shape[0]) if need_bias else grad.new_empty(0),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -147,14 +158,35 @@ def _gradient_fakes(grad, hidden, weight, need_hidden, need_weight, need_bias):
 # total, max_t, max_v: host ints (number of logits, longest sequence, most candidates).
 
 
-def _projection_signature(hidden: Tensor, h_off: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
-                          v_off: Tensor | None, l_off: Tensor, total: int, max_t: int, max_v: int) -> Tensor: ...
+def _projection_signature(
+    hidden: Tensor,
+    h_off: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    v_off: Tensor | None,
+    l_off: Tensor,
+    total: int,
+    max_t: int,
+    max_v: int,
+) -> Tensor: ...
 
 
-def _projection_backward_signature(grad: Tensor, hidden: Tensor, h_off: Tensor, weight: Tensor, ids: Tensor,
-                                   v_off: Tensor | None, l_off: Tensor, max_t: int, max_v: int, need_hidden: bool,
-                                   need_weight: bool, need_bias: bool,
-                                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]: ...
+def _projection_backward_signature(
+    grad: Tensor,
+    hidden: Tensor,
+    h_off: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    v_off: Tensor | None,
+    l_off: Tensor,
+    max_t: int,
+    max_v: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def _projection_setup(ctx, inputs, output):
@@ -168,21 +200,39 @@ def _projection_backward(ctx, grad):
     max_t, max_v, backend = ctx.sizes
     need = ctx.needs_input_grad
     with torch.no_grad():
-        grads = VOCAB_PROJECTION.call_backward(grad.contiguous(), hidden, h_off, weight, ids, v_off, l_off, max_t,
-                                               max_v, need[0], need[2], need[3],
-                                               torch.are_deterministic_algorithms_enabled(), backend)
+        grads = VOCAB_PROJECTION.call_backward(
+            grad.contiguous(),
+            hidden,
+            h_off,
+            weight,
+            ids,
+            v_off,
+            l_off,
+            max_t,
+            max_v,
+            need[0],
+            need[2],
+            need[3],
+            torch.are_deterministic_algorithms_enabled(),
+            backend,
+        )
     dh, dw, db = _first_order(_PROJECTION_FN, grads, grad, hidden, weight)
     return dh, None, dw, db, None, None, None, None, None, None
 
 
 VOCAB_PROJECTION = opdef.define(
-    "vocab_projection", _projection_signature, spec=vocab_spec, setup=_projection_setup,
+    "vocab_projection",
+    _projection_signature,
+    spec=vocab_spec,
+    setup=_projection_setup,
     backward=_projection_backward,
     fake=lambda hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v: hidden.new_empty((total,)),
     backward_signature=_projection_backward_signature,
-    backward_fake=lambda grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, nh, nw, nb, det:
-        _gradient_fakes(grad, hidden, weight, nh, nw, nb),
-    backward_present=lambda *operands: operands[9:12])
+    backward_fake=lambda grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, nh, nw, nb, det: _gradient_fakes(
+        grad, hidden, weight, nh, nw, nb
+    ),
+    backward_present=lambda *operands: operands[9:12],
+)
 # ragged::vocab_cross_entropy: (loss [T], lse [T] in the compute dtype; local [T] int32, each
 # target's index among its sequence's candidates, -1 for ignore_index or a target outside
 # them; missing int64 [], the number of tokens whose target is neither) for global target
@@ -192,23 +242,58 @@ VOCAB_PROJECTION = opdef.define(
 # the torch reference's do): None has them recomputed.
 
 
-def _ce_signature(hidden: Tensor, h_off: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
-                  v_off: Tensor | None, l_off: Tensor, total: int, max_t: int, max_v: int, target: Tensor,
-                  ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+def _ce_signature(
+    hidden: Tensor,
+    h_off: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    v_off: Tensor | None,
+    l_off: Tensor,
+    total: int,
+    max_t: int,
+    max_v: int,
+    target: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
 
-def _ce_backward_signature(grad: Tensor, hidden: Tensor, h_off: Tensor, weight: Tensor, bias: Tensor | None,
-                           ids: Tensor, v_off: Tensor | None, l_off: Tensor, total: int, local: Tensor, lse: Tensor,
-                           logits: Tensor | None, label_smoothing: float, max_t: int, max_v: int, need_hidden: bool,
-                           need_weight: bool, need_bias: bool, deterministic: bool, host_h_off: list[int] | None,
-                           host_v_off: list[int] | None) -> tuple[Tensor, Tensor, Tensor]: ...
+def _ce_backward_signature(
+    grad: Tensor,
+    hidden: Tensor,
+    h_off: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    v_off: Tensor | None,
+    l_off: Tensor,
+    total: int,
+    local: Tensor,
+    lse: Tensor,
+    logits: Tensor | None,
+    label_smoothing: float,
+    max_t: int,
+    max_v: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    deterministic: bool,
+    host_h_off: list[int] | None,
+    host_v_off: list[int] | None,
+) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-def _ce_fake(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index,
-             label_smoothing):
+def _ce_fake(
+    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing
+):
     tokens, dtype = hidden.shape[0], compute_dtype(hidden.dtype)
-    return (hidden.new_empty((tokens,), dtype=dtype), hidden.new_empty((tokens,), dtype=dtype),
-            hidden.new_empty((tokens,), dtype=torch.int32), hidden.new_empty((), dtype=torch.int64))
+    return (
+        hidden.new_empty((tokens,), dtype=dtype),
+        hidden.new_empty((tokens,), dtype=dtype),
+        hidden.new_empty((tokens,), dtype=torch.int32),
+        hidden.new_empty((), dtype=torch.int64),
+    )
 
 
 def _ce_setup(ctx, inputs, output):
@@ -225,36 +310,104 @@ def _ce_backward(ctx, grad, *_):
     need = ctx.needs_input_grad
     with torch.no_grad():
         # the loss gradient may be a broadcast scalar (mean, sum): implementations read it with its stride
-        grads = VOCAB_CROSS_ENTROPY.call_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
-                                                  lse, ctx.logits, smoothing, max_t, max_v, need[0], need[2],
-                                                  bias is not None and need[3],
-                                                  torch.are_deterministic_algorithms_enabled(), host_h, host_v,
-                                                  backend)
+        grads = VOCAB_CROSS_ENTROPY.call_backward(
+            grad,
+            hidden,
+            h_off,
+            weight,
+            bias,
+            ids,
+            v_off,
+            l_off,
+            total,
+            local,
+            lse,
+            ctx.logits,
+            smoothing,
+            max_t,
+            max_v,
+            need[0],
+            need[2],
+            bias is not None and need[3],
+            torch.are_deterministic_algorithms_enabled(),
+            host_h,
+            host_v,
+            backend,
+        )
     dh, dw, db = _first_order(_CROSS_ENTROPY_FN, grads, grad, hidden, weight, bias)
     return dh, None, dw, db, None, None, None, None, None, None, None, None, None
 
 
+def _ce_backward_fake(
+    grad,
+    hidden,
+    h_off,
+    weight,
+    bias,
+    ids,
+    v_off,
+    l_off,
+    total,
+    local,
+    lse,
+    logits,
+    smoothing,
+    max_t,
+    max_v,
+    nh,
+    nw,
+    nb,
+    det,
+    host_h,
+    host_v,
+):
+    return _gradient_fakes(grad, hidden, weight, nh, nw, nb)
+
+
 VOCAB_CROSS_ENTROPY = opdef.define(
-    "vocab_cross_entropy", _ce_signature, spec=vocab_spec, setup=_ce_setup, backward=_ce_backward, fake=_ce_fake,
+    "vocab_cross_entropy",
+    _ce_signature,
+    spec=vocab_spec,
+    setup=_ce_setup,
+    backward=_ce_backward,
+    fake=_ce_fake,
     backward_signature=_ce_backward_signature,
-    backward_fake=lambda grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, logits, smoothing,
-    max_t, max_v, nh, nw, nb, det, host_h, host_v: _gradient_fakes(grad, hidden, weight, nh, nw, nb),
+    backward_fake=_ce_backward_fake,
     backward_present=lambda *operands: operands[15:18],
-    non_differentiable=lambda inputs, outputs: outputs[1:])
+    non_differentiable=lambda inputs, outputs: outputs[1:],
+)
 # anyway: the ids' checks run before it ("check_ids"), at no extra wait.
 backends.register(
-    backends.Implementation("vocab_projection", "torch", _reference.projection_forward,
-                            _reference.projection_backward, extras={"check_ids": check_ids_now}),
-    backends.Implementation("vocab_cross_entropy", "torch", _reference.cross_entropy_forward,
-                            _reference.cross_entropy_backward, extras={"check_ids": check_ids_now}))
+    backends.Implementation(
+        "vocab_projection",
+        "torch",
+        _reference.projection_forward,
+        _reference.projection_backward,
+        extras={"check_ids": check_ids_now},
+    ),
+    backends.Implementation(
+        "vocab_cross_entropy",
+        "torch",
+        _reference.cross_entropy_forward,
+        _reference.cross_entropy_backward,
+        extras={"check_ids": check_ids_now},
+    ),
+)
 
 
 # --------------------------------------------------------------------------------------
 # Public API
 
 
-def vocab_projection(hidden: RaggedTensor, weight: torch.Tensor, vocab, bias: torch.Tensor | None = None, *,
-                     validate: bool = False, backend: str | None = None) -> RaggedLogits:
+def vocab_projection(
+    hidden: RaggedTensor,
+    weight: torch.Tensor,
+    vocab,
+    bias: torch.Tensor | None = None,
+    *,
+    validate: bool = False,
+    backend: str | None = None,
+) -> RaggedLogits:
     """Logits of every token against its own sequence's candidate ids only.
 
     * ``hidden``: RaggedTensor, ``values [T, d]`` (float16, bfloat16, float32, float64);
@@ -284,16 +437,38 @@ def vocab_projection(hidden: RaggedTensor, weight: torch.Tensor, vocab, bias: to
         check_ids = impl.extra("check_ids")
         if check_ids is not None:
             check_ids(fn, layout, ("range",))
-    values = VOCAB_PROJECTION(h, h_off, weight, layout.bias, ids, v_off, layout.l_off, layout.total, layout.max_t,
-                              layout.max_v, impl.backend)
-    return RaggedLogits(values, h_off, h.shape[0], layout.max_t, ids, v_off, layout.max_v, layout.l_off,
-                        weight.shape[0], layout.host_h, layout.host_v)
+    values = VOCAB_PROJECTION(
+        h, h_off, weight, layout.bias, ids, v_off, layout.l_off, layout.total, layout.max_t, layout.max_v, impl.backend
+    )
+    return RaggedLogits(
+        values,
+        h_off,
+        h.shape[0],
+        layout.max_t,
+        ids,
+        v_off,
+        layout.max_v,
+        layout.l_off,
+        weight.shape[0],
+        layout.host_h,
+        layout.host_v,
+    )
 
 
-def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, target, bias: torch.Tensor | None = None,
-                        *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                        out_of_vocab: str = "error", validate: bool = False,
-                        backend: str | None = None) -> torch.Tensor:
+def vocab_cross_entropy(
+    hidden: RaggedTensor,
+    weight: torch.Tensor,
+    vocab,
+    target,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    out_of_vocab: str = "error",
+    validate: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
     """Cross-entropy of each token's target over its own sequence's candidates.
 
     Arguments as :func:`vocab_projection`, plus ``target``: ``[T]`` int64/int32 *global*
@@ -328,13 +503,15 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
         raise TypeError(f"{fn}(): expected ignore_index to be an int, got {describe(ignore_index)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{fn}(): expected reduction to be one of {REDUCTIONS}, got {reduction!r}")
-    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
-            or not 0.0 <= label_smoothing <= 1.0):
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0.0 <= label_smoothing <= 1.0
+    ):
         raise ValueError(f"{fn}(): expected label_smoothing in [0, 1], got {describe(label_smoothing)}")
     if out_of_vocab not in OUT_OF_VOCAB:
         raise ValueError(f"{fn}(): expected out_of_vocab to be one of {OUT_OF_VOCAB}, got {out_of_vocab!r}")
-    impl = backends.select("vocab_cross_entropy", backend, h.device, h, h_off, weight, layout.bias, ids, v_off,
-                           fn=fn)
+    impl = backends.select("vocab_cross_entropy", backend, h.device, h, h_off, weight, layout.bias, ids, v_off, fn=fn)
     # ids not checked yet (CUDA ids): checked before an implementation that asks for it, else
     # folded into the read of out_of_vocab="error"
     fold = out_of_vocab == "error" and tokens > 0
@@ -346,8 +523,22 @@ def vocab_cross_entropy(hidden: RaggedTensor, weight: torch.Tensor, vocab, targe
         elif fold:
             id_flags = late_id_flags(layout, CE_ID_CHECKS)
     losses, _, local, missing = VOCAB_CROSS_ENTROPY(
-        h, h_off, weight, layout.bias, ids, v_off, layout.l_off, layout.total, layout.max_t, layout.max_v, target,
-        ignore_index, float(label_smoothing), impl.backend, context=(layout.host_h, layout.host_v))
+        h,
+        h_off,
+        weight,
+        layout.bias,
+        ids,
+        v_off,
+        layout.l_off,
+        layout.total,
+        layout.max_t,
+        layout.max_v,
+        target,
+        ignore_index,
+        float(label_smoothing),
+        impl.backend,
+        context=(layout.host_h, layout.host_v),
+    )
     if fold:
         raise_out_of_vocab(fn, missing, local, target, ignore_index, layout, id_flags)
     dtype = h.dtype
@@ -378,8 +569,10 @@ def union_vocab(vocab) -> torch.Tensor:
             check_ids_dtype(fn, f"vocab[{i}]", t)
         ids, name = torch.cat([t.to(torch.int64) for t in vocab]), "vocab"
     else:
-        raise TypeError(f"{fn}(): expected vocab to be a RaggedTensor of ids, a 1-D id tensor or a list of them, "
-                        f"got {describe(vocab)}")
+        raise TypeError(
+            f"{fn}(): expected vocab to be a RaggedTensor of ids, a 1-D id tensor or a list of them, "
+            f"got {describe(vocab)}"
+        )
     if ids.dim() != 1:
         raise ValueError(f"{fn}(): expected {name} to be 1-D, got shape {tuple(ids.shape)}")
     check_ids_dtype(fn, name, ids)

@@ -15,8 +15,8 @@ import dataclasses
 import torch
 
 from .. import backends
-from ..utils import check_offsets_tensor, check_tensor, check_vector, describe, eager, to_device
 from ..tensor import RaggedTensor
+from ..utils import check_offsets_tensor, check_tensor, check_vector, describe, eager, to_device
 
 ID_DTYPES = (torch.int32, torch.int64)
 ID_CHECKS = ("range", "sorted", "unique")
@@ -28,19 +28,19 @@ class VocabLayout:
     """A checked call of the vocab ops: the operands of their kernels and the host facts
     known about them (see the layout in :mod:`ragged.logits`)."""
 
-    hidden: torch.Tensor                 # [T, d]
-    h_off: torch.Tensor                  # [B+1] int32/int64
-    weight: torch.Tensor                 # [V, d]
-    bias: torch.Tensor | None            # [V], unit stride
-    ids: torch.Tensor                    # [sum_b V_b] or [S] (shared), unit stride
-    v_off: torch.Tensor | None           # [B+1]; None: one vocabulary shared by the batch
-    l_off: torch.Tensor                  # int64 [B+1], first logit of each sequence
-    total: int                           # number of logits, sum_b T_b * V_b
-    max_t: int                           # longest sequence
-    max_v: int                           # most candidates of a sequence
-    host_h: tuple[int, ...] | None       # h_off on the host, when known
-    host_v: tuple[int, ...] | None       # v_off on the host, when known
-    ids_checked: bool                    # the ids' range (and order, when asked) already read and checked
+    hidden: torch.Tensor  # [T, d]
+    h_off: torch.Tensor  # [B+1] int32/int64
+    weight: torch.Tensor  # [V, d]
+    bias: torch.Tensor | None  # [V], unit stride
+    ids: torch.Tensor  # [sum_b V_b] or [S] (shared), unit stride
+    v_off: torch.Tensor | None  # [B+1]; None: one vocabulary shared by the batch
+    l_off: torch.Tensor  # int64 [B+1], first logit of each sequence
+    total: int  # number of logits, sum_b T_b * V_b
+    max_t: int  # longest sequence
+    max_v: int  # most candidates of a sequence
+    host_h: tuple[int, ...] | None  # h_off on the host, when known
+    host_v: tuple[int, ...] | None  # v_off on the host, when known
+    ids_checked: bool  # the ids' range (and order, when asked) already read and checked
 
     @property
     def name(self) -> str:
@@ -63,16 +63,19 @@ def _check_weight_and_bias(fn: str, h: torch.Tensor, weight, bias):
     ``weight [V, d]`` and ``bias [V]`` against ``h [T, d]``."""
     check_tensor(fn, "weight", weight)
     if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
-        raise ValueError(f"{fn}(): expected weight of shape [V, {h.shape[1]}] (d = hidden.values.shape[1]), "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"{fn}(): expected weight of shape [V, {h.shape[1]}] (d = hidden.values.shape[1]), "
+            f"got {tuple(weight.shape)}"
+        )
     _like_hidden(fn, "weight", weight, h)
     if bias is None:
         return None
     vocab_size = weight.shape[0]
     check_tensor(fn, "bias", bias)
     if tuple(bias.shape) != (vocab_size,):
-        raise ValueError(f"{fn}(): expected bias of shape [{vocab_size}] (weight.shape[0]) or None, "
-                         f"got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{fn}(): expected bias of shape [{vocab_size}] (weight.shape[0]) or None, got {tuple(bias.shape)}"
+        )
     _like_hidden(fn, "bias", bias, h)
     # a strided view becomes a (differentiable) copy
     return check_vector(fn, "bias", bias, vocab_size, h.device)
@@ -92,13 +95,17 @@ def _split_vocab(fn: str, hidden: RaggedTensor, vocab):
         if ids.dim() != 1:
             raise ValueError(f"{fn}(): expected vocab.values to be 1-D ids [sum V_b], got {tuple(ids.shape)}")
         if vocab.batch_size != hidden.batch_size:
-            raise ValueError(f"{fn}(): expected vocab with the batch size of hidden ({hidden.batch_size}), "
-                             f"got {vocab.batch_size} sequences")
+            raise ValueError(
+                f"{fn}(): expected vocab with the batch size of hidden ({hidden.batch_size}), "
+                f"got {vocab.batch_size} sequences"
+            )
         return ids, vocab.offsets, "vocab.values"
     if isinstance(vocab, torch.Tensor):
         if vocab.dim() != 1:
-            raise ValueError(f"{fn}(): expected vocab to be a RaggedTensor of ids or a 1-D id tensor shared by the "
-                             f"batch, got a tensor of shape {tuple(vocab.shape)}")
+            raise ValueError(
+                f"{fn}(): expected vocab to be a RaggedTensor of ids or a 1-D id tensor shared by the "
+                f"batch, got a tensor of shape {tuple(vocab.shape)}"
+            )
         return vocab, None, "vocab"
     raise TypeError(f"{fn}(): expected vocab to be a RaggedTensor of ids or a 1-D id tensor, got {describe(vocab)}")
 
@@ -137,8 +144,21 @@ def prepare(fn: str, hidden, weight, vocab, bias, validate, sorted_ids: bool = F
         if flags is not None:
             raise_id_errors(fn, name, host_ints(flags), ids, None, vocab_size, checks)
         size = ids.shape[0]
-        return VocabLayout(h, h_off, weight, bias, ids, None, h_off.to(torch.int64) * size, tokens * size,
-                           hidden.max_len, size, hidden.known_host_offsets, None, check_now)
+        return VocabLayout(
+            h,
+            h_off,
+            weight,
+            bias,
+            ids,
+            None,
+            h_off.to(torch.int64) * size,
+            tokens * size,
+            hidden.max_len,
+            size,
+            hidden.known_host_offsets,
+            None,
+            check_now,
+        )
     host_h, host_v, host_flags = _host_offsets(hidden, vocab, flags)
     if flags is not None:
         raise_id_errors(fn, name, host_flags, ids, v_off, vocab_size, checks)
@@ -146,8 +166,21 @@ def prepare(fn: str, hidden, weight, vocab, bias, validate, sorted_ids: bool = F
     host_l = [0] * len(host_h)
     for b in range(len(host_h) - 1):
         host_l[b + 1] = host_l[b] + (host_h[b + 1] - host_h[b]) * (host_v[b + 1] - host_v[b])
-    return VocabLayout(h, h_off, weight, bias, ids, v_off, to_device(host_l, torch.int64, h.device), host_l[-1],
-                       hidden.max_len, vocab.max_len, host_h, host_v, check_now)
+    return VocabLayout(
+        h,
+        h_off,
+        weight,
+        bias,
+        ids,
+        v_off,
+        to_device(host_l, torch.int64, h.device),
+        host_l[-1],
+        hidden.max_len,
+        vocab.max_len,
+        host_h,
+        host_v,
+        check_now,
+    )
 
 
 def check_target(fn: str, target, tokens: int, device: torch.device) -> torch.Tensor:
@@ -155,15 +188,18 @@ def check_target(fn: str, target, tokens: int, device: torch.device) -> torch.Te
     of unit stride on ``device``."""
     if isinstance(target, RaggedTensor):
         if target.values.dim() != 1 or target.num_tokens != tokens:
-            raise ValueError(f"{fn}(): expected target with values of shape [{tokens}] (the tokens of hidden), "
-                             f"got {tuple(target.values.shape)}")
+            raise ValueError(
+                f"{fn}(): expected target with values of shape [{tokens}] (the tokens of hidden), "
+                f"got {tuple(target.values.shape)}"
+            )
         target = target.values
     check_tensor(fn, "target", target)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{fn}(): expected target of dtype torch.int64 or torch.int32, got {target.dtype}")
     if tuple(target.shape) != (tokens,):
-        raise ValueError(f"{fn}(): expected target of shape [{tokens}] (the tokens of hidden), "
-                         f"got {tuple(target.shape)}")
+        raise ValueError(
+            f"{fn}(): expected target of shape [{tokens}] (the tokens of hidden), got {tuple(target.shape)}"
+        )
     if target.device != device:
         raise ValueError(f"{fn}(): expected target on {device} (the device of hidden), got {target.device}")
     return check_vector(fn, "target", target, tokens, device)
@@ -189,14 +225,15 @@ def _host_offsets(hidden: RaggedTensor, vocab: RaggedTensor, extra: torch.Tensor
         host = host_ints(torch.cat(parts))
         start = 0
         for rt in missing:
-            rt.remember_host_offsets(host[start:start + rt.offsets.shape[0]])
+            rt.remember_host_offsets(host[start : start + rt.offsets.shape[0]])
             start += rt.offsets.shape[0]
         host_extra = None if extra is None else host[start:]
     return hidden.host_offsets(), vocab.host_offsets(), host_extra
 
 
-def _id_failures(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
-                 checks: tuple[str, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def _id_failures(
+    ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int, checks: tuple[str, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Per check in ``checks`` the ``[n]`` bool mask of the ids that fail it ("range": outside
     ``[0, vocab_size)``; "sorted": followed by a smaller id of the same sequence; "unique":
     followed by the same id in the same sequence), and the ``[n]`` sequence of each id (None
@@ -210,8 +247,7 @@ def _id_failures(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
             seq = torch.zeros(n, dtype=torch.int64, device=device)
         else:
             v = v_off.to(torch.int64)
-            seq = torch.repeat_interleave(torch.arange(v.shape[0] - 1, device=device), v[1:] - v[:-1],
-                                          output_size=n)
+            seq = torch.repeat_interleave(torch.arange(v.shape[0] - 1, device=device), v[1:] - v[:-1], output_size=n)
     masks = []
     for check in checks:
         if check == "range":
@@ -224,8 +260,7 @@ def _id_failures(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
     return masks, seq
 
 
-def id_flags(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
-             checks: tuple[str, ...]) -> torch.Tensor:
+def id_flags(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int, checks: tuple[str, ...]) -> torch.Tensor:
     """int64 ``[len(checks)]`` on the ids' device, 1 where a check fails: the few values a
     read of the hot path carries (no sync here; :func:`raise_id_errors` reads the details
     only once a flag is set)."""
@@ -235,8 +270,15 @@ def id_flags(ids: torch.Tensor, v_off: torch.Tensor | None, vocab_size: int,
     return torch.stack([m.any() for m in masks]).to(torch.int64)
 
 
-def raise_id_errors(fn: str, name: str, flags: list[int], ids: torch.Tensor, v_off: torch.Tensor | None,
-                    vocab_size: int, checks: tuple[str, ...]) -> None:
+def raise_id_errors(
+    fn: str,
+    name: str,
+    flags: list[int],
+    ids: torch.Tensor,
+    v_off: torch.Tensor | None,
+    vocab_size: int,
+    checks: tuple[str, ...],
+) -> None:
     """ValueError for the first failed check among the host ``flags`` of :func:`id_flags`;
     the position and values it names cost one more read (on the error path only)."""
     failed = [c for c, f in zip(checks, flags) if f]
@@ -257,13 +299,17 @@ def raise_id_errors(fn: str, name: str, flags: list[int], ids: torch.Tensor, v_o
     i, xi, xj, b = torch.stack([i, x[i], x[j], owner]).tolist()
     where = "" if v_off is None else f" of sequence {b}"
     if check == "range":
-        raise ValueError(f"{fn}(): expected {name} in [0, {vocab_size}) (weight.shape[0]), got {xi} at "
-                         f"position {i}{where}")
+        raise ValueError(
+            f"{fn}(): expected {name} in [0, {vocab_size}) (weight.shape[0]), got {xi} at position {i}{where}"
+        )
     if check == "sorted":
-        raise ValueError(f"{fn}(): expected {name} sorted in increasing order within each sequence, got {xi} "
-                         f"before {xj} at positions {i}, {i + 1}{where}")
-    raise ValueError(f"{fn}(): expected {name} unique within each sequence, got {xi} twice at positions {i}, "
-                     f"{i + 1}{where}")
+        raise ValueError(
+            f"{fn}(): expected {name} sorted in increasing order within each sequence, got {xi} "
+            f"before {xj} at positions {i}, {i + 1}{where}"
+        )
+    raise ValueError(
+        f"{fn}(): expected {name} unique within each sequence, got {xi} twice at positions {i}, {i + 1}{where}"
+    )
 
 
 def late_id_flags(layout: VocabLayout, checks: tuple[str, ...]) -> torch.Tensor | None:
@@ -290,8 +336,15 @@ def check_ids_now(fn: str, layout: VocabLayout, checks: tuple[str, ...]) -> None
         raise_layout_id_errors(fn, layout, host_ints(flags), checks)
 
 
-def raise_out_of_vocab(fn: str, missing: torch.Tensor, local: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                       layout: VocabLayout, id_flags: torch.Tensor | None = None) -> None:
+def raise_out_of_vocab(
+    fn: str,
+    missing: torch.Tensor,
+    local: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    layout: VocabLayout,
+    id_flags: torch.Tensor | None = None,
+) -> None:
     """ValueError naming the first token whose target is outside its candidates. ``missing``:
     the cross-entropy op's device count of such tokens; reading it is the one sync of
     ``out_of_vocab="error"`` (under torch.compile, a device-side assert instead). ``id_flags``:
@@ -314,8 +367,12 @@ def raise_out_of_vocab(fn: str, missing: torch.Tensor, local: torch.Tensor, targ
         first = int(outside.to(torch.int32).argmax())
         tid = int(target[first])
         h_off = layout.h_off
-        b = int(torch.searchsorted(h_off.to(torch.int64), torch.tensor([first], device=h_off.device),
-                                   right=True)[0]) - 1
-        raise ValueError(f"{fn}(): expected every target to be one of its sequence's candidate ids (or "
-                         f"ignore_index = {ignore_index}), got {count} token(s) outside them, the first "
-                         f"token {first} (sequence {b}) with target {tid}; {hint}")
+        b = (
+            int(torch.searchsorted(h_off.to(torch.int64), torch.tensor([first], device=h_off.device), right=True)[0])
+            - 1
+        )
+        raise ValueError(
+            f"{fn}(): expected every target to be one of its sequence's candidate ids (or "
+            f"ignore_index = {ignore_index}), got {count} token(s) outside them, the first "
+            f"token {first} (sequence {b}) with target {tid}; {hint}"
+        )

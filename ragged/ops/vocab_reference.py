@@ -16,8 +16,9 @@ from ..logits import compute_dtype, layout_coords, segmented_cross_entropy
 from .vocab_checks import host_ints
 
 
-def _segments(tokens: int, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None,
-              host_h=None, host_v=None) -> list[tuple[int, int, int, int, int]]:
+def _segments(
+    tokens: int, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None, host_h=None, host_v=None
+) -> list[tuple[int, int, int, int, int]]:
     """(first token, end token, first candidate, end candidate, first logit) per block, from
     the host offsets when given (else read from the device ones: one sync on CUDA)."""
     if v_off is None:  # one [T, S] block: l_off[b] = h_off[b] * S, so the rows follow each other
@@ -27,7 +28,7 @@ def _segments(tokens: int, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.
             host_h, host_v = host_ints(h_off), host_ints(v_off)
         else:  # one read: one wait for the device
             both = host_ints(torch.cat([h_off.to(torch.int64), v_off.to(torch.int64)]))
-            host_h, host_v = both[:h_off.shape[0]], both[h_off.shape[0]:]
+            host_h, host_v = both[: h_off.shape[0]], both[h_off.shape[0] :]
     out, start = [], 0
     for b in range(len(host_h) - 1):
         out.append((host_h[b], host_h[b + 1], host_v[b], host_v[b + 1], start))
@@ -38,13 +39,18 @@ def _segments(tokens: int, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.
 def _rows(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, buf: torch.Tensor | None) -> torch.Tensor:
     """``src[index]`` in ``dtype``; gathered into ``buf`` (no allocation) when the dtypes allow."""
     if buf is not None and src.dtype == dtype:
-        return torch.index_select(src, 0, index, out=buf[:index.shape[0]])
+        return torch.index_select(src, 0, index, out=buf[: index.shape[0]])
     return src.index_select(0, index).to(dtype)
 
 
-def reference_vocab_projection(hidden: torch.Tensor, h_off: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None, ids: torch.Tensor,
-                               v_off: torch.Tensor | None) -> torch.Tensor:
+def reference_vocab_projection(
+    hidden: torch.Tensor,
+    h_off: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    v_off: torch.Tensor | None,
+) -> torch.Tensor:
     """Flat logits (see :mod:`ragged.ops.vocab`) in float32 accumulation, returned in hidden's dtype.
 
     ``hidden [T, d]``, ``h_off [B+1]``, ``weight [V, d]``, ``bias [V]`` or None, ``ids``
@@ -58,8 +64,9 @@ def reference_vocab_projection(hidden: torch.Tensor, h_off: torch.Tensor, weight
     dtype = compute_dtype(hidden.dtype)
     ids64 = ids.to(torch.int64)
     segments = _segments(hidden.shape[0], h_off, ids, v_off)
-    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                         or (bias is not None and bias.requires_grad))
+    grads = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     if not grads:
         return _project(hidden, weight, bias, ids64, segments, dtype)
     blocks = []
@@ -93,7 +100,7 @@ def _project(hidden, weight, bias, ids64, segments, dtype) -> torch.Tensor:
             continue
         cand = ids64[v0:v1]
         w = _rows(weight, cand, dtype, w_buf)
-        block = out[l0:l0 + rows * cols].view(rows, cols)
+        block = out[l0 : l0 + rows * cols].view(rows, cols)
         h = hidden[t0:t1].to(dtype)
         if bias is None:
             torch.mm(h, w.t(), out=block)
@@ -102,10 +109,17 @@ def _project(hidden, weight, bias, ids64, segments, dtype) -> torch.Tensor:
     return out.to(hidden.dtype)
 
 
-def reference_vocab_projection_backward(grad: torch.Tensor, hidden: torch.Tensor, h_off: torch.Tensor,
-                                        weight: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None,
-                                        need_hidden: bool = True, need_weight: bool = True,
-                                        need_bias: bool = True):
+def reference_vocab_projection_backward(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    h_off: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    v_off: torch.Tensor | None,
+    need_hidden: bool = True,
+    need_weight: bool = True,
+    need_bias: bool = True,
+):
     """Gradients of :func:`reference_vocab_projection` for the flat ``grad``, written out.
 
     With ``g_b`` sequence b's ``[T_b, V_b]`` block of ``grad``: ``d_hidden_b = g_b @ W[ids_b]``,
@@ -117,8 +131,7 @@ def reference_vocab_projection_backward(grad: torch.Tensor, hidden: torch.Tensor
     ``ragged::vocab_projection_backward`` op, where autograd is off.
     """
     segments = _segments(hidden.shape[0], h_off, ids, v_off)
-    return _project_backward(grad, hidden, weight, ids.to(torch.int64), segments, need_hidden, need_weight,
-                             need_bias)
+    return _project_backward(grad, hidden, weight, ids.to(torch.int64), segments, need_hidden, need_weight, need_bias)
 
 
 def _project_backward(grad, hidden, weight, ids64, segments, need_hidden, need_weight, need_bias):
@@ -133,7 +146,7 @@ def _project_backward(grad, hidden, weight, ids64, segments, need_hidden, need_w
         rows, cols = t1 - t0, v1 - v0
         if rows == 0 or cols == 0:
             continue
-        gb = g[l0:l0 + rows * cols].view(rows, cols)
+        gb = g[l0 : l0 + rows * cols].view(rows, cols)
         cand = ids64[v0:v1]
         if need_hidden:
             torch.mm(gb, _rows(weight, cand, dtype, w_buf), out=d_hidden[t0:t1])
@@ -141,9 +154,11 @@ def _project_backward(grad, hidden, weight, ids64, segments, need_hidden, need_w
             d_weight.index_add_(0, cand, gb.t() @ hidden[t0:t1].to(dtype))
         if need_bias:
             d_bias.index_add_(0, cand, gb.sum(0))
-    return (None if d_hidden is None else d_hidden.to(hidden.dtype),
-            None if d_weight is None else d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(weight.dtype))
+    return (
+        None if d_hidden is None else d_hidden.to(hidden.dtype),
+        None if d_weight is None else d_weight.to(weight.dtype),
+        None if d_bias is None else d_bias.to(weight.dtype),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -155,15 +170,23 @@ def projection_forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, ma
         return reference_vocab_projection(hidden, h_off, weight, bias, ids, v_off)
 
 
-def projection_backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight,
-                        need_bias, deterministic):
-    return reference_vocab_projection_backward(grad, hidden, h_off, weight, ids, v_off, need_hidden, need_weight,
-                                               need_bias)
+def projection_backward(
+    grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias, deterministic
+):
+    return reference_vocab_projection_backward(
+        grad, hidden, h_off, weight, ids, v_off, need_hidden, need_weight, need_bias
+    )
 
 
-def locate_targets(target: torch.Tensor, h_off: torch.Tensor, ids: torch.Tensor, v_off: torch.Tensor | None,
-                   vocab_size: int, ignore_index: int,
-                   seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def locate_targets(
+    target: torch.Tensor,
+    h_off: torch.Tensor,
+    ids: torch.Tensor,
+    v_off: torch.Tensor | None,
+    vocab_size: int,
+    ignore_index: int,
+    seq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(local, missing)`` of global target ids, with device ops only (no sync).
 
     ``local``: ``[T]`` int64, each token's target as an index into its sequence's sorted
@@ -195,7 +218,7 @@ def locate_targets(target: torch.Tensor, h_off: torch.Tensor, ids: torch.Tensor,
         local = pos - v[:-1][seq]
     wanted = tgt != ignore_index
     keep = found & wanted
-    return torch.where(keep, local, -1), (keep ^ wanted).sum()   # wanted, not found
+    return torch.where(keep, local, -1), (keep ^ wanted).sum()  # wanted, not found
 
 
 class _Outputs(tuple):
@@ -206,27 +229,50 @@ class _Outputs(tuple):
     logits: torch.Tensor
 
 
-def cross_entropy_forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index,
-                          label_smoothing):
+def cross_entropy_forward(
+    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing
+):
     """``(loss, lse, local, missing)``: the logits of :func:`reference_vocab_projection` and a
     segmented log-softmax over them (see :func:`ragged.logits.segmented_cross_entropy`)."""
     tokens = hidden.shape[0]
     shared = v_off is None
     coords = None if shared else layout_coords(h_off, v_off, l_off, ids.shape[0], tokens, total)
-    local, missing = locate_targets(target, h_off, ids, v_off, weight.shape[0], ignore_index,
-                                    None if shared else coords.seq)
+    local, missing = locate_targets(
+        target, h_off, ids, v_off, weight.shape[0], ignore_index, None if shared else coords.seq
+    )
     with torch.no_grad():
         values = reference_vocab_projection(hidden, h_off, weight, bias, ids, v_off)
-        loss, lse = segmented_cross_entropy(values, tokens, coords, ids.shape[0] if shared else None, local,
-                                            label_smoothing)
+        loss, lse = segmented_cross_entropy(
+            values, tokens, coords, ids.shape[0] if shared else None, local, label_smoothing
+        )
     out = _Outputs((loss, lse, local.to(torch.int32), missing))
     out.logits = values
     return out
 
 
-def cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, logits,
-                           label_smoothing, max_t, max_v, need_hidden, need_weight, need_bias, deterministic,
-                           host_h_off, host_v_off):
+def cross_entropy_backward(
+    grad,
+    hidden,
+    h_off,
+    weight,
+    bias,
+    ids,
+    v_off,
+    l_off,
+    total,
+    local,
+    lse,
+    logits,
+    label_smoothing,
+    max_t,
+    max_v,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic,
+    host_h_off,
+    host_v_off,
+):
     """Gradients of ``sum_t grad[t] * loss_t``: the logits' gradient
     ``grad_t * (softmax - (1 - eps) * onehot - eps / V_b)`` (the logits recomputed where the
     forward's ``logits`` are not given), then the projection's backward."""
@@ -242,8 +288,8 @@ def cross_entropy_backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off,
         local = local.to(torch.int64)
         keep = local >= 0
         eps = float(label_smoothing)
-        grad_t = torch.where(keep, grad.expand(tokens).to(dtype), 0.0)   # 0 for a token without target
-        target_t = grad_t * (eps - 1.0)                                    # the one-hot term, per token
+        grad_t = torch.where(keep, grad.expand(tokens).to(dtype), 0.0)  # 0 for a token without target
+        target_t = grad_t * (eps - 1.0)  # the one-hot term, per token
         if x.shape[0] == 0:
             g = x
         elif shared:

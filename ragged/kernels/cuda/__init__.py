@@ -34,22 +34,24 @@ def _attention_check(spec) -> list[str]:
     """The reasons of the short-sequence kernel that its declared data cannot express."""
     out = []
     if spec.window_size != (-1, -1):  # the spec's window bounds some key: the kernel masks none
-        out.append(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
-                   f"{spec.window_size}")
+        out.append(
+            f"the CUDA short-sequence attention kernel has no sliding window, got window_size={spec.window_size}"
+        )
     index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
     cap = _attention_capabilities.get(index)
     if cap is None:
         cap = _attention_capabilities[index] = torch.cuda.get_device_capability(index)
     if cap < (8, 0):
-        out.append(f"the CUDA short-sequence attention kernel needs compute capability >= 8.0, got "
-                   f"{cap[0]}.{cap[1]}")
+        out.append(f"the CUDA short-sequence attention kernel needs compute capability >= 8.0, got {cap[0]}.{cap[1]}")
     if spec.dropout_p > 0:
         out.append(f"the CUDA short-sequence attention kernel has no dropout, got dropout_p={spec.dropout_p}")
     if spec.needs_grad:
         out.append("the CUDA short-sequence attention kernel is forward only (inputs require grad)")
     if spec.batch * spec.heads > 2**31 - 1:
-        out.append(f"the CUDA short-sequence attention kernel launches one block per (sequence, head): "
-                   f"more than 2**31 - 1 of them ({spec.batch} x {spec.heads})")
+        out.append(
+            f"the CUDA short-sequence attention kernel launches one block per (sequence, head): "
+            f"more than 2**31 - 1 of them ({spec.batch} x {spec.heads})"
+        )
     return out
 
 
@@ -61,12 +63,20 @@ def _attention_rank(spec) -> int:
     return 0 if longest <= 64 or (spec.head_dim <= 64 and longest <= 128) else 2
 
 
-register(Implementation(
-    "attention", "cuda", f"{_HERE}.attention:forward", dtypes=(torch.float16, torch.bfloat16), rank=_attention_rank,
-    limits={"head_dim": ATTENTION_SHORT_HEAD_DIMS},
-    maxima={"max_q": ATTENTION_SHORT_MAX_LEN, "max_k": ATTENTION_SHORT_MAX_LEN},
-    check=_attention_check, backward_backend="triton",  # forward only; its inputs are Triton's too
-    extras={"packed_self_attention": f"{_HERE}.attention:packed_self_attention"}))
+register(
+    Implementation(
+        "attention",
+        "cuda",
+        f"{_HERE}.attention:forward",
+        dtypes=(torch.float16, torch.bfloat16),
+        rank=_attention_rank,
+        limits={"head_dim": ATTENTION_SHORT_HEAD_DIMS},
+        maxima={"max_q": ATTENTION_SHORT_MAX_LEN, "max_k": ATTENTION_SHORT_MAX_LEN},
+        check=_attention_check,
+        backward_backend="triton",  # forward only; its inputs are Triton's too
+        extras={"packed_self_attention": f"{_HERE}.attention:packed_self_attention"},
+    )
+)
 
 
 # ---- fused -------------------------------------------------------------------
@@ -80,9 +90,11 @@ FUSED_LN_ROWS_PER_BLOCK = 4
 FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
 
 # the spec's layout faults (ragged.ops.fused.LayoutFault) as what the kernels need
-_FUSED_NEEDS = {"stride": "{} with unit stride along the features, got stride {}",
-                "row stride": "{}'s row strides to be multiples of 16 bytes, got {} bytes",
-                "address": "{} 16-byte aligned, got an address {} bytes past a multiple of 16"}
+_FUSED_NEEDS = {
+    "stride": "{} with unit stride along the features, got stride {}",
+    "row stride": "{}'s row strides to be multiples of 16 bytes, got {} bytes",
+    "address": "{} 16-byte aligned, got an address {} bytes past a multiple of 16",
+}
 
 
 def fused_max_features(dtype: torch.dtype) -> int:
@@ -96,8 +108,7 @@ def _fused_check(what: str, spec, out: list[str]) -> list[str]:
     are Triton's too: only its import is left to ask about)."""
     vec = FUSED_VECTOR[spec.dtype]  # a dtype of FUSED_VECTOR: declared as data, checked first
     if spec.features % vec:
-        out.append(f"{what} takes a feature count that is a multiple of {vec} for {spec.dtype}, "
-                   f"got {spec.features}")
+        out.append(f"{what} takes a feature count that is a multiple of {vec} for {spec.dtype}, got {spec.features}")
     out += [f"{what} needs " + _FUSED_NEEDS[kind].format(name, value) for name, kind, value in spec.layout]
     reason = triton_reason(spec.device)
     if reason:
@@ -119,9 +130,11 @@ def _bias_act_check(spec) -> list[str]:
 
 def _add_layer_norm_check(spec) -> list[str]:
     what = "the CUDA add_layer_norm kernel"
-    out = [f"{what} takes {name} of x's dtype {spec.dtype}, got {dtype}"
-           for name, dtype in (("residual", spec.residual_dtype), ("weight", spec.weight_dtype),
-                               ("bias", spec.bias_dtype)) if dtype is not None and dtype != spec.dtype]
+    out = [
+        f"{what} takes {name} of x's dtype {spec.dtype}, got {dtype}"
+        for name, dtype in (("residual", spec.residual_dtype), ("weight", spec.weight_dtype), ("bias", spec.bias_dtype))
+        if dtype is not None and dtype != spec.dtype
+    ]
     top = fused_max_features(spec.dtype)
     if spec.features > top:
         out.append(f"{what} takes at most {top} features for {spec.dtype}, got {spec.features}")
@@ -132,10 +145,24 @@ def _add_layer_norm_check(spec) -> list[str]:
 
 # Forward kernels: the backward is Triton's, which reads the same saved tensors.
 register(
-    Implementation("bias_act", "cuda", f"{_HERE}.fused:bias_act_forward", dtypes=tuple(FUSED_VECTOR),
-                   check=_bias_act_check, backward_backend="triton", rank=0),
-    Implementation("add_layer_norm", "cuda", f"{_HERE}.fused:add_layer_norm_forward", dtypes=tuple(FUSED_VECTOR),
-                   check=_add_layer_norm_check, backward_backend="triton", rank=0,
-                   # the forward without statistics, for inputs the caller has checked
-                   extras={"inference": f"{_HERE}.fused:add_layer_norm_inference"}),
+    Implementation(
+        "bias_act",
+        "cuda",
+        f"{_HERE}.fused:bias_act_forward",
+        dtypes=tuple(FUSED_VECTOR),
+        check=_bias_act_check,
+        backward_backend="triton",
+        rank=0,
+    ),
+    Implementation(
+        "add_layer_norm",
+        "cuda",
+        f"{_HERE}.fused:add_layer_norm_forward",
+        dtypes=tuple(FUSED_VECTOR),
+        check=_add_layer_norm_check,
+        backward_backend="triton",
+        rank=0,
+        # the forward without statistics, for inputs the caller has checked
+        extras={"inference": f"{_HERE}.fused:add_layer_norm_inference"},
+    ),
 )

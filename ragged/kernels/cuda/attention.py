@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from . import ATTENTION_SHORT_HEAD_DIMS as HEAD_DIMS, ATTENTION_SHORT_MAX_LEN as MAX_LEN
+from . import ATTENTION_SHORT_HEAD_DIMS as HEAD_DIMS
+from . import ATTENTION_SHORT_MAX_LEN as MAX_LEN
 from .launch import Params, launch
 
 __all__ = ["HEAD_DIMS", "MAX_LEN", "PARAMS", "forward", "packed_self_attention"]
@@ -87,16 +88,31 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _kernel(dtype: torch.dtype, head_dim: int, heads: int, batch: int, max_q: int, max_k: int,
-            device: torch.device, bias: bool = False) -> tuple[str, int, int]:
+def _kernel(
+    dtype: torch.dtype,
+    head_dim: int,
+    heads: int,
+    batch: int,
+    max_q: int,
+    max_k: int,
+    device: torch.device,
+    bias: bool = False,
+) -> tuple[str, int, int]:
     """(kernel name, heads per block, warps per block)."""
     tag = "_bias" if bias else ""
     pipe = _PIPELINED.get(head_dim) if PIPELINED_HEADS else None
-    if (pipe is not None and max_q <= 16 * pipe[1] and max_k <= pipe[0]
-            and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(device)):
+    if (
+        pipe is not None
+        and max_q <= 16 * pipe[1]
+        and max_k <= pipe[0]
+        and batch * heads >= PIPELINED_MIN_PAIRS_PER_SM * _multiprocessor_count(device)
+    ):
         (chunk, warps), per_block = pipe, PIPELINED_HEADS
-        return (f"ragged_attention_short_pipe{tag}_{_DTYPES[dtype]}_d{head_dim}_c{chunk}_h{per_block}", per_block,
-                warps)
+        return (
+            f"ragged_attention_short_pipe{tag}_{_DTYPES[dtype]}_d{head_dim}_c{chunk}_h{per_block}",
+            per_block,
+            warps,
+        )
     chunk, warps = _config(head_dim, max_k)
     return f"ragged_attention_short{tag}_{_DTYPES[dtype]}_d{head_dim}_c{chunk}", 1, warps
 
@@ -107,8 +123,9 @@ def _distance_rows(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
     return (table.detach().t().to(torch.float32)[:, buckets.long()] * _LOG2E).contiguous()
 
 
-def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, heads: int, causal: bool,
-                          scale: float) -> torch.Tensor:
+def packed_self_attention(
+    qkv: torch.Tensor, cu: torch.Tensor, max_len: int, heads: int, causal: bool, scale: float
+) -> torch.Tensor:
     """Inference self-attention on a packed input projection: ``qkv [T, 3 * heads * D]`` (per
     token q, k, v side by side, as ``x @ in_proj_weight.T`` gives them), contiguous and
     16-byte aligned, ``T > 0``, a dtype and head dim the kernel takes, ``max_len`` at most
@@ -125,14 +142,52 @@ def packed_self_attention(qkv: torch.Tensor, cu: torch.Tensor, max_len: int, hea
     p = qkv.data_ptr()
     step = d * qkv.element_size()
     wide = 3 if cu.dtype == torch.int64 else 0
-    args = (p, p + step, p + 2 * step, out.data_ptr(), 0, cu.data_ptr(), cu.data_ptr(), wide, heads, 1, width,
-            head_dim, width, head_dim, width, head_dim, scale * _LOG2E, int(causal), total, total, 0, 0, 0)
+    args = (
+        p,
+        p + step,
+        p + 2 * step,
+        out.data_ptr(),
+        0,
+        cu.data_ptr(),
+        cu.data_ptr(),
+        wide,
+        heads,
+        1,
+        width,
+        head_dim,
+        width,
+        head_dim,
+        width,
+        head_dim,
+        scale * _LOG2E,
+        int(causal),
+        total,
+        total,
+        0,
+        0,
+        0,
+    )
     launch(_SOURCE, kernel, qkv.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
-            bias_table=None, bias_buckets=None):
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left=-1,
+    window_right=-1,
+    bias_table=None,
+    bias_buckets=None,
+):
     """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. No sliding
     window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``. A
     position bias (``bias_table [num_buckets, H]``, ``bias_buckets [max_q + max_k - 1]``) runs
@@ -142,8 +197,10 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     if (bias_table is None) != (bias_buckets is None):
         raise ValueError("the CUDA short-sequence attention kernel takes bias_table and bias_buckets together")
     if window_left != -1 or window_right != -1:
-        raise ValueError(f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
-                         f"({window_left}, {window_right})")
+        raise ValueError(
+            f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
+            f"({window_left}, {window_right})"
+        )
     total_q, heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -158,8 +215,28 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
     rows = _distance_rows(bias_table, bias_buckets) if bias else None
     bias_args = (rows.data_ptr(), rows.shape[1], max_q - 1) if bias else (0, 0, 0)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), cu_q.data_ptr(),
-            cu_k.data_ptr(), wide, heads, heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale * _LOG2E, int(causal), total_q, k.shape[0], *bias_args)
+    args = (
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        cu_q.data_ptr(),
+        cu_k.data_ptr(),
+        wide,
+        heads,
+        heads // k.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        scale * _LOG2E,
+        int(causal),
+        total_q,
+        k.shape[0],
+        *bias_args,
+    )
     launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
     return out, lse

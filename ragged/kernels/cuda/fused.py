@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from . import FUSED_ACTIVATIONS, FUSED_LN_ITERS as LN_ITERS, FUSED_LN_ROWS_PER_BLOCK as LN_ROWS_PER_BLOCK
-from . import FUSED_VECTOR, fused_max_features as max_layer_norm_features
+from . import FUSED_ACTIVATIONS, FUSED_VECTOR
+from . import FUSED_LN_ITERS as LN_ITERS
+from . import FUSED_LN_ROWS_PER_BLOCK as LN_ROWS_PER_BLOCK
+from . import fused_max_features as max_layer_norm_features
 from .launch import Params, launch
 
 __all__ = ["add_layer_norm_forward", "add_layer_norm_inference", "bias_act_forward", "max_layer_norm_features"]
@@ -36,8 +38,8 @@ _SOURCE = "fused.cu"
 _TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # dtype -> (kernel name part, elements per 16-byte vector)
 _TYPES = {dtype: (_TYPE_NAMES[dtype], vec) for dtype, vec in FUSED_VECTOR.items()}
-BA_THREADS = 256       # RAGGED_BA_THREADS
-BA_UNROLL = 4          # RAGGED_BA_UNROLL: vectors per thread per trip
+BA_THREADS = 256  # RAGGED_BA_THREADS
+BA_UNROLL = 4  # RAGGED_BA_UNROLL: vectors per thread per trip
 # Grid of the bias_act grid-stride loop: at most this many blocks per multiprocessor
 # (8 x 256 threads = 2048, a full H100/H200 SM).
 BA_BLOCKS_PER_SM = 8
@@ -118,8 +120,16 @@ def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
-def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                           bias: torch.Tensor | None, eps: float, return_sum: bool, *, stats: bool = True):
+def add_layer_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    return_sum: bool,
+    *,
+    stats: bool = True,
+):
     """``(y, s, mean, rstd)`` as :func:`ragged.kernels.triton.fused.add_layer_norm_forward`:
     ``x`` / ``residual`` ``[N, F]``, ``weight`` / ``bias`` ``[F]`` (or None), all of x's dtype;
     ``y`` ``[N, F]`` in x's dtype, ``s`` ``[N, F]`` (an empty ``(0,)`` tensor unless
@@ -143,8 +153,11 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
     es = x.element_size()
     stride_x = x.stride(0)
     stride_r = residual.stride(0) if residual is not None else 0
-    if (px | pr | pw | pb) & 15 or (n_rows > 1 and ((stride_x * es) & 15 or (stride_r * es) & 15)) \
-            or not _unit_strides(x, residual, weight, bias):
+    if (
+        (px | pr | pw | pb) & 15
+        or (n_rows > 1 and ((stride_x * es) & 15 or (stride_r * es) & 15))
+        or not _unit_strides(x, residual, weight, bias)
+    ):
         # Only reachable when the reasons could not look at the pointers (torch.compile), or
         # from a direct call with a layout the kernel does not read: read aligned copies.
         x, residual, weight, bias = (_readable(t) for t in (x, residual, weight, bias))
@@ -153,14 +166,33 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
         pw = weight.data_ptr() if weight is not None else 0
         pb = bias.data_ptr() if bias is not None else 0
     kernel = layer_norm_config(dtype, n_cols)[0]
-    args = (px, pr, pw, pb, y.data_ptr(), s.data_ptr() if return_sum else 0, mean.data_ptr() if stats else 0,
-            rstd.data_ptr() if stats else 0, n_rows, n_cols, stride_x, stride_r, eps)
+    args = (
+        px,
+        pr,
+        pw,
+        pb,
+        y.data_ptr(),
+        s.data_ptr() if return_sum else 0,
+        mean.data_ptr() if stats else 0,
+        rstd.data_ptr() if stats else 0,
+        n_rows,
+        n_cols,
+        stride_x,
+        stride_r,
+        eps,
+    )
     launch(_SOURCE, kernel, device, -(-n_rows // LN_ROWS_PER_BLOCK), (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, args)
     return y, s, mean, rstd
 
 
-def add_layer_norm_inference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                             bias: torch.Tensor | None, eps: float, return_sum: bool):
+def add_layer_norm_inference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    return_sum: bool,
+):
     """``(y, s or None)``: :func:`add_layer_norm_forward` without statistics, for inputs the
     kernel takes as the caller has checked (``x`` and ``residual`` ``[N, F]`` contiguous,
     ``N > 0``, every tensor x's dtype, 16-byte aligned, weight and bias contiguous): one or
@@ -168,11 +200,30 @@ def add_layer_norm_inference(x: torch.Tensor, residual: torch.Tensor | None, wei
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
     s = torch.empty_like(x) if return_sum else None
-    args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
-            0 if bias is None else bias.data_ptr(), y.data_ptr(), 0 if s is None else s.data_ptr(), 0, 0, n_rows,
-            n_cols, n_cols, n_cols, eps)
-    launch(_SOURCE, layer_norm_config(x.dtype, n_cols)[0], x.device, -(-n_rows // LN_ROWS_PER_BLOCK),
-           (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, args)
+    args = (
+        x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        0 if weight is None else weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        0 if s is None else s.data_ptr(),
+        0,
+        0,
+        n_rows,
+        n_cols,
+        n_cols,
+        n_cols,
+        eps,
+    )
+    launch(
+        _SOURCE,
+        layer_norm_config(x.dtype, n_cols)[0],
+        x.device,
+        -(-n_rows // LN_ROWS_PER_BLOCK),
+        (LN_ROWS_PER_BLOCK * 32, 1),
+        LN_PARAMS,
+        args,
+    )
     return y, s
 
 
@@ -195,6 +246,13 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         px, pb = x.data_ptr(), bias.data_ptr() if bias is not None else 0
     kernel, vec = bias_act_kernel(x.dtype, activation)
     n_vecs = n // vec
-    launch(_SOURCE, kernel, x.device, bias_act_grid(n_vecs, x.device), (BA_THREADS, 1), BA_PARAMS,
-           (px, pb, y.data_ptr(), n_vecs, n_cols // vec))
+    launch(
+        _SOURCE,
+        kernel,
+        x.device,
+        bias_act_grid(n_vecs, x.device),
+        (BA_THREADS, 1),
+        BA_PARAMS,
+        (px, pb, y.data_ptr(), n_vecs, n_cols // vec),
+    )
     return y

@@ -70,6 +70,7 @@ class SourceError(ValueError):
 
 def _blank_comments(text: str) -> str:
     """``text`` with comments replaced by spaces (newlines kept): the same offsets and lines."""
+
     def repl(m):
         t = m.group(0)
         return t if t[0] in "\"'" else re.sub(r"[^\n]", " ", t)
@@ -161,7 +162,7 @@ def _invocations(text: str, macros: dict[str, _Macro], what: str):
         if name not in macros or macros[name].params is None:
             raise SourceError(f"{what}: {name} is not a function-like macro of the source")
         end = _matching_paren(text, m.end(), what)
-        yield name, _split_arguments(text[m.end():end])
+        yield name, _split_arguments(text[m.end() : end])
         pos = end
 
 
@@ -186,7 +187,7 @@ def _defined_names(text: str, what: str) -> tuple[str, ...]:
                     break
                 j += 1
             else:
-                raise SourceError(f"{what}: no function name after extern \"C\"")
+                raise SourceError(f'{what}: no function name after extern "C"')
     return tuple(names)
 
 
@@ -202,8 +203,11 @@ def _kernel_macros(macros: dict[str, _Macro]) -> dict[str, bool]:
         if re.search(r'\bextern\s*"C"', macro.body):
             out[name] = True
             return True
-        called = [n for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", macro.body)
-                  if n in macros and macros[n].params is not None and n not in seen]
+        called = [
+            n
+            for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", macro.body)
+            if n in macros and macros[n].params is not None and n not in seen
+        ]
         if any([visit(n, seen + (name,)) for n in called]):
             out[name] = False
             return True
@@ -253,14 +257,16 @@ def parse(src_name: str, text: str) -> dict[str, Program]:
         line = code.count("\n", 0, m.start()) + 1
         where = f"{what} line {line}"
         if conditional_depth(m.start()):
-            raise SourceError(f"{where}: an instantiation line inside #if / #ifdef (the per-kernel programs "
-                               f"take unconditional instantiation lines only)")
+            raise SourceError(
+                f"{where}: an instantiation line inside #if / #ifdef (the per-kernel programs "
+                f"take unconditional instantiation lines only)"
+            )
         end = _matching_paren(code, m.end() - 1, where)
         eol = code.find("\n", end)
-        rest = code[end:eol if eol >= 0 else len(code)]
+        rest = code[end : eol if eol >= 0 else len(code)]
         if rest.strip(" \t;\r"):
             raise SourceError(f"{where}: text after the instantiation {name}(...): {rest.strip()!r}")
-        for macro_name, args in _leaves(name, _split_arguments(code[m.end() - 1:end]), macros, defining, where):
+        for macro_name, args in _leaves(name, _split_arguments(code[m.end() - 1 : end]), macros, defining, where):
             macro = macros[macro_name]
             kernels = _defined_names(_substitute(macro, args, where), where)
             prog = None
@@ -269,16 +275,17 @@ def parse(src_name: str, text: str) -> dict[str, Program]:
                     raise SourceError(f"{where}: kernel {kernel} is also defined at line {out[kernel].line}")
                 prog = prog or Program(src_name, kernels, macro_name, tuple(zip(macro.params, args)), line, "")
                 out[kernel] = prog
-        chunks.append(text[last:m.start()])
-        chunks.append(re.sub(r"[^\n]", "", text[m.start():end]))  # blanked, its line breaks kept
+        chunks.append(text[last : m.start()])
+        chunks.append(re.sub(r"[^\n]", "", text[m.start() : end]))  # blanked, its line breaks kept
         last = end
     chunks.append(text[last:])
     prefix = f'#line 1 "{src_name}"\n' + "".join(chunks)
     return {k: dataclasses.replace(p, prefix=prefix) for k, p in out.items()}
 
 
-def _leaves(name: str, args: tuple[str, ...], macros: dict[str, _Macro], defining: dict[str, bool], where: str,
-            depth: int = 0):
+def _leaves(
+    name: str, args: tuple[str, ...], macros: dict[str, _Macro], defining: dict[str, bool], where: str, depth: int = 0
+):
     """(defining macro, arguments) of each ``extern "C"`` definition that ``name(args)`` expands to."""
     if depth > 32:
         raise SourceError(f"{where}: macro nesting too deep at {name}")
@@ -290,5 +297,3 @@ def _leaves(name: str, args: tuple[str, ...], macros: dict[str, _Macro], definin
         if inner not in defining:
             raise SourceError(f"{where}: {name} invokes {inner}, which defines no kernel")
         yield from _leaves(inner, inner_args, macros, defining, where, depth + 1)
-
-

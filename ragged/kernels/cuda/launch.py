@@ -39,10 +39,11 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .instances import Program, parse as _parse
+from .instances import Program
+from .instances import parse as _parse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(name: str) -> str:
     """Text of ``csrc/<name>`` (installed as the ``ragged._csrc`` package data)."""
     try:
@@ -55,7 +56,7 @@ def source(name: str) -> str:
 # One program per kernel, read from the source text (the parser: :mod:`.instances`)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def programs(src_name: str) -> Mapping[str, Program]:
     """Kernel name -> its :class:`Program`, for every ``extern "C"`` kernel ``csrc/<src_name>``
     instantiates, read from the source text (see the module docstring); read-only."""
@@ -69,8 +70,10 @@ def program(src_name: str, kernel: str) -> Program:
     if prog is None:
         close = difflib.get_close_matches(kernel, list(table), n=3)
         hint = f"; closest: {', '.join(close)}" if close else ""
-        raise ValueError(f"ragged.kernels.cuda.launch.program(): csrc/{src_name} defines no kernel {kernel!r} "
-                         f"(it instantiates {len(table)} kernels{hint})")
+        raise ValueError(
+            f"ragged.kernels.cuda.launch.program(): csrc/{src_name} defines no kernel {kernel!r} "
+            f"(it instantiates {len(table)} kernels{hint})"
+        )
     return prog
 
 
@@ -178,8 +181,13 @@ class Params:
 
 class _LaunchExtra(ctypes.Structure):
     # cuLaunchKernel's `extra` array: BUFFER_POINTER, buffer, BUFFER_SIZE, &size, END.
-    _fields_ = [("buffer_key", ctypes.c_void_p), ("buffer", ctypes.c_char_p), ("size_key", ctypes.c_void_p),
-                ("size", ctypes.POINTER(ctypes.c_size_t)), ("end", ctypes.c_void_p)]
+    _fields_ = [
+        ("buffer_key", ctypes.c_void_p),
+        ("buffer", ctypes.c_char_p),
+        ("size_key", ctypes.c_void_p),
+        ("size", ctypes.POINTER(ctypes.c_size_t)),
+        ("end", ctypes.c_void_p),
+    ]
 
 
 _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
@@ -201,8 +209,19 @@ def _load_driver_launch():
         except OSError:
             continue
         fn = lib.cuLaunchKernel
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                       ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         fn.restype = ctypes.c_int
         return fn
     return None
@@ -305,16 +324,22 @@ def build_info() -> dict:
         cupy_version = cupy.__version__
     except ImportError:
         cupy_version = None
-    return {"launch": launch, "aot_present": module is not None,
-            "aot_archs": list(module.archs()) if module is not None else [],
-            "aot_ptx": module.ptx_arch if module is not None else None,
-            "aot_nvcc": module.nvcc_version if module is not None else None,
-            "aot_cuda_runtime": module.cuda_runtime_version if module is not None else None,
-            "aot_reason": why, "cupy": cupy_version, LAUNCH_VARIABLE: os.environ.get(LAUNCH_VARIABLE)}
+    return {
+        "launch": launch,
+        "aot_present": module is not None,
+        "aot_archs": list(module.archs()) if module is not None else [],
+        "aot_ptx": module.ptx_arch if module is not None else None,
+        "aot_nvcc": module.nvcc_version if module is not None else None,
+        "aot_cuda_runtime": module.cuda_runtime_version if module is not None else None,
+        "aot_reason": why,
+        "cupy": cupy_version,
+        LAUNCH_VARIABLE: os.environ.get(LAUNCH_VARIABLE),
+    }
 
 
-def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: tuple[int, int], params: Params,
-           values: tuple) -> None:
+def launch(
+    src_name: str, kernel: str, device: torch.device, grid: int, block: tuple[int, int], params: Params, values: tuple
+) -> None:
     """Launch ``kernel`` from ``csrc/<src_name>`` on torch's current stream of ``device``, with
     ``values`` laid out by ``params``.
 
@@ -327,8 +352,13 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
     handle = _raw_stream(index)
     driver = _driver_launch[0] if _driver_launch else _driver()
     if driver is not None and index == _current_device():
-        extra = _LaunchExtra(_CU_LAUNCH_PARAM_BUFFER_POINTER, params.pack(values), _CU_LAUNCH_PARAM_BUFFER_SIZE,
-                             params.size_pointer, None)
+        extra = _LaunchExtra(
+            _CU_LAUNCH_PARAM_BUFFER_POINTER,
+            params.pack(values),
+            _CU_LAUNCH_PARAM_BUFFER_SIZE,
+            params.size_pointer,
+            None,
+        )
         rc = driver(fn.ptr, grid, 1, 1, block[0], block[1], 1, 0, handle, None, ctypes.byref(extra))
         if rc == 0:
             return
@@ -339,8 +369,13 @@ def launch(src_name: str, kernel: str, device: torch.device, grid: int, block: t
             raise RuntimeError("ragged._C: the CUDA driver library (libcuda) was not found")
         if rc is None:
             with torch.cuda.device(index):
-                extra = _LaunchExtra(_CU_LAUNCH_PARAM_BUFFER_POINTER, params.pack(values),
-                                     _CU_LAUNCH_PARAM_BUFFER_SIZE, params.size_pointer, None)
+                extra = _LaunchExtra(
+                    _CU_LAUNCH_PARAM_BUFFER_POINTER,
+                    params.pack(values),
+                    _CU_LAUNCH_PARAM_BUFFER_SIZE,
+                    params.size_pointer,
+                    None,
+                )
                 rc = driver(fn.ptr, grid, 1, 1, block[0], block[1], 1, 0, handle, None, ctypes.byref(extra))
         if rc != 0:
             raise RuntimeError(f"ragged._C: cuLaunchKernel({kernel}) failed with CUresult {rc}")

@@ -7,8 +7,8 @@ import torch
 from ...utils import feature_rows_contiguous, fill_element
 from .launch import Params, launch
 
-_UNROLL = 4            # vectors per thread per trip (RAGGED_UNROLL in csrc/pack.cu)
-_THREADS = 256         # threads per block (__launch_bounds__ in csrc/pack.cu)
+_UNROLL = 4  # vectors per thread per trip (RAGGED_UNROLL in csrc/pack.cu)
+_THREADS = 256  # threads per block (__launch_bounds__ in csrc/pack.cu)
 _VEC_NAMES = {16: "v16", 8: "v8", 4: "v4", 2: "v2", 1: "v1"}
 
 # --------------------------------------------------------------------------------------
@@ -62,8 +62,18 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     row_vecs = row_bytes // vec
     lanes, rows = _layout(row_vecs)
     kernel = f"ragged_pack_{_VEC_NAMES[vec]}_{_offsets_suffix(offsets)}"
-    args = (padded.data_ptr(), out.data_ptr(), offsets.data_ptr(), batch, total, width, stride_b, stride_m,
-            row_vecs, int(left))
+    args = (
+        padded.data_ptr(),
+        out.data_ptr(),
+        offsets.data_ptr(),
+        batch,
+        total,
+        width,
+        stride_b,
+        stride_m,
+        row_vecs,
+        int(left),
+    )
     launch("pack.cu", kernel, padded.device, _grid(total, rows), (lanes, rows), _PACK_PARAMS, args)
     return out
 

@@ -43,10 +43,19 @@ def _attention_check(spec) -> list[str]:
     return []
 
 
-register(Implementation("attention", "triton", f"{_HERE}.attention:forward", f"{_HERE}.attention:backward",
-                        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                        limits={"head_dim": ATTENTION_HEAD_DIMS}, maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
-                        check=_attention_check, rank=1))
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward",
+        f"{_HERE}.attention:backward",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        limits={"head_dim": ATTENTION_HEAD_DIMS},
+        maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
+        check=_attention_check,
+        rank=1,
+    )
+)
 
 
 # ---- fused -------------------------------------------------------------------
@@ -56,8 +65,11 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fused_dtypes(op: str, **dtypes) -> list[str]:
-    return [f"triton {op} takes float16, bfloat16 and float32, got {name} of dtype {dtype}"
-            for name, dtype in dtypes.items() if dtype is not None and dtype not in FUSED_DTYPES]
+    return [
+        f"triton {op} takes float16, bfloat16 and float32, got {name} of dtype {dtype}"
+        for name, dtype in dtypes.items()
+        if dtype is not None and dtype not in FUSED_DTYPES
+    ]
 
 
 def _bias_act_check(spec) -> list[str]:
@@ -65,21 +77,36 @@ def _bias_act_check(spec) -> list[str]:
 
 
 def _add_layer_norm_check(spec) -> list[str]:
-    return _fused_dtypes("add_layer_norm", residual=spec.residual_dtype, weight=spec.weight_dtype,
-                         bias=spec.bias_dtype)
+    return _fused_dtypes("add_layer_norm", residual=spec.residual_dtype, weight=spec.weight_dtype, bias=spec.bias_dtype)
 
 
 register(
-    Implementation("bias_act", "triton", f"{_HERE}.fused:bias_act_forward", f"{_HERE}.fused:bias_act_backward",
-                   dtypes=FUSED_DTYPES, check=_bias_act_check, rank=1,
-                   # the backward taking the gradient back through a dropout (mask=, p=) and writing
-                   # its bias gradient's partial sums into a shared buffer (part=, part_col=)
-                   extras={"dropout_backward": f"{_HERE}.fused:bias_act_backward"}),
-    Implementation("add_layer_norm", "triton", f"{_HERE}.fused:add_layer_norm_forward",
-                   f"{_HERE}.fused:add_layer_norm_backward", dtypes=FUSED_DTYPES, check=_add_layer_norm_check, rank=1,
-                   extras={"dropout_backward": f"{_HERE}.fused:add_layer_norm_dropout_backward",
-                           "partial_groups": f"{_HERE}.fused:partial_groups",
-                           "backward_fuses": f"{_HERE}.fused:layer_norm_backward_fuses"}),
+    Implementation(
+        "bias_act",
+        "triton",
+        f"{_HERE}.fused:bias_act_forward",
+        f"{_HERE}.fused:bias_act_backward",
+        dtypes=FUSED_DTYPES,
+        check=_bias_act_check,
+        rank=1,
+        # the backward taking the gradient back through a dropout (mask=, p=) and writing
+        # its bias gradient's partial sums into a shared buffer (part=, part_col=)
+        extras={"dropout_backward": f"{_HERE}.fused:bias_act_backward"},
+    ),
+    Implementation(
+        "add_layer_norm",
+        "triton",
+        f"{_HERE}.fused:add_layer_norm_forward",
+        f"{_HERE}.fused:add_layer_norm_backward",
+        dtypes=FUSED_DTYPES,
+        check=_add_layer_norm_check,
+        rank=1,
+        extras={
+            "dropout_backward": f"{_HERE}.fused:add_layer_norm_dropout_backward",
+            "partial_groups": f"{_HERE}.fused:partial_groups",
+            "backward_fuses": f"{_HERE}.fused:layer_norm_backward_fuses",
+        },
+    ),
 )
 
 
@@ -99,31 +126,67 @@ def _vocab_kernels(module: str):
 
 
 register(
-    Implementation("vocab_projection", "triton", f"{_HERE}.vocab:forward", f"{_HERE}.vocab:backward",
-                   dtypes=_VOCAB_DTYPES, check=_vocab_kernels(f"{_HERE}.vocab"), rank=0),
-    Implementation("vocab_cross_entropy", "triton", f"{_HERE}.vocab_cross_entropy:forward",
-                   f"{_HERE}.vocab_cross_entropy:backward", dtypes=_VOCAB_DTYPES,
-                   check=_vocab_kernels(f"{_HERE}.vocab_cross_entropy"), rank=0),
+    Implementation(
+        "vocab_projection",
+        "triton",
+        f"{_HERE}.vocab:forward",
+        f"{_HERE}.vocab:backward",
+        dtypes=_VOCAB_DTYPES,
+        check=_vocab_kernels(f"{_HERE}.vocab"),
+        rank=0,
+    ),
+    Implementation(
+        "vocab_cross_entropy",
+        "triton",
+        f"{_HERE}.vocab_cross_entropy:forward",
+        f"{_HERE}.vocab_cross_entropy:backward",
+        dtypes=_VOCAB_DTYPES,
+        check=_vocab_kernels(f"{_HERE}.vocab_cross_entropy"),
+        rank=0,
+    ),
 )
 
 
 # ---- pool --------------------------------------------------------------------
 # Every mode; float16 / bfloat16 / float32 values (accumulated in float32). Integer, bool
 # and float64 values take the torch reference.
-register(Implementation("pool", "triton", f"{_HERE}.pool:pool", backward=f"{_HERE}.pool:pool_backward",
-                        dtypes=(torch.float16, torch.bfloat16, torch.float32), rank=0))
+register(
+    Implementation(
+        "pool",
+        "triton",
+        f"{_HERE}.pool:pool",
+        backward=f"{_HERE}.pool:pool_backward",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        rank=0,
+    )
+)
 
 
 # ---- gated_act ---------------------------------------------------------------
 # act(x[:, :F]) * x[:, F:] and its gradient, elementwise in float32; Triton's is the only
 # kernel (rank 0). float64 takes the torch reference.
-register(Implementation("gated_act", "triton", f"{_HERE}.gated:gated_act_forward",
-                        f"{_HERE}.gated:gated_act_backward", dtypes=FUSED_DTYPES, rank=0))
+register(
+    Implementation(
+        "gated_act",
+        "triton",
+        f"{_HERE}.gated:gated_act_forward",
+        f"{_HERE}.gated:gated_act_backward",
+        dtypes=FUSED_DTYPES,
+        rank=0,
+    )
+)
 
 
 # ---- rotary_embedding --------------------------------------------------------
 # Forward and backward in one kernel (the backward rotates by the opposite angle); float16 /
 # bfloat16 / float32 x, any strides, computed in float32. float64 takes the torch reference.
-register(Implementation("rotary_embedding", "triton", f"{_HERE}.rotary:rotary_embedding",
-                        backward=f"{_HERE}.rotary:rotary_embedding_backward",
-                        dtypes=(torch.float16, torch.bfloat16, torch.float32), rank=0))
+register(
+    Implementation(
+        "rotary_embedding",
+        "triton",
+        f"{_HERE}.rotary:rotary_embedding",
+        backward=f"{_HERE}.rotary:rotary_embedding_backward",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        rank=0,
+    )
+)

@@ -29,9 +29,17 @@ from .attention_kernels import (
 __all__ = ["HEAD_DIMS", "backward", "dropout_keep_mask", "flops", "forward"]
 
 
-@functools.lru_cache(maxsize=None)
-def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
-                dropout: bool = False, bias: bool = False):
+@functools.cache
+def _fwd_config(
+    head_dim: int,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    dtype: torch.dtype,
+    interpreted: bool,
+    dropout: bool = False,
+    bias: bool = False,
+):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, from sweeps of
     ``bench/tune_attention.py`` on an H200 (bf16):
 
@@ -64,9 +72,10 @@ def _fwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     return 128, 64, 8, 2
 
 
-@functools.lru_cache(maxsize=None)
-def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool,
-                bias: bool = False):
+@functools.cache
+def _bwd_config(
+    head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torch.dtype, interpreted: bool, bias: bool = False
+):
     """((BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel, the same of the dQ kernel), from
     ``bench/tune_attention.py --bwd`` on an H200 (bf16, D=128, lengths 256..4096): dK/dV
     (64, 64, 4, 2), causal (32, 64, 4, 2); dQ (128, 64, 8, 3).
@@ -91,8 +100,7 @@ def _bwd_config(head_dim: int, max_q: int, max_k: int, causal: bool, dtype: torc
     # earlier run of the same suite), so D <= 64 keeps the smaller shape.
     dq = (128, 64, 8, 3) if head_dim > 64 else (64, 64, 4, 2)
     if max(max_q, max_k) <= 64:  # short sequences: blocks no longer than the sequences
-        kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))),
-              4, 2)
+        kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
         dq = (max(16, min(64, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)
     if bias and head_dim <= 64:
         cols = min(dq[1], 32)
@@ -121,8 +129,7 @@ def _block_cum(cu: torch.Tensor, block: int) -> torch.Tensor:
     """``[B+1]`` int32 on cu's device: the work list of query (or key) blocks, one launch."""
     batch = cu.shape[0] - 1
     out = torch.empty(batch + 1, dtype=torch.int32, device=cu.device)
-    _block_cum_kernel[(1,)](cu, out, batch, BLOCK_M=block,
-                            CHUNK=min(1024, max(16, triton.next_power_of_2(batch))))
+    _block_cum_kernel[(1,)](cu, out, batch, BLOCK_M=block, CHUNK=min(1024, max(16, triton.next_power_of_2(batch))))
     return out
 
 
@@ -168,8 +175,23 @@ def _seed(seed, cu_q):
     return seed, cu_q
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1, window_right=-1,
-            bias_table=None, bias_buckets=None):
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left=-1,
+    window_right=-1,
+    bias_table=None,
+    bias_buckets=None,
+):
     """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
     :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
     lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
@@ -191,26 +213,83 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, w
         shape = attention_hopper.config(head_dim, max_q, causal, interpreted, window is not None)
         cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
         host_seed, seed_ptr = _seed(seed, cu_q)
-        attention_hopper.forward(q, k, v, out, lse, cu_q, cu_k, cum, inline, chunk, n_steps, max_q, causal, scale,
-                                 interpreted, window, dropout_p, host_seed, None if seed_ptr is cu_q else seed_ptr,
-                                 shape)
+        attention_hopper.forward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            cum,
+            inline,
+            chunk,
+            n_steps,
+            max_q,
+            causal,
+            scale,
+            interpreted,
+            window,
+            dropout_p,
+            host_seed,
+            None if seed_ptr is cu_q else seed_ptr,
+            shape,
+        )
         return out, lse
-    block_m, block_n, warps, stages = _fwd_config(head_dim, max_q, max_k, causal, q.dtype, interpreted,
-                                                  dropout_p > 0, bias_table is not None)
+    block_m, block_n, warps, stages = _fwd_config(
+        head_dim, max_q, max_k, causal, q.dtype, interpreted, dropout_p > 0, bias_table is not None
+    )
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     seed, seed_ptr = _seed(seed, cu_q)
     dist = lse if bias_table is None else distance_table(bias_table, bias_buckets)  # lse: a pointer never read
-    _fwd_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale,
-                      seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right,
-                      dist, max_q, _span(bias_buckets),
-                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                      out.stride(0), out.stride(1),
-                      GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal and window is None, WINDOW=window is not None,
-                      DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not cu_q, BIAS=bias_table is not None,
-                      PRECISION=_precision(q.dtype), INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        cum,
+        batch,
+        n_steps,
+        scale,
+        seed,
+        seed_ptr,
+        dropout_p,
+        total_q,
+        max(max_k, 1),
+        win_left,
+        win_right,
+        dist,
+        max_q,
+        _span(bias_buckets),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // k.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal and window is None,
+        WINDOW=window is not None,
+        DROPOUT=dropout_p > 0,
+        SEED_PTR=seed_ptr is not cu_q,
+        BIAS=bias_table is not None,
+        PRECISION=_precision(q.dtype),
+        INLINE=inline,
+        CHUNK=chunk,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out, lse
 
 
@@ -227,14 +306,35 @@ def _grad_buffers(grads, q, k, v):
     kernels = []
     for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
         if not isinstance(g, torch.Tensor) or g.shape != like.shape or g.device != like.device:
-            raise ValueError(f"{fn}(): expected {name} of shape {tuple(like.shape)} on {like.device}, got "
-                             f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+            raise ValueError(
+                f"{fn}(): expected {name} of shape {tuple(like.shape)} on {like.device}, got "
+                f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}"
+            )
         kernels.append(g if g.stride(-1) == 1 or g.shape[-1] <= 1 else torch.empty_like(like))
     return tuple(kernels), tuple(grads)
 
 
-def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left=-1,
-             window_right=-1, bias_table=None, bias_buckets=None, grads=None):
+def backward(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    window_left=-1,
+    window_right=-1,
+    bias_table=None,
+    bias_buckets=None,
+    grads=None,
+):
     """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
     forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`); with a
     bias table, ``dtable`` (its shape and dtype) after them, summed per bucket in the dQ kernel
@@ -259,24 +359,51 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
     lse = lse.contiguous()
     window = _window(causal, window_left, window_right, max_q, max_k)
     interpreted = _interpreted()
-    if attention_hopper_bwd.usable(q, k, v, do, out, (dq, dk, dv), scale, dropout_p, window, bias_table,
-                                   interpreted):
+    if attention_hopper_bwd.usable(q, k, v, do, out, (dq, dk, dv), scale, dropout_p, window, bias_table, interpreted):
         host_seed, seed_ptr = _seed(seed, cu_q)
-        attention_hopper_bwd.backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, _worklist, causal, scale,
-                                      interpreted, window, dropout_p, host_seed,
-                                      None if seed_ptr is cu_q else seed_ptr)
+        attention_hopper_bwd.backward(
+            q,
+            k,
+            v,
+            out,
+            do,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            _worklist,
+            causal,
+            scale,
+            interpreted,
+            window,
+            dropout_p,
+            host_seed,
+            None if seed_ptr is cu_q else seed_ptr,
+        )
         for mine, theirs in zip((dq, dk, dv), result):
             if mine is not theirs:
                 theirs.copy_(mine)
         return result
-    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(head_dim, max_q, max_k, causal, q.dtype,
-                                                                 interpreted, bias_table is not None)
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(
+        head_dim, max_q, max_k, causal, q.dtype, interpreted, bias_table is not None
+    )
     group = heads // kv_heads
     win_left, win_right = window or (0, 0)
     seed, seed_ptr = _seed(seed, cu_q)
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                  CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
-                  SEED_PTR=seed_ptr is not cu_q, BIAS=bias, PRECISION=_precision(q.dtype))
+    common = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        CAUSAL=causal and window is None,
+        WINDOW=window is not None,
+        DROPOUT=dropout_p > 0,
+        SEED_PTR=seed_ptr is not cu_q,
+        BIAS=bias,
+        PRECISION=_precision(q.dtype),
+    )
     programs = triton.cdiv(total_q, q_m) + batch
     dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
     if bias:
@@ -284,35 +411,118 @@ def backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dro
         partial = partial_buffer(programs, heads, bias_table.shape[0], q.device)
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
     _bwd_dq_kernel[(programs, heads)](
-        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum_q, batch, n_steps, scale,
-        seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
-        dist, buckets, partial, max_q, _span(bias_buckets),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_w,
-        num_stages=q_s, INLINE=inline, CHUNK=chunk, NUM_BUCKETS=partial.shape[1] if bias else 16, **common)
+        q,
+        k,
+        v,
+        out,
+        do,
+        lse,
+        delta,
+        dq,
+        cu_q,
+        cu_k,
+        cum_q,
+        batch,
+        n_steps,
+        scale,
+        seed,
+        seed_ptr,
+        dropout_p,
+        total_q,
+        max(max_k, 1),
+        win_left,
+        win_right,
+        heads,
+        dist,
+        buckets,
+        partial,
+        max_q,
+        _span(bias_buckets),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        BLOCK_M=q_m,
+        BLOCK_N=q_n,
+        num_warps=q_w,
+        num_stages=q_s,
+        INLINE=inline,
+        CHUNK=chunk,
+        NUM_BUCKETS=partial.shape[1] if bias else 16,
+        **common,
+    )
     if total_k:
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
-            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, scale,
-            seed, seed_ptr, dropout_p, total_q, max(max_k, 1), win_left, win_right, heads,
-            dist, max_q, _span(bias_buckets),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk, **common)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            cum_k,
+            batch,
+            n_steps,
+            scale,
+            seed,
+            seed_ptr,
+            dropout_p,
+            total_q,
+            max(max_k, 1),
+            win_left,
+            win_right,
+            heads,
+            dist,
+            max_q,
+            _span(bias_buckets),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            do.stride(0),
+            do.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            BLOCK_M=kv_m,
+            BLOCK_N=kv_n,
+            num_warps=kv_w,
+            num_stages=kv_s,
+            INLINE=inline,
+            CHUNK=chunk,
+            **common,
+        )
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
     return (*result, table_gradient(partial, bias_table)) if bias else result
 
 
-def dropout_keep_mask(seed: int, dropout_p: float, cu_q: torch.Tensor, heads: int, total_q: int, max_k: int,
-                      device: torch.device) -> torch.Tensor:
+def dropout_keep_mask(
+    seed: int, dropout_p: float, cu_q: torch.Tensor, heads: int, total_q: int, max_k: int, device: torch.device
+) -> torch.Tensor:
     """``[H, Tq, max_k]`` bool: the keep mask the kernels draw for ``seed`` (for the reference)."""
     max_k = max(max_k, 1)
     out = torch.empty((heads, total_q, max_k), dtype=torch.int8, device=device)
     if total_q and heads:
-        _keep_mask_kernel[(total_q, heads)](out, seed, dropout_p, total_q, max_k,
-                                            BLOCK=max(8, min(triton.next_power_of_2(max_k), 1024)))
+        _keep_mask_kernel[(total_q, heads)](
+            out, seed, dropout_p, total_q, max_k, BLOCK=max(8, min(triton.next_power_of_2(max_k), 1024))
+        )
     return out.bool()
 
 
@@ -320,4 +530,3 @@ def flops(lengths_q, lengths_k, heads: int, head_dim: int, causal: bool) -> floa
     """Useful forward FLOPs: 4 * sum(Lq * Lk) * D * H, halved for causal."""
     total = sum(a * b for a, b in zip(lengths_q, lengths_k))
     return 4.0 * total * head_dim * heads * (0.5 if causal else 1.0)
-

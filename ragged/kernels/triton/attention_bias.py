@@ -75,7 +75,7 @@ def _diagonal_sums(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tl.static_assert(BLOCK_M <= BLOCK_N)
     r = tl.arange(0, BLOCK_M)[:, None]
     y = tl.arange(0, BLOCK_N)[None, :]
-    rotated = tl.gather(ds, (y + r) & (BLOCK_N - 1), 1)                       # rotated[r, y] = ds[r, (y + r) % N]
+    rotated = tl.gather(ds, (y + r) & (BLOCK_N - 1), 1)  # rotated[r, y] = ds[r, (y + r) % N]
     wrapped = y + r >= BLOCK_N
     return tl.sum(tl.where(wrapped, 0.0, rotated), 0), tl.sum(tl.where(wrapped, rotated, 0.0), 0)
 
@@ -105,13 +105,14 @@ def partial_buffer(programs: int, heads: int, num_buckets: int, device: torch.de
     """``[programs, NUM_BUCKETS, H]`` float32 zeros: a row of bucket sums per dQ program (the
     programs past the last query block write none); ``NUM_BUCKETS``, the kernel's vector of
     sums, is the table's row count rounded up to a power of two, at least 16."""
-    return torch.zeros((programs, max(16, triton.next_power_of_2(num_buckets)), heads), dtype=torch.float32,
-                       device=device)
+    return torch.zeros(
+        (programs, max(16, triton.next_power_of_2(num_buckets)), heads), dtype=torch.float32, device=device
+    )
 
 
 def table_gradient(partial: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``dtable`` in the table's shape and dtype: the programs' rows summed in a fixed order."""
-    return partial.sum(0)[:table.shape[0]].to(table.dtype)
+    return partial.sum(0)[: table.shape[0]].to(table.dtype)
 
 
 def gather_reason() -> str | None:

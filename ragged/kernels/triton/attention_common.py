@@ -128,8 +128,9 @@ def _key_span(first_row, last_row, shift, k_len, win_left, win_right, BLOCK_N: t
     # a block [c, c + BLOCK_N) is whole for every row when c >= last_row + shift - win_left and
     # c + BLOCK_N <= first_row + shift + win_right + 1 and c + BLOCK_N <= k_len
     full_lo = tl.maximum(lo, ((tl.maximum(last_row + shift - win_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
-    full_hi = tl.minimum((k_len // BLOCK_N) * BLOCK_N,
-                         (tl.maximum(first_row + shift + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.minimum(
+        (k_len // BLOCK_N) * BLOCK_N, (tl.maximum(first_row + shift + win_right + 1, 0) // BLOCK_N) * BLOCK_N
+    )
     return lo, full_lo, tl.maximum(full_lo, full_hi), hi
 
 

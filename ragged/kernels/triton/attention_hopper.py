@@ -69,13 +69,16 @@ def _rows(base, start, stride_t, head, stride_h, rows, HEAD_DIM: tl.constexpr, B
     """A TMA descriptor of one sequence's ``rows`` tokens of one head (from token ``start``):
     ``[rows, HEAD_DIM]`` with the token stride, moved ``BLOCK`` rows at a time; rows past the
     end load as zeros and are not stored. ``rows`` must be at least 1."""
-    return tl.make_tensor_descriptor(base + start * stride_t + head * stride_h, shape=[rows, HEAD_DIM],
-                                     strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])
+    return tl.make_tensor_descriptor(
+        base + start * stride_t + head * stride_h,
+        shape=[rows, HEAD_DIM],
+        strides=[stride_t, 1],
+        block_shape=[BLOCK, HEAD_DIM],
+    )
 
 
 @triton.jit
-def _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 CAUSAL: tl.constexpr):
+def _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """Where a query block of the work list reads: ``(q_start, q_len, k_start, k_len, key head,
     first row)``; under CAUSAL the heaviest (last) blocks of a sequence come first."""
     q_start, q_len, k_start, k_len = _bounds(cu_q, cu_k, b)
@@ -85,13 +88,16 @@ def _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _key_rows(
+    K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """The K and V descriptors of one sequence's keys of key head ``hk`` (one row when it has
     none: a descriptor has no empty dim; no key block is read then)."""
     kv_rows = tl.maximum(k_len, 1)
-    return (_rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N),
-            _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N))
+    return (
+        _rows(K, k_start, stride_kt, hk, stride_kh, kv_rows, HEAD_DIM, BLOCK_N),
+        _rows(V, k_start, stride_vt, hk, stride_vh, kv_rows, HEAD_DIM, BLOCK_N),
+    )
 
 
 @triton.jit
@@ -107,8 +113,27 @@ def _seen(rows, cols, k_len, shift, win_left, win_right, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
-def _softmax(l_i, m_i, s, cols, k_len, shift, win_left, win_right, offs_m, qk_scale, seed, dropout_p, h, q_start,
-             total_q, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+def _softmax(
+    l_i,
+    m_i,
+    s,
+    cols,
+    k_len,
+    shift,
+    win_left,
+    win_right,
+    offs_m,
+    qk_scale,
+    seed,
+    dropout_p,
+    h,
+    q_start,
+    total_q,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
     """One key block of the online softmax: the scores ``s`` of keys ``cols`` into the running
     maximum and sum; returns ``(p, alpha, l_i, m_i)``: the block's probabilities (fp32) and the
     factor the accumulator is rescaled by. MASKED: keys past the sequence (zeros from the TMA),
@@ -128,9 +153,34 @@ def _softmax(l_i, m_i, s, cols, k_len, shift, win_left, win_right, offs_m, qk_sc
 
 
 @triton.jit
-def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n, qk_scale,
-               seed, dropout_p, h, q_start, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, PIPE: tl.constexpr = False):
+def _tma_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_desc,
+    v_desc,
+    lo,
+    hi,
+    k_len,
+    shift,
+    win_left,
+    win_right,
+    offs_m,
+    offs_n,
+    qk_scale,
+    seed,
+    dropout_p,
+    h,
+    q_start,
+    total_q,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PIPE: tl.constexpr = False,
+):
     """The online softmax over the key blocks [lo, hi) (:func:`_softmax`), ``acc += P @ V``.
     ``PIPE``: the products are issued one block apart, the scores of block j and ``P @ V`` of
     block j - 1 back to back, so that the softmax of block j runs while the tensor cores do the
@@ -138,17 +188,53 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left,
     if PIPE:
         if lo < hi:
             s = tl.dot(q, k_desc.load([lo, 0]).T)
-            p, alpha, l_i, m_i = _softmax(l_i, m_i, s, lo + offs_n, k_len, shift, win_left, win_right, offs_m,
-                                          qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL, WINDOW,
-                                          DROPOUT)
+            p, alpha, l_i, m_i = _softmax(
+                l_i,
+                m_i,
+                s,
+                lo + offs_n,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                MASKED,
+                CAUSAL,
+                WINDOW,
+                DROPOUT,
+            )
             acc = acc * alpha[:, None]
             for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
                 s = tl.dot(q, k_desc.load([start_n, 0]).T)
                 v = v_desc.load([start_n - BLOCK_N, 0])
                 acc = tl.dot(p.to(v.dtype), v, acc)
-                p, alpha, l_i, m_i = _softmax(l_i, m_i, s, start_n + offs_n, k_len, shift, win_left, win_right,
-                                              offs_m, qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL,
-                                              WINDOW, DROPOUT)
+                p, alpha, l_i, m_i = _softmax(
+                    l_i,
+                    m_i,
+                    s,
+                    start_n + offs_n,
+                    k_len,
+                    shift,
+                    win_left,
+                    win_right,
+                    offs_m,
+                    qk_scale,
+                    seed,
+                    dropout_p,
+                    h,
+                    q_start,
+                    total_q,
+                    MASKED,
+                    CAUSAL,
+                    WINDOW,
+                    DROPOUT,
+                )
                 acc = acc * alpha[:, None]
             last = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N
             v = v_desc.load([last, 0])
@@ -156,30 +242,83 @@ def _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, k_len, shift, win_left,
     else:
         for start_n in range(lo, hi, BLOCK_N):
             s = tl.dot(q, k_desc.load([start_n, 0]).T)
-            p, alpha, l_i, m_i = _softmax(l_i, m_i, s, start_n + offs_n, k_len, shift, win_left, win_right, offs_m,
-                                          qk_scale, seed, dropout_p, h, q_start, total_q, MASKED, CAUSAL, WINDOW,
-                                          DROPOUT)
+            p, alpha, l_i, m_i = _softmax(
+                l_i,
+                m_i,
+                s,
+                start_n + offs_n,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                MASKED,
+                CAUSAL,
+                WINDOW,
+                DROPOUT,
+            )
             v = v_desc.load([start_n, 0])
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_i
 
 
 @triton.jit
-def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, item, h, heads,
-               win_left, win_right, seed, dropout_p, total_q,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, INLINE: tl.constexpr,
-               CHUNK: tl.constexpr, PIPE: tl.constexpr):
+def _tma_block(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    item,
+    h,
+    heads,
+    win_left,
+    win_right,
+    seed,
+    dropout_p,
+    total_q,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PIPE: tl.constexpr,
+):
     """Work item ``item`` (one query block of the work list of ``_fwd_kernel``) of head ``h``;
     nothing past the list's end."""
     b, m_blk, n_blocks, n_items = _locate(cu_q, block_cum, batch, n_steps, item, BLOCK_M, INLINE, CHUNK)
     if item < n_items:
-        q_start, q_len, k_start, k_len, hk, row0 = _query_block(cu_q, cu_k, b, m_blk, n_blocks, h, GROUP, BLOCK_M,
-                                                                CAUSAL)
+        q_start, q_len, k_start, k_len, hk, row0 = _query_block(
+            cu_q, cu_k, b, m_blk, n_blocks, h, GROUP, BLOCK_M, CAUSAL
+        )
         q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_len, HEAD_DIM, BLOCK_M)
-        k_desc, v_desc = _key_rows(K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
-                                   BLOCK_N)
+        k_desc, v_desc = _key_rows(
+            K, V, k_start, k_len, hk, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N
+        )
         q = q_desc.load([row0, 0])
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -191,29 +330,152 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
 
         shift = k_len - q_len  # causal: row i sees keys j <= i + shift
         if WINDOW:  # masked blocks at both ends of the window's span, whole ones between
-            lo, full_lo, full_hi, hi = _key_span(row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len,
-                                                 win_left, win_right, BLOCK_N)
-            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, lo, full_lo, k_len, shift, win_left,
-                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
-                                       BLOCK_N, True, False, True, DROPOUT)
-            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, k_len, shift, win_left,
-                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
-                                       BLOCK_N, False, False, True, DROPOUT, PIPE)
-            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, k_len, shift, win_left,
-                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
-                                       BLOCK_N, True, False, True, DROPOUT)
+            lo, full_lo, full_hi, hi = _key_span(
+                row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len, win_left, win_right, BLOCK_N
+            )
+            acc, l_i, m_i = _tma_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_desc,
+                v_desc,
+                lo,
+                full_lo,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                offs_n,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                BLOCK_N,
+                True,
+                False,
+                True,
+                DROPOUT,
+            )
+            acc, l_i, m_i = _tma_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_desc,
+                v_desc,
+                full_lo,
+                full_hi,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                offs_n,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                BLOCK_N,
+                False,
+                False,
+                True,
+                DROPOUT,
+                PIPE,
+            )
+            acc, l_i, m_i = _tma_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_desc,
+                v_desc,
+                full_hi,
+                hi,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                offs_n,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                BLOCK_N,
+                True,
+                False,
+                True,
+                DROPOUT,
+            )
         else:
             end = k_len
             full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
             if CAUSAL:
                 end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
                 full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, full, k_len, shift, win_left, win_right,
-                                       offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q, BLOCK_N,
-                                       False, CAUSAL, False, DROPOUT, PIPE)
-            acc, l_i, m_i = _tma_inner(acc, l_i, m_i, q, k_desc, v_desc, full, end, k_len, shift, win_left,
-                                       win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, q_start, total_q,
-                                       BLOCK_N, True, CAUSAL, False, DROPOUT)
+            acc, l_i, m_i = _tma_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_desc,
+                v_desc,
+                0,
+                full,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                offs_n,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                BLOCK_N,
+                False,
+                CAUSAL,
+                False,
+                DROPOUT,
+                PIPE,
+            )
+            acc, l_i, m_i = _tma_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_desc,
+                v_desc,
+                full,
+                end,
+                k_len,
+                shift,
+                win_left,
+                win_right,
+                offs_m,
+                offs_n,
+                qk_scale,
+                seed,
+                dropout_p,
+                h,
+                q_start,
+                total_q,
+                BLOCK_N,
+                True,
+                CAUSAL,
+                False,
+                DROPOUT,
+            )
 
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -225,12 +487,47 @@ def _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
 
 @cached_launch
 @triton.jit(do_not_specialize=["batch", "n_steps", "n_work", "win_left", "win_right", "seed", "total_q"])
-def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads, n_work,
-                    win_left, win_right, seed, seed_ptr, dropout_p, total_q,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
-                    PERSISTENT: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr, PIPE: tl.constexpr):
+def _fwd_tma_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    heads,
+    n_work,
+    win_left,
+    win_right,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PIPE: tl.constexpr,
+):
     """Grid ``(items, heads)``: one query block of one head per program. ``PERSISTENT``: a grid of
     a few programs per multiprocessor, each taking the (item, head) pairs ``pid, pid + grid, ...``
     of the ``n_work = items x heads`` (the heads of one query block next to each other: under
@@ -240,15 +537,85 @@ def _fwd_tma_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_s
         seed = tl.load(seed_ptr).to(tl.int32)
     if PERSISTENT:
         for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
-            _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, w // heads, w % heads,
-                       heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh, stride_kt,
-                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                       CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK, PIPE)
+            _tma_block(
+                Q,
+                K,
+                V,
+                O,
+                LSE,
+                cu_q,
+                cu_k,
+                block_cum,
+                batch,
+                n_steps,
+                sm_scale,
+                w // heads,
+                w % heads,
+                heads,
+                win_left,
+                win_right,
+                seed,
+                dropout_p,
+                total_q,
+                stride_qt,
+                stride_qh,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                stride_ot,
+                stride_oh,
+                GROUP,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                WINDOW,
+                DROPOUT,
+                INLINE,
+                CHUNK,
+                PIPE,
+            )
     else:
-        _tma_block(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, tl.program_id(0),
-                   tl.program_id(1), heads, win_left, win_right, seed, dropout_p, total_q, stride_qt, stride_qh,
-                   stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M,
-                   BLOCK_N, CAUSAL, WINDOW, DROPOUT, INLINE, CHUNK, PIPE)
+        _tma_block(
+            Q,
+            K,
+            V,
+            O,
+            LSE,
+            cu_q,
+            cu_k,
+            block_cum,
+            batch,
+            n_steps,
+            sm_scale,
+            tl.program_id(0),
+            tl.program_id(1),
+            heads,
+            win_left,
+            win_right,
+            seed,
+            dropout_p,
+            total_q,
+            stride_qt,
+            stride_qh,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            stride_ot,
+            stride_oh,
+            GROUP,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            WINDOW,
+            DROPOUT,
+            INLINE,
+            CHUNK,
+            PIPE,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -262,15 +629,20 @@ _FLAGS = tuple((pe, pi) for pe in (False, True) for pi in (False, True))
 CONFIGS = {
     128: tuple((128, n, 8, s, pe, pi) for n in (64, 128) for s in (2, 3) for pe, pi in _FLAGS)
     + tuple((64, n, 4, s, False, pi) for n in (64, 128) for s in (2, 3) for pi in (False, True)),
-    64: tuple((m, n, 8 if m == 128 else 4, s, pe, pi) for m, n in ((64, 64), (128, 64), (128, 128)) for s in (2, 3)
-              for pe, pi in _FLAGS),
+    64: tuple(
+        (m, n, 8 if m == 128 else 4, s, pe, pi)
+        for m, n in ((64, 64), (128, 64), (128, 128))
+        for s in (2, 3)
+        for pe, pi in _FLAGS
+    ),
 }
 PROGRAMS_PER_SM = 2  # a persistent grid's programs per multiprocessor
 
 
-@functools.lru_cache(maxsize=None)
-def config(head_dim: int, max_q: int, causal: bool, interpreted: bool,
-           window: bool = False) -> tuple[int, int, int, int, bool, bool]:
+@functools.cache
+def config(
+    head_dim: int, max_q: int, causal: bool, interpreted: bool, window: bool = False
+) -> tuple[int, int, int, int, bool, bool]:
     """The shape a call runs with: the fastest of :data:`CONFIGS` on workload (c) of
     ``bench/tune_attention.py --hopper`` (16 sequences of 256..4096 tokens, 16 heads, bf16) on
     an H200 (``bench/results/tune_attention_hopper_h200_*.txt``). D=128: 128-row tiles over two
@@ -321,15 +693,18 @@ def mode() -> str:
         return "on" if on else "off"
     value = os.environ.get("RAGGED_ATTENTION_HOPPER", "auto")
     if value not in _MODES:
-        raise ValueError(f"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of {sorted(_MODES)}, "
-                         f"got {value!r}")
+        raise ValueError(f"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of {sorted(_MODES)}, got {value!r}")
     return _MODES[value]
 
 
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0
-            and (t.stride(1) * size) % 16 == 0)
+    return (
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and (t.stride(0) * size) % 16 == 0
+        and (t.stride(1) * size) % 16 == 0
+    )
 
 
 _MAJOR: dict = {}
@@ -343,8 +718,18 @@ def _major(device: torch.device) -> int:
     return _MAJOR[index]
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, window, bias,
-           interpreted: bool, force: bool = False, max_q: int = 0) -> bool:
+def usable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout_p: float,
+    window,
+    bias,
+    interpreted: bool,
+    force: bool = False,
+    max_q: int = 0,
+) -> bool:
     """Whether this forward takes the call (see the module docstring and :func:`mode`): host
     facts only; ``force``: as if it were switched on; ``max_q``: the longest query (``auto``)."""
     chosen = "on" if force else mode()
@@ -391,9 +776,28 @@ def _programs(device: torch.device, interpreted: bool) -> int:
     return PROGRAMS_PER_SM * _SMS[index]
 
 
-def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_steps: int, max_q: int, causal: bool,
-            scale: float, interpreted: bool, window=None, dropout_p: float = 0.0, seed: int = 0, seed_ptr=None,
-            shape=None) -> None:
+def forward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    cum,
+    inline: bool,
+    chunk: int,
+    n_steps: int,
+    max_q: int,
+    causal: bool,
+    scale: float,
+    interpreted: bool,
+    window=None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    seed_ptr=None,
+    shape=None,
+) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (the launcher of :mod:`.attention` has made
     them, the work list ``cum`` too). ``window``: the launcher's ``(win_left, win_right)`` (causal
     folded in) or None; ``seed`` / ``seed_ptr``: a host seed, or a one-element device tensor read
@@ -406,11 +810,46 @@ def forward(q, k, v, out, lse, cu_q, cu_k, cum, inline: bool, chunk: int, n_step
     items = triton.cdiv(q.shape[0], block_m) + batch  # an upper bound of the work list (no sync)
     grid = (min(items * heads, _programs(q.device, interpreted)),) if persistent else (items, heads)
     win_left, win_right = window or (0, 0)
-    _fwd_tma_kernel[grid](q, k, v, out, lse, cu_q, cu_k, cum, batch, n_steps, scale, heads, items * heads,
-                          win_left, win_right, seed, cu_q if seed_ptr is None else seed_ptr, dropout_p, q.shape[0],
-                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                          out.stride(0), out.stride(1),
-                          GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
-                          CAUSAL=causal and window is None, WINDOW=window is not None, DROPOUT=dropout_p > 0,
-                          SEED_PTR=seed_ptr is not None, PERSISTENT=persistent, INLINE=inline, CHUNK=chunk,
-                          PIPE=pipe, num_warps=warps, num_stages=stages)
+    _fwd_tma_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        cum,
+        batch,
+        n_steps,
+        scale,
+        heads,
+        items * heads,
+        win_left,
+        win_right,
+        seed,
+        cu_q if seed_ptr is None else seed_ptr,
+        dropout_p,
+        q.shape[0],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // k.shape[1],
+        HEAD_DIM=q.shape[-1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal and window is None,
+        WINDOW=window is not None,
+        DROPOUT=dropout_p > 0,
+        SEED_PTR=seed_ptr is not None,
+        PERSISTENT=persistent,
+        INLINE=inline,
+        CHUNK=chunk,
+        PIPE=pipe,
+        num_warps=warps,
+        num_stages=stages,
+    )

@@ -27,16 +27,42 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from .attention_hopper import _key_rows, _query_block, _rows, _seen
 from .attention_common import _bounds, _keep, _keep_t, _key_span, _locate, _query_span
+from .attention_hopper import _key_rows, _query_block, _rows, _seen
 from .launch import cached_launch
 
 __all__ = ["CONFIGS", "backward", "config", "usable"]
 
+
 @triton.jit
-def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, win_left, win_right, offs_m, offs_n,
-                  qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+def _dq_tma_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_desc,
+    v_desc,
+    lo,
+    hi,
+    k_len,
+    shift,
+    win_left,
+    win_right,
+    offs_m,
+    offs_n,
+    qk_scale,
+    seed,
+    dropout_p,
+    h,
+    tq,
+    total_q,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = k_desc.load([start_n, 0])
@@ -55,13 +81,51 @@ def _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, k_len, shift, 
 
 @cached_launch
 @triton.jit(do_not_specialize=["batch", "n_steps", "win_left", "win_right", "seed", "total_q"])
-def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
-                       win_left, win_right, seed, seed_ptr, dropout_p, total_q,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                       stride_dot, stride_doh, stride_dqt, stride_dqh,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
-                       INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _bwd_dq_tma_kernel(
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    heads,
+    win_left,
+    win_right,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """dQ of one query block of one head, and the block's ``delta`` (fp32 ``[Tq, H]``)."""
     item = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,36 +154,189 @@ def _bwd_dq_tma_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, ba
     shift = k_len - q_len
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if WINDOW:
-        lo, full_lo, full_hi, hi = _key_span(row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len, win_left,
-                                             win_right, BLOCK_N)
-        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, lo, full_lo, k_len, shift, win_left, win_right,
-                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, False, True,
-                           DROPOUT)
-        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full_lo, full_hi, k_len, shift, win_left,
-                           win_right, offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, False, False,
-                           True, DROPOUT)
-        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full_hi, hi, k_len, shift, win_left, win_right,
-                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, False, True,
-                           DROPOUT)
+        lo, full_lo, full_hi, hi = _key_span(
+            row0, tl.minimum(row0 + BLOCK_M, q_len) - 1, shift, k_len, win_left, win_right, BLOCK_N
+        )
+        dq = _dq_tma_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_desc,
+            v_desc,
+            lo,
+            full_lo,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            tq,
+            total_q,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+        )
+        dq = _dq_tma_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_desc,
+            v_desc,
+            full_lo,
+            full_hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            tq,
+            total_q,
+            BLOCK_N,
+            False,
+            False,
+            True,
+            DROPOUT,
+        )
+        dq = _dq_tma_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_desc,
+            v_desc,
+            full_hi,
+            hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            tq,
+            total_q,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+        )
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             end = tl.maximum(tl.minimum(k_len, row0 + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((row0 + shift + 1) // BLOCK_N) * BLOCK_N), 0)
-        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, k_len, shift, win_left, win_right, offs_m,
-                           offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, False, CAUSAL, False, DROPOUT)
-        dq = _dq_tma_inner(dq, q, do, lse2, delta, k_desc, v_desc, full, end, k_len, shift, win_left, win_right,
-                           offs_m, offs_n, qk_scale, seed, dropout_p, h, tq, total_q, BLOCK_N, True, CAUSAL, False,
-                           DROPOUT)
+        dq = _dq_tma_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_desc,
+            v_desc,
+            0,
+            full,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            tq,
+            total_q,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            False,
+            DROPOUT,
+        )
+        dq = _dq_tma_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_desc,
+            v_desc,
+            full,
+            end,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            tq,
+            total_q,
+            BLOCK_N,
+            True,
+            CAUSAL,
+            False,
+            DROPOUT,
+        )
     dq_desc = _rows(DQ, q_start, stride_dqt, h, stride_dqh, q_len, HEAD_DIM, BLOCK_M)
     dq_desc.store([row0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
 @triton.jit
-def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h,
-                    heads, offs_n, offs_m, qk_scale, seed, dropout_p, total_q, BLOCK_M: tl.constexpr,
-                    MASKED: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+def _dkdv_tma_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_desc,
+    do_desc,
+    LSE,
+    DELTA,
+    lo,
+    hi,
+    q_start,
+    q_len,
+    shift,
+    win_left,
+    win_right,
+    h,
+    heads,
+    offs_n,
+    offs_m,
+    qk_scale,
+    seed,
+    dropout_p,
+    total_q,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -151,13 +368,51 @@ def _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, lo, hi, q_start, 
 
 @cached_launch
 @triton.jit(do_not_specialize=["batch", "n_steps", "win_left", "win_right", "seed", "total_q"])
-def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale, heads,
-                         win_left, win_right, seed, seed_ptr, dropout_p, total_q,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                         stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr,
-                         INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _bwd_dkdv_tma_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    heads,
+    win_left,
+    win_right,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """dK and dV of one key block of one key head, over the group's query heads."""
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -183,13 +438,16 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
     full_hi = q_len
     end = q_len
     if WINDOW:
-        begin, full, full_hi, end = _query_span(col0, tl.minimum(col0 + BLOCK_N, k_len) - 1, shift, q_len, win_left,
-                                                win_right, BLOCK_M)
+        begin, full, full_hi, end = _query_span(
+            col0, tl.minimum(col0 + BLOCK_N, k_len) - 1, shift, q_len, win_left, win_right, BLOCK_M
+        )
     elif CAUSAL:
         # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
         begin = (tl.maximum(col0 - shift, 0) // BLOCK_M) * BLOCK_M
-        full = tl.minimum(((tl.maximum(col0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
-                          ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        full = tl.minimum(
+            ((tl.maximum(col0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
+            ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
+        )
         full = tl.maximum(full, begin)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -198,16 +456,94 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
         q_desc = _rows(Q, q_start, stride_qt, h, stride_qh, q_rows, HEAD_DIM, BLOCK_M)
         do_desc = _rows(DO, q_start, stride_dot, h, stride_doh, q_rows, HEAD_DIM, BLOCK_M)
         if CAUSAL or WINDOW:
-            dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, begin, full, q_start, q_len, shift,
-                                     win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
-                                     total_q, BLOCK_M, True, WINDOW, DROPOUT)
-        dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full, full_hi, q_start, q_len, shift,
-                                 win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p, total_q,
-                                 BLOCK_M, False, WINDOW, DROPOUT)
+            dk, dv = _dkdv_tma_inner(
+                dk,
+                dv,
+                k,
+                v,
+                q_desc,
+                do_desc,
+                LSE,
+                DELTA,
+                begin,
+                full,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                BLOCK_M,
+                True,
+                WINDOW,
+                DROPOUT,
+            )
+        dk, dv = _dkdv_tma_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_desc,
+            do_desc,
+            LSE,
+            DELTA,
+            full,
+            full_hi,
+            q_start,
+            q_len,
+            shift,
+            win_left,
+            win_right,
+            h,
+            heads,
+            offs_n,
+            offs_m,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            BLOCK_M,
+            False,
+            WINDOW,
+            DROPOUT,
+        )
         if WINDOW:
-            dk, dv = _dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE, DELTA, full_hi, end, q_start, q_len, shift,
-                                     win_left, win_right, h, heads, offs_n, offs_m, qk_scale, seed, dropout_p,
-                                     total_q, BLOCK_M, True, WINDOW, DROPOUT)
+            dk, dv = _dkdv_tma_inner(
+                dk,
+                dv,
+                k,
+                v,
+                q_desc,
+                do_desc,
+                LSE,
+                DELTA,
+                full_hi,
+                end,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                BLOCK_M,
+                True,
+                WINDOW,
+                DROPOUT,
+            )
     dk_desc = _rows(DK, k_start, stride_dkt, hk, stride_dkh, k_len, HEAD_DIM, BLOCK_N)
     dv_desc = _rows(DV, k_start, stride_dvt, hk, stride_dvh, k_len, HEAD_DIM, BLOCK_N)
     dk_desc.store([col0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
@@ -222,14 +558,20 @@ def _bwd_dkdv_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum,
 # transposed scores spill at D=128 once a window or dropout is on: sm_90 compile of Triton 3.9,
 # ``python -m bench.kernel_resources``)
 CONFIGS = {
-    128: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
-               for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))),
-    64: tuple((kv, dq) for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2))
-              for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))),
+    128: tuple(
+        (kv, dq)
+        for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
+        for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))
+    ),
+    64: tuple(
+        (kv, dq)
+        for kv in ((32, 128, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2))
+        for dq in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2))
+    ),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config(head_dim: int, causal: bool, interpreted: bool, window: bool = False, dropout: bool = False):
     """``((BLOCK_M, BLOCK_N, warps, stages) of dK/dV, the same of dQ)``: the fastest pair of
     :data:`CONFIGS` that does not spill (Triton 3.6's sm_90 compile), after the chosen forward
@@ -261,31 +603,122 @@ def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias
     return all(attention_hopper._aligned(t) for t in (do, out, *grads))
 
 
-def backward(q, k, v, out, do, lse, delta, dq, dk, dv, cu_q, cu_k, worklist, causal: bool, scale: float,
-             interpreted: bool, window=None, dropout_p: float = 0.0, seed: int = 0, seed_ptr=None,
-             shape=None) -> None:
+def backward(
+    q,
+    k,
+    v,
+    out,
+    do,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    cu_q,
+    cu_k,
+    worklist,
+    causal: bool,
+    scale: float,
+    interpreted: bool,
+    window=None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    seed_ptr=None,
+    shape=None,
+) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (and ``delta``); ``worklist(cu, block)``: the launcher's work
     list builder; ``window``, ``dropout_p``, ``seed``, ``seed_ptr``: as for
     :func:`.attention_hopper.forward`; ``shape``: a tuning sweep's pair instead of :func:`config`'s."""
-    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(q.shape[-1], causal, interpreted,
-                                                                      window is not None, dropout_p > 0)
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = shape or config(
+        q.shape[-1], causal, interpreted, window is not None, dropout_p > 0
+    )
     if not interpreted:
         attention_hopper._ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
     win_left, win_right = window or (0, 0)
-    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=q.shape[-1], CAUSAL=causal and window is None,
-                  WINDOW=window is not None, DROPOUT=dropout_p > 0, SEED_PTR=seed_ptr is not None)
+    common = dict(
+        GROUP=heads // k.shape[1],
+        HEAD_DIM=q.shape[-1],
+        CAUSAL=causal and window is None,
+        WINDOW=window is not None,
+        DROPOUT=dropout_p > 0,
+        SEED_PTR=seed_ptr is not None,
+    )
     runtime = (win_left, win_right, seed, cu_q if seed_ptr is None else seed_ptr, dropout_p, q.shape[0])
     cum, inline, chunk, n_steps = worklist(cu_q, q_m)
     _bwd_dq_tma_kernel[(triton.cdiv(q.shape[0], q_m) + batch, heads)](
-        q, k, v, out, do, lse, delta, dq, cu_q, cu_k, cum, batch, n_steps, scale, heads, *runtime,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        BLOCK_M=q_m, BLOCK_N=q_n, INLINE=inline, CHUNK=chunk, num_warps=q_w, num_stages=q_s, **common)
+        q,
+        k,
+        v,
+        out,
+        do,
+        lse,
+        delta,
+        dq,
+        cu_q,
+        cu_k,
+        cum,
+        batch,
+        n_steps,
+        scale,
+        heads,
+        *runtime,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        BLOCK_M=q_m,
+        BLOCK_N=q_n,
+        INLINE=inline,
+        CHUNK=chunk,
+        num_warps=q_w,
+        num_stages=q_s,
+        **common,
+    )
     if k.shape[0]:
         cum, inline, chunk, n_steps = worklist(cu_k, kv_n)
         _bwd_dkdv_tma_kernel[(triton.cdiv(k.shape[0], kv_n) + batch, k.shape[1])](
-            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum, batch, n_steps, scale, heads, *runtime,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            BLOCK_M=kv_m, BLOCK_N=kv_n, INLINE=inline, CHUNK=chunk, num_warps=kv_w, num_stages=kv_s, **common)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            cum,
+            batch,
+            n_steps,
+            scale,
+            heads,
+            *runtime,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            do.stride(0),
+            do.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            BLOCK_M=kv_m,
+            BLOCK_N=kv_n,
+            INLINE=inline,
+            CHUNK=chunk,
+            num_warps=kv_w,
+            num_stages=kv_s,
+            **common,
+        )

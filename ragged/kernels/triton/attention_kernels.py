@@ -57,10 +57,41 @@ from .launch import cached_launch
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k_len, shift, win_left, win_right,
-               offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h, q_start, total_q, bias_row, bias_rows,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               DROPOUT: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    lo,
+    hi,
+    k_len,
+    shift,
+    win_left,
+    win_right,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_ok,
+    qk_scale,
+    seed,
+    dropout_p,
+    h,
+    q_start,
+    total_q,
+    bias_row,
+    bias_rows,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Online softmax over key blocks [lo, hi), masked (keys past the sequence, the causal
     diagonal, the window's edges) or not; ``BIAS``: the position bias of rows ``bias_rows`` added
     (head ``h``'s distance table row at ``bias_row``)."""
@@ -68,10 +99,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
         cols = start_n + offs_n
         if MASKED:
             col_ok = cols < k_len
-            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None],
-                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
-                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(
+                k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0
+            )
+            v = tl.load(
+                v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0
+            )
         else:
             k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
@@ -99,15 +132,53 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, k
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
-                               "bias_span"])
-def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, DIST, max_q, bias_span,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                INLINE: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q", "bias_span"]
+)
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    max_k,
+    win_left,
+    win_right,
+    DIST,
+    max_q,
+    bias_span,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One query block of one head. ``BIAS``: the relative-position bias of the distance table
     ``DIST [H, bias_span]`` (see :mod:`.attention_bias`) added to every score."""
     item = tl.program_id(0)
@@ -126,8 +197,11 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
     qk_scale = sm_scale * 1.4426950408889634
@@ -138,53 +212,253 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_q, cu_k, block_cum, batch, n_steps, sm_scale
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    shift = k_len - q_len                      # causal: row i sees keys j <= i + shift
+    shift = k_len - q_len  # causal: row i sees keys j <= i + shift
     if WINDOW:
-        lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
-                                             shift, k_len, win_left, win_right, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
-                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, True, False, True,
-                                   DROPOUT, BIAS, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, k_len,
-                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, False, False, True,
-                                   DROPOUT, BIAS, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
-                                   shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed,
-                                   dropout_p, h, q_start, total_q, bias_row, bias_rows, BLOCK_N, True, False, True,
-                                   DROPOUT, BIAS, PRECISION)
+        lo, full_lo, full_hi, hi = _key_span(
+            m_blk * BLOCK_M,
+            tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
+            shift,
+            k_len,
+            win_left,
+            win_right,
+            BLOCK_N,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            lo,
+            full_lo,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            q_start,
+            total_q,
+            bias_row,
+            bias_rows,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            PRECISION,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full_lo,
+            full_hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            q_start,
+            total_q,
+            bias_row,
+            bias_rows,
+            BLOCK_N,
+            False,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            PRECISION,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full_hi,
+            hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            q_start,
+            total_q,
+            bias_row,
+            bias_rows,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            PRECISION,
+        )
     else:
         end = k_len
-        full = (k_len // BLOCK_N) * BLOCK_N        # key blocks every row sees without a mask
+        full = (k_len // BLOCK_N) * BLOCK_N  # key blocks every row sees without a mask
         if CAUSAL:
             end = tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift)
             full = tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N)
             end = tl.maximum(end, 0)
             full = tl.maximum(full, 0)
 
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
-                                   win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
-                                   q_start, total_q, bias_row, bias_rows, BLOCK_N, False, CAUSAL, False, DROPOUT, BIAS,
-                                   PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, end, k_len, shift,
-                                   win_left, win_right, offs_m, offs_n, offs_d, d_ok, qk_scale, seed, dropout_p, h,
-                                   q_start, total_q, bias_row, bias_rows, BLOCK_N, True, CAUSAL, False, DROPOUT, BIAS,
-                                   PRECISION)
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            0,
+            full,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            q_start,
+            total_q,
+            bias_row,
+            bias_rows,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            False,
+            DROPOUT,
+            BIAS,
+            PRECISION,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full,
+            end,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            qk_scale,
+            seed,
+            dropout_p,
+            h,
+            q_start,
+            total_q,
+            bias_row,
+            bias_rows,
+            BLOCK_N,
+            True,
+            CAUSAL,
+            False,
+            DROPOUT,
+            BIAS,
+            PRECISION,
+        )
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     tl.store(LSE + (q_start + offs_m) * tl.num_programs(1) + h, lse, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, win_left, win_right, h, heads,
-                offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, seed, dropout_p,
-                total_q, bias_row, bias_cols, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                DROPOUT: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    lo,
+    hi,
+    q_start,
+    q_len,
+    shift,
+    win_left,
+    win_right,
+    h,
+    heads,
+    offs_n,
+    offs_m,
+    offs_d,
+    d_ok,
+    stride_qt,
+    stride_qh,
+    stride_dot,
+    stride_doh,
+    qk_scale,
+    seed,
+    dropout_p,
+    total_q,
+    bias_row,
+    bias_cols,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dK/dV of one key block over query blocks [lo, hi) of head h (``BIAS``: the position bias of
     keys ``bias_cols`` from head ``h``'s distance table row at ``bias_row``).
 
@@ -197,14 +471,18 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
         rows = start_m + offs_m
         r_ok = rows < q_len
         tq = q_start + rows
-        q = tl.load(Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        do = tl.load(DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
-                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            Q + tq[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        do = tl.load(
+            DO + tq[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+            mask=r_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         lse = tl.load(LSE + tq * heads + h, mask=r_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)      # rows that see no key: p = 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: p = 0
         delta = tl.load(DELTA + tq * heads + h, mask=r_ok, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # [BLOCK_N, BLOCK_M]
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
         if BIAS:
             s_t += _bias_tile_t(bias_row, bias_cols, rows, q_len)
         p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
@@ -228,16 +506,61 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, q_start, q_len, shift, 
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
-                               "bias_span"])
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                     seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads, DIST, max_q, bias_span,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                     INLINE: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q", "bias_span"]
+)
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    max_k,
+    win_left,
+    win_right,
+    heads,
+    DIST,
+    max_q,
+    bias_span,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     item = tl.program_id(0)
     hk = tl.program_id(1)
     b, n_blk, n_blocks, n_items = _locate(cu_k, block_cum, batch, n_steps, item, BLOCK_N, INLINE, CHUNK)
@@ -251,10 +574,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     kv_mask = (offs_n < k_len)[:, None] & d_ok[None, :]
-    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask,
-                other=0.0)
+    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
@@ -263,55 +584,284 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k, block_cum, bat
     begin = 0
     full = 0
     if WINDOW:
-        begin, full, full_hi, end = _query_span(n_blk * BLOCK_N, tl.minimum(n_blk * BLOCK_N + BLOCK_N, k_len) - 1,
-                                                shift, q_len, win_left, win_right, BLOCK_M)
+        begin, full, full_hi, end = _query_span(
+            n_blk * BLOCK_N,
+            tl.minimum(n_blk * BLOCK_N + BLOCK_N, k_len) - 1,
+            shift,
+            q_len,
+            win_left,
+            win_right,
+            BLOCK_M,
+        )
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
-                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
-                                 True, DROPOUT, BIAS, PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, full_hi, q_start, q_len, shift, win_left,
-                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
-                                 True, DROPOUT, BIAS, PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full_hi, end, q_start, q_len, shift, win_left,
-                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, True,
-                                 True, DROPOUT, BIAS, PRECISION)
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                begin,
+                full,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                offs_d,
+                d_ok,
+                stride_qt,
+                stride_qh,
+                stride_dot,
+                stride_doh,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                bias_row,
+                bias_cols,
+                BLOCK_M,
+                True,
+                True,
+                DROPOUT,
+                BIAS,
+                PRECISION,
+            )
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                full,
+                full_hi,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                offs_d,
+                d_ok,
+                stride_qt,
+                stride_qh,
+                stride_dot,
+                stride_doh,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                bias_row,
+                bias_cols,
+                BLOCK_M,
+                False,
+                True,
+                DROPOUT,
+                BIAS,
+                PRECISION,
+            )
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                full_hi,
+                end,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                offs_d,
+                d_ok,
+                stride_qt,
+                stride_qh,
+                stride_dot,
+                stride_doh,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                bias_row,
+                bias_cols,
+                BLOCK_M,
+                True,
+                True,
+                DROPOUT,
+                BIAS,
+                PRECISION,
+            )
     else:
         if CAUSAL:
             # rows [begin, full) cross the diagonal of this key block; rows from full on see all of it
             begin = (tl.maximum(n_blk * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
-            full = tl.minimum(((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M)
-                              * BLOCK_M, ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+            full = tl.minimum(
+                ((tl.maximum(n_blk * BLOCK_N + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
+                ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M,
+            )
             full = tl.maximum(full, begin)
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
             if CAUSAL:
-                dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, begin, full, q_start, q_len, shift, win_left,
-                                     win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh,
-                                     stride_dot, stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols,
-                                     BLOCK_M, True, False, DROPOUT, BIAS, PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full, q_len, q_start, q_len, shift, win_left,
-                                 win_right, h, heads, offs_n, offs_m, offs_d, d_ok, stride_qt, stride_qh, stride_dot,
-                                 stride_doh, qk_scale, seed, dropout_p, total_q, bias_row, bias_cols, BLOCK_M, False,
-                                 False, DROPOUT, BIAS, PRECISION)
+                dk, dv = _dkdv_inner(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    Q,
+                    DO,
+                    LSE,
+                    DELTA,
+                    begin,
+                    full,
+                    q_start,
+                    q_len,
+                    shift,
+                    win_left,
+                    win_right,
+                    h,
+                    heads,
+                    offs_n,
+                    offs_m,
+                    offs_d,
+                    d_ok,
+                    stride_qt,
+                    stride_qh,
+                    stride_dot,
+                    stride_doh,
+                    qk_scale,
+                    seed,
+                    dropout_p,
+                    total_q,
+                    bias_row,
+                    bias_cols,
+                    BLOCK_M,
+                    True,
+                    False,
+                    DROPOUT,
+                    BIAS,
+                    PRECISION,
+                )
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                full,
+                q_len,
+                q_start,
+                q_len,
+                shift,
+                win_left,
+                win_right,
+                h,
+                heads,
+                offs_n,
+                offs_m,
+                offs_d,
+                d_ok,
+                stride_qt,
+                stride_qh,
+                stride_dot,
+                stride_doh,
+                qk_scale,
+                seed,
+                dropout_p,
+                total_q,
+                bias_row,
+                bias_cols,
+                BLOCK_M,
+                False,
+                False,
+                DROPOUT,
+                BIAS,
+                PRECISION,
+            )
     dk = dk * sm_scale
-    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(
+        DK + (k_start + offs_n)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + (k_start + offs_n)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
-def _dq_inner(dq, buckets_acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi,
-              k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p,
-              total_q, bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              DROPOUT: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(
+    dq,
+    buckets_acc,
+    carry,
+    carry_pos,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    lo,
+    hi,
+    k_len,
+    shift,
+    win_left,
+    win_right,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_ok,
+    h,
+    tq,
+    qk_scale,
+    seed,
+    dropout_p,
+    total_q,
+    bias_row,
+    bias_rows,
+    BUCKETS,
+    bias_span,
+    bias_pos,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dQ of one query block over key blocks [lo, hi). The masked blocks (MASKED: the sequence's
     last, ragged key block, the causal diagonal, the window's edges) zero P at every key past
     the sequence as well as outside the causal or window band. A key past the end loads as
@@ -350,8 +900,9 @@ def _dq_inner(dq, buckets_acc, carry, carry_pos, q, do, lse, delta, k_base, v_ba
         ds = p * (dp - delta[:, None])
         if BIAS:
             lo_sums, hi_sums = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
-            buckets_acc = _bucket_add(buckets_acc, carry + hi_sums, BUCKETS, bias_span, start_n + bias_pos - BLOCK_N,
-                                      BLOCK_N, NUM_BUCKETS)
+            buckets_acc = _bucket_add(
+                buckets_acc, carry + hi_sums, BUCKETS, bias_span, start_n + bias_pos - BLOCK_N, BLOCK_N, NUM_BUCKETS
+            )
             carry = lo_sums
             carry_pos = start_n + bias_pos
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -359,17 +910,64 @@ def _dq_inner(dq, buckets_acc, carry, carry_pos, q, do, lse, delta, k_base, v_ba
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q",
-                               "bias_span"])
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch, n_steps, sm_scale,
-                   seed, seed_ptr, dropout_p, total_q, max_k, win_left, win_right, heads,
-                   DIST, BUCKETS, PARTIAL, max_q, bias_span,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                   stride_dot, stride_doh, stride_dqt, stride_dqh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
-                   PRECISION: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["batch", "n_steps", "seed", "total_q", "max_k", "win_left", "win_right", "max_q", "bias_span"]
+)
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    sm_scale,
+    seed,
+    seed_ptr,
+    dropout_p,
+    total_q,
+    max_k,
+    win_left,
+    win_right,
+    heads,
+    DIST,
+    BUCKETS,
+    PARTIAL,
+    max_q,
+    bias_span,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+    BIAS: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """dQ of one query block of one head; it also computes the block's ``delta = rowsum(O * dO)``
     (fp32, ``[Tq, H]``) and stores it for the dK / dV kernel, launched after this one. ``BIAS``:
     the position bias added (see :mod:`.attention_bias`), and this program's sums of dS per
@@ -406,28 +1004,152 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
     v_base = V + k_start * stride_vt + hk * stride_vh
     bias_row = _bias_row(DIST, bias_span, h, max_q)
     bias_rows = tl.minimum(offs_m, q_len - 1)
-    bias_pos = max_q - 1 - m_blk * BLOCK_M   # distance index of a key block's pairs at c - r = 0, less its first key
+    bias_pos = max_q - 1 - m_blk * BLOCK_M  # distance index of a key block's pairs at c - r = 0, less its first key
     acc = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
     carry = tl.zeros([BLOCK_N], dtype=tl.float32)
     carry_pos = bias_pos
     if WINDOW:
-        lo, full_lo, full_hi, hi = _key_span(m_blk * BLOCK_M, tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
-                                             shift, k_len, win_left, win_right, BLOCK_N)
+        lo, full_lo, full_hi, hi = _key_span(
+            m_blk * BLOCK_M,
+            tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len) - 1,
+            shift,
+            k_len,
+            win_left,
+            win_right,
+            BLOCK_N,
+        )
         dq, acc, carry, carry_pos = _dq_inner(
-            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, k_len,
-            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
-            NUM_BUCKETS, PRECISION)
+            dq,
+            acc,
+            carry,
+            carry_pos,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            lo,
+            full_lo,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            h,
+            tq,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            bias_row,
+            bias_rows,
+            BUCKETS,
+            bias_span,
+            bias_pos,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            NUM_BUCKETS,
+            PRECISION,
+        )
         dq, acc, carry, carry_pos = _dq_inner(
-            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi,
-            k_len, shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, False, True, DROPOUT, BIAS,
-            NUM_BUCKETS, PRECISION)
+            dq,
+            acc,
+            carry,
+            carry_pos,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full_lo,
+            full_hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            h,
+            tq,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            bias_row,
+            bias_rows,
+            BUCKETS,
+            bias_span,
+            bias_pos,
+            BLOCK_M,
+            BLOCK_N,
+            False,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            NUM_BUCKETS,
+            PRECISION,
+        )
         dq, acc, carry, carry_pos = _dq_inner(
-            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, k_len,
-            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, False, True, DROPOUT, BIAS,
-            NUM_BUCKETS, PRECISION)
+            dq,
+            acc,
+            carry,
+            carry_pos,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full_hi,
+            hi,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            h,
+            tq,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            bias_row,
+            bias_rows,
+            BUCKETS,
+            bias_span,
+            bias_pos,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            False,
+            True,
+            DROPOUT,
+            BIAS,
+            NUM_BUCKETS,
+            PRECISION,
+        )
     else:
         end = k_len
         full = (k_len // BLOCK_N) * BLOCK_N
@@ -435,18 +1157,95 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, cu_q, cu_k, block_cum, batch,
             end = tl.maximum(tl.minimum(k_len, m_blk * BLOCK_M + BLOCK_M + shift), 0)
             full = tl.maximum(tl.minimum(full, ((m_blk * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N), 0)
         dq, acc, carry, carry_pos = _dq_inner(
-            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, full, k_len, shift,
-            win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q, bias_row,
-            bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, False, CAUSAL, False, DROPOUT, BIAS,
-            NUM_BUCKETS, PRECISION)
+            dq,
+            acc,
+            carry,
+            carry_pos,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            0,
+            full,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            h,
+            tq,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            bias_row,
+            bias_rows,
+            BUCKETS,
+            bias_span,
+            bias_pos,
+            BLOCK_M,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            False,
+            DROPOUT,
+            BIAS,
+            NUM_BUCKETS,
+            PRECISION,
+        )
         dq, acc, carry, carry_pos = _dq_inner(
-            dq, acc, carry, carry_pos, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full, end, k_len,
-            shift, win_left, win_right, offs_m, offs_n, offs_d, d_ok, h, tq, qk_scale, seed, dropout_p, total_q,
-            bias_row, bias_rows, BUCKETS, bias_span, bias_pos, BLOCK_M, BLOCK_N, True, CAUSAL, False, DROPOUT, BIAS,
-            NUM_BUCKETS, PRECISION)
+            dq,
+            acc,
+            carry,
+            carry_pos,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            full,
+            end,
+            k_len,
+            shift,
+            win_left,
+            win_right,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_ok,
+            h,
+            tq,
+            qk_scale,
+            seed,
+            dropout_p,
+            total_q,
+            bias_row,
+            bias_rows,
+            BUCKETS,
+            bias_span,
+            bias_pos,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            CAUSAL,
+            False,
+            DROPOUT,
+            BIAS,
+            NUM_BUCKETS,
+            PRECISION,
+        )
     dq = dq * sm_scale
-    tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=qd_mask)
+    tl.store(DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
     if BIAS:
         acc = _bucket_add(acc, carry, BUCKETS, bias_span, carry_pos, BLOCK_N, NUM_BUCKETS)
         n = tl.arange(0, NUM_BUCKETS)
@@ -461,8 +1260,7 @@ def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr)
     for start in range(0, max_k, BLOCK):
         j = start + tl.arange(0, BLOCK)
         keep = _keep(seed, dropout_p, h, t + tl.zeros([1], dtype=tl.int64), j, total_q)
-        tl.store(OUT + (h * total_q + t).to(tl.int64) * max_k + j[None, :], keep.to(tl.int8),
-                 mask=(j < max_k)[None, :])
+        tl.store(OUT + (h * total_q + t).to(tl.int64) * max_k + j[None, :], keep.to(tl.int8), mask=(j < max_k)[None, :])
 
 
 @cached_launch(dry=False)  # writes the block counts other kernels index by

@@ -37,8 +37,16 @@ from .fused_kernels import (
     _ln_fwd_kernel,
 )
 
-__all__ = ["ACTIVATIONS", "add_layer_norm_backward", "add_layer_norm_dropout_backward", "add_layer_norm_forward",
-           "bias_act_backward", "bias_act_forward", "layer_norm_backward_fuses", "partial_groups"]
+__all__ = [
+    "ACTIVATIONS",
+    "add_layer_norm_backward",
+    "add_layer_norm_dropout_backward",
+    "add_layer_norm_forward",
+    "bias_act_backward",
+    "bias_act_forward",
+    "layer_norm_backward_fuses",
+    "partial_groups",
+]
 
 # activation name -> the ACT code of the kernels
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -74,7 +82,7 @@ def _col_block(n_cols: int, cap: int) -> int:
     return block
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bias_act_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_F, num_warps) of the elementwise bias + activation kernels:
     tiles of about 4096 elements (8 KiB of bf16), rows of up to 1024 in one block."""
@@ -85,13 +93,14 @@ def _bias_act_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tupl
     return max(1, 4096 // block_f), block_f, 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_norm_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_F, N_CHUNKS, num_warps) of the layer norm forward: a whole row per
     block when it fits (several rows per program for small F, about 4096 elements per
     program), else one row per program streamed in chunks."""
-    cap, chunk, tile = (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else \
-        (_LN_MAX_BLOCK, _LN_CHUNK, 4096)
+    cap, chunk, tile = (
+        (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else (_LN_MAX_BLOCK, _LN_CHUNK, 4096)
+    )
     block_f = triton.next_power_of_2(max(n_cols, 1))
     if block_f <= cap:
         block_r = max(1, tile // block_f)
@@ -100,12 +109,13 @@ def _layer_norm_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tu
     return block_r, chunk, -(-n_cols // chunk), 4 if interpreted else _warps(chunk)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_norm_backward_config(n_cols: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_F, N_CHUNKS, num_warps) of the layer norm backward (row kernel):
     about 2048 elements per step (it keeps more values live than the forward)."""
-    cap, chunk, tile = (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else \
-        (_LN_BWD_MAX_BLOCK, _LN_CHUNK, 2048)
+    cap, chunk, tile = (
+        (_INTERP_MAX_BLOCK, _INTERP_MAX_BLOCK, _INTERP_TILE) if interpreted else (_LN_BWD_MAX_BLOCK, _LN_CHUNK, 2048)
+    )
     block_f = triton.next_power_of_2(max(n_cols, 1))
     if block_f <= cap:
         block_r = max(1, tile // block_f)
@@ -114,13 +124,14 @@ def _layer_norm_backward_config(n_cols: int, dtype: torch.dtype, interpreted: bo
     return block_r, chunk, -(-n_cols // chunk), 4 if interpreted else _warps(chunk * 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _row_groups(n_rows: int, block_r: int, n_col_blocks: int, device: torch.device,
-                interpreted: bool, groups: int | None = None) -> tuple[int, int]:
+def _row_groups(
+    n_rows: int, block_r: int, n_col_blocks: int, device: torch.device, interpreted: bool, groups: int | None = None
+) -> tuple[int, int]:
     """(groups, rows per group) of a backward with per-group partial sums: about two
     programs per SM in all (the partial buffer then stays small: [groups, F] fp32), each
     group a whole number of row blocks. ``groups`` given: exactly that many (the last ones
@@ -128,8 +139,7 @@ def _row_groups(n_rows: int, block_r: int, n_col_blocks: int, device: torch.devi
     blocks = -(-n_rows // block_r)
     if groups is not None:
         return groups, max(1, -(-blocks // groups)) * block_r
-    target = 4 if interpreted or device.type != "cuda" else \
-        max(1, 2 * _multiprocessors(device) // max(n_col_blocks, 1))
+    target = 4 if interpreted or device.type != "cuda" else max(1, 2 * _multiprocessors(device) // max(n_col_blocks, 1))
     per_group = -(-blocks // target) * block_r
     return -(-n_rows // per_group), per_group
 
@@ -147,11 +157,20 @@ def layer_norm_backward_fuses(n_cols: int, dtype: torch.dtype) -> bool:
 
 
 def _check_part(fn: str, part: torch.Tensor, col: int, width: int, device: torch.device) -> None:
-    if (part.dtype != torch.float32 or part.dim() != 2 or part.device != device or not part.is_contiguous()
-            or col < 0 or part.shape[1] < col + width or part.shape[0] < 1):
-        raise ValueError(f"{fn}(): expected part to be a contiguous float32 [groups, >= {col + width}] tensor on "
-                         f"{device} (part_col={col}, {width} columns written), got {part.dtype} "
-                         f"{tuple(part.shape)} (contiguous: {part.is_contiguous()}) on {part.device}")
+    if (
+        part.dtype != torch.float32
+        or part.dim() != 2
+        or part.device != device
+        or not part.is_contiguous()
+        or col < 0
+        or part.shape[1] < col + width
+        or part.shape[0] < 1
+    ):
+        raise ValueError(
+            f"{fn}(): expected part to be a contiguous float32 [groups, >= {col + width}] tensor on "
+            f"{device} (part_col={col}, {width} columns written), got {part.dtype} "
+            f"{tuple(part.shape)} (contiguous: {part.is_contiguous()}) on {part.device}"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -187,15 +206,33 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         return y
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, triton_interpreted())
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_f))
-    _bias_act_fwd_kernel[grid](x, bias if bias is not None else x, y, n_rows, x.stride(0),
-                               N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
-                               BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    _bias_act_fwd_kernel[grid](
+        x,
+        bias if bias is not None else x,
+        y,
+        n_rows,
+        x.stride(0),
+        N_COLS=n_cols,
+        ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return y
 
 
-def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                      need_bias: bool, mask: torch.Tensor | None = None, p: float = 0.0,
-                      part: torch.Tensor | None = None, part_col: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def bias_act_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    need_bias: bool,
+    mask: torch.Tensor | None = None,
+    p: float = 0.0,
+    part: torch.Tensor | None = None,
+    part_col: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx in x.dtype, dbias in bias.dtype or None)``. ``mask`` (bool, ``x``'s shape, unit
     feature stride): ``grad`` is that of ``dropout(act(x + bias))`` with this keep mask and
     rate ``p``; it is taken back through the dropout in the same pass.
@@ -213,25 +250,43 @@ def bias_act_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         if part is not None:
-            part[:, part_col:part_col + n_cols].zero_()
+            part[:, part_col : part_col + n_cols].zero_()
             return dx, None
         return dx, (torch.zeros_like(bias) if need_bias else None)
     interpreted = triton_interpreted()
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, interpreted)
     n_col_blocks = triton.cdiv(n_cols, block_f)
-    groups, per_group = _row_groups(n_rows, block_r, n_col_blocks, x.device, interpreted,
-                                    part.shape[0] if part is not None else None)
+    groups, per_group = _row_groups(
+        n_rows, block_r, n_col_blocks, x.device, interpreted, part.shape[0] if part is not None else None
+    )
     own = part is None and need_bias
     if own:
         part = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)
     _bias_act_bwd_kernel[(groups, n_col_blocks)](
-        grad, x, bias if bias is not None else x, dx, part if part is not None else dx,
-        mask if mask is not None else x, n_rows, per_group, grad.stride(0), x.stride(0),
-        mask.stride(0) if mask is not None else 0, part.stride(0) if part is not None else 0, part_col,
+        grad,
+        x,
+        bias if bias is not None else x,
+        dx,
+        part if part is not None else dx,
+        mask if mask is not None else x,
+        n_rows,
+        per_group,
+        grad.stride(0),
+        x.stride(0),
+        mask.stride(0) if mask is not None else 0,
+        part.stride(0) if part is not None else 0,
+        part_col,
         _drop_scale(p),
-        N_COLS=n_cols, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None, NEED_DBIAS=need_bias,
-        HAS_MASK=mask is not None, BLOCK_R=block_r, BLOCK_F=block_f, MASK_VEC=16 // dx.element_size(),
-        num_warps=warps)
+        N_COLS=n_cols,
+        ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None,
+        NEED_DBIAS=need_bias,
+        HAS_MASK=mask is not None,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        MASK_VEC=16 // dx.element_size(),
+        num_warps=warps,
+    )
     return dx, (_reduce(part, bias.dtype if bias is not None else torch.float32) if own else None)
 
 
@@ -239,8 +294,14 @@ def _drop_scale(p: float) -> float:
     return 1.0 / (1.0 - p) if p > 0.0 else 1.0
 
 
-def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                           bias: torch.Tensor | None, eps: float, return_sum: bool):
+def add_layer_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    return_sum: bool,
+):
     """``(y, s, mean, rstd)``: ``y`` and ``s`` in the dtype of ``x + residual`` (``s`` is an
     empty tensor unless ``return_sum``), ``mean`` / ``rstd`` ``[N]`` fp32."""
     n_rows, n_cols = x.shape
@@ -255,30 +316,70 @@ def add_layer_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weigh
     block_r, block_f, n_chunks, warps = _layer_norm_config(n_cols, dtype, triton_interpreted())
     r = residual if residual is not None else x
     _ln_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x, r, weight if weight is not None else x, bias if bias is not None else x, y, s if return_sum else y,
-        mean, rstd, n_rows, x.stride(0), r.stride(0), float(eps),
-        N_COLS=n_cols, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        STORE_SUM=return_sum, SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks,
-        num_warps=warps)
+        x,
+        r,
+        weight if weight is not None else x,
+        bias if bias is not None else x,
+        y,
+        s if return_sum else y,
+        mean,
+        rstd,
+        n_rows,
+        x.stride(0),
+        r.stride(0),
+        float(eps),
+        N_COLS=n_cols,
+        HAS_RES=residual is not None,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        STORE_SUM=return_sum,
+        SUM_DTYPE=_TL_DTYPES[dtype],
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        N_CHUNKS=n_chunks,
+        num_warps=warps,
+    )
     return y, s, mean, rstd
 
 
-def add_layer_norm_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
-                            weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
-                            rstd: torch.Tensor, need_weight: bool, need_bias: bool):
+def add_layer_norm_backward(
+    dy: torch.Tensor,
+    ds: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_weight: bool,
+    need_bias: bool,
+):
     """``(ds_total, dweight, dbias)``. The normalised sum is ``s = a + b`` (b optional,
     rounded as in the forward); ``ds_total`` (in s's dtype) is the gradient of both
     summands; ``dweight`` / ``dbias`` in the parameters' dtypes, None unless asked for."""
-    dsum, _, dweight, dbias, _ = _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
-                                                      need_bias, None, 0.0, None, False)
+    dsum, _, dweight, dbias, _ = _layer_norm_backward(
+        dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, None, 0.0, None, False
+    )
     return dsum, dweight, dbias
 
 
-def add_layer_norm_dropout_backward(dy: torch.Tensor, ds: torch.Tensor | None, a: torch.Tensor,
-                                    b: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                                    mean: torch.Tensor, rstd: torch.Tensor, need_weight: bool, need_bias: bool,
-                                    mask: torch.Tensor | None, p: float, colsum_dtype: torch.dtype | None,
-                                    part: torch.Tensor | None = None, part_col: int = 0):
+def add_layer_norm_dropout_backward(
+    dy: torch.Tensor,
+    ds: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_weight: bool,
+    need_bias: bool,
+    mask: torch.Tensor | None,
+    p: float,
+    colsum_dtype: torch.dtype | None,
+    part: torch.Tensor | None = None,
+    part_col: int = 0,
+):
     """The backward of ``add_layer_norm(dropout(z) + b, ...)`` where ``a = dropout(z)`` was drawn
     with the bool keep ``mask`` (``a``'s shape, unit feature stride; None: no dropout) at rate
     ``p``: ``(ds_total, dz, dweight, dbias, dz_colsum)``. ``dz = ds_total * keep / (1 - p)``
@@ -292,12 +393,29 @@ def add_layer_norm_dropout_backward(dy: torch.Tensor, ds: torch.Tensor | None, a
     ``dweight``, ``dbias``, ``dz_colsum`` (in that order, F columns each, from column
     ``part_col`` on) go there instead, one row per group, and those three come back as None:
     the caller sums the rows."""
-    return _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p,
-                                colsum_dtype, True, part, part_col)
+    return _layer_norm_backward(
+        dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum_dtype, True, part, part_col
+    )
 
 
-def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum_dtype,
-                         shared: bool, part=None, part_col: int = 0):
+def _layer_norm_backward(
+    dy,
+    ds,
+    a,
+    b,
+    weight,
+    bias,
+    mean,
+    rstd,
+    need_weight,
+    need_bias,
+    mask,
+    p,
+    colsum_dtype,
+    shared: bool,
+    part=None,
+    part_col: int = 0,
+):
     """Both backward launchers; ``shared``: the partial sums in one buffer, reduced by one sum
     (the results are then views of one tensor, which torch.library ops may not return)."""
     n_rows, n_cols = a.shape
@@ -315,22 +433,26 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
         if not layer_norm_backward_fuses(n_cols, dtype):
             raise ValueError(f"{fn}(): part= takes rows of at most {_LN_BWD_MAX_BLOCK} elements, got {n_cols}")
         if n_rows == 0:
-            part[:, part_col:part_col + sum(slots) * n_cols].zero_()
+            part[:, part_col : part_col + sum(slots) * n_cols].zero_()
             return dsum, dsum if mask is None else torch.empty_like(dsum), None, None, None
     if n_rows == 0:
-        return (dsum, dsum if mask is None else torch.empty_like(dsum),
-                torch.zeros_like(weight) if need_weight else None, torch.zeros_like(bias) if need_bias else None,
-                torch.zeros((n_cols,), dtype=colsum_dtype, device=a.device) if need_colsum else None)
+        return (
+            dsum,
+            dsum if mask is None else torch.empty_like(dsum),
+            torch.zeros_like(weight) if need_weight else None,
+            torch.zeros_like(bias) if need_bias else None,
+            torch.zeros((n_cols,), dtype=colsum_dtype, device=a.device) if need_colsum else None,
+        )
     interpreted = triton_interpreted()
     block_r, block_f, n_chunks, warps = _layer_norm_backward_config(n_cols, dtype, interpreted)
     if n_chunks > 1 and (mask is not None or need_colsum):  # long rows: the dropout and the sum on their own
-        dsum, dweight, dbias = add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight,
-                                                       need_bias)
+        dsum, dweight, dbias = add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
         dz = dsum if mask is None else torch.ops.aten.native_dropout_backward(dsum, mask, _drop_scale(p))
         return dsum, dz, dweight, dbias, dz.sum(0, dtype=torch.float32).to(colsum_dtype) if need_colsum else None
     fused = n_chunks == 1
-    groups, per_group = _row_groups(n_rows, block_r, 1, a.device, interpreted,
-                                    part.shape[0] if part is not None else None)
+    groups, per_group = _row_groups(
+        n_rows, block_r, 1, a.device, interpreted, part.shape[0] if part is not None else None
+    )
     src_b = b if b is not None else a
     drop = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device) if mask is not None else dsum
     # the partial column sums: fp32 [groups, k * F], F columns per wanted sum, in one buffer
@@ -340,14 +462,42 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
     if own:
         part, part_col = torch.empty((groups, k * n_cols), dtype=torch.float32, device=a.device), 0
     _ln_bwd_kernel[(groups,)](
-        dy, ds if ds is not None else dy, a, src_b, weight if weight is not None else a, mean, rstd, dsum,
-        part if part is not None else dsum, mask if mask is not None else a, drop, n_rows, per_group,
-        dy.stride(0), ds.stride(0) if ds is not None else 0, a.stride(0), src_b.stride(0),
-        mask.stride(0) if mask is not None else 0, part.stride(0) if part is not None else 0, part_col,
-        _drop_scale(p), N_COLS=n_cols, HAS_DS=ds is not None, HAS_BSRC=b is not None, HAS_W=weight is not None,
-        NEED_DW=slots[0], NEED_DB=slots[1], HAS_MASK=mask is not None, NEED_DC=need_colsum,
-        SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r, BLOCK_F=block_f, N_CHUNKS=n_chunks,
-        MASK_VEC=16 // dsum.element_size(), num_warps=warps)
+        dy,
+        ds if ds is not None else dy,
+        a,
+        src_b,
+        weight if weight is not None else a,
+        mean,
+        rstd,
+        dsum,
+        part if part is not None else dsum,
+        mask if mask is not None else a,
+        drop,
+        n_rows,
+        per_group,
+        dy.stride(0),
+        ds.stride(0) if ds is not None else 0,
+        a.stride(0),
+        src_b.stride(0),
+        mask.stride(0) if mask is not None else 0,
+        part.stride(0) if part is not None else 0,
+        part_col,
+        _drop_scale(p),
+        N_COLS=n_cols,
+        HAS_DS=ds is not None,
+        HAS_BSRC=b is not None,
+        HAS_W=weight is not None,
+        NEED_DW=slots[0],
+        NEED_DB=slots[1],
+        HAS_MASK=mask is not None,
+        NEED_DC=need_colsum,
+        SUM_DTYPE=_TL_DTYPES[dtype],
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        N_CHUNKS=n_chunks,
+        MASK_VEC=16 // dsum.element_size(),
+        num_warps=warps,
+    )
     if not fused and (need_weight or need_bias):
         block_r2, block_f2, warps2 = _bias_act_config(n_cols, dtype, interpreted)
         n_col_blocks = triton.cdiv(n_cols, block_f2)
@@ -355,12 +505,34 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
         dw_part = torch.empty((groups2, n_cols), dtype=torch.float32, device=a.device) if need_weight else None
         db_part = torch.empty((groups2, n_cols), dtype=torch.float32, device=a.device) if need_bias else None
         _ln_bwd_dwdb_kernel[(groups2, n_col_blocks)](
-            dy, a, src_b, mean, rstd, dw_part if dw_part is not None else dsum,
-            db_part if db_part is not None else dsum, n_rows, per_group2, dy.stride(0), a.stride(0),
-            src_b.stride(0), N_COLS=n_cols, HAS_BSRC=b is not None, NEED_DW=need_weight, NEED_DB=need_bias,
-            SUM_DTYPE=_TL_DTYPES[dtype], BLOCK_R=block_r2, BLOCK_F=block_f2, num_warps=warps2)
-        return (dsum, drop, _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
-                _reduce(db_part, bias.dtype if bias is not None else torch.float32), None)
+            dy,
+            a,
+            src_b,
+            mean,
+            rstd,
+            dw_part if dw_part is not None else dsum,
+            db_part if db_part is not None else dsum,
+            n_rows,
+            per_group2,
+            dy.stride(0),
+            a.stride(0),
+            src_b.stride(0),
+            N_COLS=n_cols,
+            HAS_BSRC=b is not None,
+            NEED_DW=need_weight,
+            NEED_DB=need_bias,
+            SUM_DTYPE=_TL_DTYPES[dtype],
+            BLOCK_R=block_r2,
+            BLOCK_F=block_f2,
+            num_warps=warps2,
+        )
+        return (
+            dsum,
+            drop,
+            _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
+            _reduce(db_part, bias.dtype if bias is not None else torch.float32),
+            None,
+        )
     if not own:
         return dsum, drop, None, None, None
     dtypes = (weight.dtype if weight is not None else None, bias.dtype if bias is not None else None, colsum_dtype)
@@ -368,6 +540,6 @@ def _layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, ne
     if shared and k > 1 and len(set(wanted)) == 1:  # one reduction; the results are views of one tensor
         rows = iter(part.sum(0).to(wanted[0]).split(n_cols))
     else:
-        rows = iter(part[:, i * n_cols:(i + 1) * n_cols].sum(0).to(dt) for i, dt in enumerate(wanted))
+        rows = iter(part[:, i * n_cols : (i + 1) * n_cols].sum(0).to(dt) for i, dt in enumerate(wanted))
     dweight, dbias, dcolsum = (next(rows) if want else None for want in slots)
     return dsum, drop, dweight, dbias, dcolsum

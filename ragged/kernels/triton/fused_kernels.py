@@ -80,9 +80,18 @@ def _act_grad(z, ACT: tl.constexpr):
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows"])
-def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
-                         N_COLS: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _bias_act_fwd_kernel(
+    X,
+    BIAS,
+    Y,
+    n_rows,
+    stride_x,
+    N_COLS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < N_COLS
@@ -96,10 +105,30 @@ def _bias_act_fwd_kernel(X, BIAS, Y, n_rows, stride_x,
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows", "rows_per_group", "part_off"])
-def _bias_act_bwd_kernel(G, X, BIAS, DX, DBIAS_PART, MASK, n_rows, rows_per_group, stride_g, stride_x, stride_mask,
-                         stride_part, part_off, drop_scale, N_COLS: tl.constexpr, ACT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, MASK_VEC: tl.constexpr = 8):
+def _bias_act_bwd_kernel(
+    G,
+    X,
+    BIAS,
+    DX,
+    DBIAS_PART,
+    MASK,
+    n_rows,
+    rows_per_group,
+    stride_g,
+    stride_x,
+    stride_mask,
+    stride_part,
+    part_off,
+    drop_scale,
+    N_COLS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NEED_DBIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    MASK_VEC: tl.constexpr = 8,
+):
     """Program (group, column block): rows [group * rows_per_group, +rows_per_group); its
     partial bias sum goes to row ``group`` of ``DBIAS_PART`` (row stride ``stride_part``), from
     column ``part_off`` on.
@@ -149,10 +178,29 @@ def _load_sum(A, B, rows, cols, m, stride_a, stride_b, HAS_B: tl.constexpr, SUM_
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows"])
-def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps,
-                   N_COLS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   STORE_SUM: tl.constexpr, SUM_DTYPE: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr):
+def _ln_fwd_kernel(
+    X,
+    R,
+    W,
+    B,
+    Y,
+    S,
+    MEAN,
+    RSTD,
+    n_rows,
+    stride_x,
+    stride_r,
+    eps,
+    N_COLS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    STORE_SUM: tl.constexpr,
+    SUM_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     if N_CHUNKS == 1:  # the rows sit in registers
@@ -206,12 +254,42 @@ def _ln_fwd_kernel(X, R, W, B, Y, S, MEAN, RSTD, n_rows, stride_x, stride_r, eps
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows", "rows_per_group", "part_off"])
-def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, PART, MASK, DROP, n_rows, rows_per_group,
-                   stride_dy, stride_ds, stride_a, stride_b, stride_mask, stride_part, part_off, drop_scale,
-                   N_COLS: tl.constexpr, HAS_DS: tl.constexpr, HAS_BSRC: tl.constexpr, HAS_W: tl.constexpr,
-                   NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DC: tl.constexpr,
-                   SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, N_CHUNKS: tl.constexpr,
-                   MASK_VEC: tl.constexpr = 8):
+def _ln_bwd_kernel(
+    DY,
+    DS,
+    A,
+    BSRC,
+    W,
+    MEAN,
+    RSTD,
+    DSUM,
+    PART,
+    MASK,
+    DROP,
+    n_rows,
+    rows_per_group,
+    stride_dy,
+    stride_ds,
+    stride_a,
+    stride_b,
+    stride_mask,
+    stride_part,
+    part_off,
+    drop_scale,
+    N_COLS: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    HAS_BSRC: tl.constexpr,
+    HAS_W: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NEED_DC: tl.constexpr,
+    SUM_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    MASK_VEC: tl.constexpr = 8,
+):
     """``ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds`` with ``g = dy * w``,
     ``xhat = (s - mean) * rstd`` and ``s = a + b`` (b optional) recomputed as in the forward.
 
@@ -313,17 +391,33 @@ def _ln_bwd_kernel(DY, DS, A, BSRC, W, MEAN, RSTD, DSUM, PART, MASK, DROP, n_row
                     g = g * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
                 if HAS_DS:
-                    ds += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=m,
-                                  other=0.0).to(tl.float32)
+                    ds += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 tl.store(DSUM + rows[:, None] * N_COLS + cols[None, :], ds.to(DSUM.dtype.element_ty), mask=m)
 
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
-def _ln_bwd_dwdb_kernel(DY, A, BSRC, MEAN, RSTD, DW_PART, DB_PART, n_rows, rows_per_group,
-                        stride_dy, stride_a, stride_b,
-                        N_COLS: tl.constexpr, HAS_BSRC: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                        SUM_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _ln_bwd_dwdb_kernel(
+    DY,
+    A,
+    BSRC,
+    MEAN,
+    RSTD,
+    DW_PART,
+    DB_PART,
+    n_rows,
+    rows_per_group,
+    stride_dy,
+    stride_a,
+    stride_b,
+    N_COLS: tl.constexpr,
+    HAS_BSRC: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    SUM_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     """Partial ``sum dy * xhat`` and ``sum dy`` of a row group over one column block (long rows)."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)

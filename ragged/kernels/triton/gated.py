@@ -34,8 +34,9 @@ __all__ = ["gated_act_backward", "gated_act_forward"]
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows"])
-def _gated_act_fwd_kernel(X, Y, n_rows, stride_x, N_COLS: tl.constexpr, ACT: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _gated_act_fwd_kernel(
+    X, Y, n_rows, stride_x, N_COLS: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     m = (rows < n_rows)[:, None] & (cols < N_COLS)[None, :]
@@ -48,8 +49,18 @@ def _gated_act_fwd_kernel(X, Y, n_rows, stride_x, N_COLS: tl.constexpr, ACT: tl.
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows"])
-def _gated_act_bwd_kernel(G, X, DX, n_rows, stride_g, stride_x, N_COLS: tl.constexpr, ACT: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _gated_act_bwd_kernel(
+    G,
+    X,
+    DX,
+    n_rows,
+    stride_g,
+    stride_x,
+    N_COLS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     m = (rows < n_rows)[:, None] & (cols < N_COLS)[None, :]
@@ -82,8 +93,17 @@ def gated_act_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     if y.numel() == 0:
         return y
     grid, block_r, block_f, warps = _grid(n_rows, n_cols, x.dtype)
-    _gated_act_fwd_kernel[grid](x, y, n_rows, x.stride(0), N_COLS=n_cols, ACT=ACTIVATIONS[activation],
-                                BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    _gated_act_fwd_kernel[grid](
+        x,
+        y,
+        n_rows,
+        x.stride(0),
+        N_COLS=n_cols,
+        ACT=ACTIVATIONS[activation],
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return y
 
 
@@ -96,6 +116,17 @@ def gated_act_backward(grad: torch.Tensor, x: torch.Tensor, activation: str) -> 
     if dx.numel() == 0:
         return (dx,)
     grid, block_r, block_f, warps = _grid(n_rows, n_cols, x.dtype)
-    _gated_act_bwd_kernel[grid](grad, x, dx, n_rows, grad.stride(0), x.stride(0), N_COLS=n_cols,
-                                ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    _gated_act_bwd_kernel[grid](
+        grad,
+        x,
+        dx,
+        n_rows,
+        grad.stride(0),
+        x.stride(0),
+        N_COLS=n_cols,
+        ACT=ACTIVATIONS[activation],
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return (dx,)

@@ -28,8 +28,8 @@ import contextlib
 import inspect
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import torch
 import triton
@@ -96,7 +96,8 @@ def _key_function(n: int):
             f"\n        ({a}.dtype if not {a}.data_ptr() & 15 else ({a}.dtype,)) if type({a}) is _Tensor else "
             f"(8 | ({a} == 1) | (({a} & 15 == 0) << 1) | ((-2147483648 <= {a} <= 2147483647) << 2) | "
             f"(({a} > {_I64_MAX}) << 4)) if type({a}) is int else _spec({a}),"
-            for a in names)
+            for a in names
+        )
         namespace = {"_Tensor": torch.Tensor, "_spec": _spec}
         exec(f"def key({', '.join(names)}):\n    return ({items}\n    )\n", namespace)
         fn = _KEY_FUNCTIONS[n] = namespace["key"]
@@ -163,7 +164,7 @@ class CachedLaunch:
         if entry is None:
             compiled = self.jit[grid](*args, **meta)
             tail = []
-            for name in self._names[len(args):]:
+            for name in self._names[len(args) :]:
                 if name in meta:
                     tail.append(meta[name])
                 elif name in self._defaults:
@@ -177,8 +178,9 @@ class CachedLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
         try:
-            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *tail)
+            compiled.run(
+                grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail
+            )
         except TypeError:  # another launcher signature: the normal path from now on
             _disable()
             return self.jit[grid](*args, **meta)
@@ -252,4 +254,3 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
             yield
         finally:
             _DRY.active = False
-

@@ -45,9 +45,22 @@ def _search(offsets, t, lo, hi, steps):
 
 @cached_launch
 @triton.jit(do_not_specialize=["batch", "total", "n_steps"])
-def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_steps,
-                 ROW: tl.constexpr, SRC_ALIGN: tl.constexpr, LEFT: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _pack_kernel(
+    src,
+    dst,
+    offsets,
+    batch,
+    total,
+    width,
+    stride_b,
+    stride_m,
+    n_steps,
+    ROW: tl.constexpr,
+    SRC_ALIGN: tl.constexpr,
+    LEFT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     first = tl.program_id(0).to(tl.int64) * BLOCK_R
     last = tl.minimum(first + BLOCK_R, total) - 1
     # Sequences of the tile's first and last rows over all B, then each row searches only
@@ -88,9 +101,19 @@ def _pack_kernel(src, dst, offsets, batch, total, width, stride_b, stride_m, n_s
 
 @cached_launch
 @triton.jit(do_not_specialize=["n_rows"])
-def _unpack_kernel(src, dst, offsets, n_rows, width, fill_bits,
-                   ROW: tl.constexpr, LEFT: tl.constexpr, BITS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _unpack_kernel(
+    src,
+    dst,
+    offsets,
+    n_rows,
+    width,
+    fill_bits,
+    ROW: tl.constexpr,
+    LEFT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     first = tl.program_id(0).to(tl.int64) * BLOCK_R
     # One 64-bit division per program; rows step from there with 32-bit arithmetic
     # (the launcher keeps width + BLOCK_R below 2**31).
@@ -125,7 +148,7 @@ _TILE_BYTES = 8192
 _ROW_BYTES = 4096
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile(row: int, elem: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_F, num_warps) for rows of ``row`` elements of ``elem`` bytes.
 
@@ -142,7 +165,7 @@ def _tile(row: int, elem: int) -> tuple[int, int, int]:
     return block_r, block_f, 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _align(*strides: int, elem: int) -> int:
     """Largest power of two (in elements, at most 16 bytes) dividing every stride."""
     a = max(1, 16 // elem)
@@ -170,8 +193,23 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     grid = (triton.cdiv(total, block_r), triton.cdiv(row, block_f))
     n_steps = max(batch - 1, 0).bit_length()
     align = _align(padded.stride(0), padded.stride(1), elem=padded.element_size())
-    _pack_kernel[grid](src, dst, offsets, batch, total, width, padded.stride(0), padded.stride(1), n_steps,
-                       ROW=row, SRC_ALIGN=align, LEFT=left, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    _pack_kernel[grid](
+        src,
+        dst,
+        offsets,
+        batch,
+        total,
+        width,
+        padded.stride(0),
+        padded.stride(1),
+        n_steps,
+        ROW=row,
+        SRC_ALIGN=align,
+        LEFT=left,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return out
 
 
@@ -185,8 +223,10 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     if n_rows == 0 or row == 0:
         return out
     if width > 2**31 - 1 - 2 * _TILE_BYTES:
-        raise ValueError(f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
-                         "stepping; use backend='torch'")
+        raise ValueError(
+            f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
+            "stepping; use backend='torch'"
+        )
     values = feature_rows_contiguous(values, 1, "unpack").contiguous()
     offsets = offsets.contiguous()
     src, dst = _as_kernel_dtype(values), _as_kernel_dtype(out)
@@ -195,13 +235,29 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     # From the tensor's own dtype, not the uint8 view of a bool tensor: 0.5 is True in bool
     # but 0 in uint8, and -1.0 is True in bool but no uint8 at all.
     bits, bits_type = _fill_bits(padding_value, values.dtype)
-    _unpack_kernel[grid](src, dst, offsets, n_rows, width, bits,
-                         ROW=row, LEFT=left, BITS=bits_type, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    _unpack_kernel[grid](
+        src,
+        dst,
+        offsets,
+        n_rows,
+        width,
+        bits,
+        ROW=row,
+        LEFT=left,
+        BITS=bits_type,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return out
 
 
-_INT_OF_SIZE = {1: (torch.int8, tl.int8), 2: (torch.int16, tl.int16), 4: (torch.int32, tl.int32),
-               8: (torch.int64, tl.int64)}
+_INT_OF_SIZE = {
+    1: (torch.int8, tl.int8),
+    2: (torch.int16, tl.int16),
+    4: (torch.int32, tl.int32),
+    8: (torch.int64, tl.int64),
+}
 
 
 def _fill_bits(value, dtype: torch.dtype):

@@ -51,8 +51,19 @@ def _bounds(offsets, b, total):
 
 @cached_launch(dry=False)  # writes indices other code reads
 @triton.jit
-def _pool_kernel(x, out, index, offsets, total, n_feat, stride_t, stride_f,
-                 MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+def _pool_kernel(
+    x,
+    out,
+    index,
+    offsets,
+    total,
+    n_feat,
+    stride_t,
+    stride_f,
+    MODE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < n_feat
@@ -106,8 +117,19 @@ def _pool_kernel(x, out, index, offsets, total, n_feat, stride_t, stride_f,
 
 @cached_launch
 @triton.jit
-def _pool_backward_kernel(g, dx, index, offsets, total, n_feat, g_stride_b, g_stride_f,
-                          MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+def _pool_backward_kernel(
+    g,
+    dx,
+    index,
+    offsets,
+    total,
+    n_feat,
+    g_stride_b,
+    g_stride_f,
+    MODE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < n_feat
@@ -133,7 +155,7 @@ def _pool_backward_kernel(g, dx, index, offsets, total, n_feat, g_stride_b, g_st
         tl.store(dx + t[:, None] * n_feat + cols[None, :], v, mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile(n_feat: int, size: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_F, num_warps) for rows of ``n_feat`` features and sequences of
     ``size`` (0: short, 1: medium, 2: long, see :func:`_size`).
@@ -171,14 +193,26 @@ def pool(values: torch.Tensor, offsets: torch.Tensor, mode: str) -> tuple[torch.
     block_t, block_f, warps = _tile(n_feat, _size(total, batch))
     grid = (batch, triton.cdiv(n_feat, block_f))
     # the index is written by max only: the other modes get a placeholder pointer
-    _pool_kernel[grid](values, out, index if mode == "max" else out, offsets.contiguous(), total, n_feat,
-                       values.stride(0), values.stride(1),
-                       MODE=_MODE_IDS[mode], BLOCK_T=block_t, BLOCK_F=block_f, num_warps=warps)
+    _pool_kernel[grid](
+        values,
+        out,
+        index if mode == "max" else out,
+        offsets.contiguous(),
+        total,
+        n_feat,
+        values.stride(0),
+        values.stride(1),
+        MODE=_MODE_IDS[mode],
+        BLOCK_T=block_t,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return out, index
 
 
-def pool_backward(grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor, mode: str,
-                  total: int) -> tuple[torch.Tensor]:
+def pool_backward(
+    grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor, mode: str, total: int
+) -> tuple[torch.Tensor]:
     """``grad [B, F]`` (any strides, expanded included) -> ``(grad_values [T, F],)`` as
     :func:`ragged.ops.pool.reference_pool_backward`. Every row of a valid ``[T, F]`` layout
     is written (the offsets cover ``[0, T)``)."""
@@ -188,7 +222,18 @@ def pool_backward(grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor
         return (dx,)
     block_t, block_f, warps = _tile(n_feat, _size(total, batch))
     grid = (batch, triton.cdiv(n_feat, block_f))
-    _pool_backward_kernel[grid](grad, dx, index.contiguous() if mode == "max" else dx, offsets.contiguous(),
-                                total, n_feat, grad.stride(0), grad.stride(1),
-                                MODE=_MODE_IDS[mode], BLOCK_T=block_t, BLOCK_F=block_f, num_warps=warps)
+    _pool_backward_kernel[grid](
+        grad,
+        dx,
+        index.contiguous() if mode == "max" else dx,
+        offsets.contiguous(),
+        total,
+        n_feat,
+        grad.stride(0),
+        grad.stride(1),
+        MODE=_MODE_IDS[mode],
+        BLOCK_T=block_t,
+        BLOCK_F=block_f,
+        num_warps=warps,
+    )
     return (dx,)

@@ -55,9 +55,25 @@ def _reduced(angle):
 
 @cached_launch
 @triton.jit(do_not_specialize=["total"])
-def _rotary_kernel(x, out, positions, inv_freq, total, n_heads, half, stride_t, stride_n, stride_d, stride_pos,
-                   stride_freq, scaling, SIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+def _rotary_kernel(
+    x,
+    out,
+    positions,
+    inv_freq,
+    total,
+    n_heads,
+    half,
+    stride_t,
+    stride_n,
+    stride_d,
+    stride_pos,
+    stride_freq,
+    scaling,
+    SIGN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     i = tl.program_id(2).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -65,7 +81,7 @@ def _rotary_kernel(x, out, positions, inv_freq, total, n_heads, half, stride_t, 
     i_ok = i < half
     pos = tl.load(positions + t * stride_pos, mask=t_ok, other=0).to(tl.float32)
     freq = tl.load(inv_freq + i * stride_freq, mask=i_ok, other=0.0).to(tl.float32)
-    angle = _reduced(pos[:, None] * freq[None, :])            # [BLOCK_T, BLOCK_H]
+    angle = _reduced(pos[:, None] * freq[None, :])  # [BLOCK_T, BLOCK_H]
     c = (tl.cos(angle) * scaling)[:, None, :]
     s = (tl.sin(angle) * (scaling * SIGN))[:, None, :]
     ok = t_ok[:, None, None] & (n < n_heads)[None, :, None] & i_ok[None, None, :]
@@ -77,7 +93,7 @@ def _rotary_kernel(x, out, positions, inv_freq, total, n_heads, half, stride_t, 
     tl.store(dst + half, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile(n_heads: int, half: int, interpreted: bool) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, BLOCK_H, num_warps): up to 256 pairs of a head and all the heads that
     fit in a tile of 2048 pairs (4096 elements read), then tokens to fill it (up to 16).
@@ -90,8 +106,9 @@ def _tile(n_heads: int, half: int, interpreted: bool) -> tuple[int, int, int, in
     return block_t, block_n, block_h, 4
 
 
-def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-            sign: int) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, sign: int
+) -> torch.Tensor:
     total, n_heads, dim = x.shape
     out = torch.empty((total, n_heads, dim), dtype=x.dtype, device=x.device)
     half = dim // 2
@@ -99,22 +116,39 @@ def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sc
         return out
     block_t, block_n, block_h, warps = _tile(n_heads, half, triton_interpreted())
     grid = (triton.cdiv(total, block_t), triton.cdiv(n_heads, block_n), triton.cdiv(half, block_h))
-    _rotary_kernel[grid](x, out, positions, inv_freq, total, n_heads, half, x.stride(0), x.stride(1), x.stride(2),
-                         positions.stride(0), inv_freq.stride(0), float(scaling),
-                         SIGN=sign, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=warps)
+    _rotary_kernel[grid](
+        x,
+        out,
+        positions,
+        inv_freq,
+        total,
+        n_heads,
+        half,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        positions.stride(0),
+        inv_freq.stride(0),
+        float(scaling),
+        SIGN=sign,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
     return out
 
 
-def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
     """``x [T, N, D]`` (any strides), ``positions [T]``, ``inv_freq [D/2]`` (any strides and
     floating dtype, read as float32) -> ``out [T, N, D]`` contiguous, as
     :func:`ragged.ops.rotary.reference_rotary_embedding`."""
     return _launch(x, positions, inv_freq, scaling, 1)
 
 
-def rotary_embedding_backward(grad: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                              scaling: float) -> tuple[torch.Tensor]:
+def rotary_embedding_backward(
+    grad: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor]:
     """``grad [T, N, D]`` (any strides, expanded included) -> ``(grad_x [T, N, D],)``, as
     :func:`ragged.ops.rotary.reference_rotary_embedding_backward`."""
     return (_launch(grad, positions, inv_freq, scaling, -1),)

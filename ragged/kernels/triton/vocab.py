@@ -43,8 +43,18 @@ _INLINE_MAX_BATCH = 4096
 
 
 @triton.jit
-def _items(h_off, v_off, batch, shared_v, b, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SHARED: tl.constexpr,
-           USE_ROWS: tl.constexpr, USE_COLS: tl.constexpr):
+def _items(
+    h_off,
+    v_off,
+    batch,
+    shared_v,
+    b,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SHARED: tl.constexpr,
+    USE_ROWS: tl.constexpr,
+    USE_COLS: tl.constexpr,
+):
     """Work items of sequences ``b`` (a vector): row tiles x column tiles (either may be off)."""
     ok = b < batch
     n = tl.full(b.shape, 1, tl.int32)
@@ -61,9 +71,22 @@ def _items(h_off, v_off, batch, shared_v, b, BLOCK_R: tl.constexpr, BLOCK_C: tl.
 
 
 @triton.jit
-def locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-            SHARED: tl.constexpr, USE_ROWS: tl.constexpr, USE_COLS: tl.constexpr, INLINE: tl.constexpr,
-            CHUNK: tl.constexpr):
+def locate(
+    h_off,
+    v_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    item,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SHARED: tl.constexpr,
+    USE_ROWS: tl.constexpr,
+    USE_COLS: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Work item -> (sequence b, item index within b, total items)."""
     if INLINE:
         carry = item * 0
@@ -71,8 +94,10 @@ def locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_R: tl.const
         before = item * 0
         for start in range(0, batch, CHUNK):
             idx = start + tl.arange(0, CHUNK)
-            incl = tl.cumsum(_items(h_off, v_off, batch, shared_v, idx, BLOCK_R, BLOCK_C, SHARED, USE_ROWS,
-                                    USE_COLS), 0) + carry
+            incl = (
+                tl.cumsum(_items(h_off, v_off, batch, shared_v, idx, BLOCK_R, BLOCK_C, SHARED, USE_ROWS, USE_COLS), 0)
+                + carry
+            )
             done = (idx < batch) & (incl <= item)
             count += tl.sum(done.to(tl.int32), 0)
             before = tl.maximum(before, tl.max(tl.where(done, incl, 0), 0))
@@ -126,9 +151,25 @@ def in_vocab(ids, ok, vocab_size):
 
 
 @triton.jit
-def logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
-                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def logit_tile(
+    H,
+    W,
+    BIAS,
+    t0,
+    rows,
+    row_ok,
+    ids,
+    id_ok,
+    dim,
+    stride_ht,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = H + (t0 + rows)[:, None] * stride_ht + offs_k[None, :]
     w_ptr = W + ids[None, :] * stride_wv + offs_k[:, None]
@@ -151,35 +192,95 @@ def logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_
 
 @cached_launch
 @triton.jit
-def _fwd_kernel(H, W, BIAS, IDS, OUT, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
-                stride_ht, stride_wv,
-                HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _fwd_kernel(
+    H,
+    W,
+    BIAS,
+    IDS,
+    OUT,
+    h_off,
+    v_off,
+    l_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    dim,
+    vocab_size,
+    stride_ht,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     item = tl.program_id(0)
-    b, local, n_items = locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED,
-                                True, True, INLINE, CHUNK)
+    b, local, n_items = locate(
+        h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED, True, True, INLINE, CHUNK
+    )
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = segment(h_off, v_off, l_off, shared_v, b, SHARED)
     rows, cols, row_ok, col_ok, ids, id_ok = tile_of(IDS, local, t_len, v0, v_len, vocab_size, BLOCK_M, BLOCK_N)
-    acc = logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
-                      HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = logit_tile(
+        H,
+        W,
+        BIAS,
+        t0,
+        rows,
+        row_ok,
+        ids,
+        id_ok,
+        dim,
+        stride_ht,
+        stride_wv,
+        HAS_BIAS,
+        EVEN_K,
+        PRECISION,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     out = OUT + lb + rows.to(tl.int64)[:, None] * v_len + cols[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @cached_launch
 @triton.jit
-def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
-                    stride_wv, stride_dht,
-                    SHARED: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _dhidden_kernel(
+    G,
+    W,
+    IDS,
+    DH,
+    h_off,
+    v_off,
+    l_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    dim,
+    vocab_size,
+    stride_wv,
+    stride_dht,
+    SHARED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """d_hidden[rows, dd] = sum over candidates c of g[rows, c] * W[ids_c, dd]."""
     item = tl.program_id(0)
-    b, r_tile, n_items = locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
-                                 True, False, INLINE, CHUNK)
+    b, r_tile, n_items = locate(
+        h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED, True, False, INLINE, CHUNK
+    )
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = segment(h_off, v_off, l_off, shared_v, b, SHARED)
@@ -195,27 +296,56 @@ def _dhidden_kernel(G, W, IDS, DH, h_off, v_off, l_off, work, batch, shared_v, n
         c_ok = cc < v_len
         g = tl.load(g_rows + cc[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
         ids = tl.load(IDS + v0 + cc, mask=c_ok, other=0).to(tl.int64)
-        w = tl.load(W + ids[:, None] * stride_wv + dd[None, :],
-                    mask=in_vocab(ids, c_ok, vocab_size)[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(
+            W + ids[:, None] * stride_wv + dd[None, :],
+            mask=in_vocab(ids, c_ok, vocab_size)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc += tl.dot(g.to(w.dtype), w, input_precision=PRECISION)
-    tl.store(DH + (t0 + rows)[:, None] * stride_dht + dd[None, :], acc.to(DH.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        DH + (t0 + rows)[:, None] * stride_dht + dd[None, :],
+        acc.to(DH.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @cached_launch
 @triton.jit
-def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim, vocab_size,
-                    stride_ht, stride_dwv,
-                    SHARED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _dweight_kernel(
+    G,
+    H,
+    IDS,
+    DW,
+    DB,
+    h_off,
+    v_off,
+    l_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    dim,
+    vocab_size,
+    stride_ht,
+    stride_dwv,
+    SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Rows ids_b[cols] of d_weight gain g_b[:, cols].T @ hidden_b[:, dd] (and d_bias the column sums).
 
     ATOMIC: fp32 atomic adds into DW [V, d] / DB [V]. Otherwise DW / DB have one row per
     (sequence, candidate) (index v0 + col) and are reduced by id afterwards."""
     item = tl.program_id(0)
-    b, c_tile, n_items = locate(h_off, v_off, work, batch, shared_v, n_steps, item, 1, BLOCK_N, SHARED,
-                                 False, True, INLINE, CHUNK)
+    b, c_tile, n_items = locate(
+        h_off, v_off, work, batch, shared_v, n_steps, item, 1, BLOCK_N, SHARED, False, True, INLINE, CHUNK
+    )
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = segment(h_off, v_off, l_off, shared_v, b, SHARED)
@@ -229,16 +359,18 @@ def _dweight_kernel(G, H, IDS, DW, DB, h_off, v_off, l_off, work, batch, shared_
     for r in range(0, t_len, BLOCK_K):
         rr = r + offs_k
         r_ok = rr < t_len
-        g_t = tl.load(G + lb + rr.to(tl.int64)[None, :] * v_len + cols[:, None],
-                      mask=col_ok[:, None] & r_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_K]
-        h = tl.load(H + (t0 + rr)[:, None] * stride_ht + dd[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                    other=0.0)                                                          # [BLOCK_K, BLOCK_D]
+        g_t = tl.load(
+            G + lb + rr.to(tl.int64)[None, :] * v_len + cols[:, None], mask=col_ok[:, None] & r_ok[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_K]
+        h = tl.load(
+            H + (t0 + rr)[:, None] * stride_ht + dd[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_D]
         acc += tl.dot(g_t.to(h.dtype), h, input_precision=PRECISION)
         if HAS_BIAS:
             gsum += tl.sum(g_t.to(tl.float32), 1)
     if ATOMIC:
         target = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
-        col_ok = in_vocab(target, col_ok, vocab_size)   # no row outside d_weight is written
+        col_ok = in_vocab(target, col_ok, vocab_size)  # no row outside d_weight is written
     else:
         if SHARED:
             target = b.to(tl.int64) * shared_v + cols
@@ -272,7 +404,7 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interp: bool):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward and of the cross-entropy
     gradient tile: rows of 16..64 tokens and hundreds of candidates per sequence, K = d."""
@@ -287,7 +419,7 @@ def config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interp: bool):
     return block_m, block_n, 64, (8 if block_m * block_n >= 64 * 128 else 4), 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dhidden_config(dim: int, max_t: int, dtype: torch.dtype, interp: bool):
     """(BLOCK_M, BLOCK_D, BLOCK_K, warps, stages) of d_hidden (K runs over candidates)."""
     if interp:
@@ -299,7 +431,7 @@ def _dhidden_config(dim: int, max_t: int, dtype: torch.dtype, interp: bool):
     return block_m, 128, 64, 8, 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dweight_config(dim: int, max_t: int, dtype: torch.dtype, interp: bool):
     """(BLOCK_N, BLOCK_D, BLOCK_K, warps, stages) of d_weight (K runs over tokens)."""
     if interp:
@@ -324,12 +456,12 @@ def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 class Segments:
     """A batch (or a chunk of one) as the kernels index it; every tensor of unit stride."""
 
-    h_off: torch.Tensor          # [B+1] token offsets
-    v_off: torch.Tensor | None   # [B+1] candidate offsets; None: ``ids`` shared by every sequence
-    l_off: torch.Tensor          # int64 [B+1], first logit of each sequence
-    ids: torch.Tensor            # the candidate ids
-    batch: int                   # B
-    shared_v: int                # S = len(ids) for a shared vocabulary, 0 otherwise
+    h_off: torch.Tensor  # [B+1] token offsets
+    v_off: torch.Tensor | None  # [B+1] candidate offsets; None: ``ids`` shared by every sequence
+    l_off: torch.Tensor  # int64 [B+1], first logit of each sequence
+    ids: torch.Tensor  # the candidate ids
+    batch: int  # B
+    shared_v: int  # S = len(ids) for a shared vocabulary, 0 otherwise
 
     @property
     def v_arg(self) -> torch.Tensor:
@@ -345,8 +477,9 @@ class Segments:
 def segments(h_off: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, ids: torch.Tensor) -> Segments:
     """The :class:`Segments` of the ops' operands (a strided view becomes a copy)."""
     v_off, ids = unit_stride(v_off), unit_stride(ids)
-    return Segments(unit_stride(h_off), v_off, unit_stride(l_off), ids, h_off.shape[0] - 1,
-                    ids.shape[0] if v_off is None else 0)
+    return Segments(
+        unit_stride(h_off), v_off, unit_stride(l_off), ids, h_off.shape[0] - 1, ids.shape[0] if v_off is None else 0
+    )
 
 
 def worklist(seg: Segments, block_r: int, block_c: int, use_rows: bool, use_cols: bool):
@@ -378,25 +511,90 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
     bm, bn, bk, warps, stages = config(dim, max_t, max_v, hidden.dtype, interpreted())
     work, inline, chunk, n_steps = worklist(seg, bm, bn, True, True)
     grid = (total // (bm * bn) + hidden.shape[0] // bm + seg.n_cand // bn + 2 * batch + 1,)
-    _fwd_kernel[grid](hidden, weight, bias if bias is not None else hidden, seg.ids, out, seg.h_off, seg.v_arg,
-                      seg.l_off, work, batch, seg.shared_v, n_steps, dim, weight.shape[0], hidden.stride(0),
-                      weight.stride(0), HAS_BIAS=bias is not None, SHARED=seg.v_off is None, EVEN_K=dim % bk == 0,
-                      PRECISION=precision(hidden.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+    _fwd_kernel[grid](
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        seg.ids,
+        out,
+        seg.h_off,
+        seg.v_arg,
+        seg.l_off,
+        work,
+        batch,
+        seg.shared_v,
+        n_steps,
+        dim,
+        weight.shape[0],
+        hidden.stride(0),
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SHARED=seg.v_off is None,
+        EVEN_K=dim % bk == 0,
+        PRECISION=precision(hidden.dtype),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        INLINE=inline,
+        CHUNK=chunk,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
-def backward(grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias,
-             deterministic, *, dw_out=None, db_out=None, dh_out=None):
+def backward(
+    grad,
+    hidden,
+    h_off,
+    weight,
+    ids,
+    v_off,
+    l_off,
+    max_t,
+    max_v,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic,
+    *,
+    dw_out=None,
+    db_out=None,
+    dh_out=None,
+):
     """(d_hidden, d_weight, d_bias) for the flat logits' gradient ``grad``: the
     ``vocab_projection`` op's backward (see :func:`project_backward`)."""
     seg = segments(h_off, v_off, l_off, ids)
-    return project_backward(grad.contiguous(), row_major(hidden), row_major(weight), seg, max_t, need_hidden,
-                            need_weight, need_bias, deterministic, dw_out, db_out, dh_out)
+    return project_backward(
+        grad.contiguous(),
+        row_major(hidden),
+        row_major(weight),
+        seg,
+        max_t,
+        need_hidden,
+        need_weight,
+        need_bias,
+        deterministic,
+        dw_out,
+        db_out,
+        dh_out,
+    )
 
 
-def project_backward(grad, hidden, weight, seg: Segments, max_t, need_hidden, need_weight, need_bias, deterministic,
-                     dw_out=None, db_out=None, dh_out=None):
+def project_backward(
+    grad,
+    hidden,
+    weight,
+    seg: Segments,
+    max_t,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic,
+    dw_out=None,
+    db_out=None,
+    dh_out=None,
+):
     """(d_hidden, d_weight, d_bias), None for each one not asked for.
 
     d_weight is summed straight into a ``[V, d]`` tensor of the weight's dtype with atomic
@@ -425,10 +623,31 @@ def _dhidden(grad, hidden, weight, seg: Segments, max_t, dh_out):
         bm, block_d, block_k, warps, stages = _dhidden_config(dim, max_t, hidden.dtype, interpreted())
         work, inline, chunk, n_steps = worklist(seg, bm, 1, True, False)
         _dhidden_kernel[(hidden.shape[0] // bm + batch, -(-dim // block_d))](
-            grad, weight, seg.ids, d_hidden, seg.h_off, seg.v_arg, seg.l_off, work, batch, seg.shared_v, n_steps,
-            dim, weight.shape[0], weight.stride(0), d_hidden.stride(0), SHARED=seg.v_off is None,
-            PRECISION=precision(hidden.dtype), BLOCK_M=bm, BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline,
-            CHUNK=chunk, num_warps=warps, num_stages=stages)
+            grad,
+            weight,
+            seg.ids,
+            d_hidden,
+            seg.h_off,
+            seg.v_arg,
+            seg.l_off,
+            work,
+            batch,
+            seg.shared_v,
+            n_steps,
+            dim,
+            weight.shape[0],
+            weight.stride(0),
+            d_hidden.stride(0),
+            SHARED=seg.v_off is None,
+            PRECISION=precision(hidden.dtype),
+            BLOCK_M=bm,
+            BLOCK_D=block_d,
+            BLOCK_K=block_k,
+            INLINE=inline,
+            CHUNK=chunk,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return d_hidden
 
 
@@ -446,10 +665,34 @@ def _dweight(grad, hidden, weight, seg: Segments, max_t, need_bias, deterministi
         bn, block_d, block_k, warps, stages = _dweight_config(dim, max_t, hidden.dtype, interpreted())
         work, inline, chunk, n_steps = worklist(seg, 1, bn, False, True)
         _dweight_kernel[(n_cand // bn + batch, -(-dim // block_d))](
-            grad, hidden, seg.ids, dw, db, seg.h_off, seg.v_arg, seg.l_off, work, batch, seg.shared_v, n_steps, dim,
-            vocab_size, hidden.stride(0), dw.stride(0), SHARED=seg.v_off is None, HAS_BIAS=need_bias, ATOMIC=atomic,
-            PRECISION=precision(hidden.dtype), BLOCK_N=bn, BLOCK_D=block_d, BLOCK_K=block_k, INLINE=inline,
-            CHUNK=chunk, num_warps=warps, num_stages=stages)
+            grad,
+            hidden,
+            seg.ids,
+            dw,
+            db,
+            seg.h_off,
+            seg.v_arg,
+            seg.l_off,
+            work,
+            batch,
+            seg.shared_v,
+            n_steps,
+            dim,
+            vocab_size,
+            hidden.stride(0),
+            dw.stride(0),
+            SHARED=seg.v_off is None,
+            HAS_BIAS=need_bias,
+            ATOMIC=atomic,
+            PRECISION=precision(hidden.dtype),
+            BLOCK_N=bn,
+            BLOCK_D=block_d,
+            BLOCK_K=block_k,
+            INLINE=inline,
+            CHUNK=chunk,
+            num_warps=warps,
+            num_stages=stages,
+        )
     if atomic:
         return dw, db
     dw, db = _reduce_by_id(dw, db, seg.ids, batch if seg.v_off is None else 1, vocab_size)

@@ -49,11 +49,41 @@ CE_CHUNK = 1 << 22
 
 @cached_launch(dry=False)  # writes indices other code reads
 @triton.jit
-def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, MISSING, LOSS, LSE, h_off, v_off, l_off, work, batch, shared_v,
-                   n_steps, dim, vocab_size, stride_ht, stride_wv, smoothing, ignore_index, n_search,
-                   HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                   SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _ce_fwd_kernel(
+    H,
+    W,
+    BIAS,
+    IDS,
+    TGT,
+    LOCAL,
+    MISSING,
+    LOSS,
+    LSE,
+    h_off,
+    v_off,
+    l_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    dim,
+    vocab_size,
+    stride_ht,
+    stride_wv,
+    smoothing,
+    ignore_index,
+    n_search,
+    HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Per token: the loss (1 - eps) * (lse - z_target) + eps * (lse - mean z) over its
     sequence's candidates (0 for a token without target) and the lse.
 
@@ -65,8 +95,9 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, MISSING, LOSS, LSE, h_off, v_off
     SMOOTH=False (``smoothing == 0``): the loss is lse - z_target, and the smoothing term
     is not computed at all (0 * (lse - mean z) would be NaN for a row without candidates)."""
     item = tl.program_id(0)
-    b, r_tile, n_items = locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED,
-                                True, False, INLINE, CHUNK)
+    b, r_tile, n_items = locate(
+        h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, 1, SHARED, True, False, INLINE, CHUNK
+    )
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = segment(h_off, v_off, l_off, shared_v, b, SHARED)
@@ -98,8 +129,25 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, MISSING, LOSS, LSE, h_off, v_off
         cols = c + tl.arange(0, BLOCK_N)
         col_ok = cols < v_len
         ids = tl.load(IDS + v0 + cols, mask=col_ok, other=0).to(tl.int64)
-        z = logit_tile(H, W, BIAS, t0, rows, row_ok, ids, in_vocab(ids, col_ok, vocab_size), dim, stride_ht,
-                       stride_wv, HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = logit_tile(
+            H,
+            W,
+            BIAS,
+            t0,
+            rows,
+            row_ok,
+            ids,
+            in_vocab(ids, col_ok, vocab_size),
+            dim,
+            stride_ht,
+            stride_wv,
+            HAS_BIAS,
+            EVEN_K,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
         if SMOOTH:
             zsum += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
@@ -120,24 +168,69 @@ def _ce_fwd_kernel(H, W, BIAS, IDS, TGT, LOCAL, MISSING, LOSS, LSE, h_off, v_off
 
 @cached_launch
 @triton.jit
-def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work, batch, shared_v, n_steps, dim,
-                    vocab_size, stride_ht, stride_wv, stride_wt, smoothing,
-                    HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                    SMOOTH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INLINE: tl.constexpr, CHUNK: tl.constexpr):
+def _ce_grad_kernel(
+    H,
+    W,
+    BIAS,
+    IDS,
+    TGT,
+    LSE,
+    WT,
+    G,
+    h_off,
+    v_off,
+    l_off,
+    work,
+    batch,
+    shared_v,
+    n_steps,
+    dim,
+    vocab_size,
+    stride_ht,
+    stride_wv,
+    stride_wt,
+    smoothing,
+    HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INLINE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """g[t, c] = WT[t] * (exp(z - lse) - (1 - eps) * [c == target] - eps / V_b), written flat at l_off
     (0 for a token without target). WT: the loss gradient, read with stride ``stride_wt``
     (0 for the broadcast gradient of a mean or a sum)."""
     item = tl.program_id(0)
-    b, local, n_items = locate(h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED,
-                               True, True, INLINE, CHUNK)
+    b, local, n_items = locate(
+        h_off, v_off, work, batch, shared_v, n_steps, item, BLOCK_M, BLOCK_N, SHARED, True, True, INLINE, CHUNK
+    )
     if item >= n_items:
         return
     t0, t_len, v0, v_len, lb = segment(h_off, v_off, l_off, shared_v, b, SHARED)
     rows, cols, row_ok, col_ok, ids, id_ok = tile_of(IDS, local, t_len, v0, v_len, vocab_size, BLOCK_M, BLOCK_N)
-    z = logit_tile(H, W, BIAS, t0, rows, row_ok, ids, id_ok, dim, stride_ht, stride_wv,
-                   HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = logit_tile(
+        H,
+        W,
+        BIAS,
+        t0,
+        rows,
+        row_ok,
+        ids,
+        id_ok,
+        dim,
+        stride_ht,
+        stride_wv,
+        HAS_BIAS,
+        EVEN_K,
+        PRECISION,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     lse = tl.load(LSE + t0 + rows, mask=row_ok, other=0.0)
     tgt = tl.load(TGT + t0 + rows, mask=row_ok, other=-1)
     wt = tl.load(WT + (t0 + rows).to(tl.int64) * stride_wt, mask=row_ok & (tgt >= 0), other=0.0).to(tl.float32)
@@ -152,7 +245,7 @@ def _ce_grad_kernel(H, W, BIAS, IDS, TGT, LSE, WT, G, h_off, v_off, l_off, work,
     tl.store(out, g.to(G.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ce_config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interp: bool):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward (one program per row tile,
     looping over its candidates): short row tiles and wide candidate tiles."""
@@ -165,8 +258,7 @@ def _ce_config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interp: boo
     return block_m, block_n, 64, 8, 3
 
 
-def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index,
-            label_smoothing):
+def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing):
     """``(loss, lse, local, missing)`` without storing logits: the ``vocab_cross_entropy`` op's forward.
 
     ``target``: ``[T]`` global ids. ``loss`` and ``lse``: ``[T]`` float32 (``lse`` is -inf for
@@ -191,17 +283,70 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v,
     bm, bn, bk, warps, stages = _ce_config(dim, max_t, max_v, hidden.dtype, interpreted())
     work, inline, chunk, n_steps = worklist(seg, bm, 1, True, False)
     _ce_fwd_kernel[(tokens // bm + batch,)](
-        hidden, weight, bias if bias is not None else hidden, seg.ids, target, local, missing, loss, lse, seg.h_off,
-        seg.v_arg, seg.l_off, work, batch, seg.shared_v, n_steps, dim, weight.shape[0], hidden.stride(0),
-        weight.stride(0), smoothing, int(ignore_index), max(int(max_v), 1).bit_length(), HAS_BIAS=bias is not None,
-        SHARED=seg.v_off is None, EVEN_K=dim % bk == 0, PRECISION=precision(hidden.dtype), SMOOTH=smoothing != 0.0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk, num_warps=warps, num_stages=stages)
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        seg.ids,
+        target,
+        local,
+        missing,
+        loss,
+        lse,
+        seg.h_off,
+        seg.v_arg,
+        seg.l_off,
+        work,
+        batch,
+        seg.shared_v,
+        n_steps,
+        dim,
+        weight.shape[0],
+        hidden.stride(0),
+        weight.stride(0),
+        smoothing,
+        int(ignore_index),
+        max(int(max_v), 1).bit_length(),
+        HAS_BIAS=bias is not None,
+        SHARED=seg.v_off is None,
+        EVEN_K=dim % bk == 0,
+        PRECISION=precision(hidden.dtype),
+        SMOOTH=smoothing != 0.0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        INLINE=inline,
+        CHUNK=chunk,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return loss, lse, local, missing
 
 
-def backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local, lse, logits, label_smoothing, max_t,
-             max_v, need_hidden, need_weight, need_bias, deterministic, host_h_off, host_v_off, *,
-             chunk_elems=CE_CHUNK):
+def backward(
+    grad,
+    hidden,
+    h_off,
+    weight,
+    bias,
+    ids,
+    v_off,
+    l_off,
+    total,
+    local,
+    lse,
+    logits,
+    label_smoothing,
+    max_t,
+    max_v,
+    need_hidden,
+    need_weight,
+    need_bias,
+    deterministic,
+    host_h_off,
+    host_v_off,
+    *,
+    chunk_elems=CE_CHUNK,
+):
     """Gradients of ``sum_t grad[t] * loss_t`` w.r.t. hidden, weight and bias: the
     ``vocab_cross_entropy`` op's backward.
 
@@ -228,8 +373,7 @@ def backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
     # one chunk: d_hidden written by its kernel for every token; several: rows of sequences
     # without logits belong to no chunk and stay zero
     d_hidden = (torch.empty_like(hidden) if single else torch.zeros_like(hidden)) if need_hidden else None
-    chunks = ([(seg, 0, tokens, total)] if single else
-              _ce_chunks(seg, host_h_off, host_v_off, chunk_elems, device))
+    chunks = [(seg, 0, tokens, total)] if single else _ce_chunks(seg, host_h_off, host_v_off, chunk_elems, device)
     smoothing = float(label_smoothing)
     bm, bn, bk, warps, stages = config(dim, max_t, max_v, hidden.dtype, interpreted())
     for c_seg, t_lo, t_hi, size in chunks:
@@ -239,13 +383,54 @@ def backward(grad, hidden, h_off, weight, bias, ids, v_off, l_off, total, local,
         work, inline, chunk_w, n_steps = worklist(c_seg, bm, bn, True, True)
         grid = (size // (bm * bn) + (t_hi - t_lo) // bm + c_seg.n_cand // bn + 2 * n + 1,)
         _ce_grad_kernel[grid](
-            hid_c, weight, bias if bias is not None else hidden, c_seg.ids, local[t_lo:t_hi], lse[t_lo:t_hi],
-            grad[t_lo:t_hi], g, c_seg.h_off, c_seg.v_arg, c_seg.l_off, work, n, c_seg.shared_v, n_steps, dim,
-            vocab_size, hid_c.stride(0), weight.stride(0), grad.stride(0), smoothing, HAS_BIAS=bias is not None,
-            SHARED=shared, EVEN_K=dim % bk == 0, PRECISION=precision(hidden.dtype), SMOOTH=smoothing != 0.0,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INLINE=inline, CHUNK=chunk_w, num_warps=warps, num_stages=stages)
-        project_backward(g, hid_c, weight, c_seg, max_t, need_hidden, need_weight, need_bias, deterministic,
-                         dw_out=dw, db_out=db, dh_out=d_hidden[t_lo:t_hi] if need_hidden else None)
+            hid_c,
+            weight,
+            bias if bias is not None else hidden,
+            c_seg.ids,
+            local[t_lo:t_hi],
+            lse[t_lo:t_hi],
+            grad[t_lo:t_hi],
+            g,
+            c_seg.h_off,
+            c_seg.v_arg,
+            c_seg.l_off,
+            work,
+            n,
+            c_seg.shared_v,
+            n_steps,
+            dim,
+            vocab_size,
+            hid_c.stride(0),
+            weight.stride(0),
+            grad.stride(0),
+            smoothing,
+            HAS_BIAS=bias is not None,
+            SHARED=shared,
+            EVEN_K=dim % bk == 0,
+            PRECISION=precision(hidden.dtype),
+            SMOOTH=smoothing != 0.0,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            INLINE=inline,
+            CHUNK=chunk_w,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        project_backward(
+            g,
+            hid_c,
+            weight,
+            c_seg,
+            max_t,
+            need_hidden,
+            need_weight,
+            need_bias,
+            deterministic,
+            dw_out=dw,
+            db_out=db,
+            dh_out=d_hidden[t_lo:t_hi] if need_hidden else None,
+        )
     return d_hidden, dw if need_weight else None, db
 
 
@@ -276,14 +461,18 @@ def _ce_chunks(seg: Segments, host_h_off, host_v_off, chunk_elems, device):
                 l_rel = [0]
                 for b in range(start, stop):
                     l_rel.append(l_rel[-1] + (host_h_off[b + 1] - host_h_off[b]) * v_len(b))
-                c_h_off = to_device([o - t_lo for o in host_h_off[start:stop + 1]], torch.int32, device)
+                c_h_off = to_device([o - t_lo for o in host_h_off[start : stop + 1]], torch.int32, device)
                 c_l_off = to_device(l_rel, torch.int64, device)
                 if shared:
                     c_ids, c_v_off = seg.ids, None
                 else:
                     v_lo = host_v_off[start]
-                    c_ids = seg.ids[v_lo:host_v_off[stop]]
-                    c_v_off = to_device([o - v_lo for o in host_v_off[start:stop + 1]], torch.int32, device)
-                yield Segments(c_h_off, c_v_off, c_l_off, c_ids, stop - start, c_ids.shape[0] if shared else 0), \
-                    t_lo, t_hi, size
+                    c_ids = seg.ids[v_lo : host_v_off[stop]]
+                    c_v_off = to_device([o - v_lo for o in host_v_off[start : stop + 1]], torch.int32, device)
+                yield (
+                    Segments(c_h_off, c_v_off, c_l_off, c_ids, stop - start, c_ids.shape[0] if shared else 0),
+                    t_lo,
+                    t_hi,
+                    size,
+                )
         start = stop
