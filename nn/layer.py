@@ -38,7 +38,7 @@ from torch import nn
 
 from ragged import backends
 from ragged.backends import Implementation
-from ragged.ops.attention import ATTENTION, NO_WINDOW, dropout_seed
+from ragged.ops.attention import ATTENTION, AttentionArgs, dropout_seed, spec_of
 from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
 
 from .layer_backward import layer_backward
@@ -56,37 +56,37 @@ FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 def _forward(
-    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, k, saved: list | None = None
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, steps, saved: list | None = None
 ) -> torch.Tensor:
-    """The layer on ``values x [T, d]`` through kernel set ``k``; with ``saved``, everything the
+    """The layer on ``values x [T, d]`` through the kernel set ``steps``; with ``saved``, everything the
     backward reads is appended to it (see :data:`SAVED`)."""
     w = spec.weights
     p_attn, p1, p_ff, p2 = spec.dropout
     eps1, eps2 = spec.eps
     if spec.norm_first:
-        h1, _, mean1, rstd1 = k.norm(x, None, w.norm1_w, w.norm1_b, eps1, False)
+        h1, _, mean1, rstd1 = steps.norm(x, None, w.norm1_w, w.norm1_b, eps1, False)
     else:
         h1, mean1, rstd1 = x, None, None
-    a, attn = k.attention(_linear(h1, w.in_w, w.in_b), cu, max_len, spec, causal, p_attn)
+    a, attn = steps.attention(_linear(h1, w.in_w, w.in_b), cu, max_len, spec, causal, p_attn)
     sa, m1 = _linear(a, w.out_w, w.out_b), None
     if p1:
-        sa, m1 = k.dropout(sa, p1)
+        sa, m1 = steps.dropout(sa, p1)
     if spec.norm_first:
-        h2, x1, mean2, rstd2 = k.norm(sa, x, w.norm2_w, w.norm2_b, eps2, True)
+        h2, x1, mean2, rstd2 = steps.norm(sa, x, w.norm2_w, w.norm2_b, eps2, True)
     else:
-        x1, _, mean2, rstd2 = k.norm(sa, x, w.norm1_w, w.norm1_b, eps1, False)
+        x1, _, mean2, rstd2 = steps.norm(sa, x, w.norm1_w, w.norm1_b, eps1, False)
         h2 = x1
-    g, hid = k.ff_in(h2, w.ff1_w, w.ff1_b, spec.activation)
+    g, hid = steps.ff_in(h2, w.ff1_w, w.ff1_b, spec.activation)
     m2 = m3 = None
     if p_ff:
-        g, m2 = k.dropout(g, p_ff)
+        g, m2 = steps.dropout(g, p_ff)
     f = _linear(g, w.ff2_w, w.ff2_b)
     if p2:
-        f, m3 = k.dropout(f, p2)
+        f, m3 = steps.dropout(f, p2)
     if spec.norm_first:
-        y, mean3, rstd3 = k.residual(x1, f), None, None
+        y, mean3, rstd3 = steps.residual(x1, f), None, None
     else:
-        y, _, mean3, rstd3 = k.norm(f, x1, w.norm2_w, w.norm2_b, eps2, False)
+        y, _, mean3, rstd3 = steps.norm(f, x1, w.norm2_w, w.norm2_b, eps2, False)
     if saved is not None:
         saved += (x, cu, h1, mean1, rstd1, *attn, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2, f, m3, mean3, rstd3)
     return y
@@ -138,8 +138,23 @@ class Saved:
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         self.seed = dropout_seed(p, q.device)
-        bias = () if spec.position_bias is None else (-1, -1, *spec.position_bias)
-        o, lse = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, p, self.seed, *bias)[:2]
+        table, buckets = spec.position_bias or (None, None)
+        args = AttentionArgs(
+            q=q,
+            k=k,
+            v=v,
+            cu_q=cu,
+            cu_k=cu,
+            max_q=max_len,
+            max_k=max_len,
+            causal=causal,
+            scale=spec.scale,
+            dropout_p=p,
+            seed=self.seed,
+            bias_table=table,
+            bias_buckets=buckets,
+        )
+        o, lse = self._attention(args)
         return o.reshape(n_tok, spec.d_model), (q, k, v, o, lse)
 
     def ff_in(self, h, w1, b1, act):
@@ -188,9 +203,21 @@ class Direct(Saved):
             return self._packed(qkv, cu, max_len, spec.heads, causal, spec.scale), ()
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
-        extra = () if bias is None else (-1, -1, *bias)
-        o = self._attention(q, k, v, cu, cu, max_len, max_len, causal, spec.scale, 0.0, 0, *extra)[0]
-        return o.reshape(n_tok, spec.d_model), ()
+        table, buckets = bias or (None, None)
+        args = AttentionArgs(
+            q=q,
+            k=k,
+            v=v,
+            cu_q=cu,
+            cu_k=cu,
+            max_q=max_len,
+            max_k=max_len,
+            causal=causal,
+            scale=spec.scale,
+            bias_table=table,
+            bias_buckets=buckets,
+        )
+        return self._attention(args).out.reshape(n_tok, spec.d_model), ()
 
     @staticmethod
     def residual(x1, f):
@@ -223,25 +250,23 @@ class Recorded:
         n_tok = qkv.shape[0]
         q, k, v = qkv.view(n_tok, 3, spec.heads, spec.head_dim).unbind(1)
         with attention_dtype(q):
-            table, buckets = (None, None) if spec.position_bias is None else spec.position_bias
-            o = ATTENTION(
-                q,
-                k,
-                v,
-                cu,
-                cu,
-                max_len,
-                max_len,
-                causal,
-                spec.scale,
-                p,
-                dropout_seed(p, q.device),
-                -1,
-                -1,
-                table,
-                buckets,
-                self.attention_backend,
-            )[0]
+            table, buckets = spec.position_bias or (None, None)
+            args = AttentionArgs(
+                q=q,
+                k=k,
+                v=v,
+                cu_q=cu,
+                cu_k=cu,
+                max_q=max_len,
+                max_k=max_len,
+                causal=causal,
+                scale=spec.scale,
+                dropout_p=p,
+                seed=dropout_seed(p, q.device),
+                bias_table=table,
+                bias_buckets=buckets,
+            )
+            o = ATTENTION(args, self.attention_backend).out
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):
@@ -271,6 +296,10 @@ def attention_dtype(q: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
+# LayerFunction.apply's operands before the weights, in order (backward returns a gradient for each).
+_APPLY_OPERANDS = ("x", "cu", "spec", "kernels", "max_len", "causal", "table")
+
+
 class LayerFunction(torch.autograd.Function):
     """``apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights) -> y``: the layer's
     training forward as one autograd node (the weights, and the position bias's table or None,
@@ -279,10 +308,10 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cu, spec, kernels, max_len, causal, table, *weights):
-        k = Saved(kernels)
+        steps = Saved(kernels)
         saved: list = []
-        y = _forward(spec, x, cu, max_len, causal, k, saved)
-        ctx.spec, ctx.kernels, ctx.max_len, ctx.causal, ctx.seed = spec, kernels, max_len, causal, k.seed
+        y = _forward(spec, x, cu, max_len, causal, steps, saved)
+        ctx.spec, ctx.kernels, ctx.max_len, ctx.causal, ctx.seed = spec, kernels, max_len, causal, steps.seed
         ctx.save_for_backward(*saved, *weights)
         return y
 
@@ -291,22 +320,14 @@ class LayerFunction(torch.autograd.Function):
     def backward(ctx, dy):
         tensors = ctx.saved_tensors
         saved = dict(zip(SAVED, tensors[: len(SAVED)]))
-        weights = LayerWeights(*tensors[len(SAVED) :])
-        need = ctx.needs_input_grad
+        weights = LayerWeights._make(tensors[len(SAVED) :])
+        need = dict(zip(_APPLY_OPERANDS, ctx.needs_input_grad))
+        need_weights = LayerWeights._make(ctx.needs_input_grad[len(_APPLY_OPERANDS) :])
         grads = layer_backward(
-            ctx.spec,
-            weights,
-            ctx.kernels,
-            saved,
-            ctx.max_len,
-            ctx.causal,
-            ctx.seed,
-            dy,
-            need[0],
-            LayerWeights(*need[7:]),
+            ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy, need["x"], need_weights
         )
-        dtable = grads[-1] if need[6] else None
-        return (grads[0], None, None, None, None, None, dtable, *grads[1:-1])
+        operands = {"x": grads.x, "table": grads.table if need["table"] else None}
+        return (*(operands.get(name) for name in _APPLY_OPERANDS), *grads.weights)
 
 
 # --------------------------------------------------------------------------------------
@@ -320,30 +341,37 @@ def choose_kernels(
     for the layer's heads (and dropout, and whether a gradient is needed), the LayerNorm of
     backend ``fused`` (chosen once per stack by :func:`fused_backend`), and the bias +
     activation for the feed-forward width (cached: its reasons depend on nothing else here)."""
-    heads = x.view(x.shape[0], spec.heads, spec.head_dim)
-    attention = backends.select(
-        "attention",
-        None,
-        x.device,
-        heads,
-        heads,
-        heads,
-        cu,
-        cu,
-        max_len,
-        max_len,
-        causal,
-        spec.dropout[0],
-        needs_grad,
-        NO_WINDOW,
-        spec.position_bias,
-    )
+    attention = attention_for(spec, x, cu, max_len, causal, needs_grad)
     width = spec.weights.ff1_w.shape[0]
     return LayerKernels(
         attention,
         backends.implementation("add_layer_norm", fused),
         bias_act_for(x, width, spec.weights.ff1_b, spec.activation),
     )
+
+
+def attention_for(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, needs_grad: bool
+) -> Implementation:
+    """The attention implementation for the layer's heads over values like ``x [T, d]``: q, k and
+    v are views of the packed in-projection, strided like ``x`` viewed as heads."""
+    heads = x.view(x.shape[0], spec.heads, spec.head_dim)
+    table, buckets = spec.position_bias or (None, None)
+    args = AttentionArgs(
+        q=heads,
+        k=heads,
+        v=heads,
+        cu_q=cu,
+        cu_k=cu,
+        max_q=max_len,
+        max_k=max_len,
+        causal=causal,
+        scale=spec.scale,
+        dropout_p=spec.dropout[0],
+        bias_table=table,
+        bias_buckets=buckets,
+    )
+    return backends.select_spec("attention", None, spec_of(args, needs_grad))
 
 
 _BIAS_ACT: dict[tuple, Implementation] = {}
@@ -373,7 +401,7 @@ def fused_backend(x: torch.Tensor) -> str | None:
     return impl.backend if impl.backend != "torch" else None
 
 
-def weights_take(spec: LayerSpec, x: torch.Tensor, plain_only: bool) -> tuple[bool, bool]:
+def weights_match_input(spec: LayerSpec, x: torch.Tensor, plain_only: bool) -> tuple[bool, bool]:
     """``(ok, needs_grad)``: whether every weight is a tensor of ``x``'s dtype and device (with
     ``plain_only``, a plain Tensor or Parameter: no subclass), and whether one needs a gradient."""
     dtype, index = x.dtype, x.get_device()
@@ -437,8 +465,8 @@ def _compile_ahead(
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), compile_only():
             saved: list = []
-            k = Saved(kernels)
-            y = _forward(spec, x, cu, max_len, causal, k, saved)
+            steps = Saved(kernels)
+            y = _forward(spec, x, cu, max_len, causal, steps, saved)
             need = LayerWeights(*(t is not None and t.requires_grad for t in w))
             layer_backward(
                 spec,
@@ -447,7 +475,7 @@ def _compile_ahead(
                 dict(zip(SAVED, saved)),
                 max_len,
                 causal,
-                k.seed,
+                steps.seed,
                 torch.empty_like(y),
                 x.requires_grad,
                 need,
@@ -468,7 +496,7 @@ def run_layer(
     straight in inference, every op recorded otherwise (see the module docstring). ``fused``:
     :func:`fused_backend` of the stack; ``eager``: no tracing, fake tensors or dispatch modes."""
     if fused is not None and eager and spec.fused_activation and x.shape[0] and x.is_contiguous():
-        ok, needs_grad = weights_take(spec, x, plain_only=False)
+        ok, needs_grad = weights_match_input(spec, x, plain_only=False)
         if ok:
             kernels = choose_kernels(spec, x, cu, max_len, causal, fused, needs_grad)
             if needs_grad:
@@ -476,30 +504,13 @@ def run_layer(
                 table = None if spec.position_bias is None else spec.position_bias[0]
                 return LayerFunction.apply(x, cu, spec, kernels, max_len, causal, table, *spec.weights)
             if not needs_grad:
-                if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_take(spec, x, plain_only=True)[0]:
+                if spec.dropout == (0.0, 0.0, 0.0, 0.0) and weights_match_input(spec, x, plain_only=True)[0]:
                     return _forward(spec, x, cu, max_len, causal, Direct(kernels))
                 return _forward(spec, x, cu, max_len, causal, Saved(kernels))
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or any(p is not None and p.requires_grad for p in spec.weights)
     )
-    view = x.view(x.shape[0], spec.heads, spec.head_dim)
-    attention = backends.select(
-        "attention",
-        None,
-        x.device,
-        view,
-        view,
-        view,
-        cu,
-        cu,
-        max_len,
-        max_len,
-        causal,
-        spec.dropout[0],
-        needs_grad,
-        NO_WINDOW,
-        spec.position_bias,
-    ).backend
+    attention = attention_for(spec, x, cu, max_len, causal, needs_grad).name
     bias_act = None
     if fused is not None and spec.fused_activation:
         bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).backend
@@ -516,11 +527,11 @@ def run_stack(
     if x.shape[0] == 0 or not x.is_contiguous() or (torch.is_grad_enabled() and x.requires_grad):
         return None
     sets: dict[tuple, Direct] = {}
-    steps = []
+    plan = []
     for spec in specs:
         if not spec.fused_activation or spec.dropout != (0.0, 0.0, 0.0, 0.0):
             return None
-        ok, needs_grad = weights_take(spec, x, plain_only=True)
+        ok, needs_grad = weights_match_input(spec, x, plain_only=True)
         if not ok or needs_grad:
             return None
         key = (
@@ -531,12 +542,12 @@ def run_stack(
             None if spec.weights.ff1_b is None else spec.weights.ff1_b.dtype,
             spec.position_bias is None,
         )
-        k = sets.get(key)
-        if k is None:
-            k = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))
-        steps.append((spec, k))
-    for spec, k in steps:
-        x = _forward(spec, x, cu, max_len, causal, k)
+        direct = sets.get(key)
+        if direct is None:
+            direct = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))
+        plan.append((spec, direct))
+    for spec, direct in plan:
+        x = _forward(spec, x, cu, max_len, causal, direct)
     return x
 
 

@@ -21,9 +21,22 @@ and sums: the same gradients, in more launches.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
+
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
+
+
+class LayerGrads(NamedTuple):
+    """The gradients of one layer: of its input ``x``, of each weight (None where not wanted or
+    absent) and of the position bias's table (``spec.position_bias``; None without one)."""
+
+    x: torch.Tensor | None
+    weights: LayerWeights
+    table: torch.Tensor | None
 
 
 def _dropout_backward(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
@@ -122,11 +135,10 @@ def layer_backward(
     dy: torch.Tensor,
     need_x: bool,
     need: LayerWeights,
-) -> tuple:
-    """``(dx, *dweights, dtable)`` of the layer for the gradient ``dy`` of its output; ``s``: the
-    tensors the forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight,
-    whether its gradient is wanted; ``dtable``: the gradient of the position bias's table
-    (``spec.position_bias``), None without one."""
+) -> LayerGrads:
+    """The layer's gradients for the gradient ``dy`` of its output; ``s``: the tensors the
+    forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight, whether its
+    gradient is wanted."""
     norm_first = spec.norm_first
     p_attn, p1, p_ff, p2 = spec.dropout
     heads, head_dim = spec.heads, spec.head_dim
@@ -219,26 +231,27 @@ def layer_backward(
     q, k, v = s["q"], s["k"], s["v"]
     da = torch.mm(dsa, w.out_w).view(n_tok, heads, head_dim)
     dqkv = torch.empty((n_tok, 3, heads, head_dim), dtype=q.dtype, device=q.device)
-    bias = () if spec.position_bias is None else (-1, -1, *spec.position_bias)
-    got = steps.attention(
-        da,
-        q,
-        k,
-        v,
-        s["o"],
-        s["lse"],
-        cu,
-        cu,
-        max_len,
-        max_len,
-        causal,
-        spec.scale,
-        p_attn,
-        seed,
-        *bias,
-        grads=dqkv.unbind(1),
+    table, buckets = spec.position_bias or (None, None)
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=cu,
+        cu_k=cu,
+        max_q=max_len,
+        max_k=max_len,
+        causal=causal,
+        scale=spec.scale,
+        dropout_p=p_attn,
+        seed=seed,
+        bias_table=table,
+        bias_buckets=buckets,
     )
-    dtable = got[3] if bias else None
+    dq, dk, dv = dqkv.unbind(1)
+    got = steps.attention(
+        args, AttentionBackwardInputs(grad_out=da, out=s["o"], lse=s["lse"]), grads=AttentionGrads(q=dq, k=dk, v=dv)
+    )
+    dtable = got.bias_table
     dqkv = dqkv.view(n_tok, 3 * d)
     dw_in = torch.mm(dqkv.t(), s["h1"]) if need.in_w else None
     db_in = _bias_grad(dqkv, w.in_b, need.in_b)
@@ -277,4 +290,18 @@ def layer_backward(
         dn1w, dn1b, dn2w, dn2b = got.get("n1w"), got.get("n1b"), got.get("n2w"), got.get("n2b")
         if not norm_first:
             db2 = got.get("b2")
-    return (dx, dw_in, db_in, dw_out, db_out, dn1w, dn1b, dw1, db1, dw2, db2, dn2w, dn2b, dtable)
+    weights = LayerWeights(
+        in_w=dw_in,
+        in_b=db_in,
+        out_w=dw_out,
+        out_b=db_out,
+        norm1_w=dn1w,
+        norm1_b=dn1b,
+        ff1_w=dw1,
+        ff1_b=db1,
+        ff2_w=dw2,
+        ff2_b=db2,
+        norm2_w=dn2w,
+        norm2_b=dn2b,
+    )
+    return LayerGrads(x=dx, weights=weights, table=dtable)

@@ -245,7 +245,10 @@ class Implementation:
     returns the reasons the data cannot express. ``backward_backend``: the backend whose
     backward runs after this forward (a forward-only kernel). ``extras``: further entry points
     by name (e.g. a fused dropout backward) that callers such as the layer core look up rather
-    than test a backend's name."""
+    than test a backend's name. ``variant``: a second implementation of the same backend (the
+    sm_90 attention kernels beside Triton's portable ones), registered as
+    ``<backend>_<variant>``; a forced backend runs the best-ranked of its implementations that
+    takes the input, ``"auto"`` the best-ranked of all."""
 
     op: str
     backend: str
@@ -261,13 +264,16 @@ class Implementation:
     # a number, or a function of the spec where the faster kernel depends on the shapes; None
     # (the torch reference): after every ranked implementation.
     rank: float | Callable[[Any], float] | None = None
+    variant: str = ""
 
     @property
     def name(self) -> str:
-        return self.backend
+        """The implementation's name in the registry (and the last operand of its op)."""
+        return f"{self.backend}_{self.variant}" if self.variant else self.backend
 
     def rank_for(self, spec) -> float:
-        """This implementation's place in ``"auto"``'s order for a CUDA input of ``spec``."""
+        """This implementation's place in ``"auto"``'s order for a CUDA input of ``spec`` (an
+        implementation :func:`prefer` names comes before every rank)."""
         rank = self.rank
         if rank is None:
             return math.inf
@@ -331,12 +337,23 @@ class OpEntry:
 
     spec: Callable[..., Any]  # operands -> the op's frozen spec
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
+    variants: bool = False  # whether a backend has more than one implementation
+    op: str = ""
     # (implementation names, their order) while no rank depends on the spec
     _static: tuple[tuple[str, ...], tuple[str, ...]] | None = dataclasses.field(default=None, repr=False)
 
     def gpu_preference(self, spec) -> tuple[str, ...]:
         """The backends of ``"auto"`` for a CUDA input of ``spec``, by their implementations'
         measured ranks (lowest first; equal ranks in registration order)."""
+        impls = self.impls
+        preferred = _preferred_name(self.op)
+        if preferred is not None and preferred in impls:
+            rest = tuple(n for n in self.gpu_preference_by_rank(spec) if n != preferred)
+            return (preferred, *rest)
+        return self.gpu_preference_by_rank(spec)
+
+    def gpu_preference_by_rank(self, spec) -> tuple[str, ...]:
+        """:meth:`gpu_preference` without preferences: the measured ranks alone."""
         impls = self.impls
         names = tuple(impls)
         static = self._static
@@ -354,9 +371,10 @@ _PENDING: dict[str, list[Implementation]] = {}  # implementations declared befor
 
 def declare_op(op: str, spec: Callable[..., Any]) -> None:
     """Called by :func:`ragged.opdef.define`: the op and its spec function."""
-    entry = _OPS[op] = OpEntry(spec)
+    entry = _OPS[op] = OpEntry(spec, op=op)
     for impl in _PENDING.pop(op, ()):
-        entry.impls[impl.backend] = impl
+        entry.impls[impl.name] = impl
+        entry.variants = entry.variants or bool(impl.variant)
 
 
 def register(*impls: Implementation) -> None:
@@ -371,7 +389,8 @@ def register(*impls: Implementation) -> None:
         if entry is None:
             _PENDING.setdefault(impl.op, []).append(impl)
         else:
-            entry.impls[impl.backend] = impl
+            entry.impls[impl.name] = impl
+            entry.variants = entry.variants or bool(impl.variant)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -379,9 +398,10 @@ def implementations(op: str) -> dict[str, Implementation]:
     return _OPS[op].impls
 
 
-def implementation(op: str, backend: str) -> Implementation:
-    """The registered implementation of ``op`` by ``backend`` (KeyError when there is none)."""
-    return _OPS[op].impls[backend]
+def implementation(op: str, name: str) -> Implementation:
+    """The registered implementation ``name`` of ``op`` (a backend's name, or
+    ``<backend>_<variant>``; KeyError when there is none)."""
+    return _OPS[op].impls[name]
 
 
 def op_entry(op: str) -> OpEntry | None:
@@ -436,21 +456,101 @@ def select_spec(op: str, backend: str | None, spec, *, fn: str | None = None) ->
     name = get_backend() if backend is None else check_name(fn or f"ragged.{op}", backend)
     entry = _OPS[op]
     if name != "auto":
-        impl = entry.impls.get(name)
-        if impl is None:
-            if name is _EXPLAIN:
-                raise ChoiceCaptured(op, spec)
-            raise ValueError(
-                f"{fn or f'ragged.{op}'}(): backend {name!r} has no implementation of this op "
-                f"(available: {sorted(entry.impls)})"
-            )
+        if name is _EXPLAIN:
+            raise ChoiceCaptured(op, spec)
+        return forced_choice(entry, name, spec, fn or f"ragged.{op}")
+    return auto_choice(entry, spec)
+
+
+def forced_choice(entry: OpEntry, backend: str, spec, fn: str) -> Implementation:
+    """A forced backend: the best-ranked of its implementations that takes ``spec`` (its one
+    implementation, for most ops); ``ValueError`` with the reasons when none does."""
+    impl = entry.impls.get(backend)
+    if impl is not None and not entry.variants:  # one implementation per backend: the common case
         reasons = impl.reasons(spec)
         if reasons:
-            raise ValueError(
-                f"{fn or f'ragged.{op}'}(): backend {name!r} cannot take this input: " + "; ".join(reasons)
-            )
+            raise ValueError(f"{fn}(): backend {backend!r} cannot take this input: " + "; ".join(reasons))
         return impl
-    return auto_choice(entry, spec)
+    own = [i for i in entry.impls.values() if i.backend == backend]
+    if not own:
+        raise ValueError(
+            f"{fn}(): backend {backend!r} has no implementation of this op (available: "
+            f"{sorted({i.backend for i in entry.impls.values()})})"
+        )
+    preferred = _preferred_name(entry.op)
+    if spec.device.type == "cuda":
+        own.sort(key=lambda i: -math.inf if i.name == preferred else i.rank_for(spec))
+    else:  # the backend's own implementation first, unless another is preferred
+        own.sort(key=lambda i: 0 if i.name == preferred else 1 if not i.variant else 2)
+    for candidate in own:
+        if not candidate.reasons(spec):
+            return candidate
+    primary = impl if impl is not None else own[0]
+    raise ValueError(f"{fn}(): backend {backend!r} cannot take this input: " + "; ".join(primary.reasons(spec)))
+
+
+# --------------------------------------------------------------------------------------
+# Preferences: an implementation named to come first where it can take the input (the sm_90
+# attention kernels switched on or off, in a benchmark or by the environment), read here and
+# shown by ragged.explain, never inside an implementation.
+
+_PREFERRED: dict[str, str] = {}  # prefer(): op -> implementation name ("": none), process-wide
+
+
+def _env_preferences() -> dict[str, str]:
+    """``RAGGED_PREFER="op=implementation,..."``, and ``RAGGED_ATTENTION_HOPPER`` (``1``: the sm_90
+    attention kernels, forward and backward, wherever they take the call; ``0``: the portable
+    Triton kernels; ``auto``, the default: ``"auto"``'s measured ranks)."""
+    out: dict[str, str] = {}
+    hopper = os.environ.get("RAGGED_ATTENTION_HOPPER", "auto")
+    if hopper not in ("auto", "0", "1"):
+        raise ValueError(f"RAGGED_ATTENTION_HOPPER (environment variable): expected 1, 0 or auto, got {hopper!r}")
+    if hopper != "auto":
+        out["attention"] = "triton_sm90_full" if hopper == "1" else "triton"
+    for item in filter(None, (p.strip() for p in os.environ.get("RAGGED_PREFER", "").split(","))):
+        op, sep, name = item.partition("=")
+        if not sep or not op.strip() or not name.strip():
+            raise ValueError(f"RAGGED_PREFER (environment variable): expected op=implementation[,...], got {item!r}")
+        out[op.strip()] = name.strip()
+    return out
+
+
+def _preferred_name(op: str) -> str | None:
+    """The implementation of ``op`` preferred now (a :func:`prefer` block, else the environment)."""
+    if op in _PREFERRED:
+        return _PREFERRED[op] or None
+    if "RAGGED_PREFER" not in os.environ and "RAGGED_ATTENTION_HOPPER" not in os.environ:
+        return None
+    return _env_preferences().get(op)
+
+
+def preferences() -> dict[str, str]:
+    """The implementations preferred now, by op (a :func:`prefer` block over the environment)."""
+    out = {**_env_preferences(), **_PREFERRED}
+    return {op: name for op, name in out.items() if name}
+
+
+@contextlib.contextmanager
+def prefer(op: str, name: str | None) -> Iterator[None]:
+    """In this block, implementation ``name`` of ``op`` comes first wherever it can take the input
+    (``"auto"`` and a forced backend of its own alike); None: no preference, the environment's
+    neither. Process-wide, not per thread: the backward of a call made inside the block runs on
+    autograd's own thread and must see the same choice."""
+    if op not in _OPS:
+        raise ValueError(f"ragged.backends.prefer(): unknown op {op!r} (known: {op_names()})")
+    if name is not None and name not in _OPS[op].impls:
+        raise ValueError(
+            f"ragged.backends.prefer(): {op} has no implementation {name!r} (known: {sorted(_OPS[op].impls)})"
+        )
+    had, before = op in _PREFERRED, _PREFERRED.get(op, "")
+    _PREFERRED[op] = name or ""
+    try:
+        yield
+    finally:
+        if had:
+            _PREFERRED[op] = before
+        else:
+            _PREFERRED.pop(op, None)
 
 
 def auto_choice(entry: OpEntry, spec) -> Implementation:

@@ -80,6 +80,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads, AttentionOutput
 from ..tensor import RaggedTensor
 from ..utils import check_int, check_offsets_tensor, check_tensor, describe, eager
 from . import attention_cpu
@@ -104,8 +105,10 @@ class AttentionSpec:
     ``D``, the query and key/value heads, the batch size ``B``, the longest query and key
     sequences (host ints), bottom-right causal masking, the dropout probability, whether a
     backward will follow (some query, key, value or bias table requires grad), the sliding window
-    ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none), and the rows of
-    the relative-position bias table (0: no position bias)."""
+    ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none), the rows of
+    the relative-position bias table (0: no position bias), and whether q, k and v may be moved
+    by TMA (16-byte aligned addresses and row strides, unit feature stride; None where the
+    addresses are unknown: traced by torch.compile)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -120,6 +123,7 @@ class AttentionSpec:
     needs_grad: bool
     window_size: tuple[int, int] = NO_WINDOW
     bias_buckets: int = 0
+    tma_aligned: bool | None = None
 
 
 def attention_spec(
@@ -159,240 +163,166 @@ def attention_spec(
         bool(needs_grad),
         window,
         buckets,
+        (_tma_aligned(q) and _tma_aligned(k) and _tma_aligned(v)) if eager(q, k, v) else None,
     )
 
 
-def _signature(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    seed: int,
-    window_left: int,
-    window_right: int,
-    bias_table: Tensor | None,
-    bias_buckets: Tensor | None,
-) -> tuple[Tensor, Tensor]: ...
+def _tma_aligned(t: Tensor) -> bool:
+    size = t.element_size()
+    return (
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and (t.stride(0) * size) % 16 == 0
+        and (t.stride(1) * size) % 16 == 0
+    )
 
 
-def _backward_signature(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    seed: int,
-    window_left: int,
-    window_right: int,
-    bias_table: Tensor | None,
-    bias_buckets: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+def spec_of(args: AttentionArgs, needs_grad: bool) -> AttentionSpec:
+    """The spec of a call with operands ``args`` (the window already as :func:`effective_window`
+    gives it)."""
+    window = (args.window_left, args.window_right)
+    bias = None if args.bias_table is None else (args.bias_table, args.bias_buckets)
+    return attention_spec(
+        args.q,
+        args.k,
+        args.v,
+        args.cu_q,
+        args.cu_k,
+        args.max_q,
+        args.max_k,
+        args.causal,
+        args.dropout_p,
+        needs_grad,
+        NO_WINDOW if window == NO_WINDOW else window,
+        bias,  # type: ignore[arg-type]
+    )
 
 
-def _setup(ctx, inputs, output):
-    (
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        causal,
-        scale,
-        dropout_p,
-        seed,
-        window_left,
-        window_right,
-        bias_table,
-        bias_buckets,
-        backend,
-    ) = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, bias_table, bias_buckets)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right)
-    ctx.backend = backend
+def _setup(ctx, args: AttentionArgs, output: AttentionOutput) -> None:
+    ctx.save_for_backward(
+        args.q, args.k, args.v, output.out, output.lse, args.cu_q, args.cu_k, args.bias_table, args.bias_buckets
+    )
+    ctx.args = args._replace(q=None, k=None, v=None, cu_q=None, cu_k=None, bias_table=None, bias_buckets=None)
 
 
-def _backward(ctx, do, dlse):
-    # lse is a constant of the graph (non_differentiable below): dlse is never used.
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor) -> AttentionGrads:
+    # lse is a constant of the graph (non_differentiable below): its gradient is never used.
     q, k, v, out, lse, cu_q, cu_k, bias_table, bias_buckets = ctx.saved_tensors
-    # The backend's backward follows its declaration (the forward-only CUDA kernel: Triton's).
-    grads = ATTENTION.call_backward(
-        do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args, bias_table, bias_buckets, ctx.backend
-    )
-    dtable = grads[3] if len(grads) > 3 else None  # an implementation's dtable follows (dq, dk, dv) when given
-    # no gradient for cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window_left, window_right, nor
-    # bias_buckets (an index)
-    return (*grads[:3], *(None,) * 10, dtable, None)
+    args = ctx.args._replace(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, bias_table=bias_table, bias_buckets=bias_buckets)
+    # The implementation's backward follows its declaration (the forward-only CUDA kernel: Triton's).
+    inputs = AttentionBackwardInputs(grad_out.contiguous(), out, lse)
+    return ATTENTION.call_backward(args, inputs, ctx.impl)
 
 
-def _backward_fake(
-    do,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left,
-    window_right,
-    bias_table,
-    bias_buckets,
-):
-    dtable = q.new_empty(0) if bias_table is None else torch.empty_like(bias_table)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
+def _fake(args: AttentionArgs) -> AttentionOutput:
+    q = args.q
+    return AttentionOutput(torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32))
+
+
+def _backward_fake(args: AttentionArgs, inputs: AttentionBackwardInputs) -> AttentionGrads:
+    table = None if args.bias_table is None else torch.empty_like(args.bias_table)
+    return AttentionGrads(torch.empty_like(args.q), torch.empty_like(args.k), torch.empty_like(args.v), table)
 
 
 ATTENTION = opdef.define(
     "attention",
-    _signature,
+    AttentionArgs,
+    AttentionOutput,
     spec=attention_spec,
     setup=_setup,
     backward=_backward,
-    fake=lambda q, k, v, *_: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)),
-    backward_signature=_backward_signature,
+    fake=_fake,
+    backward_inputs=AttentionBackwardInputs,
+    grads=AttentionGrads,
     backward_fake=_backward_fake,
-    backward_present=lambda *operands: (True, True, True, operands[16] is not None),
-    non_differentiable=lambda inputs, output: (output[1],),
+    non_differentiable=lambda args, output: (output.lse,),
+    schema_types={"seed": int},  # eager calls under CUDA-graph capture pass a device tensor
 )
 
 
-def _reference_mask(q, cu_q, max_k, dropout_p, seed):
-    if dropout_p == 0:
+def _reference_mask(args: AttentionArgs):
+    if args.dropout_p == 0:
         return None
-    return reference_dropout_mask(seed, dropout_p, cu_q, q.shape[1], q.shape[0], max_k, q.device)
+    q = args.q
+    return reference_dropout_mask(args.seed, args.dropout_p, args.cu_q, q.shape[1], q.shape[0], args.max_k, q.device)
 
 
-def _reference_forward(
-    q,
-    k,
-    v,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left=-1,
-    window_right=-1,
-    bias_table=None,
-    bias_buckets=None,
-):
-    bias = None if bias_table is None else (bias_table, bias_buckets)
-    if attention_cpu.available(q, dropout_p):  # one fused call per group of lengths, not per sequence
+def _reference_forward(args: AttentionArgs) -> AttentionOutput:
+    q = args.q
+    window = (args.window_left, args.window_right)
+    bias = None if args.bias_table is None else (args.bias_table, args.bias_buckets)
+    if attention_cpu.available(q, args.dropout_p):  # one fused call per group of lengths, not per sequence
         with torch.no_grad():
             out, lse = attention_cpu.grouped_attention(
                 q,
-                k,
-                v,
-                cu_q.tolist(),
-                cu_k.tolist(),
-                causal,
-                scale,
-                (window_left, window_right),
-                None if bias is None else (*bias, max_q),
+                args.k,
+                args.v,
+                args.cu_q.tolist(),
+                args.cu_k.tolist(),
+                args.causal,
+                args.scale,
+                window,
+                None if bias is None else (*bias, args.max_q),
             )
     else:
-        mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
         with torch.no_grad():
             out, lse = reference_attention(
                 q,
-                k,
-                v,
-                cu_q,
-                cu_k,
-                causal,
-                scale,
-                mask,
-                dropout_p,
-                window_size=(window_left, window_right),
+                args.k,
+                args.v,
+                args.cu_q,
+                args.cu_k,
+                args.causal,
+                args.scale,
+                _reference_mask(args),
+                args.dropout_p,
+                window_size=window,
                 position_bias=bias,
-                max_seqlen_q=max_q,
+                max_seqlen_q=args.max_q,
             )
     spare = q.shape[0] - out.shape[0]  # rows past the last offset (a graphed bucket's): zeros, as the op's shape
     if spare > 0:
         out = torch.cat([out, out.new_zeros((spare, *out.shape[1:]))])
         lse = torch.cat([lse, lse.new_zeros((spare, lse.shape[1]))])
-    return out, lse
+    return AttentionOutput(out, lse)
 
 
 def _reference_backward(
-    do,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left=-1,
-    window_right=-1,
-    bias_table=None,
-    bias_buckets=None,
-    grads=None,
-):
-    """The op's backward by :func:`reference_attention_backward`: ``(dq, dk, dv)``, and ``dtable``
-    after them with a bias table; ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of
-    q, k, v, any strides) copied into and returned."""
-    mask = _reference_mask(q, cu_q, max_k, dropout_p, seed)
-    bias = None if bias_table is None else (bias_table, bias_buckets)
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None = None
+) -> AttentionGrads:
+    """The op's backward by :func:`reference_attention_backward`; ``grads``: optional preallocated
+    ``q``, ``k``, ``v`` gradients (shapes of q, k, v, any strides) copied into and returned."""
+    bias = None if args.bias_table is None else (args.bias_table, args.bias_buckets)
     result = reference_attention_backward(
-        do,
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        causal,
-        scale,
-        mask,
-        dropout_p,
-        (window_left, window_right),
+        inputs.grad_out,
+        args.q,
+        args.k,
+        args.v,
+        args.cu_q,
+        args.cu_k,
+        args.causal,
+        args.scale,
+        _reference_mask(args),
+        args.dropout_p,
+        (args.window_left, args.window_right),
         position_bias=bias,
-        max_seqlen_q=max_q,
+        max_seqlen_q=args.max_q,
     )
+    computed = AttentionGrads(*result)
     if grads is None:
-        return result
+        return computed
     fn = "ragged.ops.attention._reference_backward"
-    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
-        raise TypeError(f"{fn}(): expected grads as a tuple (dq, dk, dv), got {type(grads).__name__}")
-    for name, buf, grad in zip(("dq", "dk", "dv"), grads, result):
+    if not isinstance(grads, AttentionGrads):
+        raise TypeError(f"{fn}(): expected grads as an AttentionGrads record, got {type(grads).__name__}")
+    for name in ("q", "k", "v"):
+        buf, grad = getattr(grads, name), getattr(computed, name)
         if not isinstance(buf, torch.Tensor) or buf.shape != grad.shape:
             raise ValueError(
-                f"{fn}(): expected {name} of shape {tuple(grad.shape)}, got "
+                f"{fn}(): expected the gradient of {name} of shape {tuple(grad.shape)}, got "
                 f"{tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}"
             )
         buf.copy_(grad)
-    return (*grads, *result[3:])
+    return computed._replace(q=grads.q, k=grads.k, v=grads.v)
 
 
 backends.register(backends.Implementation("attention", "torch", _reference_forward, _reference_backward))
@@ -657,34 +587,32 @@ def _varlen(
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (table is not None and table.requires_grad)
     )
-    backend = backends.select(
-        "attention",
-        backend,
-        q.device,
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        causal,
-        dropout_p,
-        needs_grad,
-        window,
-        position_bias,
-        fn=caller.fn,
-    ).backend
-    if not checked and backend == "torch" and eager(cu_q, cu_k):
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=max_q,
+        max_k=max_k,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        window_left=window[0],
+        window_right=window[1],
+        bias_table=table,
+        bias_buckets=buckets,
+    )
+    impl = backends.select_spec("attention", backend, spec_of(args, needs_grad), fn=caller.fn)
+    if not checked and impl.backend == "torch" and eager(cu_q, cu_k):
         # The reference reads the offsets on the host anyway: check them rather than return
         # a wrong number of rows (and the buckets rather than index out of the table).
         _check_offset_values(caller, cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
         if buckets is not None:
             check_bucket_values(caller.fn, table, buckets)
-    seed = dropout_seed(dropout_p, q.device)
-    out, lse = ATTENTION(
-        q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed, window[0], window[1], table, buckets, backend
-    )
+    if dropout_p:
+        args = args._replace(seed=dropout_seed(dropout_p, q.device))
+    out, lse = ATTENTION(args, impl.name)
     return (out, lse) if return_lse else out
 
 

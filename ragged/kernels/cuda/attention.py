@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ...records.attention import AttentionArgs, AttentionOutput
 from . import ATTENTION_SHORT_HEAD_DIMS as HEAD_DIMS
 from . import ATTENTION_SHORT_MAX_LEN as MAX_LEN
 from .launch import Params, launch
@@ -171,42 +172,29 @@ def packed_self_attention(
     return out
 
 
-def forward(
-    q,
-    k,
-    v,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left=-1,
-    window_right=-1,
-    bias_table=None,
-    bias_buckets=None,
-):
-    """``(out [Tq, H, D], lse [Tq, H] float32)``; see :mod:`ragged.ops.attention`. No sliding
-    window: ``window_left`` / ``window_right`` are the op's operands, and must be ``-1``. A
-    position bias (``bias_table [num_buckets, H]``, ``bias_buckets [max_q + max_k - 1]``) runs
-    the ``_bias`` kernels."""
-    if dropout_p > 0:
+def forward(args: AttentionArgs) -> AttentionOutput:
+    """The output record of :mod:`ragged.ops.attention`'s op. No sliding window and no dropout
+    (the implementation's reasons decline them; a direct call with either raises). A position
+    bias (``bias_table [num_buckets, H]``, ``bias_buckets [max_q + max_k - 1]``) runs the
+    ``_bias`` kernels."""
+    q, k, v, cu_q, cu_k = args.q, args.k, args.v, args.cu_q, args.cu_k
+    max_q, max_k, causal, scale = args.max_q, args.max_k, args.causal, args.scale
+    bias_table, bias_buckets = args.bias_table, args.bias_buckets
+    if args.dropout_p > 0:
         raise ValueError("the CUDA short-sequence attention kernel has no dropout")
     if (bias_table is None) != (bias_buckets is None):
         raise ValueError("the CUDA short-sequence attention kernel takes bias_table and bias_buckets together")
-    if window_left != -1 or window_right != -1:
+    if args.window_left != -1 or args.window_right != -1:
         raise ValueError(
             f"the CUDA short-sequence attention kernel has no sliding window, got window_size="
-            f"({window_left}, {window_right})"
+            f"({args.window_left}, {args.window_right})"
         )
     total_q, heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0 or heads == 0:
-        return out, lse
+        return AttentionOutput(out, lse)
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernel reads cu[b] at cu + b
     bias = bias_table is not None
@@ -215,7 +203,7 @@ def forward(
     rows = _distance_rows(bias_table, bias_buckets) if bias else None
     bias_args = (rows.data_ptr(), rows.shape[1], max_q - 1) if bias else (0, 0, 0)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
-    args = (
+    launch_args = (
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
@@ -238,5 +226,5 @@ def forward(
         k.shape[0],
         *bias_args,
     )
-    launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, args)
-    return out, lse
+    launch(_SOURCE, kernel, q.device, batch * -(-heads // per_block), (warps * 32, 1), PARAMS, launch_args)
+    return AttentionOutput(out, lse)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backends import Implementation, import_error, register
+from ...backends import Implementation, import_error, register, triton_interpreted
 from ...utils import real_dtype_reasons
 
 _HERE = __name__
@@ -55,6 +55,66 @@ register(
         check=_attention_check,
         rank=1,
     )
+)
+
+
+# The sm_90 kernels (tiles moved by TMA; attention_hopper.py): fp16 / bf16 at head dims 64 and
+# 128, no position bias, q, k and v TMA-aligned, on an sm_90 GPU (or the interpreter). Two
+# implementations: the forward with the portable backward, which "auto" takes from a longest
+# query of AUTO_MIN_LEN tokens on (the H200 sweep of bench/tune_attention.py --hopper: faster
+# there at every head dim and mask, no gain or a loss below), and the forward with the sm_90
+# backward, measured no faster than the portable one, so taken only where preferred
+# (RAGGED_ATTENTION_HOPPER=1 or ragged.backends.prefer).
+ATTENTION_SM90_HEAD_DIMS = (64, 128)
+AUTO_MIN_LEN = 1024
+_MAJOR: dict[int, int] = {}
+
+
+def _sm90_check(spec) -> list[str]:
+    out = []
+    if spec.bias_buckets:
+        out.append("the sm_90 attention kernels take no position bias")
+    if spec.tma_aligned is False:
+        out.append("the sm_90 attention kernels need q, k and v with 16-byte aligned addresses and row strides")
+    if spec.device.type == "cuda":
+        index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
+        if index not in _MAJOR:
+            _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+        if _MAJOR[index] != 9:
+            out.append(f"the sm_90 attention kernels run on sm_90 GPUs, got compute capability {_MAJOR[index]}.x")
+    elif not triton_interpreted():
+        out.append(f"the sm_90 attention kernels run on CUDA tensors, got a {spec.device.type} tensor")
+    return out
+
+
+def _sm90_rank(spec) -> float:
+    return 0.5 if spec.max_q >= AUTO_MIN_LEN else 10.0
+
+
+_SM90 = {
+    "dtypes": (torch.float16, torch.bfloat16),
+    "limits": {"head_dim": ATTENTION_SM90_HEAD_DIMS},
+    "check": _sm90_check,
+}
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90",
+        backward_backend="triton",
+        variant="sm90",
+        rank=_sm90_rank,
+        **_SM90,  # type: ignore[arg-type]
+    ),
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90",
+        f"{_HERE}.attention:backward_sm90",
+        variant="sm90_full",
+        rank=20.0,
+        **_SM90,  # type: ignore[arg-type]
+    ),
 )
 
 

@@ -1,7 +1,8 @@
 """Triton varlen flash attention: the launchers of the kernels in :mod:`.attention_kernels`.
 
-:func:`forward` and :func:`backward` are the ``"triton"`` implementation of the attention op
-(declared in :mod:`ragged.kernels.triton`); :func:`dropout_keep_mask` gives the reference
+:func:`forward` and :func:`backward` are the ``"triton"`` implementation of the attention op,
+:func:`forward_sm90` / :func:`backward_sm90` its sm_90 variants (all declared in
+:mod:`ragged.kernels.triton`); :func:`dropout_keep_mask` gives the reference
 the kernels' own dropout pattern. Each launcher picks tile shapes from the head dim, the
 longest sequences and the dtype (:func:`_fwd_config`, :func:`_bwd_config`), builds the work
 list of query (or key) blocks without reading the offsets on the host, and launches on
@@ -15,6 +16,7 @@ import functools
 import torch
 import triton
 
+from ...records.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads, AttentionOutput
 from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from . import attention_hopper, attention_hopper_bwd
 from .attention_bias import distance_table, partial_buffer, table_gradient
@@ -26,7 +28,7 @@ from .attention_kernels import (
     _keep_mask_kernel,
 )
 
-__all__ = ["HEAD_DIMS", "backward", "dropout_keep_mask", "flops", "forward"]
+__all__ = ["HEAD_DIMS", "backward", "backward_sm90", "dropout_keep_mask", "flops", "forward", "forward_sm90"]
 
 
 @functools.cache
@@ -175,44 +177,41 @@ def _seed(seed, cu_q):
     return seed, cu_q
 
 
-def forward(
-    q,
-    k,
-    v,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left=-1,
-    window_right=-1,
-    bias_table=None,
-    bias_buckets=None,
-):
-    """``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16 or float32; ``D`` in
-    :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``(out [Tq, H, D] in q's dtype,
-    lse [Tq, H] float32)``; the operands of :mod:`ragged.ops.attention`'s op (the offsets are
-    trusted: see :mod:`.attention_kernels`). A sliding window (``window_left`` /
-    ``window_right``, ``-1``: unbounded) runs the kernels over the key blocks it reaches only.
-    ``bias_table [num_buckets, H]`` / ``bias_buckets [max_q + max_k - 1]``: the relative-position
-    bias, read per tile from one distance table (:mod:`.attention_bias`)."""
-    q, k, v = _rows(q), _rows(k), _rows(v)
-    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
+def forward(args: AttentionArgs) -> AttentionOutput:
+    """The portable kernels' forward: ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (float16, bfloat16
+    or float32; ``D`` in :data:`HEAD_DIMS`), ``cu_q, cu_k [B+1]`` int32/int64 -> ``out [Tq, H, D]``
+    in q's dtype and ``lse [Tq, H]`` float32 (the offsets are trusted: see
+    :mod:`.attention_kernels`). A sliding window runs the kernels over the key blocks it reaches
+    only; the relative-position bias is read per tile from one distance table
+    (:mod:`.attention_bias`)."""
+    return _forward(args, sm90=False)
+
+
+def forward_sm90(args: AttentionArgs) -> AttentionOutput:
+    """The sm_90 forward (:mod:`.attention_hopper`: tiles moved by TMA), for the calls its
+    implementation's declared reasons let through; a call whose tensors turn out not to be
+    TMA-aligned (known only at run time under torch.compile) or whose scale is not positive runs
+    the portable kernels."""
+    return _forward(args, sm90=True)
+
+
+def _forward(args: AttentionArgs, sm90: bool) -> AttentionOutput:
+    q, k, v = _rows(args.q), _rows(args.k), _rows(args.v)
+    cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()  # the kernels read cu[b] at cu + b
+    max_q, max_k, causal, scale, dropout_p = args.max_q, args.max_k, args.causal, args.scale, args.dropout_p
+    bias_table, bias_buckets = args.bias_table, args.bias_buckets
     total_q, heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     out = torch.empty_like(q)
     lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
-        return out, lse
-    window = _window(causal, window_left, window_right, max_q, max_k)
+        return AttentionOutput(out, lse)
+    window = _window(causal, args.window_left, args.window_right, max_q, max_k)
     interpreted = _interpreted()
-    if attention_hopper.usable(q, k, v, scale, dropout_p, window, bias_table, interpreted, max_q=max_q):
+    if sm90 and attention_hopper.runs(q, k, v, scale):
         shape = attention_hopper.config(head_dim, max_q, causal, interpreted, window is not None)
         cum, inline, chunk, n_steps = _worklist(cu_q, shape[0])
-        host_seed, seed_ptr = _seed(seed, cu_q)
+        host_seed, seed_ptr = _seed(args.seed, cu_q)
         attention_hopper.forward(
             q,
             k,
@@ -235,14 +234,14 @@ def forward(
             None if seed_ptr is cu_q else seed_ptr,
             shape,
         )
-        return out, lse
+        return AttentionOutput(out, lse)
     block_m, block_n, warps, stages = _fwd_config(
         head_dim, max_q, max_k, causal, q.dtype, interpreted, dropout_p > 0, bias_table is not None
     )
     win_left, win_right = window or (0, 0)
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
-    seed, seed_ptr = _seed(seed, cu_q)
+    seed, seed_ptr = _seed(args.seed, cu_q)
     dist = lse if bias_table is None else distance_table(bias_table, bias_buckets)  # lse: a pointer never read
     _fwd_kernel[grid](
         q,
@@ -290,10 +289,10 @@ def forward(
         num_warps=warps,
         num_stages=stages,
     )
-    return out, lse
+    return AttentionOutput(out, lse)
 
 
-def _grad_buffers(grads, q, k, v):
+def _grad_buffers(grads: AttentionGrads | None, q, k, v):
     """``(buffers the kernels write, the caller's buffers)``. A caller's buffer is written in place
     when its feature dim has unit stride (the kernels take token and head strides only); any
     other is given a temporary, copied into it at the end."""
@@ -301,50 +300,48 @@ def _grad_buffers(grads, q, k, v):
         mine = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         return mine, mine
     fn = "ragged.kernels.triton.attention.backward"
-    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
-        raise TypeError(f"{fn}(): expected grads as a tuple (dq, dk, dv), got {type(grads).__name__}")
+    if not isinstance(grads, AttentionGrads):
+        raise TypeError(f"{fn}(): expected grads as an AttentionGrads record, got {type(grads).__name__}")
     kernels = []
-    for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+    for name, g, like in zip(("q", "k", "v"), (grads.q, grads.k, grads.v), (q, k, v)):
         if not isinstance(g, torch.Tensor) or g.shape != like.shape or g.device != like.device:
             raise ValueError(
-                f"{fn}(): expected {name} of shape {tuple(like.shape)} on {like.device}, got "
+                f"{fn}(): expected the gradient of {name} of shape {tuple(like.shape)} on {like.device}, got "
                 f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}"
             )
         kernels.append(g if g.stride(-1) == 1 or g.shape[-1] <= 1 else torch.empty_like(like))
-    return tuple(kernels), tuple(grads)
+    return tuple(kernels), (grads.q, grads.k, grads.v)
 
 
 def backward(
-    do,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    window_left=-1,
-    window_right=-1,
-    bias_table=None,
-    bias_buckets=None,
-    grads=None,
-):
-    """``(dq, dk, dv)`` in the shapes and dtypes of ``q, k, v``, from ``do [Tq, H, D]`` and the
-    forward's ``out`` and ``lse [Tq, H]`` float32 (other operands as in :func:`forward`); with a
-    bias table, ``dtable`` (its shape and dtype) after them, summed per bucket in the dQ kernel
-    and reduced in a fixed order (:mod:`.attention_bias`: the same bits every run).
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None = None
+) -> AttentionGrads:
+    """The portable kernels' backward: the gradients of ``q, k, v`` in their shapes and dtypes from
+    ``inputs`` (the gradient of ``out``, and the forward's ``out`` and ``lse``); with a bias
+    table, its gradient too, summed per bucket in the dQ kernel and reduced in a fixed order
+    (:mod:`.attention_bias`: the same bits every run).
 
-    ``grads``: optional preallocated ``(dq, dk, dv)`` (shapes of q, k, v) the gradients are
-    written into and returned; any strides (views of one packed ``[T, 3, H, D]`` buffer are
-    written in place; a buffer whose feature dim is strided goes through a copy)."""
-    q, k, v, do = _rows(q), _rows(k), _rows(v), _rows(do)
-    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels read cu[b] at cu + b
+    ``grads``: optional preallocated gradients of q, k and v the kernels write into and return;
+    any strides (views of one packed ``[T, 3, H, D]`` buffer are written in place; a buffer whose
+    feature dim is strided goes through a copy)."""
+    return _backward(args, inputs, grads, sm90=False)
+
+
+def backward_sm90(
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None = None
+) -> AttentionGrads:
+    """The sm_90 backward (:mod:`.attention_hopper_bwd`), where ``do``, ``out`` and the gradient
+    buffers are TMA-aligned too (else the portable kernels, as :func:`forward_sm90`)."""
+    return _backward(args, inputs, grads, sm90=True)
+
+
+def _backward(
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None, sm90: bool
+) -> AttentionGrads:
+    q, k, v, do = _rows(args.q), _rows(args.k), _rows(args.v), _rows(inputs.grad_out)
+    cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()  # the kernels read cu[b] at cu + b
+    max_q, max_k, causal, scale, dropout_p = args.max_q, args.max_k, args.causal, args.scale, args.dropout_p
+    bias_table, bias_buckets = args.bias_table, args.bias_buckets
     total_q, heads, head_dim = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_q.shape[0] - 1
@@ -353,14 +350,14 @@ def backward(
     if batch == 0 or total_q == 0:
         if batch and total_k:
             result[1].zero_(), result[2].zero_()
-        return (*result, torch.zeros_like(bias_table)) if bias else result
+        return AttentionGrads(*result, torch.zeros_like(bias_table) if bias else None)
     delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
-    out = _rows(out)
-    lse = lse.contiguous()
-    window = _window(causal, window_left, window_right, max_q, max_k)
+    out = _rows(inputs.out)
+    lse = inputs.lse.contiguous()
+    window = _window(causal, args.window_left, args.window_right, max_q, max_k)
     interpreted = _interpreted()
-    if attention_hopper_bwd.usable(q, k, v, do, out, (dq, dk, dv), scale, dropout_p, window, bias_table, interpreted):
-        host_seed, seed_ptr = _seed(seed, cu_q)
+    if sm90 and attention_hopper_bwd.runs(q, k, v, do, out, (dq, dk, dv), scale):
+        host_seed, seed_ptr = _seed(args.seed, cu_q)
         attention_hopper_bwd.backward(
             q,
             k,
@@ -386,13 +383,13 @@ def backward(
         for mine, theirs in zip((dq, dk, dv), result):
             if mine is not theirs:
                 theirs.copy_(mine)
-        return result
+        return AttentionGrads(*result)
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = _bwd_config(
         head_dim, max_q, max_k, causal, q.dtype, interpreted, bias_table is not None
     )
     group = heads // kv_heads
     win_left, win_right = window or (0, 0)
-    seed, seed_ptr = _seed(seed, cu_q)
+    seed, seed_ptr = _seed(args.seed, cu_q)
     common = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -510,7 +507,7 @@ def backward(
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
-    return (*result, table_gradient(partial, bias_table)) if bias else result
+    return AttentionGrads(*result, table_gradient(partial, bias_table) if bias else None)
 
 
 def dropout_keep_mask(

@@ -31,12 +31,13 @@ CUDA C++).
 It takes fp16/bf16 at head dims 64 and 128, with causal masks, sliding windows and dropout
 (the portable kernels' masks and dropout hash) but no position bias, on sm_90 (or under
 ``TRITON_INTERPRET=1``), with 16-byte aligned operands whose token and head strides are
-multiples of 16 bytes (the TMA's rules); :func:`usable` says whether a call is one.
-Everything else runs the portable kernels. ``RAGGED_ATTENTION_HOPPER`` (:func:`mode`):
-``auto`` (the default) takes the forward of long batches, where the H200 sweep of
-``bench/tune_attention.py --hopper`` measured it faster, and leaves their backward to the
-portable kernels; ``1`` takes every call it can, its backward with :mod:`.attention_hopper_bwd`;
-``0`` none.
+multiples of 16 bytes (the TMA's rules). Two implementations of the attention op run it,
+declared with their reasons and ranks in :mod:`ragged.kernels.triton`: ``"triton_sm90"``
+(this forward, the portable backward; ``"auto"`` takes it for long batches, where the sweep of
+``bench/tune_attention.py --hopper`` measured it faster) and ``"triton_sm90_full"`` (its
+backward too, :mod:`.attention_hopper_bwd`; taken only where preferred:
+``ragged.backends.prefer`` or ``RAGGED_ATTENTION_HOPPER=1``). :func:`runs` is the last check,
+made by the launcher with the tensors in hand.
 
 Device descriptors need a global scratch buffer per launch: Triton asks its allocator
 (``triton.set_allocator``, one per thread); where a thread has none, the launcher sets one
@@ -46,9 +47,7 @@ captured into CUDA graphs like any other allocation).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import threading
 
 import torch
@@ -58,7 +57,7 @@ import triton.language as tl
 from .attention_common import _bounds, _in_window, _keep, _key_span, _locate
 from .launch import cached_launch
 
-__all__ = ["CONFIGS", "config", "forced", "forward", "usable"]
+__all__ = ["CONFIGS", "config", "forward", "runs"]
 
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -661,40 +660,6 @@ def config(
 
 
 _threads = threading.local()
-_FORCED: list = [None]  # forced(): on / off for the whole process, None: the environment decides
-
-
-@contextlib.contextmanager
-def forced(on: bool):
-    """In this block, the sm_90 kernels on or off whatever the environment says (the benchmarks'
-    rows of both kernels in one process). Process-wide, not per thread: the backward of a call
-    made inside the block runs on autograd's own thread and must see the same choice."""
-    before = _FORCED[0]
-    _FORCED[0] = bool(on)
-    try:
-        yield
-    finally:
-        _FORCED[0] = before
-
-
-AUTO_MIN_LEN = 1024  # "auto": the sm_90 forward from this longest query on (see :func:`mode`)
-_MODES = {"auto": "auto", "1": "on", "0": "off"}
-
-
-def mode() -> str:
-    """``"on"``, ``"off"`` or ``"auto"``: :func:`forced`'s block, else ``RAGGED_ATTENTION_HOPPER``
-    (``1``, ``0``, or ``auto``, the default). ``auto`` takes the forward of the calls whose
-    longest query has :data:`AUTO_MIN_LEN` tokens or more on an sm_90 GPU, where the H200 sweep
-    measured it faster than the portable kernel at every head dim and mask; shorter batches
-    (measured: no gain or a loss) and every backward (the sm_90 one measured no faster than the
-    portable one) stay with the portable kernels. ``1`` takes every call it can, backward too."""
-    on = _FORCED[0]
-    if on is not None:
-        return "on" if on else "off"
-    value = os.environ.get("RAGGED_ATTENTION_HOPPER", "auto")
-    if value not in _MODES:
-        raise ValueError(f"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of {sorted(_MODES)}, got {value!r}")
-    return _MODES[value]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -718,30 +683,11 @@ def _major(device: torch.device) -> int:
     return _MAJOR[index]
 
 
-def usable(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    dropout_p: float,
-    window,
-    bias,
-    interpreted: bool,
-    force: bool = False,
-    max_q: int = 0,
-) -> bool:
-    """Whether this forward takes the call (see the module docstring and :func:`mode`): host
-    facts only; ``force``: as if it were switched on; ``max_q``: the longest query (``auto``)."""
-    chosen = "on" if force else mode()
-    if chosen == "off" or (chosen == "auto" and (interpreted or max_q < AUTO_MIN_LEN)):
-        return False
-    if bias is not None or not scale > 0:
-        return False
-    if q.dtype not in _DTYPES or q.shape[-1] not in HEAD_DIMS:
-        return False
-    if not interpreted and (q.device.type != "cuda" or _major(q.device) != 9):
-        return False
-    return _aligned(q) and _aligned(k) and _aligned(v)
+def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+    """Whether a call its implementation's reasons let through runs here: what only the call
+    knows (the addresses, unknown while torch.compile traced the choice; the scale, outside the
+    spec). Otherwise the launcher runs the portable kernels."""
+    return scale > 0 and _aligned(q) and _aligned(k) and _aligned(v)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -12,11 +12,12 @@ so they add exactly 0; keys past a sequence are masked out of P in the dQ kernel
 kernel, where they reach only rows that are never stored (the TMA store clips at the
 sequence's end).
 
-Takes what :func:`.attention_hopper.usable` takes (causal masks, windows and dropout with the
-portable kernels' masks and hash), and gradient buffers the TMA can store into
-(:func:`usable`), when switched on (``RAGGED_ATTENTION_HOPPER=1``; under ``auto`` the portable
-backward runs, which the H200 sweep measured as fast); the position bias stays with the
-portable kernels.
+Takes what the sm_90 forward takes (causal masks, windows and dropout with the portable
+kernels' masks and hash), and gradient buffers the TMA can store into (:func:`runs`). It is
+the backward of the ``"triton_sm90_full"`` implementation only, taken where preferred
+(``RAGGED_ATTENTION_HOPPER=1``, ``ragged.backends.prefer``): ``"auto"``'s sm_90 forward is
+followed by the portable backward, which the sweep measured as fast. The position bias stays
+with the portable kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .attention_common import _bounds, _keep, _keep_t, _key_span, _locate, _quer
 from .attention_hopper import _key_rows, _query_block, _rows, _seen
 from .launch import cached_launch
 
-__all__ = ["CONFIGS", "backward", "config", "usable"]
+__all__ = ["CONFIGS", "backward", "config", "runs"]
 
 
 @triton.jit
@@ -593,14 +594,11 @@ def config(head_dim: int, causal: bool, interpreted: bool, window: bool = False,
     return ((64, 128, 8, 2), (64, 64, 4, 2)) if causal else ((64, 128, 8, 2), (128, 64, 8, 2))
 
 
-def usable(q, k, v, do, out, grads, scale: float, dropout_p: float, window, bias, interpreted: bool) -> bool:
-    """Whether this backward takes the call: the forward's conditions, and ``do``, ``out`` and
-    the gradient buffers (``grads``: the dq, dk, dv the kernels write) TMA-aligned too."""
-    if attention_hopper.mode() != "on":  # "auto": the portable backward (measured as fast)
-        return False
-    if not attention_hopper.usable(q, k, v, scale, dropout_p, window, bias, interpreted):
-        return False
-    return all(attention_hopper._aligned(t) for t in (do, out, *grads))
+def runs(q, k, v, do, out, grads, scale: float) -> bool:
+    """Whether this backward takes a call its implementation's reasons let through: the forward's
+    run-time conditions (:func:`.attention_hopper.runs`), and ``do``, ``out`` and the gradient
+    buffers (``grads``: the dq, dk, dv the kernels write) TMA-aligned too."""
+    return attention_hopper.runs(q, k, v, scale) and all(attention_hopper._aligned(t) for t in (do, out, *grads))
 
 
 def backward(
