@@ -132,7 +132,7 @@ def _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, forward_shape):
         out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
         return torch.autograd.grad(out, (q, k, v), do)
 
-    with hopper.forced(False):
+    with ragged.backends.prefer("attention", "triton"):
         ms = do_bench(step, return_mode="median")
     print(f"  portable fwd+bwd: {ms:.4f} ms {3.5 * fl / ms / 1e9:6.1f} TF/s", flush=True)
     if forward_shape is None:
@@ -146,7 +146,7 @@ def _tune_hopper_backward(q, k, v, cu, max_len, causal, fl, forward_shape):
         for pair in hopper_bwd.CONFIGS[q.shape[-1]]:
             hopper_bwd.config = lambda *a_, pair=pair: pair
             try:
-                with hopper.forced(True):
+                with ragged.backends.prefer("attention", "triton_sm90_full"):
                     results.append((do_bench(step, return_mode="median"), pair))
             except Exception as exc:  # out of resources etc.
                 print(f"  hopper bwd {pair} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
@@ -195,7 +195,7 @@ def tune_hopper(only=None, backward_only=False):
             def call():
                 return ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, backend="triton")
 
-            with hopper.forced(False):
+            with ragged.backends.prefer("attention", "triton"):
                 ms = do_bench(call, return_mode="median")
             print(
                 f"  portable {ka._fwd_config(dim, max_len, max_len, causal, torch.bfloat16, False)}: {ms:.4f} ms "
@@ -216,7 +216,7 @@ def tune_hopper(only=None, backward_only=False):
             for cfg in hopper.CONFIGS[dim]:
                 hopper.config = lambda *a_, cfg=cfg: cfg
                 try:
-                    with hopper.forced(True):
+                    with ragged.backends.prefer("attention", "triton_sm90_full"):
                         results.append((do_bench(call, return_mode="median"), cfg))
                 except Exception as exc:  # out of resources (shared memory) etc.
                     print(f"  hopper {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)

@@ -23,6 +23,7 @@ from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
 from ragged import backends
+from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
 
 BACKENDS = FORWARD_BACKENDS = cpu_backends()
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
@@ -467,9 +468,9 @@ def test_opcheck(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_implementations_called_straight(backend):
-    """The layer core calls implementations with positional operands: the backward returns
-    ``(dq, dk, dv, dtable)`` with a table (after filling ``grads=`` buffers), ``(dq, dk, dv)``
-    without; rows past the last offset (a graphed bucket's spare rows) are left out."""
+    """The layer core calls implementations with an AttentionArgs record: the backward returns
+    the table's gradient with a table (after filling the ``grads=`` buffers), None without;
+    rows past the last offset (a graphed bucket's spare rows) are left out."""
     impl = backends.implementation("attention", backend)
     lengths = [7, 0, 20, 3]
     q, k, v = _qkv(lengths, lengths, 2, 2, 16, _seed("impl", backend))
@@ -478,21 +479,33 @@ def test_implementations_called_straight(backend):
     table, buckets = _bias(2, 20, 20, _seed("impl-bias", backend))
     do = _randn(q.shape, _seed("impl-do", backend))
     do[-4:] = 0
-    out, lse = impl.forward_fn(q, k, v, cu, cu, 20, 20, True, 0.25, 0.0, 0, -1, -1, table, buckets)
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=cu,
+        cu_k=cu,
+        max_q=20,
+        max_k=20,
+        causal=True,
+        scale=0.25,
+        bias_table=table,
+        bias_buckets=buckets,
+    )
+    out, lse = impl.forward_fn(args)
     n = sum(lengths)
     tensors = (q[:n], k[:n], v[:n], table)
     exp, exp_lse, ref = _forward_and_grads(
         lambda a, b, c, t: _oracle(a, b, c, lengths, lengths, t, buckets, 20, True, scale=0.25), tensors, do[:n]
     )
     _check(out[:n], lse[:n], exp, exp_lse, _blind(lengths, lengths, True))
-    grads = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
-    got = impl.backward_fn(
-        do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, -1, -1, table, buckets, grads=grads
-    )
-    assert len(got) == 4 and all(g is buf for g, buf in zip(got, grads))
-    _check_grads((got[0][:n], got[1][:n], got[2][:n], got[3]), ref)
-    plain = impl.backward_fn(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0)
-    assert len(plain) == 3
+    buffers = AttentionGrads(*(torch.full_like(t, 7.0) for t in (q, k, v)))
+    inputs = AttentionBackwardInputs(grad_out=do, out=out, lse=lse)
+    got = impl.backward_fn(args, inputs, grads=buffers)
+    assert got.q is buffers.q and got.k is buffers.k and got.v is buffers.v and got.bias_table is not None
+    _check_grads((got.q[:n], got.k[:n], got.v[:n], got.bias_table), ref)
+    plain = impl.backward_fn(args._replace(bias_table=None, bias_buckets=None), inputs)
+    assert plain.bias_table is None
 
 
 # --------------------------------------------------------------------------------------

@@ -70,7 +70,11 @@ def test_spare_rows_past_the_last_offset_are_zeros():
     q, k, v = (torch.randn(sum(lengths) + 5, 2, 16) for _ in range(3))
     q[sum(lengths) :] = float("nan")
     impl = ragged.backends.implementation("attention", "torch")
-    out, lse = impl.forward_fn(q, k, v, cu, cu, 70, 70, False, 0.25, 0.0, 0)
+    from ragged.ops.attention import AttentionArgs
+
+    out, lse = impl.forward_fn(
+        AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=70, max_k=70, causal=False, scale=0.25)
+    )
     ref, ref_lse = ragged.reference_attention(
         q[: sum(lengths)].double(), k[: sum(lengths)].double(), v[: sum(lengths)].double(), cu, cu, False, 0.25
     )

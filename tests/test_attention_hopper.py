@@ -217,26 +217,28 @@ def test_the_pipelined_key_loop_matches_the_oracle(case, causal, hopper, monkeyp
     assert (got.double() - plain.double()).abs().max().item() <= bound
 
 
-def test_forced_holds_for_every_thread_of_the_process(monkeypatch):
-    """``forced`` is seen by other threads too (autograd runs a CUDA backward on a thread of its
-    own), and the block's end restores what the environment says."""
+def test_a_preference_holds_for_every_thread_of_the_process(monkeypatch):
+    """``ragged.backends.prefer`` is seen by other threads too (autograd runs a CUDA backward on a
+    thread of its own), and the block's end restores what the environment says."""
     import threading
+
+    from ragged import backends
 
     monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
     seen = []
 
     def look():
-        seen.append(attention_hopper.mode() == "on")
+        seen.append(backends.preferences().get("attention"))
 
-    with attention_hopper.forced(True):
+    with backends.prefer("attention", "triton_sm90_full"):
         worker = threading.Thread(target=look)
         worker.start()
         worker.join()
-        with attention_hopper.forced(False):
+        with backends.prefer("attention", "triton"):
             look()
         look()
     look()
-    assert seen == [True, False, True, False]
+    assert seen == ["triton_sm90_full", "triton", "triton_sm90_full", "triton"]
 
 
 def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):
@@ -247,14 +249,21 @@ def test_a_seed_on_the_device_draws_the_host_seeds_mask(hopper):
     lq = [7, 20, 1]
     q, k, v = _qkv(lq, lq, 2, 2, 64, _seed("seed-ptr"), torch.float16)
     cu, do = _cu(lq), _randn(q.shape, _seed("seed-ptr-do"), torch.float16)
-    host = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
-    device = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
-    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
-    g_host = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, 12345)
-    g_device = launcher.backward(do, q, k, v, *host, cu, cu, 20, 20, True, 0.125, 0.25, torch.tensor([12345]))
-    assert all(torch.equal(a, b) for a, b in zip(g_host, g_device))
-    other = launcher.forward(q, k, v, cu, cu, 20, 20, True, 0.125, 0.25, 54321)
-    assert not torch.equal(host[0], other[0])
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs
+
+    args = AttentionArgs(
+        q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=20, max_k=20, causal=True, scale=0.125, dropout_p=0.25, seed=12345
+    )
+    on_device = args._replace(seed=torch.tensor([12345]))
+    host = launcher.forward_sm90(args)
+    device = launcher.forward_sm90(on_device)
+    assert torch.equal(host.out, device.out) and torch.equal(host.lse, device.lse)
+    inputs = AttentionBackwardInputs(grad_out=do, out=host.out, lse=host.lse)
+    g_host = launcher.backward_sm90(args, inputs)
+    g_device = launcher.backward_sm90(on_device, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(g_host[:3], g_device[:3]))
+    other = launcher.forward_sm90(args._replace(seed=54321))
+    assert not torch.equal(host.out, other.out)
     assert len([c for c in hopper if c == q.shape]) == 3 and hopper.count(("backward", q.shape)) == 2
 
 
@@ -289,49 +298,75 @@ def test_hopper_forward_takes_strided_views_of_a_packed_projection(hopper):
     assert (got.double() - exp).abs().max().item() <= _error_bound(q, k, v, lq, lq, False, exp)
 
 
-def _usable(q, k=None, v=None, scale=0.125, dropout_p=0.0, window=None, bias=None):
-    return attention_hopper.usable(
-        q, q if k is None else k, q if v is None else v, scale, dropout_p, window, bias, True
-    )
+def _reasons(q, k=None, v=None, dropout_p=0.0, window=(-1, -1), bias=None, name="triton_sm90_full"):
+    k = q if k is None else k
+    v = q if v is None else v
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    n = q.shape[0]
+    return ragged.explain("attention", q, k, v, cu, cu, n, n, False, dropout_p, False, window, bias)[name]
 
 
-def test_usable_takes_only_what_the_kernel_does(monkeypatch):
+def test_the_sm90_implementations_take_only_what_the_kernels_do():
+    """Their declared reasons, which ``ragged.explain`` shows: fp16 / bf16, head dims 64 and
+    128, no position bias, TMA-aligned q, k and v (here under the interpreter, no GPU)."""
     q = torch.zeros(8, 2, 64, dtype=torch.float16)
-    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
-    assert not _usable(q)
-    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "1")
-    assert _usable(q) and _usable(q.bfloat16())
-    assert _usable(torch.zeros(8, 2, 128, dtype=torch.float16))
-    assert not _usable(q.float())  # fp16 / bf16 only
-    assert not _usable(torch.zeros(8, 2, 32, dtype=torch.float16))  # head dims 64, 128
-    assert _usable(q, dropout_p=0.1) and _usable(q, window=(4, 0))
-    assert not _usable(q, bias=torch.zeros(3, 2))
-    assert not _usable(q, scale=-0.125) and not _usable(q, scale=0.0)
+    assert _reasons(q) == [] and _reasons(q.bfloat16()) == [] and _reasons(q, name="triton_sm90") == []
+    assert _reasons(torch.zeros(8, 2, 128, dtype=torch.float16)) == []
+    assert _reasons(q.float())  # fp16 / bf16 only
+    assert _reasons(torch.zeros(8, 2, 32, dtype=torch.float16))  # head dims 64, 128
+    assert _reasons(q, dropout_p=0.1) == [] and _reasons(q, window=(4, 0)) == []
+    bias = (torch.zeros(3, 2), torch.zeros(15, dtype=torch.int32))
+    assert any("position bias" in r for r in _reasons(q, bias=bias))
     flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
-    assert not _usable(flat[1:].view(8, 2, 64))  # 2 bytes off 16-byte alignment
+    assert any("16-byte" in r for r in _reasons(flat[1:].view(8, 2, 64)))  # 2 bytes off 16-byte alignment
     odd = torch.zeros(8, 2, 65, dtype=torch.float16)[..., :64]  # token stride 130 elements
-    assert not _usable(odd)
-    assert not _usable(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
+    assert _reasons(odd)
+    assert _reasons(q, k=torch.zeros(8, 2, 128, dtype=torch.float16)[..., ::2])  # strided features
 
 
-def test_auto_takes_no_interpreted_call_and_long_ones_only(monkeypatch):
-    """``auto`` (the default) and an unset variable: the interpreter keeps the portable kernels;
-    the sm_90 forward would need the longest query at ``AUTO_MIN_LEN`` or more (the GPU half is
-    tests/test_gpu_attention_hopper.py)."""
+def test_runs_declines_what_only_the_call_knows():
+    """The launcher's last check, with the tensors in hand: a scale that is not positive, and
+    addresses a traced choice could not see, run the portable kernels."""
     q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    assert attention_hopper.runs(q, q, q, 0.125)
+    assert not attention_hopper.runs(q, q, q, -0.125) and not attention_hopper.runs(q, q, q, 0.0)
+    flat = torch.zeros(8 * 2 * 64 + 1, dtype=torch.float16)
+    assert not attention_hopper.runs(flat[1:].view(8, 2, 64), q, q, 0.125)
+
+
+def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
+    """``auto`` on CUDA inputs takes the sm_90 forward from a longest query of ``AUTO_MIN_LEN``
+    tokens on, the portable kernels below it, and the sm_90 backward only where preferred (the
+    GPU half is tests/test_gpu_attention_hopper.py); CPU inputs take the reference."""
+    import dataclasses
+
+    from ragged import backends
+    from ragged.kernels import triton as triton_backend
+    from ragged.ops.attention import attention_spec
+
     monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
-    assert attention_hopper.mode() == "auto"
-    monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "auto")
-    assert attention_hopper.mode() == "auto"
-    assert not attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, max_q=attention_hopper.AUTO_MIN_LEN)
-    assert attention_hopper.usable(q, q, q, 0.125, 0.0, None, None, True, force=True)
+    monkeypatch.delenv("RAGGED_PREFER", raising=False)
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    entry = backends.op_entry("attention")
+    cpu = attention_spec(q, q, q, cu, cu, 8, 8, False, 0.0, False)
+    assert backends.auto_choice(entry, cpu).name == "torch"
+    for longest, first in ((triton_backend.AUTO_MIN_LEN, "triton_sm90"), (triton_backend.AUTO_MIN_LEN - 1, "triton")):
+        spec = dataclasses.replace(cpu, max_q=longest, max_k=longest)
+        order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
+        assert order[0] == first and order[-1] == "triton_sm90_full"
+    assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
+    with backends.prefer("attention", "triton_sm90_full"):
+        assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "", "on"])
 def test_a_bad_switch_value_says_what_it_takes(value, monkeypatch):
     monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", value)
     q = torch.zeros(8, 2, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"varlen_attention: RAGGED_ATTENTION_HOPPER must be one of .*got"):
+    with pytest.raises(
+        ValueError, match=r"RAGGED_ATTENTION_HOPPER \(environment variable\): expected 1, 0 or auto, got"
+    ):
         ragged.varlen_attention(
             q,
             q,

@@ -239,6 +239,7 @@ def _direct(q, k, v, do, lq, lk, causal, window, dropout_p=0.0, seed=0, spare=0)
     the last offset in every input, and NaN in the spare rows of out, lse and dO given to the
     backward; ``(out, lse, dq, dk, dv)`` of the real rows."""
     from ragged.kernels.triton import attention as triton_attention
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs
 
     def padded(x):
         return torch.cat([x, torch.full((spare, *x.shape[1:]), float("nan"), dtype=x.dtype)])
@@ -246,11 +247,25 @@ def _direct(q, k, v, do, lq, lk, causal, window, dropout_p=0.0, seed=0, spare=0)
     nq, nk = q.shape[0], k.shape[0]
     q, k, v, do = padded(q), padded(k), padded(v), padded(do)
     scale = q.shape[-1] ** -0.5
-    args = (_cu(lq), _cu(lk), max(lq), max(lk), causal, scale, dropout_p, seed, *window)
-    out, lse = triton_attention.forward(q, k, v, *args)
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=_cu(lq),
+        cu_k=_cu(lk),
+        max_q=max(lq),
+        max_k=max(lk),
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        seed=seed,
+        window_left=window[0] if window else -1,
+        window_right=window[1] if window else -1,
+    )
+    out, lse = triton_attention.forward(args)
     out[nq:] = float("nan")
     lse[nq:] = float("nan")
-    dq, dk, dv = triton_attention.backward(do, q, k, v, out, lse, *args)
+    dq, dk, dv, _ = triton_attention.backward(args, AttentionBackwardInputs(grad_out=do, out=out, lse=lse))
     return out[:nq], lse[:nq], dq[:nq], dk[:nk], dv[:nk]
 
 

@@ -26,6 +26,7 @@ from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
 from ragged import RaggedTensor
+from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
 
 BACKENDS = cpu_backends()
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
@@ -165,8 +166,9 @@ def test_triton_launchers_take_strided_offsets():
     q, k, v = _qkv(LQ, LK, gen)
     do = torch.randn(q.shape, generator=gen)
     cu_q, cu_k = _strided(_offsets(LQ)), _strided(_offsets(LK))
-    out, lse = ka.forward(q, k, v, cu_q, cu_k, max(LQ), max(LK), True, 0.25, 0.0, 0)
-    dq, dk, dv = ka.backward(do, q, k, v, out, lse, cu_q, cu_k, max(LQ), max(LK), True, 0.25, 0.0, 0)
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max(LQ), max_k=max(LK), causal=True, scale=0.25)
+    out, lse = ka.forward(args)
+    dq, dk, dv, _ = ka.backward(args, AttentionBackwardInputs(grad_out=do, out=out, lse=lse))
     ref, _ = ragged.reference_attention(q.double(), k.double(), v.double(), _cu(LQ), _cu(LK), True, 0.25)
     ref_grads = ragged.reference_attention_backward(
         do.double(), q.double(), k.double(), v.double(), _cu(LQ), _cu(LK), True, 0.25
@@ -337,8 +339,9 @@ def test_triton_lengths_past_max_seqlen(causal):
     do = torch.randn(q0.shape, generator=gen)
     q, k, v = (_guarded(t, gen) for t in (q0, k0, v0))
     cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = ka.forward(q, k, v, cu_q, cu_k, 1, 1, causal, 0.25, 0.0, 0)
-    grads = ka.backward(do, q, k, v, out, lse, cu_q, cu_k, 1, 1, causal, 0.25, 0.0, 0)
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=1, max_k=1, causal=causal, scale=0.25)
+    out, lse = ka.forward(args)
+    grads = ka.backward(args, AttentionBackwardInputs(grad_out=do, out=out, lse=lse))[:3]
     ref, _ = ragged.reference_attention(q0.double(), k0.double(), v0.double(), cu_q, cu_k, causal, 0.25)
     ref_grads = ragged.reference_attention_backward(
         do.double(), q0.double(), k0.double(), v0.double(), cu_q, cu_k, causal, 0.25
@@ -365,15 +368,18 @@ def test_triton_backward_grads_buffers_of_any_strides(layout):
     q, k, v = _qkv(lengths, lengths, gen, heads=2, kv_heads=2)
     do = torch.randn(q.shape, generator=gen)
     cu = _cu(lengths)
-    out, lse = ka.forward(q, k, v, cu, cu, 9, 9, True, 0.25, 0.0, 0)
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=9, max_k=9, causal=True, scale=0.25)
+    out, lse = ka.forward(args)
     if layout == "feature_strided":  # [T, H, D] views of [D, H, T] buffers: feature stride H * T
-        grads = tuple(torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0).permute(2, 1, 0) for t in (q, k, v))
-        assert all(g.stride(-1) != 1 for g in grads)
+        grads = AttentionGrads(
+            *(torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0).permute(2, 1, 0) for t in (q, k, v))
+        )
+        assert all(g.stride(-1) != 1 for g in grads[:3])
     else:
-        grads = torch.full((q.shape[0], 3, 2, DIM), 7.0).unbind(1)
-    got = ka.backward(do, q, k, v, out, lse, cu, cu, 9, 9, True, 0.25, 0.0, 0, grads=grads)
+        grads = AttentionGrads(*torch.full((q.shape[0], 3, 2, DIM), 7.0).unbind(1))
+    got = ka.backward(args, AttentionBackwardInputs(grad_out=do, out=out, lse=lse), grads=grads)
     ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25)
-    for name, g, buf, r in zip("qkv", got, grads, ref):
+    for name, g, buf, r in zip("qkv", got[:3], grads, ref):
         assert g is buf
         _check(g, r, BWD_TOL, f"d{name}")
 
@@ -385,10 +391,11 @@ def test_triton_backward_grads_of_the_wrong_shape():
     gen = _gen("grads-shape")
     q, k, v = _qkv([3, 4], [3, 4], gen)
     cu = _cu([3, 4])
-    out, lse = ka.forward(q, k, v, cu, cu, 4, 4, False, 0.25, 0.0, 0)
-    bad = (torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
-    with pytest.raises(ValueError, match="dq of shape"):
-        ka.backward(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad)
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=4, max_k=4, causal=False, scale=0.25)
+    out, lse = ka.forward(args)
+    bad = AttentionGrads(torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
+    with pytest.raises(ValueError, match="gradient of q of shape"):
+        ka.backward(args, AttentionBackwardInputs(grad_out=torch.ones_like(q), out=out, lse=lse), grads=bad)
 
 
 # --------------------------------------------------------------------------------------
@@ -401,7 +408,7 @@ def test_every_backward_implementation_fills_grads_buffers(backend, layout):
     """Each backend's backward takes ``grads=`` (what the layers pass: the unbound views of one
     ``[T, 3, H, D]`` buffer) and returns those very buffers, filled; callers never test a name."""
     from ragged import backends
-    from ragged.ops.attention import ATTENTION
+    from ragged.ops.attention import ATTENTION, AttentionArgs, AttentionBackwardInputs, AttentionGrads
 
     gen = _gen("grads-uniform", backend, layout)
     lengths = [4, 0, 1, 6]
@@ -409,13 +416,15 @@ def test_every_backward_implementation_fills_grads_buffers(backend, layout):
     do = torch.randn(q.shape, generator=gen)
     cu = _cu(lengths)
     impl = backends.implementation("attention", backend)
-    out, lse = impl.forward_fn(q, k, v, cu, cu, 6, 6, True, 0.25, 0.0, 0)
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=6, max_k=6, causal=True, scale=0.25)
+    out, lse = impl.forward_fn(args)
     if layout == "separate":
-        grads = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+        grads = AttentionGrads(*(torch.full_like(t, 7.0) for t in (q, k, v)))
     else:
-        grads = torch.full((q.shape[0], 3, 2, DIM), 7.0).unbind(1)
-    got = impl.backward_fn(do, q, k, v, out, lse, cu, cu, 6, 6, True, 0.25, 0.0, 0, grads=grads)
-    plain = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 6, 6, True, 0.25, 0.0, 0, backend)
+        grads = AttentionGrads(*torch.full((q.shape[0], 3, 2, DIM), 7.0).unbind(1))
+    inputs = AttentionBackwardInputs(grad_out=do, out=out, lse=lse)
+    got = impl.backward_fn(args, inputs, grads=grads)
+    plain = ATTENTION.call_backward(args, inputs, backend)
     ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25)
     for name, g, buf, p, r in zip("qkv", got, grads, plain, ref):
         assert g is buf
@@ -425,16 +434,19 @@ def test_every_backward_implementation_fills_grads_buffers(backend, layout):
 
 def test_reference_backward_grads_of_the_wrong_shape():
     from ragged import backends
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
 
     q, k, v = _qkv([3, 4], [3, 4], _gen("ref-grads-shape"))
     cu = _cu([3, 4])
     impl = backends.implementation("attention", "torch")
-    out, lse = impl.forward_fn(q, k, v, cu, cu, 4, 4, False, 0.25, 0.0, 0)
-    bad = (torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
-    with pytest.raises(ValueError, match="dq of shape"):
-        impl.backward_fn(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad)
-    with pytest.raises(TypeError, match="grads as a tuple"):
-        impl.backward_fn(torch.ones_like(q), q, k, v, out, lse, cu, cu, 4, 4, False, 0.25, 0.0, 0, grads=bad[0])
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=4, max_k=4, causal=False, scale=0.25)
+    out, lse = impl.forward_fn(args)
+    inputs = AttentionBackwardInputs(grad_out=torch.ones_like(q), out=out, lse=lse)
+    bad = AttentionGrads(torch.zeros(6, HEADS, DIM), torch.zeros_like(k), torch.zeros_like(v))
+    with pytest.raises(ValueError, match="gradient of q of shape"):
+        impl.backward_fn(args, inputs, grads=bad)
+    with pytest.raises(TypeError, match="grads as an AttentionGrads record"):
+        impl.backward_fn(args, inputs, grads=(bad.q, bad.k, bad.v))
 
 
 def test_dropout_seed():
@@ -456,12 +468,15 @@ def test_spec_and_the_auto_order_on_cuda():
 
     q, k, v = torch.zeros(9, 4, 32), torch.zeros(7, 2, 32), torch.zeros(7, 2, 32)
     spec = attention_spec(q, k, v, _cu([4, 5]), _cu([3, 4]), 5, 4, 1, 0, 0)
-    assert spec == AttentionSpec(torch.device("cpu"), torch.float32, 32, 4, 2, 2, 5, 4, True, 0.0, False)
+    assert spec == AttentionSpec(
+        torch.device("cpu"), torch.float32, 32, 4, 2, 2, 5, 4, True, 0.0, False, tma_aligned=True
+    )
     order = backends.op_entry("attention").gpu_preference
     cuda = torch.device("cuda")
     for head_dim, longest, first in ((128, 64, "cuda"), (128, 65, "triton"), (64, 128, "cuda"), (64, 129, "triton")):
         s = AttentionSpec(cuda, torch.bfloat16, head_dim, 4, 4, 8, longest, 1, False, 0.0, False)
-        assert order(s)[0] == first and order(s)[-1] == "torch" and set(order(s)) == {"cuda", "triton", "torch"}
+        assert order(s)[0] == first and order(s)[-1] == "torch"
+        assert set(order(s)) == {"cuda", "triton", "triton_sm90", "triton_sm90_full", "torch"}
 
 
 def test_declarations_import_no_toolchain():

@@ -363,32 +363,33 @@ def test_implementations_take_any_window_and_default_to_none(backend):
     """Called straight (as the layer core calls them), the implementations take windows that
     the public functions would have simplified (a right side under causal, sides wider than
     every sequence) and mask the same keys; leaving the window out is no window."""
-    from ragged.ops.attention import ATTENTION
+    from ragged.ops.attention import ATTENTION, AttentionArgs, AttentionBackwardInputs
 
     impl = backends.implementation("attention", backend)
     lengths = [7, 20, 0, 3]
     q, k, v = _qkv(lengths, lengths, 2, 2, 16, _seed("impl", backend))
     cu = _cu(lengths)
     do = _randn(q.shape, _seed("impl-do", backend))
-    args = (q, k, v, cu, cu, 20, 20)
-    plain = impl.forward_fn(*args, True, 0.25, 0.0, 0)
-    none = impl.forward_fn(*args, True, 0.25, 0.0, 0, -1, -1)
-    wide = impl.forward_fn(*args, True, 0.25, 0.0, 0, 19, 7)  # bounds nothing: 19 >= max_k - 1, causal
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=20, max_k=20, causal=True, scale=0.25)
+    plain = impl.forward_fn(args)
+    none = impl.forward_fn(args._replace(window_left=-1, window_right=-1))
+    wide = impl.forward_fn(args._replace(window_left=19, window_right=7))  # bounds nothing: 19 >= max_k - 1
     for a, b, c in zip(plain, none, wide):
         assert torch.equal(a, b) and torch.equal(a, c)
     exp, _ = _oracle(q, k, v, lengths, lengths, True, (-1, -1), scale=0.25)
-    torch.testing.assert_close(plain[0].double(), exp, **FWD_TOL)
-    out, lse = impl.forward_fn(*args, True, 0.25, 0.0, 0, 2, 5)  # causal: the right side is 0
+    torch.testing.assert_close(plain.out.double(), exp, **FWD_TOL)
+    windowed = args._replace(window_left=2, window_right=5)  # causal: the right side is 0
+    out, lse = impl.forward_fn(windowed)
     exp, exp_lse = _oracle(q, k, v, lengths, lengths, True, (2, 0), scale=0.25)
     _check(out, lse, exp, exp_lse, _blind(lengths, lengths, True, (2, 0)))
-    got = ATTENTION.call_backward(do, q, k, v, out, lse, cu, cu, 20, 20, True, 0.25, 0.0, 0, 2, 5, None, None, backend)
+    got = ATTENTION.call_backward(windowed, AttentionBackwardInputs(grad_out=do, out=out, lse=lse), backend)
     ref = ragged.reference_attention_backward(
         do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25, window_size=(2, 0)
     )
-    _check_grads(got, ref)
-    no_window = impl.backward_fn(do, q, k, v, *plain, cu, cu, 20, 20, True, 0.25, 0.0, 0)
+    _check_grads(got[:3], ref)
+    no_window = impl.backward_fn(args, AttentionBackwardInputs(grad_out=do, out=plain.out, lse=plain.lse))
     ref = ragged.reference_attention_backward(do.double(), q.double(), k.double(), v.double(), cu, cu, True, 0.25)
-    _check_grads(no_window, ref)
+    _check_grads(no_window[:3], ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS[-1:])  # one backend: the fake and the schema are the op's

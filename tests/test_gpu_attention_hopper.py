@@ -195,18 +195,18 @@ def test_auto_takes_the_forward_of_long_batches_and_leaves_the_backward(causal, 
     """``auto`` (the default): the sm_90 forward for a batch whose longest query reaches
     ``AUTO_MIN_LEN``, the portable backward after it (gradients under the rule), and neither
     for a short batch."""
-    from ragged.kernels.triton import attention_hopper
+    from ragged.kernels import triton as triton_backend
 
     monkeypatch.delenv("RAGGED_ATTENTION_HOPPER")
     lq, lk = LENGTHS["long_tail"]
-    assert max(lq) >= attention_hopper.AUTO_MIN_LEN
+    assert max(lq) >= triton_backend.AUTO_MIN_LEN
     q, k, v = _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-auto", causal))
     _check_forward("triton", lq, lk, q, k, v, causal, f"auto/long/causal={causal}")
     assert hopper == [q.shape]
     _check_backward(lq, lk, q, k, v, causal, f"auto/long-bwd/causal={causal}")
     assert q.shape in hopper and not any(isinstance(c, tuple) and c[0] == "backward" for c in hopper)
     hopper.clear()
-    short = [attention_hopper.AUTO_MIN_LEN - 1, 5, 300]
+    short = [triton_backend.AUTO_MIN_LEN - 1, 5, 300]
     q, k, v = _qkv(short, short, 4, 2, 128, torch.bfloat16, _gen("hopper-auto-short", causal))
     _check_forward("triton", short, short, q, k, v, causal, f"auto/short/causal={causal}")
     assert hopper == []

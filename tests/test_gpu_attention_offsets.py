@@ -266,9 +266,11 @@ def test_kernels_clip_offsets_past_T(backend, side, causal):
     lse_g.copy_(lse)
     buffers = [torch.full((t.shape[0] + 64, *t.shape[1:]), 1234.5, dtype=t.dtype, device="cuda") for t in (q0, k0, v0)]
     views = tuple(b[: t.shape[0]] for b, t in zip(buffers, (q0, k0, v0)))
-    grads = ka.backward(
-        do, q, k, v, _nan_guarded(out), lse_g, cu_q, cu_k, max(lq), max(lk), causal, 0.125, 0.0, 0, grads=views
-    )
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
+
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max(lq), max_k=max(lk), causal=causal, scale=0.125)
+    inputs = AttentionBackwardInputs(grad_out=do, out=_nan_guarded(out), lse=lse_g)
+    grads = ka.backward(args, inputs, grads=AttentionGrads(*views))
     for name, g, view, buf in zip("qkv", grads, views, buffers):
         assert g is view
         assert torch.all(buf[view.shape[0] :] == 1234.5), f"d{name}: written past T"
@@ -285,16 +287,22 @@ def test_triton_backward_grads_buffers_of_any_strides(layout):
     q, k, v = _qkv(lengths, lengths, 4, 4, 64, torch.bfloat16, gen)
     do = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
     cu = _cu(lengths)
-    out, lse = ka.forward(q, k, v, cu, cu, 70, 70, True, 0.125, 0.0, 0)
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
+
+    args = AttentionArgs(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=70, max_k=70, causal=True, scale=0.125)
+    out, lse = ka.forward(args)
     if layout == "feature_strided":
-        grads = tuple(
-            torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0, dtype=t.dtype, device="cuda").permute(2, 1, 0)
-            for t in (q, k, v)
+        grads = AttentionGrads(
+            *(
+                torch.full((t.shape[2], t.shape[1], t.shape[0]), 7.0, dtype=t.dtype, device="cuda").permute(2, 1, 0)
+                for t in (q, k, v)
+            )
         )
     else:
-        grads = torch.full((q.shape[0], 3, 4, 64), 7.0, dtype=q.dtype, device="cuda").unbind(1)
-    got = ka.backward(do, q, k, v, out, lse, cu, cu, 70, 70, True, 0.125, 0.0, 0, grads=grads)
-    expected = ka.backward(do, q, k, v, out, lse, cu, cu, 70, 70, True, 0.125, 0.0, 0)
-    for name, g, buf, e in zip("qkv", got, grads, expected):
+        grads = AttentionGrads(*torch.full((q.shape[0], 3, 4, 64), 7.0, dtype=q.dtype, device="cuda").unbind(1))
+    inputs = AttentionBackwardInputs(grad_out=do, out=out, lse=lse)
+    got = ka.backward(args, inputs, grads=grads)
+    expected = ka.backward(args, inputs)
+    for name, g, buf, e in zip("qkv", got[:3], grads[:3], expected[:3]):
         assert g is buf
         torch.testing.assert_close(g, e, atol=0, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")

@@ -159,24 +159,27 @@ def test_dropout_draws_new_masks_reproducibly():
 
 def test_attention_seed_is_drawn_on_the_device_in_a_graph():
     from ragged.kernels.triton import attention as ka
-    from ragged.ops.attention import dropout_seed
+    from ragged.ops.attention import AttentionArgs, dropout_seed
 
     torch.manual_seed(0)
     lengths = [50, 7, 128, 1]
     cu = torch.tensor([0, 50, 57, 185, 186], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    args = AttentionArgs(
+        q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=128, max_k=128, causal=False, scale=0.125, dropout_p=0.25, seed=7
+    )
     for _ in range(2):
-        ka.forward(q, k, v, cu, cu, 128, 128, False, 0.125, 0.25, 7)  # compiles outside the capture
+        ka.forward(args)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         seed = dropout_seed(0.25, q.device)
-        out = ka.forward(q, k, v, cu, cu, 128, 128, False, 0.125, 0.25, seed)[0]
+        out = ka.forward(args._replace(seed=seed)).out
     assert isinstance(seed, torch.Tensor)
     seen = set()
     for _ in range(3):
         graph.replay()
         s = int(seed.item())
-        want = ka.forward(q, k, v, cu, cu, 128, 128, False, 0.125, 0.25, s)[0]
+        want = ka.forward(args._replace(seed=s)).out
         assert torch.equal(out, want)
         seen.add(s)
     assert len(seen) == 3

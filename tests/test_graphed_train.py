@@ -166,16 +166,23 @@ def test_attention_kernels_read_a_seed_tensor_like_the_int(dropout_p):
     lengths = [5, 1, 12]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, k, v, do = (torch.randn(sum(lengths), 2, 16) for _ in range(4))
+    from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs
+
     seed = 12345
-    out, lse = ka.forward(q, k, v, cu, cu, 12, 12, False, 0.25, dropout_p, seed)
-    out_t, lse_t = ka.forward(q, k, v, cu, cu, 12, 12, False, 0.25, dropout_p, torch.tensor([seed]))
+    args = AttentionArgs(
+        q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=12, max_k=12, causal=False, scale=0.25, dropout_p=dropout_p, seed=seed
+    )
+    on_device = args._replace(seed=torch.tensor([seed]))
+    out, lse = ka.forward(args)
+    out_t, lse_t = ka.forward(on_device)
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
-    grads = ka.backward(do, q, k, v, out, lse, cu, cu, 12, 12, False, 0.25, dropout_p, seed)
-    grads_t = ka.backward(do, q, k, v, out, lse, cu, cu, 12, 12, False, 0.25, dropout_p, torch.tensor([seed]))
-    for a, b in zip(grads, grads_t):
+    inputs = AttentionBackwardInputs(grad_out=do, out=out, lse=lse)
+    grads = ka.backward(args, inputs)
+    grads_t = ka.backward(on_device, inputs)
+    for a, b in zip(grads[:3], grads_t[:3]):
         assert torch.equal(a, b)
     if dropout_p:  # another seed, another mask: the tensor is read, not ignored
-        other = ka.forward(q, k, v, cu, cu, 12, 12, False, 0.25, dropout_p, torch.tensor([seed + 1]))[0]
+        other = ka.forward(args._replace(seed=torch.tensor([seed + 1]))).out
         assert not torch.equal(other, out)
 
 

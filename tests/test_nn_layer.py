@@ -70,7 +70,7 @@ def torch_backends(monkeypatch):
 def _per_op(monkeypatch):
     """Every later call of the layers runs the per-op path (Recorded), as when a weight cannot be
     read by the fused kernels."""
-    monkeypatch.setattr(layer_mod, "weights_take", lambda spec, x, plain_only: (False, False))
+    monkeypatch.setattr(layer_mod, "weights_match_input", lambda spec, x, plain_only: (False, False))
 
 
 def _force_kernels(monkeypatch, ln, act):

@@ -368,17 +368,17 @@ def _hopper_impl(
     """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
     backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
     portable``, the same with them off (the portable kernels, what other GPUs run)."""
-    from ragged.kernels.triton import attention_hopper as hopper
-
     M = p.width
     name = HOPPER if on else PORTABLE
-    if on and not why and not hopper.usable(*inputs, p.q.shape[-1] ** -0.5, 0.0, None, None, False, force=True):
-        why = "the sm_90 forward does not take this call (GPU, dtype, head dim or alignment)"
+    variant = "triton_sm90_full" if on else "triton"
+    if on and not why:
+        q, k, v = inputs[:3]
+        why = ragged.explain("attention", q, k, v, p.offsets, p.offsets, M, M, causal, 0.0, backward)[variant]
     if why:
         return Impl(name, "ragged", skip=why if isinstance(why, str) else "; ".join(why))
 
     def forward(q, k, v):
-        with hopper.forced(on):
+        with ragged.backends.prefer("attention", variant):
             return ragged.varlen_attention(q, k, v, p.offsets, p.offsets, M, M, causal=causal, backend="triton")
 
     return Impl(name, "ragged", forward_or_backward(forward, inputs, p.do if backward else None))
