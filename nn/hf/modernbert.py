@@ -43,7 +43,7 @@ from torch import nn
 
 import ragged
 from ragged import backends
-from ragged.ops.attention import ATTENTION, NO_WINDOW, dropout_seed, effective_window
+from ragged.ops.attention import ATTENTION, NO_WINDOW, AttentionArgs, dropout_seed, effective_window, spec_of
 
 from ..layer import attention_dtype
 from .family import Family, exact, fused_activation, param, sub
@@ -85,41 +85,23 @@ def _attention(
     if window is not NO_WINDOW:
         window = effective_window(window, False, max_len, max_len)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    backend = backends.select(
-        "attention",
-        None,
-        q.device,
-        q,
-        k,
-        v,
-        ctx.offsets,
-        ctx.offsets,
-        max_len,
-        max_len,
-        False,
-        p,
-        needs_grad,
-        window,
-        None,
-    ).backend
-    return ATTENTION(
-        q,
-        k,
-        v,
-        ctx.offsets,
-        ctx.offsets,
-        max_len,
-        max_len,
-        False,
-        1.0 / math.sqrt(q.shape[2]),
-        p,
-        dropout_seed(p, q.device),
-        window[0],
-        window[1],
-        None,
-        None,
-        backend,
-    )[0]
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=ctx.offsets,
+        cu_k=ctx.offsets,
+        max_q=max_len,
+        max_k=max_len,
+        causal=False,
+        scale=1.0 / math.sqrt(q.shape[2]),
+        dropout_p=p,
+        seed=dropout_seed(p, q.device),
+        window_left=window[0],
+        window_right=window[1],
+    )
+    impl = backends.select_spec("attention", None, spec_of(args, needs_grad))
+    return ATTENTION(args, impl.name).out
 
 
 class ModernBertFamily(Family):
