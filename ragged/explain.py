@@ -16,7 +16,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 
-from .backends import ChoiceCaptured, OpEntry, auto_choice, capturing_choice, get_backend, op_entry, op_names
+from .backends import (
+    ChoiceCaptured,
+    OpEntry,
+    auto_choice,
+    capturing_choice,
+    forced_choice,
+    get_backend,
+    op_entry,
+    op_names,
+    preferences,
+)
 
 _PUBLIC: Mapping[str, object] = {}  # ragged's namespace (set_public_namespace)
 
@@ -139,23 +149,36 @@ class Explanation(dict):
       the selected backend cannot take it (the call would raise);
     * ``launch``: for a call the ``"cuda"`` backend runs, how its kernels are loaded on that
       device: ``"aot"`` (the ``ragged._C`` binary) or ``"jit"`` (NVRTC), see
-      :func:`ragged.build_info`; None for any other backend."""
+      :func:`ragged.build_info`; None for any other backend;
+    * ``preferred``: the implementation a preference puts first for this op
+      (:func:`ragged.backends.prefer`, ``RAGGED_PREFER``, ``RAGGED_ATTENTION_HOPPER``), or None.
+
+    The keys are implementation names: a backend's name, or ``<backend>_<variant>`` for a second
+    implementation of one backend (the sm_90 attention kernels: ``"triton_sm90"``,
+    ``"triton_sm90_full"``)."""
 
     chosen: str | None = None
     launch: str | None = None
+    preferred: str | None = None
 
     def __repr__(self) -> str:
-        return f"Explanation({dict.__repr__(self)}, chosen={self.chosen!r}, launch={self.launch!r})"
+        return (
+            f"Explanation({dict.__repr__(self)}, chosen={self.chosen!r}, launch={self.launch!r}, "
+            f"preferred={self.preferred!r})"
+        )
 
 
 def _spec_reasons(entry: OpEntry, spec, selected: str) -> Explanation:
     out = Explanation({name: impl.reasons(spec) for name, impl in entry.impls.items()})
-    name = selected
-    if name == "auto":
-        name = auto_choice(entry, spec).name
-    elif out.get(name) != []:
-        name = None
+    if selected == "auto":
+        name: str | None = auto_choice(entry, spec).name
+    else:
+        try:
+            name = forced_choice(entry, selected, spec, "ragged.explain").name
+        except ValueError:  # the forced backend cannot take it: the call would raise
+            name = None
     out.chosen = name
+    out.preferred = preferences().get(entry.op)
     if name == "cuda":
         from .kernels.cuda.launch import _current_device, launch_path
 

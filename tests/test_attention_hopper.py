@@ -390,3 +390,43 @@ def test_calls_it_does_not_take_run_the_portable_kernel(hopper):
     buckets = torch.randint(0, 8, (2 * 9 - 1,), dtype=torch.int32)
     ragged.varlen_attention(q, k, v, _cu(lq), _cu(lq), 9, 9, position_bias=(table, buckets), backend="triton")
     assert not hopper
+
+
+def test_explain_names_the_variant_a_forced_backend_runs_and_the_preference(monkeypatch):
+    """A forced ``"triton"`` runs the best-ranked of its implementations that takes the call;
+    ``ragged.explain`` reports that implementation and the preference in force."""
+    from ragged import backends
+
+    monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
+    monkeypatch.delenv("RAGGED_PREFER", raising=False)
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    operands = (q, q, q, cu, cu, 8, 8, False, 0.0, False)
+    with backends.use_backend("triton"):
+        plain = ragged.explain("attention", *operands)
+        assert plain.chosen == "triton" and plain.preferred is None
+        assert {"triton", "triton_sm90", "triton_sm90_full", "torch"} <= set(plain)
+        with backends.prefer("attention", "triton_sm90_full"):
+            why = ragged.explain("attention", *operands)
+            assert why.chosen == "triton_sm90_full" and why.preferred == "triton_sm90_full"
+            # a call the preferred implementation cannot take runs the backend's own kernels
+            assert ragged.explain("attention", q.float(), q.float(), q.float(), *operands[3:]).chosen == "triton"
+        monkeypatch.setenv("RAGGED_PREFER", "attention=triton_sm90")
+        assert ragged.explain("attention", *operands).chosen == "triton_sm90"
+        monkeypatch.setenv("RAGGED_ATTENTION_HOPPER", "0")
+        monkeypatch.delenv("RAGGED_PREFER")
+        assert ragged.explain("attention", *operands).preferred == "triton"
+
+
+def test_a_preference_that_names_nothing_is_refused(monkeypatch):
+    from ragged import backends
+
+    with pytest.raises(ValueError, match=r"prefer\(\): attention has no implementation 'triton_sm80'"):
+        with backends.prefer("attention", "triton_sm80"):
+            pass
+    with pytest.raises(ValueError, match=r"prefer\(\): unknown op 'attn'"):
+        with backends.prefer("attn", "triton"):
+            pass
+    monkeypatch.setenv("RAGGED_PREFER", "attention")
+    with pytest.raises(ValueError, match=r"RAGGED_PREFER \(environment variable\): expected op=implementation"):
+        backends.preferences()
