@@ -265,6 +265,10 @@ class Implementation:
     # (the torch reference): after every ranked implementation.
     rank: float | Callable[[Any], float] | None = None
     variant: str = ""
+    # The optional operands it reads (fields of the op's record with a default), None: every one.
+    # A call that gives another one a value (the spec's ``operands_used``) is declined with a
+    # reason: an operand added to an op is refused by every implementation that does not read it.
+    operands: frozenset[str] | None = None
 
     @property
     def name(self) -> str:
@@ -312,6 +316,9 @@ class Implementation:
                 value = getattr(spec, field)
                 if value > top:
                     out.append(f"{self.backend} {self.op} takes {field.replace('_', ' ')} <= {top}, got {value}")
+        if self.operands is not None:
+            unread = getattr(spec, "operands_used", frozenset()) - self.operands
+            out.extend(f"{self.backend} {self.op} does not take {name}" for name in sorted(unread))
         if self.check is not None and not out:
             out.extend(self.check(spec))
         return out

@@ -108,7 +108,9 @@ class AttentionSpec:
     ``(left, right)`` as :func:`effective_window` gives it (``(-1, -1)``: none), the rows of
     the relative-position bias table (0: no position bias), and whether q, k and v may be moved
     by TMA (16-byte aligned addresses and row strides, unit feature stride; None where the
-    addresses are unknown: traced by torch.compile)."""
+    addresses are unknown: traced by torch.compile); ``operands_used``: the optional operands of
+    :class:`AttentionArgs` the call gives a value other than their default (an implementation
+    that does not read one declines the call, :attr:`ragged.backends.Implementation.operands`)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -124,6 +126,7 @@ class AttentionSpec:
     window_size: tuple[int, int] = NO_WINDOW
     bias_buckets: int = 0
     tma_aligned: bool | None = None
+    operands_used: frozenset[str] = frozenset()
 
 
 def attention_spec(
@@ -148,22 +151,59 @@ def attention_spec(
         if window_size is NO_WINDOW
         else effective_window((int(window_size[0]), int(window_size[1])), bool(causal), max_q, max_k)
     )
-    buckets = 0 if position_bias is None else int(position_bias[0].shape[0])
+    table, buckets = position_bias if position_bias is not None else (None, None)
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=max_q,
+        max_k=max_k,
+        causal=bool(causal),
+        scale=1.0,
+        dropout_p=float(dropout_p),
+        window_left=window[0],
+        window_right=window[1],
+        bias_table=table,
+        bias_buckets=buckets,
+    )
+    return spec_of(args, needs_grad)
+
+
+_OPTIONAL = tuple(AttentionArgs._field_defaults.items())
+
+
+def _operands_used(args: AttentionArgs) -> frozenset[str]:
+    used = []
+    for name, default in _OPTIONAL:
+        value = getattr(args, name)
+        if value is not default and (isinstance(value, Tensor) or value != default):
+            used.append(name)
+    return frozenset(used)
+
+
+def spec_of(args: AttentionArgs, needs_grad: bool) -> AttentionSpec:
+    """The spec of a call with operands ``args`` (the window already as :func:`effective_window`
+    gives it)."""
+    q, k, v = args.q, args.k, args.v
+    window = (args.window_left, args.window_right)
     return AttentionSpec(
         q.device,
         q.dtype,
         q.shape[2],
         q.shape[1],
         k.shape[1],
-        cu_q.shape[0] - 1,
-        max_q,
-        max_k,
-        bool(causal),
-        float(dropout_p),
+        args.cu_q.shape[0] - 1,
+        args.max_q,
+        args.max_k,
+        bool(args.causal),
+        float(args.dropout_p),
         bool(needs_grad),
-        window,
-        buckets,
+        NO_WINDOW if window == NO_WINDOW else window,
+        0 if args.bias_table is None else int(args.bias_table.shape[0]),
         (_tma_aligned(q) and _tma_aligned(k) and _tma_aligned(v)) if eager(q, k, v) else None,
+        _operands_used(args),
     )
 
 
@@ -174,27 +214,6 @@ def _tma_aligned(t: Tensor) -> bool:
         and t.stride(-1) == 1
         and (t.stride(0) * size) % 16 == 0
         and (t.stride(1) * size) % 16 == 0
-    )
-
-
-def spec_of(args: AttentionArgs, needs_grad: bool) -> AttentionSpec:
-    """The spec of a call with operands ``args`` (the window already as :func:`effective_window`
-    gives it)."""
-    window = (args.window_left, args.window_right)
-    bias = None if args.bias_table is None else (args.bias_table, args.bias_buckets)
-    return attention_spec(
-        args.q,
-        args.k,
-        args.v,
-        args.cu_q,
-        args.cu_k,
-        args.max_q,
-        args.max_k,
-        args.causal,
-        args.dropout_p,
-        needs_grad,
-        NO_WINDOW if window == NO_WINDOW else window,
-        bias,  # type: ignore[arg-type]
     )
 
 
@@ -325,7 +344,17 @@ def _reference_backward(
     return computed._replace(q=grads.q, k=grads.k, v=grads.v)
 
 
-backends.register(backends.Implementation("attention", "torch", _reference_forward, _reference_backward))
+backends.register(
+    backends.Implementation(
+        "attention",
+        "torch",
+        _reference_forward,
+        _reference_backward,
+        # the optional operands of AttentionArgs the reference reads: an operand added to the record
+        # is declined until the reference reads it and names it here
+        operands=frozenset({"dropout_p", "seed", "window_left", "window_right", "bias_table", "bias_buckets"}),
+    )
+)
 
 
 def dropout_seed(dropout_p: float, device: torch.device | None = None) -> int | Tensor:

@@ -75,6 +75,9 @@ register(
         check=_attention_check,
         backward_backend="triton",  # forward only; its inputs are Triton's too
         extras={"packed_self_attention": f"{_HERE}.attention:packed_self_attention"},
+        # the optional operands of the attention record it reads (its check declines a window and
+        # dropout with its own reasons; an operand added to the record is declined until read)
+        operands=frozenset({"dropout_p", "seed", "window_left", "window_right", "bias_table", "bias_buckets"}),
     )
 )
 

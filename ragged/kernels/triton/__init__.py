@@ -34,6 +34,11 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_BUCKETS = 128
 
 
+# The optional operands of the attention record the Triton kernels read (an operand added to the
+# record is declined until the kernels read it and it is listed here).
+ATTENTION_OPERANDS = frozenset({"dropout_p", "seed", "window_left", "window_right", "bias_table", "bias_buckets"})
+
+
 def _attention_check(spec) -> list[str]:
     if spec.bias_buckets and spec.needs_grad:
         from .attention_bias import gather_reason  # imports Triton: only for a bias with a backward
@@ -54,6 +59,7 @@ register(
         maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
         check=_attention_check,
         rank=1,
+        operands=ATTENTION_OPERANDS,
     )
 )
 
@@ -95,6 +101,7 @@ _SM90 = {
     "dtypes": (torch.float16, torch.bfloat16),
     "limits": {"head_dim": ATTENTION_SM90_HEAD_DIMS},
     "check": _sm90_check,
+    "operands": ATTENTION_OPERANDS,
 }
 register(
     Implementation(
