@@ -50,7 +50,7 @@ import torch
 
 from .utils import assume_constant_result
 
-BACKENDS = ("auto", "torch", "triton", "cuda")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "cuda")
 
 _selected: str | None = None  # set_backend(): the process-wide default
 
@@ -317,7 +317,7 @@ class Implementation:
                 if value > top:
                     out.append(f"{self.backend} {self.op} takes {field.replace('_', ' ')} <= {top}, got {value}")
         if self.operands is not None:
-            unread = getattr(spec, "operands_used", frozenset()) - self.operands
+            unread: frozenset[str] = getattr(spec, "operands_used", frozenset()) - self.operands
             out.extend(f"{self.backend} {self.op} does not take {name}" for name in sorted(unread))
         if self.check is not None and not out:
             out.extend(self.check(spec))

@@ -117,11 +117,9 @@ def _explain_call(public: Callable, args: tuple, kwargs: dict) -> Explanation:
         with capturing_choice():
             public(*args, **kwargs)
     except ChoiceCaptured as captured:
-        found = captured
-    else:
-        found = None
-    if found is not None:
-        return _spec_reasons(op_entry(found.op), found.spec, selected)
+        entry = op_entry(captured.op)
+        assert entry is not None  # a choice is captured for a registered op only
+        return _spec_reasons(entry, captured.spec, selected)
     raise ValueError(
         f"ragged.explain(): expected a call that picks a backend, got one of {name}() that picks "
         "none (no op with backends runs for these arguments)"

@@ -181,12 +181,17 @@ def _stub(name: str, params: Sequence[tuple[str, Any]], returns: Any) -> Callabl
     return stub
 
 
+def _tensor_tuple(n: int) -> Any:
+    """The annotation ``tuple[Tensor, ...]`` of ``n`` tensors (a schema's return type)."""
+    return tuple.__class_getitem__(tuple(torch.Tensor for _ in range(n)))
+
+
 def _returns(record: type) -> Any:
     """The schema's return annotation of an output record: one tensor, or a tuple of them."""
     fields = _record_fields(record)
     if len(fields) == 1:
         return torch.Tensor
-    return tuple[tuple(torch.Tensor for _ in fields)]  # type: ignore[misc]
+    return _tensor_tuple(len(fields))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -203,13 +208,13 @@ class RecordOp:
 
     name: str
     impls: dict  # implementation name -> Implementation (the registry's own dict)
-    args: type  # the operand record
-    output: type  # the output record
-    backward_inputs: type | None  # the backward's own inputs (incoming gradients, saved outputs)
-    grads: type | None  # the gradient record: fields named after operands
+    args: Any  # the operand record (a NamedTuple class)
+    output: Any  # the output record
+    backward_inputs: Any  # the backward's own inputs (incoming gradients, saved outputs), or None
+    grads: Any  # the gradient record (fields named after operands), or None
     forward_op: Any  # torch.library CustomOpDef of ragged::<name>
     backward_op: Any | None  # ragged::<name>_backward, when declared
-    function: type  # the eager autograd.Function
+    function: Any  # the eager autograd.Function
     tensor_fields: tuple[int, ...]  # the fields of ``args`` that may hold a tensor
     backward_tensor_fields: tuple[int, ...]
     optional_grads: tuple[bool, ...]  # per field of ``grads``: may be None (travels as an empty tensor)
@@ -385,7 +390,7 @@ def define(
             f"ragged::{name}_backward",
             run_backward,
             mutates_args=(),
-            schema=schema_of([*params, *in_fields], tuple[tuple(torch.Tensor for _ in grad_index)]),
+            schema=schema_of([*params, *in_fields], _tensor_tuple(len(grad_index))),
         )
         backward_op.register_fake(traced_backward_fake)
 

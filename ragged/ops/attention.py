@@ -217,17 +217,24 @@ def _tma_aligned(t: Tensor) -> bool:
     )
 
 
+# The operands the autograd rule keeps on its context as they are (the tensors go through
+# save_for_backward).
+_SCALARS = ("max_q", "max_k", "causal", "scale", "dropout_p", "seed", "window_left", "window_right")
+
+
 def _setup(ctx, args: AttentionArgs, output: AttentionOutput) -> None:
     ctx.save_for_backward(
         args.q, args.k, args.v, output.out, output.lse, args.cu_q, args.cu_k, args.bias_table, args.bias_buckets
     )
-    ctx.args = args._replace(q=None, k=None, v=None, cu_q=None, cu_k=None, bias_table=None, bias_buckets=None)
+    ctx.scalars = {name: getattr(args, name) for name in _SCALARS}
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor) -> AttentionGrads:
     # lse is a constant of the graph (non_differentiable below): its gradient is never used.
     q, k, v, out, lse, cu_q, cu_k, bias_table, bias_buckets = ctx.saved_tensors
-    args = ctx.args._replace(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, bias_table=bias_table, bias_buckets=bias_buckets)
+    args = AttentionArgs(
+        q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, bias_table=bias_table, bias_buckets=bias_buckets, **ctx.scalars
+    )
     # The implementation's backward follows its declaration (the forward-only CUDA kernel: Triton's).
     inputs = AttentionBackwardInputs(grad_out.contiguous(), out, lse)
     return ATTENTION.call_backward(args, inputs, ctx.impl)
@@ -263,7 +270,9 @@ def _reference_mask(args: AttentionArgs):
     if args.dropout_p == 0:
         return None
     q = args.q
-    return reference_dropout_mask(args.seed, args.dropout_p, args.cu_q, q.shape[1], q.shape[0], args.max_k, q.device)
+    return reference_dropout_mask(
+        int(args.seed), args.dropout_p, args.cu_q, q.shape[1], q.shape[0], args.max_k, q.device
+    )
 
 
 def _reference_forward(args: AttentionArgs) -> AttentionOutput:
@@ -281,7 +290,9 @@ def _reference_forward(args: AttentionArgs) -> AttentionOutput:
                 args.causal,
                 args.scale,
                 window,
-                None if bias is None else (*bias, args.max_q),
+                None
+                if args.bias_table is None or args.bias_buckets is None
+                else (args.bias_table, args.bias_buckets, args.max_q),
             )
     else:
         with torch.no_grad():

@@ -152,6 +152,7 @@ def grouped_attention(
             bias = table[:, buckets[rel]].unsqueeze(0)  # [1, H, mq, mk]
             if seen is not None:
                 bias = bias.masked_fill(~seen, float("-inf"))
+        assert _FLASH is not None  # available() said so
         o, s = _FLASH(qg, kg, vg, 0.0, self_causal, attn_mask=bias, scale=scale)  # [n,H,mq,D], [n,H,mq]
         o, s = o.transpose(1, 2)[valid_q], s.transpose(1, 2)[valid_q].to(torch.float32)
         if seen is not None and seen.shape[2] > 1:

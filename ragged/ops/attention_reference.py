@@ -189,7 +189,7 @@ def reference_attention(
         vb = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         lq, lk = qb.shape[1], kb.shape[1]
         s = torch.matmul(qb, kb.transpose(1, 2)) * scale  # [H, Lq, Lk]
-        if bias is not None:
+        if bias is not None and table is not None:
             s = s + table[:, bucket_block(bias[1], lq, lk, bias[2])]
         seen = _visible(lq, lk, causal, window, q.device)
         if seen is not None:

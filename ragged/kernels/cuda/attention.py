@@ -200,8 +200,8 @@ def forward(args: AttentionArgs) -> AttentionOutput:
     bias = bias_table is not None
     kernel, per_block, warps = _kernel(q.dtype, head_dim, heads, batch, max_q, max_k, q.device, bias)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    rows = _distance_rows(bias_table, bias_buckets) if bias else None
-    bias_args = (rows.data_ptr(), rows.shape[1], max_q - 1) if bias else (0, 0, 0)
+    rows = None if bias_table is None or bias_buckets is None else _distance_rows(bias_table, bias_buckets)
+    bias_args = (rows.data_ptr(), rows.shape[1], max_q - 1) if rows is not None else (0, 0, 0)
     wide = int(cu_q.dtype == torch.int64) | (int(cu_k.dtype == torch.int64) << 1)
     launch_args = (
         q.data_ptr(),

@@ -242,7 +242,8 @@ def _forward(args: AttentionArgs, sm90: bool) -> AttentionOutput:
     cum, inline, chunk, n_steps = _worklist(cu_q, block_m)
     grid = (triton.cdiv(total_q, block_m) + batch, heads)
     seed, seed_ptr = _seed(args.seed, cu_q)
-    dist = lse if bias_table is None else distance_table(bias_table, bias_buckets)  # lse: a pointer never read
+    no_bias = bias_table is None or bias_buckets is None
+    dist = lse if no_bias else distance_table(bias_table, bias_buckets)  # type: ignore[arg-type]  # lse: never read
     _fwd_kernel[grid](
         q,
         k,
@@ -350,7 +351,9 @@ def _backward(
     if batch == 0 or total_q == 0:
         if batch and total_k:
             result[1].zero_(), result[2].zero_()
-        return AttentionGrads(*result, torch.zeros_like(bias_table) if bias else None)
+        return AttentionGrads(
+            result[0], result[1], result[2], None if bias_table is None else torch.zeros_like(bias_table)
+        )
     delta = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     out = _rows(inputs.out)
     lse = inputs.lse.contiguous()
@@ -403,7 +406,7 @@ def _backward(
     )
     programs = triton.cdiv(total_q, q_m) + batch
     dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
-    if bias:
+    if bias_table is not None and bias_buckets is not None:
         dist, buckets = distance_table(bias_table, bias_buckets), bias_buckets.contiguous()
         partial = partial_buffer(programs, heads, bias_table.shape[0], q.device)
     cum_q, inline, chunk, n_steps = _worklist(cu_q, q_m)
@@ -507,7 +510,9 @@ def _backward(
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
-    return AttentionGrads(*result, table_gradient(partial, bias_table) if bias else None)
+    return AttentionGrads(
+        result[0], result[1], result[2], None if bias_table is None else table_gradient(partial, bias_table)
+    )
 
 
 def dropout_keep_mask(
