@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy as _copy
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -245,7 +246,7 @@ class TransformerEncoderLayer(nn.Module):
         shell.self_attn.dropout = attn.dropout
         shell.dropout1.p, shell.dropout2.p = layer.dropout1.p, layer.dropout2.p
         shell.norm2.eps = layer.norm2.eps
-        return adopt(fn, shell, layer, False, None)
+        return cast(TransformerEncoderLayer, adopt(fn, shell, layer, False, None))
 
     def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET) -> RaggedTensor:
         x = rt.values
@@ -359,14 +360,15 @@ class TransformerEncoder(nn.Module):
     def _stack(self, rt: RaggedTensor, causal: bool) -> RaggedTensor:
         fused = fused_backend(rt.values)  # one choice for the stack: same device, dtype and width
         values = None
-        if fused is not None and eager(rt.values, rt.offsets) and all(plain_call(layer) for layer in self.layers):
+        layers = cast(list[TransformerEncoderLayer], list(self.layers))
+        if fused is not None and eager(rt.values, rt.offsets) and all(plain_call(layer) for layer in layers):
             values = run_stack(
-                [layer_spec(layer) for layer in self.layers], rt.values, rt.offsets, rt.max_len, causal, fused
+                [layer_spec(layer) for layer in layers], rt.values, rt.offsets, rt.max_len, causal, fused
             )
         if values is not None:
             rt = rt.with_values(values)
         else:
-            for layer in self.layers:
+            for layer in layers:
                 # the input was checked once above; a layer without hooks runs its body directly
                 rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
@@ -383,7 +385,7 @@ class TransformerEncoder(nn.Module):
         fn = "ragged.nn.TransformerEncoder.forward"
         if len(self.layers) == 0:
             raise ValueError(f"{fn}(): the encoder has no layers")
-        attn = self.layers[0].self_attn
+        attn = cast(TransformerEncoderLayer, self.layers[0]).self_attn
         return _run(
             fn, src, attn.embed_dim, attn.batch_first, mask, "mask", src_key_padding_mask, is_causal, self._stack
         )

@@ -24,6 +24,7 @@ from ragged.kernels.cuda import attention as ca
 from ragged.kernels.cuda import fused as cf
 from ragged.kernels.cuda import launch as kc
 from ragged.kernels.cuda import pack as kp
+from ragged.ops.attention import AttentionArgs
 
 SOURCES = ("attention_short.cu", "fused.cu", "pack.cu")
 HAS_NVCC = shutil.which("nvcc") is not None
@@ -66,25 +67,12 @@ def _ask_every_kernel():
                 cu = torch.arange(batch + 1, dtype=torch.int32)
                 for max_len in (1, 16, 32, 33, 64, 65, 128):
                     q = torch.empty((batch, heads, head_dim), dtype=dtype)
-                    ca.forward(q, q, q, cu, cu, max_len, max_len, False, None, 0.0, 0)
-                    buckets = torch.zeros(2 * max_len - 1, dtype=torch.int32)
-                    ca.forward(
-                        q,
-                        q,
-                        q,
-                        cu,
-                        cu,
-                        max_len,
-                        max_len,
-                        False,
-                        None,
-                        0.0,
-                        0,
-                        -1,
-                        -1,
-                        torch.zeros((32, heads)),
-                        buckets,
+                    args = AttentionArgs(
+                        q=q, k=q, v=q, cu_q=cu, cu_k=cu, max_q=max_len, max_k=max_len, causal=False, scale=0.125
                     )
+                    ca.forward(args)
+                    buckets = torch.zeros(2 * max_len - 1, dtype=torch.int32)
+                    ca.forward(args._replace(bias_table=torch.zeros((32, heads)), bias_buckets=buckets))
                     qkv = torch.empty((batch, 3 * heads * head_dim), dtype=dtype)
                     ca.packed_self_attention(qkv, cu, max_len, heads, True, 0.125)
     for dtype, (_, vec) in cf._TYPES.items():

@@ -40,6 +40,26 @@ def _kernel():
     return cuda_attention
 
 
+def _forward(kern, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p=0.0, seed=0):
+    """The kernel's forward on the operands in the op's order (as the record takes them)."""
+    from ragged.ops.attention import AttentionArgs
+
+    args = AttentionArgs(
+        q=q,
+        k=k,
+        v=v,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=max_q,
+        max_k=max_k,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        seed=seed,
+    )
+    return kern.forward(args)
+
+
 def _offsets(lengths, dtype=torch.int32):
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device="cuda")
 
@@ -107,7 +127,7 @@ def test_matches_reference(dtype, dim, causal, heads, kv_heads, path):
     for i, (name, lengths) in enumerate(LENGTH_SETS.items()):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, heads, kv_heads, dim, dtype, seed=dim * 10 + i)
         m = max(lengths)
-        out, lse = kern.forward(q, k, v, cu_q, cu_k, m, m, causal, 1.0 / dim**0.5, 0.0, 0)
+        out, lse = _forward(kern, q, k, v, cu_q, cu_k, m, m, causal, 1.0 / dim**0.5, 0.0, 0)
         try:
             _check(out, lse, q, k, v, cu_q, cu_k, causal)
         except AssertionError as exc:
@@ -129,7 +149,7 @@ def test_cross_attention_bottom_right_causal(dtype, dim, causal, case, path):
     kern = _kernel()
     lengths_q, lengths_k = CROSS[case]
     q, k, v, cu_q, cu_k = _inputs(lengths_q, lengths_k, 4, 2, dim, dtype, seed=7)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal, 0.3, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal, 0.3, 0.0, 0)
     _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=0.3)
 
 
@@ -139,7 +159,7 @@ def test_causal_rows_without_keys_are_zero(heads, path):
     # Lq = 5, Lk = 2: queries 0..2 see no key (bottom-right alignment); Lq = 20, Lk = 3: the
     # second strip's first rows see keys, the first strip's 17 rows none.
     q, k, v, cu_q, cu_k = _inputs([5, 20, 3], [2, 3, 0], heads, 1, 64, torch.bfloat16, seed=3)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k, 20, 3, True, 0.125, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q, cu_k, 20, 3, True, 0.125, 0.0, 0)
     assert (out[:3] == 0).all() and torch.isneginf(lse[:3]).all()
     assert torch.isfinite(lse[3:5]).all()
     _check(out, lse, q, k, v, cu_q, cu_k, True, scale=0.125)
@@ -152,7 +172,7 @@ def test_max_seqlen_hints_below_the_lengths(dim, causal, path):
     kern = _kernel()
     lengths_q, lengths_k = [40, 5, 33, 128], [35, 70, 3, 128]
     q, k, v, cu_q, cu_k = _inputs(lengths_q, lengths_k, 6, 3, dim, torch.bfloat16, seed=13)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k, 32, 32, causal, 0.1, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q, cu_k, 32, 32, causal, 0.1, 0.0, 0)
     _check(out, lse, q, k, v, cu_q, cu_k, causal, scale=0.1)
 
 
@@ -168,9 +188,9 @@ def test_offsets_dtypes_and_varlen_api(offsets_dtype):
 def test_mixed_offsets_dtypes(path):
     kern = _kernel()
     q, k, v, cu_q, cu_k = _inputs([4, 20, 0, 7], [9, 2, 5, 7], 4, 4, 64, torch.float16, seed=5)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k.long(), 20, 9, False, 0.125, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q, cu_k.long(), 20, 9, False, 0.125, 0.0, 0)
     _check(out, lse, q, k, v, cu_q, cu_k, False, scale=0.125)
-    out, lse = kern.forward(q, k, v, cu_q.long(), cu_k, 20, 9, True, 0.125, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q.long(), cu_k, 20, 9, True, 0.125, 0.0, 0)
     _check(out, lse, q, k, v, cu_q, cu_k, True, scale=0.125)
 
 
@@ -185,7 +205,7 @@ def test_misaligned_and_noncontiguous_inputs(path):
     q = base[1:].view(38, 4, 64)
     k = torch.randn(4, 38, 64, generator=gen, device="cuda").to(torch.bfloat16).transpose(0, 1)
     v = torch.randn(38, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
-    out, lse = kern.forward(q, k, v, cu, cu, 30, 30, False, 0.125, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu, cu, 30, 30, False, 0.125, 0.0, 0)
     _check(out, lse, q, k, v, cu, cu, False, scale=0.125)
 
 
@@ -193,11 +213,11 @@ def test_empty_batches(path):
     kern = _kernel()
     for lengths in ([], [0], [0, 0, 0]):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 4, 4, 64, torch.bfloat16, seed=1)
-        out, lse = kern.forward(q, k, v, cu_q, cu_k, 0, 0, False, 0.125, 0.0, 0)
+        out, lse = _forward(kern, q, k, v, cu_q, cu_k, 0, 0, False, 0.125, 0.0, 0)
         assert out.shape == q.shape and lse.shape == q.shape[:2]
     # Queries over empty key sequences: zeros and lse = -inf.
     q, k, v, cu_q, cu_k = _inputs([3, 2], [0, 0], 4, 4, 64, torch.bfloat16, seed=1)
-    out, lse = kern.forward(q, k, v, cu_q, cu_k, 3, 0, False, 0.125, 0.0, 0)
+    out, lse = _forward(kern, q, k, v, cu_q, cu_k, 3, 0, False, 0.125, 0.0, 0)
     assert (out[:5] == 0).all() and torch.isneginf(lse[:5]).all()
 
 
@@ -217,7 +237,7 @@ def test_token_index_past_int32(path):
     v = torch.randn((tokens, 4, 64), generator=gen, device="cuda").to(torch.bfloat16)
     cu = _offsets(lengths)
     for max_len in (64, 32):  # hints of 32: tiles smaller than the 64-token sequence
-        out, lse = kern.forward(q, k, v, cu, cu, max_len, max_len, True, 0.125, 0.0, 0)
+        out, lse = _forward(kern, q, k, v, cu, cu, max_len, max_len, True, 0.125, 0.0, 0)
         _check(out, lse, q.contiguous(), k, v, cu, cu, True, scale=0.125)
     del storage, q
 
@@ -228,12 +248,12 @@ def test_no_host_sync_after_warmup(path):
     q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 12, 12, 64, torch.bfloat16, seed=4)
     m = max(lengths)
     expected = ragged.varlen_attention(q, k, v, cu_q, cu_k, m, m, causal=True, backend="cuda")
-    kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
+    _forward(kern, q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = ragged.varlen_attention(q, k, v, cu_q, cu_k, m, m, causal=True, backend="cuda")
-        kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
+        _forward(kern, q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     n = sum(lengths)  # (rows past the last sequence are not written)
@@ -254,7 +274,7 @@ def test_kernel_choice(monkeypatch):
     ):
         q, k, v, cu_q, cu_k = _inputs(lengths, lengths, 12, 12, 64, torch.bfloat16, seed=6)
         m = max(lengths)
-        kern.forward(q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
+        _forward(kern, q, k, v, cu_q, cu_k, m, m, False, 0.125, 0.0, 0)
         assert expected in names[-1], (names[-1], expected)
 
 

@@ -110,7 +110,9 @@ def _matching_paren(text: str, open_at: int, what: str) -> int:
 
 def _split_arguments(text: str) -> tuple[str, ...]:
     """The comma-separated arguments inside ``(...)``, each with its whitespace normalised."""
-    args, depth, current = [], 0, []
+    args: list[list[str]] = []
+    depth = 0
+    current: list[str] = []
     for m in _TOKEN.finditer(text, 1, len(text) - 1):
         t = m.group(0)
         if t == "," and depth == 0:
@@ -126,9 +128,10 @@ def _split_arguments(text: str) -> tuple[str, ...]:
 
 def _substitute(macro: _Macro, args: tuple[str, ...], where: str) -> str:
     """The body of ``macro`` with its parameters replaced by ``args`` and ``##`` pasted."""
-    if len(args) != len(macro.params):
-        raise SourceError(f"{where}: {macro.name} takes {len(macro.params)} arguments, got {len(args)}: {args}")
-    values = dict(zip(macro.params, args))
+    params = macro.params or ()
+    if len(args) != len(params):
+        raise SourceError(f"{where}: {macro.name} takes {len(params)} arguments, got {len(args)}: {args}")
+    values = dict(zip(params, args))
     out: list[str] = []
     paste = False
     for t in (m.group(0) for m in _TOKEN.finditer(macro.body)):
@@ -273,7 +276,7 @@ def parse(src_name: str, text: str) -> dict[str, Program]:
             for kernel in kernels:
                 if kernel in out:
                     raise SourceError(f"{where}: kernel {kernel} is also defined at line {out[kernel].line}")
-                prog = prog or Program(src_name, kernels, macro_name, tuple(zip(macro.params, args)), line, "")
+                prog = prog or Program(src_name, kernels, macro_name, tuple(zip(macro.params or (), args)), line, "")
                 out[kernel] = prog
         chunks.append(text[last : m.start()])
         chunks.append(re.sub(r"[^\n]", "", text[m.start() : end]))  # blanked, its line breaks kept
