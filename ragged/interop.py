@@ -17,6 +17,7 @@ HuggingFace attention mask     ``rt.attention_mask()``,          ``from_attentio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,11 +62,12 @@ def from_nested(nt: torch.Tensor) -> RaggedTensor:
         raise TypeError(f"{fn}(): expected a nested tensor, got {describe(nt)}")
     if nt.layout == torch.strided:
         return pack(list(nt.unbind()))
-    if getattr(nt, "_ragged_idx", 1) != 1:
-        raise ValueError(f"{fn}(): expected the ragged dimension to be dim 1, got dim {nt._ragged_idx}")
-    if nt._lengths is not None:
-        nt = nt.contiguous()
-    values, offsets = nt.values(), nt.offsets()
+    jagged: Any = nt  # a NestedTensor of the jagged layout: its attributes are not on torch.Tensor
+    if getattr(jagged, "_ragged_idx", 1) != 1:
+        raise ValueError(f"{fn}(): expected the ragged dimension to be dim 1, got dim {jagged._ragged_idx}")
+    if jagged._lengths is not None:
+        nt = jagged = nt.contiguous()
+    values, offsets = jagged.values(), jagged.offsets()
     total = values.shape[0]
     offsets = check_offsets_tensor(fn, offsets.to(offsets_dtype_for(total)), values)
     max_len = getattr(nt, "_maybe_max_seqlen", None)
@@ -183,8 +185,9 @@ def pack(
         raise ValueError(f"{fn}(): expected at most one of lengths, mask, attention_mask, got {', '.join(given)}")
     batch, width = x.shape[0], x.shape[1]
     if mask is not None or attention_mask is not None:
-        name = "mask" if mask is not None else "attention_mask"
-        return _pack_masked(fn, x, mask if mask is not None else attention_mask, name, padding_side, backend)
+        name, given_mask = ("mask", mask) if mask is not None else ("attention_mask", attention_mask)
+        assert given_mask is not None
+        return _pack_masked(fn, x, given_mask, name, padding_side, backend)
     side = check_side(fn, "right" if padding_side is None else padding_side)
     if lengths is None:
         host_lengths = [width] * batch

@@ -77,7 +77,7 @@ class RaggedTensor:
         self._host_offsets = host_offsets
         # The longest length of _host_offsets once computed (None: not yet). max_len is
         # trusted from the caller here, so unpack checks its width against this instead.
-        self._longest = None
+        self._longest: int | None = None
 
     # ----------------------------------------------------------------------------------
     # Constructors

@@ -10,6 +10,7 @@ import numbers
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -69,6 +70,7 @@ def check_offsets_tensor(
     place where a strided view (``offsets[::2]``) becomes a contiguous copy, so callers must
     use the returned tensor."""
     check_tensor(fn, name, offsets)
+    offsets = cast(torch.Tensor, offsets)
     if offsets.dtype not in OFFSET_DTYPES:
         raise TypeError(f"{fn}(): expected {name} of dtype torch.int32 or torch.int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
@@ -86,6 +88,7 @@ def check_vector(fn: str, name: str, t: object, size: int, device: torch.device,
     returned with unit stride: Triton kernels index such vectors as ``ptr + i``, so a
     strided or expanded view (``b[::2]``, ``b.expand(n)``) becomes a contiguous copy here."""
     check_tensor(fn, name, t)
+    t = cast(torch.Tensor, t)
     if tuple(t.shape) != (size,):
         raise ValueError(f"{fn}(): expected {name} of shape ({size},){what}, got {tuple(t.shape)}")
     if t.device != device:
@@ -275,7 +278,7 @@ def padding_number(fn: str, padding_value: object) -> bool | int | float | compl
         value = value.item()
     if not isinstance(value, numbers.Number):
         raise TypeError(f"{fn}(): expected padding_value to be a number, got {describe(padding_value)}")
-    return value
+    return cast("bool | int | float | complex", value)
 
 
 def no_autocast(fn):

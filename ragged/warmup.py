@@ -23,6 +23,7 @@ with a batch like the ones served (the lengths of a typical batch, and the longe
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 import torch
 
@@ -115,14 +116,15 @@ class _Snapshot:
             m.training = training
             for now, saved in ((m._parameters, params), (m._buffers, buffers)):
                 # by identity: a tensor's == compares values
-                if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
-                    now.clear()
-                    now.update(saved)
+                held = cast("dict[str, Any]", now)
+                if held.keys() != saved.keys() or any(held[k] is not v for k, v in saved.items()):
+                    held.clear()
+                    held.update(saved)
             m._non_persistent_buffers_set.clear()
             m._non_persistent_buffers_set.update(non_persistent)
-        for t, saved in self.values.values():
-            if not _same_bits(t, saved):
-                _write_back(t, saved)
+        for t, value in self.values.values():
+            if not _same_bits(t, value):
+                _write_back(t, value)
         for p, requires_grad, grad in self.params.values():
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
@@ -141,7 +143,11 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
     if not isinstance(training, bool):
         raise TypeError(f"{fn}(): expected training to be a bool, got {describe(training)}")
     devices = _devices(args, kwargs, module)
-    sync = (lambda: [torch.cuda.synchronize(d) for d in devices]) if devices else (lambda: None)
+
+    def sync() -> None:
+        for d in devices:
+            torch.cuda.synchronize(d)
+
     snapshot = _Snapshot(module)
     times: dict[str, float] = {}
     with torch.random.fork_rng(devices=devices):
@@ -159,7 +165,10 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
                 # leaves that need a gradient, as in training: an input's gradient kernels too
                 outs = _values(module(*args, **kwargs))
                 if outs and params:
-                    loss = sum(o.float().square().mean() for o in outs)
+                    terms = [o.float().square().mean() for o in outs]
+                    loss = terms[0]
+                    for term in terms[1:]:  # outputs may sit on several devices: no stack
+                        loss = loss + term
                     torch.autograd.grad(loss, params, allow_unused=True)  # nothing lands in .grad
                 sync()
                 times["training"] = time.perf_counter() - start
