@@ -1,9 +1,9 @@
 """ragged.nn: drop-in padding-free modules (they own parameters; the encoder layer is computed once, in
 :mod:`ragged.nn.layer`, from the LayerSpec an adapter builds)."""
 
-from .activation import MultiheadAttention
 from .convert import convert
 from .graphed import Graphed, graphed
+from .multihead_attention import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .vocab import VocabProjection
 

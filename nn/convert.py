@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize, prune
 from ragged.utils import describe
 
 from .accept import its, module_attention_features
-from .activation import MultiheadAttention
+from .multihead_attention import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 
 _SWAPS: dict[type, type] = {

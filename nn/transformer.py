@@ -26,7 +26,8 @@ from ragged import RaggedTensor
 from ragged.utils import describe, eager
 
 from .accept import adopt, module_attention_features
-from .activation import (
+from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
+from .multihead_attention import (
     MultiheadAttention,
     causal_flag,
     check_padding_mask,
@@ -34,7 +35,6 @@ from .activation import (
     pack_padded,
     to_batch_first,
 )
-from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 
 __all__ = ["TransformerEncoder", "TransformerEncoderLayer"]
 

@@ -195,7 +195,7 @@ def test_attention_weights_with_spare_rows_past_the_last_offset():
     """MultiheadAttention's weights (need_weights, torch's default) on a bucket's layout: rows past
     offsets[-1] have sequence id B; they must land nowhere (out of range before: an IndexError
     here, an out-of-bounds scatter inside a graph), and the real weights stay those of the batch."""
-    from ragged.nn.activation import PaddedLayout
+    from ragged.padding import PaddedLayout
 
     torch.manual_seed(3)
     mha = ragged.nn.MultiheadAttention(D, HEADS, batch_first=True, dtype=torch.float64).eval()

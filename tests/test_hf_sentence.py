@@ -265,7 +265,7 @@ def test_pool_tokens_matches_padded_pooling(mode, prompt):
     sequence is left out of cls and max, where sentence-transformers reads padding or gives -inf, and
     so is, for cls, a left-padded sequence no longer than the prompt (sentence-transformers reads
     column 0, padding; pool_tokens its first token, as for right padding)."""
-    from ragged.nn.activation import PaddedLayout
+    from ragged.padding import PaddedLayout
 
     lengths, width = [4, 0, 17, 1, 3, 9], 19
     g = torch.Generator().manual_seed(10 * MODES.index(mode) + (prompt or 0))

@@ -22,8 +22,8 @@ from packaging.version import Version  # noqa: E402
 from sentence_transformers.sentence_transformer import modules as M  # noqa: E402
 from test_hf_sentence import TEXTS, D, _close, _st, folders, transformers_  # noqa: E402, F401  (fixtures)
 
-from ragged.nn.activation import PaddedLayout  # noqa: E402
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
+from ragged.padding import PaddedLayout  # noqa: E402
 
 # sentence-transformers 6.2 weighs a token by its place in its own sequence, earlier versions
 # by its column in the padded batch: the hand-written reference below follows the installed one.
