@@ -135,7 +135,7 @@ def child_encode(model: str, corpus_path: str, device: str, dtype: str | None, r
     from sentence_transformers import SentenceTransformer
 
     import ragged.nn
-    from ragged.nn.hf.sentence_pipeline import embed
+    from ragged.nn.hf.sentence.pipeline import embed
 
     with open(corpus_path, encoding="utf-8") as f:
         data = f.read().split("\n")[:-1]

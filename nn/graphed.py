@@ -71,7 +71,7 @@ from ragged.utils import describe
 
 from . import graphed_train
 from .graphed_train import smallest as _smallest
-from .hf import sentence_pipeline
+from .hf.sentence import pipeline as sentence_pipeline
 
 __all__ = ["Graphed", "graphed", "powers_of_two"]
 

@@ -44,7 +44,7 @@ OUTPUT; only then is ``.parts`` removed. Killed at any moment, the command leave
 **Devices.** ``--device`` (default ``cuda`` when a GPU is visible, else ``cpu``): one copy of the
 model. ``--devices all`` (every visible GPU) or ``--devices 0,1``: the model loaded once, a copy
 and a thread per GPU, the threads taking chunks from one queue (rows stay in input order: each
-chunk file carries its index). A chunk is embedded by ``ragged.nn.hf.sentence_pipeline.embed``
+chunk file carries its index). A chunk is embedded by ``ragged.nn.hf.sentence.pipeline.embed``
 (the encode pipeline: batches of at most ``--max-tokens`` real tokens; ``--batch-size`` sizes
 them only under a left-padding tokenizer, whose batches are sentence-transformers' own) or,
 where that cannot be imported, by sentence-transformers' ``encode`` (batches of ``--batch-size``
@@ -338,7 +338,7 @@ def _write_atomic(path: str, write: Callable, folder: str | None = None) -> None
 def _embedder() -> Callable:
     """The library's per-chunk pipeline, or :func:`_encode` where it cannot be imported."""
     try:
-        from ragged.nn.hf.sentence_pipeline import embed
+        from ragged.nn.hf.sentence.pipeline import embed
     except ImportError:
         return _encode
     return embed

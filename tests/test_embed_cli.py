@@ -185,17 +185,17 @@ def _one_thread():
 
 @pytest.fixture(params=["library", "fallback"])
 def pipeline(request, monkeypatch):
-    """Each chunk through ``ragged.nn.hf.sentence_pipeline.embed``, or through the fallback on
+    """Each chunk through ``ragged.nn.hf.sentence.pipeline.embed``, or through the fallback on
     ``SentenceTransformer.encode`` (the library's module made unimportable)."""
     if request.param == "fallback":
         # conversion imports the pipeline module too: load it first, so that only the command's own
         # import of it fails (whatever tests this worker ran before)
         import ragged.nn.hf.sentence  # noqa: F401
 
-        monkeypatch.setitem(sys.modules, "ragged.nn.hf.sentence_pipeline", None)
+        monkeypatch.setitem(sys.modules, "ragged.nn.hf.sentence.pipeline", None)
         assert E._embedder() is E._encode
     elif E._embedder() is E._encode:
-        pytest.skip("ragged.nn.hf.sentence_pipeline.embed is not importable")
+        pytest.skip("ragged.nn.hf.sentence.pipeline.embed is not importable")
     return request.param
 
 

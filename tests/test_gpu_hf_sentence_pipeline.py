@@ -24,7 +24,7 @@ from test_gpu_hf_sentence import GPU_TEXTS, _close, _models, gpu_folders  # noqa
 from test_hf_sentence import WORDS  # noqa: E402
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
+from ragged.nn.hf.sentence import pipeline as sp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

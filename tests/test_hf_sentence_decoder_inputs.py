@@ -30,7 +30,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 import ragged
 from ragged.nn.hf import decoder as hf_decoder
 from ragged.nn.hf import sentence as hf_sentence
-from ragged.nn.hf import sentence_pipeline as sp
+from ragged.nn.hf.sentence import pipeline as sp
 
 TYPED = ["input_ids", "token_type_ids", "attention_mask"]
 ROTARY_TOL = {"rtol": 1e-5, "atol": 1e-6}  # ModernBERT: HuggingFace rounds its rotary angles to float32

@@ -1,4 +1,4 @@
-"""The encode pipeline (:mod:`ragged.nn.hf.sentence_pipeline`) on converted sentence-transformers
+"""The encode pipeline (:mod:`ragged.nn.hf.sentence.pipeline`) on converted sentence-transformers
 models over decoders, on the CPU in float64, against the unconverted model.
 
 The pipeline is switched on for the CPU with a small token budget (many batches of up to 5
@@ -28,8 +28,8 @@ from test_hf_sentence_decoder import (
 )
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
-from ragged.nn.hf.sentence_pooling import weightedmean_origin  # noqa: E402
+from ragged.nn.hf.sentence import pipeline as sp  # noqa: E402
+from ragged.nn.hf.sentence.pooling import weightedmean_origin  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The overlapped encode of converted sentence-transformers models (:mod:`ragged.nn.hf.sentence_pipeline`)
+"""The overlapped encode of converted sentence-transformers models (:mod:`ragged.nn.hf.sentence.pipeline`)
 on the CPU, against the unconverted model in float64.
 
 The pipeline runs by default on CUDA devices only; here it is switched on for every device
@@ -32,7 +32,7 @@ from test_hf_sentence import (
 )
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
+from ragged.nn.hf.sentence import pipeline as sp  # noqa: E402
 
 M = base.M
 BUDGET = 40  # tokens per batch: a few texts each

@@ -1,4 +1,4 @@
-"""The encode pipeline's tokenization straight to id arrays (:mod:`ragged.nn.hf.sentence_tokens`)
+"""The encode pipeline's tokenization straight to id arrays (:mod:`ragged.nn.hf.sentence.tokens`)
 against sentence-transformers' own preprocess, on the CPU.
 
 Each case tokenizes the same texts twice through the pipeline's tokenization step: with the
@@ -28,8 +28,8 @@ import test_hf_sentence as enc  # noqa: E402
 import test_hf_sentence_decoder as dec  # noqa: E402
 from test_hf_sentence import folders, transformers_  # noqa: E402,F401
 
-from ragged.nn.hf import sentence_pipeline as sp  # noqa: E402
-from ragged.nn.hf import sentence_tokens as stok  # noqa: E402
+from ragged.nn.hf.sentence import pipeline as sp  # noqa: E402
+from ragged.nn.hf.sentence import tokens as stok  # noqa: E402
 
 TEXTS = [
     *enc.TEXTS,

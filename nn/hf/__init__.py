@@ -6,8 +6,9 @@ Families, one file each: BERT (``bert.py``), RoBERTa, XLM-RoBERTa and CamemBERT
 ``ForSequenceClassification``, ``ForTokenClassification``, ``ForMaskedLM`` and
 ``ForQuestionAnswering`` heads. Sentence-transformers models over them, or over the decoders
 ``decoder.py`` runs on packed batches under ``attn_implementation="ragged"`` (Qwen3-Embedding,
-EmbeddingGemma): ``sentence.py`` (what conversion does, read first: ``sentence_plan.py``; the pooling:
-``sentence_pooling.py``).
+EmbeddingGemma): the package ``sentence/`` (``__init__.py``: what conversion does, read first with
+``plan.py``; the pooling: ``pooling.py``; the packed input: ``batch.py``; the overlapped encode:
+``pipeline.py`` and its tokenization ``tokens.py``).
 
 **Layout of this package.** ``family.py`` says what a family declares (its layer modules,
 attention shape, embeddings, heads, outputs and what it refuses) and holds the machinery the

@@ -1,5 +1,5 @@
 """Texts to flat id arrays through a fast tokenizer, for the encode pipeline
-(:mod:`ragged.nn.hf.sentence_pipeline`).
+(:mod:`ragged.nn.hf.sentence.pipeline`).
 
 sentence-transformers' ``preprocess`` calls the HuggingFace tokenizer, which runs the Rust
 tokenizer over the batch (on every core, the interpreter released) and then converts each
@@ -30,7 +30,7 @@ from torch import nn
 
 __all__ = ["Flat", "flat_ids"]
 
-# the tokenizer arguments of the pipeline's call (sentence_batch.UNPADDED over sentence-transformers'
+# the tokenizer arguments of the pipeline's call (batch.UNPADDED over sentence-transformers'
 # text defaults); any other argument sends the call to sentence-transformers
 _PLAIN = {"padding": False, "return_tensors": None, "return_attention_mask": False}
 _TAKEN = {*_PLAIN, "truncation", "max_length"}

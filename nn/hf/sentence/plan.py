@@ -8,9 +8,9 @@ import dataclasses
 
 from torch import nn
 
-from . import decoder as hf_decoder
-from . import forward as hf_forward
-from .sentence_pooling import RaggedPooling
+from .. import decoder as hf_decoder
+from .. import forward as hf_forward
+from .pooling import RaggedPooling
 
 __all__ = ["TEXT", "Plan", "plan_conversion", "replaced", "st_classes"]
 

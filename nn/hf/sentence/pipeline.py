@@ -11,7 +11,7 @@ host work overlaps it. Here the same call runs as a pipeline:
 * **Tokenization** in a background thread, in chunks of the sorted order: the Transformer's own
   ``preprocess`` (prompt, truncation, special tokens as the original) without padding, the ids
   flattened to one array per chunk (a fast tokenizer's read straight into arrays,
-  :mod:`ragged.nn.hf.sentence_tokens`). A fast tokenizer spreads a batch over the cores and
+  :mod:`ragged.nn.hf.sentence.tokens`). A fast tokenizer spreads a batch over the cores and
   releases the interpreter while it works, so the chunks after the current one are being
   tokenized while its batches run. Calls take the converted preprocess's lock (the tokenizer
   keeps its padding setting in shared state; a copy per thread would cost tens of milliseconds
@@ -63,8 +63,8 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
-from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
-from .sentence_tokens import Flat, flat_ids
+from .batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
+from .tokens import Flat, flat_ids
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_BATCH", "Pipeline", "embed", "reason"]
 
@@ -205,7 +205,7 @@ def _weights_by_column(model: nn.Module) -> bool:
     modes = [m.pooling_mode for m in model if isinstance(getattr(m, "pooling_mode", None), (str, tuple, list))]
     if not any("weightedmean" in ((mode,) if isinstance(mode, str) else mode) for mode in modes):
         return False
-    from .sentence_pooling import weightedmean_origin
+    from .pooling import weightedmean_origin
 
     return weightedmean_origin() != "sequence"
 
@@ -445,7 +445,7 @@ def embed(
     encode = st.__dict__.get("encode")
     if not callable(getattr(encode, "pipelined", None)):
         raise ValueError(
-            "ragged.nn.hf.sentence_pipeline.embed(): expected a SentenceTransformer converted by "
+            "ragged.nn.hf.sentence.pipeline.embed(): expected a SentenceTransformer converted by "
             f"ragged.nn.convert, got {type(st).__name__} not converted"
         )
     if not texts:
@@ -471,6 +471,6 @@ def embed(
     }
     why = reason(st, st[0].forward, settings, arguments)
     if why is not None:
-        raise ValueError(f"ragged.nn.hf.sentence_pipeline.embed(): the pipeline cannot take this call: {why}")
+        raise ValueError(f"ragged.nn.hf.sentence.pipeline.embed(): the pipeline cannot take this call: {why}")
     out = encode.pipelined(arguments, settings, on_batch)
     return np.asarray(finish(st, out, arguments, False), dtype=np.float32)

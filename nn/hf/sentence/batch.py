@@ -16,7 +16,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
-from .batch import read_batch
+from ..batch import read_batch
 
 __all__ = ["INPUT_KEY", "UNPADDED", "PackedInput", "from_lists", "host_padded", "pack_input", "unpadded_side"]
 

@@ -67,7 +67,7 @@ overwrites: one thread only.
 **Pooling** (``cls``, ``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``, ``lasttoken``
 and tuples of them; ``include_prompt=False`` with a prompt) runs on the packed tokens when the
 features' ``token_embeddings`` is the one the Transformer wrote (or absent); a loss or module that
-put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf.sentence_pooling`).
+put others there gets sentence-transformers' own padded pooling (:mod:`ragged.nn.hf.sentence.pooling`).
 ``lasttoken`` reads each sequence's last token whatever the padding side. ``weightedmean`` weighs
 as the installed sentence-transformers does: by the columns of the padded batch before 6.2, by the
 place in the sequence from 6.2 (the two differ under left padding), read from its Pooling once. A
@@ -108,12 +108,12 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe
 
-from . import forward as hf_forward
-from .decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
-from .sentence_batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
-from .sentence_pipeline import Pipeline, finish, reason, run
-from .sentence_plan import Plan, plan_conversion
-from .sentence_pooling import (
+from .. import forward as hf_forward
+from ..decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
+from .batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
+from .pipeline import Pipeline, finish, reason, run
+from .plan import Plan, plan_conversion
+from .pooling import (
     TOKENS_KEY,
     RaggedPooling,
     ReplicaForward,
@@ -171,7 +171,7 @@ def encoding(forward: RaggedTransformerForward, mode: str, graphed=None):
     batch on the host, tokenizing without padding where it can) or ``"tokens"`` (the padded
     batch packed from its host mask; the forward writes padded ``token_embeddings``).
     ``graphed``: a :class:`ragged.nn.Graphed` of the model the forward replays in eval mode
-    (the encode pipeline's own, :mod:`.sentence_pipeline`) where ``forward.graphed`` is None."""
+    (the encode pipeline's own, :mod:`.pipeline`) where ``forward.graphed`` is None."""
     if not isinstance(forward, RaggedTransformerForward):
         raise TypeError(
             f"ragged.nn.hf.sentence.encoding(): expected the forward of a converted Transformer, got "
@@ -402,7 +402,7 @@ class RaggedPreprocess:
 
 class RaggedEncode:
     """The ``encode`` of a converted SentenceTransformer: on a GPU the overlapped pipeline of
-    :mod:`.sentence_pipeline` (settings in ``.pipeline``, a :class:`.sentence_pipeline.Pipeline`);
+    :mod:`.pipeline` (settings in ``.pipeline``, a :class:`.pipeline.Pipeline`);
     otherwise, and for the calls the pipeline does not take, sentence-transformers' own, with the
     batches packed on the host and the padded token embeddings written only when
     ``output_value`` asks for them."""
