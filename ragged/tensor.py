@@ -17,6 +17,64 @@ The data contract:
   launch needs to read the GPU.
 
 Sequences of length 0 and B = 0 are legal. Autograd flows through ``values``.
+
+Bucketed batches
+----------------
+
+A CUDA graph (``ragged.nn.graphed``) runs every batch of its bucket ``(T_b, B_b, L_b)`` as
+one batch of fixed sizes: ``values [T_b, *F]``, ``offsets [B_b + 1]``, ``max_len = L_b``,
+the batch's ``T`` tokens in ``B`` sequences first. Such a batch breaks ``offsets[-1] == T``:
+
+* a **spare row** is a row of ``values`` past the batch's tokens (``t >= T``). In inference
+  buckets it belongs to no sequence (``t >= offsets[-1]``) and holds whatever the buffer held:
+  an earlier batch's values, NaN;
+* an **empty trailing sequence** is a sequence ``b >= B`` of no tokens whose offsets repeat
+  ``T``; inference buckets fill ``B_b`` with them;
+* a **filler sequence** owns spare rows: training buckets give every spare row to fillers of at
+  most ``L_b`` tokens, after the empty trailing sequences (which start at row ``T``, a filler's
+  first row), so that ``offsets[-1] == T_b`` again, every kernel writes every row, the spare
+  rows hold finite values and, the incoming gradient being zero there, their gradient is zero.
+
+Every op (each backend's implementation, and the public function around it) keeps, for such
+a batch:
+
+1. **Grid from host ints.** Its launch sizes come from host ints (``T_b``, ``B_b``, ``L_b``,
+   shapes), never from a value read on the device: a read cannot be captured, and a size
+   taken from one batch would be frozen into the graph.
+2. **Work from the offsets, on the device.** Each program finds its sequence, rows and
+   length from the offsets it reads on the device, and exits when it has no work (a sequence
+   of no tokens, a row past ``offsets[-1]``).
+3. **Nothing real reads a spare row.** Nothing that writes a real token's result reads a row
+   past ``offsets[-1]``: not of the inputs, not of its own scratch, not of the incoming
+   gradient. The real rows of every result and gradient equal those of the same call on the
+   batch alone, and a NaN in a spare row reaches none of them. A reduction over tokens (the
+   ``sum`` and ``mean`` of a cross-entropy) covers the real rows only; the graphs also set the
+   targets of spare rows to the ignored index (``-100``).
+4. **Spare rows of a result.** An op that works per sequence (attention, pack, a
+   cross-entropy, a projection on per-sequence vocabularies) writes nothing real there: its
+   ``"torch"`` reference returns zeros at spare rows, so that an eager run is deterministic,
+   and a kernel may leave them unwritten (they then hold stale memory). A per-token op
+   (``add_layer_norm``, ``bias_act``, ``gated_act``, ``rotary_embedding``, a projection on a
+   vocabulary the batch shares, the GEMMs between them) may compute spare rows as it computes
+   real ones, NaN in and NaN out, on every backend. An empty trailing sequence gets what any
+   sequence of no tokens gets (``pool``: zeros; ``unpack``: padding) on every backend.
+5. **Tokens to sequences by search.** A map from tokens to sequences or positions is computed
+   with ``torch.searchsorted`` on the offsets (:meth:`RaggedTensor.seq_ids`: ``B_b`` at a spare
+   row, one past the last sequence; :meth:`RaggedTensor.position_ids`: below ``max_len``, so a
+   position table of ``L_b`` rows covers every row), never with ``repeat_interleave`` of the
+   lengths, whose ``output_size=T`` assumes ``offsets[-1] == T``.
+6. **Random draws seeded from device memory.** A kernel with a random draw (attention
+   dropout) takes its seed from a device tensor while a graph is captured
+   (``ragged.ops.attention.dropout_seed`` returns one then): a host int would be frozen into the
+   graph, and every replay would draw the same mask.
+7. **Public functions take it.** The checks a public function makes for free (offsets on the
+   CPU, offsets known on the host) take ``offsets[-1] <= T``; ``validate=True`` still checks the
+   data contract above and refuses a bucketed batch.
+
+``tests/test_bucket_contract.py`` runs every registered op on a bucketed batch of both kinds,
+on every backend that runs on the CPU, forward and backward; the cases that break these rules
+today are its strict xfails. ``tests/test_graphed.py`` and ``tests/test_graphed_train.py`` run
+whole modules' buckets eagerly; the GPU tests capture them.
 """
 
 from __future__ import annotations
