@@ -3,6 +3,7 @@
 
 from .convert import convert
 from .graphed import Graphed, graphed
+from .hf import graphs as _hf_graphs  # noqa: F401  (the HuggingFace families register their graph hooks)
 from .multihead_attention import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .vocab import VocabProjection

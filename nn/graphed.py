@@ -17,10 +17,10 @@ Rules of the wrapped call, checked on every call (host ints only, no device read
   per-sequence tensors ``[B, ...]`` (``labels``, say) and constants (None, bool, int, float,
   str), which are part of the graph's key; the first RaggedTensor sets the batch;
 * no loss sees a spare sequence or row, in training and in evaluation (see :mod:`.graphed_train`):
-  a cross-entropy in the graph ignores them (integer labels, -100 at the spare entries); the
-  regression and multi-label losses of a converted HuggingFace sequence-classification head and
-  the span loss of its question-answering head are computed after the graph, on the logits cut
-  to the caller's batch; labels of floating dtype for anything else are refused;
+  a cross-entropy in the graph ignores them (integer labels, -100 at the spare entries); a loss
+  that has no ignored entries is computed after the graph, on the outputs cut to the caller's
+  batch, where a model family's hooks take it out of the call (:meth:`GraphHooks.outside_loss`);
+  labels of floating dtype for anything else are refused;
 * in eval mode the call runs under ``torch.no_grad()``; in train mode (with gradients enabled)
   it replays the training graphs, and ``backward`` their backward;
 * outputs: a RaggedTensor comes back with the caller's offsets and ``T`` rows; a tensor whose
@@ -29,9 +29,14 @@ Rules of the wrapped call, checked on every call (host ints only, no device read
   HuggingFace ``ModelOutput`` s are walked;
 * a batch over the largest bucket, or off the GPU, runs the module eagerly (a one-time
   warning says why);
-* no bucket is longer than the longest sequence the module takes (a converted HuggingFace
-  model's position table; ``max_len``): a spare row's position is below the bucket's length,
-  so every position the graph looks up exists; a batch longer than that is refused.
+* no bucket is longer than the longest sequence the module takes (``max_len``, or what its
+  family's hooks read from it: :meth:`GraphHooks.max_len`): a spare row's position is below the
+  bucket's length, so every position the graph looks up exists; a batch longer than that is
+  refused.
+
+This module knows no model family: what only a family knows comes from the :class:`GraphHooks`
+that the family registers (:func:`register_hooks`; the HuggingFace families' are
+:mod:`ragged.nn.hf.graphs`).
 
 The graphs share one memory pool and are captured lazily, the first time a bucket is met, after
 two warm-up runs on a side stream (they compile the kernels and let cuBLAS pick its algorithms).
@@ -62,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,9 +77,8 @@ from ragged.utils import describe
 
 from . import graphed_train
 from .graphed_train import smallest as _smallest
-from .hf.sentence import pipeline as sentence_pipeline
 
-__all__ = ["Graphed", "graphed", "powers_of_two"]
+__all__ = ["GraphHooks", "Graphed", "graphed", "powers_of_two", "register_hooks"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
 
@@ -109,34 +114,47 @@ def _buckets(fn: str, name: str, given, top: int, start: int, steps: int = 1, wh
     return tuple(values)
 
 
-def _model_max_len(module: nn.Module) -> tuple[int, str] | None:
-    """``(L, why)``: the longest sequence a HuggingFace model converted by
-    :func:`ragged.nn.convert` takes, and where that comes from; None for other modules.
+class GraphHooks:
+    """What a family of models tells the graph wrapper, which knows none. A family registers an
+    instance with :func:`register_hooks` when its package is imported; each method answers for
+    the modules of its family and returns None for any other (the defaults here)."""
 
-    ``L`` is the rows of its position-embedding table, less ``padding_idx + 1`` in the RoBERTa
-    family (its positions count from there): a bucket longer than ``L`` would hand the spare
-    rows positions past the table."""
-    from . import hf
+    def max_len(self, module: nn.Module) -> tuple[int, str] | None:
+        """``(L, why)``: the longest sequence ``module`` takes (its position table: a bucket longer
+        than ``L`` would give the spare rows positions past it), and where that comes from."""
+        return None
 
-    if not (hf.is_hf_model(module) and hf.is_converted(module)):
+    def outside_loss(self, fn: str, module: nn.Module, args: tuple, kwargs: dict):
+        """A loss of this call that no ignored entry keeps a bucket's spare sequences out of (a
+        mean over every row), to compute after the graph: an object with ``args`` and ``kwargs``
+        (the call without the loss's targets) and ``finish(module, out)`` (``out``, the outputs
+        cut to the caller's batch, with the loss). Refuses targets the loss cannot take, before
+        anything runs; host ints only. None: no such loss."""
         return None
-    ident = hf.identify(module)
-    if isinstance(ident, str):
+
+    def graphed(self, module: nn.Module, make: Callable[[nn.Module], Graphed]) -> nn.Module | None:
+        """What :func:`graphed` returns for a ``module`` whose graphs belong to a model inside it
+        (``make(inner)`` builds the :class:`Graphed` of ``inner`` with the call's buckets), or
+        None: ``module`` itself is graphed."""
         return None
-    family = ident[0]
-    embeddings = getattr(module.base_model, "embeddings", None)
-    table = getattr(embeddings, "position_embeddings", None)
-    if isinstance(table, nn.Embedding):
-        rows, what = table.num_embeddings, f"its position embeddings have {table.num_embeddings} rows"
-    else:
-        rows = getattr(module.config, "max_position_embeddings", None)
-        if isinstance(rows, bool) or not isinstance(rows, int):
-            return None
-        what = f"max_position_embeddings={rows}"
-    pad = getattr(embeddings, "padding_idx", None)
-    if family.positions_from_ids and isinstance(pad, int):
-        return rows - (pad + 1), f"{what}, positions from padding_idx + 1 = {pad + 1}"
-    return rows, what
+
+
+_HOOKS: list[GraphHooks] = []
+
+
+def register_hooks(hooks: GraphHooks) -> None:
+    """Consult ``hooks`` for every module graphed from now on (registering it again does nothing)."""
+    if not any(h is hooks for h in _HOOKS):
+        _HOOKS.append(hooks)
+
+
+def _ask(method: str, *args):
+    """The first registered family's answer that is not None."""
+    for hooks in _HOOKS:
+        found = getattr(hooks, method)(*args)
+        if found is not None:
+            return found
+    return None
 
 
 def _check_int(fn: str, name: str, value) -> int:
@@ -179,7 +197,7 @@ class Graphed(nn.Module):
         max_batch_size = _check_int(fn, "max_batch_size", max_batch_size)
         # the longest sequence the module takes: a bucket's length never exceeds it (the spare
         # rows' positions run up to the bucket's length minus one)
-        limit = _model_max_len(module)
+        limit = _ask("max_len", module)
         if limit is not None and limit[0] < 1:
             raise ValueError(
                 f"{fn}(): expected a model that takes sequences of at least one token, got "
@@ -278,7 +296,7 @@ class Graphed(nn.Module):
 
     def forward(self, *args, **kwargs):
         fn = "ragged.nn.Graphed.forward"
-        outside = graphed_train.outside_loss(fn, self.module, args, kwargs)
+        outside = _ask("outside_loss", fn, self.module, args, kwargs)
         if outside is not None:  # a loss that would average a bucket's spare sequences in: the graph gives the logits
             out = self.forward(*outside.args, **outside.kwargs)
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.module.training):
@@ -584,9 +602,9 @@ def graphed(
     the call and the reads of its outputs to keep other threads' calls out meanwhile). Calls from
     several threads take turns on the graphs (see the module docstring).
 
-    ``max_len``: the longest sequence the module takes. For a converted HuggingFace model it is
-    read from the model (its position-embedding rows, less ``padding_idx + 1`` for the RoBERTa
-    family) and ``max_len`` may only lower it. The spare rows of a bucket get positions up to
+    ``max_len``: the longest sequence the module takes. Where the module's family knows it
+    (:meth:`GraphHooks.max_len`: a converted HuggingFace model's position table),
+    ``max_len`` may only lower it. The spare rows of a bucket get positions up to
     the bucket's length minus one, so no length bucket exceeds it: ``length_buckets`` above it
     are refused, and a batch whose ``max_len`` exceeds it raises ``ValueError`` (the model
     cannot take it; on the GPU its position lookup would fail inside the graph).
@@ -596,23 +614,15 @@ def graphed(
     a RaggedTensor of token ids, or of ``[T, d]`` hidden states. See the module docstring for the
     rules of a call.
 
-    A SentenceTransformer converted by :func:`ragged.nn.convert` is returned itself, its
-    ``encode()`` (and forward) now replaying graphs of its HuggingFace model (over a decoder, of a
-    :class:`ragged.nn.hf.decoder.PackedDecoder` of it; the pooling and the
-    modules after it run eagerly on the graph's output); ``ragged.nn.graphed(st, ...)`` again
-    replaces those graphs, and ``st[0].forward.graphed = None`` turns them off.
+    A module whose graphs belong to a model inside it is returned as its family's hooks make it
+    (:meth:`GraphHooks.graphed`): a SentenceTransformer converted by :func:`ragged.nn.convert` is
+    returned itself, its ``encode()`` (and forward) now replaying graphs of its HuggingFace model
+    (see :mod:`ragged.nn.hf.graphs`).
     """
-    from .hf import sentence as hf_sentence
 
-    if hf_sentence.is_sentence_transformer(module):
-        if not hf_sentence.is_converted(module):
-            raise ValueError(
-                "ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
-                "(its encode() packs the batches the graphs take), got one that is not converted"
-            )
-        forward = module[0].__dict__["forward"]
-        forward.graphed = Graphed(
-            hf_sentence.graph_target(module),
+    def make(inner: nn.Module) -> Graphed:
+        return Graphed(
+            inner,
             max_tokens,
             max_batch_size,
             token_buckets,
@@ -621,10 +631,6 @@ def graphed(
             copy_outputs,
             max_len=max_len,
         )
-        return module
-    return Graphed(
-        module, max_tokens, max_batch_size, token_buckets, batch_buckets, length_buckets, copy_outputs, max_len=max_len
-    )
 
-
-sentence_pipeline.GRAPHS = Graphed  # the graphs of a converted SentenceTransformer's encode pipeline
+    wrapped = _ask("graphed", module, make)
+    return make(module) if wrapped is None else wrapped

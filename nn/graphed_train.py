@@ -11,17 +11,15 @@ gradient is NaN). What is read from the spare rows and sequences is cut or ignor
 
 * the outputs are cut back to the caller's ``T`` tokens and ``B`` sequences (the gradients
   flowing back are zero past them);
-* losses never see them (:func:`outside_loss` and :func:`fill_value`, the same in evaluation):
-  a cross-entropy computed inside the model skips them through its ignored entries (the spare
-  entries of an argument named ``labels`` are ``-100``, ``ignore_index`` of every cross-entropy
-  in HuggingFace's heads: means over real tokens and real sequences only; those of
-  ``start_positions`` / ``end_positions`` lie past every sequence). A loss with no ignored
-  entries cannot skip them, whatever the spare entries hold (MSE and BCE average over every
-  row): the regression and multi-label losses of a converted HuggingFace sequence-classification
-  head (HuggingFace's ``problem_type`` rule) and the span loss of its question-answering head
-  are computed outside the graph from the logits cut to the caller's sequences; labels of
-  floating dtype for any other module or head are refused (compute that loss from the cut
-  outputs).
+* losses never see them (:func:`fill_value`, the same in evaluation): a cross-entropy computed
+  inside the model skips them through its ignored entries (the spare entries of an argument
+  named ``labels`` are ``-100``, ``ignore_index`` of every cross-entropy in HuggingFace's heads:
+  means over real tokens and real sequences only; those of ``start_positions`` /
+  ``end_positions`` lie past every sequence). A loss with no ignored entries cannot skip them,
+  whatever the spare entries hold (MSE and BCE average over every row): a model family's hooks
+  take such a loss out of the call, to be computed after the graph from the outputs cut to the
+  caller's sequences (:meth:`ragged.nn.graphed.GraphHooks.outside_loss`); labels of floating
+  dtype for any other module are refused (compute that loss from the cut outputs).
 
 The two graphs of a bucket. The forward graph runs the module on the static inputs; the
 backward graph computes the gradients of its differentiable outputs with respect to the
@@ -61,20 +59,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from ragged import RaggedTensor
 
 __all__ = [
     "IGNORE",
-    "OutsideLoss",
+    "SPAN_POSITIONS",
     "TrainGraphs",
     "fill_value",
-    "outside_loss",
+    "is_float",
     "smallest",
     "spare_offsets",
     "train_bucket",
@@ -82,11 +78,11 @@ __all__ = [
 
 IGNORE = -100
 _PAST_EVERY_SEQUENCE = 2**30  # a span position beyond every sequence: ignored by the QA loss
-_POSITIONS = ("start_positions", "end_positions")
-_NO_IGNORED_ENTRIES = ("regression", "multi_label_classification")  # problem types whose loss averages every row
+SPAN_POSITIONS = ("start_positions", "end_positions")  # a span's targets, one per sequence
 
 
-def _is_float(t: torch.Tensor) -> bool:
+def is_float(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds floating (or complex) values: targets that no ignored entry can mark."""
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
@@ -94,9 +90,10 @@ def fill_value(fn: str, name, t: torch.Tensor) -> int:
     """What the spare entries (rows or sequences) of argument ``name`` hold (see the module
     docstring); 0 for inputs (valid ids, finite values). Labels and span positions must be
     integers: only a cross-entropy's ignored entries keep the spare ones out of a loss
-    computed inside the graph (the losses that have none are taken out first: :func:`outside_loss`)."""
-    if name == "labels" or name in _POSITIONS:
-        if _is_float(t):
+    computed inside the graph (the losses that have none are taken out first: a family's
+    :meth:`ragged.nn.graphed.GraphHooks.outside_loss`)."""
+    if name == "labels" or name in SPAN_POSITIONS:
+        if is_float(t):
             what = "labels (a cross-entropy loss" if name == "labels" else f"{name} (a span loss"
             raise ValueError(
                 f"{fn}(): expected integer {what}, whose ignored entries keep the spare sequences of a "
@@ -105,131 +102,6 @@ def fill_value(fn: str, name, t: torch.Tensor) -> int:
             )
         return IGNORE if name == "labels" else _PAST_EVERY_SEQUENCE
     return 0
-
-
-# --------------------------------------------------------------------------------------
-# Losses computed outside the graph
-
-
-class OutsideLoss:
-    """The loss of a converted HuggingFace head that no ignored entry keeps a bucket's spare
-    sequences out of: ``kind`` (``"sequence"`` or ``"qa"``), its targets (the labels, or the
-    start and end positions) and the call without them (``args``, ``kwargs``), whose logits,
-    cut to the caller's batch, :meth:`finish` turns into the loss."""
-
-    __slots__ = ("args", "kind", "kwargs", "targets")
-
-    def __init__(self, kind: str, targets: tuple, args: tuple, kwargs: dict) -> None:
-        self.kind, self.targets, self.args, self.kwargs = kind, targets, args, kwargs
-
-    def finish(self, module, out):
-        """``out`` (the head's output without a loss) with the loss first, as the head gives it."""
-        tuple_out = not isinstance(out, dict)
-        if self.kind == "sequence":
-            from transformers.loss.loss_utils import ForSequenceClassificationLoss
-
-            logits = out[0] if tuple_out else out["logits"]
-            # HuggingFace's own loss (problem_type set on the config at the first call, as the head does)
-            loss = ForSequenceClassificationLoss(self.targets[0], logits, module.config)
-        else:
-            start, end = (out[0], out[1]) if tuple_out else (out["start_logits"], out["end_logits"])
-            loss = (_span_loss(start, self.targets[0]) + _span_loss(end, self.targets[1])) / 2
-        if tuple_out:
-            return (loss, *out)
-        return type(out)(loss=loss, **out)  # a tensor first field: ModelOutput sets the fields as given
-
-
-def _span_loss(logits: RaggedTensor, positions: torch.Tensor) -> torch.Tensor:
-    """The converted question-answering head's loss of one end of the span over a RaggedTensor
-    input: each sequence's softmax over its real tokens, positions clamped to ``[0, max_len]``,
-    a position outside the sequence's tokens ignored (:mod:`ragged.nn.hf.heads`)."""
-    width = logits.max_len
-    padded = logits.to_padded(padding_value=torch.finfo(logits.values.dtype).min, total_length=width)
-    target = positions.reshape(-1).to(padded.device).clamp(0, width)
-    inside = target < logits.lengths.to(device=padded.device, dtype=torch.int64)
-    return F.cross_entropy(padded, torch.where(inside, target, IGNORE), ignore_index=IGNORE)
-
-
-_POSITIONAL: dict[type, tuple[str, ...]] = {}  # class -> its forward's positional parameter names
-
-
-def _bound(module, args: tuple, kwargs: dict) -> dict | None:
-    """The call's arguments by name (None: more positional ones than the forward takes)."""
-    names = _POSITIONAL.get(type(module))
-    if names is None:
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        names = _POSITIONAL[type(module)] = tuple(
-            p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds
-        )
-    if len(args) > len(names):
-        return None
-    return {**dict(zip(names, args)), **kwargs}
-
-
-def _problem_type(config, num_labels: int, labels: torch.Tensor) -> str:
-    """HuggingFace's ``problem_type`` of a sequence-classification loss, read only (its loss sets it)."""
-    if config.problem_type is not None:
-        return config.problem_type
-    if num_labels == 1:
-        return "regression"
-    if num_labels > 1 and labels.dtype in (torch.long, torch.int):
-        return "single_label_classification"
-    return "multi_label_classification"
-
-
-def outside_loss(fn: str, module, args: tuple, kwargs: dict) -> OutsideLoss | None:
-    """The loss of this call to compute outside the graph (see the module docstring), or None:
-    no loss argument, not a converted HuggingFace sequence-classification or
-    question-answering head, or a cross-entropy the graph computes. Refuses targets whose
-    shape or dtype the loss cannot take, before anything runs. Host ints only."""
-    if not args and all(kwargs.get(name) is None for name in ("labels", *_POSITIONS)):
-        return None
-    from . import hf
-
-    if not (hf.is_hf_model(module) and hf.is_converted(module)):
-        return None
-    ident = hf.identify(module)
-    if isinstance(ident, str) or ident[1] not in ("sequence", "qa"):
-        return None
-    kw = _bound(module, args, kwargs)
-    batch = None if kw is None else next((v for v in kw.values() if isinstance(v, RaggedTensor)), None)
-    if batch is None:
-        return None  # the graphed call refuses it
-    size, cls = batch.batch_size, type(module).__name__
-    if ident[1] == "qa":
-        targets = tuple(kw.get(name) for name in _POSITIONS)
-        if any(t is None for t in targets):
-            return None  # no loss
-        for name, t in zip(_POSITIONS, targets):
-            if not isinstance(t, torch.Tensor) or _is_float(t) or t.numel() != size or t.dim() > 2:
-                raise ValueError(
-                    f"{fn}(): expected {name} to be an integer tensor of shape ({size},) for the span "
-                    f"loss of {cls}, got {_what(t)}"
-                )
-        rest = {k: v for k, v in kw.items() if k not in _POSITIONS}
-        return OutsideLoss("qa", targets, (), rest)
-    labels = kw.get("labels")
-    if not isinstance(labels, torch.Tensor):
-        return None
-    n = module.num_labels
-    problem = _problem_type(module.config, n, labels)
-    if problem not in _NO_IGNORED_ENTRIES:
-        return None  # a cross-entropy: -100 at the spare sequences
-    shapes = [(size,), (size, 1)] if problem == "regression" and n == 1 else [(size, n)]
-    if tuple(labels.shape) not in shapes:
-        want = " or ".join(str(s) for s in shapes)
-        if module.config.problem_type is None and problem == "multi_label_classification":
-            want = f"integer labels (single-label classification) or floating labels of shape {want} (multi-label)"
-        else:
-            want = f"labels of shape {want} ({problem.replace('_', ' ')})"
-        raise ValueError(f"{fn}(): expected {want} for {cls} with num_labels={n}, got labels of {_what(labels)}")
-    return OutsideLoss("sequence", (labels,), (), {k: v for k, v in kw.items() if k != "labels"})
-
-
-def _what(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"dtype {t.dtype} and shape {tuple(t.shape)}"
-    return type(t).__name__
 
 
 def smallest(buckets: tuple[int, ...], n: int) -> int | None:

@@ -189,6 +189,19 @@ class Family:
     def hidden_size(self, config) -> int:
         return config.hidden_size
 
+    def max_len(self, model: nn.Module) -> tuple[int, str] | None:
+        """``(L, why)``: the longest sequence the converted ``model`` takes, and where that comes
+        from: the rows of its position-embedding table, else ``config.max_position_embeddings``;
+        None where neither is known. :func:`ragged.nn.graphed` sizes its buckets by it (a spare
+        row's position runs up to the bucket's length)."""
+        table = getattr(getattr(model.base_model, "embeddings", None), "position_embeddings", None)
+        if isinstance(table, nn.Embedding):
+            return table.num_embeddings, f"its position embeddings have {table.num_embeddings} rows"
+        rows = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(rows, bool) or not isinstance(rows, int):
+            return None
+        return rows, f"max_position_embeddings={rows}"
+
     # ---- what it refuses
 
     def config_reason(self, config) -> str | None:

@@ -45,6 +45,15 @@ class RobertaFamily(SpecFamily):
     def masked_lm_logits(self, model, h):
         return model._modules["lm_head"](h)
 
+    def max_len(self, model):
+        """The position table's rows less ``padding_idx + 1``: positions count from there."""
+        found = super().max_len(model)
+        pad = getattr(getattr(model.base_model, "embeddings", None), "padding_idx", None)
+        if found is None or not isinstance(pad, int):
+            return found
+        rows, what = found
+        return rows - (pad + 1), f"{what}, positions from padding_idx + 1 = {pad + 1}"
+
 
 FAMILIES = (
     RobertaFamily("RoBERTa", "transformers.models.roberta.modeling_roberta", "Roberta"),

@@ -63,6 +63,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
+from ...graphed import Graphed
 from .batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
 from .tokens import Flat, flat_ids
 
@@ -254,15 +255,8 @@ def _packed(
     )
 
 
-GRAPHS: Callable | None = None
-"""What the pipeline's graphs are made with: :class:`ragged.nn.Graphed`, which sets this when it
-is imported (it sits above this package: it captures converted models). None: no graphs."""
-
-
 def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.device):
-    """The pipeline's graphs of the model on ``device`` (made on first use), or None."""
-    if GRAPHS is None:
-        return None
+    """The pipeline's graphs of the model on ``device`` (made on first use)."""
     module = target()
     # graphs hold the addresses of the parameters: a model moved or cast since (encode(device=...)
     # moves it) gets new graphs, never a replay reading freed memory
@@ -273,7 +267,7 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
         if held is None or held[0] != stamp:
             settings.cache.clear()  # graphs of the old parameters: their memory pools go too
             # one token over the budget: a full batch with spare sequences keeps a spare row
-            held = settings.cache[key] = (stamp, GRAPHS(module, settings.max_tokens + 1, settings.max_batch))
+            held = settings.cache[key] = (stamp, Graphed(module, settings.max_tokens + 1, settings.max_batch))
     return held[1]
 
 
