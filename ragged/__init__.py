@@ -17,7 +17,6 @@ Public API (see README.md for the table):
 from . import backends as _backends
 from .backends import get_backend, set_backend, use_backend
 from .explain import explain
-from .explain import set_public_namespace as _set_public_namespace
 from .interop import from_attention_mask, from_cu_seqlens, from_nested, from_packed_sequence, pack, unpack
 from .kernels import cuda as _cuda_backend  # noqa: F401  (they register)
 from .kernels import triton as _triton_backend  # noqa: F401
@@ -37,8 +36,6 @@ from .ops.vocab import (
 from .packing import pack_values, reference_pack, reference_unpack, unpack_values
 from .tensor import RaggedTensor
 from .warmup import warmup
-
-_set_public_namespace(globals())  # the names explain() gives public functions
 
 __version__ = "0.1.0"
 

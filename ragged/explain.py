@@ -7,14 +7,18 @@ Kept apart from :mod:`ragged.backends` (the choice itself), whose public registr
 pick for.
 
 The names of public functions in its messages (``ragged.pack``, and ``ragged.<op>`` suggested for
-an op name) come from the package's namespace, which ``ragged/__init__.py`` (importing this
-module) hands over through :func:`set_public_namespace`: this module imports no layer above it.
+an op name) come from the package's namespace, looked up in ``sys.modules`` when a message is
+made: the package imports this module, so this module does not import the package (and nothing
+writes into this module when the package is imported).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping
+
+import torch
 
 from .backends import (
     ChoiceCaptured,
@@ -28,14 +32,13 @@ from .backends import (
     preferences,
 )
 
-_PUBLIC: Mapping[str, object] = {}  # ragged's namespace (set_public_namespace)
 
-
-def set_public_namespace(namespace: Mapping[str, object]) -> None:
-    """Called by ``ragged/__init__.py`` with its own (live) namespace: the public functions that
-    :func:`explain` names in its messages and suggests for an op name."""
-    global _PUBLIC
-    _PUBLIC = namespace
+def _public() -> Mapping[str, object]:
+    """The package's namespace (the public functions :func:`explain` names in its messages and
+    suggests for an op name), as it stands when a message is made; empty while the package is
+    not imported."""
+    package = sys.modules.get(__name__.rpartition(".")[0])
+    return vars(package) if package is not None else {}
 
 
 def _entry(fn: str, op: object) -> OpEntry:
@@ -52,7 +55,7 @@ def _entry(fn: str, op: object) -> OpEntry:
 
 def _public_name(fn: Callable) -> str:
     name = getattr(fn, "__name__", None)
-    if name and _PUBLIC.get(name) is fn:
+    if name and _public().get(name) is fn:
         return f"ragged.{name}"
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -85,7 +88,7 @@ def _bad_arguments(op: str, entry: OpEntry, args: tuple, kwargs: dict, why: str)
         f"ragged.explain(): expected the arguments that the reasons of op {op!r} take "
         f"({_parameter_list(entry.spec)}), got {_describe_call(args, kwargs)} ({why})"
     )
-    public = _PUBLIC.get(op)
+    public = _public().get(op)
     if callable(public):
         msg += (
             f"; or pass the public function with its own arguments: ragged.explain(ragged.{op}, "
@@ -178,9 +181,9 @@ def _spec_reasons(entry: OpEntry, spec, selected: str) -> Explanation:
     out.chosen = name
     out.preferred = preferences().get(entry.op)
     if name == "cuda":
-        from .kernels.cuda.launch import _current_device, launch_path
+        from .kernels.cuda.launch import launch_path
 
-        index = spec.device.index if spec.device.index is not None else _current_device()
+        index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
         try:
             out.launch = launch_path(index)
         except (RuntimeError, ValueError) as exc:
