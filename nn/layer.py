@@ -457,13 +457,14 @@ def _compile_ahead(
     if torch.cuda.is_current_stream_capturing():
         return
     _AHEAD.add(key)  # once, whether the pass compiles or fails
-    try:
-        from ragged.kernels.triton.launch import compile_only
-    except ImportError:  # no Triton: nothing to compile ahead
+    from ragged.warmup import compile_only
+
+    compiling = compile_only()
+    if compiling is None:  # no Triton: nothing to compile ahead
         return
     devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), compile_only():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), compiling:
             saved: list = []
             steps = Saved(kernels)
             y = _forward(spec, x, cu, max_len, causal, steps, saved)

@@ -22,6 +22,7 @@ with a batch like the ones served (the lengths of a typical batch, and the longe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, cast
 
@@ -30,7 +31,7 @@ import torch
 from .tensor import RaggedTensor
 from .utils import describe
 
-__all__ = ["warmup"]
+__all__ = ["compile_only", "warmup"]
 
 
 def _values(out) -> list[torch.Tensor]:
@@ -175,3 +176,18 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
         finally:
             snapshot.restore()
     return times
+
+
+def compile_only(workers: int | None = None) -> contextlib.AbstractContextManager[None] | None:
+    """A context inside which, on this thread, a launch of a Triton kernel compiles the variant its
+    arguments ask for and runs nothing (the outputs it would write stay as they were): the
+    compiles run on ``workers`` threads and are all done, or raise, when the context ends (see
+    :func:`ragged.kernels.triton.launch.compile_only`; the code inside must not read the skipped
+    kernels' outputs). None where Triton cannot be imported: there is nothing to compile ahead.
+    The layer core of ``ragged.nn`` compiles a layer's kernels with it before the layer's first
+    training call, without reaching into the kernels."""
+    try:
+        from .kernels.triton.launch import compile_only as triton_compile_only
+    except ImportError:
+        return None
+    return triton_compile_only(workers)

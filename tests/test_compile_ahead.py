@@ -132,3 +132,21 @@ def test_compile_only_is_per_thread(monkeypatch):
         assert done.wait(10)
     t.join()
     assert [c[0] for c in rec.calls] == ["launch"], rec.calls
+
+
+def test_the_public_compile_only_is_the_launchers(monkeypatch):
+    """``ragged.warmup.compile_only``, what ``ragged.nn`` compiles ahead with: the launcher's
+    context (compiles, launches nothing), or None where Triton cannot be imported."""
+    import sys
+
+    from ragged.kernels.triton import launch as L
+    from ragged.warmup import compile_only
+
+    monkeypatch.setattr(L, "_FAST", False)
+    kernel, rec = _cached(dry=True)
+    x = torch.zeros(4)
+    with compile_only(workers=1):
+        assert kernel[(5,)](x, 7, BLOCK=32) == "compiled"
+    assert [c[0] for c in rec.calls] == ["run"]
+    monkeypatch.setitem(sys.modules, "ragged.kernels.triton.launch", None)
+    assert compile_only() is None
