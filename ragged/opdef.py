@@ -218,6 +218,7 @@ class RecordOp:
     tensor_fields: tuple[int, ...]  # the fields of ``args`` that may hold a tensor
     backward_tensor_fields: tuple[int, ...]
     optional_grads: tuple[bool, ...]  # per field of ``grads``: may be None (travels as an empty tensor)
+    backward_fields: tuple[int, ...] | None  # the fields of ``args`` the backward op takes (None: all)
 
     def __call__(self, args, impl: str, *, context: Any = None):
         """The forward's output record (see the module docstring for the three paths).
@@ -254,7 +255,8 @@ class RecordOp:
         tensors = [t for t in (*args, *inputs) if isinstance(t, torch.Tensor)]
         if self.backward_op is None or eager(*tensors):
             return self.impls[impl].backward_fn(args, inputs, **buffers)
-        out = self.backward_op(*args, *inputs, impl)
+        kept = self.backward_fields
+        out = self.backward_op(*(args if kept is None else (args[i] for i in kept)), *inputs, impl)
         out = out if isinstance(out, tuple) else (out,)
         return self.grads._make(  # type: ignore[union-attr]
             None if optional and t.numel() == 0 else t for t, optional in zip(out, self.optional_grads)
@@ -273,6 +275,7 @@ def define(
     backward_inputs: type | None = None,
     grads: type | None = None,
     backward_fake: Callable | None = None,
+    backward_unread: Sequence[str] = (),
     non_differentiable: Callable[[Any, Any], Sequence[torch.Tensor]] | None = None,
     schema_types: Mapping[str, Any] | None = None,
     **positional: Any,
@@ -286,11 +289,17 @@ def define(
     output)``: what the backward keeps (``ctx.impl`` holds the implementation's name);
     ``backward(ctx, *output_grads) -> grads``: the one autograd rule, a ``grads`` record whose
     fields are named after the operands they are the gradient of (the other operands get
-    None). ``backward_inputs``: the record the backward implementation takes besides ``args``
-    (with ``backward_fake(args, inputs) -> grads``, the op ``ragged::<name>_backward`` is
-    defined, so that a traced backward is one node too; a ``Tensor | None`` gradient travels
-    through it as an empty tensor). ``non_differentiable(args, output)``: the outputs autograd
-    must treat as constants. ``spec``: the op's spec function (see :mod:`ragged.backends`)."""
+    None; a None record: no operand gets one). The rule finds ``ctx.needs_grad``, an ``args``
+    record of bools: whether each operand's gradient is wanted.
+
+    ``backward_inputs``: the record the backward implementation takes besides ``args``; with
+    ``backward_fake(args, inputs) -> grads`` the op ``ragged::<name>_backward`` is defined, so
+    that a traced backward is one node too (a ``Tensor | None`` gradient travels through it
+    as an empty tensor). ``backward_unread``: operands no backward implementation reads (a
+    tensor of which the backward needs nothing, or only a size its inputs carry): the
+    backward op does not take them, and the autograd rule need not keep them (it passes
+    None in their place). ``non_differentiable(args, output)``: the outputs autograd must
+    treat as constants. ``spec``: the op's spec function (see :mod:`ragged.backends`)."""
     if not isinstance(args, type):  # an annotated signature stub: the positional form below
         return define_positional(  # type: ignore[return-value]
             name,
@@ -304,11 +313,15 @@ def define(
             **positional,
         )
     fields = _record_fields(args)
+    names = [n for n, _ in fields]
     overrides = dict(schema_types or {})
     params = [(n, overrides.get(n, h)) for n, h in fields]
     tensor_fields = tuple(i for i, (_, h) in enumerate(fields) if _is_tensor(h))
     n_args = len(fields)
     make_args = args._make  # type: ignore[attr-defined]
+    unknown = [n for n in (*backward_unread, *overrides) if n not in names]
+    if unknown:
+        raise ValueError(f"ragged.opdef.define({name!r}): {unknown} name no operand of {args.__name__}")
 
     backends.declare_op(name, spec)
     impls = backends.implementations(name)  # filled as implementations are registered
@@ -342,7 +355,6 @@ def define(
     grad_index: tuple[int, ...] = ()
     optional_grads: tuple[bool, ...] = ()
     if grads is not None:
-        names = [n for n, _ in fields]
         grad_fields = _record_fields(grads)
         unknown = [g for g, _ in grad_fields if g not in names]
         if unknown:
@@ -352,11 +364,13 @@ def define(
 
     def operand_grads(result) -> list:
         out: list = [None] * n_args
-        for i, g in zip(grad_index, result):
-            out[i] = g
+        if result is not None:  # None: no operand gets a gradient
+            for i, g in zip(grad_index, result):
+                out[i] = g
         return out
 
     def rule(ctx, *output_grads):
+        ctx.needs_grad = make_args(ctx.needs_input_grad[:n_args])
         return (*operand_grads(backward(ctx, *output_grads)), None)
 
     def traced_setup(ctx, inputs, output):
@@ -369,28 +383,36 @@ def define(
 
     backward_op = None
     backward_tensor_fields: tuple[int, ...] = ()
+    kept = tuple(i for i, n in enumerate(names) if n not in backward_unread)
     if backward_inputs is not None and backward_fake is not None and grads is not None:
         in_fields = _record_fields(backward_inputs)
         make_inputs = backward_inputs._make  # type: ignore[attr-defined]
         backward_tensor_fields = tuple(i for i, (_, h) in enumerate(in_fields) if _is_tensor(h))
+        n_kept = len(kept)
+
+        def split(flat):
+            """The operand and input records of the backward op's operands (None for an unread operand)."""
+            full: list = [None] * n_args
+            for i, value in zip(kept, flat):
+                full[i] = value
+            a, i = make_args(full), make_inputs(flat[n_kept:-1])
+            like = next(t for t in (*a, *i) if isinstance(t, torch.Tensor))
+            return a, i, like
 
         def run_backward(*flat):
-            a, i = make_args(flat[:n_args]), make_inputs(flat[n_args:-1])
+            a, i, like = split(flat)
             out = impls[flat[-1]].backward_fn(a, i)
-            like = a[tensor_fields[0]]
             return tuple(like.new_empty(0) if t is None else t for t in out)
 
         def traced_backward_fake(*flat):
-            a, i = make_args(flat[:n_args]), make_inputs(flat[n_args:-1])
-            out = backward_fake(a, i)
-            like = a[tensor_fields[0]]
-            return tuple(like.new_empty(0) if t is None else t for t in out)
+            a, i, like = split(flat)
+            return tuple(like.new_empty(0) if t is None else t for t in backward_fake(a, i))
 
         backward_op = torch.library.custom_op(
             f"ragged::{name}_backward",
             run_backward,
             mutates_args=(),
-            schema=schema_of([*params, *in_fields], _tensor_tuple(len(grad_index))),
+            schema=schema_of([*(params[i] for i in kept), *in_fields], _tensor_tuple(len(grad_index))),
         )
         backward_op.register_fake(traced_backward_fake)
 
@@ -407,6 +429,7 @@ def define(
         return out[0] if single else tuple(out)
 
     def eager_backward(ctx, *output_grads):
+        ctx.needs_grad = make_args(ctx.needs_input_grad[2:])
         return (None, None, *operand_grads(backward(ctx, *output_grads)))
 
     function = type(
@@ -432,6 +455,7 @@ def define(
         tensor_fields,
         backward_tensor_fields,
         optional_grads,
+        None if len(kept) == n_args else kept,
     )
 
 
