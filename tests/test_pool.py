@@ -19,6 +19,8 @@ from conftest import cpu_backends
 import ragged
 from ragged import RaggedTensor
 from ragged.ops import pool as pool_module
+from ragged.ops.pool import POOL
+from ragged.records.pool import PoolArgs, PoolBackwardInputs, PoolGrads, PoolOutput
 
 BACKENDS = cpu_backends()
 MODES = ["mean", "sum", "max", "first", "last"]
@@ -320,11 +322,39 @@ def test_compile_fullgraph(backend, mode):
 def test_opcheck(mode):
     values = _values(10, (3,), torch.float64, _seed("opcheck", mode)).contiguous().requires_grad_(True)
     offsets = torch.tensor([0, 4, 4, 5, 10], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.ragged.pool.default, (values, offsets, mode, "torch"))
+    torch.library.opcheck(torch.ops.ragged.pool.default, (*PoolArgs(values, offsets, mode), "torch"))
     out, index = torch.ops.ragged.pool(values.detach(), offsets, mode, "torch")
+    # the backward op: the operands it reads (no values), then its inputs
     torch.library.opcheck(
-        torch.ops.ragged.pool_backward.default, (torch.ones_like(out), offsets, index, mode, 10, "torch")
+        torch.ops.ragged.pool_backward.default,
+        (offsets, mode, *PoolBackwardInputs(torch.ones_like(out), index, 10), "torch"),
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_op_takes_and_returns_records(backend):
+    values = _values(10, (3,), torch.float32, _seed("records", backend)).contiguous()
+    offsets = torch.tensor([0, 4, 4, 5, 10], dtype=torch.int32)
+    args = PoolArgs(values=values, offsets=offsets, mode="max")
+    out = POOL(args, backend)
+    assert isinstance(out, PoolOutput)
+    want, want_index = pool_module.reference_pool(values, offsets, "max")
+    torch.testing.assert_close(out.out, want)
+    assert torch.equal(out.argmax, want_index)
+    grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+    # the backward reads no values: an unread operand may be None
+    got = POOL.call_backward(args._replace(values=None), PoolBackwardInputs(grad, out.argmax, 10), backend)
+    assert isinstance(got, PoolGrads)
+    (want_grad,) = pool_module.reference_pool_backward(grad, offsets, out.argmax, "max", 10)
+    torch.testing.assert_close(got.values, want_grad)
+    assert [a.name for a in torch.ops.ragged.pool_backward.default._schema.arguments] == [
+        "offsets",
+        "mode",
+        "grad_out",
+        "argmax",
+        "total",
+        "impl",
+    ]
 
 
 def test_fake_tensors_reach_the_fake_implementation():
@@ -360,7 +390,9 @@ def test_auto_takes_the_reference_on_cpu(monkeypatch):
     entry = backends._OPS["pool"]
     impl = entry.impls["torch"]
     monkeypatch.setitem(
-        entry.impls, "torch", dataclasses.replace(impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a))
+        entry.impls,
+        "torch",
+        dataclasses.replace(impl, forward=lambda args: ran.append("torch") or impl.forward_fn(args)),
     )
     ragged.pool(_ragged(torch.randn(4, 2), [1, 3]), "sum")
     assert ran == ["torch"]

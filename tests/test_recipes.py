@@ -285,11 +285,13 @@ register(Implementation("pool", "toy", f"{__name__}.pool:pool", backward=f"{__na
 '''
 
 BACKEND_KERNELS = '''\
-"""The toy pool kernels (counting their calls): sums and means per sequence."""
+"""The toy pool kernels (counting their calls): sums and means per sequence, over the op's records."""
 
 from __future__ import annotations
 
 import torch
+
+from ...records.pool import PoolArgs, PoolBackwardInputs, PoolGrads, PoolOutput
 
 CALLS = {"forward": 0, "backward": 0}
 
@@ -300,22 +302,23 @@ def _lengths_and_rows(offsets: torch.Tensor, total: int):
     return lengths, torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths, output_size=total)
 
 
-def pool(values: torch.Tensor, offsets: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pool(args: PoolArgs) -> PoolOutput:
     CALLS["forward"] += 1
-    lengths, seq = _lengths_and_rows(offsets, values.shape[0])
+    values = args.values
+    lengths, seq = _lengths_and_rows(args.offsets, values.shape[0])
     out = values.new_zeros((lengths.shape[0], values.shape[1])).index_add(0, seq, values)
-    if mode == "mean":
+    if args.mode == "mean":
         out = out / lengths.clamp(min=1).unsqueeze(1)
-    return out, offsets.new_empty(0)
+    return PoolOutput(out, args.offsets.new_empty(0))
 
 
-def pool_backward(grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor, mode: str,
-                  total: int) -> tuple[torch.Tensor]:
+def pool_backward(args: PoolArgs, inputs: PoolBackwardInputs) -> PoolGrads:
     CALLS["backward"] += 1
-    lengths, seq = _lengths_and_rows(offsets, total)
-    if mode == "mean":
+    grad = inputs.grad_out
+    lengths, seq = _lengths_and_rows(args.offsets, inputs.total)
+    if args.mode == "mean":
         grad = grad / lengths.clamp(min=1).unsqueeze(1)
-    return (grad.index_select(0, seq),)
+    return PoolGrads(grad.index_select(0, seq))
 '''
 
 # step 3: import the package in ragged/__init__.py

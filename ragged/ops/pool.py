@@ -2,8 +2,10 @@
 
 The op behind sentence embeddings (``"mean"``), CLS pooling (``"first"``) and decoder
 sequence classification (``"last"``). One op carries the work (``ragged::pool``, defined
-through :mod:`ragged.opdef`) on the features flattened to ``values [T, F]``; its backward
-is a second op (``ragged::pool_backward``). Implementations, picked by :mod:`ragged.backends`:
+through :mod:`ragged.opdef`) on the features flattened to ``values [T, F]``, its operands
+one :class:`~ragged.records.pool.PoolArgs` record; its backward is a second op
+(``ragged::pool_backward``). Implementations, picked by :mod:`ragged.backends`, each a forward
+``(PoolArgs) -> PoolOutput`` and a backward ``(PoolArgs, PoolBackwardInputs) -> PoolGrads``:
 
 * ``"torch"``: :func:`reference_pool` / :func:`reference_pool_backward`, segment ops of
   torch; the CPU path and an oracle of the tests (declared here);
@@ -53,6 +55,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.pool import PoolArgs, PoolBackwardInputs, PoolGrads, PoolOutput
 from ..tensor import RaggedTensor
 from ..utils import describe
 
@@ -202,49 +205,55 @@ def pool_spec(values: Tensor, offsets: Tensor, mode: str) -> PoolSpec:
     return PoolSpec(values.device, values.dtype, mode)
 
 
-def _pool_signature(values: Tensor, offsets: Tensor, mode: str) -> tuple[Tensor, Tensor]: ...
+def _pool_fake(args: PoolArgs) -> PoolOutput:
+    offsets = args.offsets
+    batch, feat = offsets.shape[0] - 1, args.values.shape[1]
+    index = offsets.new_empty((batch, feat) if args.mode == "max" else (0,))
+    return PoolOutput(args.values.new_empty((batch, feat)), index)
 
 
-def _pool_fake(values, offsets, mode):
-    batch, feat = offsets.shape[0] - 1, values.shape[1]
-    index = offsets.new_empty((batch, feat) if mode == "max" else (0,))
-    return values.new_empty((batch, feat)), index
+def _pool_setup(ctx, args: PoolArgs, output: PoolOutput) -> None:
+    ctx.save_for_backward(args.offsets, output.argmax)
+    ctx.mode, ctx.total = args.mode, args.values.shape[0]
 
 
-def _pool_setup(ctx, inputs, output):
-    values, offsets, mode, backend = inputs
-    ctx.save_for_backward(offsets, output[1])
-    ctx.mode, ctx.total, ctx.backend = mode, values.shape[0], backend
-
-
-def _pool_backward(ctx, grad, grad_index):
-    if grad is None:
-        return None, None, None
+def _pool_backward(ctx, grad: Tensor, _grad_index: Tensor) -> PoolGrads:
     offsets, index = ctx.saved_tensors
-    backend = ctx.backend
+    impl = ctx.impl
     spec = PoolSpec(grad.device, grad.dtype, ctx.mode)
-    if backends.implementation("pool", backend).reasons(spec):
-        backend = backends.select_spec("pool", "auto", spec).backend
-    (grad_values,) = POOL.call_backward(grad, offsets, index, ctx.mode, ctx.total, backend)
-    return grad_values, None, None
-
-
-def _pool_backward_signature(grad: Tensor, offsets: Tensor, index: Tensor, mode: str, total: int) -> tuple[Tensor]: ...
+    if backends.implementation("pool", impl).reasons(spec):
+        impl = backends.select_spec("pool", "auto", spec).name
+    # values is not kept: the backward reads only its row count
+    args = PoolArgs(None, offsets, ctx.mode)  # type: ignore[arg-type]
+    return POOL.call_backward(args, PoolBackwardInputs(grad, index, ctx.total), impl)
 
 
 POOL = opdef.define(
     "pool",
-    _pool_signature,
+    PoolArgs,
+    PoolOutput,
     spec=pool_spec,
     fake=_pool_fake,
     setup=_pool_setup,
     backward=_pool_backward,
-    backward_signature=_pool_backward_signature,
-    backward_fake=lambda grad, offsets, index, mode, total: (grad.new_empty((total, grad.shape[1])),),
-    non_differentiable=lambda inputs, outputs: (outputs[1],),
+    backward_inputs=PoolBackwardInputs,
+    grads=PoolGrads,
+    backward_fake=lambda args, inputs: PoolGrads(inputs.grad_out.new_empty((inputs.total, inputs.grad_out.shape[1]))),
+    backward_unread=("values",),
+    non_differentiable=lambda args, output: (output.argmax,),
 )
 
-backends.register(backends.Implementation("pool", "torch", reference_pool, backward=reference_pool_backward))
+
+def _reference_forward(args: PoolArgs) -> PoolOutput:
+    return PoolOutput(*reference_pool(args.values, args.offsets, args.mode))
+
+
+def _reference_backward(args: PoolArgs, inputs: PoolBackwardInputs) -> PoolGrads:
+    (grad_values,) = reference_pool_backward(inputs.grad_out, args.offsets, inputs.argmax, args.mode, inputs.total)
+    return PoolGrads(grad_values)
+
+
+backends.register(backends.Implementation("pool", "torch", _reference_forward, backward=_reference_backward))
 
 
 # --------------------------------------------------------------------------------------
@@ -286,13 +295,13 @@ def pool(rt: RaggedTensor, mode: str = "mean", *, backend: str | None = None) ->
     offsets = rt.offsets
     impl = backends.select_spec("pool", backend, PoolSpec(values.device, values.dtype, mode), fn=fn)
     if nd == 2:
-        return POOL(values, offsets, mode, impl.backend)[0]
+        return POOL(PoolArgs(values, offsets, mode), impl.name).out
     if nd == 1:
-        return POOL(values.unsqueeze(1), offsets, mode, impl.backend)[0].squeeze(1)
+        return POOL(PoolArgs(values.unsqueeze(1), offsets, mode), impl.name).out.squeeze(1)
     feat = 1
     for s in shape[1:]:
         feat *= s
-    out = POOL(values.reshape(shape[0], feat), offsets, mode, impl.backend)[0]
+    out = POOL(PoolArgs(values.reshape(shape[0], feat), offsets, mode), impl.name).out
     return out.view(offsets.shape[0] - 1, *shape[1:])
 
 

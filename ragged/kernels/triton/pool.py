@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...records.pool import PoolArgs, PoolBackwardInputs, PoolGrads, PoolOutput
 from .launch import cached_launch
 
 _MODE_IDS = {"sum": 0, "mean": 1, "max": 2, "first": 3, "last": 4}
@@ -179,17 +180,18 @@ def _size(total: int, batch: int) -> int:
     return 0 if mean <= 32 else 1 if mean <= 256 else 2
 
 
-def pool(values: torch.Tensor, offsets: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pool(args: PoolArgs) -> PoolOutput:
     """``values [T, F]`` (any strides), ``offsets [B+1]`` -> ``(out [B, F], index)`` as
     :func:`ragged.ops.pool.reference_pool`."""
+    values, offsets, mode = args.values, args.offsets, args.mode
     total, n_feat = values.shape
     batch = offsets.shape[0] - 1
     out = torch.empty((batch, n_feat), dtype=values.dtype, device=values.device)
     index = torch.empty((batch, n_feat) if mode == "max" else (0,), dtype=offsets.dtype, device=values.device)
     if batch == 0 or n_feat == 0:
-        return out, index
+        return PoolOutput(out, index)
     if total == 0:  # every sequence empty; and no kernel gets an empty tensor's pointer
-        return out.zero_(), index.fill_(-1)
+        return PoolOutput(out.zero_(), index.fill_(-1))
     block_t, block_f, warps = _tile(n_feat, _size(total, batch))
     grid = (batch, triton.cdiv(n_feat, block_f))
     # the index is written by max only: the other modes get a placeholder pointer
@@ -207,19 +209,19 @@ def pool(values: torch.Tensor, offsets: torch.Tensor, mode: str) -> tuple[torch.
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return out, index
+    return PoolOutput(out, index)
 
 
-def pool_backward(
-    grad: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor, mode: str, total: int
-) -> tuple[torch.Tensor]:
-    """``grad [B, F]`` (any strides, expanded included) -> ``(grad_values [T, F],)`` as
+def pool_backward(args: PoolArgs, inputs: PoolBackwardInputs) -> PoolGrads:
+    """``grad [B, F]`` (any strides, expanded included) -> ``grad_values [T, F]`` as
     :func:`ragged.ops.pool.reference_pool_backward`. Every row of a valid ``[T, F]`` layout
-    is written (the offsets cover ``[0, T)``)."""
+    is written (the offsets cover ``[0, T)``); ``args.values`` is not read."""
+    grad, index, total = inputs.grad_out, inputs.argmax, inputs.total
+    offsets, mode = args.offsets, args.mode
     batch, n_feat = grad.shape
     dx = torch.empty((total, n_feat), dtype=grad.dtype, device=grad.device)
     if batch == 0 or n_feat == 0 or total == 0:
-        return (dx,)
+        return PoolGrads(dx)
     block_t, block_f, warps = _tile(n_feat, _size(total, batch))
     grid = (batch, triton.cdiv(n_feat, block_f))
     _pool_backward_kernel[grid](
@@ -236,4 +238,4 @@ def pool_backward(
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return (dx,)
+    return PoolGrads(dx)
