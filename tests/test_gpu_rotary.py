@@ -21,6 +21,7 @@ from test_rotary import _inv_freq, _oracle  # the float64 oracle of the CPU test
 import ragged
 from ragged import backends
 from ragged.ops.rotary import ROTARY_EMBEDDING
+from ragged.records.rotary import RotaryEmbeddingArgs, RotaryEmbeddingBackwardInputs
 
 pytestmark = pytest.mark.gpu
 
@@ -199,16 +200,17 @@ def test_cuda_graph_capture():
     qkv, x, positions = _batch(16, 100, 6, 64, torch.bfloat16, gen)
     inv_freq = _inv_freq(64).cuda()
     g = torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    args = RotaryEmbeddingArgs(x, positions, inv_freq, 1.0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         ragged.rotary_embedding(x, positions, inv_freq, backend="triton")  # warm-up on the side stream
-        ROTARY_EMBEDDING.call_backward(g, positions, inv_freq, 1.0, "triton")
+        ROTARY_EMBEDDING.call_backward(args, RotaryEmbeddingBackwardInputs(g), "triton")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ragged.rotary_embedding(x, positions, inv_freq, backend="triton")
-        (dx,) = ROTARY_EMBEDDING.call_backward(g, positions, inv_freq, 1.0, "triton")
+        dx = ROTARY_EMBEDDING.call_backward(args, RotaryEmbeddingBackwardInputs(g), "triton").x
     qkv[:, :2].copy_(torch.randn(qkv[:, :2].shape, generator=gen, device="cuda").to(torch.bfloat16))
     positions.copy_(torch.randint(0, 1000, positions.shape, generator=gen, device="cuda"))
     g.copy_(torch.randn(g.shape, generator=gen, device="cuda").to(torch.bfloat16))

@@ -21,6 +21,13 @@ from conftest import cpu_backends
 import ragged
 from ragged import backends
 from ragged.ops import rotary as rotary_module
+from ragged.ops.rotary import ROTARY_EMBEDDING
+from ragged.records.rotary import (
+    RotaryEmbeddingArgs,
+    RotaryEmbeddingBackwardInputs,
+    RotaryEmbeddingGrads,
+    RotaryEmbeddingOutput,
+)
 
 BACKENDS = cpu_backends()
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -329,11 +336,28 @@ def test_opcheck():
     gen = _gen("opcheck")
     x = torch.randn(10, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     positions, inv_freq = _positions(10), _inv_freq(8)
-    torch.library.opcheck(torch.ops.ragged.rotary_embedding.default, (x, positions, inv_freq, 0.5, "torch"))
-    torch.library.opcheck(
-        torch.ops.ragged.rotary_embedding_backward.default,
-        (torch.randn(10, 3, 8, generator=gen, dtype=torch.float64), positions, inv_freq, 0.5, "torch"),
-    )
+    args = RotaryEmbeddingArgs(x, positions, inv_freq, 0.5)
+    torch.library.opcheck(torch.ops.ragged.rotary_embedding.default, (*args, "torch"))
+    # the backward op takes the operands it reads (no x), then the gradient
+    grad = torch.randn(10, 3, 8, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.ragged.rotary_embedding_backward.default, (positions, inv_freq, 0.5, grad, "torch"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_op_takes_and_returns_records(backend):
+    gen = _gen("records", backend)
+    x = torch.randn(7, 2, 8, generator=gen)
+    positions, inv_freq = _positions(7), _inv_freq(8)
+    args = RotaryEmbeddingArgs(x=x, positions=positions, inv_freq=inv_freq, scaling=0.75)
+    out = ROTARY_EMBEDDING(args, backend)
+    assert isinstance(out, RotaryEmbeddingOutput)
+    torch.testing.assert_close(out.out, rotary_module.reference_rotary_embedding(x, positions, inv_freq, 0.75))
+    g = torch.randn(7, 2, 8, generator=gen)
+    # the backward reads no x: an unread operand may be None
+    got = ROTARY_EMBEDDING.call_backward(args._replace(x=None), RotaryEmbeddingBackwardInputs(g), backend)
+    assert isinstance(got, RotaryEmbeddingGrads)
+    (want,) = rotary_module.reference_rotary_embedding_backward(g, positions, inv_freq, 0.75)
+    torch.testing.assert_close(got.x, want)
 
 
 def test_fake_tensors_reach_the_fake_implementation():
@@ -365,7 +389,9 @@ def test_auto_takes_the_reference_on_cpu_and_the_kernel_first_on_cuda(monkeypatc
     entry = backends.op_entry("rotary_embedding")
     impl = entry.impls["torch"]
     monkeypatch.setitem(
-        entry.impls, "torch", dataclasses.replace(impl, forward=lambda *a: ran.append("torch") or impl.forward_fn(*a))
+        entry.impls,
+        "torch",
+        dataclasses.replace(impl, forward=lambda args: ran.append("torch") or impl.forward_fn(args)),
     )
     ragged.rotary_embedding(torch.randn(3, 2, 4), torch.arange(3), _inv_freq(4))
     assert ran == ["torch"]

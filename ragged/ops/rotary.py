@@ -31,7 +31,8 @@ Gradient: to ``x`` only, the rotation by the opposite angle (``dx1 = g1 * c + g2
 (the backward is linear in the gradient).
 
 One op carries the work, :data:`ROTARY_EMBEDDING` (``ragged::rotary_embedding`` and
-``ragged::rotary_embedding_backward``, defined through :mod:`ragged.opdef`). Implementations
+``ragged::rotary_embedding_backward``, defined through :mod:`ragged.opdef` over the records of
+:mod:`ragged.records.rotary`; the backward reads the gradient, never ``x``). Implementations
 (:mod:`ragged.backends`, read from :class:`RotaryEmbeddingSpec`): ``"torch"``
 (:func:`reference_rotary_embedding`; every floating dtype; the CPU path; declared here) and
 ``"triton"`` (:mod:`ragged.kernels.triton.rotary`, float16 / bfloat16 / float32, forward and
@@ -50,6 +51,12 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.rotary import (
+    RotaryEmbeddingArgs,
+    RotaryEmbeddingBackwardInputs,
+    RotaryEmbeddingGrads,
+    RotaryEmbeddingOutput,
+)
 from ..utils import OFFSET_DTYPES, check_tensor, check_vector, describe, no_autocast
 
 # --------------------------------------------------------------------------------------
@@ -102,46 +109,51 @@ def rotary_embedding_spec(x: Tensor, positions: Tensor, inv_freq: Tensor, scalin
     return RotaryEmbeddingSpec(x.device, x.dtype, x.shape[-1])
 
 
-def _signature(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float) -> Tensor: ...
+def _setup(ctx, args: RotaryEmbeddingArgs, output: RotaryEmbeddingOutput) -> None:
+    ctx.save_for_backward(args.positions, args.inv_freq)
+    ctx.scaling = args.scaling
 
 
-def _backward_signature(grad: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor]: ...
-
-
-def _setup(ctx, inputs, output):
-    _x, positions, inv_freq, scaling, backend = inputs
-    ctx.save_for_backward(positions, inv_freq)
-    ctx.scaling, ctx.backend = scaling, backend
-
-
-def _backward(ctx, grad):
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None
+def _backward(ctx, grad: Tensor) -> RotaryEmbeddingGrads | None:
+    if not ctx.needs_grad.x:
+        return None
     positions, inv_freq = ctx.saved_tensors
     if torch.is_grad_enabled():
         # create_graph=True: the gradient must be differentiable itself; a kernel's output would
         # be a constant to autograd, the reference's torch ops are recorded.
         (dx,) = reference_rotary_embedding_backward(grad, positions, inv_freq, ctx.scaling)
-    else:
-        (dx,) = ROTARY_EMBEDDING.call_backward(grad, positions, inv_freq, ctx.scaling, ctx.backend)
-    return dx, None, None, None
+        return RotaryEmbeddingGrads(dx)
+    # x is not kept: the backward rotates the gradient and reads nothing of x
+    args = RotaryEmbeddingArgs(None, positions, inv_freq, ctx.scaling)  # type: ignore[arg-type]
+    return ROTARY_EMBEDDING.call_backward(args, RotaryEmbeddingBackwardInputs(grad), ctx.impl)
 
 
 ROTARY_EMBEDDING = opdef.define(
     "rotary_embedding",
-    _signature,
+    RotaryEmbeddingArgs,
+    RotaryEmbeddingOutput,
     spec=rotary_embedding_spec,
     setup=_setup,
     backward=_backward,
-    fake=lambda x, positions, inv_freq, scaling: x.new_empty(x.shape),
-    backward_signature=_backward_signature,
-    backward_fake=lambda grad, positions, inv_freq, scaling: (grad.new_empty(grad.shape),),
+    fake=lambda args: RotaryEmbeddingOutput(args.x.new_empty(args.x.shape)),
+    backward_inputs=RotaryEmbeddingBackwardInputs,
+    grads=RotaryEmbeddingGrads,
+    backward_fake=lambda args, inputs: RotaryEmbeddingGrads(inputs.grad_out.new_empty(inputs.grad_out.shape)),
+    backward_unread=("x",),
 )
 
+
+def _reference_forward(args: RotaryEmbeddingArgs) -> RotaryEmbeddingOutput:
+    return RotaryEmbeddingOutput(reference_rotary_embedding(args.x, args.positions, args.inv_freq, args.scaling))
+
+
+def _reference_backward(args: RotaryEmbeddingArgs, inputs: RotaryEmbeddingBackwardInputs) -> RotaryEmbeddingGrads:
+    (dx,) = reference_rotary_embedding_backward(inputs.grad_out, args.positions, args.inv_freq, args.scaling)
+    return RotaryEmbeddingGrads(dx)
+
+
 backends.register(
-    backends.Implementation(
-        "rotary_embedding", "torch", reference_rotary_embedding, backward=reference_rotary_embedding_backward
-    )
+    backends.Implementation("rotary_embedding", "torch", _reference_forward, backward=_reference_backward)
 )
 
 
@@ -212,4 +224,4 @@ def rotary_embedding(
     fn = "ragged.rotary_embedding"
     inv_freq, scaling = _validate(fn, x, positions, inv_freq, scaling)
     impl = backends.select_spec("rotary_embedding", backend, RotaryEmbeddingSpec(x.device, x.dtype, x.shape[2]), fn=fn)
-    return ROTARY_EMBEDDING(x, positions, inv_freq, scaling, impl.backend)
+    return ROTARY_EMBEDDING(RotaryEmbeddingArgs(x, positions, inv_freq, scaling), impl.name).out

@@ -30,6 +30,12 @@ import triton
 import triton.language as tl
 
 from ...backends import triton_interpreted
+from ...records.rotary import (
+    RotaryEmbeddingArgs,
+    RotaryEmbeddingBackwardInputs,
+    RotaryEmbeddingGrads,
+    RotaryEmbeddingOutput,
+)
 from .launch import cached_launch
 
 __all__ = ["rotary_embedding", "rotary_embedding_backward"]
@@ -139,16 +145,14 @@ def _launch(
     return out
 
 
-def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+def rotary_embedding(args: RotaryEmbeddingArgs) -> RotaryEmbeddingOutput:
     """``x [T, N, D]`` (any strides), ``positions [T]``, ``inv_freq [D/2]`` (any strides and
     floating dtype, read as float32) -> ``out [T, N, D]`` contiguous, as
     :func:`ragged.ops.rotary.reference_rotary_embedding`."""
-    return _launch(x, positions, inv_freq, scaling, 1)
+    return RotaryEmbeddingOutput(_launch(args.x, args.positions, args.inv_freq, args.scaling, 1))
 
 
-def rotary_embedding_backward(
-    grad: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
-) -> tuple[torch.Tensor]:
-    """``grad [T, N, D]`` (any strides, expanded included) -> ``(grad_x [T, N, D],)``, as
-    :func:`ragged.ops.rotary.reference_rotary_embedding_backward`."""
-    return (_launch(grad, positions, inv_freq, scaling, -1),)
+def rotary_embedding_backward(args: RotaryEmbeddingArgs, inputs: RotaryEmbeddingBackwardInputs) -> RotaryEmbeddingGrads:
+    """``grad [T, N, D]`` (any strides, expanded included) -> ``grad_x [T, N, D]``, as
+    :func:`ragged.ops.rotary.reference_rotary_embedding_backward` (``args.x`` is not read)."""
+    return RotaryEmbeddingGrads(_launch(inputs.grad_out, args.positions, args.inv_freq, args.scaling, -1))
