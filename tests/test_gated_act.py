@@ -14,6 +14,8 @@ from conftest import cpu_backends
 from test_fused import _close, _gen, _no_worse_than_torch, _randn
 
 import ragged
+from ragged.ops.gated import GATED_ACT, reference_gated_act_backward
+from ragged.records.gated import GatedActArgs, GatedActBackwardInputs, GatedActGrads, GatedActOutput
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "none"]
@@ -216,7 +218,21 @@ def test_opcheck():
     for activation in ACTIVATIONS:
         torch.library.opcheck(ops.gated_act.default, (x, activation, "torch"))
     torch.library.opcheck(ops.gated_act.default, (torch.randn(0, 4, dtype=torch.float64), "gelu", "torch"))
-    torch.library.opcheck(ops.gated_act_backward.default, (torch.randn(5, 6), x.detach(), "gelu_tanh", "torch"))
+    # the backward op: the operands, then the gradient
+    torch.library.opcheck(ops.gated_act_backward.default, (x.detach(), "gelu_tanh", torch.randn(5, 6), "torch"))
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_the_op_takes_and_returns_records(backend):
+    x = torch.randn(5, 12)
+    args = GatedActArgs(x=x, activation="gelu_tanh")
+    out = GATED_ACT(args, backend)
+    assert isinstance(out, GatedActOutput)
+    torch.testing.assert_close(out.out, ragged.reference_gated_act(x, "gelu_tanh"))
+    g = torch.randn(5, 6)
+    got = GATED_ACT.call_backward(args, GatedActBackwardInputs(grad_out=g), backend)
+    assert isinstance(got, GatedActGrads)
+    torch.testing.assert_close(got.x, reference_gated_act_backward(g, x, "gelu_tanh"))
 
 
 def test_public_api_under_fake_tensors_uses_the_op():

@@ -22,8 +22,9 @@ recomputes ``act(a)`` from ``x`` (only ``x`` is saved, never the output). Under
 ``create_graph=True`` it runs as the reference's torch ops, so the op is twice differentiable on
 every backend.
 
-The op ``ragged::gated_act`` (:data:`GATED_ACT`, with ``ragged::gated_act_backward``) has two
-implementations (:mod:`ragged.backends`), whose reasons read :class:`GatedActSpec`: ``"torch"``
+The op ``ragged::gated_act`` (:data:`GATED_ACT`, with ``ragged::gated_act_backward``; its
+operands the record :class:`~ragged.records.gated.GatedActArgs`) has two implementations
+(:mod:`ragged.backends`), whose reasons read :class:`GatedActSpec`: ``"torch"``
 (:func:`reference_gated_act`, :func:`reference_gated_act_backward`; the CPU path and the tests'
 oracle; any floating dtype) and ``"triton"`` (:mod:`ragged.kernels.triton.gated`; float16,
 bfloat16 and float32; ``"auto"`` takes it on CUDA tensors). A per-token op: the grid comes from
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.gated import GatedActArgs, GatedActBackwardInputs, GatedActGrads, GatedActOutput
 from ..utils import check_tensor, describe, no_autocast
 from .fused import ACTIVATIONS, reference_bias_act, reference_bias_act_backward
 
@@ -87,15 +89,16 @@ def reference_gated_act_backward(grad: Tensor, x: Tensor, activation: str = "gel
 # The "torch" implementation (over the op's 2-D operand)
 
 
-def _gated_act_torch_forward(x: Tensor, activation: str) -> Tensor:
+def _gated_act_torch_forward(args: GatedActArgs) -> GatedActOutput:
+    x, activation = args.x, args.activation
     if torch.is_grad_enabled() and x.requires_grad:
         with torch.no_grad():
-            return reference_gated_act(x, activation).contiguous()
-    return reference_gated_act(x, activation).contiguous()
+            return GatedActOutput(reference_gated_act(x, activation).contiguous())
+    return GatedActOutput(reference_gated_act(x, activation).contiguous())
 
 
-def _gated_act_torch_backward(grad: Tensor, x: Tensor, activation: str) -> tuple[Tensor]:
-    return (reference_gated_act_backward(grad, x, activation).contiguous(),)
+def _gated_act_torch_backward(args: GatedActArgs, inputs: GatedActBackwardInputs) -> GatedActGrads:
+    return GatedActGrads(reference_gated_act_backward(inputs.grad_out, args.x, args.activation).contiguous())
 
 
 # --------------------------------------------------------------------------------------
@@ -117,41 +120,37 @@ def gated_act_spec(x: Tensor, activation: str) -> GatedActSpec:
     return GatedActSpec(x.device, x.dtype, activation, x.shape[-1] // 2)
 
 
-def _gated_act_signature(x: Tensor, activation: str) -> Tensor: ...
+def _gated_act_fake(args: GatedActArgs) -> GatedActOutput:
+    x = args.x
+    return GatedActOutput(x.new_empty((x.shape[0], x.shape[1] // 2)))
 
 
-def _gated_act_backward_signature(grad: Tensor, x: Tensor, activation: str) -> tuple[Tensor]: ...
+def _gated_act_setup(ctx, args: GatedActArgs, output: GatedActOutput) -> None:
+    ctx.save_for_backward(args.x)
+    ctx.activation = args.activation
 
 
-def _gated_act_fake(x, activation):
-    return x.new_empty((x.shape[0], x.shape[1] // 2))
-
-
-def _gated_act_setup(ctx, inputs, output):
-    x, activation, backend = inputs
-    ctx.save_for_backward(x)
-    ctx.activation, ctx.backend = activation, backend
-
-
-def _gated_act_backward(ctx, grad):
+def _gated_act_backward(ctx, grad: Tensor) -> GatedActGrads:
     (x,) = ctx.saved_tensors
     if torch.is_grad_enabled():
         # create_graph=True: the gradient must be differentiable itself; a kernel's output
         # would be a constant to autograd (a second derivative through it silently zero).
-        return reference_gated_act_backward(grad, x, ctx.activation), None
-    (dx,) = GATED_ACT.call_backward(_unit_cols(grad), x, ctx.activation, ctx.backend)
-    return dx, None
+        return GatedActGrads(reference_gated_act_backward(grad, x, ctx.activation))
+    args = GatedActArgs(x, ctx.activation)
+    return GATED_ACT.call_backward(args, GatedActBackwardInputs(_unit_cols(grad)), ctx.impl)
 
 
 GATED_ACT = opdef.define(
     "gated_act",
-    _gated_act_signature,
+    GatedActArgs,
+    GatedActOutput,
     spec=gated_act_spec,
     setup=_gated_act_setup,
     backward=_gated_act_backward,
     fake=_gated_act_fake,
-    backward_signature=_gated_act_backward_signature,
-    backward_fake=lambda grad, x, activation: (x.new_empty(x.shape),),
+    backward_inputs=GatedActBackwardInputs,
+    grads=GatedActGrads,
+    backward_fake=lambda args, inputs: GatedActGrads(args.x.new_empty(args.x.shape)),
 )
 
 backends.register(backends.Implementation("gated_act", "torch", _gated_act_torch_forward, _gated_act_torch_backward))
@@ -199,4 +198,4 @@ def gated_act(x: Tensor, activation: str = "gelu", *, backend: str | None = None
     _validate_gated_act(fn, x, activation)
     x = _unit_cols(x)
     impl = backends.select_spec("gated_act", backend, gated_act_spec(x, activation), fn=fn)
-    return GATED_ACT(x, activation, impl.backend)
+    return GATED_ACT(GatedActArgs(x, activation), impl.name).out

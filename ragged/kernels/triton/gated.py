@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...backends import triton_interpreted
+from ...records.gated import GatedActArgs, GatedActBackwardInputs, GatedActGrads, GatedActOutput
 from .fused import ACTIVATIONS, _bias_act_config
 from .fused_kernels import _act, _act_grad
 from .launch import cached_launch
@@ -85,13 +86,13 @@ def _grid(n_rows: int, n_cols: int, dtype: torch.dtype) -> tuple[tuple[int, int]
     return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_f)), block_r, block_f, warps
 
 
-def gated_act_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_act_forward(args: GatedActArgs) -> GatedActOutput:
     """``act(x[:, :F]) * x[:, F:]`` for ``x [N, 2F]``: a contiguous ``[N, F]`` tensor of x's dtype."""
-    x = _unit_cols(x)
+    x, activation = _unit_cols(args.x), args.activation
     n_rows, n_cols = x.shape[0], x.shape[1] // 2
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
-        return y
+        return GatedActOutput(y)
     grid, block_r, block_f, warps = _grid(n_rows, n_cols, x.dtype)
     _gated_act_fwd_kernel[grid](
         x,
@@ -104,17 +105,17 @@ def gated_act_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return y
+    return GatedActOutput(y)
 
 
-def gated_act_backward(grad: torch.Tensor, x: torch.Tensor, activation: str) -> tuple[torch.Tensor]:
-    """``(dx,)``: the gradient of :func:`gated_act_forward` for ``grad [N, F]``, a contiguous
+def gated_act_backward(args: GatedActArgs, inputs: GatedActBackwardInputs) -> GatedActGrads:
+    """The gradient of :func:`gated_act_forward` for ``grad [N, F]``: ``dx``, a contiguous
     ``[N, 2F]`` tensor of x's dtype."""
-    grad, x = _unit_cols(grad), _unit_cols(x)
+    grad, x, activation = _unit_cols(inputs.grad_out), _unit_cols(args.x), args.activation
     n_rows, n_cols = x.shape[0], x.shape[1] // 2
     dx = torch.empty((n_rows, 2 * n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
-        return (dx,)
+        return GatedActGrads(dx)
     grid, block_r, block_f, warps = _grid(n_rows, n_cols, x.dtype)
     _gated_act_bwd_kernel[grid](
         grad,
@@ -129,4 +130,4 @@ def gated_act_backward(grad: torch.Tensor, x: torch.Tensor, activation: str) -> 
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return (dx,)
+    return GatedActGrads(dx)
