@@ -9,11 +9,12 @@ import copy as _copy
 
 from torch import nn
 
-__all__ = ["adopt", "attention_features", "its", "module_attention_features"]
+__all__ = ["adopt", "attention_features", "module_attention_features", "reason_subject"]
 
 
-def its(path: str) -> str:
-    """``"it"`` for the module itself, ``"its <path>"`` for a submodule (in reasons)."""
+def reason_subject(path: str) -> str:
+    """The words a reason starts with to name the module it is about: ``"it"`` for the module
+    itself, ``"its <path>"`` for a submodule."""
     return "it" if not path else f"its {path}"
 
 

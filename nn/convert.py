@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize, prune
 
 from ragged.utils import describe
 
-from .accept import its, module_attention_features
+from .accept import module_attention_features, reason_subject
 from .multihead_attention import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 
@@ -61,21 +61,21 @@ def _extras_reason(module: nn.Module) -> str | None:
     built from its Parameters: a parametrization, pruning, or any hook."""
     for path, sub in module.named_modules(remove_duplicate=False):
         if parametrize.is_parametrized(sub):
-            return f"{its(path)} has a parametrization (torch.nn.utils.parametrize)"
+            return f"{reason_subject(path)} has a parametrization (torch.nn.utils.parametrize)"
         if any(isinstance(h, prune.BasePruningMethod) for h in sub._forward_pre_hooks.values()):
-            return f"{its(path)} is pruned (torch.nn.utils.prune)"
+            return f"{reason_subject(path)} is pruned (torch.nn.utils.prune)"
         kinds = [name.strip("_").replace("_", " ") for name in _HOOKS if getattr(sub, name, None)]
         if kinds:
-            return f"{its(path)} has {', '.join(kinds)} (a ragged module would not run them)"
+            return f"{reason_subject(path)} has {', '.join(kinds)} (a ragged module would not run them)"
     return None
 
 
 def _attention_reason(attn: nn.MultiheadAttention, path: str) -> str | None:
     unsupported = module_attention_features(attn)
     if unsupported:
-        return f"{its(path)} uses {unsupported}, which is not supported"
+        return f"{reason_subject(path)} uses {unsupported}, which is not supported"
     if set(attn._modules) != {"out_proj"} or not isinstance(attn._modules["out_proj"], nn.Linear):
-        return f"{its(path)} has submodules {sorted(attn._modules)}, expected only the out_proj Linear"
+        return f"{reason_subject(path)} has submodules {sorted(attn._modules)}, expected only the out_proj Linear"
     return None
 
 
@@ -90,7 +90,7 @@ def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
             )
     extra = sorted(set(layer._modules) - set(_LAYER_CHILDREN) - {"activation"})
     if extra:
-        return f"{its(path)} has submodules {extra} that the ragged layer would not run"
+        return f"{reason_subject(path)} has submodules {extra} that the ragged layer would not run"
     attn = layer.self_attn
     why = _attention_reason(attn, prefix + "self_attn")
     if why:
@@ -161,8 +161,10 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     ``model`` (or the replacement when ``model`` itself is one of them).
 
     The whole model is checked and every replacement built before anything is swapped; the
-    swaps then happen together. An exception (``strict=True``, a bad argument, an error while
-    building) leaves ``model`` exactly as it was.
+    swaps then happen together. An exception (``strict=True`` with a module left, a bad
+    argument, an unexpected error) leaves ``model`` exactly as it was; a replacement whose
+    building raises TypeError, ValueError or NotImplementedError is a module left as it is, with
+    that error as its reason.
 
     * Only those exact classes are swapped. A subclass (it may override ``forward``) is left
       alone, without a warning, and its children are visited, except those of a
@@ -186,9 +188,9 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     A final ``norm`` of an encoder is applied to the packed tokens ``[T, d_model]``: it must
     work token by token, as LayerNorm and RMSNorm do.
 
-    HuggingFace models (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT: base
-    models and their sequence classification, token classification, masked LM and question
-    answering heads; see :mod:`ragged.nn.hf`) keep their modules and Parameters: their
+    HuggingFace models (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ModernBERT,
+    MPNet: base models and their sequence classification, token classification, masked LM and
+    question answering heads; see :mod:`ragged.nn.hf`) keep their modules and Parameters: their
     forward is patched to run padding-free and to take RaggedTensors. ``model`` itself such a
     model: converted in place and returned (``copy=True``: a converted deep copy), or refused
     with NotImplementedError naming the class and the feature, the model unchanged (whatever
@@ -298,7 +300,11 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
             if hit is not None:
                 del built[key]
                 owner = repr(hit[1]) if hit[1] else "the model"
-                refused[key] = (original, first_place[key], f"{its(hit[0])} is also part of {owner}, which stays")
+                refused[key] = (
+                    original,
+                    first_place[key],
+                    f"{reason_subject(hit[0])} is also part of {owner}, which stays",
+                )
                 changed = True
 
     # A swapped module that also sits inside another swapped module: one ragged module at both.

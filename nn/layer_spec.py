@@ -43,8 +43,9 @@ class LayerSpec:
     eval mode. ``eps``: the two LayerNorms'. Bias flags are the weights that are None.
     Self-attention over the packed in-projection; causal masking is chosen per call.
     ``position_bias``: ``(table, buckets)`` of :func:`ragged.varlen_attention` (a relative-position
-    bias added to the scores, MPNet's), or None; a layer with one trains through :class:`Recorded`
-    (the one-node backward computes no table gradient)."""
+    bias added to the scores, MPNet's), or None; a layer with one trains as any other, its table
+    an operand of the layer's one autograd node, whose backward returns the table's gradient
+    (summed over the layers that share the table)."""
 
     heads: int
     head_dim: int

@@ -205,7 +205,8 @@ def feature_rows_contiguous(x: torch.Tensor, lead: int, fn: str) -> torch.Tensor
 
 def assume_constant_result(fn):
     """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at import
-    time (about 1.7 s of ``import ragged``): the decorator only marks the function, with the
+    time (a large import, which would cost every ``import ragged`` far more than ragged's own
+    modules): the decorator only marks the function, with the
     attribute below, and dynamo reads the mark when it traces a call (tests/test_imports.py
     checks that the mark is the one torch sets)."""
     if "torch._dynamo" in sys.modules:

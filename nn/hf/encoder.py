@@ -98,11 +98,11 @@ def encode(
     token_type_ids,
     position_ids,
     inputs_embeds,
-    picks: tuple | None,
+    hidden_indices: tuple | None,
 ) -> Encoded:
     """Read the batch, embed the packed tokens, run the layers and the family's final step.
-    ``picks``: None (no hidden states) or, per entry of the hidden states returned, the index
-    of the hidden state it holds (0 the embeddings' output, ``i`` layer ``i``'s) or None."""
+    ``hidden_indices``: None (no hidden states) or, per entry of the hidden states returned,
+    the index of the hidden state it holds (0 the embeddings' output, ``i`` layer ``i``'s) or None."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"{fn}(): expected exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -113,11 +113,11 @@ def encode(
         ids, embeds = None, batch.rt.values
     x = family.embed(fn, base, batch, ids, embeds, token_type_ids, position_ids)
     ctx = family.context(fn, base, batch, x, position_ids)
-    collect = picks is not None and any(p is not None for p in picks)
+    collect = hidden_indices is not None and any(i is not None for i in hidden_indices)
     y, hidden = run_encoder(family, base, x, ctx, collect)
     y = family.finish(base, y)
     if collect:
         hidden[-1] = y  # the last hidden state is the output (after a final norm), as in HuggingFace
-    if picks is not None:
-        hidden = tuple(None if p is None else hidden[p] for p in picks)
+    if hidden_indices is not None:
+        hidden = tuple(None if i is None else hidden[i] for i in hidden_indices)
     return Encoded(y, batch, hidden)

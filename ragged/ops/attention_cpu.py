@@ -4,11 +4,11 @@ into a few padded batches, each one call of torch's fused CPU attention kernel
 
 Why not the per-sequence loop of :func:`ragged.ops.attention.reference_attention`: it issues a
 dozen small ops per sequence and layer, and with more than one intra-op thread each of them may
-open a parallel region whose threads spin while they wait for each other. On a 2-core host under
-load, a ``logsumexp`` of ``[12, 25, 25]`` took 25-50 us of CPU time at 1 thread and 0.5-3.7 ms
-at 2 threads; a converted all-MiniLM-L6-v2 spent 65% of its CPU time in the loop's
-``logsumexp`` and encoded at half the speed of the original at 2 threads. Grouped, a layer's
-attention is a handful of ops on whole batches, whose parallel regions pay off.
+open a parallel region whose threads spin while they wait for each other: on a small host under
+load a converted sentence encoder then spends most of its CPU time in the loop's small ops, more
+at 2 threads than at 1. Grouped, a layer's attention is a handful of ops on whole batches, whose
+parallel regions pay off (the converted encoder against the original on a 2-core host:
+``bench/results/cpu_embed_epyc2_98997cd.txt``).
 
 Same contract as the reference: ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` (GQA: query head ``h``
 reads key/value head ``h // (H / H_kv)``), bottom-right aligned causal masking and sliding

@@ -133,7 +133,7 @@ def precompile(items, device=None, max_workers: int | None = None) -> None:
 
 
 def _raw_stream(index: int) -> int:
-    try:  # the handle alone, without building a torch.cuda.Stream (about 3 us less per launch)
+    try:  # the handle alone, without building a torch.cuda.Stream object on every launch
         return torch._C._cuda_getCurrentRawStream(index)
     except AttributeError:  # pragma: no cover - older torch
         return torch.cuda.current_stream(index).cuda_stream
@@ -233,8 +233,8 @@ def _driver():
     return _driver_launch[0]
 
 
-# Launch through the driver directly (about 4 us less host time per launch than CuPy's
-# argument handling); False: always through CuPy.
+# Launch through the driver directly, without CuPy's per-argument handling on the host
+# (bench/results/launch_paths_h200_b205004.md); False: always through CuPy.
 DRIVER_LAUNCH = True
 
 
