@@ -1,8 +1,9 @@
 """pack / unpack: padded ``[B, M, *F]`` <-> packed ``values [T, *F]``.
 
 Two ops carry the work (``ragged::pack``, ``ragged::unpack``, defined through
-:mod:`ragged.opdef`): the gradient of pack is unpack with zeros at padding, and the
-gradient of unpack is pack. Each has three implementations, picked by :mod:`ragged.backends`:
+:mod:`ragged.opdef` over the records of :mod:`ragged.records.pack`): the gradient of pack is
+unpack with zeros at padding, and the gradient of unpack is pack. Each has three
+implementations, picked by :mod:`ragged.backends`, each a function of the op's record:
 
 * ``"torch"``: :func:`reference_pack` / :func:`reference_unpack`, plain indexing;
   the CPU path and the oracle of the tests (declared here);
@@ -39,10 +40,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.types
 from torch import Tensor
 
 from . import backends, opdef
+from .records.pack import PackArgs, PackGrads, PackOutput, UnpackArgs, UnpackGrads, UnpackOutput
 from .utils import (
     check_int,
     check_offsets_tensor,
@@ -76,7 +77,8 @@ def reference_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left
         rows = padded.view(batch * width, *padded.shape[2:])
     except RuntimeError:  # batch and position dims not viewable as one: index them apart
         return padded[_checked_positions(b, j, width), j]
-    # One index_select over [B*M] rows: about 2x faster on CPU than padded[b, j].
+    # One index_select of whole rows of the [B*M] view, rather than padded[b, j], which indexes two
+    # dims for every element.
     return rows.index_select(0, _flat_rows(b, j, width, batch))
 
 
@@ -99,7 +101,7 @@ def reference_unpack(
     out = values.new_full((batch, width, *values.shape[1:]), fill)
     b, j = _token_coords(offsets, values.shape[0], width, left)
     rows = out.view(batch * width, *values.shape[1:])
-    rows.index_copy_(0, _flat_rows(b, j, width, batch), values)  # about 2x faster on CPU than out[b, j] = v
+    rows.index_copy_(0, _flat_rows(b, j, width, batch), values)  # whole rows: out[b, j] = v indexes two dims
     return out
 
 
@@ -133,71 +135,81 @@ def pack_spec(x: torch.Tensor, offsets: torch.Tensor, *_) -> PackSpec:
     return PackSpec(x.device, x.dtype)
 
 
-def _backward_backend(op: str, forward_backend: str, grad: torch.Tensor) -> str:
-    # The forward's backend took this device and dtype; keep it unless the gradient differs.
+def _backward_impl(op: str, forward_impl: str, grad: torch.Tensor) -> str:
+    # The forward's implementation took this device and dtype; keep it unless the gradient differs.
     spec = PackSpec(grad.device, grad.dtype)
-    if backends.implementation(op, forward_backend).reasons(spec):
-        return backends.select_spec(op, "auto", spec).backend
-    return forward_backend
+    if backends.implementation(op, forward_impl).reasons(spec):
+        return backends.select_spec(op, "auto", spec).name
+    return forward_impl
 
 
-def _pack_signature(padded: Tensor, offsets: Tensor, total: int, left: bool) -> Tensor: ...
+def _pack_setup(ctx, args: PackArgs, output: PackOutput) -> None:
+    ctx.save_for_backward(args.offsets)
+    ctx.width, ctx.left = args.padded.shape[1], args.left
 
 
-def _pack_setup(ctx, inputs, output):
-    padded, offsets, total, left, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.width, ctx.left, ctx.backend = padded.shape[1], left, backend
-
-
-def _pack_backward(ctx, grad):
+def _pack_backward(ctx, grad: Tensor) -> PackGrads:
     (offsets,) = ctx.saved_tensors
-    backend = _backward_backend("unpack", ctx.backend, grad)
-    return UNPACK(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left, backend), None, None, None
+    impl = _backward_impl("unpack", ctx.impl, grad)
+    return PackGrads(UNPACK(UnpackArgs(grad.contiguous(), offsets, ctx.width, 0.0, ctx.left), impl).padded)
+
+
+def _pack_fake(args: PackArgs) -> PackOutput:
+    padded = args.padded
+    return PackOutput(padded.new_empty((args.total, *padded.shape[2:])))
 
 
 PACK = opdef.define(
     "pack",
-    _pack_signature,
+    PackArgs,
+    PackOutput,
     spec=pack_spec,
     setup=_pack_setup,
     backward=_pack_backward,
-    fake=lambda padded, offsets, total, left: padded.new_empty((total, *padded.shape[2:])),
+    fake=_pack_fake,
+    grads=PackGrads,
 )
 
 
-# padding_value is a Scalar, not a float: an int64 fill such as 2**62 + 1 stays exact.
-def _unpack_signature(
-    values: Tensor, offsets: Tensor, width: int, padding_value: torch.types.Number, left: bool
-) -> Tensor: ...
+def _unpack_setup(ctx, args: UnpackArgs, output: UnpackOutput) -> None:
+    ctx.save_for_backward(args.offsets)
+    ctx.total, ctx.left = args.values.shape[0], args.left
 
 
-def _unpack_setup(ctx, inputs, output):
-    values, offsets, width, padding_value, left, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.total, ctx.left, ctx.backend = values.shape[0], left, backend
-
-
-def _unpack_backward(ctx, grad):
+def _unpack_backward(ctx, grad: Tensor) -> UnpackGrads:
     (offsets,) = ctx.saved_tensors
-    backend = _backward_backend("pack", ctx.backend, grad)
-    return PACK(grad.contiguous(), offsets, ctx.total, ctx.left, backend), None, None, None, None
+    impl = _backward_impl("pack", ctx.impl, grad)
+    return UnpackGrads(PACK(PackArgs(grad.contiguous(), offsets, ctx.total, ctx.left), impl).values)
+
+
+def _unpack_fake(args: UnpackArgs) -> UnpackOutput:
+    values = args.values
+    return UnpackOutput(values.new_empty((args.offsets.shape[0] - 1, args.width, *values.shape[1:])))
 
 
 UNPACK = opdef.define(
     "unpack",
-    _unpack_signature,
+    UnpackArgs,
+    UnpackOutput,
     spec=pack_spec,
     setup=_unpack_setup,
     backward=_unpack_backward,
-    fake=lambda values, offsets, width, padding_value, left: values.new_empty(
-        (offsets.shape[0] - 1, width, *values.shape[1:])
-    ),
+    fake=_unpack_fake,
+    grads=UnpackGrads,
 )
 
+
+def _reference_pack(args: PackArgs) -> PackOutput:
+    return PackOutput(reference_pack(args.padded, args.offsets, args.total, args.left))
+
+
+def _reference_unpack(args: UnpackArgs) -> UnpackOutput:
+    return UnpackOutput(reference_unpack(args.values, args.offsets, args.width, args.padding_value, args.left))
+
+
 backends.register(
-    backends.Implementation("pack", "torch", reference_pack),
-    backends.Implementation("unpack", "torch", reference_unpack),
+    backends.Implementation("pack", "torch", _reference_pack),
+    backends.Implementation("unpack", "torch", _reference_unpack),
 )
 
 
@@ -234,7 +246,7 @@ def pack_values(
     impl = backends.select_spec("pack", backend, PackSpec(padded.device, padded.dtype), fn=fn)
     if reads_offsets(validate, padded, offsets):
         check_offsets(fn, offsets, total, "total", padded.shape[1], "the padded width padded.shape[1]")
-    return PACK(padded, offsets, total, left, impl.backend)
+    return PACK(PackArgs(padded, offsets, total, left), impl.name).values
 
 
 def unpack_values(
@@ -267,7 +279,7 @@ def unpack_values(
     impl = backends.select_spec("unpack", backend, PackSpec(values.device, values.dtype), fn=fn)
     if reads_offsets(validate, values, offsets):
         check_offsets(fn, offsets, values.shape[0], "values.shape[0]", width, "width")
-    return UNPACK(values, offsets, width, fill, left, impl.backend)
+    return UNPACK(UnpackArgs(values, offsets, width, fill, left), impl.name).padded
 
 
 def reads_offsets(validate: bool, x: torch.Tensor, offsets: torch.Tensor) -> bool:

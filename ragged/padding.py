@@ -27,6 +27,7 @@ import torch
 
 from . import backends
 from .packing import PACK, PackSpec
+from .records.pack import PackArgs
 from .tensor import RaggedTensor, exact_ragged
 from .utils import max_length, offsets_dtype_for, to_device
 
@@ -87,7 +88,7 @@ def pack_rows(x: torch.Tensor, host: Sequence[int], side: str, backend: str | No
     total = host[-1]
     offsets = to_device(host, offsets_dtype_for(total), x.device)
     impl = backends.select_spec("pack", backend, PackSpec(x.device, x.dtype))
-    values = PACK(x, offsets, total, side == "left", impl.backend)
+    values = PACK(PackArgs(x, offsets, total, side == "left"), impl.name).values
     return exact_ragged(values, offsets, host, max_length(host))
 
 

@@ -90,6 +90,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import backends
 from .packing import UNPACK, PackSpec, check_offsets, reads_offsets, unpack_fill
+from .records.pack import UnpackArgs
 from .utils import (
     check_int,
     check_offsets_tensor,
@@ -423,7 +424,7 @@ class RaggedTensor:
                 width,
                 "max_len" if total_length is None else "total_length",
             )
-        return UNPACK(values, offsets, width, fill, left, impl.backend)
+        return UNPACK(UnpackArgs(values, offsets, width, fill, left), impl.name).padded
 
     def unbind(self) -> tuple[torch.Tensor, ...]:
         """Views ``values[offsets[b]:offsets[b+1]]``, one per sequence (host offsets needed)."""

@@ -25,6 +25,7 @@ from ragged.kernels.cuda import fused as cf
 from ragged.kernels.cuda import launch as kc
 from ragged.kernels.cuda import pack as kp
 from ragged.ops.attention import AttentionArgs
+from ragged.records.pack import PackArgs, UnpackArgs
 
 SOURCES = ("attention_short.cu", "fused.cu", "pack.cu")
 HAS_NVCC = shutil.which("nvcc") is not None
@@ -93,8 +94,8 @@ def _ask_every_kernel():
     ):
         for offsets_dtype in (torch.int32, torch.int64):
             offsets = torch.tensor([0, 2, 3], dtype=offsets_dtype)
-            kp.pack(torch.zeros((2, 4, features), dtype=dtype), offsets, 3, False)
-            kp.unpack(torch.zeros((3, features), dtype=dtype), offsets, 4, 0, True)
+            kp.pack(PackArgs(torch.zeros((2, 4, features), dtype=dtype), offsets, 3, False))
+            kp.unpack(UnpackArgs(torch.zeros((3, features), dtype=dtype), offsets, 4, 0, True))
 
 
 def test_every_launcher_kernel_has_a_program_and_every_program_a_launcher(launches):

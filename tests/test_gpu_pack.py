@@ -12,6 +12,7 @@ import torch
 
 import ragged
 from ragged import RaggedTensor, backends
+from ragged.records.pack import PackArgs, UnpackArgs
 
 pytestmark = pytest.mark.gpu
 
@@ -281,9 +282,9 @@ def test_kernel_launchers_take_strided_offsets(backend, left):
     host = _host_offsets(lengths)
     dense = torch.tensor(host, dtype=torch.int64, device="cuda")
     offsets = _strided_cuda(host, torch.int64)
-    values = kernels.pack(x, offsets, host[-1], left)
+    values = kernels.pack(PackArgs(x, offsets, host[-1], left)).values
     assert torch.equal(values, ragged.reference_pack(x, dense, host[-1], left))
-    out = kernels.unpack(values, offsets, width, 1.5, left)
+    out = kernels.unpack(UnpackArgs(values, offsets, width, 1.5, left)).padded
     assert torch.equal(out, ragged.reference_unpack(values, dense, width, 1.5, left))
 
 

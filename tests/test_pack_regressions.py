@@ -23,6 +23,7 @@ from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
 from ragged import RaggedTensor
+from ragged.records.pack import PackArgs, UnpackArgs
 
 BACKENDS = cpu_backends() + ["auto"]
 LENGTH_CASES = [[5, 0, 1, 7], [1], [0], [3, 0, 0, 9, 1], []]
@@ -110,10 +111,30 @@ def test_triton_launchers_take_strided_offsets(left):
     x = torch.randn(len(lengths), width, 3, generator=_gen(8))
     offsets = _strided(_offsets(lengths), torch.int64)
     side = "left" if left else "right"
-    values = kernels.pack(x, offsets, sum(lengths), left)
+    values = kernels.pack(PackArgs(x, offsets, sum(lengths), left)).values
     assert torch.equal(values, _loop_pack(x, lengths, side))
-    out = kernels.unpack(values, offsets, width, 1.5, left)
+    out = kernels.unpack(UnpackArgs(values, offsets, width, 1.5, left)).padded
     assert torch.equal(out, _loop_unpack(values, lengths, width, 1.5, side))
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_the_ops_take_and_return_records(backend):
+    """pack and unpack: one operand record each, an output record, and each other's gradient."""
+    from ragged.packing import PACK, UNPACK
+    from ragged.records.pack import PackOutput, UnpackOutput
+
+    lengths, width = [2, 0, 4], 5
+    x = torch.randn(len(lengths), width, 3, generator=_gen(21), requires_grad=True)
+    offsets = torch.tensor(_offsets(lengths))
+    packed = PACK(PackArgs(padded=x, offsets=offsets, total=6, left=True), backend)
+    assert isinstance(packed, PackOutput)
+    assert torch.equal(packed.values, _loop_pack(x.detach(), lengths, "left"))
+    padded = UNPACK(
+        UnpackArgs(values=packed.values, offsets=offsets, width=width, padding_value=0.0, left=True), backend
+    )
+    assert isinstance(padded, UnpackOutput)
+    (grad,) = torch.autograd.grad(padded.padded.sum(), x)
+    assert torch.equal(grad, _loop_unpack(torch.ones(6, 3), lengths, width, 0.0, "left"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

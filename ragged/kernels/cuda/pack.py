@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...records.pack import PackArgs, PackOutput, UnpackArgs, UnpackOutput
 from ...utils import feature_rows_contiguous, fill_element
 from .launch import Params, launch
 
@@ -48,13 +49,14 @@ def _offsets_suffix(offsets: torch.Tensor) -> str:
     return "i32" if offsets.dtype == torch.int32 else "i64"
 
 
-def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) -> torch.Tensor:
+def pack(args: PackArgs) -> PackOutput:
+    padded, offsets, total, left = args.padded, args.offsets, args.total, args.left
     batch, width = padded.shape[0], padded.shape[1]
     out = torch.empty((total, *padded.shape[2:]), dtype=padded.dtype, device=padded.device)
     es = padded.element_size()
     row_bytes = out[0].numel() * es if total else 0
     if total == 0 or row_bytes == 0:
-        return out
+        return PackOutput(out)
     padded = feature_rows_contiguous(padded, 2, "pack")
     offsets = offsets.contiguous()
     stride_b, stride_m = padded.stride(0) * es, padded.stride(1) * es
@@ -62,7 +64,7 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
     row_vecs = row_bytes // vec
     lanes, rows = _layout(row_vecs)
     kernel = f"ragged_pack_{_VEC_NAMES[vec]}_{_offsets_suffix(offsets)}"
-    args = (
+    params = (
         padded.data_ptr(),
         out.data_ptr(),
         offsets.data_ptr(),
@@ -74,8 +76,8 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
         row_vecs,
         int(left),
     )
-    launch("pack.cu", kernel, padded.device, _grid(total, rows), (lanes, rows), _PACK_PARAMS, args)
-    return out
+    launch("pack.cu", kernel, padded.device, _grid(total, rows), (lanes, rows), _PACK_PARAMS, params)
+    return PackOutput(out)
 
 
 def _fill_words(value, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -87,7 +89,8 @@ def _fill_words(value, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return tuple(w & 0xFFFFFFFF for w in words)
 
 
-def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool) -> torch.Tensor:
+def unpack(args: UnpackArgs) -> UnpackOutput:
+    values, offsets, width, left = args.values, args.offsets, args.width, args.left
     batch = offsets.shape[0] - 1
     out = torch.empty((batch, width, *values.shape[1:]), dtype=values.dtype, device=values.device)
     es = values.element_size()
@@ -96,14 +99,14 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
         row_bytes *= s
     n_rows = batch * width
     if n_rows == 0 or row_bytes == 0:
-        return out
+        return UnpackOutput(out)
     values = feature_rows_contiguous(values, 1, "unpack").contiguous()
     offsets = offsets.contiguous()
     vec = _vec_bytes(row_bytes, values.data_ptr(), out.data_ptr())
     row_vecs = row_bytes // vec
     lanes, rows = _layout(row_vecs)
     kernel = f"ragged_unpack_{_VEC_NAMES[vec]}_{_offsets_suffix(offsets)}"
-    w0, w1, w2, w3 = _fill_words(padding_value, values.dtype)
-    args = (values.data_ptr(), out.data_ptr(), offsets.data_ptr(), n_rows, width, row_vecs, int(left), w0, w1, w2, w3)
-    launch("pack.cu", kernel, values.device, _grid(n_rows, rows), (lanes, rows), _UNPACK_PARAMS, args)
-    return out
+    w0, w1, w2, w3 = _fill_words(args.padding_value, values.dtype)
+    params = (values.data_ptr(), out.data_ptr(), offsets.data_ptr(), n_rows, width, row_vecs, int(left), w0, w1, w2, w3)
+    launch("pack.cu", kernel, values.device, _grid(n_rows, rows), (lanes, rows), _UNPACK_PARAMS, params)
+    return UnpackOutput(out)

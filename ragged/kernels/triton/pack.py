@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...records.pack import PackArgs, PackOutput, UnpackArgs, UnpackOutput
 from ...utils import feature_rows_contiguous, fill_element
 from .launch import cached_launch
 
@@ -178,14 +179,15 @@ def _as_kernel_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
-def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) -> torch.Tensor:
+def pack(args: PackArgs) -> PackOutput:
+    padded, offsets, total, left = args.padded, args.offsets, args.total, args.left
     batch, width = padded.shape[0], padded.shape[1]
     row = 1
     for s in padded.shape[2:]:
         row *= s
     out = torch.empty((total, *padded.shape[2:]), dtype=padded.dtype, device=padded.device)
     if total == 0 or row == 0:
-        return out
+        return PackOutput(out)
     padded = feature_rows_contiguous(padded, 2, "pack")
     offsets = offsets.contiguous()
     src, dst = _as_kernel_dtype(padded), _as_kernel_dtype(out)
@@ -210,10 +212,11 @@ def pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool) ->
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return out
+    return PackOutput(out)
 
 
-def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value: float, left: bool) -> torch.Tensor:
+def unpack(args: UnpackArgs) -> UnpackOutput:
+    values, offsets, width, left = args.values, args.offsets, args.width, args.left
     batch = offsets.shape[0] - 1
     row = 1
     for s in values.shape[1:]:
@@ -221,7 +224,7 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     out = torch.empty((batch, width, *values.shape[1:]), dtype=values.dtype, device=values.device)
     n_rows = batch * width
     if n_rows == 0 or row == 0:
-        return out
+        return UnpackOutput(out)
     if width > 2**31 - 1 - 2 * _TILE_BYTES:
         raise ValueError(
             f"ragged.unpack (triton backend): padded width {width} is too large for its 32-bit row "
@@ -234,7 +237,7 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(row, block_f))
     # From the tensor's own dtype, not the uint8 view of a bool tensor: 0.5 is True in bool
     # but 0 in uint8, and -1.0 is True in bool but no uint8 at all.
-    bits, bits_type = _fill_bits(padding_value, values.dtype)
+    bits, bits_type = _fill_bits(args.padding_value, values.dtype)
     _unpack_kernel[grid](
         src,
         dst,
@@ -249,7 +252,7 @@ def unpack(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_valu
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return out
+    return UnpackOutput(out)
 
 
 _INT_OF_SIZE = {
