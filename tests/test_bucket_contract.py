@@ -29,7 +29,7 @@ in ``BROKEN`` and runs as a strict xfail.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import pytest
@@ -147,8 +147,8 @@ def _real_and_spare(run: Run, got: torch.Tensor, want: torch.Tensor, what: str) 
 def check(
     run: Run,
     call: Callable,
-    inputs: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
-    params: dict[str, torch.Tensor] | None = None,
+    inputs: Mapping[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    params: Mapping[str, torch.Tensor | None] | None = None,
     *,
     spare: str | float = "token",
 ) -> tuple[torch.Tensor, ...]:
@@ -162,7 +162,7 @@ def check(
     layout: ``"token"`` (a per-token op: anything), ``"sequence"`` (zeros from the ``"torch"``
     reference, anything from a kernel) or a number every backend returns there (the result of an
     empty sequence)."""
-    params = {n: p for n, p in (params or {}).items() if p is not None}
+    weights: dict[str, torch.Tensor] = {n: p for n, p in (params or {}).items() if p is not None}
     real, bucket = _batches(run.layout)
     pairs = {n: t if isinstance(t, tuple) else (t, run.grow(t)) for n, t in inputs.items()}
 
@@ -171,7 +171,7 @@ def check(
             Caller(run.backend, explain=True),
             real,
             **{n: a.to(run.dtype) for n, (a, _) in pairs.items()},
-            **{n: p.to(run.dtype) for n, p in params.items()},
+            **{n: p.to(run.dtype) for n, p in weights.items()},
         )
     except _Explained as done:
         if done.why is None:
@@ -185,9 +185,9 @@ def check(
         return {n: t.detach().to(dtype).requires_grad_(t.is_floating_point()) for n, t in tensors.items()}
 
     want_in = leaves({n: a for n, (a, _) in pairs.items()}, torch.float64)
-    want_par = leaves(params, torch.float64)
+    want_par = leaves(weights, torch.float64)
     got_in = leaves({n: b for n, (_, b) in pairs.items()}, run.dtype)
-    got_par = leaves(params, run.dtype)
+    got_par = leaves(weights, run.dtype)
 
     def outputs(result) -> tuple[torch.Tensor, ...]:
         return tuple(result) if isinstance(result, tuple) else (result,)
@@ -202,7 +202,7 @@ def check(
         elif spare == "sequence":
             if run.backend == "torch":
                 assert (rest == 0).all(), f"result {i}: the reference returns zeros at spare rows"
-        elif spare != "token":
+        elif isinstance(spare, float):
             assert (rest == spare).all(), f"result {i}: expected {spare} past the real entries"
 
     # backward, where the op has one: the incoming gradient is NaN (inference) or zero (training)
