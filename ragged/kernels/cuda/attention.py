@@ -53,8 +53,9 @@ _PIPELINED = {
 }
 PIPELINED_HEADS = 4  # 0: always the one-block-per-head kernel
 # ... and only for batches of at least this many (sequence, head) pairs per multiprocessor: a
-# small batch is better off with its heads spread over more blocks (measured on an H200: one
-# block per head is faster at B=8 of 1..16 tokens, H=12; the pipelined kernel at B=256 of 8..32).
+# small batch is better off with its heads spread over more blocks (measured on an H200, see
+# bench/results/attention_*.md: one block per head at a few short sequences, the pipelined
+# kernel at hundreds).
 PIPELINED_MIN_PAIRS_PER_SM = 16
 
 _multiprocessors: dict[int, int] = {}

@@ -52,11 +52,9 @@ def _fwd_config(
       differ little there).
 
     A position bias (``bias``) keeps D=128 causal at the 64-key tile: the bias tile's layout
-    conversions need 360 KB of shared memory at 128x128 over 3 stages (232 KB on an H200). At
-    MPNet's shapes (D=64, 256 sentences of 8..128 tokens, ``tune_attention --bias``,
-    ``bench/results/tune_attention_bias_h200_4aa04c8.txt``, replayed from CUDA graphs) (64, 32,
-    4, 2) took 0.111 ms with the bias, the best of 54 shapes, against 0.069 ms without the bias
-    at its own shape (64, 64, 4, 3).
+    conversions need more shared memory at 128x128 over 3 stages than an H200 has. At MPNet's
+    shapes (D=64, 256 sentences of 8..128 tokens) (64, 32, 4, 2) was the best of the shapes
+    ``tune_attention --bias`` sweeps (``bench/results/tune_attention_bias_h200_4aa04c8.txt``).
     """
     if interpreted:
         return 16, 16, 4, 1
@@ -84,11 +82,10 @@ def _bwd_config(
 
     With a position bias (``bias``) the dQ kernel also rotates each tile's dS (needs BLOCK_M <=
     BLOCK_N) and sends its diagonal sums to their buckets (:mod:`.attention_bias`). At MPNet's
-    shapes (D=64, 256 sentences of 8..128 tokens; ``tune_attention --bias`` replayed from CUDA
-    graphs, ``bench/results/tune_attention_bias_h200_4aa04c8.txt``) dK/dV (32, 64, 4, 2) with
-    dQ (32, 32, 4, 2) took 0.515 ms forward and backward (0.563 with dQ (64, 64, 4, 2)), against
-    0.269 without the bias at its own shapes; above D=64 the dQ query blocks are kept to 32 rows
-    so that the tile fits the registers (sm_90 register counts, not timed).
+    shapes (D=64, 256 sentences of 8..128 tokens) dK/dV (32, 64, 4, 2) with dQ (32, 32, 4, 2)
+    was the fastest pair ``tune_attention --bias`` found
+    (``bench/results/tune_attention_bias_h200_4aa04c8.txt``); above D=64 the dQ query blocks are
+    kept to 32 rows so that the tile fits the registers (sm_90 register counts, not timed).
     """
     if interpreted:
         return (16, 16, 4, 1), (16, 16, 4, 1)
@@ -98,8 +95,7 @@ def _bwd_config(
         return (32, 32, 4, 1), (32, 32, 4, 1)
     kv = (32, 64, 4, 2) if causal else (64, 64, 4, 2)
     # dQ (128, 64, 8, 3) is the D=128 optimum; at D=64 (lengths to 512, non-causal) it measured
-    # 0.51 ms fwd+bwd against 0.29 ms with (64, 64, 4, 2) (bench/results/attention_h200.md and an
-    # earlier run of the same suite), so D <= 64 keeps the smaller shape.
+    # slower than (64, 64, 4, 2) (bench/results/attention_h200.md), so D <= 64 keeps the smaller shape.
     dq = (128, 64, 8, 3) if head_dim > 64 else (64, 64, 4, 2)
     if max(max_q, max_k) <= 64:  # short sequences: blocks no longer than the sequences
         kv = (min(kv[0], max(16, triton.next_power_of_2(max_q))), max(16, min(64, triton.next_power_of_2(max_k))), 4, 2)

@@ -644,12 +644,11 @@ def config(
 ) -> tuple[int, int, int, int, bool, bool]:
     """The shape a call runs with: the fastest of :data:`CONFIGS` on workload (c) of
     ``bench/tune_attention.py --hopper`` (16 sequences of 256..4096 tokens, 16 heads, bf16) on
-    an H200 (``bench/results/tune_attention_hopper_h200_*.txt``). D=128: 128-row tiles over two
-    warpgroups with the pipelined key loop (448 TF/s against 417 of the portable kernel);
-    causal, and D=64: 64-row tiles, one warpgroup, two programs a multiprocessor (385 against
-    348; 354 against 324; causal D=64 304 against 172). ``window`` without ``causal`` at D=128:
-    the 128 x 64 tiles without the pipelined loop, which spills 144 bytes a thread with the
-    window's masks (Triton 3.6's sm_90 compile, ``python -m bench.kernel_resources --chosen``)."""
+    an H200 (``bench/results/tune_attention_hopper_h200_*.txt``, which also holds the portable
+    kernel's rows). D=128: 128-row tiles over two warpgroups with the pipelined key loop;
+    causal, and D=64: 64-row tiles, one warpgroup, two programs a multiprocessor. ``window``
+    without ``causal`` at D=128: the 128 x 64 tiles without the pipelined loop, which spills with
+    the window's masks (Triton 3.6's sm_90 compile, ``python -m bench.kernel_resources --chosen``)."""
     if interpreted:
         return 16, 16, 4, 1, False, False
     if head_dim == 128 and window and not causal:  # the pipelined loop spills with the window's masks
