@@ -67,9 +67,12 @@ a batch:
    dropout) takes its seed from a device tensor while a graph is captured
    (``ragged.ops.attention.dropout_seed`` returns one then): a host int would be frozen into the
    graph, and every replay would draw the same mask.
-7. **Public functions take it.** The checks a public function makes for free (offsets on the
-   CPU, offsets known on the host) take ``offsets[-1] <= T``; ``validate=True`` still checks the
-   data contract above and refuses a bucketed batch.
+7. **The ops take it, the public functions need not.** A bucketed batch is internal to the
+   graph wrapper and the layer core, which call the op definitions directly (``ATTENTION(args,
+   impl)`` and their kind): every implementation keeps rules 1-6. A public function keeps the
+   data contract above, so the checks it makes for free (offsets on the CPU, offsets known on
+   the host) refuse ``offsets[-1] != T`` as they refuse any other wrong offsets: a user's
+   offsets that fall short of the values are an error, not spare rows.
 
 ``tests/test_bucket_contract.py`` runs every registered op on a bucketed batch of both kinds,
 on every backend that runs on the CPU, forward and backward; the cases that break these rules
