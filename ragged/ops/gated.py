@@ -166,7 +166,7 @@ def _unit_cols(t: Tensor) -> Tensor:
 
 
 def _validate_gated_act(fn: str, x: object, activation: object) -> None:
-    check_tensor(fn, "x", x)
+    x = check_tensor(fn, "x", x)
     if x.dim() != 2:
         raise ValueError(f"{fn}(): expected x of shape [T, 2F] (2-D), got shape {tuple(x.shape)}")
     if x.shape[1] % 2:

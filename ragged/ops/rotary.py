@@ -164,7 +164,7 @@ backends.register(
 def _validate(fn: str, x: object, positions: object, inv_freq: object, scaling: object) -> tuple[Tensor, float]:
     """Checks the arguments; returns ``(inv_freq, scaling)`` to use (unit-stride frequencies,
     a Python float)."""
-    check_tensor(fn, "x", x)
+    x = check_tensor(fn, "x", x)
     if x.dim() != 3:
         raise ValueError(f"{fn}(): expected x of shape [T, N, D] (tokens, heads, head dim), got shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
@@ -174,7 +174,7 @@ def _validate(fn: str, x: object, positions: object, inv_freq: object, scaling: 
     total, _, dim = x.shape
     if dim % 2:
         raise ValueError(f"{fn}(): expected x's head dim D (its last dim) to be even, got shape {tuple(x.shape)}")
-    check_tensor(fn, "positions", positions)
+    positions = check_tensor(fn, "positions", positions)
     if positions.dtype not in OFFSET_DTYPES:
         raise TypeError(f"{fn}(): expected positions of dtype torch.int32 or torch.int64, got {positions.dtype}")
     if tuple(positions.shape) != (total,):
