@@ -225,7 +225,7 @@ def _build(job: Job, device: torch.device):
 
             model = rnn.convert(model)
         elif ragged_row:
-            __import__("ragged.hf")  # registers attn_implementation="ragged"
+            __import__("ragged.integrations.transformers")  # registers attn_implementation="ragged"
             model.set_attn_implementation("ragged")
 
     if not ragged_row:

@@ -79,7 +79,7 @@ class TrainerRow:
         from transformers import TrainerCallback, TrainingArguments
 
         import ragged.nn as rnn
-        from ragged.trainer import RaggedTrainer
+        from ragged.integrations.trainer import RaggedTrainer
 
         self.name, self.model, self.device, self.epochs = name, model, device, epochs
         data = [s for b in feats for s in b]

@@ -3,7 +3,7 @@
 
 TRL's padding-free collator puts a batch's sequences end to end in one row and restarts
 ``position_ids`` at each sequence; ragged's attention reads the sequences from those positions
-(see :mod:`ragged.hf`) and attends within each one, so no token is padding and no sequence sees
+(see :mod:`ragged.integrations.transformers`) and attends within each one, so no token is padding and no sequence sees
 another. The model is a tiny Llama from a config (random weights, seconds on a CPU), the data a
 synthetic language (each sequence counts up from a random start, so the loss can fall). The
 script checks, before training, that the padding-free loss of a batch equals the mean of the
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         return 1
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-    import ragged.hf  # noqa: F401  (registers attn_implementation="ragged")
+    import ragged.integrations.transformers  # noqa: F401  (registers attn_implementation="ragged")
 
     vocab = 64
     config = LlamaConfig(

@@ -1,5 +1,5 @@
 """Fine-tuning a converted HuggingFace classifier with ``transformers.Trainer`` on ragged batches:
-``ragged.trainer.RaggedTrainer``.
+``ragged.integrations.trainer.RaggedTrainer``.
 
 Synthetic task: a sequence's label is whether a marker token occurs in it. The trainer cuts the
 training set into batches of at most ``--max-tokens`` real tokens (``TokenBudgetSampler``),
@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, BertConfig, TrainerCallback, TrainingArguments
 
 import ragged.nn
-from ragged.trainer import RaggedTrainer
+from ragged.integrations.trainer import RaggedTrainer
 
 
 def synthetic_dataset(size: int, vocab: int, marker: int, gen: np.random.Generator) -> list[dict]:

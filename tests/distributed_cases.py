@@ -58,7 +58,7 @@ def build(kind: str, device: str):
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        import ragged.hf  # noqa: F401  (attn_implementation="ragged")
+        import ragged.integrations.transformers  # noqa: F401  (attn_implementation="ragged")
 
         config = LlamaConfig(
             vocab_size=97,

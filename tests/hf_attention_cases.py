@@ -15,7 +15,7 @@ import transformers  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 import ragged  # noqa: E402
-import ragged.hf  # noqa: E402,F401  (registers attn_implementation="ragged")
+import ragged.integrations.transformers  # noqa: E402,F401  (registers attn_implementation="ragged")
 
 VOCAB = 97
 LENGTHS = [1, 5, 17, 33]

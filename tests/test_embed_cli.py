@@ -34,7 +34,7 @@ pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as M
 
-from ragged import embed as E
+from ragged.integrations import embed as E
 
 D, MAXLEN = 32, 64
 WORDS = [

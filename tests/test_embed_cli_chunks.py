@@ -26,7 +26,7 @@ from test_embed_cli import (
     make_model,
 )
 
-from ragged import embed as E
+from ragged.integrations import embed as E
 
 TEXTS = [f"{WORDS[i % len(WORDS)]} {WORDS[(5 * i) % len(WORDS)]} {i}" for i in range(700)]
 

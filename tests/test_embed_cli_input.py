@@ -20,7 +20,7 @@ pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer
 from test_embed_cli import CPU, TEXTS, TOL, _final, _run, _write, make_model
 
-from ragged import embed as E
+from ragged.integrations import embed as E
 
 BOM = b"\xef\xbb\xbf"
 

@@ -26,7 +26,7 @@ pytest.importorskip("sentence_transformers")
 
 from sentence_transformers import SentenceTransformer
 
-from ragged import embed as E
+from ragged.integrations import embed as E
 
 TIME = re.compile(
     r"time: imports ([\d.]+) s, input ([\d.]+) s, model ([\d.]+) s, embedding ([\d.]+) s "

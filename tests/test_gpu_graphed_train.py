@@ -258,7 +258,7 @@ def test_ragged_trainer_with_graphs_matches_without(tmp_path):
     pytest.importorskip("accelerate")
     from transformers import TrainingArguments
 
-    from ragged.trainer import RaggedTrainer
+    from ragged.integrations.trainer import RaggedTrainer
 
     gen = torch.Generator().manual_seed(9)
     data = [

@@ -20,8 +20,8 @@ import transformers  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 import ragged  # noqa: E402
-import ragged.hf  # noqa: E402,F401  (registers "ragged")
-from ragged import hf  # noqa: E402
+import ragged.integrations.transformers  # noqa: E402,F401  (registers "ragged")
+from ragged.nn.hf import attention as attn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ FAMILIES = {
 def _models(family: str, dtype: torch.dtype, seed: int = 0):
     """(ragged model in dtype, sdpa model in dtype, sdpa model in float32): the same weights."""
     config_cls, model_cls, extra = FAMILIES[family]
-    if extra.get("sliding_window") and not hf._window_param(ragged.varlen_attention):
+    if extra.get("sliding_window") and not attn._window_param(ragged.varlen_attention):
         pytest.skip("ragged.varlen_attention takes no window_size yet")
     config = config_cls(
         vocab_size=VOCAB,
@@ -151,7 +151,7 @@ def test_flattened_attention_layer_runs_without_host_sync(backend):
     hidden = torch.randn(1, total, 256, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     up = torch.randn(1, total, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
     position_embeddings = model.model.rotary_emb(hidden, batch["position_ids"])
-    flat = {k: batch[k] for k in hf._FLAT_KEYS}
+    flat = {k: batch[k] for k in attn._FLAT_KEYS}
 
     def step():
         with ragged.use_backend(None if backend == "auto" else backend):

@@ -21,7 +21,7 @@ tf = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ragged.nn
-from ragged.trainer import RaggedTrainer
+from ragged.integrations.trainer import RaggedTrainer
 
 
 def _model(family: str, seed: int):

@@ -1,4 +1,4 @@
-"""``import ragged.hf``: attn_implementation="ragged" in transformers models, on the CPU.
+"""``import ragged.integrations.transformers``: attn_implementation="ragged" in transformers models, on the CPU.
 
 Tiny models (2 layers, hidden 64, GQA: 4 query heads over 2 key/value heads) with random weights,
 run with "ragged" and with transformers' own "sdpa" on copies of the same weights, in float32:
@@ -35,8 +35,8 @@ from hf_attention_cases import (
 )
 
 import ragged  # noqa: E402
-import ragged.hf  # noqa: E402
-from ragged import hf  # noqa: E402
+import ragged.integrations.transformers  # noqa: E402,F401  (registers "ragged")
+from ragged.nn.hf import attention as attn  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Flattened batches
@@ -83,8 +83,8 @@ def test_flattened_by_position_ids_only(monkeypatch):
     model, reference = _pair("llama")
     ids = _ids(LENGTHS, seed=3)
     reads = []
-    real = hf._read_starts
-    monkeypatch.setattr(hf, "_read_starts", lambda row: reads.append(row) or real(row))
+    real = attn._read_starts
+    monkeypatch.setattr(attn, "_read_starts", lambda row: reads.append(row) or real(row))
     for start in (0, 2):
         batch = _flat(ids, position_ids_start=start)
         assert "cu_seq_lens_q" not in batch
@@ -103,8 +103,8 @@ def test_flattened_by_position_ids_only(monkeypatch):
 def test_flattened_kwargs_read_nothing_on_the_host(monkeypatch):
     model, _ = _pair("qwen2")
     calls = []
-    monkeypatch.setattr(hf, "read_mask_layout", lambda *a: calls.append("mask"))
-    monkeypatch.setattr(hf, "_read_starts", lambda *a: calls.append("positions"))
+    monkeypatch.setattr(attn, "read_mask_layout", lambda *a: calls.append("mask"))
+    monkeypatch.setattr(attn, "_read_starts", lambda *a: calls.append("positions"))
     batch = _flat(_ids(LENGTHS, seed=4), return_flash_attn_kwargs=True)
     model(**batch, use_cache=False).loss.backward()
     assert calls == []
@@ -144,8 +144,8 @@ def test_padded_batch_equals_sdpa_at_real_positions(family, side, dtype, monkeyp
     poisoned = embeds.masked_fill(~real.unsqueeze(-1), float("nan")).requires_grad_(True)
     clean = embeds.clone().requires_grad_(True)
     reads = []
-    real_read = hf.read_mask_layout
-    monkeypatch.setattr(hf, "read_mask_layout", lambda keep, bad=None: reads.append(1) or real_read(keep, bad))
+    real_read = attn.read_mask_layout
+    monkeypatch.setattr(attn, "read_mask_layout", lambda keep, bad=None: reads.append(1) or real_read(keep, bad))
     got = model(inputs_embeds=poisoned, attention_mask=mask).logits
     assert len(reads) == 1  # one read of the mask per forward, whatever the number of layers
     expected = reference(inputs_embeds=clean, attention_mask=mask).logits
@@ -168,7 +168,7 @@ def test_mask_with_holes_is_gathered_by_index():
     real = mask.bool()
     ragged.utils._warned.discard("hf-scattered-mask")  # a warning given once per process
     with pytest.warns(UserWarning, match="not one contiguous run"):
-        hf.mask_layout(real.clone())
+        attn.mask_layout(real.clone())
     got = model(input_ids=ids, attention_mask=mask).logits
     expected = reference(input_ids=ids, attention_mask=mask).logits
     _close(got[real], expected[real])
@@ -221,7 +221,7 @@ def test_mask_function_hands_over_the_2d_mask_or_none():
     mask = create_causal_mask(model.config, embeds, padded, None)
     assert mask.shape == (2, 6) and mask.dtype == torch.bool
     assert torch.equal(mask, padded.bool())
-    assert hf.mask_layout(mask).host == (0, 6, 10)
+    assert attn.mask_layout(mask).host == (0, 6, 10)
 
 
 # --------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_bert_flattened_equals_per_sequence():
     ids = _ids([1, 4, 19, 8], seed=10)
     batch = _flat(ids, return_flash_attn_kwargs=True)
     got = model(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{k: batch[k] for k in hf._FLAT_KEYS}
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{k: batch[k] for k in attn._FLAT_KEYS}
     ).last_hidden_state[0]
     start = 0
     for x in ids:

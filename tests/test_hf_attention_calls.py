@@ -28,8 +28,8 @@ from hf_attention_cases import (
 )
 
 import ragged  # noqa: E402
-import ragged.hf  # noqa: E402
-from ragged import hf  # noqa: E402
+import ragged.integrations.transformers  # noqa: E402,F401  (registers "ragged")
+from ragged.nn.hf import attention as attn  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # What reaches ragged.varlen_attention
@@ -102,7 +102,7 @@ def test_value_head_dim_narrower_than_query():
     v = torch.randn(2, 2, 9, 8, generator=gen)
     module = torch.nn.Module()
     module.is_causal = True
-    out, weights = hf.attention_forward(module, q, k, v, None, scaling=0.3)
+    out, weights = attn.attention_forward(module, q, k, v, None, scaling=0.3)
     assert weights is None and out.shape == (2, 9, 4, 8)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True, scale=0.3
@@ -121,7 +121,7 @@ def test_direct_call_with_empty_sequences_and_a_padded_mask():
     k = torch.randn(1, 2, total, 16, generator=gen)
     v = torch.randn(1, 2, total, 16, generator=gen)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    out, _ = hf.attention_forward(
+    out, _ = attn.attention_forward(
         module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12
     )
     start = 0
@@ -137,12 +137,12 @@ def test_direct_call_with_empty_sequences_and_a_padded_mask():
             _close(out[:, part], expected.transpose(1, 2).float())
         start += n
     for batch in (0, 2):  # no tokens at all
-        out, _ = hf.attention_forward(module, *(torch.randn(batch, h, 0, 16) for h in (4, 2, 2)), None)
+        out, _ = attn.attention_forward(module, *(torch.randn(batch, h, 0, 16) for h in (4, 2, 2)), None)
         assert out.shape == (batch, 0, 4, 16)
     mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     q, k, v = (torch.randn(3, h, 4, 16, generator=gen) for h in (4, 2, 2))
     nan = ~mask[:, None, :, None]
-    out, _ = hf.attention_forward(
+    out, _ = attn.attention_forward(
         module,
         q.masked_fill(nan, float("nan")),
         k.masked_fill(nan, float("nan")),
@@ -197,7 +197,7 @@ def _windowed_reference(
 def _windowed_kernel(request, monkeypatch):
     if request.param == "reference":
         monkeypatch.setattr(ragged, "varlen_attention", _windowed_reference)
-    elif not hf._window_param(ragged.varlen_attention):
+    elif not attn._window_param(ragged.varlen_attention):
         pytest.skip("ragged.varlen_attention takes no window_size yet")
 
 
@@ -292,8 +292,9 @@ def _qkv(batch=1, length=5):
     ],
 )
 def test_unsupported_features_are_refused(key, value, feature):
-    with pytest.raises(NotImplementedError, match=rf"ragged\.hf\.attention_forward\(\): Module .*{feature}"):
-        hf.attention_forward(_module(), *_qkv(), None, **{key: value})
+    match = rf"ragged\.nn\.hf\.attention\.attention_forward\(\): Module .*{feature}"
+    with pytest.raises(NotImplementedError, match=match):
+        attn.attention_forward(_module(), *_qkv(), None, **{key: value})
 
 
 def test_output_attentions_through_a_model():
@@ -312,7 +313,7 @@ def test_a_4d_mask_is_refused():
 def test_mask_and_flattened_kwargs_together_are_refused():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="either a padding mask or cu_seq_lens_q/k"):
-        hf.attention_forward(
+        attn.attention_forward(
             _module(),
             *_qkv(),
             torch.ones(1, 5, dtype=torch.bool),
@@ -322,13 +323,13 @@ def test_mask_and_flattened_kwargs_together_are_refused():
             max_length_k=3,
         )
     with pytest.raises(ValueError, match="missing max_length_q, max_length_k"):
-        hf.attention_forward(_module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        attn.attention_forward(_module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     with pytest.raises(TypeError, match="expected max_length_q to be an int, got 3.0"):
-        hf.attention_forward(
+        attn.attention_forward(
             _module(), *_qkv(), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3.0, max_length_k=3
         )
     with pytest.raises(ValueError, match=r"expected a padding mask of shape \[1, 5\]"):
-        hf.attention_forward(_module(), *_qkv(), torch.ones(2, 5, dtype=torch.bool))
+        attn.attention_forward(_module(), *_qkv(), torch.ones(2, 5, dtype=torch.bool))
 
 
 def test_overlaid_mask_functions_are_refused():
@@ -344,7 +345,8 @@ def test_overlaid_mask_functions_are_refused():
 
 def test_import_ragged_does_not_import_transformers():
     probe = (
-        "import json, sys; import ragged; mods = ['transformers', 'ragged.hf']; "
+        "import json, sys; import ragged, ragged.nn; "
+        "mods = ['transformers', 'ragged.integrations.transformers', 'ragged.nn.hf.attention']; "
         "print(json.dumps([m for m in mods if m in sys.modules]))"
     )
     out = subprocess.run(
@@ -355,8 +357,17 @@ def test_import_ragged_does_not_import_transformers():
         env={"PATH": "", "PYTHONPATH": ":".join(p for p in sys.path if p)},
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-    assert transformers.AttentionInterface._global_mapping["ragged"] is hf.attention_forward
-    assert transformers.AttentionMaskInterface._global_mapping["ragged"] is hf.padding_mask
+    assert transformers.AttentionInterface._global_mapping["ragged"] is attn.attention_forward
+    assert transformers.AttentionMaskInterface._global_mapping["ragged"] is attn.padding_mask
+
+
+def test_the_integration_has_one_name():
+    """``attn_implementation="ragged"`` is registered by ``ragged.integrations.transformers``; the
+    old name ``ragged.hf``, beside the unrelated model adapters ``ragged.nn.hf``, is gone."""
+    import importlib.util
+
+    assert importlib.util.find_spec("ragged.hf") is None
+    assert importlib.util.find_spec("ragged.integrations.transformers") is not None
 
 
 def test_autocast_takes_q_k_v_in_autocasts_dtype():
@@ -369,7 +380,7 @@ def test_autocast_takes_q_k_v_in_autocasts_dtype():
     q, k = (torch.randn(2, 4, 9, 16, generator=gen) for _ in range(2))
     v = torch.randn(2, 4, 9, 16, generator=gen).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = hf.attention_forward(module, q, k, v, None, is_causal=True)
+        out, _ = attn.attention_forward(module, q, k, v, None, is_causal=True)
     assert out.dtype == torch.bfloat16
     low = [t.to(torch.bfloat16).float() for t in (q, k, v)]
     want = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=True).transpose(1, 2)

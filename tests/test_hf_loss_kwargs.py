@@ -12,7 +12,7 @@ cross-entropy (or MSE / BCE) and ignores them. The converted heads must do the s
 * a direct call with each keyword gives HuggingFace's loss (or its error);
 * ``transformers.Trainer`` with gradient accumulation (SGD) trains the converted model as it
   trains the original (losses, gradient norms and weights), for every head of every family;
-  ``ragged.trainer.RaggedTrainer`` too for the masked-LM heads, eagerly and through graphs
+  ``ragged.integrations.trainer.RaggedTrainer`` too for the masked-LM heads, eagerly and through graphs
   (``ragged.nn.Graphed(capture=False)``, run eagerly on the CPU).
 
 Tiny float64 models (ModernBERT's HuggingFace rotary angles and masked-LM loss are float32,
@@ -41,8 +41,8 @@ from hf_convert_cases import _batch, _labels, _randomise
 from hf_convert_cases import _config as _bert_like_config
 
 from ragged.data import collate
+from ragged.integrations.trainer import RaggedTrainer
 from ragged.nn.hf import FAMILIES
-from ragged.trainer import RaggedTrainer
 
 VOCAB, PAD = 50, 1
 HEADS = {
@@ -380,7 +380,7 @@ def test_ragged_trainer_graphs_divide_by_num_items(tmp_path, sparse):
 def test_graphed_call_runs_a_question_answering_head_eagerly_with_num_items():
     """A head that divides by ``num_items_in_batch`` in a way the graphs' loss cannot be rescaled
     to (question answering: two means) runs eagerly when given it, as HuggingFace computes it."""
-    from ragged.trainer import _GraphedCall
+    from ragged.integrations.trainer import _GraphedCall
 
     ours, hf = _pair("modernbert", "qa", seed=4)
     graphs = ragged.nn.Graphed(ours, 128, 16, capture=False)

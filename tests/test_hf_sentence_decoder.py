@@ -369,7 +369,7 @@ def test_attention_set_by_convert(transformers_, tmp_path):
 
 def test_loaded_with_ragged_attention(folders):
     """A model loaded with attn_implementation="ragged" already: kept as it is."""
-    import ragged.hf  # noqa: F401  (registers the implementation with transformers)
+    import ragged.integrations.transformers  # noqa: F401  (registers the implementation with transformers)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -124,8 +124,8 @@ def test_graphed_refuses_length_buckets_and_batches_past_the_model():
 
 import copy  # noqa: E402
 
-import ragged.hf  # noqa: E402
-from ragged import hf  # noqa: E402
+import ragged.integrations.transformers  # noqa: E402,F401  (registers "ragged")
+from ragged.nn.hf import attention as attn  # noqa: E402
 
 LLAMA_VOCAB = 97
 
@@ -183,7 +183,7 @@ def test_position_ids_written_between_forwards_are_read_again(write):
         got = model(input_ids=ids, position_ids=pos).logits[0]
     torch.testing.assert_close(got, _per_sequence(reference, ids, second), rtol=1e-5, atol=1e-5)
     # the public reader agrees with what the tensor now holds
-    assert hf.positions_layout(pos).host == (0, 9, 20, 21, 29)
+    assert attn.positions_layout(pos).host == (0, 9, 20, 21, 29)
 
 
 def test_position_ids_are_read_once_per_forward_and_not_kept_past_their_tensor(monkeypatch):
@@ -193,8 +193,8 @@ def test_position_ids_are_read_once_per_forward_and_not_kept_past_their_tensor(m
 
     model, reference = _llama_pair()
     assert model.config.num_hidden_layers > 1
-    reads, real = [], hf._read_starts
-    monkeypatch.setattr(hf, "_read_starts", lambda row: reads.append(1) or real(row))
+    reads, real = [], attn._read_starts
+    monkeypatch.setattr(attn, "_read_starts", lambda row: reads.append(1) or real(row))
     lengths = [5, 1, 14, 9]
     ids = torch.randint(0, LLAMA_VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
     pos = _flat_positions(lengths)
@@ -211,10 +211,10 @@ def test_position_ids_are_read_once_per_forward_and_not_kept_past_their_tensor(m
     assert len(reads) == model.config.num_hidden_layers
     torch.testing.assert_close(again, got, rtol=0, atol=0)
     key = id(pos)
-    assert key in hf._FORWARD_LAYOUTS
+    assert key in attn._FORWARD_LAYOUTS
     del pos
     gc.collect()
-    assert key not in hf._FORWARD_LAYOUTS
+    assert key not in attn._FORWARD_LAYOUTS
 
 
 def test_a_mask_written_after_its_layout_was_read_is_read_again():
@@ -222,15 +222,15 @@ def test_a_mask_written_after_its_layout_was_read_is_read_again():
     module = torch.nn.Module()
     module.is_causal = True
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    assert hf.mask_layout(mask).host == (0, 3, 8, 9)
+    assert attn.mask_layout(mask).host == (0, 3, 8, 9)
     mask.data.copy_(torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
-    assert hf.mask_layout(mask).host == (0, 2, 6, 11)
+    assert attn.mask_layout(mask).host == (0, 2, 6, 11)
     # the attention function on a caller's 2-D mask, written between two calls
     q, k, v = (torch.randn(3, h, 5, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
     for rows in ([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0] * 5]):
-        hf.attention_forward(module, q, k, v, mask)
+        attn.attention_forward(module, q, k, v, mask)
         mask.data.copy_(torch.tensor(rows, dtype=torch.bool))
-        out, _ = hf.attention_forward(module, q, k, v, mask)
+        out, _ = attn.attention_forward(module, q, k, v, mask)
         for b in range(3):
             n = int(mask[b].sum())
             if n:
@@ -244,9 +244,9 @@ def test_a_mask_written_after_its_layout_was_read_is_read_again():
             assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
     # the mask the mask function hands the layers keeps the layout of what it holds
     user = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    handed = hf.padding_mask(2, 6, 6, attention_mask=user)
+    handed = attn.padding_mask(2, 6, 6, attention_mask=user)
     user.data.copy_(torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool))
-    layout = hf.mask_layout(handed)
+    layout = attn.mask_layout(handed)
     assert layout.host == tuple([0, *handed.sum(1).cumsum(0).tolist()])
 
 

@@ -1,4 +1,4 @@
-"""ragged.trainer.RaggedTrainer against transformers' Trainer on the unconverted model (padded
+"""ragged.integrations.trainer.RaggedTrainer against transformers' Trainer on the unconverted model (padded
 batches) and against a hand loop, on a tiny float64 BERT with random weights."""
 
 import copy
@@ -20,7 +20,7 @@ from transformers import (
 
 import ragged.nn  # noqa: E402
 from ragged.data import collate  # noqa: E402
-from ragged.trainer import RaggedTrainer  # noqa: E402
+from ragged.integrations.trainer import RaggedTrainer  # noqa: E402
 
 VOCAB = 50
 
@@ -370,7 +370,7 @@ def test_import_ragged_does_not_import_trainer():
 
     code = (
         "import sys, ragged, ragged.data; "
-        "assert 'ragged.trainer' not in sys.modules and 'transformers' not in sys.modules"
+        "assert 'ragged.integrations.trainer' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,4 +1,4 @@
-"""ragged.trainer.RaggedTrainer with an empty training dataset: a ValueError that says so, at
+"""ragged.integrations.trainer.RaggedTrainer with an empty training dataset: a ValueError that says so, at
 construction (where the token-budget batches are planned) and again at ``train()`` for a dataset
 set afterwards, instead of an error about ``args.max_steps`` from deep inside ``Trainer``."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
 import ragged.nn
-from ragged.trainer import RaggedTrainer
+from ragged.integrations.trainer import RaggedTrainer
 
 
 class _Empty(torch.utils.data.Dataset):

@@ -308,7 +308,7 @@ def build_fine_tune(shape: Shape, device: torch.device, dropout: float) -> Workl
 def build_causal_lm(shape: Shape, device: torch.device) -> Workload:
     from transformers import DataCollatorWithFlattening, LlamaForCausalLM
 
-    import ragged.hf  # noqa: F401  (registers attn_implementation="ragged")
+    import ragged.integrations.transformers  # noqa: F401  (registers attn_implementation="ragged")
 
     rng = np.random.default_rng(SEED + 2)
     lengths = case_lengths(shape)

@@ -134,13 +134,13 @@ def graphed_encode_pass(st, texts: list[str], batch: int, longest: int) -> Calla
 
 def embed_file_pass(st, texts: list[str]) -> Callable[[], torch.Tensor]:
     """``python -m ragged.embed``'s work on a loaded converted model, one chunk: the texts read
-    from a JSONL file (checked line by line, :func:`ragged.embed.read_texts`), embedded by the
-    encode pipeline (:func:`ragged.nn.hf.sentence.pipeline.embed`), saved as ``.npy``; returns
-    the saved embeddings read back."""
+    from a JSONL file (checked line by line, :func:`ragged.integrations.embed_io.read_texts`),
+    embedded by the encode pipeline (:func:`ragged.nn.hf.sentence.pipeline.embed`), saved as
+    ``.npy``; returns the saved embeddings read back."""
     import json
     import tempfile
 
-    from ragged.embed import read_texts
+    from ragged.integrations.embed_io import read_texts
     from ragged.nn.hf.sentence.pipeline import embed
 
     folder = tempfile.mkdtemp(prefix="ragged_bench_embed_")

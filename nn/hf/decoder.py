@@ -1,5 +1,5 @@
 """Transformers decoder base models run on packed batches, under ``attn_implementation="ragged"``
-(:mod:`ragged.hf`): what a sentence-transformers ``Transformer`` over a decoder (Qwen3-Embedding,
+(:mod:`ragged.nn.hf.attention`): what a sentence-transformers ``Transformer`` over a decoder (Qwen3-Embedding,
 EmbeddingGemma and the like) runs once converted (:mod:`ragged.nn.hf.sentence`).
 
 Unlike the encoder families of this package, a decoder keeps its own forward: nothing of the model
@@ -52,7 +52,7 @@ __all__ = [
     "why_not",
 ]
 
-NAME = "ragged"  # the attention implementation's name (ragged.hf.NAME; read here without importing transformers)
+NAME = "ragged"  # the attention implementation's name (attention.NAME; read here without importing transformers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +121,9 @@ def uses_ragged_attention(model: nn.Module) -> bool:
 def use_ragged_attention(model: nn.Module) -> str | None:
     """Set ``attn_implementation="ragged"`` on ``model`` (registering it with transformers first);
     returns the implementation it had, for :func:`restore_attention`."""
-    from ragged import hf as ragged_hf  # registers "ragged" with transformers on import
+    from . import attention  # imports transformers
 
-    ragged_hf.register()
+    attention.register()
     before = getattr(model.config, "_attn_implementation", None)
     if before != NAME:
         model.set_attn_implementation(NAME)

@@ -1,10 +1,13 @@
 """ragged as a transformers attention implementation: ``attn_implementation="ragged"``.
 
-``import ragged.hf`` registers :func:`attention_forward` with transformers' ``AttentionInterface``
-and :func:`padding_mask` with its ``AttentionMaskInterface`` under the name ``"ragged"`` (this
-module imports transformers; ``import ragged`` does not import this module)::
+:func:`register` registers :func:`attention_forward` with transformers' ``AttentionInterface``
+and :func:`padding_mask` with its ``AttentionMaskInterface`` under the name ``"ragged"``. Importing
+:mod:`ragged.integrations.transformers` does it, the way in for any transformers model, and so
+does converting a sentence-transformers model over a decoder (:mod:`ragged.nn.hf.decoder` runs it
+under this implementation). This module imports transformers; ``import ragged`` and ``import
+ragged.nn`` do not import it::
 
-    import ragged.hf
+    import ragged.integrations.transformers
     lm = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ragged")
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples)
     lm(**batch).loss.backward()        # padding-free, on ragged.varlen_attention
@@ -78,8 +81,8 @@ from ragged.utils import describe, offsets_dtype_for, to_device, warn_once
 
 NAME = "ragged"
 
-_FN = "ragged.hf.attention_forward"
-_MASK_FN = "ragged.hf.padding_mask"
+_FN = "ragged.nn.hf.attention.attention_forward"
+_MASK_FN = "ragged.nn.hf.attention.padding_mask"
 _FLAT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Keywords whose feature ragged's attention does not compute: refused when a model sets them.
 _REFUSED = {
@@ -507,12 +510,10 @@ def attention_forward(
 
 
 def register() -> None:
-    """Register ``"ragged"`` with transformers' attention and mask interfaces (done on import;
-    calling it again is harmless)."""
+    """Register ``"ragged"`` with transformers' attention and mask interfaces (calling it again is
+    harmless)."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, padding_mask)
 
-
-register()
 
 __all__ = ["NAME", "Layout", "attention_forward", "padding_mask", "mask_layout", "positions_layout", "register"]

@@ -1,11 +1,11 @@
-"""What ``python -m ragged.embed`` (:mod:`ragged.embed`) reports: the progress bar while it
+"""What ``python -m ragged.embed`` (:mod:`ragged.integrations.embed`) reports: the progress bar while it
 embeds, and its last two lines: where the whole run's time went, then the texts embedded, their
 rate while embedding and their rate over the whole run.
 
 The whole run is timed from the start of the process, read from ``/proc/self/stat`` (Linux): the
 interpreter's start and the imports that ``python -m ragged.embed`` does before any line of the
 command runs (``import ragged``, torch) are in it. Where that cannot be read, or when
-:func:`ragged.embed.main` is called from Python, the run starts at the call.
+:func:`ragged.integrations.embed.main` is called from Python, the run starts at the call.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The corpus that ``python -m ragged.embed`` reads (:mod:`ragged.embed`): ``.txt``, ``.jsonl``
+"""The corpus that ``python -m ragged.embed`` reads (:mod:`ragged.integrations.embed`): ``.txt``, ``.jsonl``
 and ``.parquet`` files, checked whole before anything is computed, and what the command refuses.
 
 A ``.txt`` or ``.jsonl`` file is UTF-8 text; a byte-order mark at its start (U+FEFF, which some
@@ -20,7 +20,7 @@ _BOM = "\ufeff"
 
 class EmbedError(ValueError):
     """What the command refuses (arguments, malformed input, chunks of another run); its message
-    names the command and what was expected, and :func:`ragged.embed.main` prints it alone,
+    names the command and what was expected, and :func:`ragged.integrations.embed.main` prints it alone,
     without a traceback."""
 
 

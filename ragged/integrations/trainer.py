@@ -3,7 +3,7 @@
 .. code-block:: python
 
     import ragged.nn
-    from ragged.trainer import RaggedTrainer
+    from ragged.integrations.trainer import RaggedTrainer
 
     model = ragged.nn.convert(AutoModelForSequenceClassification.from_pretrained(path))
     trainer = RaggedTrainer(model, TrainingArguments("out", gradient_accumulation_steps=2),
@@ -61,14 +61,17 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-from .collate import RaggedBatch, collate
-from .data import TokenBudgetSampler
-from .tensor import RaggedTensor
-from .utils import check_int, describe
+import ragged.nn
+from ragged.collate import RaggedBatch, collate
+from ragged.data import TokenBudgetSampler
+from ragged.nn import hf
+from ragged.nn.hf import forward as hf_forward
+from ragged.tensor import RaggedTensor
+from ragged.utils import check_int, describe
 
 __all__ = ["RaggedTrainer"]
 
-_NAME = "ragged.trainer.RaggedTrainer"
+_NAME = "ragged.integrations.trainer.RaggedTrainer"
 
 
 class RaggedTrainer(Trainer):
@@ -246,8 +249,6 @@ class RaggedTrainer(Trainer):
         if graphs is not None:
             if model is self.model:
                 if graphs is True:
-                    import ragged.nn
-
                     graphs = self._graphs = ragged.nn.graphed(
                         model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens
                     )
@@ -284,18 +285,14 @@ class _GraphedCall:
     Every attribute is the model's."""
 
     def __init__(self, graphs, model) -> None:
-        from ragged.nn.hf import forward
-
         self._graphs, self._model = graphs, model
-        self._takes_items = forward.loss_function_head(model) is not None
+        self._takes_items = hf_forward.loss_function_head(model) is not None
 
     def __call__(self, **inputs):
         items = inputs.pop("num_items_in_batch", None)
         if items is None or not self._takes_items:
             return self._graphs(**inputs)
-        from ragged.nn.hf import forward
-
-        count = forward.loss_items(self._model, inputs.get("labels"))
+        count = hf_forward.loss_items(self._model, inputs.get("labels"))
         if count is None:
             return self._model(**inputs, num_items_in_batch=items)
         out = self._graphs(**inputs)
@@ -319,9 +316,6 @@ def _check_graphs(graphs, model):
     """None (no graphs), True (built on first use) or the given Graphed of ``model``."""
     if graphs is False or graphs is None:
         return None
-    import ragged.nn
-    from ragged.nn import hf
-
     if not (hf.is_hf_model(model) and hf.is_converted(model)):
         raise ValueError(
             f"{_NAME}(): graphs= needs a model converted by ragged.nn.convert (its forward takes the "
