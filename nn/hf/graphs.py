@@ -21,6 +21,7 @@ these (:class:`ragged.nn.graphed.GraphHooks`) about a module converted by :func:
 from __future__ import annotations
 
 import inspect
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,7 @@ def outside_loss(fn: str, module, args: tuple, kwargs: dict) -> OutsideLoss | No
         return None
     kw = _bound(module, args, kwargs)
     batch = None if kw is None else next((v for v in kw.values() if isinstance(v, RaggedTensor)), None)
-    if batch is None:
+    if kw is None or batch is None:
         return None  # the graphed call refuses it
     size, cls = batch.batch_size, type(module).__name__
     if ident[1] == "qa":
@@ -181,7 +182,7 @@ class HuggingFaceHooks(GraphHooks):
                 "ragged.nn.graphed(): expected a SentenceTransformer converted by ragged.nn.convert "
                 "(its encode() packs the batches the graphs take), got one that is not converted"
             )
-        forward = module[0].__dict__["forward"]
+        forward = cast(nn.Sequential, module)[0].__dict__["forward"]
         graphs: Graphed = make(sentence.graph_target(module))
         forward.graphed = graphs
         return module
