@@ -40,6 +40,7 @@ from ragged import backends
 from ragged.backends import Implementation
 from ragged.ops.attention import ATTENTION, AttentionArgs, dropout_seed, spec_of
 from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer_norm_spec
+from ragged.records.fused import AddLayerNormArgs, BiasActArgs
 
 from .layer_backward import layer_backward
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
@@ -64,7 +65,7 @@ def _forward(
     p_attn, p1, p_ff, p2 = spec.dropout
     eps1, eps2 = spec.eps
     if spec.norm_first:
-        h1, _, mean1, rstd1 = steps.norm(x, None, w.norm1_w, w.norm1_b, eps1, False)
+        h1, _, mean1, rstd1 = steps.norm(AddLayerNormArgs(x, None, w.norm1_w, w.norm1_b, eps1))
     else:
         h1, mean1, rstd1 = x, None, None
     a, attn = steps.attention(_linear(h1, w.in_w, w.in_b), cu, max_len, spec, causal, p_attn)
@@ -72,9 +73,9 @@ def _forward(
     if p1:
         sa, m1 = steps.dropout(sa, p1)
     if spec.norm_first:
-        h2, x1, mean2, rstd2 = steps.norm(sa, x, w.norm2_w, w.norm2_b, eps2, True)
+        h2, x1, mean2, rstd2 = steps.norm(AddLayerNormArgs(sa, x, w.norm2_w, w.norm2_b, eps2, return_sum=True))
     else:
-        x1, _, mean2, rstd2 = steps.norm(sa, x, w.norm1_w, w.norm1_b, eps1, False)
+        x1, _, mean2, rstd2 = steps.norm(AddLayerNormArgs(sa, x, w.norm1_w, w.norm1_b, eps1))
         h2 = x1
     g, hid = steps.ff_in(h2, w.ff1_w, w.ff1_b, spec.activation)
     m2 = m3 = None
@@ -86,7 +87,7 @@ def _forward(
     if spec.norm_first:
         y, mean3, rstd3 = steps.residual(x1, f), None, None
     else:
-        y, _, mean3, rstd3 = steps.norm(f, x1, w.norm2_w, w.norm2_b, eps2, False)
+        y, _, mean3, rstd3 = steps.norm(AddLayerNormArgs(f, x1, w.norm2_w, w.norm2_b, eps2))
     if saved is not None:
         saved += (x, cu, h1, mean1, rstd1, *attn, a, sa, m1, x1, h2, mean2, rstd2, hid, g, m2, f, m3, mean3, rstd3)
     return y
@@ -131,8 +132,9 @@ class Saved:
         self._bias_act = kernels.bias_act.forward_fn
         self.seed = 0
 
-    def norm(self, x, residual, weight, bias, eps, return_sum):
-        return self._norm(x, residual, weight, bias, eps, return_sum)
+    def norm(self, args: AddLayerNormArgs):
+        """``(y, s, mean, rstd)`` of the LayerNorm of ``args`` (``s``: the sum, where returned)."""
+        return self._norm(args)
 
     def attention(self, qkv, cu, max_len, spec, causal, p):
         n_tok = qkv.shape[0]
@@ -159,7 +161,7 @@ class Saved:
 
     def ff_in(self, h, w1, b1, act):
         hid = _linear(h, w1, None)
-        return self._bias_act(hid, b1, act), hid
+        return self._bias_act(BiasActArgs(hid, b1, act)).out, hid
 
     @staticmethod
     def dropout(x, p):
@@ -179,23 +181,24 @@ class Direct(Saved):
         self._lean_norm = kernels.add_layer_norm.extra("inference")
         self._lean_params: dict[tuple[int, int], bool] = {}  # per (weight, bias) of this forward
 
-    def norm(self, x, residual, weight, bias, eps, return_sum):
+    def norm(self, args: AddLayerNormArgs):
         # The layer's activations are contiguous and of the weights' dtype (run_layer and
         # run_stack check it): per call only their addresses are left to check; the parameters
         # once per forward.
         lean = self._lean_norm
         if lean is not None:
+            weight, bias, residual = args.weight, args.bias, args.residual
             key = (id(weight), id(bias))
             params_ok = self._lean_params.get(key)
             if params_ok is None:
                 params_ok = self._lean_params[key] = all(
                     t is None or (t.dim() == 1 and t.stride(0) == 1 and not t.data_ptr() & 15) for t in (weight, bias)
                 )
-            if params_ok and not (x.data_ptr() | (0 if residual is None else residual.data_ptr())) & 15:
-                y, s = lean(x, residual, weight, bias, eps, return_sum)
+            if params_ok and not (args.x.data_ptr() | (0 if residual is None else residual.data_ptr())) & 15:
+                y, s = lean(args)
                 return y, s, None, None
-        y, s = self._norm(x, residual, weight, bias, eps, return_sum)[:2]
-        return y, (s if return_sum else None), None, None
+        out = self._norm(args)
+        return out.out, (out.sum if args.return_sum else None), None, None
 
     def attention(self, qkv, cu, max_len, spec, causal, p):
         bias = spec.position_bias
@@ -225,26 +228,28 @@ class Direct(Saved):
 
 
 class Recorded:
-    """Every step an op autograd records: ``fused`` names the backend of the fused per-token
-    ops (None: torch's own LayerNorm, activation and dropout), ``attention`` the attention's."""
+    """Every step an op autograd records: ``fused`` names the implementation of the fused
+    per-token ops (None: torch's own LayerNorm, activation and dropout), ``attention`` and
+    ``bias_act`` those of the attention and of the bias + activation (None: torch's)."""
 
     def __init__(self, fused: str | None, attention: str, bias_act: str | None) -> None:
         self.fused = fused
-        self.attention_backend = attention
-        self.bias_act_backend = bias_act
+        self.attention_impl = attention
+        self.bias_act_impl = bias_act
 
-    def norm(self, x, residual, weight, bias, eps, return_sum):
+    def norm(self, args: AddLayerNormArgs):
         if self.fused is not None:
             # this path also runs weights the stack's choice was not made for (LayerNorm
-            # parameters of another dtype, say): the backend is confirmed for these operands
-            spec = add_layer_norm_spec(x, residual, weight, bias)
-            backend = self.fused
-            if backends.implementation("add_layer_norm", backend).reasons(spec):
-                backend = backends.select_spec("add_layer_norm", "auto", spec).backend
-            y, s = ADD_LAYER_NORM(x, residual, weight, bias, eps, return_sum, backend)[:2]
-            return y, (s if return_sum else None), None, None
+            # parameters of another dtype, say): the implementation is confirmed for these operands
+            spec = add_layer_norm_spec(args.x, args.residual, args.weight, args.bias)
+            impl = self.fused
+            if backends.implementation("add_layer_norm", impl).reasons(spec):
+                impl = backends.select_spec("add_layer_norm", "auto", spec).name
+            out = ADD_LAYER_NORM(args, impl)
+            return out.out, (out.sum if args.return_sum else None), None, None
+        x, residual = args.x, args.residual
         s = x if residual is None else x + residual
-        return F.layer_norm(s, (s.shape[-1],), weight, bias, eps), s, None, None
+        return F.layer_norm(s, (s.shape[-1],), args.weight, args.bias, args.eps), s, None, None
 
     def attention(self, qkv, cu, max_len, spec, causal, p):
         n_tok = qkv.shape[0]
@@ -266,12 +271,12 @@ class Recorded:
                 bias_table=table,
                 bias_buckets=buckets,
             )
-            o = ATTENTION(args, self.attention_backend).out
+            o = ATTENTION(args, self.attention_impl).out
         return o.reshape(n_tok, spec.d_model), ()
 
     def ff_in(self, h, w1, b1, act):
-        if self.bias_act_backend is not None:
-            return BIAS_ACT(_linear(h, w1), b1, act, self.bias_act_backend), None
+        if self.bias_act_impl is not None:
+            return BIAS_ACT(BiasActArgs(_linear(h, w1), b1, act), self.bias_act_impl).out, None
         return (ACTIVATION_FNS[act] if isinstance(act, str) else act)(_linear(h, w1, b1)), None
 
     @staticmethod
@@ -398,7 +403,7 @@ def fused_backend(x: torch.Tensor) -> str | None:
     if x.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
         return None
     impl = backends.select("add_layer_norm", None, x.device, x, None, None, None)
-    return impl.backend if impl.backend != "torch" else None
+    return impl.name if impl.backend != "torch" else None
 
 
 def weights_match_input(spec: LayerSpec, x: torch.Tensor, plain_only: bool) -> tuple[bool, bool]:
@@ -514,7 +519,7 @@ def run_layer(
     attention = attention_for(spec, x, cu, max_len, causal, needs_grad).name
     bias_act = None
     if fused is not None and spec.fused_activation:
-        bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).backend
+        bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).name
     return _forward(spec, x, cu, max_len, causal, Recorded(fused, attention, bias_act))
 
 

@@ -16,7 +16,9 @@ Every gradient of the layer in one pass over what the forward saved:
   implementation takes ``grads=``), so the input projection's gradient needs no stacking copy.
 
 Implementations without those extras run their plain backward and torch's dropout backward
-and sums: the same gradients, in more launches.
+and sums: the same gradients, in more launches. Every backward is called with its op's
+records (:mod:`ragged.records`: the operands, the backward's inputs), and an extra's own
+arguments (the dropout mask and rate, the shared buffer's columns) by keyword.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from typing import NamedTuple
 import torch
 
 from ragged.ops.attention import AttentionArgs, AttentionBackwardInputs, AttentionGrads
+from ragged.records.fused import (
+    AddLayerNormArgs,
+    AddLayerNormBackwardInputs,
+    AddLayerNormDropoutGrads,
+    BiasActArgs,
+    BiasActBackwardInputs,
+    BiasActGrads,
+)
 
 from .layer_spec import LayerKernels, LayerSpec, LayerWeights
 
@@ -94,34 +104,47 @@ class _Steps:
             self.sums = Sums(widths, ln.extra("partial_groups")(x.device), x.device)
 
     def ln_dropout_backward(
-        self, dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, linear_bias, need_linear_bias
-    ):
-        """Backward of ``LN(dropout(z) + ...)``: ``(ds_total, dz, dweight, dbias, dlinear_bias)`` with
-        ``dlinear_bias`` the sum of ``dz`` over the tokens (the bias of the Linear that made ``z``);
-        with :class:`Sums`, the three column sums stay in its buffer and come back as None."""
+        self,
+        args: AddLayerNormArgs,
+        inputs: AddLayerNormBackwardInputs,
+        *,
+        mask: torch.Tensor | None,
+        p: float,
+        linear_bias: torch.Tensor | None,
+        need_linear_bias: bool,
+    ) -> AddLayerNormDropoutGrads:
+        """Backward of ``LN(dropout(z) + residual)`` (``args.x = dropout(z)``): the gradients of
+        the sum's summands, of ``z`` and of the parameters, and ``z_sum``, ``z``'s gradient
+        summed over the tokens (the bias of the Linear that made ``z``); with :class:`Sums`,
+        the three column sums stay in its buffer and come back as None."""
         colsum = linear_bias.dtype if need_linear_bias and linear_bias is not None else None
         if self.sums is not None:
-            col = self.sums.take(need_weight and weight is not None, need_bias and bias is not None, colsum is not None)
-            return self.ln_dropout(
-                dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum, self.sums.part, col
+            col = self.sums.take(
+                inputs.need_weight and args.weight is not None,
+                inputs.need_bias and args.bias is not None,
+                colsum is not None,
             )
+            return self.ln_dropout(args, inputs, mask=mask, p=p, colsum_dtype=colsum, part=self.sums.part, part_col=col)
         if self.ln_dropout is not None:
-            return self.ln_dropout(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum)
-        dsum, dweight, dbias = self.ln(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
-        dz = _dropout_backward(dsum, mask, p)
-        return dsum, dz, dweight, dbias, _bias_grad(dz, linear_bias, colsum is not None)
+            return self.ln_dropout(args, inputs, mask=mask, p=p, colsum_dtype=colsum)
+        grads = self.ln(args, inputs)
+        dz = _dropout_backward(grads.x, mask, p)
+        return AddLayerNormDropoutGrads(
+            grads.x, dz, grads.weight, grads.bias, _bias_grad(dz, linear_bias, colsum is not None)
+        )
 
-    def act_dropout_backward(self, g, mask, p, hid, b1, act, need_b1):
-        """Backward of ``dropout(act(hid + b1))`` for the gradient ``g`` of its output: ``(dhid, db1)``."""
+    def act_dropout_backward(
+        self, args: BiasActArgs, g: torch.Tensor, *, mask: torch.Tensor | None, p: float, need_bias: bool
+    ) -> BiasActGrads:
+        """Backward of ``dropout(act(x + bias))`` for the gradient ``g`` of its output."""
         if self.sums is not None:
-            if need_b1 and b1 is not None:
-                return self.ba_dropout(
-                    g, hid, b1, act, True, mask=mask, p=p, part=self.sums.part, part_col=self.sums.take(True)
-                )
-            return self.ba_dropout(g, hid, b1, act, False, mask=mask, p=p)
+            if need_bias and args.bias is not None:
+                inputs = BiasActBackwardInputs(g, need_bias=True)
+                return self.ba_dropout(args, inputs, mask=mask, p=p, part=self.sums.part, part_col=self.sums.take(True))
+            return self.ba_dropout(args, BiasActBackwardInputs(g, need_bias=False), mask=mask, p=p)
         if self.ba_dropout is not None and mask is not None:
-            return self.ba_dropout(g, hid, b1, act, need_b1, mask=mask, p=p)
-        return self.ba(_dropout_backward(g, mask, p), hid, b1, act, need_b1)
+            return self.ba_dropout(args, BiasActBackwardInputs(g, need_bias), mask=mask, p=p)
+        return self.ba(args, BiasActBackwardInputs(_dropout_backward(g, mask, p), need_bias))
 
 
 def layer_backward(
@@ -141,6 +164,7 @@ def layer_backward(
     gradient is wanted."""
     norm_first = spec.norm_first
     p_attn, p1, p_ff, p2 = spec.dropout
+    eps1, eps2 = spec.eps
     heads, head_dim = spec.heads, spec.head_dim
     x, cu = s["x"], s["cu"]
     dy = dy.contiguous()
@@ -168,65 +192,48 @@ def layer_backward(
         df = _dropout_backward(dy, s["m3"], p2)
         db2 = _bias_grad(df, w.ff2_b, need.ff2_b)
     else:
-        d_res, df, dn2w, dn2b, db2 = steps.ln_dropout_backward(
-            dy,
-            None,
-            f,
-            x1,
-            w.norm2_w,
-            w.norm2_b,
-            s["mean3"],
-            s["rstd3"],
-            need.norm2_w,
-            need.norm2_b,
-            s["m3"],
-            p2,
-            w.ff2_b,
-            need.ff2_b,
+        n2 = steps.ln_dropout_backward(
+            AddLayerNormArgs(f, x1, w.norm2_w, w.norm2_b, eps2),
+            AddLayerNormBackwardInputs(dy, None, s["mean3"], s["rstd3"], need.norm2_w, need.norm2_b),
+            mask=s["m3"],
+            p=p2,
+            linear_bias=w.ff2_b,
+            need_linear_bias=need.ff2_b,
         )
+        d_res, df, dn2w, dn2b, db2 = n2.x, n2.z, n2.weight, n2.bias, n2.z_sum
     dw2 = torch.mm(df.t(), g) if need.ff2_w else None
-    dhid, db1 = steps.act_dropout_backward(
-        torch.mm(df, w.ff2_w), s["m2"], p_ff, hid, w.ff1_b, spec.activation, need.ff1_b
+    act = steps.act_dropout_backward(
+        BiasActArgs(hid, w.ff1_b, spec.activation), torch.mm(df, w.ff2_w), mask=s["m2"], p=p_ff, need_bias=need.ff1_b
     )
+    dhid, db1 = act.x, act.bias
     dw1 = torch.mm(dhid.t(), h2) if need.ff1_w else None
     # attention block; ds: the gradient of both summands of s = drop1(sa) + x, dsa: of the
     # output projection (through drop1)
     if norm_first:
-        # h2 = LN2(s), x1 = s: the LayerNorm backward adds the returned sum's gradient
-        ds, dsa, dn2w, dn2b, db_out = steps.ln_dropout_backward(
-            torch.mm(dhid, w.ff1_w),
-            d_res,
-            x1,
-            None,
-            w.norm2_w,
-            w.norm2_b,
-            s["mean2"],
-            s["rstd2"],
-            need.norm2_w,
-            need.norm2_b,
-            s["m1"],
-            p1,
-            w.out_b,
-            need.out_b,
+        # h2 = LN2(s), x1 = s: the LayerNorm backward adds the returned sum's gradient (the sum
+        # kept, it stands as x with no residual)
+        n2 = steps.ln_dropout_backward(
+            AddLayerNormArgs(x1, None, w.norm2_w, w.norm2_b, eps2),
+            AddLayerNormBackwardInputs(
+                torch.mm(dhid, w.ff1_w), d_res, s["mean2"], s["rstd2"], need.norm2_w, need.norm2_b
+            ),
+            mask=s["m1"],
+            p=p1,
+            linear_bias=w.out_b,
+            need_linear_bias=need.out_b,
         )
+        ds, dsa, dn2w, dn2b, db_out = n2.x, n2.z, n2.weight, n2.bias, n2.z_sum
     else:
         dx1 = torch.addmm(d_res, dhid, w.ff1_w)
-        ds, dsa, dn1w, dn1b, db_out = steps.ln_dropout_backward(
-            dx1,
-            None,
-            s["sa"],
-            x,
-            w.norm1_w,
-            w.norm1_b,
-            s["mean2"],
-            s["rstd2"],
-            need.norm1_w,
-            need.norm1_b,
-            s["m1"],
-            p1,
-            w.out_b,
-            need.out_b,
+        n1 = steps.ln_dropout_backward(
+            AddLayerNormArgs(s["sa"], x, w.norm1_w, w.norm1_b, eps1),
+            AddLayerNormBackwardInputs(dx1, None, s["mean2"], s["rstd2"], need.norm1_w, need.norm1_b),
+            mask=s["m1"],
+            p=p1,
+            linear_bias=w.out_b,
+            need_linear_bias=need.out_b,
         )
+        ds, dsa, dn1w, dn1b, db_out = n1.x, n1.z, n1.weight, n1.bias, n1.z_sum
     dw_out = torch.mm(dsa.t(), s["a"]) if need.out_w else None
     q, k, v = s["q"], s["k"], s["v"]
     da = torch.mm(dsa, w.out_w).view(n_tok, heads, head_dim)
@@ -258,28 +265,17 @@ def layer_backward(
     dx = None
     if need_x or (norm_first and any(want_n1)):
         if norm_first:
-            dh1 = torch.mm(dqkv, w.in_w)
+            n1_args = AddLayerNormArgs(x, None, w.norm1_w, w.norm1_b, eps1)
+            n1_inputs = AddLayerNormBackwardInputs(
+                torch.mm(dqkv, w.in_w), None, s["mean1"], s["rstd1"], need.norm1_w, need.norm1_b
+            )
             if steps.sums is not None:
                 dx_ln = steps.ln_dropout_backward(
-                    dh1,
-                    None,
-                    x,
-                    None,
-                    w.norm1_w,
-                    w.norm1_b,
-                    s["mean1"],
-                    s["rstd1"],
-                    need.norm1_w,
-                    need.norm1_b,
-                    None,
-                    0.0,
-                    None,
-                    False,
-                )[0]
+                    n1_args, n1_inputs, mask=None, p=0.0, linear_bias=None, need_linear_bias=False
+                ).x
             else:
-                dx_ln, dn1w, dn1b = steps.ln(
-                    dh1, None, x, None, w.norm1_w, w.norm1_b, s["mean1"], s["rstd1"], need.norm1_w, need.norm1_b
-                )
+                n1 = steps.ln(n1_args, n1_inputs)
+                dx_ln, dn1w, dn1b = n1.x, n1.weight, n1.bias
             dx = ds + dx_ln if need_x else None
         else:
             dx = torch.addmm(ds, dqkv, w.in_w)

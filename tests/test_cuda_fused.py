@@ -18,6 +18,7 @@ from ragged import backends
 from ragged.kernels.cuda import fused as cf
 from ragged.kernels.cuda import launch as kc
 from ragged.ops import fused as ops_fused
+from ragged.records.fused import AddLayerNormArgs, BiasActArgs
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 VEC = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 4}
@@ -326,7 +327,7 @@ def test_layer_norm_arguments(recorder, return_sum, stats):
     x = buf[:, :768]  # strided rows
     r = torch.zeros(7, 768, dtype=torch.bfloat16)
     w = torch.zeros(768, dtype=torch.bfloat16)
-    y, s, mean, rstd = cf.add_layer_norm_forward(x, r, w, None, 1e-5, return_sum, stats=stats)
+    y, s, mean, rstd = cf.add_layer_norm_forward(AddLayerNormArgs(x, r, w, None, 1e-5, return_sum), stats=stats)
     assert y.shape == (7, 768) and y.dtype == torch.bfloat16 and y.is_contiguous()
     assert s.shape == ((7, 768) if return_sum else (0,)) and s.dtype == torch.bfloat16
     assert mean.shape == rstd.shape == ((7,) if stats else (0,)) and mean.dtype == rstd.dtype == torch.float32
@@ -345,7 +346,7 @@ def test_layer_norm_arguments(recorder, return_sum, stats):
 def test_layer_norm_inference_arguments(recorder, return_sum):
     x, r = torch.zeros(5, 768, dtype=torch.bfloat16), torch.zeros(5, 768, dtype=torch.bfloat16)
     w, b = torch.zeros(768, dtype=torch.bfloat16), torch.zeros(768, dtype=torch.bfloat16)
-    y, s = cf.add_layer_norm_inference(x, r, w, b, 1e-6, return_sum)
+    y, s = cf.add_layer_norm_inference(AddLayerNormArgs(x, r, w, b, 1e-6, return_sum))
     assert y.shape == (5, 768) and y.dtype == torch.bfloat16 and y.is_contiguous()
     assert (s is not None) == return_sum and (s is None or (s.shape == (5, 768) and s.is_contiguous()))
     (call,) = recorder.calls
@@ -355,17 +356,17 @@ def test_layer_norm_inference_arguments(recorder, return_sum):
     assert ps == (s.data_ptr() if return_sum else 0) and (pmean, prstd) == (0, 0)
     assert (n_rows, n_cols, stride_x, stride_r) == (5, 768, 768, 768) and eps == pytest.approx(1e-6)
     recorder.calls.clear()
-    cf.add_layer_norm_inference(x, None, None, None, 1e-5, False)
+    cf.add_layer_norm_inference(AddLayerNormArgs(x, None, None, None, 1e-5))
     assert recorder.calls[0]["args"][1:4] == [0, 0, 0]
 
 
 def test_layer_norm_empty_and_misaligned(recorder):
-    y, s, mean, rstd = cf.add_layer_norm_forward(torch.zeros(0, 768), None, None, None, 1e-5, True)
+    y, s, mean, rstd = cf.add_layer_norm_forward(AddLayerNormArgs(torch.zeros(0, 768), None, None, None, 1e-5, True))
     assert y.shape == s.shape == (0, 768) and mean.shape == rstd.shape == (0,) and not recorder.calls
     # Only reachable when the reasons could not look at the pointers (torch.compile): the
     # kernel reads an aligned copy.
     x = torch.zeros(4, 1024, dtype=torch.float16)[:, 4:772]
-    cf.add_layer_norm_forward(x, None, None, None, 1e-5, False)
+    cf.add_layer_norm_forward(AddLayerNormArgs(x, None, None, None, 1e-5))
     (call,) = recorder.calls
     px, *_, n_rows, n_cols, stride_x, _, _ = call["args"]
     assert px % 16 == 0 and px != x.data_ptr() and (n_rows, n_cols, stride_x) == (4, 768, 768)
@@ -376,7 +377,7 @@ def test_layer_norm_empty_and_misaligned(recorder):
 def test_bias_act_arguments(recorder, dtype, activation):
     x = torch.zeros(3, 768, dtype=dtype)
     b = torch.zeros(768, dtype=dtype)
-    y = cf.bias_act_forward(x, b, activation)
+    y = cf.bias_act_forward(BiasActArgs(x, b, activation)).out
     assert y.shape == (3, 768) and y.dtype == dtype
     (call,) = recorder.calls
     vec = VEC[dtype]
@@ -384,7 +385,7 @@ def test_bias_act_arguments(recorder, dtype, activation):
     assert call["args"] == [x.data_ptr(), b.data_ptr(), y.data_ptr(), 3 * 768 // vec, 768 // vec]
     assert call["grid"] == 1 and call["block"] == (cf.BA_THREADS, 1)
     recorder.calls.clear()
-    cf.bias_act_forward(x, None, activation)
+    cf.bias_act_forward(BiasActArgs(x, None, activation))
     assert recorder.calls[0]["args"][1] == 0
 
 
@@ -411,17 +412,17 @@ def test_launchers_copy_layouts_they_cannot_read(recorder, monkeypatch, layout):
     else:
         w, b = torch.tensor([1.5]).expand(768), torch.tensor([0.25]).expand(768)
     assert w.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-    cf.add_layer_norm_forward(x, x, w, b, 1e-5, False)
+    cf.add_layer_norm_forward(AddLayerNormArgs(x, x, w, b, 1e-5))
     px, pr, pw, pb = recorder.calls[-1]["args"][:4]
     assert px == pr == x.data_ptr() and copies[pw] is w and copies[pb] is b
-    cf.bias_act_forward(x, b, "none")
+    cf.bias_act_forward(BiasActArgs(x, b, "none"))
     px, pb = recorder.calls[-1]["args"][:2]
     assert px == x.data_ptr() and copies[pb] is b
     xt = torch.randn(768, 3, generator=gen).t()  # features not contiguous
-    cf.add_layer_norm_forward(xt, None, None, None, 1e-5, False)
+    cf.add_layer_norm_forward(AddLayerNormArgs(xt, None, None, None, 1e-5))
     args = recorder.calls[-1]["args"]
     assert copies[args[0]] is xt and args[10] == 768  # stride_x of the copy
-    cf.bias_act_forward(xt, None, "relu")
+    cf.bias_act_forward(BiasActArgs(xt, None, "relu"))
     assert recorder.calls[-1]["args"][0] not in (xt.data_ptr(), 0)
     assert len(recorder.calls) == 4
 

@@ -25,6 +25,7 @@ from ragged.kernels.cuda import fused as cf
 from ragged.kernels.cuda import launch as kc
 from ragged.kernels.cuda import pack as kp
 from ragged.ops.attention import AttentionArgs
+from ragged.records.fused import AddLayerNormArgs, BiasActArgs
 from ragged.records.pack import PackArgs, UnpackArgs
 
 SOURCES = ("attention_short.cu", "fused.cu", "pack.cu")
@@ -80,10 +81,12 @@ def _ask_every_kernel():
         for iters in cf.LN_ITERS:
             for n_cols in (32 * vec * iters - vec, 32 * vec * iters):
                 x = torch.empty((3, n_cols), dtype=dtype)
-                cf.add_layer_norm_forward(x, x, x[0], x[0], 1e-5, True)
-                cf.add_layer_norm_inference(x, None, None, None, 1e-5, False)
+                cf.add_layer_norm_forward(AddLayerNormArgs(x, x, x[0], x[0], 1e-5, True))
+                cf.add_layer_norm_inference(AddLayerNormArgs(x, None, None, None, 1e-5))
         for activation in cf.ACTIVATION_NAMES:
-            cf.bias_act_forward(torch.empty((3, 32), dtype=dtype), torch.empty(32, dtype=dtype), activation)
+            cf.bias_act_forward(
+                BiasActArgs(torch.empty((3, 32), dtype=dtype), torch.empty(32, dtype=dtype), activation)
+            )
     # (dtype, features) whose rows are 16, 8, 4, 2 and 1 bytes
     for dtype, features in (
         (torch.float32, 4),

@@ -15,6 +15,17 @@ import torch.nn.functional as F
 from conftest import TRITON_ON_CPU, cpu_backends
 
 import ragged
+from ragged.ops.fused import ADD_LAYER_NORM, BIAS_ACT, reference_add_layer_norm_backward, reference_bias_act_backward
+from ragged.records.fused import (
+    AddLayerNormArgs,
+    AddLayerNormBackwardInputs,
+    AddLayerNormGrads,
+    AddLayerNormOutput,
+    BiasActArgs,
+    BiasActBackwardInputs,
+    BiasActGrads,
+    BiasActOutput,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
@@ -400,12 +411,50 @@ def test_opcheck():
     torch.library.opcheck(ops.add_layer_norm.default, (x, None, None, b, 1e-5, False, "torch"))
     # The backward ops are not differentiable themselves: plain tensors.
     g, x, w, b = torch.randn(4, 6), x.detach(), w.detach(), b.detach()
-    torch.library.opcheck(ops.bias_act_backward.default, (g, x, b, "gelu", True, "torch"))
-    _, _, mean, rstd = ops.add_layer_norm(x, None, w, b, 1e-5, False, "torch")
-    torch.library.opcheck(ops.add_layer_norm_backward.default, (g, g, x, None, w, b, mean, rstd, True, False, "torch"))
+    # a backward op takes the operands, then the backward's inputs
     torch.library.opcheck(
-        ops.add_layer_norm_backward.default, (g, None, x, r.detach(), None, None, mean, rstd, False, False, "torch")
+        ops.bias_act_backward.default, (*BiasActArgs(x, b, "gelu"), *BiasActBackwardInputs(g), "torch")
     )
+    _, _, mean, rstd = ops.add_layer_norm(x, None, w, b, 1e-5, False, "torch")
+    torch.library.opcheck(
+        ops.add_layer_norm_backward.default,
+        (*AddLayerNormArgs(x, None, w, b, 1e-5), *AddLayerNormBackwardInputs(g, g, mean, rstd, True, False), "torch"),
+    )
+    torch.library.opcheck(
+        ops.add_layer_norm_backward.default,
+        (
+            *AddLayerNormArgs(x, r.detach(), None, None, 1e-5),
+            *AddLayerNormBackwardInputs(g, None, mean, rstd, False, False),
+            "torch",
+        ),
+    )
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_the_ops_take_and_return_records(backend):
+    gen = torch.Generator().manual_seed(11)
+    x, r, g = (torch.randn(5, 8, generator=gen) for _ in range(3))
+    w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    ba = BiasActArgs(x=x, bias=b, activation="gelu")
+    out = BIAS_ACT(ba, backend)
+    assert isinstance(out, BiasActOutput)
+    torch.testing.assert_close(out.out, ragged.reference_bias_act(x, b, "gelu"))
+    grads = BIAS_ACT.call_backward(ba, BiasActBackwardInputs(grad_out=g, need_bias=False), backend)
+    assert isinstance(grads, BiasActGrads) and grads.bias is None
+    torch.testing.assert_close(grads.x, reference_bias_act_backward(g, x, b, "gelu")[0])
+    ln = AddLayerNormArgs(x=x, residual=r, weight=w, bias=b, eps=1e-5, return_sum=True)
+    out = ADD_LAYER_NORM(ln, backend)
+    assert isinstance(out, AddLayerNormOutput)
+    y, s = ragged.reference_add_layer_norm(x, r, w, b, 1e-5, return_sum=True)
+    torch.testing.assert_close(out.out, y)
+    torch.testing.assert_close(out.sum, s)
+    inputs = AddLayerNormBackwardInputs(grad_out=g, grad_sum=None, mean=out.mean, rstd=out.rstd)
+    grads = ADD_LAYER_NORM.call_backward(ln, inputs, backend)
+    # the gradient of the sum, computed once, as x's; residual's is the same (left None)
+    assert isinstance(grads, AddLayerNormGrads) and grads.residual is None
+    want = reference_add_layer_norm_backward(g, None, s, w, b, out.mean, out.rstd)
+    for got, ref in zip((grads.x, grads.weight, grads.bias), want):
+        torch.testing.assert_close(got, ref)
 
 
 def test_public_api_under_fake_tensors_uses_the_ops():

@@ -17,6 +17,7 @@ import torch
 from conftest import TRITON_ON_CPU
 
 from ragged.ops.fused import reference_add_layer_norm_backward, reference_bias_act_backward
+from ragged.records.fused import AddLayerNormArgs, AddLayerNormBackwardInputs, BiasActArgs, BiasActBackwardInputs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -81,11 +82,11 @@ def test_layer_norm_dropout_backward(device, dtype, variant):
         dy = _randn((n, f), dtype, device, gen)
         keep = _mask((n, f), p, device, gen) if variant in ("post", "pre", "plain") else None
         # the statistics and the stored sum from the kernels' own forward, as in use
-        _, s, mean, rstd = kf.add_layer_norm_forward(a, b, w, bias, 1e-5, True)
+        args = AddLayerNormArgs(a, b, w, bias, 1e-5, return_sum=True)
+        _, s, mean, rstd = kf.add_layer_norm_forward(args)
         colsum = dtype if variant != "plain" else None
-        dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(
-            dy, ds, a, b, w, bias, mean, rstd, True, True, keep, p, colsum
-        )
+        inputs = AddLayerNormBackwardInputs(dy, ds, mean, rstd)
+        dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(args, inputs, mask=keep, p=p, colsum_dtype=colsum)
         # float64 oracle
         ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(
             dy.double(),
@@ -110,7 +111,7 @@ def test_layer_norm_dropout_backward(device, dtype, variant):
             assert dc.dtype == colsum and dc.shape == (f,)
             _close(dc, ref_dz.sum(0), dtype, f"{what} dz column sum")
         # bit for bit: the unfused composition from the same ds_total
-        plain_sum, plain_dw, plain_db = kf.add_layer_norm_backward(dy, ds, a, b, w, bias, mean, rstd, True, True)
+        plain_sum, _, plain_dw, plain_db = kf.add_layer_norm_backward(args, inputs)
         assert torch.equal(dsum, plain_sum), what
         want = plain_sum if keep is None else torch.ops.aten.native_dropout_backward(plain_sum, keep, 1 / (1 - p))
         _same(dz, want, device, f"{what}: dz is not the dropout backward of ds_total")
@@ -133,7 +134,11 @@ def test_layer_norm_dropout_backward_strided_mask_and_inputs(device):
     mean = a.double().mean(1).float()
     rstd = (a.double().var(1, unbiased=False) + 1e-5).rsqrt().float()
     dsum, dz, dw, db, dc = kf.add_layer_norm_dropout_backward(
-        dy, None, a, None, w, bias, mean, rstd, True, True, keep, p, torch.float32
+        AddLayerNormArgs(a, None, w, bias, 1e-5),
+        AddLayerNormBackwardInputs(dy, None, mean, rstd),
+        mask=keep,
+        p=p,
+        colsum_dtype=torch.float32,
     )
     ref_sum, ref_dw, ref_db = reference_add_layer_norm_backward(
         dy.double(), None, a.double(), w.double(), bias.double(), mean.double(), rstd.double()
@@ -162,9 +167,10 @@ def test_bias_act_dropout_backward(device, dtype, activation):
         bias = _randn((f,), dtype, device, gen)
         g = _randn((n, f), dtype, device, gen)
         keep = _mask((n, f), p, device, gen)
-        dx, db = kf.bias_act_backward(g, x, bias, activation, True, mask=keep, p=p)
+        args = BiasActArgs(x, bias, activation)
+        dx, db = kf.bias_act_backward(args, BiasActBackwardInputs(g), mask=keep, p=p)
         g_in = torch.ops.aten.native_dropout_backward(g, keep, 1 / (1 - p))
-        plain_dx, plain_db = kf.bias_act_backward(g_in, x, bias, activation, True)
+        plain_dx, plain_db = kf.bias_act_backward(args, BiasActBackwardInputs(g_in))
         what = f"{activation} {dtype} [{n}, {f}]"
         _same(dx, plain_dx, device, f"{what}: not the composition with native_dropout_backward")
         _close(db, plain_db, dtype, f"{what} dbias against the plain kernel")
@@ -193,17 +199,17 @@ def test_partial_sums_into_a_shared_buffer(device, dtype):
         a, b, dy = (_randn((n, f), dtype, device, gen) for _ in range(3))
         w, bias = 1 + 0.1 * _randn((f,), dtype, device, gen), _randn((f,), dtype, device, gen)
         keep = _mask((n, f), p, device, gen)
-        _, _, mean, rstd = kf.add_layer_norm_forward(a, b, w, bias, 1e-5, False)
+        args = AddLayerNormArgs(a, b, w, bias, 1e-5)
+        _, _, mean, rstd = kf.add_layer_norm_forward(args)
         for need_w, need_b, colsum in ((True, True, dtype), (False, True, dtype), (True, False, None)):
             k = need_w + need_b + (colsum is not None)
             col = 3
             part = torch.full((groups, col + k * f + 5), float("nan"), dtype=torch.float32, device=device)
+            inputs = AddLayerNormBackwardInputs(dy, None, mean, rstd, need_weight=need_w, need_bias=need_b)
             got = kf.add_layer_norm_dropout_backward(
-                dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p, colsum, part=part, part_col=col
+                args, inputs, mask=keep, p=p, colsum_dtype=colsum, part=part, part_col=col
             )
-            want = kf.add_layer_norm_dropout_backward(
-                dy, None, a, b, w, bias, mean, rstd, need_w, need_b, keep, p, colsum
-            )
+            want = kf.add_layer_norm_dropout_backward(args, inputs, mask=keep, p=p, colsum_dtype=colsum)
             what = f"{dtype} [{n}, {f}] w={need_w} b={need_b} colsum={colsum is not None}"
             assert got[2:] == (None, None, None), what
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
@@ -216,8 +222,9 @@ def test_partial_sums_into_a_shared_buffer(device, dtype):
         b1 = _randn((2 * f,), dtype, device, gen)
         for mask in (None, _mask((n, 2 * f), p, device, gen)):
             part = torch.full((groups, 2 * f + 9), float("nan"), dtype=torch.float32, device=device)
-            dx, none = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p, part=part, part_col=7)
-            want_dx, want_db = kf.bias_act_backward(g, h, b1, "gelu", True, mask=mask, p=p)
+            args, inputs = BiasActArgs(h, b1, "gelu"), BiasActBackwardInputs(g)
+            dx, none = kf.bias_act_backward(args, inputs, mask=mask, p=p, part=part, part_col=7)
+            want_dx, want_db = kf.bias_act_backward(args, inputs, mask=mask, p=p)
             assert none is None and torch.equal(dx, want_dx)
             assert part[:, :7].isnan().all() and part[:, 7 + 2 * f :].isnan().all()
             _close(part[:, 7 : 7 + 2 * f].sum(0).to(dtype), want_db, dtype, f"bias_act [{n}, {2 * f}] dbias")
@@ -229,12 +236,13 @@ def test_partial_sums_buffer_checked(device):
 
     x = torch.zeros(4, 8, device=device)
     bias = torch.zeros(8, device=device)
+    args, inputs = BiasActArgs(x, bias, "relu"), BiasActBackwardInputs(x)
     for bad in (
         torch.zeros(4, 8, dtype=torch.float64, device=device),
         torch.zeros(4, 7, device=device),
         torch.zeros(8, 4, device=device).t(),
     ):
         with pytest.raises(ValueError, match=r"bias_act_backward\(\): expected part"):
-            kf.bias_act_backward(x, x, bias, "relu", True, part=bad)
+            kf.bias_act_backward(args, inputs, part=bad)
     with pytest.raises(ValueError, match=r"part_col=2"):
-        kf.bias_act_backward(x, x, bias, "relu", True, part=torch.zeros(4, 9, device=device), part_col=2)
+        kf.bias_act_backward(args, inputs, part=torch.zeros(4, 9, device=device), part_col=2)

@@ -25,6 +25,7 @@ from conftest import cpu_backends
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged
+from ragged.records.fused import AddLayerNormArgs, AddLayerNormBackwardInputs, BiasActArgs, BiasActBackwardInputs
 
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
 # (N rows, F features): empty, a single feature, one column block / one layer norm pass,
@@ -230,7 +231,9 @@ def test_the_parameters_reach_every_backend_with_unit_stride(monkeypatch):
 
     def spy(name, fn):
         def wrapper(*args, **kwargs):
-            seen.append((name, [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1]))
+            # the spec functions take the operands; an implementation, the op's operand record
+            flat = [t for a in args for t in (a if isinstance(a, tuple) else (a,))]
+            seen.append((name, [t for t in flat if isinstance(t, torch.Tensor) and t.dim() == 1]))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -266,21 +269,28 @@ def test_triton_launchers_take_any_layout(kind):
         w, b = w.detach(), b.detach()
         dense = [t.contiguous() for t in (x, r, w, b)]
         g = _randn((1, f), gen).expand(n, f)
-        ours = tf.bias_act_forward(x, b, "gelu"), tf.bias_act_backward(g, x, b, "gelu", True)
+        ba, ba_dense = BiasActArgs(x, b, "gelu"), BiasActArgs(dense[0], dense[3], "gelu")
+        ours = tf.bias_act_forward(ba).out, tf.bias_act_backward(ba, BiasActBackwardInputs(g))
         theirs = (
-            tf.bias_act_forward(dense[0], dense[3], "gelu"),
-            tf.bias_act_backward(g.contiguous(), dense[0], dense[3], "gelu", True),
+            tf.bias_act_forward(ba_dense).out,
+            tf.bias_act_backward(ba_dense, BiasActBackwardInputs(g.contiguous())),
         )
         assert torch.equal(ours[0], theirs[0]) and all(map(torch.equal, ours[1], theirs[1]))
         _close(ours[0], F.gelu(x.double() + b.double()), f"bias_act F={f}")
-        y, s, mean, rstd = tf.add_layer_norm_forward(x, r, w, b, 1e-5, True)
-        ref = tf.add_layer_norm_forward(*dense, 1e-5, True)
+        y, s, mean, rstd = tf.add_layer_norm_forward(AddLayerNormArgs(x, r, w, b, 1e-5, True))
+        ref = tf.add_layer_norm_forward(AddLayerNormArgs(*dense, 1e-5, True))
         assert all(map(torch.equal, (y, s, mean, rstd), ref))
         _close(y, _ln64(x.double(), r.double(), w.double(), b.double())[0], f"add_layer_norm F={f}")
         mean2 = torch.stack([mean, mean], 1)[:, 0]  # stride 2
-        ours = tf.add_layer_norm_backward(g, g.t().contiguous().t(), x, r, w, b, mean2, rstd, True, True)
-        theirs = tf.add_layer_norm_backward(g.contiguous(), g.contiguous(), *dense, ref[2], ref[3], True, True)
-        assert all(map(torch.equal, ours, theirs))
+        ours = tf.add_layer_norm_backward(
+            AddLayerNormArgs(x, r, w, b, 1e-5), AddLayerNormBackwardInputs(g, g.t().contiguous().t(), mean2, rstd)
+        )
+        theirs = tf.add_layer_norm_backward(
+            AddLayerNormArgs(*dense, 1e-5),
+            AddLayerNormBackwardInputs(g.contiguous(), g.contiguous(), ref.mean, ref.rstd),
+        )
+        assert ours.residual is None and theirs.residual is None
+        assert all(torch.equal(a, c) for a, c in zip(ours, theirs) if a is not None)
 
 
 # --------------------------------------------------------------------------------------
@@ -528,7 +538,8 @@ def test_bias_act_backward_op_never_aliases_its_gradient(backend):
     x = torch.randn(4, 6)
     g = torch.randn(4, 6)
     for bias in (None, torch.randn(6)):
-        torch.library.opcheck(torch.ops.ragged.bias_act_backward.default, (g, x, bias, "none", True, backend))
+        # the backward op: the operands, then the gradient and need_bias
+        torch.library.opcheck(torch.ops.ragged.bias_act_backward.default, (x, bias, "none", g, True, backend))
     xg = x.clone().requires_grad_(True)
     with _PassThrough():
         y = ragged.bias_act(xg, None, "none", backend=backend)

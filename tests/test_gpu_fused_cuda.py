@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import ragged
 from ragged import backends
+from ragged.records.fused import AddLayerNormArgs, BiasActArgs
 
 pytestmark = pytest.mark.gpu
 from gpu_fused_cases import (
@@ -97,8 +98,8 @@ def test_cuda_add_layer_norm_accuracy(dtype, n_cols, variant):
     if return_sum:
         assert torch.equal(s.detach(), s_triton)
     x2, r2, w2, b2 = inputs
-    ours = _cuda_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
-    theirs = _triton_fused().add_layer_norm_forward(x2, r2, w2, b2, 1e-5, False)
+    ours = _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(x2, r2, w2, b2, 1e-5))
+    theirs = _triton_fused().add_layer_norm_forward(AddLayerNormArgs(x2, r2, w2, b2, 1e-5))
     torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)  # mean
     torch.testing.assert_close(ours[3], theirs[3], rtol=1e-5, atol=0)  # rstd
 
@@ -146,11 +147,13 @@ def test_cuda_inference_statistics_are_optional():
     gen = _gen("cuda_stats")
     x = _randn((3000, 768), torch.bfloat16, gen)
     r = _randn((3000, 768), torch.bfloat16, gen)
-    y, s, mean, rstd = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, True)
-    y2, s2, mean2, rstd2 = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, True, stats=False)
+    y, s, mean, rstd = _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(x, r, None, None, 1e-5, True))
+    y2, s2, mean2, rstd2 = _cuda_fused().add_layer_norm_forward(
+        AddLayerNormArgs(x, r, None, None, 1e-5, True), stats=False
+    )
     assert torch.equal(y, y2) and torch.equal(s, s2)
     assert mean.shape == rstd.shape == (3000,) and mean2.numel() == rstd2.numel() == 0
-    y3, s3, _, _ = _cuda_fused().add_layer_norm_forward(x, r, None, None, 1e-5, False)
+    y3, s3, _, _ = _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(x, r, None, None, 1e-5))
     assert torch.equal(y3, y) and s3.shape == (0,)
 
 
@@ -169,10 +172,10 @@ def test_cuda_misaligned_inputs_go_to_triton():
     assert backends.select("bias_act", None, x.device, xb, None, "gelu").name == "triton"
     # the launchers themselves (reached with fake tensors under torch.compile, where the reasons
     # see no pointers) read an aligned copy: the results of an aligned input
-    y = _cuda_fused().add_layer_norm_forward(x, None, None, None, 1e-5, False)[0]
-    assert torch.equal(y, _cuda_fused().add_layer_norm_forward(x.clone(), None, None, None, 1e-5, False)[0])
-    h = _cuda_fused().bias_act_forward(xb, None, "gelu")
-    assert torch.equal(h, _cuda_fused().bias_act_forward(xb.clone(), None, "gelu"))
+    y = _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(x, None, None, None, 1e-5)).out
+    assert torch.equal(y, _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(x.clone(), None, None, None, 1e-5)).out)
+    h = _cuda_fused().bias_act_forward(BiasActArgs(xb, None, "gelu")).out
+    assert torch.equal(h, _cuda_fused().bias_act_forward(BiasActArgs(xb.clone(), None, "gelu")).out)
 
 
 def test_cuda_no_host_sync():
@@ -189,7 +192,7 @@ def test_cuda_no_host_sync():
         z = ragged.add_layer_norm(y, None, None, None, backend="cuda")
         (z.float().square().sum() + s.float().sum()).backward()
         with torch.no_grad():
-            _cuda_fused().add_layer_norm_forward(y, None, w, b, 1e-5, False, stats=False)
+            _cuda_fused().add_layer_norm_forward(AddLayerNormArgs(y, None, w, b, 1e-5), stats=False)
 
     step()  # warm up: compile the kernels (NVRTC and Triton)
     torch.cuda.synchronize()

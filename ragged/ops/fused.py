@@ -33,14 +33,15 @@ it runs the chosen backend's kernels. One autograd rule per op serves the eager 
 ``torch.library`` op (:mod:`ragged.opdef`).
 
 The ops ``ragged::bias_act`` (:data:`BIAS_ACT`) and ``ragged::add_layer_norm``
-(:data:`ADD_LAYER_NORM`), each with a ``_backward`` op, have three implementations
-(:mod:`ragged.backends`), whose reasons read the specs (:class:`BiasActSpec`,
-:class:`AddLayerNormSpec`): ``"torch"`` (:func:`reference_bias_act`,
-:func:`reference_add_layer_norm` and written-out backward formulas; the CPU path and the
-tests' oracle), ``"triton"`` (:mod:`ragged.kernels.triton.fused`; float16, bfloat16 and
-float32) and ``"cuda"`` (the CUDA C++ forward of ``csrc/fused.cu``, far cheaper to launch
-than Triton's, then the Triton backward). ``"auto"`` takes CUDA, then Triton, on CUDA
-tensors. No op reads the GPU from the host.
+(:data:`ADD_LAYER_NORM`), each with a ``_backward`` op and each over the records of
+:mod:`ragged.records.fused` (operands, outputs, the backward's inputs and the gradients, read
+by name everywhere), have three implementations (:mod:`ragged.backends`), whose reasons read
+the specs (:class:`BiasActSpec`, :class:`AddLayerNormSpec`): ``"torch"``
+(:func:`reference_bias_act`, :func:`reference_add_layer_norm` and written-out backward
+formulas; the CPU path and the tests' oracle), ``"triton"`` (:mod:`ragged.kernels.triton.fused`;
+float16, bfloat16 and float32) and ``"cuda"`` (the CUDA C++ forward of ``csrc/fused.cu``, far
+cheaper to launch than Triton's, then the Triton backward). ``"auto"`` takes CUDA, then
+Triton, on CUDA tensors. No op reads the GPU from the host.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.fused import (
+    AddLayerNormArgs,
+    AddLayerNormBackwardInputs,
+    AddLayerNormGrads,
+    AddLayerNormOutput,
+    BiasActArgs,
+    BiasActBackwardInputs,
+    BiasActGrads,
+    BiasActOutput,
+)
 from ..utils import check_tensor, check_vector, describe, eager, no_autocast
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
@@ -212,42 +223,59 @@ def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.clone() if out is x else out.contiguous()
 
 
-def _bias_act_torch_forward(x, bias, activation):
+def _bias_act_torch_forward(args: BiasActArgs) -> BiasActOutput:
+    x, bias, activation = args.x, args.bias, args.activation
     if _guarded(x, bias):
         with torch.no_grad():
-            return _fresh(reference_bias_act(x, bias, activation), x)
-    return _fresh(reference_bias_act.__wrapped__(x, bias, activation), x)
+            return BiasActOutput(_fresh(reference_bias_act(x, bias, activation), x))
+    return BiasActOutput(_fresh(reference_bias_act.__wrapped__(x, bias, activation), x))
 
 
-def _bias_act_torch_backward(grad, x, bias, activation, need_bias):
-    dx, dbias = reference_bias_act_backward(grad, x, bias, activation)
+def _bias_act_torch_backward(args: BiasActArgs, inputs: BiasActBackwardInputs) -> BiasActGrads:
+    grad = inputs.grad_out
+    dx, dbias = reference_bias_act_backward(grad, args.x, args.bias, args.activation)
     # "none" passes grad through: still a new tensor (the backward op may not alias its input)
-    return _fresh(dx, grad), dbias if need_bias else None
+    return BiasActGrads(_fresh(dx, grad), dbias if inputs.need_bias else None)
 
 
-def _add_layer_norm_torch(x, residual, weight, bias, eps, return_sum):
-    y, s, mean, rstd, dtype = _stats(x, residual, weight, bias, eps)  # statistics in the compute dtype
-    s = _fresh(s, x) if return_sum else s.new_empty(0)
-    return y.to(_sum_dtype(x, residual)).contiguous(), s, mean.reshape(-1).to(dtype), rstd.reshape(-1).to(dtype)
+def _add_layer_norm_torch(args: AddLayerNormArgs) -> AddLayerNormOutput:
+    x, residual = args.x, args.residual
+    y, s, mean, rstd, dtype = _stats(x, residual, args.weight, args.bias, args.eps)  # statistics in the compute dtype
+    s = _fresh(s, x) if args.return_sum else s.new_empty(0)
+    return AddLayerNormOutput(
+        y.to(_sum_dtype(x, residual)).contiguous(), s, mean.reshape(-1).to(dtype), rstd.reshape(-1).to(dtype)
+    )
 
 
-_add_layer_norm_torch_no_autocast = no_autocast(_add_layer_norm_torch)
+@no_autocast
+def _add_layer_norm_torch_no_autocast(x: Tensor, args: AddLayerNormArgs) -> AddLayerNormOutput:
+    """:func:`_add_layer_norm_torch` with autocast off on the device of ``x`` (``args.x``)."""
+    return _add_layer_norm_torch(args)
 
 
-def _add_layer_norm_torch_forward(x, residual, weight, bias, eps, return_sum):
-    if _guarded(x, residual, weight, bias):
+def _add_layer_norm_torch_forward(args: AddLayerNormArgs) -> AddLayerNormOutput:
+    if _guarded(args.x, args.residual, args.weight, args.bias):
         with torch.no_grad():
-            return _add_layer_norm_torch_no_autocast(x, residual, weight, bias, eps, return_sum)
-    return _add_layer_norm_torch(x, residual, weight, bias, eps, return_sum)
+            return _add_layer_norm_torch_no_autocast(args.x, args)
+    return _add_layer_norm_torch(args)
 
 
-def _add_layer_norm_torch_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
+def _add_layer_norm_torch_backward(args: AddLayerNormArgs, inputs: AddLayerNormBackwardInputs) -> AddLayerNormGrads:
+    a, b = args.x, args.residual
     dtype = _compute_dtype(a.dtype, *([] if b is None else [b.dtype]))
     s = a if b is None else (a.to(dtype) + b.to(dtype)).to(_sum_dtype(a, b))
     dsum, dweight, dbias = reference_add_layer_norm_backward(
-        dy, ds, s, weight, bias, mean, rstd, need_weight, need_bias
+        inputs.grad_out,
+        inputs.grad_sum,
+        s,
+        args.weight,
+        args.bias,
+        inputs.mean,
+        inputs.rstd,
+        inputs.need_weight,
+        inputs.need_bias,
     )
-    return dsum.contiguous(), dweight, dbias
+    return AddLayerNormGrads(dsum.contiguous(), None, dweight, dbias)
 
 
 # --------------------------------------------------------------------------------------
@@ -369,100 +397,80 @@ def add_layer_norm_spec(
 # bias_act: the op and its autograd rule
 
 
-def _bias_act_signature(x: Tensor, bias: Tensor | None, activation: str) -> Tensor: ...
+def _bias_act_backward_fake(args: BiasActArgs, inputs: BiasActBackwardInputs) -> BiasActGrads:
+    x, bias = args.x, args.bias
+    return BiasActGrads(
+        x.new_empty(x.shape), bias.new_empty(bias.shape) if inputs.need_bias and bias is not None else None
+    )
 
 
-def _bias_act_backward_signature(
-    grad: Tensor, x: Tensor, bias: Tensor | None, activation: str, need_bias: bool
-) -> tuple[Tensor, Tensor]: ...
+def _bias_act_setup(ctx, args: BiasActArgs, output: BiasActOutput) -> None:
+    ctx.save_for_backward(args.x, args.bias)
+    ctx.activation = args.activation
 
 
-def _bias_act_backward_fake(grad, x, bias, activation, need_bias):
-    return x.new_empty(x.shape), bias.new_empty(bias.shape) if need_bias and bias is not None else grad.new_empty(0)
-
-
-def _bias_act_setup(ctx, inputs, output):
-    x, bias, activation, backend = inputs
-    ctx.save_for_backward(x, bias)
-    ctx.activation, ctx.backend = activation, backend
-
-
-def _bias_act_backward(ctx, grad):
+def _bias_act_backward(ctx, grad: Tensor) -> BiasActGrads:
     x, bias = ctx.saved_tensors
-    need_bias = bias is not None and bool(ctx.needs_input_grad[1])
+    need_bias = bias is not None and bool(ctx.needs_grad.bias)
     if torch.is_grad_enabled():
         # create_graph=True: the gradient must be differentiable itself. The reference's
         # written-out formulas are torch ops that autograd records (gelu_backward has its own
         # derivative); a kernel's output would be a constant to autograd, and a second
         # derivative through it silently zero.
         dx, dbias = reference_bias_act_backward(grad, x, bias, ctx.activation)
-        return dx, dbias if need_bias else None, None
-    dx, dbias = BIAS_ACT.call_backward(_unit_feature_stride(grad), x, bias, ctx.activation, need_bias, ctx.backend)
-    return dx, dbias, None
+        return BiasActGrads(dx, dbias if need_bias else None)
+    inputs = BiasActBackwardInputs(_unit_feature_stride(grad), need_bias)
+    return BIAS_ACT.call_backward(BiasActArgs(x, bias, ctx.activation), inputs, ctx.impl)
 
 
 BIAS_ACT = opdef.define(
     "bias_act",
-    _bias_act_signature,
+    BiasActArgs,
+    BiasActOutput,
     spec=bias_act_spec,
     setup=_bias_act_setup,
     backward=_bias_act_backward,
-    fake=lambda x, bias, activation: x.new_empty(x.shape),
-    backward_signature=_bias_act_backward_signature,
+    fake=lambda args: BiasActOutput(args.x.new_empty(args.x.shape)),
+    backward_inputs=BiasActBackwardInputs,
+    grads=BiasActGrads,
     backward_fake=_bias_act_backward_fake,
-    backward_present=lambda grad, x, bias, activation, need_bias: (True, need_bias),
 )
+
+# --------------------------------------------------------------------------------------
 # add_layer_norm: the op and its autograd rule
 
 
-def _add_layer_norm_signature(
-    x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float, return_sum: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
-
-
-def _add_layer_norm_fake(x, residual, weight, bias, eps, return_sum):
+def _add_layer_norm_fake(args: AddLayerNormArgs) -> AddLayerNormOutput:
+    x, residual = args.x, args.residual
     dtype = _sum_dtype(x, residual)
-    stat = _compute_dtype(x.dtype, *[t.dtype for t in (residual, weight, bias) if t is not None])
+    stat = _compute_dtype(x.dtype, *[t.dtype for t in (residual, args.weight, args.bias) if t is not None])
     n_rows = x.shape[0]
-    return (
+    return AddLayerNormOutput(
         x.new_empty(x.shape, dtype=dtype),
-        x.new_empty(x.shape if return_sum else (0,), dtype=dtype),
+        x.new_empty(x.shape if args.return_sum else (0,), dtype=dtype),
         x.new_empty((n_rows,), dtype=stat),
         x.new_empty((n_rows,), dtype=stat),
     )
 
 
-def _add_layer_norm_backward_signature(
-    dy: Tensor,
-    ds: Tensor | None,
-    a: Tensor,
-    b: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-def _add_layer_norm_backward_fake(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias):
-    return (
-        a.new_empty(a.shape, dtype=_sum_dtype(a, b)),
-        weight.new_empty(weight.shape) if need_weight and weight is not None else dy.new_empty(0),
-        bias.new_empty(bias.shape) if need_bias and bias is not None else dy.new_empty(0),
+def _add_layer_norm_backward_fake(args: AddLayerNormArgs, inputs: AddLayerNormBackwardInputs) -> AddLayerNormGrads:
+    a, weight, bias = args.x, args.weight, args.bias
+    return AddLayerNormGrads(
+        a.new_empty(a.shape, dtype=_sum_dtype(a, args.residual)),
+        None,
+        weight.new_empty(weight.shape) if inputs.need_weight and weight is not None else None,
+        bias.new_empty(bias.shape) if inputs.need_bias and bias is not None else None,
     )
 
 
-def _add_layer_norm_setup(ctx, inputs, output):
-    x, residual, weight, bias, eps, return_sum, backend = inputs
-    _y, s, mean, rstd = output
-    # The backward recomputes the sum from what is saved: s itself when it is an output
-    # anyway, else x and residual (no extra write in the forward).
-    a, b = (s, None) if return_sum else (x, residual)
-    ctx.save_for_backward(a, b, weight, bias, mean, rstd)
+def _add_layer_norm_setup(ctx, args: AddLayerNormArgs, output: AddLayerNormOutput) -> None:
+    x, residual = args.x, args.residual
+    # The backward reads only the sum: s itself when it is an output anyway, else x and
+    # residual (no extra write in the forward).
+    a, b = (output.sum, None) if args.return_sum else (x, residual)
+    ctx.save_for_backward(a, b, args.weight, args.bias, output.mean, output.rstd)
     ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
-    ctx.backend, ctx.return_sum, ctx.eps = backend, return_sum, eps
+    ctx.return_sum, ctx.eps = args.return_sum, args.eps
     ctx.set_materialize_grads(False)
 
 
@@ -482,9 +490,9 @@ def _differentiable_add_layer_norm_backward(dy, ds, a, b, weight, bias, eps, nee
 
 def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
     a, b, weight, bias, mean, rstd = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    need_weight = weight is not None and bool(need[2])
-    need_bias = bias is not None and bool(need[3])
+    need = ctx.needs_grad
+    need_weight = weight is not None and bool(need.weight)
+    need_bias = bias is not None and bool(need.bias)
     if not ctx.return_sum:  # s was an empty placeholder
         ds = None
     if dy is None:  # only the returned sum was used
@@ -498,41 +506,37 @@ def _add_layer_norm_backward(ctx, dy, ds, dmean, drstd):
             dy, ds, a, b, weight, bias, ctx.eps, need_weight, need_bias
         )
     else:
-        dsum, dweight, dbias = ADD_LAYER_NORM.call_backward(
+        # the sum's summands as kept (the sum itself as x where the forward returned it)
+        args = AddLayerNormArgs(a, b, weight, bias, ctx.eps)
+        inputs = AddLayerNormBackwardInputs(
             _unit_feature_stride(dy),
             None if ds is None else _unit_feature_stride(ds),
-            a,
-            b,
-            weight,
-            bias,
             mean,
             rstd,
             need_weight,
             need_bias,
-            ctx.backend,
         )
+        grads = ADD_LAYER_NORM.call_backward(args, inputs, ctx.impl)
+        dsum, dweight, dbias = grads.x, grads.weight, grads.bias
     x_dtype, r_dtype = ctx.dtypes
-    dx = dsum.to(x_dtype) if need[0] and dsum is not None else None
-    dres = dsum.to(r_dtype) if r_dtype is not None and need[1] and dsum is not None else None
-    return dx, dres, dweight, dbias, None, None
+    dx = dsum.to(x_dtype) if need.x and dsum is not None else None
+    dres = dsum.to(r_dtype) if r_dtype is not None and need.residual and dsum is not None else None
+    return AddLayerNormGrads(dx, dres, dweight, dbias)
 
 
 ADD_LAYER_NORM = opdef.define(
     "add_layer_norm",
-    _add_layer_norm_signature,
+    AddLayerNormArgs,
+    AddLayerNormOutput,
     spec=add_layer_norm_spec,
     setup=_add_layer_norm_setup,
     backward=_add_layer_norm_backward,
     fake=_add_layer_norm_fake,
-    backward_signature=_add_layer_norm_backward_signature,
+    backward_inputs=AddLayerNormBackwardInputs,
+    grads=AddLayerNormGrads,
     backward_fake=_add_layer_norm_backward_fake,
-    backward_present=lambda dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias: (
-        True,
-        need_weight,
-        need_bias,
-    ),
-    # constants to autograd: mean and rstd, and s unless it is returned (an empty placeholder)
-    non_differentiable=lambda inputs, out: out[2:] if inputs[5] else out[1:],
+    # constants to autograd: mean and rstd, and the sum unless it is returned (an empty placeholder)
+    non_differentiable=lambda args, out: (out.mean, out.rstd) if args.return_sum else (out.sum, out.mean, out.rstd),
 )
 
 backends.register(
@@ -632,7 +636,7 @@ def bias_act(
     bias = _validate_bias_act(fn, x, bias, activation)
     x2 = _unit_feature_stride(x)
     impl = backends.select_spec("bias_act", backend, bias_act_spec(x2, bias, activation), fn=fn)
-    return BIAS_ACT(x2, bias, activation, impl.backend).view(x.shape)
+    return BIAS_ACT(BiasActArgs(x2, bias, activation), impl.name).out.view(x.shape)
 
 
 def add_layer_norm(
@@ -664,8 +668,8 @@ def add_layer_norm(
     r2 = None if residual is None else _unit_feature_stride(residual)
     impl = backends.select_spec("add_layer_norm", backend, add_layer_norm_spec(x2, r2, weight, bias), fn=fn)
     keep_sum = return_sum and residual is not None
-    y, s, _, _ = ADD_LAYER_NORM(x2, r2, weight, bias, float(eps), keep_sum, impl.backend)
-    y = y.view(x.shape)
+    out = ADD_LAYER_NORM(AddLayerNormArgs(x2, r2, weight, bias, float(eps), keep_sum), impl.name)
+    y = out.out.view(x.shape)
     if not return_sum:
         return y
-    return y, (s.view(x.shape) if keep_sum else x)
+    return y, (out.sum.view(x.shape) if keep_sum else x)

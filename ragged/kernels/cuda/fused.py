@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ...records.fused import AddLayerNormArgs, AddLayerNormOutput, BiasActArgs, BiasActOutput
 from . import FUSED_ACTIVATIONS, FUSED_VECTOR
 from . import FUSED_LN_ITERS as LN_ITERS
 from . import FUSED_LN_ROWS_PER_BLOCK as LN_ROWS_PER_BLOCK
@@ -120,21 +121,14 @@ def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
-def add_layer_norm_forward(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    return_sum: bool,
-    *,
-    stats: bool = True,
-):
+def add_layer_norm_forward(args: AddLayerNormArgs, *, stats: bool = True) -> AddLayerNormOutput:
     """``(y, s, mean, rstd)`` as :func:`ragged.kernels.triton.fused.add_layer_norm_forward`:
     ``x`` / ``residual`` ``[N, F]``, ``weight`` / ``bias`` ``[F]`` (or None), all of x's dtype;
     ``y`` ``[N, F]`` in x's dtype, ``s`` ``[N, F]`` (an empty ``(0,)`` tensor unless
     ``return_sum``), ``mean`` / ``rstd`` ``[N]`` float32. ``stats=False`` (inference) skips
     writing the statistics and returns empty ``(0,)`` tensors for them."""
+    x, residual, weight, bias = args.x, args.residual, args.weight, args.bias
+    eps, return_sum = args.eps, args.return_sum
     n_rows, n_cols = x.shape
     dtype, device = x.dtype, x.device
     y = torch.empty((n_rows, n_cols), dtype=dtype, device=device)
@@ -145,7 +139,7 @@ def add_layer_norm_forward(
     else:
         mean = rstd = torch.empty((0,), dtype=torch.float32, device=device)
     if n_rows == 0:
-        return y, s, mean, rstd
+        return AddLayerNormOutput(y, s, mean, rstd)
     px = x.data_ptr()
     pr = residual.data_ptr() if residual is not None else 0
     pw = weight.data_ptr() if weight is not None else 0
@@ -166,7 +160,7 @@ def add_layer_norm_forward(
         pw = weight.data_ptr() if weight is not None else 0
         pb = bias.data_ptr() if bias is not None else 0
     kernel = layer_norm_config(dtype, n_cols)[0]
-    args = (
+    params = (
         px,
         pr,
         pw,
@@ -181,26 +175,20 @@ def add_layer_norm_forward(
         stride_r,
         eps,
     )
-    launch(_SOURCE, kernel, device, -(-n_rows // LN_ROWS_PER_BLOCK), (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, args)
-    return y, s, mean, rstd
+    launch(_SOURCE, kernel, device, -(-n_rows // LN_ROWS_PER_BLOCK), (LN_ROWS_PER_BLOCK * 32, 1), LN_PARAMS, params)
+    return AddLayerNormOutput(y, s, mean, rstd)
 
 
-def add_layer_norm_inference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    return_sum: bool,
-):
+def add_layer_norm_inference(args: AddLayerNormArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, s or None)``: :func:`add_layer_norm_forward` without statistics, for inputs the
     kernel takes as the caller has checked (``x`` and ``residual`` ``[N, F]`` contiguous,
     ``N > 0``, every tensor x's dtype, 16-byte aligned, weight and bias contiguous): one or
     two allocations and the launch, nothing else."""
+    x, residual, weight, bias = args.x, args.residual, args.weight, args.bias
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
-    s = torch.empty_like(x) if return_sum else None
-    args = (
+    s = torch.empty_like(x) if args.return_sum else None
+    params = (
         x.data_ptr(),
         0 if residual is None else residual.data_ptr(),
         0 if weight is None else weight.data_ptr(),
@@ -213,7 +201,7 @@ def add_layer_norm_inference(
         n_cols,
         n_cols,
         n_cols,
-        eps,
+        args.eps,
     )
     launch(
         _SOURCE,
@@ -222,19 +210,20 @@ def add_layer_norm_inference(
         -(-n_rows // LN_ROWS_PER_BLOCK),
         (LN_ROWS_PER_BLOCK * 32, 1),
         LN_PARAMS,
-        args,
+        params,
     )
     return y, s
 
 
-def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+def bias_act_forward(args: BiasActArgs) -> BiasActOutput:
     """``act(x + bias)`` as :func:`ragged.kernels.triton.fused.bias_act_forward`: ``x [N, F]``
     and ``bias [F]`` (or None) of one dtype -> ``[N, F]`` contiguous, x's dtype."""
+    x, bias, activation = args.x, args.bias, args.activation
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     n = n_rows * n_cols
     if n == 0:
-        return y
+        return BiasActOutput(y)
     px = x.data_ptr()
     pb = bias.data_ptr() if bias is not None else 0
     if (px | pb) & 15 or not x.is_contiguous() or not _unit_strides(None, None, bias):
@@ -255,4 +244,4 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         BA_PARAMS,
         (px, pb, y.data_ptr(), n_vecs, n_cols // vec),
     )
-    return y
+    return BiasActOutput(y)

@@ -10,6 +10,10 @@
 * :func:`partial_groups`, :func:`layer_norm_backward_fuses`: what a caller that shares one
   partial-sum buffer between several backward launches needs to know.
 
+Each takes the op's records (:mod:`ragged.records.fused`): a forward its operand record, a
+backward the operand record and the backward's inputs; what only the fused backwards take
+(a dropout mask, a shared partial-sum buffer) comes as keywords.
+
 Layout: the kernels read 2-D inputs with unit stride along the features and any row stride,
 1-D inputs with unit stride; the launchers copy any other layout first (a strided or
 expanded parameter included), so a direct call takes any layout. Every output is
@@ -23,12 +27,24 @@ in registers; longer rows are streamed in chunks of ``_LN_CHUNK``.
 from __future__ import annotations
 
 import functools
+from typing import overload
 
 import torch
 import triton
 import triton.language as tl
 
 from ...backends import triton_interpreted
+from ...records.fused import (
+    AddLayerNormArgs,
+    AddLayerNormBackwardInputs,
+    AddLayerNormDropoutGrads,
+    AddLayerNormGrads,
+    AddLayerNormOutput,
+    BiasActArgs,
+    BiasActBackwardInputs,
+    BiasActGrads,
+    BiasActOutput,
+)
 from .fused_kernels import (
     _bias_act_bwd_kernel,
     _bias_act_fwd_kernel,
@@ -180,12 +196,24 @@ def _check_part(fn: str, part: torch.Tensor, col: int, width: int, device: torch
 # layout is not one the kernels can read), so that no other stride is ever read as 1.
 
 
-def _unit_cols(t: torch.Tensor | None) -> torch.Tensor | None:
+@overload
+def _unit_cols(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _unit_cols(t: None) -> None: ...
+@overload
+def _unit_cols(t: torch.Tensor | None) -> torch.Tensor | None: ...
+def _unit_cols(t):
     """A 2-D tensor with unit stride along its columns (any row stride)."""
     return t if t is None or t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
 
 
-def _unit_vec(t: torch.Tensor | None) -> torch.Tensor | None:
+@overload
+def _unit_vec(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _unit_vec(t: None) -> None: ...
+@overload
+def _unit_vec(t: torch.Tensor | None) -> torch.Tensor | None: ...
+def _unit_vec(t):
     """A 1-D tensor with unit stride (a strided or expanded view becomes a copy)."""
     return t if t is None or t.shape[0] <= 1 or t.stride(0) == 1 else t.contiguous()
 
@@ -198,12 +226,13 @@ def _reduce(part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return None if part is None else part.sum(0).to(dtype)
 
 
-def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    n_rows, n_cols = x.shape
-    x, bias = _unit_cols(x), _unit_vec(bias)
+def bias_act_forward(args: BiasActArgs) -> BiasActOutput:
+    """``act(x + bias)``: ``[N, F]`` contiguous, x's dtype."""
+    n_rows, n_cols = args.x.shape
+    x, bias = _unit_cols(args.x), _unit_vec(args.bias)
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
-        return y
+        return BiasActOutput(y)
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, triton_interpreted())
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_f))
     _bias_act_fwd_kernel[grid](
@@ -213,37 +242,36 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         n_rows,
         x.stride(0),
         N_COLS=n_cols,
-        ACT=ACTIVATIONS[activation],
+        ACT=ACTIVATIONS[args.activation],
         HAS_BIAS=bias is not None,
         BLOCK_R=block_r,
         BLOCK_F=block_f,
         num_warps=warps,
     )
-    return y
+    return BiasActOutput(y)
 
 
 def bias_act_backward(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    need_bias: bool,
+    args: BiasActArgs,
+    inputs: BiasActBackwardInputs,
+    *,
     mask: torch.Tensor | None = None,
     p: float = 0.0,
     part: torch.Tensor | None = None,
     part_col: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dx in x.dtype, dbias in bias.dtype or None)``. ``mask`` (bool, ``x``'s shape, unit
-    feature stride): ``grad`` is that of ``dropout(act(x + bias))`` with this keep mask and
-    rate ``p``; it is taken back through the dropout in the same pass.
+) -> BiasActGrads:
+    """The gradients of ``x`` (x's dtype) and ``bias`` (bias's dtype; None unless wanted).
+    ``mask`` (bool, ``x``'s shape, unit feature stride): ``grad_out`` is that of
+    ``dropout(act(x + bias))`` with this keep mask and rate ``p``; it is taken back through the
+    dropout in the same pass.
 
     ``part`` (float32 ``[groups, W]``, contiguous, a buffer shared with other backward
-    launches): the per-group partial sums of ``dbias`` are written to its columns
+    launches): the per-group partial sums of the bias's gradient are written to its columns
     ``[part_col, part_col + F)`` instead, one row per group (see :func:`partial_groups`), and
-    ``dbias`` is returned as None: the caller sums the rows."""
-    n_rows, n_cols = x.shape
-    grad, x, mask, bias = _unit_cols(grad), _unit_cols(x), _unit_cols(mask), _unit_vec(bias)
-    need_bias = need_bias and bias is not None
+    that gradient is returned as None: the caller sums the rows."""
+    n_rows, n_cols = args.x.shape
+    grad, x, mask, bias = _unit_cols(inputs.grad_out), _unit_cols(args.x), _unit_cols(mask), _unit_vec(args.bias)
+    need_bias = inputs.need_bias and bias is not None
     if part is not None:
         _check_part("ragged.kernels.triton.fused.bias_act_backward", part, part_col, n_cols, x.device)
         need_bias = True
@@ -251,8 +279,8 @@ def bias_act_backward(
     if dx.numel() == 0:
         if part is not None:
             part[:, part_col : part_col + n_cols].zero_()
-            return dx, None
-        return dx, (torch.zeros_like(bias) if need_bias else None)
+            return BiasActGrads(dx, None)
+        return BiasActGrads(dx, torch.zeros_like(bias) if need_bias else None)
     interpreted = triton_interpreted()
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, interpreted)
     n_col_blocks = triton.cdiv(n_cols, block_f)
@@ -278,7 +306,7 @@ def bias_act_backward(
         part_col,
         _drop_scale(p),
         N_COLS=n_cols,
-        ACT=ACTIVATIONS[activation],
+        ACT=ACTIVATIONS[args.activation],
         HAS_BIAS=bias is not None,
         NEED_DBIAS=need_bias,
         HAS_MASK=mask is not None,
@@ -287,32 +315,26 @@ def bias_act_backward(
         MASK_VEC=16 // dx.element_size(),
         num_warps=warps,
     )
-    return dx, (_reduce(part, bias.dtype if bias is not None else torch.float32) if own else None)
+    return BiasActGrads(dx, _reduce(part, bias.dtype if bias is not None else torch.float32) if own else None)
 
 
 def _drop_scale(p: float) -> float:
     return 1.0 / (1.0 - p) if p > 0.0 else 1.0
 
 
-def add_layer_norm_forward(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    return_sum: bool,
-):
-    """``(y, s, mean, rstd)``: ``y`` and ``s`` in the dtype of ``x + residual`` (``s`` is an
-    empty tensor unless ``return_sum``), ``mean`` / ``rstd`` ``[N]`` fp32."""
-    n_rows, n_cols = x.shape
-    x, residual, weight, bias = _unit_cols(x), _unit_cols(residual), _unit_vec(weight), _unit_vec(bias)
+def add_layer_norm_forward(args: AddLayerNormArgs) -> AddLayerNormOutput:
+    """``y`` and ``s`` in the dtype of ``x + residual`` (``s`` is an empty tensor unless
+    ``return_sum``), ``mean`` / ``rstd`` ``[N]`` fp32."""
+    n_rows, n_cols = args.x.shape
+    x, residual = _unit_cols(args.x), _unit_cols(args.residual)
+    weight, bias, return_sum = _unit_vec(args.weight), _unit_vec(args.bias), args.return_sum
     dtype = _sum_dtype(x, residual)
     y = torch.empty((n_rows, n_cols), dtype=dtype, device=x.device)
     s = torch.empty((n_rows, n_cols) if return_sum else (0,), dtype=dtype, device=x.device)
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
     if n_rows == 0:
-        return y, s, mean, rstd
+        return AddLayerNormOutput(y, s, mean, rstd)
     block_r, block_f, n_chunks, warps = _layer_norm_config(n_cols, dtype, triton_interpreted())
     r = residual if residual is not None else x
     _ln_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
@@ -327,7 +349,7 @@ def add_layer_norm_forward(
         n_rows,
         x.stride(0),
         r.stride(0),
-        float(eps),
+        float(args.eps),
         N_COLS=n_cols,
         HAS_RES=residual is not None,
         HAS_W=weight is not None,
@@ -339,91 +361,66 @@ def add_layer_norm_forward(
         N_CHUNKS=n_chunks,
         num_warps=warps,
     )
-    return y, s, mean, rstd
+    return AddLayerNormOutput(y, s, mean, rstd)
 
 
-def add_layer_norm_backward(
-    dy: torch.Tensor,
-    ds: torch.Tensor | None,
-    a: torch.Tensor,
-    b: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    need_weight: bool,
-    need_bias: bool,
-):
-    """``(ds_total, dweight, dbias)``. The normalised sum is ``s = a + b`` (b optional,
-    rounded as in the forward); ``ds_total`` (in s's dtype) is the gradient of both
-    summands; ``dweight`` / ``dbias`` in the parameters' dtypes, None unless asked for."""
-    dsum, _, dweight, dbias, _ = _layer_norm_backward(
-        dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, None, 0.0, None, False
-    )
-    return dsum, dweight, dbias
+def add_layer_norm_backward(args: AddLayerNormArgs, inputs: AddLayerNormBackwardInputs) -> AddLayerNormGrads:
+    """The gradients. The normalised sum is ``s = x + residual`` (residual optional, rounded as
+    in the forward); its gradient (in s's dtype) is that of both summands, returned as ``x``;
+    ``weight`` / ``bias`` in the parameters' dtypes, None unless asked for."""
+    grads = _layer_norm_backward(args, inputs, mask=None, p=0.0, colsum_dtype=None, shared=False)
+    return AddLayerNormGrads(grads.x, None, grads.weight, grads.bias)
 
 
 def add_layer_norm_dropout_backward(
-    dy: torch.Tensor,
-    ds: torch.Tensor | None,
-    a: torch.Tensor,
-    b: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    need_weight: bool,
-    need_bias: bool,
+    args: AddLayerNormArgs,
+    inputs: AddLayerNormBackwardInputs,
+    *,
     mask: torch.Tensor | None,
     p: float,
     colsum_dtype: torch.dtype | None,
     part: torch.Tensor | None = None,
     part_col: int = 0,
-):
-    """The backward of ``add_layer_norm(dropout(z) + b, ...)`` where ``a = dropout(z)`` was drawn
-    with the bool keep ``mask`` (``a``'s shape, unit feature stride; None: no dropout) at rate
-    ``p``: ``(ds_total, dz, dweight, dbias, dz_colsum)``. ``dz = ds_total * keep / (1 - p)``
-    (``ds_total`` itself without a mask), in one pass with the layer norm's backward, as is
-    ``dz_colsum`` (``dz`` summed over the rows in fp32, in ``colsum_dtype``; None when that is
-    None): the gradient of the bias of the Linear that produced ``z``. The parameter gradients
-    may be views of one buffer (one reduction launch for all of them).
+) -> AddLayerNormDropoutGrads:
+    """The backward of ``add_layer_norm(dropout(z) + residual, ...)`` where ``x = dropout(z)``
+    was drawn with the bool keep ``mask`` (x's shape, unit feature stride; None: no dropout)
+    at rate ``p``. ``z``'s gradient, ``ds_total * keep / (1 - p)`` (``ds_total`` itself without
+    a mask), comes in one pass with the layer norm's backward, as does ``z_sum`` (it summed
+    over the rows in fp32, in ``colsum_dtype``; None when that is None): the gradient of the
+    bias of the Linear that produced ``z``. The parameter gradients may be views of one buffer
+    (one reduction launch for all of them).
 
     ``part`` (float32 ``[groups, W]``, contiguous; rows that fit one pass,
     :func:`layer_norm_backward_fuses`): the per-group partial sums of the k wanted ones of
-    ``dweight``, ``dbias``, ``dz_colsum`` (in that order, F columns each, from column
-    ``part_col`` on) go there instead, one row per group, and those three come back as None:
-    the caller sums the rows."""
+    ``weight``, ``bias``, ``z_sum`` (in that order, F columns each, from column ``part_col``
+    on) go there instead, one row per group, and those three come back as None: the caller
+    sums the rows."""
     return _layer_norm_backward(
-        dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias, mask, p, colsum_dtype, True, part, part_col
+        args, inputs, mask=mask, p=p, colsum_dtype=colsum_dtype, shared=True, part=part, part_col=part_col
     )
 
 
 def _layer_norm_backward(
-    dy,
-    ds,
-    a,
-    b,
-    weight,
-    bias,
-    mean,
-    rstd,
-    need_weight,
-    need_bias,
-    mask,
-    p,
-    colsum_dtype,
+    args: AddLayerNormArgs,
+    inputs: AddLayerNormBackwardInputs,
+    *,
+    mask: torch.Tensor | None,
+    p: float,
+    colsum_dtype: torch.dtype | None,
     shared: bool,
-    part=None,
+    part: torch.Tensor | None = None,
     part_col: int = 0,
-):
+) -> AddLayerNormDropoutGrads:
     """Both backward launchers; ``shared``: the partial sums in one buffer, reduced by one sum
     (the results are then views of one tensor, which torch.library ops may not return)."""
-    n_rows, n_cols = a.shape
-    dy, ds, a, b, mask = _unit_cols(dy), _unit_cols(ds), _unit_cols(a), _unit_cols(b), _unit_cols(mask)
-    weight, mean, rstd = _unit_vec(weight), _unit_vec(mean), _unit_vec(rstd)
+    n_rows, n_cols = args.x.shape
+    dy, ds = _unit_cols(inputs.grad_out), _unit_cols(inputs.grad_sum)
+    a, b, mask = _unit_cols(args.x), _unit_cols(args.residual), _unit_cols(mask)
+    weight, bias = _unit_vec(args.weight), args.bias
+    mean, rstd = _unit_vec(inputs.mean), _unit_vec(inputs.rstd)
     dtype = _sum_dtype(a, b)
-    need_weight = need_weight and weight is not None
-    need_bias = need_bias and bias is not None
+    need_weight = inputs.need_weight and weight is not None
+    need_bias = inputs.need_bias and bias is not None
     need_colsum = colsum_dtype is not None
     dsum = torch.empty((n_rows, n_cols), dtype=dtype, device=a.device)
     slots = (need_weight, need_bias, need_colsum)
@@ -434,9 +431,9 @@ def _layer_norm_backward(
             raise ValueError(f"{fn}(): part= takes rows of at most {_LN_BWD_MAX_BLOCK} elements, got {n_cols}")
         if n_rows == 0:
             part[:, part_col : part_col + sum(slots) * n_cols].zero_()
-            return dsum, dsum if mask is None else torch.empty_like(dsum), None, None, None
+            return AddLayerNormDropoutGrads(dsum, dsum if mask is None else torch.empty_like(dsum), None, None, None)
     if n_rows == 0:
-        return (
+        return AddLayerNormDropoutGrads(
             dsum,
             dsum if mask is None else torch.empty_like(dsum),
             torch.zeros_like(weight) if need_weight else None,
@@ -446,9 +443,11 @@ def _layer_norm_backward(
     interpreted = triton_interpreted()
     block_r, block_f, n_chunks, warps = _layer_norm_backward_config(n_cols, dtype, interpreted)
     if n_chunks > 1 and (mask is not None or need_colsum):  # long rows: the dropout and the sum on their own
-        dsum, dweight, dbias = add_layer_norm_backward(dy, ds, a, b, weight, bias, mean, rstd, need_weight, need_bias)
+        plain = add_layer_norm_backward(args, inputs)
+        dsum = plain.x
         dz = dsum if mask is None else torch.ops.aten.native_dropout_backward(dsum, mask, _drop_scale(p))
-        return dsum, dz, dweight, dbias, dz.sum(0, dtype=torch.float32).to(colsum_dtype) if need_colsum else None
+        dz_sum = dz.sum(0, dtype=torch.float32).to(colsum_dtype) if need_colsum else None
+        return AddLayerNormDropoutGrads(dsum, dz, plain.weight, plain.bias, dz_sum)
     fused = n_chunks == 1
     groups, per_group = _row_groups(
         n_rows, block_r, 1, a.device, interpreted, part.shape[0] if part is not None else None
@@ -526,7 +525,7 @@ def _layer_norm_backward(
             BLOCK_F=block_f2,
             num_warps=warps2,
         )
-        return (
+        return AddLayerNormDropoutGrads(
             dsum,
             drop,
             _reduce(dw_part, weight.dtype if weight is not None else torch.float32),
@@ -534,7 +533,7 @@ def _layer_norm_backward(
             None,
         )
     if not own:
-        return dsum, drop, None, None, None
+        return AddLayerNormDropoutGrads(dsum, drop, None, None, None)
     dtypes = (weight.dtype if weight is not None else None, bias.dtype if bias is not None else None, colsum_dtype)
     wanted = [dt for dt, want in zip(dtypes, slots) if want]
     if shared and k > 1 and len(set(wanted)) == 1:  # one reduction; the results are views of one tensor
@@ -542,4 +541,4 @@ def _layer_norm_backward(
     else:
         rows = iter(part[:, i * n_cols : (i + 1) * n_cols].sum(0).to(dt) for i, dt in enumerate(wanted))
     dweight, dbias, dcolsum = (next(rows) if want else None for want in slots)
-    return dsum, drop, dweight, dbias, dcolsum
+    return AddLayerNormDropoutGrads(dsum, drop, dweight, dbias, dcolsum)
