@@ -5,16 +5,18 @@ Families, one file each: BERT (``bert.py``), RoBERTa, XLM-RoBERTa and CamemBERT
 (``modernbert.py``) and MPNet (``mpnet.py``); for each the base model (``AutoModel``) and its
 ``ForSequenceClassification``, ``ForTokenClassification``, ``ForMaskedLM`` and
 ``ForQuestionAnswering`` heads. Sentence-transformers models over them, or over the decoders
-``decoder.py`` runs on packed batches under ``attn_implementation="ragged"`` (Qwen3-Embedding,
-EmbeddingGemma): the package ``sentence/`` (``__init__.py``: what conversion does, read first with
-``plan.py``; the pooling: ``pooling.py``; the packed input: ``batch.py``; the overlapped encode:
-``pipeline.py`` and its tokenization ``tokens.py``).
+``decoder.py`` runs on packed batches under ``attn_implementation="ragged"`` (its attention and
+mask functions: ``attention.py``; Qwen3-Embedding, EmbeddingGemma): the package ``sentence/``
+(``__init__.py``: what conversion does, read first with ``plan.py``; the pooling: ``pooling.py``;
+the packed input: ``batch.py``; the overlapped encode: ``pipeline.py`` and its tokenization
+``tokens.py``).
 
 **Layout of this package.** ``family.py`` says what a family declares (its layer modules,
 attention shape, embeddings, heads, outputs and what it refuses) and holds the machinery the
 BERT-like families share; ``batch.py`` reads a call's batch once; ``encoder.py`` runs any
 family's embeddings and layers; ``heads.py`` its heads and losses; ``forward.py`` identifies,
-checks and patches models and is the converted forward; ``families.py`` lists the families.
+checks and patches models and is the converted forward; ``families.py`` lists the families;
+``graphs.py`` tells :func:`ragged.nn.graphed` what only these families know (its hooks).
 
 **Mechanism.** Conversion patches forward behaviour and nothing else: the model (and, for a
 head, its base model) gets an instance attribute ``forward``, a :class:`RaggedForward`
