@@ -17,8 +17,10 @@ start=$(date +%s)
 RAGGED_BUILD_CUDA=1 RAGGED_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . >>"$log" 2>&1
 python3 -c "import ragged._C as C; print('ragged._C built, sm', C.archs())" 2>&1 | tee -a "$log"
 workers=$(( $(nproc) - 1 ))
-mapfile -t A < <(ls tests/test_gpu_attention*.py tests/test_gpu_pack.py tests/test_gpu_pool.py tests/test_gpu_vocab.py tests/test_gpu_aot.py)
-mapfile -t ALL < <(grep -l "mark.gpu" tests/test_*.py)
+# the test modules, wherever they sit under tests/ (folders mirror the package)
+mapfile -t A < <(find tests \( -name "test_gpu_attention*.py" -o -name test_gpu_pack.py -o -name test_gpu_pool.py \
+    -o -name test_gpu_vocab.py -o -name test_gpu_aot.py \) | sort)
+mapfile -t ALL < <(grep -rl "mark.gpu" tests --include="test_*.py" | sort)
 B=()
 for f in "${ALL[@]}"; do
     case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
