@@ -71,11 +71,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.ddp_report import (
+from bench.ddp_report import (  # noqa: F401  (SCALING_TARGET, SPREAD_TARGET, UNBALANCED: re-exported)
     BALANCED,
     PADDED,
     ROWS,
-    SPREAD_TARGET,  # noqa: F401  (re-exported)
+    SCALING_TARGET,
+    SPREAD_TARGET,
+    UNBALANCED,
     derive,
     markdown,
 )

@@ -17,14 +17,17 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
-from test_hf_sentence_decoder import (
+# transformers_ and folders are fixtures (used by name, not as values): F401 would drop them.
+from test_hf_sentence_decoder import (  # noqa: F401
     FAMILIES,
     FLOAT32_INSIDE,
     FLOAT32_TOL,
     INSTRUCT,
     TEXTS,
     _close,
-    _st,  # noqa: E402,F401
+    _st,
+    folders,
+    transformers_,
 )
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402

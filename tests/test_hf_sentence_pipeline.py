@@ -24,11 +24,19 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
 import test_hf_sentence as base  # noqa: E402
-from test_hf_sentence import (
+
+# The fixtures, and the tests of test_hf_sentence run again here with the pipeline on everywhere
+# (pytest collects imported test functions): F401 would drop them as unused.
+from test_hf_sentence import (  # noqa: F401
     TEXTS,
     _close,
     _st,
-    test_encode_matches_original,  # noqa: E402,F401
+    folders,
+    test_encode_matches_original,
+    test_left_padding,
+    test_prompt_left_out,
+    test_sentence_level_modules,
+    transformers_,
 )
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
