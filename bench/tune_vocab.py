@@ -18,17 +18,23 @@ import ragged
 from ragged.kernels.triton import vocab as kv
 from ragged.kernels.triton import vocab_cross_entropy as kce
 from ragged.ops.vocab_checks import prepare
+from ragged.records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+)
 
 from .suites.vocab import GPU_SHAPES, Problem
 
 
-def capture(p: Problem):
-    """The operands of the vocab ops for one call on the problem (no bias), as
-    :func:`ragged.vocab_projection` builds them."""
+def capture(p: Problem) -> VocabProjectionArgs:
+    """The projection's operand record for one call on the problem (no bias), as
+    :func:`ragged.vocab_projection` builds it."""
     hidden = ragged.RaggedTensor.from_lengths(p.hidden, p.lengths)
     vocab = ragged.RaggedTensor.from_lengths(p.vocab_values, p.counts)
     layout = prepare("bench.tune_vocab", hidden, p.weight, vocab, None, False)
-    return (
+    return VocabProjectionArgs(
         layout.hidden,
         layout.h_off,
         layout.weight,
@@ -71,7 +77,8 @@ def main():
     want = lambda k: not args.only or k in args.only  # noqa: E731
     print(torch.cuda.get_device_name(), flush=True)
     p = Problem.make(GPU_SHAPES[0], torch.device("cuda"))
-    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v = capture(p)
+    proj = capture(p)
+    hidden, weight, total, max_t, max_v = proj.hidden, proj.weight, proj.total, proj.max_t, proj.max_v
     dim, dt = hidden.shape[1], hidden.dtype
     full = do_bench(lambda: hidden @ weight.T, return_mode="median")
     print(
@@ -95,7 +102,7 @@ def main():
             "fwd",
             lambda c: setattr(kv, "config", (lambda *a, c=c: c) if c != default else orig),
             configs,
-            lambda: kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v),
+            lambda: kv.forward(proj),
             default,
         )
         kv.config = orig
@@ -109,9 +116,7 @@ def main():
             "d_hidden",
             lambda c: setattr(kv, "_dhidden_config", lambda *a, c=c: c),
             configs,
-            lambda: kv.backward(
-                grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, True, False, False, False
-            ),
+            lambda: kv.backward(proj, VocabProjectionBackwardInputs(grad, True, False, False, False)),
             default,
         )
         kv._dhidden_config = orig
@@ -130,13 +135,11 @@ def main():
             "d_weight",
             lambda c: setattr(kv, "_dweight_config", lambda *a, c=c: c),
             configs,
-            lambda: kv.backward(
-                grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, False, True, False, False
-            ),
+            lambda: kv.backward(proj, VocabProjectionBackwardInputs(grad, False, True, False, False)),
             default,
         )
         kv._dweight_config = orig
-    operands = (hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+    ce = VocabCrossEntropyArgs(*proj, target=p.target, ignore_index=-100, label_smoothing=0.0)
     if want("ce"):
         default = kce._ce_config(dim, max_t, max_v, dt, False)
         configs = [
@@ -152,36 +155,15 @@ def main():
             "ce fwd",
             lambda c: setattr(kce, "_ce_config", lambda *a, c=c: c),
             configs,
-            lambda: kce.forward(*operands, p.target, -100, 0.0),
+            lambda: kce.forward(ce),
             default,
         )
         kce._ce_config = orig
     if want("cegrad"):
-        _, lse, local, _ = kce.forward(*operands, p.target, -100, 0.0)
+        out = kce.forward(ce)
         gl = torch.full((hidden.shape[0],), 1.0 / hidden.shape[0], device="cuda")
-        fn = lambda: kce.backward(
-            gl,
-            hidden,
-            h_off,
-            weight,
-            bias,
-            ids,
-            v_off,
-            l_off,
-            total,
-            local,
-            lse,  # noqa
-            None,
-            0.0,
-            max_t,
-            max_v,
-            True,
-            True,
-            False,
-            False,
-            None,
-            None,
-        )
+        inputs = VocabCrossEntropyBackwardInputs(gl, out.local, out.lse, need_bias=False)
+        fn = lambda: kce.backward(ce, inputs)  # noqa: E731
         print(
             f"ce backward (grad tile + d_hidden + d_weight, current configs): "
             f"{do_bench(fn, return_mode='median'):.4f} ms",

@@ -31,6 +31,12 @@ from vocab_cases import (
 
 import ragged
 from ragged import RaggedTensor
+from ragged.records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+)
 
 # --------------------------------------------------------------------------------------
 # Cross-entropy against F.cross_entropy on each sequence's gathered logits
@@ -300,15 +306,22 @@ def _op_args(case="mixed", shared=False, grad=True):
     return (h, hidden.offsets, w, b, ids, None if shared else v_off, l_off, sum(counts), max(lens), max_v, "torch")
 
 
+def _without_target(args: VocabCrossEntropyArgs) -> list:
+    """The cross-entropy's operands its backward op takes: all but the target."""
+    return [value for name, value in zip(args._fields, args) if name != "target"]
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["ragged", "shared"])
 def test_opcheck(shared):
     torch.library.opcheck(torch.ops.ragged.vocab_projection.default, _op_args(shared=shared))
-    h, h_off, w, _b, ids, v_off, l_off, total, max_t, max_v, backend = _op_args(shared=shared, grad=False)
-    grad = torch.randn(total)
+    *operands, backend = _op_args(shared=shared, grad=False)
+    args = VocabProjectionArgs(*operands)
+    grad = torch.randn(args.total)
     for flags in ((True, True, True), (False, True, False)):
+        # the backward op: the operands, then the backward's inputs
         torch.library.opcheck(
             torch.ops.ragged.vocab_projection_backward.default,
-            (grad, h, h_off, w, ids, v_off, l_off, max_t, max_v, *flags, False, backend),
+            (*args, *VocabProjectionBackwardInputs(grad, *flags, False), backend),
         )
 
 
@@ -317,38 +330,20 @@ def test_opcheck_cross_entropy(shared):
     """The cross-entropy op and its backward op (global targets, some ignored, some outside
     their candidates), with and without the host offsets of an eager call."""
     hidden, weight, bias, vocab, cands, lens = _make("mixed", 101, torch.float32, shared=shared)  # _op_args' case
-    h, h_off, w, b, ids, v_off, l_off, total, max_t, max_v, backend = _op_args(shared=shared)
+    *operands, backend = _op_args(shared=shared)
     target = _targets(lens, cands, weight.shape[0], 103, outside=0.2)
-    operands = (h, h_off, w, b, ids, v_off, l_off, total, max_t, max_v, target, -100, 0.1)
-    torch.library.opcheck(torch.ops.ragged.vocab_cross_entropy.default, (*operands, backend))
-    loss, lse, local, missing = torch.ops.ragged.vocab_cross_entropy(*operands, backend)
+    args = VocabCrossEntropyArgs(*operands, target=target, ignore_index=-100, label_smoothing=0.1)
+    torch.library.opcheck(torch.ops.ragged.vocab_cross_entropy.default, (*args, backend))
+    loss, lse, local, missing = torch.ops.ragged.vocab_cross_entropy(*args, backend)
     host = (list(hidden.host_offsets()), None if shared else list(vocab.host_offsets()))
     grad = torch.randn(loss.shape[0])
+    plain = args._replace(hidden=args.hidden.detach(), weight=args.weight.detach(), bias=args.bias.detach())
     for flags, (host_h, host_v) in (((True, True, True), host), ((False, True, False), (None, None))):
+        inputs = VocabCrossEntropyBackwardInputs(grad, local, lse.detach(), None, *flags, False, host_h, host_v)
+        # the backward op: the operands it reads (no target), then the backward's inputs
         torch.library.opcheck(
             torch.ops.ragged.vocab_cross_entropy_backward.default,
-            (
-                grad,
-                h.detach(),
-                h_off,
-                w.detach(),
-                b.detach(),
-                ids,
-                v_off,
-                l_off,
-                total,
-                local,
-                lse.detach(),
-                None,
-                0.1,
-                max_t,
-                max_v,
-                *flags,
-                False,
-                host_h,
-                host_v,
-                backend,
-            ),
+            (*_without_target(plain), *inputs, backend),
         )
 
 
@@ -361,35 +356,19 @@ def test_fake_implementations_give_shapes():
         ids = torch.empty(11, dtype=torch.int64)
         l_off = torch.empty(4, dtype=torch.int64)
         out = torch.ops.ragged.vocab_projection(h, h_off, w, None, ids, h_off, l_off, 37, 5, 6, "torch")
+        # the backward ops: the operands they read, then the backward's inputs
         grads = torch.ops.ragged.vocab_projection_backward(
-            out, h, h_off, w, ids, h_off, l_off, 5, 6, True, False, True, False, "torch"
+            *VocabProjectionArgs(h, h_off, w, None, ids, h_off, l_off, 37, 5, 6),
+            *VocabProjectionBackwardInputs(out, True, False, True, False),
+            "torch",
         )
         target = torch.empty(9, dtype=torch.int64)
         ce = torch.ops.ragged.vocab_cross_entropy(
             h.double(), h_off, w.double(), None, ids, None, l_off, 99, 5, 11, target, -100, 0.0, "torch"
         )
         ce_grads = torch.ops.ragged.vocab_cross_entropy_backward(
-            ce[0],
-            h,
-            h_off,
-            w,
-            None,
-            ids,
-            h_off,
-            l_off,
-            37,
-            ce[2],
-            ce[1],
-            None,
-            0.0,
-            5,
-            6,
-            False,
-            True,
-            False,
-            False,
-            None,
-            None,
+            *_without_target(VocabCrossEntropyArgs(h, h_off, w, None, ids, h_off, l_off, 37, 5, 6, target, -100, 0.0)),
+            *VocabCrossEntropyBackwardInputs(ce[0], ce[2], ce[1], None, False, True, False, False),
             "torch",
         )
     assert out.shape == (37,)

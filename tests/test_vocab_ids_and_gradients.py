@@ -42,6 +42,12 @@ from vocab_regression_cases import (
 
 import ragged
 from ragged import RaggedTensor
+from ragged.records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+)
 
 # --------------------------------------------------------------------------------------
 # 1. Double backward: a clear error naming the function, on both the eager path and the
@@ -198,7 +204,8 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     l_off = _offsets([t * v for t, v in zip(LENS, sizes)], torch.int64)
     total, max_t, max_v = int(l_off[-1]), max(LENS), max(sizes)
     w_ext, b_ext, mapped = _contract_oracle(weight, bias, lists)
-    out = kv.forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+    args = VocabProjectionArgs(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+    out = kv.forward(args).logits
     torch.testing.assert_close(out.double(), _flat(_loop_blocks(hidden, LENS, w_ext, b_ext, mapped)), **TOL)
     grad = torch.randn(total, generator=g)
     leaves = [t.double().requires_grad_(True) for t in (hidden, w_ext, b_ext)]
@@ -206,19 +213,8 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     for deterministic in (False, True):
         dw_buf, db_buf = torch.zeros(V + 6, D), torch.zeros(V + 6)
         dh, _, _ = kv.backward(
-            grad,
-            hidden,
-            h_off,
-            weight,
-            ids,
-            v_off,
-            l_off,
-            max_t,
-            max_v,
-            True,
-            True,
-            True,
-            deterministic,
+            args,
+            VocabProjectionBackwardInputs(grad, deterministic=deterministic),
             dw_out=dw_buf[3 : 3 + V],
             db_out=db_buf[3 : 3 + V],
         )
@@ -238,9 +234,8 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
             target.append(int(c[j]) if j >= 0 else -100)
             want_local.append(j)
     target, want_local = torch.tensor(target), torch.tensor(want_local, dtype=torch.int32)
-    loss, lse, local, missing = kce.forward(
-        hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, -100, 0.0
-    )
+    ce_args = VocabCrossEntropyArgs(*args, target=target, ignore_index=-100, label_smoothing=0.0)
+    loss, lse, local, missing = kce.forward(ce_args)
     assert torch.equal(local, want_local) and missing.item() == 0
     leaves = [t.double().requires_grad_(True) for t in (hidden, w_ext, b_ext)]
     per_token, t = [], 0
@@ -255,29 +250,7 @@ def test_triton_kernels_never_follow_an_id_outside_the_vocabulary(shared):
     torch.testing.assert_close(loss.double(), want.detach(), **TOL)
     grad_loss = torch.randn(sum(LENS), generator=g)
     (want * grad_loss.double()).sum().backward()
-    got = kce.backward(
-        grad_loss,
-        hidden,
-        h_off,
-        weight,
-        bias,
-        ids,
-        v_off,
-        l_off,
-        total,
-        local,
-        lse,
-        None,
-        0.0,
-        max_t,
-        max_v,
-        True,
-        True,
-        True,
-        False,
-        None,
-        None,
-    )
+    got = kce.backward(ce_args, VocabCrossEntropyBackwardInputs(grad_loss, local, lse))
     _close(got, (leaves[0].grad, leaves[1].grad[:V], leaves[2].grad[:V]), "cross_entropy_backward")
 
 

@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 from conftest import HAS_CUDA, TRITON_ON_CPU
 
+from ragged.records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+)
+
 pytestmark = pytest.mark.skipif(not (TRITON_ON_CPU or HAS_CUDA), reason="needs the Triton interpreter or a GPU")
 
 kv = pytest.importorskip("ragged.kernels.triton.vocab")
@@ -78,7 +85,7 @@ def test_projection_forward_backward(shared, name, deterministic):
     c = _case(name, shared, seed=hash((shared, name)) % 1000)
     d = _dev(c)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    out = kv.forward(
+    args = VocabProjectionArgs(
         d["hidden"],
         _i32(c["h_off"]),
         d["weight"],
@@ -90,26 +97,13 @@ def test_projection_forward_backward(shared, name, deterministic):
         max(c["t_lens"]),
         max(c["v_lens"]),
     )
+    out = kv.forward(args).logits
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     ref = _loop_logits(h64, w64, b64, c)
     torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-5)
     grad = torch.randn(ref.shape, generator=c["gen"])
     ref.backward(grad.double())
-    dh, dw, db = kv.backward(
-        grad.to(DEVICE),
-        d["hidden"],
-        _i32(c["h_off"]),
-        d["weight"],
-        d["ids"],
-        _i32(c["v_off"]),
-        l_off,
-        max(c["t_lens"]),
-        max(c["v_lens"]),
-        True,
-        True,
-        True,
-        deterministic,
-    )
+    dh, dw, db = kv.backward(args, VocabProjectionBackwardInputs(grad.to(DEVICE), deterministic=deterministic))
     for got, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -131,7 +125,7 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     target = torch.tensor(targets)
     l_off = torch.tensor(c["l_off"], device=DEVICE)
     total, max_t, max_v = c["l_off"][-1], max(c["t_lens"]), max(c["v_lens"])
-    loss, lse, local, missing = kce.forward(
+    args = VocabCrossEntropyArgs(
         d["hidden"],
         _i32(c["h_off"]),
         d["weight"],
@@ -146,6 +140,7 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
         ignore,
         smoothing,
     )
+    loss, lse, local, missing = kce.forward(args)
     assert missing.item() == 0 and local.cpu().tolist() == local_t
     h64, w64, b64 = (t.double().requires_grad_(True) for t in (c["hidden"], c["weight"], c["bias"]))
     losses = []
@@ -161,30 +156,8 @@ def test_fused_cross_entropy(shared, smoothing, chunk, use_host):
     grad_loss = torch.randn(len(targets), generator=c["gen"])
     (ref * grad_loss.double()).sum().backward()
     host = (c["h_off"], c["v_off"]) if use_host else (None, None)
-    dh, dw, db = kce.backward(
-        grad_loss.to(DEVICE),
-        d["hidden"],
-        _i32(c["h_off"]),
-        d["weight"],
-        d["bias"],
-        d["ids"],
-        _i32(c["v_off"]),
-        l_off,
-        total,
-        local,
-        lse,
-        None,
-        smoothing,
-        max_t,
-        max_v,
-        True,
-        True,
-        True,
-        False,
-        host[0],
-        host[1],
-        chunk_elems=chunk,
-    )
+    inputs = VocabCrossEntropyBackwardInputs(grad_loss.to(DEVICE), local, lse, host_h_off=host[0], host_v_off=host[1])
+    dh, dw, db = kce.backward(args, inputs, chunk_elems=chunk)
     for got_g, want in ((dh, h64.grad), (dw, w64.grad), (db, b64.grad)):
         torch.testing.assert_close(got_g.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -219,7 +192,7 @@ def test_fused_cross_entropy_locates_global_targets(shared):
     want_local = torch.tensor([max(x, -1) for x in local_t], dtype=torch.int32)
     bad_tokens = [i for i, x in enumerate(local_t) if x == -2]
     l_off = torch.tensor(c["l_off"], device=DEVICE)
-    args = (
+    args = VocabCrossEntropyArgs(
         d["hidden"],
         _i32(c["h_off"]),
         d["weight"],
@@ -230,8 +203,11 @@ def test_fused_cross_entropy_locates_global_targets(shared):
         c["l_off"][-1],
         max(c["t_lens"]),
         max(c["v_lens"]),
+        torch.tensor(global_t, device=DEVICE),
+        ignore,
+        0.1,
     )
-    loss, lse, local, missing = kce.forward(*args, torch.tensor(global_t, device=DEVICE), ignore, 0.1)
+    loss, lse, local, missing = kce.forward(args)
     assert torch.equal(local.cpu(), want_local)
     assert missing.item() == len(bad_tokens)
     # the same losses with the local targets given as candidates' ids and the rest ignored
@@ -241,7 +217,7 @@ def test_fused_cross_entropy_locates_global_targets(shared):
         for b, (t0, t1) in enumerate(zip(c["h_off"][:-1], c["h_off"][1:]))
         for k in want_local[t0:t1].tolist()
     ]
-    loss2, lse2, local2, missing2 = kce.forward(*args, torch.tensor(again, device=DEVICE), ignore, 0.1)
+    loss2, lse2, local2, missing2 = kce.forward(args._replace(target=torch.tensor(again, device=DEVICE)))
     assert torch.equal(local2.cpu(), want_local) and missing2.item() == 0
     torch.testing.assert_close(loss.cpu(), loss2.cpu(), rtol=0, atol=0)
     torch.testing.assert_close(lse.cpu(), lse2.cpu(), rtol=0, atol=0)

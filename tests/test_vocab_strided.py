@@ -33,6 +33,12 @@ from vocab_regression_cases import (
 
 import ragged
 from ragged import RaggedLogits, RaggedTensor
+from ragged.records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+)
 
 
 def _strided_inputs(seed, shared, host):
@@ -192,30 +198,30 @@ def test_implementations_take_strided_metadata(shared, backend):
     total, max_t, max_v = int(l_off[-1]), max(LENS), max(sizes)
     ids = cands[0] if shared else torch.cat(cands)
     v_off = None if shared else _interleave(_offsets(COUNTS), 0)
-    args = (
-        _interleave(_offsets(LENS), 0),
-        weight,
-        _interleave(bias, 0.0),
-        _interleave(ids, 0),
-        v_off,
-        _interleave(l_off, 0),
+    args = VocabProjectionArgs(
+        hidden=hidden,
+        h_off=_interleave(_offsets(LENS), 0),
+        weight=weight,
+        bias=_interleave(bias, 0.0),
+        ids=_interleave(ids, 0),
+        v_off=v_off,
+        l_off=_interleave(l_off, 0),
+        total=total,
+        max_t=max_t,
+        max_v=max_v,
     )
-    h_off, _, b_s, ids_s, v_s, l_s = args
-    out = projection.forward_fn(hidden, *args, total, max_t, max_v)
+    out = projection.forward_fn(args).logits
     want = _flat(_loop_blocks(hidden, LENS, weight, bias, cands))
     torch.testing.assert_close(out.double(), want, **TOL)
     grad = torch.randn(total, generator=g)
     leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     _flat(_loop_blocks(*leaves[:1], LENS, *leaves[1:], cands)).backward(grad.double())
     for deterministic in (False, True):
-        got = projection.backward_fn(
-            grad, hidden, h_off, weight, ids_s, v_s, l_s, max_t, max_v, True, True, True, deterministic
-        )
+        got = projection.backward_fn(args, VocabProjectionBackwardInputs(grad, deterministic=deterministic))
         _close(got, [t.grad for t in leaves], f"{backend} backward deterministic={deterministic}")
     target = _targets(LENS, cands, 5)
-    forward = cross_entropy.forward_fn(
-        hidden, h_off, weight, b_s, ids_s, v_s, l_s, total, max_t, max_v, _interleave(target, 0), -100, 0.1
-    )
+    ce_args = VocabCrossEntropyArgs(*args, target=_interleave(target, 0), ignore_index=-100, label_smoothing=0.1)
+    forward = cross_entropy.forward_fn(ce_args)
     loss, lse, local, missing = forward
     assert missing.item() == 0 and local.dtype == torch.int32
     per_token = []
@@ -245,29 +251,10 @@ def test_implementations_take_strided_metadata(shared, backend):
     kept = getattr(forward, "logits", None)  # the logits an implementation's forward keeps for its backward
     for host_h, host_v in ((None, None), host):
         for logits in (None,) if kept is None else (None, kept):
-            got = cross_entropy.backward_fn(
-                grad_loss,
-                hidden,
-                h_off,
-                weight,
-                b_s,
-                ids_s,
-                v_s,
-                l_s,
-                total,
-                local,
-                _interleave(lse, 0.0),
-                logits,
-                0.1,
-                max_t,
-                max_v,
-                True,
-                True,
-                True,
-                False,
-                host_h,
-                host_v,
+            inputs = VocabCrossEntropyBackwardInputs(
+                grad_loss, local, _interleave(lse, 0.0), logits, host_h_off=host_h, host_v_off=host_v
             )
+            got = cross_entropy.backward_fn(ce_args, inputs)
             _close(
                 got,
                 [t.grad for t in leaves],

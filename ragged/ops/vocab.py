@@ -17,7 +17,8 @@ candidates, offsets ``v_off``) or a 1-D id tensor shared by the whole batch (the
 Two ops carry the work (defined through :mod:`ragged.opdef`, each with its backward op):
 ``ragged::vocab_projection`` (the flat logits) and ``ragged::vocab_cross_entropy`` (per-token
 losses for global target ids, the targets located among the candidates by the op). Every
-implementation of an op takes the same operands (see the signatures below):
+implementation of an op takes the same records (:mod:`ragged.records.vocab`: the operands, and
+for a backward its inputs) and returns the op's output or gradient record:
 
 * ``"torch"`` (:mod:`ragged.ops.vocab_reference`): one gather of the candidate rows of
   ``weight`` and one GEMM per sequence, float32 accumulation, the cross-entropy a segmented
@@ -58,6 +59,15 @@ from torch import Tensor
 
 from .. import backends, opdef
 from ..logits import RaggedLogits, compute_dtype
+from ..records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabCrossEntropyOutput,
+    VocabGrads,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+    VocabProjectionOutput,
+)
 from ..tensor import RaggedTensor
 from ..utils import describe
 from . import vocab_reference as _reference
@@ -145,150 +155,67 @@ def _first_order(fn: str, grads: tuple, *inputs) -> tuple:
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
-def _gradient_fakes(grad, hidden, weight, need_hidden, need_weight, need_bias):
-    return (
-        hidden.new_empty(hidden.shape) if need_hidden else grad.new_empty(0),
-        weight.new_empty(weight.shape) if need_weight else grad.new_empty(0),
-        weight.new_empty(weight.shape[0]) if need_bias else grad.new_empty(0),
+def _gradient_fakes(args, inputs) -> VocabGrads:
+    hidden, weight = args.hidden, args.weight
+    return VocabGrads(
+        hidden.new_empty(hidden.shape) if inputs.need_hidden else None,
+        weight.new_empty(weight.shape) if inputs.need_weight else None,
+        weight.new_empty(weight.shape[0]) if inputs.need_bias else None,
     )
 
 
 # --------------------------------------------------------------------------------------
-# ragged::vocab_projection: the flat logits [total] in hidden's dtype. l_off: int64 [B+1];
-# total, max_t, max_v: host ints (number of logits, longest sequence, most candidates).
+# ragged::vocab_projection: the flat logits [total] in hidden's dtype (VocabProjectionArgs:
+# l_off int64 [B+1]; total, max_t, max_v host ints: number of logits, longest sequence, most
+# candidates).
 
 
-def _projection_signature(
-    hidden: Tensor,
-    h_off: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ids: Tensor,
-    v_off: Tensor | None,
-    l_off: Tensor,
-    total: int,
-    max_t: int,
-    max_v: int,
-) -> Tensor: ...
+def _projection_setup(ctx, args: VocabProjectionArgs, output: VocabProjectionOutput) -> None:
+    ctx.save_for_backward(args.hidden, args.h_off, args.weight, args.bias, args.ids, args.v_off, args.l_off)
+    ctx.sizes = (args.total, args.max_t, args.max_v)
 
 
-def _projection_backward_signature(
-    grad: Tensor,
-    hidden: Tensor,
-    h_off: Tensor,
-    weight: Tensor,
-    ids: Tensor,
-    v_off: Tensor | None,
-    l_off: Tensor,
-    max_t: int,
-    max_v: int,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-    deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-def _projection_setup(ctx, inputs, output):
-    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, backend = inputs
-    ctx.save_for_backward(hidden, h_off, weight, ids, v_off, l_off)
-    ctx.sizes = (max_t, max_v, backend)
-
-
-def _projection_backward(ctx, grad):
-    hidden, h_off, weight, ids, v_off, l_off = ctx.saved_tensors
-    max_t, max_v, backend = ctx.sizes
-    need = ctx.needs_input_grad
+def _projection_backward(ctx, grad: Tensor) -> VocabGrads:
+    hidden, h_off, weight, bias, ids, v_off, l_off = ctx.saved_tensors
+    total, max_t, max_v = ctx.sizes
+    need = ctx.needs_grad
+    args = VocabProjectionArgs(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
+    inputs = VocabProjectionBackwardInputs(
+        grad.contiguous(),
+        need_hidden=need.hidden,
+        need_weight=need.weight,
+        need_bias=need.bias,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )
     with torch.no_grad():
-        grads = VOCAB_PROJECTION.call_backward(
-            grad.contiguous(),
-            hidden,
-            h_off,
-            weight,
-            ids,
-            v_off,
-            l_off,
-            max_t,
-            max_v,
-            need[0],
-            need[2],
-            need[3],
-            torch.are_deterministic_algorithms_enabled(),
-            backend,
-        )
-    dh, dw, db = _first_order(_PROJECTION_FN, grads, grad, hidden, weight)
-    return dh, None, dw, db, None, None, None, None, None, None
+        grads = VOCAB_PROJECTION.call_backward(args, inputs, ctx.impl)
+    return VocabGrads._make(_first_order(_PROJECTION_FN, grads, grad, hidden, weight))
 
 
 VOCAB_PROJECTION = opdef.define(
     "vocab_projection",
-    _projection_signature,
+    VocabProjectionArgs,
+    VocabProjectionOutput,
     spec=vocab_spec,
     setup=_projection_setup,
     backward=_projection_backward,
-    fake=lambda hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v: hidden.new_empty((total,)),
-    backward_signature=_projection_backward_signature,
-    backward_fake=lambda grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, nh, nw, nb, det: _gradient_fakes(
-        grad, hidden, weight, nh, nw, nb
-    ),
-    backward_present=lambda *operands: operands[9:12],
+    fake=lambda args: VocabProjectionOutput(args.hidden.new_empty((args.total,))),
+    backward_inputs=VocabProjectionBackwardInputs,
+    grads=VocabGrads,
+    backward_fake=_gradient_fakes,
 )
-# ragged::vocab_cross_entropy: (loss [T], lse [T] in the compute dtype; local [T] int32, each
-# target's index among its sequence's candidates, -1 for ignore_index or a target outside
-# them; missing int64 [], the number of tokens whose target is neither) for global target
-# ids [T]. The backward takes the host offsets when the call knew them (eager), so that it
-# can take the batch in chunks without a device read, and the flat logits when the forward's
+# ragged::vocab_cross_entropy: per-token losses for global target ids [T] (VocabCrossEntropyOutput:
+# loss and lse in the compute dtype, each target's local index, the count of missing ones).
+# The backward takes the host offsets when the call knew them (eager), so that it can take
+# the batch in chunks without a device read, and the flat logits when the forward's
 # implementation kept them (an eager call whose forward outputs carry them as .logits, as
-# the torch reference's do): None has them recomputed.
+# the torch reference's do): None has them recomputed. It reads no target (local stands for it).
 
 
-def _ce_signature(
-    hidden: Tensor,
-    h_off: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ids: Tensor,
-    v_off: Tensor | None,
-    l_off: Tensor,
-    total: int,
-    max_t: int,
-    max_v: int,
-    target: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
-
-
-def _ce_backward_signature(
-    grad: Tensor,
-    hidden: Tensor,
-    h_off: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ids: Tensor,
-    v_off: Tensor | None,
-    l_off: Tensor,
-    total: int,
-    local: Tensor,
-    lse: Tensor,
-    logits: Tensor | None,
-    label_smoothing: float,
-    max_t: int,
-    max_v: int,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-    deterministic: bool,
-    host_h_off: list[int] | None,
-    host_v_off: list[int] | None,
-) -> tuple[Tensor, Tensor, Tensor]: ...
-
-
-def _ce_fake(
-    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing
-):
+def _ce_fake(args: VocabCrossEntropyArgs) -> VocabCrossEntropyOutput:
+    hidden = args.hidden
     tokens, dtype = hidden.shape[0], compute_dtype(hidden.dtype)
-    return (
+    return VocabCrossEntropyOutput(
         hidden.new_empty((tokens,), dtype=dtype),
         hidden.new_empty((tokens,), dtype=dtype),
         hidden.new_empty((tokens,), dtype=torch.int32),
@@ -296,87 +223,70 @@ def _ce_fake(
     )
 
 
-def _ce_setup(ctx, inputs, output):
-    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, _, _, smoothing, backend = inputs
-    ctx.save_for_backward(hidden, h_off, weight, bias, ids, v_off, l_off, output[2], output[1])
-    ctx.sizes = (total, max_t, max_v, smoothing, backend)
+def _ce_setup(ctx, args: VocabCrossEntropyArgs, output: VocabCrossEntropyOutput) -> None:
+    ctx.save_for_backward(
+        args.hidden, args.h_off, args.weight, args.bias, args.ids, args.v_off, args.l_off, output.local, output.lse
+    )
+    ctx.sizes = (args.total, args.max_t, args.max_v, args.ignore_index, args.label_smoothing)
     ctx.logits = getattr(output, "logits", None)
 
 
-def _ce_backward(ctx, grad, *_):
+def _ce_backward(ctx, grad: Tensor, *_) -> VocabGrads:
     hidden, h_off, weight, bias, ids, v_off, l_off, local, lse = ctx.saved_tensors
-    total, max_t, max_v, smoothing, backend = ctx.sizes
+    total, max_t, max_v, ignore_index, smoothing = ctx.sizes
     host_h, host_v = ctx.context or (None, None)
-    need = ctx.needs_input_grad
+    need = ctx.needs_grad
+    # no target: the backward reads the forward's local targets instead
+    args = VocabCrossEntropyArgs(
+        hidden,
+        h_off,
+        weight,
+        bias,
+        ids,
+        v_off,
+        l_off,
+        total,
+        max_t,
+        max_v,
+        target=None,  # type: ignore[arg-type]
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+    )
+    # the loss gradient may be a broadcast scalar (mean, sum): implementations read it with its stride
+    inputs = VocabCrossEntropyBackwardInputs(
+        grad,
+        local,
+        lse,
+        ctx.logits,
+        need_hidden=need.hidden,
+        need_weight=need.weight,
+        need_bias=bias is not None and need.bias,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        host_h_off=host_h,
+        host_v_off=host_v,
+    )
     with torch.no_grad():
-        # the loss gradient may be a broadcast scalar (mean, sum): implementations read it with its stride
-        grads = VOCAB_CROSS_ENTROPY.call_backward(
-            grad,
-            hidden,
-            h_off,
-            weight,
-            bias,
-            ids,
-            v_off,
-            l_off,
-            total,
-            local,
-            lse,
-            ctx.logits,
-            smoothing,
-            max_t,
-            max_v,
-            need[0],
-            need[2],
-            bias is not None and need[3],
-            torch.are_deterministic_algorithms_enabled(),
-            host_h,
-            host_v,
-            backend,
-        )
-    dh, dw, db = _first_order(_CROSS_ENTROPY_FN, grads, grad, hidden, weight, bias)
-    return dh, None, dw, db, None, None, None, None, None, None, None, None, None
-
-
-def _ce_backward_fake(
-    grad,
-    hidden,
-    h_off,
-    weight,
-    bias,
-    ids,
-    v_off,
-    l_off,
-    total,
-    local,
-    lse,
-    logits,
-    smoothing,
-    max_t,
-    max_v,
-    nh,
-    nw,
-    nb,
-    det,
-    host_h,
-    host_v,
-):
-    return _gradient_fakes(grad, hidden, weight, nh, nw, nb)
+        grads = VOCAB_CROSS_ENTROPY.call_backward(args, inputs, ctx.impl)
+    return VocabGrads._make(_first_order(_CROSS_ENTROPY_FN, grads, grad, hidden, weight, bias))
 
 
 VOCAB_CROSS_ENTROPY = opdef.define(
     "vocab_cross_entropy",
-    _ce_signature,
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyOutput,
     spec=vocab_spec,
     setup=_ce_setup,
     backward=_ce_backward,
     fake=_ce_fake,
-    backward_signature=_ce_backward_signature,
-    backward_fake=_ce_backward_fake,
-    backward_present=lambda *operands: operands[15:18],
-    non_differentiable=lambda inputs, outputs: outputs[1:],
+    backward_inputs=VocabCrossEntropyBackwardInputs,
+    grads=VocabGrads,
+    backward_fake=_gradient_fakes,
+    backward_unread=("target",),
+    non_differentiable=lambda args, output: (output.lse, output.local, output.missing),
 )
-# anyway: the ids' checks run before it ("check_ids"), at no extra wait.
+
+# The torch implementations (ragged.ops.vocab_reference) read the offsets on the host
+# anyway: the ids' checks run before them ("check_ids"), at no extra wait.
 backends.register(
     backends.Implementation(
         "vocab_projection",
@@ -436,10 +346,11 @@ def vocab_projection(
     if not layout.ids_checked:
         check_ids = impl.extra("check_ids")
         if check_ids is not None:
-            check_ids(fn, layout, ("range",))
-    values = VOCAB_PROJECTION(
-        h, h_off, weight, layout.bias, ids, v_off, layout.l_off, layout.total, layout.max_t, layout.max_v, impl.backend
+            check_ids(fn, layout, checks=("range",))
+    args = VocabProjectionArgs(
+        h, h_off, weight, layout.bias, ids, v_off, layout.l_off, layout.total, layout.max_t, layout.max_v
     )
+    values = VOCAB_PROJECTION(args, impl.name).logits
     return RaggedLogits(
         values,
         h_off,
@@ -519,10 +430,10 @@ def vocab_cross_entropy(
     if not layout.ids_checked:
         check_ids = impl.extra("check_ids")
         if check_ids is not None:
-            check_ids(fn, layout, CE_ID_CHECKS)
+            check_ids(fn, layout, checks=CE_ID_CHECKS)
         elif fold:
             id_flags = late_id_flags(layout, CE_ID_CHECKS)
-    losses, _, local, missing = VOCAB_CROSS_ENTROPY(
+    args = VocabCrossEntropyArgs(
         h,
         h_off,
         weight,
@@ -536,9 +447,9 @@ def vocab_cross_entropy(
         target,
         ignore_index,
         float(label_smoothing),
-        impl.backend,
-        context=(layout.host_h, layout.host_v),
     )
+    out = VOCAB_CROSS_ENTROPY(args, impl.name, context=(layout.host_h, layout.host_v))
+    losses, local, missing = out.loss, out.local, out.missing
     if fold:
         raise_out_of_vocab(fn, missing, local, target, ignore_index, layout, id_flags)
     dtype = h.dtype

@@ -4,8 +4,8 @@ Plain torch, one gather of the candidate rows of ``weight`` and one GEMM per seq
 accumulated in float32 (float64 for float64). They read the offsets on the host (one sync
 on CUDA, none for a shared vocabulary), so they are not the GPU hot path. The op
 implementations (:func:`projection_forward`, :func:`projection_backward`,
-:func:`cross_entropy_forward`, :func:`cross_entropy_backward`) take the operands of the ops
-of :mod:`ragged.ops.vocab`, as every backend's do.
+:func:`cross_entropy_forward`, :func:`cross_entropy_backward`) take the records of the ops of
+:mod:`ragged.ops.vocab` (:mod:`ragged.records.vocab`), as every backend's do.
 """
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ from __future__ import annotations
 import torch
 
 from ..logits import compute_dtype, layout_coords, segmented_cross_entropy
+from ..records.vocab import (
+    VocabCrossEntropyArgs,
+    VocabCrossEntropyBackwardInputs,
+    VocabCrossEntropyOutput,
+    VocabGrads,
+    VocabProjectionArgs,
+    VocabProjectionBackwardInputs,
+    VocabProjectionOutput,
+)
 from .vocab_checks import host_ints
 
 
@@ -162,19 +171,29 @@ def _project_backward(grad, hidden, weight, ids64, segments, need_hidden, need_w
 
 
 # --------------------------------------------------------------------------------------
-# The implementations of the ops (signatures: those of ragged.ops.vocab's op definitions)
+# The implementations of the ops (over the records of ragged.records.vocab)
 
 
-def projection_forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v):
+def projection_forward(args: VocabProjectionArgs) -> VocabProjectionOutput:
     with torch.no_grad():
-        return reference_vocab_projection(hidden, h_off, weight, bias, ids, v_off)
+        return VocabProjectionOutput(
+            reference_vocab_projection(args.hidden, args.h_off, args.weight, args.bias, args.ids, args.v_off)
+        )
 
 
-def projection_backward(
-    grad, hidden, h_off, weight, ids, v_off, l_off, max_t, max_v, need_hidden, need_weight, need_bias, deterministic
-):
-    return reference_vocab_projection_backward(
-        grad, hidden, h_off, weight, ids, v_off, need_hidden, need_weight, need_bias
+def projection_backward(args: VocabProjectionArgs, inputs: VocabProjectionBackwardInputs) -> VocabGrads:
+    return VocabGrads._make(
+        reference_vocab_projection_backward(
+            inputs.grad_logits,
+            args.hidden,
+            args.h_off,
+            args.weight,
+            args.ids,
+            args.v_off,
+            inputs.need_hidden,
+            inputs.need_weight,
+            inputs.need_bias,
+        )
     )
 
 
@@ -221,73 +240,52 @@ def locate_targets(
     return torch.where(keep, local, -1), (keep ^ wanted).sum()  # wanted, not found
 
 
-class _Outputs(tuple):
-    """The cross-entropy forward's ``(loss, lse, local, missing)``, carrying its flat logits as
-    ``.logits`` (an attribute, not an output: the op's outputs are the same on every
-    backend): an eager call hands them to its backward instead of having them recomputed."""
+class _Outputs(VocabCrossEntropyOutput):
+    """The cross-entropy forward's output record, carrying its flat logits as ``.logits`` (an
+    attribute, not an output: the op's outputs are the same on every backend): an eager call
+    hands them to its backward instead of having them recomputed."""
 
     logits: torch.Tensor
 
 
-def cross_entropy_forward(
-    hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing
-):
+def cross_entropy_forward(args: VocabCrossEntropyArgs) -> VocabCrossEntropyOutput:
     """``(loss, lse, local, missing)``: the logits of :func:`reference_vocab_projection` and a
     segmented log-softmax over them (see :func:`ragged.logits.segmented_cross_entropy`)."""
+    hidden, h_off, weight, ids, v_off = args.hidden, args.h_off, args.weight, args.ids, args.v_off
     tokens = hidden.shape[0]
     shared = v_off is None
-    coords = None if shared else layout_coords(h_off, v_off, l_off, ids.shape[0], tokens, total)
+    coords = None if v_off is None else layout_coords(h_off, v_off, args.l_off, ids.shape[0], tokens, args.total)
     local, missing = locate_targets(
-        target, h_off, ids, v_off, weight.shape[0], ignore_index, None if shared else coords.seq
+        args.target, h_off, ids, v_off, weight.shape[0], args.ignore_index, None if coords is None else coords.seq
     )
     with torch.no_grad():
-        values = reference_vocab_projection(hidden, h_off, weight, bias, ids, v_off)
+        values = reference_vocab_projection(hidden, h_off, weight, args.bias, ids, v_off)
         loss, lse = segmented_cross_entropy(
-            values, tokens, coords, ids.shape[0] if shared else None, local, label_smoothing
+            values, tokens, coords, ids.shape[0] if shared else None, local, args.label_smoothing
         )
-    out = _Outputs((loss, lse, local.to(torch.int32), missing))
+    out = _Outputs(loss, lse, local.to(torch.int32), missing)
     out.logits = values
     return out
 
 
-def cross_entropy_backward(
-    grad,
-    hidden,
-    h_off,
-    weight,
-    bias,
-    ids,
-    v_off,
-    l_off,
-    total,
-    local,
-    lse,
-    logits,
-    label_smoothing,
-    max_t,
-    max_v,
-    need_hidden,
-    need_weight,
-    need_bias,
-    deterministic,
-    host_h_off,
-    host_v_off,
-):
+def cross_entropy_backward(args: VocabCrossEntropyArgs, inputs: VocabCrossEntropyBackwardInputs) -> VocabGrads:
     """Gradients of ``sum_t grad[t] * loss_t``: the logits' gradient
     ``grad_t * (softmax - (1 - eps) * onehot - eps / V_b)`` (the logits recomputed where the
-    forward's ``logits`` are not given), then the projection's backward."""
+    forward's ``logits`` are not given), then the projection's backward. Reads no ``target``."""
+    hidden, h_off, weight, ids, v_off, l_off = args.hidden, args.h_off, args.weight, args.ids, args.v_off, args.l_off
+    grad, lse, logits = inputs.grad_loss, inputs.lse, inputs.logits
     tokens = hidden.shape[0]
     dtype = compute_dtype(hidden.dtype)
     ids64 = ids.to(torch.int64)
     shared = v_off is None
-    segments = _segments(tokens, h_off, ids, v_off, host_h_off, host_v_off)
+    segments = _segments(tokens, h_off, ids, v_off, inputs.host_h_off, inputs.host_v_off)
     with torch.no_grad():
         if logits is None:
-            logits = _project(hidden, weight, bias, ids64, segments, dtype)
+            logits = _project(hidden, weight, args.bias, ids64, segments, dtype)
         x = logits.to(dtype)
-        local = local.to(torch.int64)
+        local = inputs.local.to(torch.int64)
         keep = local >= 0
-        eps = float(label_smoothing)
+        eps = float(args.label_smoothing)
         grad_t = torch.where(keep, grad.expand(tokens).to(dtype), 0.0)  # 0 for a token without target
         target_t = grad_t * (eps - 1.0)  # the one-hot term, per token
         if x.shape[0] == 0:
@@ -307,7 +305,9 @@ def cross_entropy_backward(
             if eps:
                 g -= spread[:, 2]
             g.index_put_((torch.where(keep, row_start + local, 0),), target_t, accumulate=True)
-    return _project_backward(g, hidden, weight, ids64, segments, need_hidden, need_weight, need_bias)
+    return VocabGrads._make(
+        _project_backward(g, hidden, weight, ids64, segments, inputs.need_hidden, inputs.need_weight, inputs.need_bias)
+    )
 
 
 def _token_rows(h_off, v_off, l_off, tokens) -> tuple[torch.Tensor, torch.Tensor]:

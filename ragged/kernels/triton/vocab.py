@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import overload
 
 import torch
 import triton
 import triton.language as tl
 
 from ...backends import triton_interpreted as interpreted
+from ...records.vocab import VocabGrads, VocabProjectionArgs, VocabProjectionBackwardInputs, VocabProjectionOutput
 from .launch import cached_launch
 
 _INLINE_MAX_BATCH = 4096
@@ -446,7 +448,13 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+@overload
+def unit_stride(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def unit_stride(t: None) -> None: ...
+@overload
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None: ...
+def unit_stride(t):
     """A 1-D tensor the kernels index as ``ptr + i`` (offsets, ids, targets, bias), with unit
     stride: a strided or expanded view becomes a copy (None stays None)."""
     return t if t is None or t.is_contiguous() else t.contiguous()
@@ -499,14 +507,15 @@ def worklist(seg: Segments, block_r: int, block_c: int, use_rows: bool, use_cols
     return work, False, 16, max(batch - 1, 0).bit_length()
 
 
-def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v):
+def forward(args: VocabProjectionArgs) -> VocabProjectionOutput:
     """Logits ``[total]`` in hidden's dtype: the ``vocab_projection`` op's forward."""
-    hidden, weight, bias = row_major(hidden), row_major(weight), unit_stride(bias)
-    seg = segments(h_off, v_off, l_off, ids)
+    hidden, weight, bias = row_major(args.hidden), row_major(args.weight), unit_stride(args.bias)
+    total, max_t, max_v = args.total, args.max_t, args.max_v
+    seg = segments(args.h_off, args.v_off, args.l_off, args.ids)
     out = torch.empty(total, dtype=hidden.dtype, device=hidden.device)
     batch = seg.batch
     if total == 0 or batch == 0:
-        return out
+        return VocabProjectionOutput(out)
     dim = hidden.shape[1]
     bm, bn, bk, warps, stages = config(dim, max_t, max_v, hidden.dtype, interpreted())
     work, inline, chunk, n_steps = worklist(seg, bm, bn, True, True)
@@ -540,44 +549,31 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v)
         num_warps=warps,
         num_stages=stages,
     )
-    return out
+    return VocabProjectionOutput(out)
 
 
 def backward(
-    grad,
-    hidden,
-    h_off,
-    weight,
-    ids,
-    v_off,
-    l_off,
-    max_t,
-    max_v,
-    need_hidden,
-    need_weight,
-    need_bias,
-    deterministic,
-    *,
-    dw_out=None,
-    db_out=None,
-    dh_out=None,
-):
-    """(d_hidden, d_weight, d_bias) for the flat logits' gradient ``grad``: the
-    ``vocab_projection`` op's backward (see :func:`project_backward`)."""
-    seg = segments(h_off, v_off, l_off, ids)
-    return project_backward(
-        grad.contiguous(),
-        row_major(hidden),
-        row_major(weight),
-        seg,
-        max_t,
-        need_hidden,
-        need_weight,
-        need_bias,
-        deterministic,
-        dw_out,
-        db_out,
-        dh_out,
+    args: VocabProjectionArgs, inputs: VocabProjectionBackwardInputs, *, dw_out=None, db_out=None, dh_out=None
+) -> VocabGrads:
+    """The gradients of hidden, weight and bias for the flat logits' gradient: the
+    ``vocab_projection`` op's backward (see :func:`project_backward`; ``dw_out``, ``db_out``,
+    ``dh_out``: its buffers)."""
+    seg = segments(args.h_off, args.v_off, args.l_off, args.ids)
+    return VocabGrads._make(
+        project_backward(
+            inputs.grad_logits.contiguous(),
+            row_major(args.hidden),
+            row_major(args.weight),
+            seg,
+            args.max_t,
+            inputs.need_hidden,
+            inputs.need_weight,
+            inputs.need_bias,
+            inputs.deterministic,
+            dw_out,
+            db_out,
+            dh_out,
+        )
     )
 
 

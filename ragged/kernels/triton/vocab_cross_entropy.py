@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...records.vocab import VocabCrossEntropyArgs, VocabCrossEntropyBackwardInputs, VocabCrossEntropyOutput, VocabGrads
 from ...utils import to_device
 from .launch import cached_launch
 from .vocab import (
@@ -258,7 +259,7 @@ def _ce_config(dim: int, max_t: int, max_v: int, dtype: torch.dtype, interp: boo
     return block_m, block_n, 64, 8, 3
 
 
-def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v, target, ignore_index, label_smoothing):
+def forward(args: VocabCrossEntropyArgs) -> VocabCrossEntropyOutput:
     """``(loss, lse, local, missing)`` without storing logits: the ``vocab_cross_entropy`` op's forward.
 
     ``target``: ``[T]`` global ids. ``loss`` and ``lse``: ``[T]`` float32 (``lse`` is -inf for
@@ -266,8 +267,10 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v,
     int32, each target's index among its sequence's candidates (-1 where it is
     ``ignore_index`` or not a candidate). ``missing``: int64 ``[]``, the number of tokens
     whose target is neither."""
-    hidden, weight, bias, target = row_major(hidden), row_major(weight), unit_stride(bias), unit_stride(target)
-    seg = segments(h_off, v_off, l_off, ids)
+    hidden, weight = row_major(args.hidden), row_major(args.weight)
+    bias, target = unit_stride(args.bias), unit_stride(args.target)
+    max_t, max_v = args.max_t, args.max_v
+    seg = segments(args.h_off, args.v_off, args.l_off, args.ids)
     tokens = hidden.shape[0]
     device = hidden.device
     # every token belongs to a row tile of its sequence: the kernel writes each row
@@ -277,9 +280,9 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v,
     missing = torch.zeros((), dtype=torch.int64, device=device)
     batch = seg.batch
     if tokens == 0 or batch == 0:
-        return loss, lse, local, missing
+        return VocabCrossEntropyOutput(loss, lse, local, missing)
     dim = hidden.shape[1]
-    smoothing = float(label_smoothing)
+    smoothing = float(args.label_smoothing)
     bm, bn, bk, warps, stages = _ce_config(dim, max_t, max_v, hidden.dtype, interpreted())
     work, inline, chunk, n_steps = worklist(seg, bm, 1, True, False)
     _ce_fwd_kernel[(tokens // bm + batch,)](
@@ -304,7 +307,7 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v,
         hidden.stride(0),
         weight.stride(0),
         smoothing,
-        int(ignore_index),
+        int(args.ignore_index),
         max(int(max_v), 1).bit_length(),
         HAS_BIAS=bias is not None,
         SHARED=seg.v_off is None,
@@ -319,46 +322,32 @@ def forward(hidden, h_off, weight, bias, ids, v_off, l_off, total, max_t, max_v,
         num_warps=warps,
         num_stages=stages,
     )
-    return loss, lse, local, missing
+    return VocabCrossEntropyOutput(loss, lse, local, missing)
 
 
 def backward(
-    grad,
-    hidden,
-    h_off,
-    weight,
-    bias,
-    ids,
-    v_off,
-    l_off,
-    total,
-    local,
-    lse,
-    logits,
-    label_smoothing,
-    max_t,
-    max_v,
-    need_hidden,
-    need_weight,
-    need_bias,
-    deterministic,
-    host_h_off,
-    host_v_off,
-    *,
-    chunk_elems=CE_CHUNK,
-):
+    args: VocabCrossEntropyArgs, inputs: VocabCrossEntropyBackwardInputs, *, chunk_elems: int = CE_CHUNK
+) -> VocabGrads:
     """Gradients of ``sum_t grad[t] * loss_t`` w.r.t. hidden, weight and bias: the
-    ``vocab_cross_entropy`` op's backward.
+    ``vocab_cross_entropy`` op's backward (it reads no ``target``).
 
     With the host offsets (``host_v_off`` ``None`` for a shared vocabulary) the batch is
     taken in chunks of at most ``chunk_elems`` logits (a sequence larger than that forms a
     chunk alone): the only logits-sized memory the loss holds. Without them, one chunk.
-    ``grad`` may be a broadcast view (the gradient of a mean or a sum): it is read with its
-    stride. ``logits``: None (the forward keeps none: they are recomputed tile by tile)."""
-    device = hidden.device
-    hidden, weight, bias, lse = row_major(hidden), row_major(weight), unit_stride(bias), unit_stride(lse)
-    seg = segments(h_off, v_off, l_off, ids)
-    local = local.to(torch.int32).contiguous()
+    ``grad_loss`` may be a broadcast view (the gradient of a mean or a sum): it is read with
+    its stride. ``logits``: None (the forward keeps none: they are recomputed tile by tile)."""
+    device = args.hidden.device
+    hidden, weight, bias, lse = (
+        row_major(args.hidden),
+        row_major(args.weight),
+        unit_stride(args.bias),
+        unit_stride(inputs.lse),
+    )
+    seg = segments(args.h_off, args.v_off, args.l_off, args.ids)
+    local = inputs.local.to(torch.int32).contiguous()
+    grad, total, max_t, max_v = inputs.grad_loss, args.total, args.max_t, args.max_v
+    need_hidden, need_weight, need_bias = inputs.need_hidden, inputs.need_weight, inputs.need_bias
+    host_h_off, host_v_off = inputs.host_h_off, inputs.host_v_off
     tokens = hidden.shape[0]
     if grad.dim() != 1 or grad.shape[0] != tokens:
         grad = grad.expand(tokens)
@@ -368,13 +357,13 @@ def backward(
     dw = torch.zeros((vocab_size, dim), dtype=weight.dtype, device=device) if need_weight or need_bias else None
     db = torch.zeros(vocab_size, dtype=weight.dtype, device=device) if need_bias else None
     if seg.batch == 0 or tokens == 0 or total == 0:
-        return torch.zeros_like(hidden) if need_hidden else None, dw if need_weight else None, db
+        return VocabGrads(torch.zeros_like(hidden) if need_hidden else None, dw if need_weight else None, db)
     single = host_h_off is None or (not shared and host_v_off is None) or total <= chunk_elems
     # one chunk: d_hidden written by its kernel for every token; several: rows of sequences
     # without logits belong to no chunk and stay zero
     d_hidden = (torch.empty_like(hidden) if single else torch.zeros_like(hidden)) if need_hidden else None
     chunks = [(seg, 0, tokens, total)] if single else _ce_chunks(seg, host_h_off, host_v_off, chunk_elems, device)
-    smoothing = float(label_smoothing)
+    smoothing = float(args.label_smoothing)
     bm, bn, bk, warps, stages = config(dim, max_t, max_v, hidden.dtype, interpreted())
     for c_seg, t_lo, t_hi, size in chunks:
         n = c_seg.batch
@@ -426,12 +415,12 @@ def backward(
             need_hidden,
             need_weight,
             need_bias,
-            deterministic,
+            inputs.deterministic,
             dw_out=dw,
             db_out=db,
-            dh_out=d_hidden[t_lo:t_hi] if need_hidden else None,
+            dh_out=None if d_hidden is None else d_hidden[t_lo:t_hi],
         )
-    return d_hidden, dw if need_weight else None, db
+    return VocabGrads(d_hidden, dw if need_weight else None, db)
 
 
 def _ce_chunks(seg: Segments, host_h_off, host_v_off, chunk_elems, device):
