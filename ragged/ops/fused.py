@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,12 @@ def _gelu_tanh(z: torch.Tensor) -> torch.Tensor:
 
 # Each activation name of bias_act as the torch function it computes (also what ragged.nn
 # runs where the fused op does not: CPU tensors, autocast).
-ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "none": lambda z: z}
+ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "none": lambda z: z,
+}
 
 
 def _activation(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -342,7 +348,7 @@ def bias_act_spec(x: Tensor, bias: Tensor | None, activation: str) -> BiasActSpe
     else:
         addresses = eager(x, bias)
         aligned = bias.is_contiguous() and not (addresses and (x.data_ptr() | bias.data_ptr()) & 15)
-    layout = ()
+    layout: tuple[tuple[str, str, int], ...] = ()
     if not aligned:  # x is read as one run (its strides are the contiguous flag's): its address only
         layout = _layout((("bias", bias),), addresses)
         if addresses and x.data_ptr() % 16:
@@ -359,15 +365,17 @@ def add_layer_norm_spec(
     ``ragged.explain("add_layer_norm", ...)``)."""
     shape = x.shape
     rows = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
-    if residual is None and weight is None and bias is None:
-        present = (x,)
-    else:
-        present = [t for t in (x, residual, weight, bias) if t is not None]
+    present = (
+        [x]
+        if residual is None and weight is None and bias is None
+        else [t for t in (x, residual, weight, bias) if t is not None]
+    )
     addresses = eager(*present)
     # The common case (every tensor read in place) from a few integer reads: 2-D rows with unit
     # feature stride and 16-byte row strides, contiguous parameters, aligned data.
     pointers = strides = 0
     unit = True
+    layout: tuple[tuple[str, str, int], ...]
     for t in present:
         if addresses:
             pointers |= t.data_ptr()
@@ -579,7 +587,7 @@ def _check_param(fn: str, name: str, t: object, x: torch.Tensor) -> torch.Tensor
 
 
 def _check_x(fn: str, x: object) -> None:
-    check_tensor(fn, "x", x)
+    x = check_tensor(fn, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{fn}(): expected x of shape [..., F], got a 0-d tensor")
     _check_float(fn, "x", x)

@@ -24,6 +24,8 @@ one) reads an aligned dense copy of it instead; no input goes to another backend
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ...records.fused import AddLayerNormArgs, AddLayerNormOutput, BiasActArgs, BiasActOutput
@@ -154,7 +156,8 @@ def add_layer_norm_forward(args: AddLayerNormArgs, *, stats: bool = True) -> Add
     ):
         # Only reachable when the reasons could not look at the pointers (torch.compile), or
         # from a direct call with a layout the kernel does not read: read aligned copies.
-        x, residual, weight, bias = (_readable(t) for t in (x, residual, weight, bias))
+        x = cast(torch.Tensor, _readable(x))
+        residual, weight, bias = (_readable(t) for t in (residual, weight, bias))
         px, stride_x = x.data_ptr(), x.stride(0)
         pr, stride_r = (residual.data_ptr(), residual.stride(0)) if residual is not None else (0, 0)
         pw = weight.data_ptr() if weight is not None else 0

@@ -35,6 +35,7 @@ import struct
 import threading
 import types
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ def precompile(items, device=None, max_workers: int | None = None) -> None:
         for src_name, kernel, _ in wanted:
             _function(src_name, kernel, index)
         return
-    todo = {}
+    todo: dict[tuple[str, str], Any] = {}
     for _, kernel, prog in wanted:
         if (kernel, index) not in _functions:
             todo.setdefault((prog.source, prog.kernels[0]), prog)

@@ -280,7 +280,7 @@ def bias_act_backward(
         if part is not None:
             part[:, part_col : part_col + n_cols].zero_()
             return BiasActGrads(dx, None)
-        return BiasActGrads(dx, torch.zeros_like(bias) if need_bias else None)
+        return BiasActGrads(dx, torch.zeros_like(bias) if need_bias and bias is not None else None)
     interpreted = triton_interpreted()
     block_r, block_f, warps = _bias_act_config(n_cols, x.dtype, interpreted)
     n_col_blocks = triton.cdiv(n_cols, block_f)
@@ -436,8 +436,8 @@ def _layer_norm_backward(
         return AddLayerNormDropoutGrads(
             dsum,
             dsum if mask is None else torch.empty_like(dsum),
-            torch.zeros_like(weight) if need_weight else None,
-            torch.zeros_like(bias) if need_bias else None,
+            torch.zeros_like(weight) if need_weight and weight is not None else None,
+            torch.zeros_like(bias) if need_bias and bias is not None else None,
             torch.zeros((n_cols,), dtype=colsum_dtype, device=a.device) if need_colsum else None,
         )
     interpreted = triton_interpreted()
@@ -534,6 +534,7 @@ def _layer_norm_backward(
         )
     if not own:
         return AddLayerNormDropoutGrads(dsum, drop, None, None, None)
+    assert part is not None  # made above when not the caller's
     dtypes = (weight.dtype if weight is not None else None, bias.dtype if bias is not None else None, colsum_dtype)
     wanted = [dt for dt, want in zip(dtypes, slots) if want]
     if shared and k > 1 and len(set(wanted)) == 1:  # one reduction; the results are views of one tensor
