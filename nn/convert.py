@@ -131,7 +131,7 @@ def _why_not(module: nn.Module) -> str | None:
     return None
 
 
-def _left_whole(module: nn.Module) -> bool:
+def _children_left_alone(module: nn.Module) -> bool:
     """Whether convert leaves everything inside ``module`` alone when it does not swap it: a
     torch.nn.TransformerEncoder (of any class) may hand its layers torch's nested tensors."""
     return isinstance(module, nn.TransformerEncoder)
@@ -269,14 +269,14 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
                 places.append((module, name, child))
             elif id(child) not in visited:
                 visited.add(id(child))
-                if _left_whole(child):
+                if _children_left_alone(child):
                     whole.append((child, prefix + name))
                 else:
                     visit(child, f"{prefix}{name}.")
 
     if type(model) in _SWAPS:
         plan(model, "")
-    elif not isinstance(model, _RAGGED) and not _left_whole(model):
+    elif not isinstance(model, _RAGGED) and not _children_left_alone(model):
         visit(model, "")
 
     # A module inside one that stays must stay too, or it would become two modules (the
