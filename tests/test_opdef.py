@@ -1,10 +1,12 @@
-"""ragged.opdef and the declared implementations of ragged.backends, on a toy op of their own:
-one definition gives the eager path, the autograd Function and the torch.library ops, and all
-three compute the same values and gradients; a backend is one registration."""
+"""ragged.opdef and the declared implementations of ragged.backends, on a toy op of their own
+over typed records: one definition gives the eager path, the autograd Function and the
+torch.library ops, and all three compute the same values and gradients; a backend is one
+registration."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,48 +30,64 @@ def toy_spec(x, factor):
     return ToySpec(x.device, x.dtype, x.shape[-1])
 
 
-# the op: y = x * factor, and a row statistic that autograd must treat as a constant
-def _signature(x: Tensor, factor: float) -> tuple[Tensor, Tensor]: ...
+# the op: y = x * factor, and a row statistic that autograd must treat as a constant; its
+# backward reads nothing of x (an unread operand)
+class ScaleArgs(NamedTuple):
+    x: Tensor
+    factor: float
 
 
-def _backward_signature(grad: Tensor, factor: float, need: bool) -> tuple[Tensor]: ...
+class ScaleOutput(NamedTuple):
+    y: Tensor
+    stat: Tensor
+
+
+class ScaleBackwardInputs(NamedTuple):
+    grad_y: Tensor
+    need_x: bool
+
+
+class ScaleGrads(NamedTuple):
+    x: Tensor | None
 
 
 CALLS: list[tuple] = []
 
 
-def _forward(x, factor):
-    CALLS.append(("forward", x.requires_grad, torch.is_grad_enabled()))
-    return x * factor, x.detach().sum(-1)
+def _forward(args: ScaleArgs) -> ScaleOutput:
+    CALLS.append(("forward", args.x.requires_grad, torch.is_grad_enabled()))
+    return ScaleOutput(args.x * args.factor, args.x.detach().sum(-1))
 
 
-def _backward(grad, factor, need):
-    CALLS.append(("backward",))
-    return (grad * factor if need else None,)
+def _backward(args: ScaleArgs, inputs: ScaleBackwardInputs) -> ScaleGrads:
+    CALLS.append(("backward", args.x is None))
+    return ScaleGrads(inputs.grad_y * args.factor if inputs.need_x else None)
 
 
-def _setup(ctx, inputs, output):
-    x, factor, backend = inputs
-    ctx.factor, ctx.backend = factor, backend
+def _setup(ctx, args, output):
+    ctx.factor = args.factor
     CALLS.append(("context", ctx.context))
 
 
 def _rule(ctx, grad, _dstat):
-    (dx,) = OP.call_backward(grad, ctx.factor, ctx.needs_input_grad[0], ctx.backend)
-    return dx, None
+    CALLS.append(("needs", tuple(ctx.needs_grad)))
+    args = ScaleArgs(None, ctx.factor)  # the backward reads no x: the rule keeps none
+    return OP.call_backward(args, ScaleBackwardInputs(grad, ctx.needs_grad.x), ctx.impl)
 
 
 OP = opdef.define(
     NAME,
-    _signature,
+    ScaleArgs,
+    ScaleOutput,
     spec=toy_spec,
     setup=_setup,
     backward=_rule,
-    fake=lambda x, factor: (torch.empty_like(x), x.new_empty(x.shape[:-1])),
-    backward_signature=_backward_signature,
-    backward_fake=lambda grad, factor, need: (torch.empty_like(grad),),
-    backward_present=lambda grad, factor, need: (need,),
-    non_differentiable=lambda inputs, out: (out[1],),
+    fake=lambda args: ScaleOutput(torch.empty_like(args.x), args.x.new_empty(args.x.shape[:-1])),
+    backward_inputs=ScaleBackwardInputs,
+    grads=ScaleGrads,
+    backward_fake=lambda args, inputs: ScaleGrads(torch.empty_like(inputs.grad_y) if inputs.need_x else None),
+    backward_unread=("x",),
+    non_differentiable=lambda args, out: (out.stat,),
 )
 backends.register(Implementation(NAME, "torch", _forward, _backward))
 
@@ -120,7 +138,9 @@ def library_calls(monkeypatch):
 def test_eager_without_grad_calls_the_implementation_straight(library_calls):
     CALLS.clear()
     x = _x()
-    y, stat = OP(x, 2.5, "torch")
+    out = OP(ScaleArgs(x, 2.5), "torch")
+    assert isinstance(out, ScaleOutput)
+    y, stat = out
     torch.testing.assert_close(y, x * 2.5, rtol=0, atol=0)
     torch.testing.assert_close(stat, x.sum(-1), rtol=0, atol=0)
     assert CALLS == [("forward", False, True)]  # no setup: nothing is recorded
@@ -130,12 +150,14 @@ def test_eager_without_grad_calls_the_implementation_straight(library_calls):
 def test_eager_with_grad_is_one_generated_function_with_the_context(library_calls):
     CALLS.clear()
     x = _x(requires_grad=True)
-    y, stat = OP(x, -1.5, "torch", context="host facts")
-    assert type(y.grad_fn).__name__ == "OpdefTestScaleFunctionBackward"
-    assert not stat.requires_grad  # marked non-differentiable
-    (gx,) = torch.autograd.grad(y.sum(), x)
+    out = OP(ScaleArgs(x, -1.5), "torch", context="host facts")
+    assert isinstance(out, ScaleOutput)
+    assert type(out.y.grad_fn).__name__ == "OpdefTestScaleFunctionBackward"
+    assert not out.stat.requires_grad  # marked non-differentiable
+    (gx,) = torch.autograd.grad(out.y.sum(), x)
     torch.testing.assert_close(gx, torch.full_like(x, -1.5), rtol=0, atol=0)
-    assert ("context", "host facts") in CALLS and ("backward",) in CALLS
+    assert ("context", "host facts") in CALLS and ("backward", True) in CALLS
+    assert ("needs", (True, False)) in CALLS  # ctx.needs_grad, by operand
     assert library_calls == []
 
 
@@ -144,7 +166,7 @@ def test_traced_calls_go_through_the_library_ops_with_the_same_rule():
     want_y = x.detach() * 3.0
 
     def f(x):
-        y, stat = OP(x, 3.0, "torch")
+        y, stat = OP(ScaleArgs(x, 3.0), "torch")
         return y * 1.0, stat
 
     CALLS.clear()
@@ -154,25 +176,45 @@ def test_traced_calls_go_through_the_library_ops_with_the_same_rule():
     (gx,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(gx, torch.full_like(x, 3.0), rtol=0, atol=0)
     assert ("context", None) in CALLS  # the traced rule has no host context
+    assert ("needs", (True, False)) in CALLS
 
 
 def test_the_backward_op_restores_the_gradients_left_out():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     grad = _x()
+    args = ScaleArgs(None, 2.0)  # an unread operand
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(grad)
-        assert OP.call_backward(fake, 2.0, False, "torch") == (None,)
-        (dx,) = OP.call_backward(fake, 2.0, True, "torch")
-        assert dx.shape == grad.shape and type(dx) is not torch.Tensor  # the backward op's fake
-    assert OP.call_backward(grad, 2.0, False, "torch") == (None,)  # eager: the implementation's own None
+        assert OP.call_backward(args, ScaleBackwardInputs(fake, False), "torch") == (None,)
+        got = OP.call_backward(args, ScaleBackwardInputs(fake, True), "torch")
+        assert isinstance(got, ScaleGrads)
+        assert got.x.shape == grad.shape and type(got.x) is not torch.Tensor  # the backward op's fake
+    # eager: the implementation's own None
+    assert OP.call_backward(args, ScaleBackwardInputs(grad, False), "torch") == (None,)
+
+
+def test_the_backward_op_takes_no_unread_operand():
+    schema = torch.ops.ragged.opdef_test_scale_backward.default._schema
+    assert [a.name for a in schema.arguments] == ["factor", "grad_y", "need_x", "impl"]
+    schema = torch.ops.ragged.opdef_test_scale.default._schema
+    assert [a.name for a in schema.arguments] == ["x", "factor", "impl"]
+
+
+def test_definitions_are_checked():
+    common = dict(spec=toy_spec, setup=_setup, backward=_rule, fake=lambda args: None)
+    with pytest.raises(ValueError, match=r"\['nope'\] name no operand of ScaleArgs"):
+        opdef.define("opdef_test_unread", ScaleArgs, ScaleOutput, backward_unread=("nope",), **common)
+    with pytest.raises(TypeError, match=r"expected a typing.NamedTuple record class"):
+        opdef.define("opdef_test_tuple", tuple, ScaleOutput, **common)
+    assert backends.op_entry("opdef_test_unread") is None and backends.op_entry("opdef_test_tuple") is None
 
 
 def test_a_new_backend_is_one_registration(toy_backend):
     x = _x()
     assert "toy" in backends.BACKENDS
     assert ragged.explain(NAME, x, 1.0) == {"torch": [], "toy": []}
-    y, _ = OP(x, 2.0, backends.select_spec(NAME, "toy", toy_spec(x, 2.0)).backend)
+    y, _ = OP(ScaleArgs(x, 2.0), backends.select_spec(NAME, "toy", toy_spec(x, 2.0)).name)
     torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
     with ragged.use_backend("toy"):
         assert backends.select(NAME, None, x.device, x, 2.0).backend == "toy"
@@ -213,10 +255,15 @@ def test_backend_names_are_checked():
         backends.register(Implementation(NAME, "nope", _forward))
 
 
-def test_operands_that_are_lists_are_not_taken_for_tensors():
-    def sig(a: Tensor, b: Tensor | None, c: list[Tensor], d: int) -> Tensor: ...
+class _Mixed(NamedTuple):
+    a: Tensor
+    b: Tensor | None
+    c: list[Tensor]
+    d: int
 
-    assert opdef._tensor_positions(sig) == (0, 1)
+
+def test_operands_that_are_lists_are_not_taken_for_tensors():
+    assert [opdef._is_tensor(hint) for _, hint in opdef._record_fields(_Mixed)] == [True, True, False, False]
 
 
 def test_ragged_backends_lists_a_registered_backend(toy_backend):

@@ -1,7 +1,8 @@
 """The recipes of ARCHITECTURE.md, followed step by step on a copy of the package.
 
 "Add an op": a toy op, ``token_scale`` (``y[t] = x[t] * w[t]``, a weight per packed token),
-written at the paths the recipe names (``ops/token_scale.py`` with its reference, spec, fake,
+written at the paths the recipe names (``records/token_scale.py`` with its operand, output,
+backward-input and gradient records; ``ops/token_scale.py`` with its reference, spec, fake,
 autograd rule, ``"torch"`` implementation and public function; ``kernels/triton/token_scale.py``
 with its ``Implementation`` declared in ``kernels/triton/__init__.py``; the export in
 ``ragged/__init__.py``), then run on every CPU backend, differentiated, compiled and explained.
@@ -28,7 +29,43 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------
-# "Add an op", step 1: ragged/ops/token_scale.py
+# "Add an op", step 1: ragged/records/token_scale.py and ragged/ops/token_scale.py
+
+RECORD_FILE = '''\
+"""The records of ``ragged::token_scale`` (see :mod:`ragged.ops.token_scale`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class TokenScaleArgs(NamedTuple):
+    """The operands: ``x [T, F]`` and ``w [T]``, one weight per packed token."""
+
+    x: Tensor
+    w: Tensor
+
+
+class TokenScaleOutput(NamedTuple):
+    """``out [T, F]``."""
+
+    out: Tensor
+
+
+class TokenScaleBackwardInputs(NamedTuple):
+    """The gradient of ``out``."""
+
+    grad_out: Tensor
+
+
+class TokenScaleGrads(NamedTuple):
+    """The gradients of ``x`` and ``w``."""
+
+    x: Tensor
+    w: Tensor
+'''
 
 OP_FILE = '''\
 """token_scale: each token's features times that token's weight.
@@ -45,6 +82,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, opdef
+from ..records.token_scale import TokenScaleArgs, TokenScaleBackwardInputs, TokenScaleGrads, TokenScaleOutput
 from ..tensor import RaggedTensor
 from ..utils import describe
 
@@ -72,30 +110,31 @@ def token_scale_spec(x: Tensor, w: Tensor) -> TokenScaleSpec:
     return TokenScaleSpec(x.device, x.dtype)
 
 
-def _signature(x: Tensor, w: Tensor) -> Tensor: ...
+def _setup(ctx, args: TokenScaleArgs, output: TokenScaleOutput) -> None:
+    ctx.save_for_backward(args.x, args.w)
 
 
-def _backward_signature(grad: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]: ...
-
-
-def _setup(ctx, inputs, output):
-    x, w, backend = inputs
-    ctx.save_for_backward(x, w)
-    ctx.backend = backend
-
-
-def _backward(ctx, grad):
+def _backward(ctx, grad: Tensor) -> TokenScaleGrads:
     x, w = ctx.saved_tensors
-    return TOKEN_SCALE.call_backward(grad, x, w, ctx.backend)
+    return TOKEN_SCALE.call_backward(TokenScaleArgs(x, w), TokenScaleBackwardInputs(grad), ctx.impl)
 
 
 TOKEN_SCALE = opdef.define(
-    "token_scale", _signature, spec=token_scale_spec, fake=lambda x, w: torch.empty_like(x), setup=_setup,
-    backward=_backward, backward_signature=_backward_signature,
-    backward_fake=lambda grad, x, w: (torch.empty_like(x), torch.empty_like(w)))
+    "token_scale", TokenScaleArgs, TokenScaleOutput, spec=token_scale_spec,
+    fake=lambda args: TokenScaleOutput(torch.empty_like(args.x)), setup=_setup, backward=_backward,
+    backward_inputs=TokenScaleBackwardInputs, grads=TokenScaleGrads,
+    backward_fake=lambda args, inputs: TokenScaleGrads(torch.empty_like(args.x), torch.empty_like(args.w)))
 
-backends.register(backends.Implementation("token_scale", "torch", reference_token_scale,
-                                          backward=reference_token_scale_backward))
+
+def _reference_forward(args: TokenScaleArgs) -> TokenScaleOutput:
+    return TokenScaleOutput(reference_token_scale(args.x, args.w))
+
+
+def _reference_backward(args: TokenScaleArgs, inputs: TokenScaleBackwardInputs) -> TokenScaleGrads:
+    return TokenScaleGrads(*reference_token_scale_backward(inputs.grad_out, args.x, args.w))
+
+
+backends.register(backends.Implementation("token_scale", "torch", _reference_forward, backward=_reference_backward))
 
 
 def token_scale(rt: RaggedTensor, w: Tensor, *, backend: str | None = None) -> RaggedTensor:
@@ -108,7 +147,7 @@ def token_scale(rt: RaggedTensor, w: Tensor, *, backend: str | None = None) -> R
         raise ValueError(f"{fn}(): expected rt.values [T, F] and w [T] of its dtype, got {describe(x)} "
                          f"and {describe(w)}")
     impl = backends.select_spec("token_scale", backend, TokenScaleSpec(x.device, x.dtype), fn=fn)
-    return rt.with_values(TOKEN_SCALE(x, w, impl.backend))
+    return rt.with_values(TOKEN_SCALE(TokenScaleArgs(x, w), impl.name).out)
 '''
 
 # step 2: ragged/kernels/triton/token_scale.py, and its Implementation in kernels/triton/__init__.py
@@ -122,6 +161,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...records.token_scale import TokenScaleArgs, TokenScaleBackwardInputs, TokenScaleGrads, TokenScaleOutput
 from .launch import cached_launch
 
 
@@ -149,21 +189,21 @@ def _backward_kernel(grad, x, w, dx, dw, n_feat, BLOCK_F: tl.constexpr):
     tl.store(dw + t, tl.sum(g * row, axis=0).to(dw.dtype.element_ty))
 
 
-def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    x, w = x.contiguous(), w.contiguous()
+def forward(args: TokenScaleArgs) -> TokenScaleOutput:
+    x, w = args.x.contiguous(), args.w.contiguous()
     out = torch.empty_like(x)
     if x.numel():
         _forward_kernel[(x.shape[0],)](x, w, out, x.shape[1], BLOCK_F=triton.next_power_of_2(x.shape[1]))
-    return out
+    return TokenScaleOutput(out)
 
 
-def backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()
+def backward(args: TokenScaleArgs, inputs: TokenScaleBackwardInputs) -> TokenScaleGrads:
+    grad, x, w = inputs.grad_out.contiguous(), args.x.contiguous(), args.w.contiguous()
     dx, dw = torch.empty_like(x), torch.zeros_like(w)
     if x.numel():
         _backward_kernel[(x.shape[0],)](grad, x, w, dx, dw, x.shape[1],
                                         BLOCK_F=triton.next_power_of_2(x.shape[1]))
-    return dx, dw
+    return TokenScaleGrads(dx, dw)
 '''
 
 TRITON_DECLARATION = """
@@ -187,7 +227,8 @@ import torch
 
 import ragged
 from ragged import backends
-from ragged.ops.token_scale import reference_token_scale
+from ragged.ops.token_scale import TOKEN_SCALE, reference_token_scale
+from ragged.records.token_scale import TokenScaleArgs, TokenScaleBackwardInputs, TokenScaleGrads, TokenScaleOutput
 
 assert "token_scale" in backends.op_names()
 g = torch.Generator().manual_seed(0)
@@ -212,6 +253,15 @@ for name in cpu:
     with torch.no_grad():  # the eager path without autograd: the implementation called straight
         torch.testing.assert_close(ragged.token_scale(rt.with_values(x), scale, backend=name).values,
                                    want.to(dtype))
+    # the op and its backward over the records, called straight
+    args = TokenScaleArgs(x.detach(), scale.detach())
+    out = TOKEN_SCALE(args, name)
+    assert isinstance(out, TokenScaleOutput), type(out)
+    torch.testing.assert_close(out.out, want.to(dtype))
+    grads = TOKEN_SCALE.call_backward(args, TokenScaleBackwardInputs(grad.to(dtype)), name)
+    assert isinstance(grads, TokenScaleGrads), type(grads)
+    torch.testing.assert_close(grads.x, want_dx.to(dtype))
+    torch.testing.assert_close(grads.w, want_dw.to(dtype))
 
 # the autograd rule, numerically; the torch.library op's registration
 x = rt.values.clone().requires_grad_(True)
@@ -425,7 +475,8 @@ def _run(root: pathlib.Path, checks: str) -> str:
 
 def test_add_an_op(tmp_path):
     package = _copy_package(tmp_path)
-    (package / "ops" / "token_scale.py").write_text(OP_FILE)  # step 1
+    (package / "records" / "token_scale.py").write_text(RECORD_FILE)  # step 1
+    (package / "ops" / "token_scale.py").write_text(OP_FILE)
     (package / "kernels" / "triton" / "token_scale.py").write_text(TRITON_FILE)  # step 2
     _append(package / "kernels" / "triton" / "__init__.py", TRITON_DECLARATION)
     _append(package / "__init__.py", OP_EXPORT)  # step 3
