@@ -92,7 +92,7 @@ class _Steps:
         self.ba = ba.backward_fn
         self.ln_dropout = ln.extra("dropout_backward")
         self.ba_dropout = ba.extra("dropout_backward")
-        self.sums = None
+        self.sums: Sums | None = None
         fuses = ln.extra("backward_fuses")
         if (
             widths
@@ -118,15 +118,16 @@ class _Steps:
         summed over the tokens (the bias of the Linear that made ``z``); with :class:`Sums`,
         the three column sums stay in its buffer and come back as None."""
         colsum = linear_bias.dtype if need_linear_bias and linear_bias is not None else None
-        if self.sums is not None:
-            col = self.sums.take(
+        fused, sums = self.ln_dropout, self.sums
+        if fused is not None and sums is not None:
+            col = sums.take(
                 inputs.need_weight and args.weight is not None,
                 inputs.need_bias and args.bias is not None,
                 colsum is not None,
             )
-            return self.ln_dropout(args, inputs, mask=mask, p=p, colsum_dtype=colsum, part=self.sums.part, part_col=col)
-        if self.ln_dropout is not None:
-            return self.ln_dropout(args, inputs, mask=mask, p=p, colsum_dtype=colsum)
+            return fused(args, inputs, mask=mask, p=p, colsum_dtype=colsum, part=sums.part, part_col=col)
+        if fused is not None:
+            return fused(args, inputs, mask=mask, p=p, colsum_dtype=colsum)
         grads = self.ln(args, inputs)
         dz = _dropout_backward(grads.x, mask, p)
         return AddLayerNormDropoutGrads(
@@ -137,13 +138,14 @@ class _Steps:
         self, args: BiasActArgs, g: torch.Tensor, *, mask: torch.Tensor | None, p: float, need_bias: bool
     ) -> BiasActGrads:
         """Backward of ``dropout(act(x + bias))`` for the gradient ``g`` of its output."""
-        if self.sums is not None:
+        fused, sums = self.ba_dropout, self.sums
+        if fused is not None and sums is not None:
             if need_bias and args.bias is not None:
                 inputs = BiasActBackwardInputs(g, need_bias=True)
-                return self.ba_dropout(args, inputs, mask=mask, p=p, part=self.sums.part, part_col=self.sums.take(True))
-            return self.ba_dropout(args, BiasActBackwardInputs(g, need_bias=False), mask=mask, p=p)
-        if self.ba_dropout is not None and mask is not None:
-            return self.ba_dropout(args, BiasActBackwardInputs(g, need_bias), mask=mask, p=p)
+                return fused(args, inputs, mask=mask, p=p, part=sums.part, part_col=sums.take(True))
+            return fused(args, BiasActBackwardInputs(g, need_bias=False), mask=mask, p=p)
+        if fused is not None and mask is not None:
+            return fused(args, BiasActBackwardInputs(g, need_bias), mask=mask, p=p)
         return self.ba(args, BiasActBackwardInputs(_dropout_backward(g, mask, p), need_bias))
 
 
@@ -194,16 +196,20 @@ def layer_backward(
     else:
         n2 = steps.ln_dropout_backward(
             AddLayerNormArgs(f, x1, w.norm2_w, w.norm2_b, eps2),
-            AddLayerNormBackwardInputs(dy, None, s["mean3"], s["rstd3"], need.norm2_w, need.norm2_b),
+            AddLayerNormBackwardInputs(dy, None, s["mean3"], s["rstd3"], bool(need.norm2_w), bool(need.norm2_b)),
             mask=s["m3"],
             p=p2,
             linear_bias=w.ff2_b,
-            need_linear_bias=need.ff2_b,
+            need_linear_bias=bool(need.ff2_b),
         )
         d_res, df, dn2w, dn2b, db2 = n2.x, n2.z, n2.weight, n2.bias, n2.z_sum
     dw2 = torch.mm(df.t(), g) if need.ff2_w else None
     act = steps.act_dropout_backward(
-        BiasActArgs(hid, w.ff1_b, spec.activation), torch.mm(df, w.ff2_w), mask=s["m2"], p=p_ff, need_bias=need.ff1_b
+        BiasActArgs(hid, w.ff1_b, spec.activation),
+        torch.mm(df, w.ff2_w),
+        mask=s["m2"],
+        p=p_ff,
+        need_bias=bool(need.ff1_b),
     )
     dhid, db1 = act.x, act.bias
     dw1 = torch.mm(dhid.t(), h2) if need.ff1_w else None
@@ -215,23 +221,23 @@ def layer_backward(
         n2 = steps.ln_dropout_backward(
             AddLayerNormArgs(x1, None, w.norm2_w, w.norm2_b, eps2),
             AddLayerNormBackwardInputs(
-                torch.mm(dhid, w.ff1_w), d_res, s["mean2"], s["rstd2"], need.norm2_w, need.norm2_b
+                torch.mm(dhid, w.ff1_w), d_res, s["mean2"], s["rstd2"], bool(need.norm2_w), bool(need.norm2_b)
             ),
             mask=s["m1"],
             p=p1,
             linear_bias=w.out_b,
-            need_linear_bias=need.out_b,
+            need_linear_bias=bool(need.out_b),
         )
         ds, dsa, dn2w, dn2b, db_out = n2.x, n2.z, n2.weight, n2.bias, n2.z_sum
     else:
         dx1 = torch.addmm(d_res, dhid, w.ff1_w)
         n1 = steps.ln_dropout_backward(
             AddLayerNormArgs(s["sa"], x, w.norm1_w, w.norm1_b, eps1),
-            AddLayerNormBackwardInputs(dx1, None, s["mean2"], s["rstd2"], need.norm1_w, need.norm1_b),
+            AddLayerNormBackwardInputs(dx1, None, s["mean2"], s["rstd2"], bool(need.norm1_w), bool(need.norm1_b)),
             mask=s["m1"],
             p=p1,
             linear_bias=w.out_b,
-            need_linear_bias=need.out_b,
+            need_linear_bias=bool(need.out_b),
         )
         ds, dsa, dn1w, dn1b, db_out = n1.x, n1.z, n1.weight, n1.bias, n1.z_sum
     dw_out = torch.mm(dsa.t(), s["a"]) if need.out_w else None
@@ -267,7 +273,7 @@ def layer_backward(
         if norm_first:
             n1_args = AddLayerNormArgs(x, None, w.norm1_w, w.norm1_b, eps1)
             n1_inputs = AddLayerNormBackwardInputs(
-                torch.mm(dqkv, w.in_w), None, s["mean1"], s["rstd1"], need.norm1_w, need.norm1_b
+                torch.mm(dqkv, w.in_w), None, s["mean1"], s["rstd1"], bool(need.norm1_w), bool(need.norm1_b)
             )
             if steps.sums is not None:
                 dx_ln = steps.ln_dropout_backward(

@@ -181,7 +181,7 @@ class RecordOp:
         kept = self.backward_fields
         out = self.backward_op(*(args if kept is None else (args[i] for i in kept)), *inputs, impl)
         out = out if isinstance(out, tuple) else (out,)
-        return self.grads._make(  # type: ignore[union-attr]
+        return self.grads._make(
             None if optional and t.numel() == 0 else t for t, optional in zip(out, self.optional_grads)
         )
 
