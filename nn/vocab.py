@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -52,7 +53,8 @@ class VocabProjection(nn.Module):
             raise TypeError(
                 f"ragged.nn.VocabProjection.from_linear(): expected an nn.Linear, got {type(linear).__name__}"
             )
-        return cls._tied(linear.weight, linear.bias)
+        # a Linear's weight and bias are Parameters (torch's stubs type them as tensors)
+        return cls._tied(cast(nn.Parameter, linear.weight), cast("nn.Parameter | None", linear.bias))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, bias: nn.Parameter | None = None) -> VocabProjection:
@@ -62,7 +64,7 @@ class VocabProjection(nn.Module):
             raise TypeError(
                 f"ragged.nn.VocabProjection.from_embedding(): expected an nn.Embedding, got {type(embedding).__name__}"
             )
-        return cls._tied(embedding.weight, bias)
+        return cls._tied(cast(nn.Parameter, embedding.weight), bias)
 
     @classmethod
     def _tied(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> VocabProjection:

@@ -107,8 +107,8 @@ def pack_by_layout(
     if is_left:
         return pack_rows(x, host, "left"), PaddedLayout(width, "left")
     # the token count is known on the host: no second read for the gather's size
-    index = torch.nonzero_static(keep, size=host[-1]).unbind(1)
-    return RaggedTensor.from_lengths(x[index], list(lengths)), PaddedLayout(width, "scattered", index)
+    rows, cols = torch.nonzero_static(keep, size=host[-1]).unbind(1)
+    return RaggedTensor.from_lengths(x[rows, cols], list(lengths)), PaddedLayout(width, "scattered", (rows, cols))
 
 
 @dataclasses.dataclass
@@ -134,6 +134,7 @@ class PaddedLayout:
     def positions(self, rt: RaggedTensor) -> torch.Tensor:
         """``[T]`` column of every packed token in the padded tensor."""
         if self.side == "scattered":
+            assert self.index is not None  # a scattered layout carries its coordinates
             return self.index[1]
         j = rt.position_ids()
         if self.side == "left":

@@ -241,7 +241,7 @@ def _id_failures(
     n = ids.shape[0]
     device = ids.device
     x = ids.to(torch.int64)
-    seq = None
+    seq: torch.Tensor | None = None
     if any(c != "range" for c in checks):
         if v_off is None:
             seq = torch.zeros(n, dtype=torch.int64, device=device)
@@ -253,6 +253,7 @@ def _id_failures(
         if check == "range":
             masks.append((x < 0) | (x >= vocab_size))
             continue
+        assert seq is not None  # made above for every check but "range"
         step = x[1:] - x[:-1]
         same = seq[1:] == seq[:-1]
         last = torch.zeros(1, dtype=torch.bool, device=device)
