@@ -217,7 +217,9 @@ def _pool_setup(ctx, args: PoolArgs, output: PoolOutput) -> None:
     ctx.mode, ctx.total = args.mode, args.values.shape[0]
 
 
-def _pool_backward(ctx, grad: Tensor, _grad_index: Tensor) -> PoolGrads:
+def _pool_backward(ctx, grad: Tensor | None, _grad_argmax: Tensor) -> PoolGrads | None:
+    if grad is None:
+        return None
     offsets, index = ctx.saved_tensors
     impl = ctx.impl
     spec = PoolSpec(grad.device, grad.dtype, ctx.mode)
