@@ -31,6 +31,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from ragged.ops.fused import ACTIVATION_FNS, ADD_LAYER_NORM, BIAS_ACT, add_layer
 from ragged.records.fused import AddLayerNormArgs, BiasActArgs
 
 from .layer_backward import layer_backward
-from .layer_spec import LayerKernels, LayerSpec, LayerWeights
+from .layer_spec import LayerKernels, LayerNeeds, LayerSpec, LayerWeights
 
 __all__ = ["LayerKernels", "LayerSpec", "LayerWeights", "attention_dtype", "fused_backend", "run_layer", "run_stack"]
 
@@ -327,7 +328,7 @@ class LayerFunction(torch.autograd.Function):
         saved = dict(zip(SAVED, tensors[: len(SAVED)]))
         weights = LayerWeights._make(tensors[len(SAVED) :])
         need = dict(zip(_APPLY_OPERANDS, ctx.needs_input_grad))
-        need_weights = LayerWeights._make(ctx.needs_input_grad[len(_APPLY_OPERANDS) :])
+        need_weights = LayerNeeds._make(ctx.needs_input_grad[len(_APPLY_OPERANDS) :])
         grads = layer_backward(
             ctx.spec, weights, ctx.kernels, saved, ctx.max_len, ctx.causal, ctx.seed, dy, need["x"], need_weights
         )
@@ -351,7 +352,7 @@ def choose_kernels(
     return LayerKernels(
         attention,
         backends.implementation("add_layer_norm", fused),
-        bias_act_for(x, width, spec.weights.ff1_b, spec.activation),
+        bias_act_for(x, width, spec.weights.ff1_b, cast(str, spec.activation)),  # fused: a named activation
     )
 
 
@@ -473,7 +474,7 @@ def _compile_ahead(
             saved: list = []
             steps = Saved(kernels)
             y = _forward(spec, x, cu, max_len, causal, steps, saved)
-            need = LayerWeights(*(t is not None and t.requires_grad for t in w))
+            need = LayerNeeds._make(t is not None and t.requires_grad for t in w)
             layer_backward(
                 spec,
                 w,
@@ -519,7 +520,8 @@ def run_layer(
     attention = attention_for(spec, x, cu, max_len, causal, needs_grad).name
     bias_act = None
     if fused is not None and spec.fused_activation:
-        bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, spec.activation).name
+        activation = cast(str, spec.activation)  # spec.fused_activation: a named activation
+        bias_act = bias_act_for(x, spec.weights.ff1_w.shape[0], spec.weights.ff1_b, activation).name
     return _forward(spec, x, cu, max_len, causal, Recorded(fused, attention, bias_act))
 
 

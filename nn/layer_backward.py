@@ -23,7 +23,7 @@ arguments (the dropout mask and rate, the shared buffer's columns) by keyword.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -37,7 +37,7 @@ from ragged.records.fused import (
     BiasActGrads,
 )
 
-from .layer_spec import LayerKernels, LayerSpec, LayerWeights
+from .layer_spec import LayerKernels, LayerNeeds, LayerSpec, LayerWeightGrads, LayerWeights
 
 
 class LayerGrads(NamedTuple):
@@ -45,7 +45,7 @@ class LayerGrads(NamedTuple):
     absent) and of the position bias's table (``spec.position_bias``; None without one)."""
 
     x: torch.Tensor | None
-    weights: LayerWeights
+    weights: LayerWeightGrads
     table: torch.Tensor | None
 
 
@@ -101,7 +101,9 @@ class _Steps:
             and fuses is not None
             and fuses(x.shape[1], x.dtype)
         ):
-            self.sums = Sums(widths, ln.extra("partial_groups")(x.device), x.device)
+            partial_groups = ln.extra("partial_groups")
+            assert partial_groups is not None  # declared beside backward_fuses
+            self.sums = Sums(widths, partial_groups(x.device), x.device)
 
     def ln_dropout_backward(
         self,
@@ -159,7 +161,7 @@ def layer_backward(
     seed: int,
     dy: torch.Tensor,
     need_x: bool,
-    need: LayerWeights,
+    need: LayerNeeds,
 ) -> LayerGrads:
     """The layer's gradients for the gradient ``dy`` of its output; ``s``: the tensors the
     forward saved by name (:data:`ragged.nn.layer.SAVED`); ``need``: per weight, whether its
@@ -205,7 +207,7 @@ def layer_backward(
         d_res, df, dn2w, dn2b, db2 = n2.x, n2.z, n2.weight, n2.bias, n2.z_sum
     dw2 = torch.mm(df.t(), g) if need.ff2_w else None
     act = steps.act_dropout_backward(
-        BiasActArgs(hid, w.ff1_b, spec.activation),
+        BiasActArgs(hid, w.ff1_b, cast(str, spec.activation)),  # a fused step: a named activation
         torch.mm(df, w.ff2_w),
         mask=s["m2"],
         p=p_ff,
@@ -292,7 +294,7 @@ def layer_backward(
         dn1w, dn1b, dn2w, dn2b = got.get("n1w"), got.get("n1b"), got.get("n2w"), got.get("n2b")
         if not norm_first:
             db2 = got.get("b2")
-    weights = LayerWeights(
+    weights = LayerWeightGrads(
         in_w=dw_in,
         in_b=db_in,
         out_w=dw_out,

@@ -32,6 +32,41 @@ class LayerWeights(NamedTuple):
     norm2_b: torch.Tensor | None
 
 
+class LayerNeeds(NamedTuple):
+    """Per weight of :class:`LayerWeights` (same fields), whether its gradient is wanted."""
+
+    in_w: bool
+    in_b: bool
+    out_w: bool
+    out_b: bool
+    norm1_w: bool
+    norm1_b: bool
+    ff1_w: bool
+    ff1_b: bool
+    ff2_w: bool
+    ff2_b: bool
+    norm2_w: bool
+    norm2_b: bool
+
+
+class LayerWeightGrads(NamedTuple):
+    """Per weight of :class:`LayerWeights` (same fields), its gradient: None where not wanted
+    or where the layer has no such weight."""
+
+    in_w: torch.Tensor | None
+    in_b: torch.Tensor | None
+    out_w: torch.Tensor | None
+    out_b: torch.Tensor | None
+    norm1_w: torch.Tensor | None
+    norm1_b: torch.Tensor | None
+    ff1_w: torch.Tensor | None
+    ff1_b: torch.Tensor | None
+    ff2_w: torch.Tensor | None
+    ff2_b: torch.Tensor | None
+    norm2_w: torch.Tensor | None
+    norm2_b: torch.Tensor | None
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """One encoder layer: configuration and weights.
