@@ -434,7 +434,6 @@ BROKEN: list[tuple[tuple[str | None, ...], type[BaseException], str]] = [
         f"ragged.vocab_cross_entropy with per-sequence vocabularies {_REFUSED}; behind it, {_REPEAT} "
         "(ragged/logits.py) on the torch backend and, on Triton, unwritten losses read by the mean",
     ),
-    (("pool", None, "torch", "inference"), RuntimeError, f"{_REPEAT} (forward of mean, sum, max; every backward)"),
     (("vocab_cross_entropy", "shared_sum", "triton", "inference"), AssertionError, _UNWRITTEN),
     (("vocab_cross_entropy", "shared_mean", "triton", "inference"), AssertionError, _UNWRITTEN),
 ]

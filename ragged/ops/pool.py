@@ -94,10 +94,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(int64 offsets [B+1], lengths [B], sequence index of every token [T])."""
+    """(int64 offsets [B+1], lengths [B], sequence index of every token [T]).
+
+    The index is found by a search of the offsets, so that a row past ``offsets[-1]`` (a spare
+    row of a graphed bucket) gets ``B``, one past the last sequence: the callers reduce into
+    ``B + 1`` rows and drop the last one, and read gradients from ``B`` rows and a row of zeros."""
     o = offsets.to(torch.int64)
     lengths = o[1:] - o[:-1]
-    seg = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths, output_size=total)
+    seg = torch.searchsorted(o[1:], torch.arange(total, device=offsets.device), right=True)
     return o, lengths, seg
 
 
@@ -125,7 +129,7 @@ def reference_pool(values: Tensor, offsets: Tensor, mode: str) -> tuple[Tensor, 
     o, lengths, seg = _segments(offsets, total)
     if mode == "sum" or mode == "mean":
         acc = accumulation_dtype(values.dtype)
-        out = values.new_zeros((batch, feat), dtype=acc).index_add(0, seg, values.to(acc))
+        out = values.new_zeros((batch + 1, feat), dtype=acc).index_add(0, seg, values.to(acc))[:batch]
         if mode == "mean":
             out = out / lengths.clamp(min=1).to(acc).unsqueeze(1)
         return out.to(values.dtype), empty_index
@@ -137,26 +141,27 @@ def reference_pool(values: Tensor, offsets: Tensor, mode: str) -> tuple[Tensor, 
     x = values.detach()
     x = x.to(torch.uint8) if x.dtype == torch.bool else x
     seg_rows = seg.unsqueeze(1).expand(total, feat)
+    rows = batch + 1  # the last one collects the spare rows (see _segments)
     if x.dtype.is_floating_point:
         # The maximum over the non-NaN values, and apart whether a NaN is there: the result
         # does not hang on how scatter_reduce treats NaN on a device.
         nan = x.isnan()
-        top = torch.zeros((batch, feat), dtype=x.dtype, device=x.device).scatter_reduce(
+        top = torch.zeros((rows, feat), dtype=x.dtype, device=x.device).scatter_reduce(
             0, seg_rows, x.masked_fill(nan, float("-inf")), "amax", include_self=False
         )
         has_nan = (
-            torch.zeros((batch, feat), dtype=torch.int32, device=x.device).index_add(0, seg, nan.to(torch.int32)) > 0
+            torch.zeros((rows, feat), dtype=torch.int32, device=x.device).index_add(0, seg, nan.to(torch.int32)) > 0
         )
         hit = torch.where(has_nan.index_select(0, seg), nan, x == top.index_select(0, seg))
     else:
-        top = torch.zeros((batch, feat), dtype=x.dtype, device=x.device).scatter_reduce(
+        top = torch.zeros((rows, feat), dtype=x.dtype, device=x.device).scatter_reduce(
             0, seg_rows, x, "amax", include_self=False
         )
         hit = x == top.index_select(0, seg)
     token = torch.arange(total, device=x.device).unsqueeze(1).expand(total, feat)
-    first_hit = torch.full((batch, feat), total, dtype=torch.int64, device=x.device).scatter_reduce(
+    first_hit = torch.full((rows, feat), total, dtype=torch.int64, device=x.device).scatter_reduce(
         0, seg_rows, torch.where(hit, token, total), "amin", include_self=True
-    )
+    )[:batch]
     nonempty = (lengths > 0).unsqueeze(1)
     index = torch.where(nonempty, first_hit, index)
     # A gather of the input itself: exact, and its gradient goes to that one token.
@@ -169,13 +174,16 @@ def reference_pool_backward(grad: Tensor, offsets: Tensor, index: Tensor, mode: 
 
     ``index``: the second output of the forward (the maxima's tokens for ``"max"``)."""
     batch, feat = grad.shape
-    o, lengths, seg = _segments(offsets, total)
     if mode == "sum" or mode == "mean":
+        o, lengths, seg = _segments(offsets, total)
         g = grad
         if mode == "mean":
             acc = accumulation_dtype(grad.dtype)
             g = (grad.to(acc) / lengths.clamp(min=1).to(acc).unsqueeze(1)).to(grad.dtype)
-        return (g.index_select(0, seg),)
+        # a spare row (sequence index B) reads the row of zeros
+        return (torch.cat([g, g.new_zeros((1, feat))]).index_select(0, seg),)
+    o = offsets.to(torch.int64)
+    lengths = o[1:] - o[:-1]
     out = grad.new_zeros((total, feat))
     if total == 0:
         return (out,)
