@@ -59,27 +59,37 @@ from .utils import (
 
 
 def _token_coords(offsets: torch.Tensor, total: int, width: int, left: bool):
-    """For each packed token t: its sequence b and its position in the padded row."""
+    """For each packed token t: its sequence b and its position in the padded row.
+
+    ``b`` is found by a search of the offsets (as :meth:`RaggedTensor.seq_ids` finds it), so that
+    a row past ``offsets[-1]`` (a spare row of a graphed bucket) gets ``b = B``, one past the
+    last sequence; the callers move nothing for it."""
     offsets = offsets.to(torch.int64)
-    lengths = offsets[1:] - offsets[:-1]
-    b = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths, output_size=total)
-    j = torch.arange(total, device=offsets.device) - offsets[b]
-    if left:
-        j = j + (width - lengths[b])
-    return b, j
+    t = torch.arange(total, device=offsets.device)
+    b = torch.searchsorted(offsets[1:], t, right=True)
+    if left:  # j + M - L_b, with L_b = offsets[b + 1] - offsets[b]
+        return b, t + (width - offsets[(b + 1).clamp(max=offsets.shape[0] - 1)])
+    return b, t - offsets[b]
 
 
 def reference_pack(padded: torch.Tensor, offsets: torch.Tensor, total: int, left: bool = False) -> torch.Tensor:
-    """``values[offsets[b] + j] = padded[b, j]`` (``j`` shifted by ``M - L_b`` when ``left``)."""
+    """``values[offsets[b] + j] = padded[b, j]`` (``j`` shifted by ``M - L_b`` when ``left``);
+    zeros at rows past ``offsets[-1]``."""
     batch, width = padded.shape[0], padded.shape[1]
     b, j = _token_coords(offsets, total, width, left)
+    spare = b >= batch
     try:
         rows = padded.view(batch * width, *padded.shape[2:])
     except RuntimeError:  # batch and position dims not viewable as one: index them apart
-        return padded[_checked_positions(b, j, width), j]
-    # One index_select of whole rows of the [B*M] view, rather than padded[b, j], which indexes two
-    # dims for every element.
-    return rows.index_select(0, _flat_rows(b, j, width, batch))
+        b, j = torch.where(spare, 0, b), torch.where(spare, 0, j)
+        out = padded[_checked_positions(b, j, width), j]
+    else:
+        if rows.shape[0] == 0:  # no padded row: a spare row reads a row of zeros
+            rows = padded.new_zeros((1, *padded.shape[2:]))
+        # One index_select of whole rows of the [B*M] view, rather than padded[b, j], which indexes two
+        # dims for every element.
+        out = rows.index_select(0, _flat_rows(b, j, width, batch, 0))
+    return out.masked_fill_(spare.view(-1, *(1,) * (out.dim() - 1)), 0)
 
 
 def unpack_fill(fn: str, padding_value: object, values: torch.Tensor, offsets: torch.Tensor):
@@ -98,18 +108,20 @@ def reference_unpack(
     """Inverse of :func:`reference_pack`; ``padding_value`` (see :func:`fill_element`) everywhere else."""
     batch = offsets.shape[0] - 1
     fill = padding_scalar("ragged.reference_unpack", padding_value, values.dtype)
-    out = values.new_full((batch, width, *values.shape[1:]), fill)
+    # one row past the padded ones takes the rows past offsets[-1] (the spare rows of a graphed bucket)
+    rows = values.new_full((batch * width + 1, *values.shape[1:]), fill)
     b, j = _token_coords(offsets, values.shape[0], width, left)
-    rows = out.view(batch * width, *values.shape[1:])
-    rows.index_copy_(0, _flat_rows(b, j, width, batch), values)  # whole rows: out[b, j] = v indexes two dims
-    return out
+    rows.index_copy_(0, _flat_rows(b, j, width, batch, batch * width), values)  # whole rows: out[b, j] = v
+    return rows[: batch * width].view(batch, width, *values.shape[1:])
 
 
-def _flat_rows(b: torch.Tensor, j: torch.Tensor, width: int, batch: int) -> torch.Tensor:
-    """Row ``b * width + j`` of the flattened ``[B*M]`` padded rows; a position outside
-    ``[0, width)`` (a length longer than the padded width, which callers that could not check
-    it let through) maps to row ``B*M``, so the index op raises instead of touching another row."""
-    return torch.where((j >= 0) & (j < width), b * width + j, batch * width)
+def _flat_rows(b: torch.Tensor, j: torch.Tensor, width: int, batch: int, spare: int) -> torch.Tensor:
+    """Row ``b * width + j`` of the flattened ``[B*M]`` padded rows; row ``spare`` for a token
+    past ``offsets[-1]`` (``b == B``); a position outside ``[0, width)`` (a length longer than the
+    padded width, which callers that could not check it let through) maps to row ``B*M + 1``,
+    past the rows the callers index, so the index op raises instead of touching another row."""
+    rows = torch.where((j >= 0) & (j < width), b * width + j, batch * width + 1)
+    return torch.where(b >= batch, spare, rows)
 
 
 def _checked_positions(b: torch.Tensor, j: torch.Tensor, width: int) -> torch.Tensor:
