@@ -37,7 +37,10 @@ import torch
 
 import ragged
 from ragged import backends
+from ragged.ops.attention import ATTENTION, spec_of
+from ragged.ops.attention_reference import effective_window
 from ragged.packing import PACK, UNPACK, PackSpec
+from ragged.records.attention import AttentionArgs
 from ragged.records.pack import PackArgs, UnpackArgs
 
 NAN = float("nan")
@@ -265,6 +268,13 @@ def attention_case(run: Run, causal: bool = False, window=(-1, -1), bias: bool =
     def call(c, batch, q, k, v, table=None):
         pb = None if table is None else (table, _position_buckets(batch.max_len))
         off, m = batch.offsets, batch.max_len
+        if _internal(batch):
+            left, right = effective_window(window, causal, m, m)
+            args = AttentionArgs(q, k, v, off, off, m, m, causal, dim**-0.5, window_left=left, window_right=right)
+            if pb is not None:
+                args = args._replace(bias_table=pb[0], bias_buckets=pb[1])
+            needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, table))
+            return c.op(ATTENTION, args, spec_of(args, needs_grad)).out
         return c(ragged.varlen_attention, q, k, v, off, off, m, m, causal, window_size=window, position_bias=pb)
 
     tensors = {"q": run.rand(T, heads, dim), "k": run.rand(T, kv_heads, dim), "v": run.rand(T, kv_heads, dim)}
@@ -441,7 +451,6 @@ _REFUSED = "refuses spare rows: its free check of CPU or host offsets requires o
 _REPEAT = "the torch reference maps tokens to sequences with repeat_interleave(output_size=T)"
 _UNWRITTEN = "the Triton cross-entropy leaves the losses of spare rows unwritten, and its sum and mean read them"
 BROKEN: list[tuple[tuple[str | None, ...], type[BaseException], str]] = [
-    (("attention", None, None, "inference"), ValueError, f"ragged.varlen_attention {_REFUSED}"),
     (
         ("vocab_projection", "per_sequence", None, "inference"),
         ValueError,
@@ -482,6 +491,34 @@ def _params():
                         id=f"{op}-{variant}-{backend}-{layout.name}",
                         marks=() if mark is None else (mark,),
                     )
+
+
+def _refused_calls() -> dict[str, Callable[[], object]]:
+    """A call of every public function that checks the offsets at no cost (CPU offsets), on an
+    inference bucket: each must refuse it (rule 7)."""
+    offsets = torch.tensor(INFERENCE.offsets, dtype=torch.int32)
+    x = torch.zeros(T_B, 4)
+    q = torch.zeros(T_B, 2, 8)
+    hidden = ragged.RaggedTensor(torch.zeros(T_B, DIM), offsets, L_B)
+    bucket = _batches(INFERENCE)[1]
+    weight = torch.zeros(VOCAB, DIM)
+    target = torch.full((T_B,), -100)
+    return {
+        "varlen_attention": lambda: ragged.varlen_attention(q, q, q, offsets, offsets, L_B, L_B),
+        "pack_values": lambda: ragged.pack_values(torch.zeros(B_B, L_B, 4), offsets, T_B),
+        "unpack_values": lambda: ragged.unpack_values(x, offsets, L_B),
+        "to_padded": lambda: ragged.RaggedTensor(x, offsets, L_B).to_padded(),
+        "vocab_projection": lambda: ragged.vocab_projection(hidden, weight, _vocab(bucket, False)),
+        "vocab_cross_entropy": lambda: ragged.vocab_cross_entropy(hidden, weight, _vocab(bucket, False), target),
+    }
+
+
+@pytest.mark.parametrize("name", list(_refused_calls()))
+def test_public_functions_refuse_spare_rows(name):
+    """A public function keeps the data contract: offsets that end short of the values are an
+    error, not spare rows (the cases above run the op definitions on such a batch instead)."""
+    with pytest.raises(ValueError, match=rf"\[-1\] == .*\({T_B}\), got {T}"):
+        _refused_calls()[name]()
 
 
 @pytest.fixture
