@@ -11,9 +11,15 @@ flat ``values``::
     values[logit_offsets[b] + t * V_b + c] = logit of token t of sequence b, candidate c
 
 so the row of every packed token is contiguous, and the rows follow the packed token
-order. Every method is vectorised over the batch (index tensors built with
-``repeat_interleave(..., output_size=...)`` from the offsets) and reads nothing from the
-device: sizes come from host ints kept alongside (``num_tokens``, ``values.numel()``).
+order. Every method is vectorised over the batch (index tensors built from the offsets: each
+token's sequence by ``searchsorted``, each logit's token by ``repeat_interleave(...,
+output_size=...)`` of the row lengths) and reads nothing from the device: sizes come from host
+ints kept alongside (``num_tokens``, ``values.numel()``).
+
+Rows past ``offsets[-1]`` (the spare rows of a graphed bucket) belong to no sequence: with
+per-sequence vocabularies they have no candidates and no logits; with a shared vocabulary they
+have their ``S`` logits like any row (a per-token GEMM), which :meth:`RaggedLogits.to_padded`
+leaves out.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ _NEG_INF = float("-inf")
 class Coords:
     """Index tensors of a logits layout (all int64, on the device).
 
-    Per packed token (``[T]``): ``seq`` its sequence, ``row_start`` the flat index of its
-    first logit, ``row_len`` its number of candidates ``V_b``, ``first_id`` the index in
-    ``ids`` of its sequence's first candidate. Per flat logit (``[total]``): ``token``
-    and ``cand`` (its candidate's position within the sequence's list)."""
+    Per packed token (``[T]``): ``seq`` its sequence (``B`` for a row past ``offsets[-1]``),
+    ``row_start`` the flat index of its first logit, ``row_len`` its number of candidates
+    ``V_b``, ``first_id`` the index in ``ids`` of its sequence's first candidate. Per flat
+    logit (``[total]``): ``token`` and ``cand`` (its candidate's position within the
+    sequence's list)."""
 
     seq: torch.Tensor
     row_start: torch.Tensor
@@ -47,22 +54,27 @@ class Coords:
 def layout_coords(
     h_off: torch.Tensor, v_off: torch.Tensor | None, l_off: torch.Tensor, num_ids: int, num_tokens: int, total: int
 ) -> Coords:
-    """:class:`Coords` of a layout, from the device offsets and host sizes (no sync)."""
+    """:class:`Coords` of a layout, from the device offsets and host sizes (no sync).
+
+    A row past ``offsets[-1]`` gets the sequence ``B``, found by a search of the offsets: per
+    entry ``B`` of the tables below it has no candidates (per-sequence vocabularies; its row
+    starts at ``l_off[B]``, the end of the logits) or the ``S`` shared ones (at ``t * S``)."""
     device = h_off.device
     h = h_off.to(torch.int64)
     batch = h.shape[0] - 1
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), torch.diff(h), output_size=num_tokens)
+    position = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(h[1:], position, right=True)
+    # per sequence b in [0, B]: V_b, and the first logit of its row 0 (l_off[b] - h_off[b] * V_b)
     if v_off is None:
-        v_len = torch.full((batch,), num_ids, dtype=torch.int64, device=device)
+        v_len = torch.full((batch + 1,), num_ids, dtype=torch.int64, device=device)
         first_id = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     else:
         v = v_off.to(torch.int64)
-        v_len = torch.diff(v)
-        first_id = v[:-1][seq]
+        v_len = torch.cat([torch.diff(v), v.new_zeros(1)])
+        first_id = v[seq]
     row_len = v_len[seq]
     # token t of sequence b starts at l_off[b] + (t - h_off[b]) * V_b
-    position = torch.arange(num_tokens, device=device)
-    row_start = (l_off.to(torch.int64)[:-1] - h[:-1] * v_len)[seq] + position * row_len
+    row_start = (l_off.to(torch.int64) - h * v_len)[seq] + position * row_len
     token = torch.repeat_interleave(position, row_len, output_size=total)
     cand = torch.arange(total, device=device) - row_start[token]
     return Coords(seq, row_start, row_len, first_id, token, cand)
@@ -335,13 +347,20 @@ class RaggedLogits:
     def to_padded(self, padding_value: float = _NEG_INF) -> torch.Tensor:
         """``[B, max_len, max_candidates]``: sequence ``b``'s ``[T_b, V_b]`` block at the top left,
         ``padding_value`` (default ``-inf``) elsewhere. Differentiable."""
-        out = self.values.new_full((self.batch_size, self.max_len, self.max_candidates), padding_value)
+        batch, width = self.batch_size, self.max_len
         if self.numel() == 0:
-            return out + self.values.sum()
+            return self.values.new_full((batch, width, self.max_candidates), padding_value) + self.values.sum()
         c = self._coords()
         b = c.seq[c.token]
         j = c.token - self.offsets.to(torch.int64)[b]
-        return out.index_put((b, j, c.cand), self.values)
+        if not self.shared:  # a row past offsets[-1] has no logits here
+            out = self.values.new_full((batch, width, self.max_candidates), padding_value)
+            return out.index_put((b, j, c.cand), self.values)
+        # shared: the logits of rows past offsets[-1] (sequence B) land in a discarded block
+        spare = b >= batch
+        b, j = torch.where(spare, batch, b), torch.where(spare, 0, j)
+        out = self.values.new_full((batch + 1, max(width, 1), self.max_candidates), padding_value)
+        return out.index_put((b, j, c.cand), self.values)[:batch, :width]
 
     def to_full(self, fill_value: float = _NEG_INF) -> torch.Tensor:
         """``[T, num_embeddings]``: each token's logits at their global ids, ``fill_value``

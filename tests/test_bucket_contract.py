@@ -39,9 +39,11 @@ import ragged
 from ragged import backends
 from ragged.ops.attention import ATTENTION, spec_of
 from ragged.ops.attention_reference import effective_window
+from ragged.ops.vocab import VOCAB_CROSS_ENTROPY, VOCAB_PROJECTION, vocab_spec
 from ragged.packing import PACK, UNPACK, PackSpec
 from ragged.records.attention import AttentionArgs
 from ragged.records.pack import PackArgs, UnpackArgs
+from ragged.records.vocab import VocabCrossEntropyArgs, VocabProjectionArgs
 
 NAN = float("nan")
 LENGTHS = (3, 0, 5, 2)
@@ -345,12 +347,34 @@ def _vocab(batch: Batch, shared: bool):
     return ragged.pack([torch.tensor(i, dtype=torch.int64) for i in ids])
 
 
+def _vocab_args(batch: Batch, hidden, weight, bias) -> VocabProjectionArgs:
+    """The projection's operands on per-sequence vocabularies, laid out as the public functions lay them."""
+    vocab = _vocab(batch, shared=False)
+    h, v = batch.offsets.tolist(), vocab.offsets.tolist()
+    first = [0]
+    for b in range(len(h) - 1):
+        first.append(first[-1] + (h[b + 1] - h[b]) * (v[b + 1] - v[b]))
+    l_off = torch.tensor(first, dtype=torch.int64)
+    return VocabProjectionArgs(
+        hidden, batch.offsets, weight, bias, vocab.values, vocab.offsets, l_off, first[-1], batch.max_len, vocab.max_len
+    )
+
+
 def vocab_projection_case(run: Run, shared: bool) -> None:
     def call(c, batch, hidden, weight, bias):
-        h = ragged.RaggedTensor(hidden, batch.offsets, batch.max_len)
-        logits = c(ragged.vocab_projection, h, weight, _vocab(batch, shared), bias)
-        # shared: [rows, S] (a GEMM, per token); per sequence: the flat blocks, the real sequences' first
-        return logits.values.view(batch.rows, len(SHARED_IDS)) if shared else logits.values
+        if _internal(batch) and not shared:
+            a = _vocab_args(batch, hidden, weight, bias)
+            values = c.op(VOCAB_PROJECTION, a, vocab_spec(*a[:6])).logits
+            logits = ragged.RaggedLogits(
+                values, a.h_off, batch.rows, a.max_t, a.ids, a.v_off, a.max_v, a.l_off, weight.shape[0]
+            )
+        else:
+            h = ragged.RaggedTensor(hidden, batch.offsets, batch.max_len)
+            logits = c(ragged.vocab_projection, h, weight, _vocab(batch, shared), bias)
+        # shared: [rows, S] (a GEMM, per token); per sequence: the flat blocks, the real sequences' first;
+        # then the padded form, [B, L, max candidates]
+        flat = logits.values.view(batch.rows, len(SHARED_IDS)) if shared else logits.values
+        return flat, logits.to_padded(0.0)
 
     params = {"weight": run.rand(VOCAB, DIM), "bias": run.rand(VOCAB)}
     check(run, call, {"hidden": run.rand(T, DIM)}, params, spare="token" if shared else "sequence")
@@ -373,6 +397,12 @@ def vocab_cross_entropy_case(run: Run, shared: bool, reduction: str) -> None:
         target = _targets(shared)
         if batch.bucketed:  # the graphs' labels: ignored at every spare row
             target = torch.cat([target, torch.full((T_B - T,), -100, dtype=target.dtype)])
+        if _internal(batch) and not shared:
+            a = _vocab_args(batch, hidden, weight, bias)
+            args = VocabCrossEntropyArgs(*a, target, -100, 0.0)
+            out = c.op(VOCAB_CROSS_ENTROPY, args, vocab_spec(*a[:6]))
+            loss = {"none": out.loss, "sum": out.loss.sum(), "mean": out.loss.sum() / (out.local >= 0).sum()}
+            return loss[reduction].to(hidden.dtype)
         return c(ragged.vocab_cross_entropy, h, weight, _vocab(batch, shared), target, bias, reduction=reduction)
 
     params = {"weight": run.rand(VOCAB, DIM), "bias": run.rand(VOCAB)}
@@ -447,21 +477,9 @@ CASES: dict[str, dict[str, Callable[[Run], None]]] = {
 
 # Cases that break the contract today: (op, variant, backend, layout), None matching any, with the
 # exception they raise and why.
-_REFUSED = "refuses spare rows: its free check of CPU or host offsets requires offsets[-1] == T"
-_REPEAT = "the torch reference maps tokens to sequences with repeat_interleave(output_size=T)"
 _UNWRITTEN = "the Triton cross-entropy leaves the losses of spare rows unwritten, and its sum and mean read them"
 BROKEN: list[tuple[tuple[str | None, ...], type[BaseException], str]] = [
-    (
-        ("vocab_projection", "per_sequence", None, "inference"),
-        ValueError,
-        f"ragged.vocab_projection with per-sequence vocabularies {_REFUSED}",
-    ),
-    (
-        ("vocab_cross_entropy", "per_sequence_mean", None, "inference"),
-        ValueError,
-        f"ragged.vocab_cross_entropy with per-sequence vocabularies {_REFUSED}; behind it, {_REPEAT} "
-        "(ragged/logits.py) on the torch backend and, on Triton, unwritten losses read by the mean",
-    ),
+    (("vocab_cross_entropy", "per_sequence_mean", "triton", "inference"), AssertionError, _UNWRITTEN),
     (("vocab_cross_entropy", "shared_sum", "triton", "inference"), AssertionError, _UNWRITTEN),
     (("vocab_cross_entropy", "shared_mean", "triton", "inference"), AssertionError, _UNWRITTEN),
 ]

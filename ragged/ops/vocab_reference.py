@@ -228,13 +228,13 @@ def locate_targets(
         # Keys b * V + id are sorted when each sequence's ids are: one search for the batch.
         v = v_off.to(torch.int64)
         steps = torch.arange(v.shape[0] - 1, device=target.device)
-        if seq is None:
-            seq = torch.repeat_interleave(steps, torch.diff(h_off.to(torch.int64)), output_size=tokens)
+        if seq is None:  # B for a row past h_off[-1] (a spare row of a graphed bucket): no key matches
+            seq = torch.searchsorted(h_off.to(torch.int64)[1:], torch.arange(tokens, device=target.device), right=True)
         keys = torch.repeat_interleave(steps, torch.diff(v), output_size=n) * vocab_size + ids64
         query = seq * vocab_size + tgt
         pos = torch.searchsorted(keys, query)
         found = in_range & (keys[pos.clamp(max=n - 1)] == query)
-        local = pos - v[:-1][seq]
+        local = pos - v[seq]
     wanted = tgt != ignore_index
     keep = found & wanted
     return torch.where(keep, local, -1), (keep ^ wanted).sum()  # wanted, not found
@@ -312,10 +312,12 @@ def cross_entropy_backward(args: VocabCrossEntropyArgs, inputs: VocabCrossEntrop
 
 def _token_rows(h_off, v_off, l_off, tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_len, row_start)``: each token's number of candidates and first logit (``[T]``
-    int64; the part of :func:`ragged.logits.layout_coords` the backward needs)."""
+    int64; the part of :func:`ragged.logits.layout_coords` the backward needs: a row past
+    ``h_off[-1]`` has no candidates)."""
     h, v = h_off.to(torch.int64), v_off.to(torch.int64)
-    seq = torch.repeat_interleave(torch.arange(h.shape[0] - 1, device=h.device), torch.diff(h), output_size=tokens)
-    v_len = torch.diff(v)
+    position = torch.arange(tokens, device=h.device)
+    seq = torch.searchsorted(h[1:], position, right=True)
+    v_len = torch.cat([torch.diff(v), v.new_zeros(1)])
     row_len = v_len[seq]
-    row_start = (l_off.to(torch.int64)[:-1] - h[:-1] * v_len)[seq] + torch.arange(tokens, device=h.device) * row_len
+    row_start = (l_off.to(torch.int64) - h * v_len)[seq] + position * row_len
     return row_len, row_start
