@@ -476,13 +476,8 @@ CASES: dict[str, dict[str, Callable[[Run], None]]] = {
 }
 
 # Cases that break the contract today: (op, variant, backend, layout), None matching any, with the
-# exception they raise and why.
-_UNWRITTEN = "the Triton cross-entropy leaves the losses of spare rows unwritten, and its sum and mean read them"
-BROKEN: list[tuple[tuple[str | None, ...], type[BaseException], str]] = [
-    (("vocab_cross_entropy", "per_sequence_mean", "triton", "inference"), AssertionError, _UNWRITTEN),
-    (("vocab_cross_entropy", "shared_sum", "triton", "inference"), AssertionError, _UNWRITTEN),
-    (("vocab_cross_entropy", "shared_mean", "triton", "inference"), AssertionError, _UNWRITTEN),
-]
+# exception they raise and why. None does now.
+BROKEN: list[tuple[tuple[str | None, ...], type[BaseException], str]] = []
 
 
 def _broken(key: tuple[str, str, str, str]):

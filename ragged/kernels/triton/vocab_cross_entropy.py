@@ -273,10 +273,12 @@ def forward(args: VocabCrossEntropyArgs) -> VocabCrossEntropyOutput:
     seg = segments(args.h_off, args.v_off, args.l_off, args.ids)
     tokens = hidden.shape[0]
     device = hidden.device
-    # every token belongs to a row tile of its sequence: the kernel writes each row
-    loss = torch.empty(tokens, dtype=torch.float32, device=device)
+    # The kernel writes the row of every token of a sequence; a row past h_off[-1] (a spare row of
+    # a graphed bucket) belongs to none, and keeps a loss of 0 and no target (local -1), so that the
+    # sum and the mean of the losses, and the count of targets, cover the real rows only.
+    loss = torch.zeros(tokens, dtype=torch.float32, device=device)
     lse = torch.empty(tokens, dtype=torch.float32, device=device)
-    local = torch.empty(tokens, dtype=torch.int32, device=device)
+    local = torch.full((tokens,), -1, dtype=torch.int32, device=device)
     missing = torch.zeros((), dtype=torch.int64, device=device)
     batch = seg.batch
     if tokens == 0 or batch == 0:
