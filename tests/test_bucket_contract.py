@@ -10,7 +10,9 @@ The real batch has sequences of ``LENGTHS`` (``T`` tokens, one of them empty). I
   values (random here), and the incoming gradient is zero past the real rows.
 
 Each case runs the real batch through a public function on the ``"torch"`` reference in
-float64, then the bucketed batch on every backend that can take it on the CPU (``"torch"`` in
+float64, then the bucketed batch (through the same public function, or, where that function
+checks the offsets and so refuses an inference bucket, through the op definition as the graph
+wrapper and the layer core call it: rule 7 of the contract) on every backend that can take it on the CPU (``"torch"`` in
 float64; the others in float32, ``"triton"`` under ``TRITON_INTERPRET=1``; a backend whose
 reasons for the input, ``ragged.explain``, are not empty is skipped), forward and backward, and
 checks: the real part of every result and gradient equals the reference and holds no NaN; in
