@@ -141,25 +141,25 @@ def reference_pool(values: Tensor, offsets: Tensor, mode: str) -> tuple[Tensor, 
     x = values.detach()
     x = x.to(torch.uint8) if x.dtype == torch.bool else x
     seg_rows = seg.unsqueeze(1).expand(total, feat)
-    rows = batch + 1  # the last one collects the spare rows (see _segments)
+    slots = batch + 1  # the last one collects the spare rows (see _segments)
     if x.dtype.is_floating_point:
         # The maximum over the non-NaN values, and apart whether a NaN is there: the result
         # does not hang on how scatter_reduce treats NaN on a device.
         nan = x.isnan()
-        top = torch.zeros((rows, feat), dtype=x.dtype, device=x.device).scatter_reduce(
+        top = torch.zeros((slots, feat), dtype=x.dtype, device=x.device).scatter_reduce(
             0, seg_rows, x.masked_fill(nan, float("-inf")), "amax", include_self=False
         )
         has_nan = (
-            torch.zeros((rows, feat), dtype=torch.int32, device=x.device).index_add(0, seg, nan.to(torch.int32)) > 0
+            torch.zeros((slots, feat), dtype=torch.int32, device=x.device).index_add(0, seg, nan.to(torch.int32)) > 0
         )
         hit = torch.where(has_nan.index_select(0, seg), nan, x == top.index_select(0, seg))
     else:
-        top = torch.zeros((rows, feat), dtype=x.dtype, device=x.device).scatter_reduce(
+        top = torch.zeros((slots, feat), dtype=x.dtype, device=x.device).scatter_reduce(
             0, seg_rows, x, "amax", include_self=False
         )
         hit = x == top.index_select(0, seg)
     token = torch.arange(total, device=x.device).unsqueeze(1).expand(total, feat)
-    first_hit = torch.full((rows, feat), total, dtype=torch.int64, device=x.device).scatter_reduce(
+    first_hit = torch.full((slots, feat), total, dtype=torch.int64, device=x.device).scatter_reduce(
         0, seg_rows, torch.where(hit, token, total), "amin", include_self=True
     )[:batch]
     nonempty = (lengths > 0).unsqueeze(1)
