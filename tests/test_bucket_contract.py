@@ -552,7 +552,9 @@ def _unwritten_memory_is_nan():
 
 
 def test_every_registered_op_has_a_bucket_case():
-    assert set(CASES) == set(backends.op_names())
+    # the package's ops: a test module may register a toy op of its own in the same process
+    package_ops = {op for op in backends.op_names() if backends.op_entry(op).spec.__module__.startswith("ragged.")}
+    assert set(CASES) == package_ops
 
 
 def _spare_lengths(layout: Layout) -> list[int]:
