@@ -6,10 +6,13 @@ others raise), and :func:`adopt`, which hands a source module's Parameters to th
 from __future__ import annotations
 
 import copy as _copy
+from typing import TypeVar
 
 from torch import nn
 
 __all__ = ["adopt", "attention_features", "module_attention_features", "reason_subject"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def reason_subject(path: str) -> str:
@@ -33,7 +36,7 @@ def module_attention_features(attn: nn.MultiheadAttention) -> str | None:
     return attention_features(attn.bias_k is not None or attn.bias_v is not None, attn.add_zero_attn)
 
 
-def adopt(fn: str, shell: nn.Module, source: nn.Module, copy: bool, memo: dict | None) -> nn.Module:
+def adopt(fn: str, shell: _M, source: nn.Module, copy: bool, memo: dict | None) -> _M:
     """Give ``shell`` (built on the meta device with ``source``'s configuration) the
     Parameters and buffers of ``source`` at the same names: the same objects, or with
     ``copy`` deep copies (``memo`` keeps tied tensors tied across a conversion). Every

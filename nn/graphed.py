@@ -68,6 +68,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -78,6 +79,9 @@ from ragged.utils import describe
 from . import graphed_train
 from .graphed_train import smallest as _smallest
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
 __all__ = ["GraphHooks", "Graphed", "graphed", "powers_of_two", "register_hooks"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
@@ -87,7 +91,8 @@ def powers_of_two(top: int, start: int = 1, steps: int = 1) -> tuple[int, ...]:
     """``start, 2 * start, ...`` up to ``top``, with ``top`` itself last; ``steps`` > 1 adds
     ``steps - 1`` evenly spaced sizes inside each octave (4: ``64, 80, 96, 112, 128, 160, ...``,
     at most 25% over a batch's size), each a multiple of 8 where the octave allows."""
-    out, b = [], max(1, start)
+    out: list[int] = []
+    b = max(1, start)
     while b < top:
         for i in range(steps):
             size = b + (b * i) // steps
@@ -219,6 +224,8 @@ class Graphed(nn.Module):
         # give about 0.77x); sequences and lengths: powers of two (they size grids, not work)
         self.token_buckets = _buckets(fn, "token_buckets", token_buckets, max_tokens, 64, 8)
         self.batch_buckets = _buckets(fn, "batch_buckets", batch_buckets, max_batch_size, 1)
+        self.max_len: int | None
+        self._max_len_why: str
         self.max_len, self._max_len_why = (None, "") if limit is None else limit
         top = max_tokens if self.max_len is None else min(max_tokens, self.max_len)
         why = (
@@ -232,8 +239,9 @@ class Graphed(nn.Module):
         # graphs see, on any device (what the CPU tests check)
         self.capture = bool(capture)
         self._graphs: dict[tuple, _Graph] = {}
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._pool = None
+        # not ``_buffers``: that is Module's own table of registered buffers
+        self._static_buffers: dict[tuple, torch.Tensor] = {}
+        self._pool: _POOL_HANDLE | None = None
         self._train = graphed_train.TrainGraphs(self)
         self._params: list | None = None  # the parameters the training graphs were captured for
         self._memory: dict[tuple, int] = {}
@@ -261,7 +269,7 @@ class Graphed(nn.Module):
         """Drop every graph and static buffer (after moving the module or replacing parameters)."""
         with self.lock:  # not under a call of another thread
             self._graphs.clear()
-            self._buffers.clear()
+            self._static_buffers.clear()
             self._pool = None
             self._train.reset()
             self._params = None
@@ -286,7 +294,7 @@ class Graphed(nn.Module):
         persistent parameter gradients), ``"buckets"`` (per captured bucket, what its capture
         added to the pool: later captures reuse the pool, so these do not add up to more)."""
         grads = sum(g.numel() * g.element_size() for g in self._train._grads.values())
-        bufs = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        bufs = sum(b.numel() * b.element_size() for b in self._static_buffers.values())
         return {
             "graphs": sum(self._memory.values()),
             "buffers": bufs,
@@ -443,12 +451,12 @@ class Graphed(nn.Module):
         """A zeroed static buffer of ``rows`` rows like ``like`` (shared by the buckets that fit
         it: a bucket uses its first rows). Zeros: the spare rows of ids stay valid ids."""
         key = (name, like.dtype, like.device, tuple(like.shape[1:]))
-        buf = self._buffers.get(key)
+        buf = self._static_buffers.get(key)
         if buf is None or buf.shape[0] < rows:
             top = max(rows, self.max_tokens if name[0] == "values" else self.max_batch_size + 1)
             with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
                 buf = torch.zeros((top, *like.shape[1:]), dtype=like.dtype, device=like.device)
-            self._buffers[key] = buf
+            self._static_buffers[key] = buf
         return buf[:rows]
 
     def _static(self, key, rts, seqs, size) -> _Graph:

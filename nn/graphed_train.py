@@ -185,11 +185,11 @@ def rebuild(spec, leaves: list, first: RaggedTensor):
         return spec[1]
     _, cls, items = spec
     if kind == "dict":
-        values = {k: rebuild(v, leaves, first) for k, v in items}
+        named = {k: rebuild(v, leaves, first) for k, v in items}
         try:
-            return cls(**values)
+            return cls(**named)
         except TypeError:
-            return cls(values)
+            return cls(named)
     values = [rebuild(v, leaves, first) for v in items]
     if kind == "list":
         return values
@@ -278,6 +278,17 @@ class _Entry:
         "spec",
         "used",
     )
+    bwd: torch.cuda.CUDAGraph
+    diff: list[int]  # the leaves (of ``outputs``) that take a gradient
+    fwd: torch.cuda.CUDAGraph
+    generation: int
+    grad_inputs: list[torch.Tensor | None]
+    grad_outs: list[torch.Tensor]
+    memory: int
+    outputs: list[torch.Tensor]
+    ragged: list[bool]
+    spec: tuple  # :func:`flatten`'s description of the outputs
+    used: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its persistent gradient)
 
     def __init__(self) -> None:
         self.generation = 0

@@ -246,7 +246,7 @@ class TransformerEncoderLayer(nn.Module):
         shell.self_attn.dropout = attn.dropout
         shell.dropout1.p, shell.dropout2.p = layer.dropout1.p, layer.dropout2.p
         shell.norm2.eps = layer.norm2.eps
-        return cast(TransformerEncoderLayer, adopt(fn, shell, layer, False, None))
+        return adopt(fn, shell, layer, False, None)
 
     def _block(self, rt: RaggedTensor, causal: bool, fused=_UNSET) -> RaggedTensor:
         x = rt.values

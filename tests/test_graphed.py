@@ -30,7 +30,7 @@ def _batch(lengths, seed=1):
 
 def _poison(g: ragged.nn.Graphed) -> None:
     """NaN in every static buffer of floating dtype: the rows a call does not copy stay NaN."""
-    for buf in g._buffers.values():
+    for buf in g._static_buffers.values():
         if buf.is_floating_point():
             buf.fill_(float("nan"))
 
@@ -50,6 +50,16 @@ def test_padded_bucket_equals_eager(lengths):
     assert got.values.shape == want.values.shape
     torch.testing.assert_close(got.values, want.values, rtol=1e-10, atol=1e-10)
     assert not got.requires_grad
+
+
+def test_static_buffers_are_not_module_buffers():
+    """The static inputs are the wrapper's own cache, not registered buffers: after a call the
+    state_dict and named_buffers are the wrapped module's, under ``module.``."""
+    g = ragged.nn.Graphed(_encoder(), 128, 8, capture=False)
+    before = list(g.state_dict())
+    g(_batch([5, 3]))
+    assert list(g.state_dict()) == before
+    assert [name for name, _ in g.named_buffers()] == [f"module.{n}" for n, _ in g.module.named_buffers()]
 
 
 def test_buckets_are_shared_and_keyed():

@@ -113,7 +113,7 @@ def _inputs(case: str, kind: str, labels_fn, seed=7):
 
 
 def _poison(g: ragged.nn.Graphed) -> None:
-    for buf in g._buffers.values():
+    for buf in g._static_buffers.values():
         if buf.is_floating_point():
             buf.fill_(float("nan"))
 

@@ -32,7 +32,7 @@ FIELDS = {
 
 
 def _poison(g: ragged.nn.Graphed) -> None:
-    for buf in g._buffers.values():
+    for buf in g._static_buffers.values():
         if buf.is_floating_point():
             buf.fill_(float("nan"))
 

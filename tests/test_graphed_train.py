@@ -37,7 +37,7 @@ def _values(lengths, seed=1, grad=False):
 
 
 def _poison(g) -> None:
-    for buf in g._buffers.values():
+    for buf in g._static_buffers.values():
         if buf.is_floating_point():
             buf.fill_(float("nan"))
 
