@@ -195,7 +195,7 @@ def _resolve_devices(device: str | None, devices: str | list[int] | None) -> lis
     spec = "all" if devices == "all" else ",".join(map(str, devices))
     if not visible:
         raise EmbedError(f"{PROG}: --devices {spec}: no CUDA device is visible (use --device cpu)")
-    ids = list(range(visible)) if devices == "all" else devices
+    ids = list(range(visible)) if isinstance(devices, str) else devices  # a str is "all"
     if max(ids) >= visible:
         raise EmbedError(f"{PROG}: expected --devices among the visible GPUs 0 to {visible - 1}, got {max(ids)}")
     return [f"cuda:{i}" for i in ids]

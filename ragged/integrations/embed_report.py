@@ -121,7 +121,7 @@ class Progress:
             self.tokens += int(tokens)
             seconds = max(time.perf_counter() - self.start, 1e-9)
             speed = f"{self.texts / seconds:,.0f} texts/s, {self.tokens / seconds:,.0f} tokens/s"
-        if self.bar is not None:
+        if self.bar is not None and self.task is not None:  # set together
             self.bar.update(self.task, advance=int(texts), speed=speed)
 
     def summary(self, whole: float) -> str:

@@ -193,8 +193,10 @@ class RaggedTrainer(Trainer):
         return tuple(values)
 
     def _update_steps(self, epoch: int) -> int:
-        self._train_sampler.set_epoch(epoch)
-        return -(-len(self._train_sampler) // self.args.gradient_accumulation_steps)
+        sampler = self._train_sampler
+        assert sampler is not None  # called only with a sampler made
+        sampler.set_epoch(epoch)
+        return -(-len(sampler) // self.args.gradient_accumulation_steps)
 
     def _run_epoch(self, **kwargs):
         if self._train_sampler is not None:
