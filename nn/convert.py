@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy as _copy
 import sys
 import warnings
+from typing import Any, Protocol, cast
 
 from torch import nn
 from torch.nn.utils import parametrize, prune
@@ -25,7 +26,14 @@ from .accept import module_attention_features, reason_subject
 from .multihead_attention import MultiheadAttention
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 
-_SWAPS: dict[type, type] = {
+
+class _Swap(Protocol):
+    """A ragged class of ``_SWAPS``: what conversion calls on it."""
+
+    def from_torch(self, source: Any, /, *, copy: bool = ..., memo: dict | None = ...) -> nn.Module: ...
+
+
+_SWAPS: dict[type[nn.Module], _Swap] = {
     nn.TransformerEncoder: TransformerEncoder,
     nn.TransformerEncoderLayer: TransformerEncoderLayer,
     nn.MultiheadAttention: MultiheadAttention,
@@ -98,7 +106,7 @@ def _layer_reason(layer: nn.TransformerEncoderLayer, path: str) -> str | None:
     if not attn._qkv_same_embed_dim:
         return f"its {prefix}self_attn has kdim / vdim different from embed_dim"
     for name in ("norm1", "norm2"):
-        norm = layer._modules[name]
+        norm = cast(nn.LayerNorm, layer._modules[name])  # its type checked above
         if tuple(norm.normalized_shape) != (attn.embed_dim,) or not norm.elementwise_affine:
             return f"its {prefix}{name} is not a LayerNorm over the {attn.embed_dim} features with a learned weight"
     return None
@@ -116,7 +124,7 @@ def _why_not(module: nn.Module) -> str | None:
     layers = module._modules.get("layers")
     if type(layers) is not nn.ModuleList or len(layers) == 0:
         return "its layers are not a non-empty torch.nn.ModuleList"
-    first = layers[0]
+    first = cast(nn.TransformerEncoderLayer, layers[0])  # checked first in the loop
     for i, layer in enumerate(layers):
         if type(layer) is not nn.TransformerEncoderLayer:
             return f"its layers.{i} is a {type(layer).__name__}, not a torch.nn.TransformerEncoderLayer"

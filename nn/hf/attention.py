@@ -68,8 +68,10 @@ taken), mask functions a model overlays on the causal pattern (``or_mask_functio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,6 +148,7 @@ class Layout:
             return x.reshape(self.batch * self.width, *x.shape[2:])
         if self.side is not None:
             return ragged.pack_values(x, self.offsets, self.total, padding_side=self.side)
+        assert self.index is not None  # set where side is None
         return x.reshape(self.batch * self.width, *x.shape[2:]).index_select(0, self.index)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
@@ -154,6 +157,7 @@ class Layout:
             return values.view(self.batch, self.width, *values.shape[1:])
         if self.side is not None:
             return ragged.unpack_values(values, self.offsets, self.width, padding_side=self.side)
+        assert self.index is not None  # set where side is None
         rows = values.new_zeros(self.batch * self.width, *values.shape[1:]).index_copy(0, self.index, values)
         return rows.view(self.batch, self.width, *values.shape[1:])
 
@@ -237,7 +241,7 @@ def forward_positions_layout(position_ids: torch.Tensor, layer_idx) -> Layout:
     layout = positions_layout(position_ids)
     if not torch.compiler.is_compiling():
         tid = id(position_ids)
-        ref = weakref.ref(position_ids, lambda r, tid=tid: _drop(tid, r))
+        ref = weakref.ref(position_ids, functools.partial(_drop, tid))
         _FORWARD_LAYOUTS[tid] = (ref, layout, *key)
     return layout
 
@@ -486,7 +490,7 @@ def attention_forward(
         max_q, max_k = len_q, len_k
         q, k, v = _tokens(query), _tokens(key), _tokens(value)
 
-    extra = {}
+    extra: dict[str, Any] = {}
     if sliding_window is not None and max(max_q, max_k) > sliding_window:
         if not window_ok:
             raise NotImplementedError(

@@ -42,7 +42,7 @@ class Batch:
         if t is None:
             return None
         total = self.rt.num_tokens
-        if isinstance(t, RaggedTensor) or self.ragged:
+        if isinstance(t, RaggedTensor) or self.layout is None:  # self.ragged, narrowing layout
             v = t.values if isinstance(t, RaggedTensor) else t
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"{fn}(): expected {name} to be a RaggedTensor or a tensor, got {describe(t)}")
