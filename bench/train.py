@@ -147,13 +147,21 @@ def sync(device) -> None:
 
 
 class Row:
-    def __init__(self, name: str, model, batches: list, device, fused: bool):
+    def __init__(self, name: str, model, batches: list, device, fused: bool, layer_graphs: bool = True):
         self.name, self.model, self.batches, self.device = name, model, batches, device
         self.opt = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=fused, foreach=None if fused else True)
+        self.layer_graphs = layer_graphs
 
     def step(self, batch) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        loss.backward()
+        if self.layer_graphs:
+            loss = self.model(**batch).loss
+            loss.backward()
+        else:
+            from ragged.nn import layer_graphs
+
+            with layer_graphs.off():
+                loss = self.model(**batch).loss
+                loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -223,6 +231,15 @@ def build(args, device):
             device,
             fused,
         )
+    if "ragged-nolayergraphs" in args.rows:
+        rows["ragged-nolayergraphs"] = Row(
+            "ragged.nn.convert, RaggedTensor ids, layer graphs off",
+            rnn.convert(copy.deepcopy(hf)),
+            [ragged_batch(b, device) for b in feats],
+            device,
+            fused,
+            layer_graphs=False,
+        )
     if "graphed" in args.rows and device.type == "cuda":
         converted = rnn.convert(copy.deepcopy(hf))
         g = rnn.graphed(converted, max_tokens=args.batch * max(map(max, lens)), max_batch_size=args.batch)
@@ -245,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="hf,hf-compile,ragged,graphed,trainer")
+    p.add_argument("--rows", default="hf,hf-compile,ragged,ragged-nolayergraphs,graphed,trainer")
     p.add_argument(
         "--profile", type=int, default=0, help="top N functions of a cProfile of the ragged and graphed rows"
     )

@@ -412,11 +412,15 @@ class TrainGraphs:
             inputs[i].requires_grad_(True)
         wrt = [inputs[i] for i in grad_inputs] + list(params)
 
+        from .layer_graphs import off  # (it imports this module)
+
         def run():
-            if autocast is None:
-                return call()
-            with torch.autocast("cuda", dtype=autocast, cache_enabled=False):
-                return call()
+            # the whole module is captured here: its layers run as they are, not from their own graphs
+            with off():
+                if autocast is None:
+                    return call()
+                with torch.autocast("cuda", dtype=autocast, cache_enabled=False):
+                    return call()
 
         def differentiable(out):
             leaves: list = []

@@ -15,6 +15,7 @@ returns a RaggedTensor.
 from __future__ import annotations
 
 import copy as _copy
+import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -25,6 +26,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe, eager
 
+from . import layer_graphs
 from .accept import adopt, module_attention_features
 from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 from .multihead_attention import (
@@ -285,6 +287,11 @@ class TransformerEncoderLayer(nn.Module):
         )
 
 
+def _bucket_body(layer, causal: bool, fused, x: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Layer ``layer`` on a bucket's values, offsets and longest length (what its graphs capture)."""
+    return layer._block(RaggedTensor(x, cu, max_len), causal, fused).values
+
+
 class TransformerEncoder(nn.Module):
     """``torch.nn.TransformerEncoder`` computed padding-free.
 
@@ -368,9 +375,18 @@ class TransformerEncoder(nn.Module):
         if values is not None:
             rt = rt.with_values(values)
         else:
+            # eager training on a GPU: each layer from its CUDA graphs for the batch's bucket
+            plan = layer_graphs.plan(rt.values, rt.offsets, rt.max_len) if layer_graphs.active(rt.values) else None
             for layer in layers:
                 # the input was checked once above; a layer without hooks runs its body directly
-                rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
+                y = None
+                if plan is not None and plain_call(layer):
+                    body = functools.partial(_bucket_body, layer, causal, fused)
+                    y = layer_graphs.run(layer, body, rt.values, plan)
+                if y is not None:
+                    rt = rt.with_values(y)
+                else:
+                    rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

@@ -19,9 +19,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ragged import RaggedTensor
 
+from .. import layer_graphs
 from ..layer import call_with_hooks, plain_call
 from .batch import Batch, read_batch
-from .family import Family, hook_kinds
+from .family import Family, SpecFamily, hook_kinds
 
 __all__ = ["Encoded", "encode", "run_encoder"]
 
@@ -60,13 +61,38 @@ def run_encoder(
             return checkpoint(family.run_layer, layer, x, ctx, use_reentrant=False)
         return family.run_layer(layer, x, ctx)
 
+    # eager training on a GPU: each layer from its CUDA graphs for the batch's bucket (the families
+    # whose layers read only the offsets and the longest length of the batch)
+    plan = None
+    if not saving and layer_graphs.active(x) and _graphable(family, ctx):
+        plan = layer_graphs.plan(x, ctx.offsets, ctx.max_len)
+
     hidden = [x] if collect else None
     for layer in layers:
-        # a layer with hooks (an FSDP2 unit, say) is called as a module, with body as its forward
-        x = body(layer, x) if _plain(layer) else call_with_hooks(layer, functools.partial(body, layer), x)
+        y = None
+        if plan is not None and _plain(layer):
+            y = layer_graphs.run(layer, functools.partial(_bucket_body, family, layer), x, plan)
+        if y is None:
+            # a layer with hooks (an FSDP2 unit, say) is called as a module, with body as its forward
+            y = body(layer, x) if _plain(layer) else call_with_hooks(layer, functools.partial(body, layer), x)
+        x = y
         if collect:
             hidden.append(x)
     return x, hidden
+
+
+def _graphable(family: Family, ctx) -> bool:
+    """The family's layers read nothing of a batch but its offsets and longest length."""
+    return (
+        isinstance(ctx, RaggedTensor)
+        and type(family).run_layer is SpecFamily.run_layer
+        and (type(family).spec_of is SpecFamily.spec_of)
+    )
+
+
+def _bucket_body(family: Family, layer: nn.Module, x: torch.Tensor, cu: torch.Tensor, max_len: int):
+    """Layer ``layer`` on a bucket's values, offsets and longest length (what its graphs capture)."""
+    return family.run_layer(layer, x, RaggedTensor(x, cu, max_len))
 
 
 @dataclasses.dataclass
