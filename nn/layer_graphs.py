@@ -191,15 +191,14 @@ class _Token:
 class _Entry:
     """A layer's two graphs for one key, and where its Parameters' gradients land."""
 
-    __slots__ = ("bwd", "flat", "fwd", "need_x", "params", "slices")
+    __slots__ = ("bwd", "flat", "fwd", "need_x", "params")
 
     def __init__(self) -> None:
         self.fwd: Callable[[], None]
         self.bwd: Callable[[], None]
-        self.flat: torch.Tensor | None = None  # the Parameters' gradients, one after another
+        self.flat: torch.Tensor | None = None  # the gradients of params, one after another
         self.need_x = False
         self.params: list[nn.Parameter] = []
-        self.slices: list[tuple[int, int, torch.Size] | None] = []  # per Parameter: its part of flat
 
 
 class _LayerState:
@@ -211,7 +210,7 @@ class _LayerState:
         self.seen: set[tuple] = set()
         self.pool: Any = None  # the graphs' memory pool handle
         self.pending: weakref.ref | None = None
-        self.dropouts: list[nn.Module] | None = None
+        self.dropouts: list = []
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
@@ -223,6 +222,22 @@ def reset() -> None:
     _STATES.clear()
     _BUCKETS.clear()
     _FLATS.clear()
+
+
+def _parameters(layer: nn.Module) -> list:
+    """The layer's Parameters, each once, in a fixed order: ``layer.parameters()`` without its
+    generators (read on every call, so a Parameter or module swapped in is seen)."""
+    out: list = []
+    seen: set = set()
+    stack = [layer]
+    while stack:
+        m = stack.pop()
+        for q in m._parameters.values():
+            if q is not None and id(q) not in seen:
+                seen.add(id(q))
+                out.append(q)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
 
 
 def _flat(device, dtype, numel: int) -> torch.Tensor:
@@ -241,25 +256,25 @@ def run(layer: nn.Module, body: Callable, x: torch.Tensor, p: Plan) -> torch.Ten
     state = _STATES.get(layer)
     if state is None:
         state = _STATES[layer] = _LayerState()
+        state.dropouts = [m for m in layer.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if state.pending is not None and state.pending() is not None:
         return None
-    params = list(layer.parameters())
-    if state.dropouts is None:
-        state.dropouts = [m for m in layer.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    params = _parameters(layer)
     dtype = x.dtype
-    if any(q.dtype != dtype for q in params):
-        return None
+    for q in params:
+        if q.dtype != dtype:
+            return None
     need_x = x.requires_grad
-    grads = tuple(q.requires_grad for q in params)
-    if not need_x and not any(grads):
+    grads = tuple([q.requires_grad for q in params])
+    if not need_x and True not in grads:
         return None
     key = (
         p.key,
         need_x,
         grads,
-        tuple(q.data_ptr() for q in params),
+        tuple([q.data_ptr() for q in params]),
         layer.training,
-        tuple(m.p for m in state.dropouts),
+        tuple([m.p for m in state.dropouts]) if state.dropouts else (),
     )
     entry = state.entries.get(key)
     if entry is None:
@@ -280,13 +295,7 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
     entry = _Entry()
     entry.need_x = need_x
     entry.params = [q for q, g in zip(params, grads) if g]
-    offset = 0
-    slices: list[tuple[int, int, torch.Size] | None] = []
-    for q, g in zip(params, grads):
-        if g:
-            slices.append((offset, q.numel(), q.shape))
-            offset += q.numel()
-    entry.slices = slices
+    offset = sum(q.numel() for q in entry.params)
     if offset:
         entry.flat = _flat(b.x.device, b.x.dtype, offset)
     x_leaf = b.x.detach().requires_grad_(need_x)
@@ -378,8 +387,7 @@ class _Replay(torch.autograd.Function):
         b.due.discard(ctx.token)
         ctx.token = None
         dx = b.dx[:n].clone() if entry.need_x else None
-        grads: list[torch.Tensor | None] = []
-        if entry.flat is not None:
-            flat = entry.flat.clone()
-            grads = [None if s is None else flat[s[0] : s[0] + s[1]].view(s[2]) for s in entry.slices]
+        grads: list[torch.Tensor] = []
+        if entry.flat is not None:  # one copy of every gradient, handed out as views of it
+            grads = torch._C._nn.unflatten_dense_tensors(entry.flat.clone(), entry.params)
         return (None, None, None, None, dx, *grads)

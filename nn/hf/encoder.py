@@ -51,7 +51,8 @@ def run_encoder(
     collection runs the family's stack where it has one; otherwise layer by layer."""
     layers = family.layers(base)
     saving = _checkpointing(layers)
-    if not collect and not saving and all(_plain(layer) for layer in layers):
+    training = torch.is_grad_enabled() and (x.requires_grad or (len(layers) > 0 and layers[0].training))
+    if not collect and not saving and not training and all(_plain(layer) for layer in layers):
         y = family.run_stack(layers, x, ctx)
         if y is not None:
             return y, None
