@@ -7,7 +7,8 @@ comes from ``_why_not`` (extra hooks and parametrizations, then the class's own 
 
 HuggingFace BERT-family models are converted by :mod:`ragged.nn.hf` (their forward is
 patched, their modules stay); it is imported only when transformers is, so that converting a
-torch.nn model never imports transformers.
+torch.nn model never imports transformers. peft's wrappers are looked through to the model
+inside them (:func:`_peft_inner`), and peft is never imported here either.
 """
 
 from __future__ import annotations
@@ -163,6 +164,29 @@ def _sentence_adapter():
     return sentence
 
 
+def _peft_inner(model: nn.Module) -> nn.Module | None:
+    """The model inside peft's wrappers when ``model`` is one: a ``PeftModel`` (of any task) over
+    LoRA adapters, or the ``LoraModel`` inside it; else None. A ``PeftModel`` of another tuner
+    (prompt learning, IA3, ...) raises NotImplementedError. Never imports peft."""
+    if "peft" not in sys.modules:
+        return None
+    wrapper = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    tuner = getattr(sys.modules.get("peft.tuners.lora.model"), "LoraModel", None)
+    if isinstance(wrapper, type) and isinstance(model, wrapper):
+        inner = model._modules.get("base_model")
+        if not (isinstance(tuner, type) and isinstance(inner, tuner)):
+            configs = getattr(model, "peft_config", None) or {}
+            kinds = sorted({str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values()})
+            raise NotImplementedError(
+                f"ragged.nn.convert(): cannot convert {type(model).__name__}: its adapters are {', '.join(kinds)} "
+                "ones; ragged converts models with LoRA adapters only; the model is unchanged"
+            )
+        model = cast(nn.Module, inner)  # a LoraModel, checked above
+    if isinstance(tuner, type) and isinstance(model, tuner):
+        return model._modules.get("model")
+    return None
+
+
 def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:
     """Swap every ``torch.nn.TransformerEncoder``, ``TransformerEncoderLayer`` and
     ``MultiheadAttention`` in ``model`` (in place) for its ragged.nn counterpart; returns
@@ -212,6 +236,13 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     as a whole (see :mod:`ragged.nn.hf.sentence`): its
     Transformer, Pooling and ``encode`` run on the packed tokens; Dense, Normalize and the other
     modules act on the sentence embeddings as before.
+
+    peft's wrappers (a ``PeftModel`` of any task over LoRA adapters, or its ``LoraModel``) over
+    one of these HuggingFace models: the transformers model inside is converted in place (or
+    refused as above), and ``model`` returned (``copy=True``: a deep copy of it, converted). Its
+    LoRA Linears are read on every forward as the Linear they compute
+    (:mod:`ragged.nn.hf.lora`: merging, unmerging, disabling and switching adapters act as in
+    peft); the heads and ``modules_to_save`` run as peft's modules. Another tuner is refused.
     """
     fn = "ragged.nn.convert"
     if not isinstance(model, nn.Module):
@@ -225,6 +256,13 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     hf = _hf_adapter()
     if hf is not None and hf.is_hf_model(model):
         return hf.convert_model(model, copy)
+    inner = _peft_inner(model)
+    if hf is not None and inner is not None and hf.is_hf_model(inner):
+        if copy:
+            model = _copy.deepcopy(model)
+            inner = _peft_inner(model)
+        hf.convert_model(inner, False)  # in place: the wrappers call it
+        return model
     memo: dict = {}
     built: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(original) -> (original, replacement)
     refused: dict[int, tuple[nn.Module, str, str]] = {}  # id(original) -> (original, where, why)

@@ -223,7 +223,7 @@ def _provided_by_readme_extras():
 
 def test_tests_import_only_what_the_readme_extras_install():
     """A test module that imports a package outside the README's extras (pyarrow, datasets, trl,
-    pandas, peft, ...) without ``pytest.importorskip`` fails the README's command for a new user."""
+    pandas, ...) without ``pytest.importorskip`` fails the README's command for a new user."""
     allowed = _provided_by_readme_extras()
     found = {
         f"{path.name}:{line}: {name}"
@@ -245,12 +245,12 @@ def test_the_import_check_catches_an_unguarded_import():
 
 
 def test_readme_extras_leave_out_what_the_tests_must_skip_without():
-    """The README's extras do not bring pyarrow, datasets, trl or peft (else the check above could not
+    """The README's extras do not bring pyarrow, datasets or trl (else the check above could not
     tell): each test that needs one skips without it."""
     closure = _requirement_closure(
         PROJECT["name"], set(re.search(r'-e "\.\[([^\]]*)\]"', _readme_test_line()[0]).group(1).split(","))
     )
-    assert not closure & {"pyarrow", "datasets", "trl", "peft"}, closure & {"pyarrow", "datasets", "trl", "peft"}
+    assert not closure & {"pyarrow", "datasets", "trl"}, closure & {"pyarrow", "datasets", "trl"}
 
 
 # --------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ the packed input: ``batch.py``; the overlapped encode: ``pipeline.py`` and its t
 attention shape, embeddings, heads, outputs and what it refuses) and holds the machinery the
 BERT-like families share; ``batch.py`` reads a call's batch once; ``encoder.py`` runs any
 family's embeddings and layers; ``heads.py`` its heads and losses; ``forward.py`` identifies,
-checks and patches models and is the converted forward; ``families.py`` lists the families;
+checks and patches models and is the converted forward; ``lora.py`` reads a layer's Linear
+(peft's LoRA Linear as the Linear it computes); ``families.py`` lists the families;
 ``graphs.py`` tells :func:`ragged.nn.graphed` what only these families know (its hooks).
 
 **Mechanism.** Conversion patches forward behaviour and nothing else: the model (and, for a
@@ -89,7 +90,8 @@ attention; causal-LM, pre-training, next-sentence and multiple-choice heads; a s
 defined outside transformers is an ordinary container, whose supported models inside are
 converted), ``is_decoder``, ``add_cross_attention``,
 a ``position_embedding_type`` other than ``"absolute"``, layers whose modules are not
-HuggingFace's (a LoRA Linear, a custom layer class), hooks on the modules the converted
+HuggingFace's (a custom layer class, a Linear subclass; peft's LoRA Linear is taken, see
+below), hooks on the modules the converted
 forward does not call (the base model of a head, the encoder and everything in it; HuggingFace's
 own output-capturing hooks are fine; hooks added there after conversion do not run, except on
 the layers themselves, see below) and models dispatched by accelerate. A layer Linear replaced
@@ -98,6 +100,16 @@ next call instead of being read as a plain Linear. At call time:
 ``output_attentions=True`` (the attention probabilities are never formed), ``head_mask``,
 cross-attention inputs, ``past_key_values``, ``is_causal=True`` and flash-attention packing
 arguments raise NotImplementedError.
+
+**peft's LoRA adapters** (``get_peft_model``: ``ragged.nn.convert`` looks through the
+``PeftModel`` and its ``LoraModel`` to the transformers model; transformers' and
+sentence-transformers' ``add_adapter``, which put LoRA Linears in the model itself): the layers
+of the families whose layers are read into a spec (all but ModernBERT, which refuses them) read
+each LoRA Linear on every forward as the one Linear it computes, ``W + scaling * B @ A`` over
+its active adapters (:mod:`ragged.nn.hf.lora`): merging, unmerging, disabling and switching
+adapters act as in peft, the gradients reach the adapters, and the embeddings, heads and
+``modules_to_save`` run as peft's modules. Refused: ``lora_dropout > 0``, DoRA and the other
+LoRA variants, other tuners, and peft's ``adapter_names`` at call time.
 
 **Data parallel**: DDP wraps a converted model as any other. Under FSDP2, each layer may be a
 unit (``fully_shard(layer)`` for every ``model.<base>.encoder.layer[i]``, then the model): a

@@ -39,6 +39,7 @@ from ragged.utils import eager
 
 from ..layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
 from .batch import Batch
+from .lora import effective_linear, linear_reason
 
 __all__ = [
     "KINDS",
@@ -85,7 +86,8 @@ def exact(module, kind: type, path: str, what: str) -> str | None:
 
 
 def packed_in_projection(q: nn.Module, k: nn.Module, v: nn.Module):
-    """``(in_w [3d, d], in_b [3d] or None)``: the three projections concatenated, on every call.
+    """``(in_w [3d, d], in_b [3d] or None)``: the three projections concatenated, on every call
+    (each a torch.nn.Linear or peft's LoRA Linear: :func:`ragged.nn.hf.lora.effective_linear`).
 
     Nothing is cached: a cache would need a key that every write to the weights changes, and
     writes through ``.data`` (an EMA or target-network update, a re-initialisation) change
@@ -93,9 +95,11 @@ def packed_in_projection(q: nn.Module, k: nn.Module, v: nn.Module):
     weights once per layer and forward (reads and writes ``3 d^2`` elements, a small share of
     the layer's GEMMs at any batch of more than a few tokens); when a gradient is recorded,
     autograd reaches the original Parameters through it."""
-    w = torch.cat((param(q, "weight"), param(k, "weight"), param(v, "weight")))
-    qb = param(q, "bias")
-    b = None if qb is None else torch.cat((qb, param(k, "bias"), param(v, "bias")))
+    qw, qb = effective_linear(q, "the layer's q projection")
+    kw, kb = effective_linear(k, "the layer's k projection")
+    vw, vb = effective_linear(v, "the layer's v projection")
+    w = torch.cat((qw, kw, vw))
+    b = None if qb is None else torch.cat((qb, kb, vb))
     return w, b
 
 
@@ -333,39 +337,28 @@ class SpecFamily(Family):
         block, none in the feed-forward hidden layer, and after the feed-forward block."""
         m = self.layer_modules(layer)
         attn = m["attn"]
-        linear = nn.Linear
-        if not (
-            type(m["q"]) is linear
-            and type(m["k"]) is linear
-            and type(m["v"]) is linear
-            and type(m["out"]) is linear
-            and type(m["ff1"]) is linear
-            and type(m["ff2"]) is linear
-        ):
-            # a module swapped in after conversion (an adapter's Linear, say) would be read as a plain Linear
-            names = [n for n in ("q", "k", "v", "out", "ff1", "ff2") if type(m[n]) is not linear]
-            raise NotImplementedError(
-                f"ragged.nn.hf: the layer's {', '.join(names)} projection is a "
-                f"{type(m[names[0]]).__name__}, not a torch.nn.Linear: convert the model "
-                "after such changes (which it refuses) or undo them"
-            )
-        heads, head_dim = self.attention_shape(attn)
+        # a torch.nn.Linear, or peft's LoRA Linear read as the Linear it computes; any other module (one
+        # swapped in after conversion, say) raises rather than being read as a plain Linear
         in_w, in_b = packed_in_projection(m["q"], m["k"], m["v"])
-        out, ff1, ff2, norm1, norm2 = m["out"], m["ff1"], m["ff2"], m["norm1"], m["norm2"]
+        out = effective_linear(m["out"], "the layer's out projection")
+        ff1 = effective_linear(m["ff1"], "the layer's ff1 projection")
+        ff2 = effective_linear(m["ff2"], "the layer's ff2 projection")
+        heads, head_dim = self.attention_shape(attn)
+        norm1, norm2 = m["norm1"], m["norm2"]
         p_attn = sub(attn, "dropout").p if attn.training else 0.0
         drop1 = m["drop1"]
         dropout = (p_attn, 0.0 if drop1 is None else rate(drop1), 0.0, rate(m["drop2"]))
         weights = LayerWeights(
             in_w,
             in_b,
-            param(out, "weight"),
-            param(out, "bias"),
+            out[0],
+            out[1],
             param(norm1, "weight"),
             param(norm1, "bias"),
-            param(ff1, "weight"),
-            param(ff1, "bias"),
-            param(ff2, "weight"),
-            param(ff2, "bias"),
+            ff1[0],
+            ff1[1],
+            ff2[0],
+            ff2[1],
             param(norm2, "weight"),
             param(norm2, "bias"),
         )
@@ -411,7 +404,7 @@ class SpecFamily(Family):
         if heads * head_dim != hidden:
             return f"its {path} attention has {heads} heads of {head_dim} features, not the hidden size {hidden}"
         for name in ("q", "k", "v", "out", "ff1", "ff2"):
-            why = exact(m[name], nn.Linear, f"{path} {name} projection", "torch.nn.Linear")
+            why = linear_reason(m[name], f"its {path} {name} projection")
             if why:
                 return why
         for name in ("q", "k", "v", "out"):
