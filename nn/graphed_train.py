@@ -65,6 +65,8 @@ import torch
 
 from ragged import RaggedTensor
 
+from .graph_switch import off
+
 __all__ = [
     "IGNORE",
     "SPAN_POSITIONS",
@@ -411,8 +413,6 @@ class TrainGraphs:
         for i in grad_inputs:
             inputs[i].requires_grad_(True)
         wrt = [inputs[i] for i in grad_inputs] + list(params)
-
-        from .layer_graphs import off  # (it imports this module)
 
         def run():
             # the whole module is captured here: its layers run as they are, not from their own graphs

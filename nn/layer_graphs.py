@@ -42,9 +42,7 @@ own), or above ``MAX_TOKENS`` tokens.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,45 +50,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .graph_switch import emulated, emulating, off, switched_off
 from .graphed_train import capture_stream, capturing, spare_offsets
 
-__all__ = ["MAX_TOKENS", "Plan", "active", "bucket_of", "off", "plan", "reset", "run"]
+__all__ = ["MAX_TOKENS", "Plan", "active", "bucket_of", "emulated", "off", "own", "plan", "reset", "run"]
 
 MAX_TOKENS = 1 << 17  # batches above this many tokens run eagerly
 _STEPS = 32  # bucket steps per power of two of tokens
 _ENV_ON = os.environ.get("RAGGED_LAYER_GRAPHS", "1") != "0"
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def off():
-    """No layer graphs in this thread inside the block (the graph wrapper's own captures, say)."""
-    depth = getattr(_local, "off_depth", 0)
-    _local.off_depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.off_depth = depth
-
-
-@contextlib.contextmanager
-def emulated():
-    """Layer graphs on every device, with each "graph" run as the Python it would capture: the
-    buckets, the fillers and the autograd node are those of the real path. For tests off the GPU."""
-    before = getattr(_local, "emulate", False)
-    _local.emulate = True
-    try:
-        yield
-    finally:
-        _local.emulate = before
 
 
 def active(x: torch.Tensor) -> bool:
     """Whether a layer on values ``x`` may run from graphs now (see the module docstring)."""
-    depth: int = getattr(_local, "off_depth", 0)
-    if not _ENV_ON or depth or not torch.is_grad_enabled():
+    if not _ENV_ON or switched_off() or not torch.is_grad_enabled():
         return False
-    if getattr(_local, "emulate", False):
+    if emulating():
         return True
     if x.device.type != "cuda" or torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
         return False
@@ -123,16 +97,16 @@ def bucket_of(num_tokens: int, batch_size: int, max_len: int) -> tuple[int, int,
 
 
 class _Bucket:
-    """The buffers of one bucket, shared by every layer: input, output, output gradient and
-    input gradient ``[T_b, d]``, and the offsets with the fillers ``[B_b + 1]``."""
+    """The buffers of one bucket, shared by every layer: the values ``[T_b, d]`` a forward graph
+    reads and then overwrites with its output, the gradient ``[T_b, d]`` a backward graph reads and
+    then overwrites with its input's gradient (so consecutive replayed layers hand them on in
+    place), and the offsets with the fillers ``[B_b + 1]``."""
 
     def __init__(self, size, d: int, dtype, cu_dtype, device) -> None:
         t_b, b_b, l_b = size
         self.size = size
         self.x = torch.zeros((t_b, d), dtype=dtype, device=device)
-        self.y = torch.zeros_like(self.x)
         self.dy = torch.zeros_like(self.x)
-        self.dx = torch.zeros_like(self.x)
         self.cu = torch.zeros(b_b + 1, dtype=cu_dtype, device=device)
         self.ramp = torch.arange(1, b_b + 1, dtype=cu_dtype, device=device)
         self._source: torch.Tensor | None = None
@@ -184,6 +158,12 @@ def plan(x: torch.Tensor, cu: torch.Tensor, max_len: int) -> Plan | None:
     return Plan(bucket, n, key)
 
 
+def own(x: torch.Tensor, p: Plan) -> torch.Tensor:
+    """``x`` as a tensor of its own: a copy where it is the bucket's values buffer (a replayed
+    layer's output handed on in place), before a layer that runs eagerly reads (and saves) it."""
+    return x.clone() if x.data_ptr() == p.bucket.x.data_ptr() else x
+
+
 class _Token:
     """Held by a replay's autograd node while its backward is due (see :class:`_LayerState`)."""
 
@@ -191,14 +171,16 @@ class _Token:
 class _Entry:
     """A layer's two graphs for one key, and where its Parameters' gradients land."""
 
-    __slots__ = ("bwd", "flat", "fwd", "need_x", "params")
+    __slots__ = ("bwd", "flat", "fwd", "need_x", "params", "used", "used_params")
 
     def __init__(self) -> None:
         self.fwd: Callable[[], None]
         self.bwd: Callable[[], None]
         self.flat: torch.Tensor | None = None  # the gradients of params, one after another
         self.need_x = False
-        self.params: list[nn.Parameter] = []
+        self.params: list[nn.Parameter] = []  # those that take a gradient (the node's inputs)
+        self.used: list[bool] = []  # per entry of params: whether the layer reads it
+        self.used_params: list[nn.Parameter] = []
 
 
 class _LayerState:
@@ -210,7 +192,9 @@ class _LayerState:
         self.seen: set[tuple] = set()
         self.pool: Any = None  # the graphs' memory pool handle
         self.pending: weakref.ref | None = None
-        self.dropouts: list = []
+        self.dropouts: list = []  # the layer's dropout modules (their rates are captured)
+        self.tuners: list = []  # its adapter layers (peft's): their state is captured too
+        self.walk: tuple | None = None  # (modules, their dicts' copies, the Parameters): _parameters
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
@@ -224,20 +208,49 @@ def reset() -> None:
     _FLATS.clear()
 
 
-def _parameters(layer: nn.Module) -> list:
-    """The layer's Parameters, each once, in a fixed order: ``layer.parameters()`` without its
-    generators (read on every call, so a Parameter or module swapped in is seen)."""
-    out: list = []
+def _walk(layer: nn.Module) -> tuple:
+    """``(modules, copies of their module and Parameter dicts, Parameters)`` of the layer's tree:
+    ``layer.parameters()``, each once, in a fixed order, and what tells whether it changed."""
+    mods: list = []
+    params: list = []
     seen: set = set()
     stack = [layer]
     while stack:
         m = stack.pop()
+        mods.append(m)
         for q in m._parameters.values():
             if q is not None and id(q) not in seen:
                 seen.add(id(q))
-                out.append(q)
+                params.append(q)
         stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return out
+    return mods, [(dict(m._modules), dict(m._parameters)) for m in mods], params
+
+
+def _parameters(state: _LayerState, layer: nn.Module) -> list:
+    """The layer's Parameters, read again whenever a module or Parameter was swapped in."""
+    walk = state.walk
+    if walk is not None:
+        mods, copies, params = walk
+        try:  # dict equality compares identical entries by identity
+            if all(m._modules == c[0] and m._parameters == c[1] for m, c in zip(mods, copies)):
+                return params
+        except RuntimeError:  # a different tensor compared by value
+            pass
+    walk = state.walk = _walk(layer)
+    state.dropouts = [m for m in walk[0] if isinstance(m, nn.modules.dropout._DropoutNd)]
+    state.tuners = [m for m in walk[0] if hasattr(m, "merged_adapters") and hasattr(m, "active_adapters")]
+    return walk[2]
+
+
+def _tuner_state(m) -> tuple:
+    """What a peft adapter layer's forward depends on besides its Parameters."""
+    scaling = getattr(m, "scaling", {})
+    return (
+        tuple(m.active_adapters),
+        tuple(m.merged_adapters),
+        bool(getattr(m, "disable_adapters", False)),
+        tuple(sorted(scaling.items())) if isinstance(scaling, dict) else scaling,
+    )
 
 
 def _flat(device, dtype, numel: int) -> torch.Tensor:
@@ -248,18 +261,22 @@ def _flat(device, dtype, numel: int) -> torch.Tensor:
     return t
 
 
-def run(layer: nn.Module, body: Callable, x: torch.Tensor, p: Plan) -> torch.Tensor | None:
+def run(
+    layer: nn.Module, body: Callable, x: torch.Tensor, p: Plan, hand_on: bool = False, first: bool = True
+) -> torch.Tensor | None:
     """Layer ``layer`` on ``x [T, d]`` from its graphs for the bucket of ``p``: ``body(x, cu,
     max_len) -> y`` is what they capture (the layer on the bucket's values, offsets and longest
-    length). None where the layer runs eagerly this time (the caller then calls it): the first
-    time it meets this key, a previous forward's backward still due, no gradient wanted."""
+    length). None where the layer runs eagerly this time (the caller then calls it on
+    :func:`own` of ``x``): the first time it meets this key, a previous forward's backward still
+    due, no gradient wanted. ``hand_on``: the output is read by the next layer only, so it may
+    stay in the bucket's buffer (the next replay overwrites it); ``first``: the input's gradient
+    leaves the layers (else it may stay in the bucket's gradient buffer for the layer before)."""
     state = _STATES.get(layer)
     if state is None:
         state = _STATES[layer] = _LayerState()
-        state.dropouts = [m for m in layer.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if state.pending is not None and state.pending() is not None:
         return None
-    params = _parameters(layer)
+    params = _parameters(state, layer)
     dtype = x.dtype
     for q in params:
         if q.dtype != dtype:
@@ -274,17 +291,18 @@ def run(layer: nn.Module, body: Callable, x: torch.Tensor, p: Plan) -> torch.Ten
         grads,
         tuple([q.data_ptr() for q in params]),
         layer.training,
-        tuple([m.p for m in state.dropouts]) if state.dropouts else (),
+        tuple([m.p for m in state.dropouts]),
+        tuple([_tuner_state(m) for m in state.tuners]) if state.tuners else (),
     )
     entry = state.entries.get(key)
     if entry is None:
         if key not in state.seen:
             state.seen.add(key)
             return None
+        x = own(x, p)  # the warm-up and the capture write the bucket's buffers
         entry = state.entries[key] = _capture(state, body, p, params, grads, need_x, x.device)
     token = _Token()
-    y = _Replay.apply(entry, state, token, p, x, *entry.params)
-    return y
+    return _Replay.apply(entry, state, token, p, (hand_on, not first), x, *entry.params)
 
 
 def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x: bool, device) -> _Entry:
@@ -295,61 +313,72 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
     entry = _Entry()
     entry.need_x = need_x
     entry.params = [q for q, g in zip(params, grads) if g]
-    offset = sum(q.numel() for q in entry.params)
-    if offset:
-        entry.flat = _flat(b.x.device, b.x.dtype, offset)
     x_leaf = b.x.detach().requires_grad_(need_x)
     wrt = ([x_leaf] if need_x else []) + entry.params
+    n_x = 1 if need_x else 0
 
     def forward() -> torch.Tensor:
         return body(x_leaf.clone(), b.cu, l_b)
 
+    def gradients(y: torch.Tensor) -> list:
+        if not y.requires_grad:  # the layer reads none of them (adapters merged, say)
+            return [None] * len(wrt)
+        return list(torch.autograd.grad(y, wrt, b.dy, allow_unused=True))
+
     def backward(y: torch.Tensor) -> None:
-        got = torch.autograd.grad(y, wrt, b.dy, allow_unused=True)
-        if need_x:
+        got = gradients(y)
+        if need_x:  # after every read of b.dy
             d = got[0]
-            b.dx.copy_(d) if d is not None else b.dx.zero_()
-        parts = got[1:] if need_x else got
+            b.dy.copy_(d) if d is not None else b.dy.zero_()
         if entry.flat is not None:
-            flat = entry.flat
-            pieces = [(torch.zeros_like(q) if g is None else g).reshape(-1) for q, g in zip(entry.params, parts)]
-            torch.cat(pieces, out=flat)
+            torch.cat([g.reshape(-1) for g in got[n_x:] if g is not None], out=entry.flat)
 
-    if getattr(_local, "emulate", False) or device.type != "cuda":
-        kept: list[torch.Tensor] = []
-
-        def fwd() -> None:
-            with torch.enable_grad():
-                y = forward()
-            b.y.copy_(y.detach())
-            kept[:] = [y]
-
-        def bwd() -> None:
-            y = kept.pop()
-            with torch.enable_grad():
-                backward(y)
-
-        entry.fwd, entry.bwd = fwd, bwd
-        return entry
-
-    if state.pool is None:
-        state.pool = torch.cuda.graph_pool_handle()
-    with capturing(device), off():
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.enable_grad():
-            for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
+    emulate = emulating() or device.type != "cuda"
+    # which Parameters the layer reads (those it does not get None, as from autograd): one pass
+    # (on a GPU, the first warm-up run, on a side stream)
+    stream = None if emulate else torch.cuda.Stream(device)
+    with capturing(device) if not emulate else _nothing(), off():
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else _nothing(), torch.enable_grad():
+            probe = gradients(forward())
+            entry.used = [g is not None for g in probe[n_x:]]
+            entry.used_params = [q for q, u in zip(entry.params, entry.used) if u]
+            del probe
+            numel = sum(q.numel() for q, u in zip(entry.params, entry.used) if u)
+            if numel:
+                entry.flat = _flat(b.x.device, b.x.dtype, numel)
+            if stream is not None:  # compiles the kernels, lets cuBLAS pick its algorithms
                 y = forward()
                 backward(y)
                 del y
+        if stream is None:
+            kept: list[torch.Tensor] = []
+
+            def fwd() -> None:
+                with torch.enable_grad():
+                    y = forward()
+                b.x.copy_(y.detach())
+                kept[:] = [y]
+
+            def bwd() -> None:
+                y = kept.pop()
+                with torch.enable_grad():
+                    backward(y)
+
+            entry.fwd, entry.bwd = fwd, bwd
+            return entry
+
         torch.cuda.current_stream(device).wait_stream(stream)
+        if state.pool is None:
+            state.pool = torch.cuda.graph_pool_handle()
         graph_f, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        stream = capture_stream(device)
+        capture = capture_stream(device)
         with torch.enable_grad():
-            with torch.cuda.graph(graph_f, pool=state.pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph_f, pool=state.pool, stream=capture, capture_error_mode="thread_local"):
                 y = forward()
-                b.y.copy_(y.detach())
-            with torch.cuda.graph(graph_b, pool=state.pool, stream=stream, capture_error_mode="thread_local"):
+                b.x.copy_(y.detach())  # after every read of b.x
+            with torch.cuda.graph(graph_b, pool=state.pool, stream=capture, capture_error_mode="thread_local"):
                 backward(y)
         # the activations between the two graphs go back to the layer's pool, for its other buckets
         del y
@@ -357,18 +386,27 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
     return entry
 
 
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class _Replay(torch.autograd.Function):
     """The layer's forward graph; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, entry, state, token, p, x, *params):
+    def forward(ctx, entry, state, token, p, hand_on, x, *params):
         b, n = p.bucket, p.num_tokens
-        b.x[:n].copy_(x)
+        if x.data_ptr() != b.x.data_ptr():  # else the previous layer's output, handed on in place
+            b.x[:n].copy_(x)
         entry.fwd()
         state.pending = weakref.ref(token)
         b.due.add(token)
-        ctx.entry, ctx.state, ctx.token, ctx.plan = entry, state, token, p
-        return b.y[:n].clone()
+        ctx.entry, ctx.state, ctx.token, ctx.plan, ctx.dx_in_place = entry, state, token, p, hand_on[1]
+        return b.x[:n] if hand_on[0] else b.x[:n].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -380,14 +418,20 @@ class _Replay(torch.autograd.Function):
                 "activations are gone (run the step without retain_graph, or with RAGGED_LAYER_GRAPHS=0)"
             )
         b, n = p.bucket, p.num_tokens
-        b.dy[:n].copy_(dy)
-        b.dy[n:].zero_()
+        if dy.data_ptr() != b.dy.data_ptr():
+            b.dy[:n].copy_(dy)
+            b.dy[n:].zero_()
+        # else the next layer's input gradient, handed on in place: zero at the spare rows, as the
+        # gradient it came from was
         entry.bwd()
         state.pending = None
         b.due.discard(ctx.token)
         ctx.token = None
-        dx = b.dx[:n].clone() if entry.need_x else None
-        grads: list[torch.Tensor] = []
+        dx = None
+        if entry.need_x:
+            dx = b.dy[:n] if ctx.dx_in_place else b.dy[:n].clone()
+        grads: list[torch.Tensor | None] = [None] * len(entry.params)
         if entry.flat is not None:  # one copy of every gradient, handed out as views of it
-            grads = torch._C._nn.unflatten_dense_tensors(entry.flat.clone(), entry.params)
-        return (None, None, None, None, dx, *grads)
+            got = iter(torch._C._nn.unflatten_dense_tensors(entry.flat.clone(), entry.used_params))
+            grads = [next(got) if u else None for u in entry.used]
+        return (None, None, None, None, None, dx, *grads)

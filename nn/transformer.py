@@ -377,12 +377,16 @@ class TransformerEncoder(nn.Module):
         else:
             # eager training on a GPU: each layer from its CUDA graphs for the batch's bucket
             plan = layer_graphs.plan(rt.values, rt.offsets, rt.max_len) if layer_graphs.active(rt.values) else None
-            for layer in layers:
+            last = len(layers) - 1
+            for i, layer in enumerate(layers):
                 # the input was checked once above; a layer without hooks runs its body directly
                 y = None
-                if plan is not None and plain_call(layer):
-                    body = functools.partial(_bucket_body, layer, causal, fused)
-                    y = layer_graphs.run(layer, body, rt.values, plan)
+                if plan is not None:
+                    if plain_call(layer):
+                        body = functools.partial(_bucket_body, layer, causal, fused)
+                        y = layer_graphs.run(layer, body, rt.values, plan, hand_on=i < last, first=i == 0)
+                    if y is None:
+                        rt = rt.with_values(layer_graphs.own(rt.values, plan))
                 if y is not None:
                     rt = rt.with_values(y)
                 else:

@@ -152,3 +152,44 @@ def test_buckets():
             assert b_b >= batch + fillers and b_b % 8 == 0
             if b_b > batch + fillers:
                 assert t_b > n
+
+
+def test_lora_merge_is_part_of_the_key():
+    """A peft LoRA model converted: after merge_adapter() (which writes the base weights in place)
+    and after unmerge_adapter(), replayed layers compute what the model without layer graphs
+    computes (the adapters' state is part of each graph's key)."""
+    peft = pytest.importorskip("peft")
+    from hf_convert_cases import _randomise
+
+    tf = pytest.importorskip("transformers")
+    from hf_convert_cases import _config
+
+    hf = tf.BertForSequenceClassification(_config("bert", "sequence")).to(torch.float64)
+    _randomise(hf, 7)
+    model = peft.get_peft_model(
+        hf, peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"], lora_dropout=0.0)
+    )
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ragged.nn.convert(model)
+    model.train()
+    ids, mask = _batch([4, 1, 17, 9], seed=1)
+    labels = torch.tensor([0, 1, 2, 0])
+
+    def loss(graphs):
+        with layer_graphs.emulated() if graphs else layer_graphs.off():
+            return model(input_ids=_ragged(ids, mask), labels=labels).loss.detach()
+
+    for state in ("unmerged", "merged", "unmerged again"):
+        if state == "merged":
+            model.merge_adapter()
+        elif state == "unmerged again":
+            model.unmerge_adapter()
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with layer_graphs.emulated():
+                model(input_ids=_ragged(ids, mask), labels=labels).loss.backward()
+        torch.testing.assert_close(loss(True), loss(False), **TOL, msg=state)

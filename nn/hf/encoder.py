@@ -69,10 +69,16 @@ def run_encoder(
         plan = layer_graphs.plan(x, ctx.offsets, ctx.max_len)
 
     hidden = [x] if collect else None
-    for layer in layers:
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
         y = None
-        if plan is not None and _plain(layer):
-            y = layer_graphs.run(layer, functools.partial(_bucket_body, family, layer), x, plan)
+        if plan is not None:
+            if _plain(layer):
+                body_i = functools.partial(_bucket_body, family, layer)
+                # an output read by the next layer only stays in the bucket's buffer
+                y = layer_graphs.run(layer, body_i, x, plan, hand_on=not collect and i < last, first=i == 0)
+            if y is None:
+                x = layer_graphs.own(x, plan)
         if y is None:
             # a layer with hooks (an FSDP2 unit, say) is called as a module, with body as its forward
             y = body(layer, x) if _plain(layer) else call_with_hooks(layer, functools.partial(body, layer), x)
