@@ -62,11 +62,11 @@ _ENV_ON = os.environ.get("RAGGED_LAYER_GRAPHS", "1") != "0"
 
 def active(x: torch.Tensor) -> bool:
     """Whether a layer on values ``x`` may run from graphs now (see the module docstring)."""
-    if not _ENV_ON or switched_off() or not torch.is_grad_enabled():
+    if not _ENV_ON or torch.compiler.is_compiling() or not torch.is_grad_enabled() or switched_off():
         return False
     if emulating():
         return True
-    if x.device.type != "cuda" or torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
+    if x.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
         return False
     return not torch.cuda.is_current_stream_capturing()
 
