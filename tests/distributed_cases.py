@@ -9,6 +9,7 @@ so that the engine's mean over ranks equals the union's loss divided by ``world`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -23,7 +24,9 @@ import torch.multiprocessing as mp
 import ragged
 
 KINDS = ("encoder", "bert", "llama")
-MODES = ("ddp", "fsdp", "fsdp-bf16")  # fsdp-bf16: FSDP2 with MixedPrecisionPolicy(param_dtype=bf16)
+# fsdp-bf16: FSDP2 with MixedPrecisionPolicy(param_dtype=bf16); ddp-layer-graphs: DDP with the
+# converted model's layers replayed from their graphs (emulated off the GPU), after two warm-up steps
+MODES = ("ddp", "fsdp", "fsdp-bf16", "ddp-layer-graphs")
 SCALE = 50.0
 # Each rank's sequences: odd sizes, a 1, one long sequence, and a rank with fewer tokens.
 LENGTHS = ([5, 1, 13, 2], [9, 30, 3])
@@ -142,7 +145,7 @@ def loss_of(kind: str, model, batch, device: str) -> torch.Tensor:
 
 
 def wrap(kind: str, model, mode: str, device: str):
-    if mode == "ddp":
+    if mode in ("ddp", "ddp-layer-graphs"):
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,8 +172,19 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
         )
         model = build(kind, device)
         wrapped = wrap(kind, model, mode, device)
-        loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
-        loss.backward()
+        if mode == "ddp-layer-graphs":
+            from ragged.nn import layer_graphs
+
+            with layer_graphs.emulated() if device == "cpu" else contextlib.nullcontext():
+                for _ in range(3):  # the first step eager, the second captures, the third replays
+                    model.zero_grad(set_to_none=True)
+                    loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
+                    loss.backward()
+                replayed = sum(len(s.entries) for s in layer_graphs._STATES.values())
+                assert replayed > 0, "no layer ran from its graphs"
+        else:
+            loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
+            loss.backward()
         grads = {}
         for name, p in model.named_parameters():
             g = p.grad

@@ -70,6 +70,17 @@ def test_fsdp_bf16_parameter_policy_trains_within_bf16_error():
     assert any(not np.array_equal(got[n], want[n]) for n in want)
 
 
+@SLOW
+def test_ddp_with_layer_graphs_equals_one_process_on_the_union():
+    """DDP over a converted BERT whose layers replay their graphs (emulated on the CPU): each
+    layer's autograd node hands its Parameters' gradients to autograd, so DDP's hooks reduce
+    them; after warm-up steps the gradients equal one process's on the union of the batches."""
+    pytest.importorskip("transformers")
+    want = cases.union_grads("bert")
+    got, _ = _world("bert", "ddp-layer-graphs")
+    _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), "ddp with layer graphs")
+
+
 def test_sampler_replicas_default_to_the_process_group():
     _, plans = _world("encoder", "ddp")
     assert [p[:2] for p in plans] == [(2, 0), (2, 1)]
