@@ -8,7 +8,9 @@ returns before the GPU finishes unless the host is the bottleneck), and the GPU 
 step (``torch.profiler``: the union of the kernels' intervals). A row whose step is close to its
 host time and far above its GPU time waits on Python. Rows (``--rows``): ``hf`` (HF SDPA on
 padded batches with a mask), ``hf-compile`` (the same, ``torch.compile(dynamic=True)``),
-``ragged`` (``ragged.nn.convert``, eager), ``graphed`` (its training graphs), ``trainer``
+``ragged`` (``ragged.nn.convert``, eager: its layers replayed from per-layer graphs),
+``ragged-nolayergraphs`` (the same with ``ragged.nn.layer_graphs.off()``), ``graphed`` (its
+training graphs), ``trainer``
 (``RaggedTrainer(graphs=True)`` over the same sequences in token-budget batches, timed per epoch
 in the steady state: see :class:`TrainerRow`). ``--profile N`` prints the top ``N``
 functions of a ``cProfile`` of the ragged and graphed rows' steps (host time by function),
