@@ -42,6 +42,7 @@ own), or above ``MAX_TOKENS`` tokens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Callable
@@ -337,10 +338,10 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
     # which Parameters the layer reads (those it does not get None, as from autograd): one pass
     # (on a GPU, the first warm-up run, on a side stream)
     stream = None if emulate else torch.cuda.Stream(device)
-    with capturing(device) if not emulate else _nothing(), off():
+    with capturing(device) if not emulate else contextlib.nullcontext(), off():
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream) if stream is not None else _nothing(), torch.enable_grad():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.enable_grad():
             probe = gradients(forward())
             entry.used = [g is not None for g in probe[n_x:]]
             entry.used_params = [q for q, u in zip(entry.params, entry.used) if u]
@@ -384,14 +385,6 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
         del y
     entry.fwd, entry.bwd = graph_f.replay, graph_b.replay
     return entry
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Replay(torch.autograd.Function):

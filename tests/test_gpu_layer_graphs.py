@@ -9,6 +9,7 @@ Run with ``pytest -m gpu`` on a machine with CUDA (skipped otherwise)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -62,18 +63,10 @@ def _grads(model):
 
 def _step(model, ids, labels, graphs):
     model.zero_grad(set_to_none=True)
-    with layer_graphs.off() if not graphs else _nothing():
+    with layer_graphs.off() if not graphs else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
     return loss.detach().float(), _grads(model)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _replays():
@@ -108,7 +101,7 @@ def test_torch_encoder_matches_layers_off():
         for model, graphs in ((enc, True), (ref, False)):
             model.zero_grad(set_to_none=True)
             xv = x.values.detach().clone().requires_grad_(True)
-            with layer_graphs.off() if not graphs else _nothing():
+            with layer_graphs.off() if not graphs else contextlib.nullcontext():
                 y = model(x.with_values(xv)).values
                 w = torch.linspace(-1, 1, y.numel(), device="cuda").view_as(y)
                 (y * w).sum().backward()
@@ -164,7 +157,7 @@ def test_two_forwards_then_backward():
     outs = []
     for model, graphs in ((ours, True), (ref, False)):
         model.zero_grad(set_to_none=True)
-        with layer_graphs.off() if not graphs else _nothing():
+        with layer_graphs.off() if not graphs else contextlib.nullcontext():
             loss = model(input_ids=a, labels=la).loss + model(input_ids=b, labels=lb).loss
             loss.backward()
         outs.append((loss.detach(), _grads(model)))
