@@ -15,7 +15,6 @@ returns a RaggedTensor.
 from __future__ import annotations
 
 import copy as _copy
-import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -26,7 +25,6 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe, eager
 
-from . import layer_graphs
 from .accept import adopt, module_attention_features
 from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 from .multihead_attention import (
@@ -287,11 +285,6 @@ class TransformerEncoderLayer(nn.Module):
         )
 
 
-def _bucket_body(layer, causal: bool, fused, x: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Layer ``layer`` on a bucket's values, offsets and longest length (what its graphs capture)."""
-    return layer._block(RaggedTensor(x, cu, max_len), causal, fused).values
-
-
 class TransformerEncoder(nn.Module):
     """``torch.nn.TransformerEncoder`` computed padding-free.
 
@@ -375,24 +368,12 @@ class TransformerEncoder(nn.Module):
         if values is not None:
             rt = rt.with_values(values)
         else:
-            # eager training on a GPU from per-layer CUDA graphs is taken by the HuggingFace encoders
-            # only for now: captures of this module's layers failed on some configurations (a
-            # backward capture touching the legacy stream) that are not yet understood
-            plan = None
-            last = len(layers) - 1
-            for i, layer in enumerate(layers):
+            # (per-layer CUDA graphs for eager training, ragged.nn.layer_graphs, are taken by the
+            # HuggingFace encoders only for now: captures of these layers failed on some
+            # configurations, a backward capture touching the legacy stream, not yet understood)
+            for layer in layers:
                 # the input was checked once above; a layer without hooks runs its body directly
-                y = None
-                if plan is not None:
-                    if plain_call(layer):
-                        body = functools.partial(_bucket_body, layer, causal, fused)
-                        y = layer_graphs.run(layer, body, rt.values, plan, hand_on=i < last, first=i == 0)
-                    if y is None:
-                        rt = rt.with_values(layer_graphs.own(rt.values, plan))
-                if y is not None:
-                    rt = rt.with_values(y)
-                else:
-                    rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
+                rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt
