@@ -45,7 +45,8 @@ A ``Trainer`` whose batches are never padded:
   (batches over it run eagerly, with one warning); ``graphs=`` also takes a
   :class:`ragged.nn.Graphed` of the model built with other buckets. Off under data parallelism
   (``torchrun``: the graphs write the gradients themselves, DDP's hooks would not run), with a
-  warning.
+  warning; there the eager step of a converted encoder still replays each layer from its own
+  graphs (:mod:`ragged.nn.layer_graphs`), whose gradients reach DDP's hooks.
 
 Resuming mid-epoch from a checkpoint skips batches by the first epoch's count, an
 approximation when the epoch's count differs. This module imports transformers; ``import
@@ -259,7 +260,8 @@ class RaggedTrainer(Trainer):
                 self._warned_graphs = True
                 warnings.warn(
                     f"{_NAME}: graphs=True runs eagerly here: the model is wrapped ("
-                    f"{type(model).__name__}, data parallel), whose gradient hooks graphs cannot replay",
+                    f"{type(model).__name__}, data parallel), whose gradient hooks whole-model graphs cannot "
+                    "replay; a converted encoder's layers still replay their own graphs (ragged.nn.layer_graphs)",
                     stacklevel=2,
                 )
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
