@@ -15,6 +15,10 @@ dataset (seeded lognormal lengths, random token ids) with AdamW (lr 1e-5, fused 
 * ``ragged + balanced TokenBudgetSampler``: ``TokenBudgetSampler(lengths, budget, shuffle=True,
   seed=0, num_replicas=W, rank=r)``, budget = the baseline's sequences per batch x the mean
   length; its steps deal batches of similar token counts to the ranks.
+* ``ragged graphed + balanced TokenBudgetSampler`` (fine-tune): the same batches through
+  ``DistributedDataParallel(ragged.nn.graphed(converted))`` (largest bucket: the budget), each
+  step's forward and backward replayed from its bucket's CUDA graphs, the gradients handed to
+  DDP's reducer.
 
 Fine-tune: ``BertForSequenceClassification``, ragged: ``ragged.nn.convert`` on
 ``ragged.data.collate`` batches; lm: ``LlamaForCausalLM``, ragged: ``attn_implementation="ragged"``
@@ -25,7 +29,9 @@ A world size W runs W spawned processes (one GPU each, NCCL; gloo on the CPU), e
 its own share of the host's cores. Each rank builds
 its batches on the host first (as a DataLoader's workers would), then runs: warm-up steps (the
 first in eval mode under ``no_sync()``, no update: the loss at initialisation, kernels compiled
-rank by rank); the timed steps (copy to the device, forward, backward with DDP's all-reduce,
+rank by rank), then every timed batch's forward + backward once under ``no_sync()`` with no update
+(the steady state of a later epoch: cuBLAS's choices, each bucket's graphs captured); the timed
+steps (copy to the device, forward, backward with DDP's all-reduce,
 AdamW step; wall time from a barrier to a synchronize); an untimed pass over the same batches,
 each rank timing its own forward + backward under ``no_sync()`` between synchronizes.
 
@@ -73,6 +79,8 @@ import torch
 
 from bench.ddp_report import (  # noqa: F401  (SCALING_TARGET, SPREAD_TARGET, UNBALANCED: re-exported)
     BALANCED,
+    GRAPHED,
+    GRAPHED_WORKLOADS,
     PADDED,
     ROWS,
     SCALING_TARGET,
@@ -165,7 +173,7 @@ def sampler(spec: Spec, lengths: list[int], world: int, rank: int):
 
 def plan(spec: Spec, row: str, lengths: list[int], world: int, rank: int) -> list[list[int]]:
     """Every batch of rank ``rank``'s epoch, as dataset indices."""
-    if row == BALANCED:
+    if row in (BALANCED, GRAPHED):
         return list(sampler(spec, lengths, world, rank))
     from torch.utils.data import DistributedSampler
 
@@ -226,6 +234,9 @@ def _build(job: Job, device: torch.device):
             import ragged.nn as rnn
 
             model = rnn.convert(model)
+            if job.row == GRAPHED:  # the largest bucket: the token budget; sequences of 16 tokens at least
+                cap = budget(spec, dataset_lengths(spec, job.sequences))
+                model = rnn.graphed(model, max_tokens=cap, max_batch_size=max(1, cap // spec.lengths.lo))
         elif ragged_row:
             __import__("ragged.integrations.transformers")  # registers attn_implementation="ragged"
             model.set_attn_implementation("ragged")
@@ -297,11 +308,16 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
     ddp.eval()
     with ddp.no_sync():
         first = ddp(**_apply(host[0], "to", device, non_blocking=True)).loss
-        first.backward()
+        if first.requires_grad:  # graphed: evaluation replays the inference graphs, with no backward
+            first.backward()
     first_loss = float(first.detach())
     opt.zero_grad(set_to_none=True)
     ddp.train()
     losses = [step(b) for b in host[1 : spec.warmup]]
+    for b in host[spec.warmup :]:  # every timed batch once, no update: the steady state (caches, graphs)
+        with ddp.no_sync():
+            ddp(**_apply(b, "to", device, non_blocking=True)).loss.backward()
+        opt.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     sync(), barrier(), sync()
@@ -535,7 +551,8 @@ def plan_jobs(specs: dict[str, Spec], worlds: list[int]) -> list[Job]:
             n = spec.dataset_size(max(worlds))
             lengths = dataset_lengths(spec, n)
             avail = min(len(plan(spec, PADDED, lengths, W, 0)), len(sampler(spec, lengths, W, 0)))
-            jobs += [Job(spec, row, W, n, max(0, min(avail - spec.warmup, spec.steps))) for row in ROWS]
+            rows = [r for r in ROWS if r != GRAPHED or spec.name in GRAPHED_WORKLOADS]
+            jobs += [Job(spec, row, W, n, max(0, min(avail - spec.warmup, spec.steps))) for row in rows]
     return jobs
 
 

@@ -7,12 +7,14 @@ from typing import Any
 
 from bench.targets import NOT_EVALUATED, verdict
 
-PADDED, UNBALANCED, BALANCED = (
+PADDED, UNBALANCED, BALANCED, GRAPHED = (
     "HF SDPA padded + DistributedSampler",
     "ragged + DistributedSampler (unbalanced)",
     "ragged + balanced TokenBudgetSampler",
+    "ragged graphed + balanced TokenBudgetSampler",
 )
-ROWS = (PADDED, UNBALANCED, BALANCED)
+ROWS = (PADDED, UNBALANCED, BALANCED, GRAPHED)
+GRAPHED_WORKLOADS = ("fine-tune",)  # ragged.nn.graphed takes the converted encoder, not the Llama
 SCALING_TARGET, SPREAD_TARGET = 0.9, 1 / 3
 
 
@@ -30,7 +32,8 @@ def derive(rows: list[dict], on_gpu: bool = True) -> None:
             ("spread<=1/3 padded", r["spread_vs_padded"], lambda x: x <= SPREAD_TARGET),
         )
         judged = "; ".join(f"{name}: {verdict(test(x))}" for name, x, test in checks if x is not None)
-        r["targets"] = "" if impl != BALANCED or W == 1 or not judged else judged if on_gpu else NOT_EVALUATED
+        judge = impl in (BALANCED, GRAPHED) and W > 1 and judged
+        r["targets"] = (judged if on_gpu else NOT_EVALUATED) if judge else ""
 
 
 # --------------------------------------------------------------------------------------

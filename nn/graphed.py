@@ -351,6 +351,19 @@ class Graphed(nn.Module):
         off = first.offsets
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         grad_inputs = tuple(i for i, (_, rt) in enumerate(rts) if training and rt.values.requires_grad)
+        deliver = False
+        if training:
+            params = self._train_params()
+            if graphed_train.sharded(params):
+                return self._eager(
+                    "sharded",
+                    "parameters sharded by FSDP2 (DTensors): a graph cannot hold the addresses of "
+                    "parameters gathered and freed around each use",
+                    args,
+                    kwargs,
+                )
+            # DDP's reducer (or a parameter's hook) waits for the gradients in autograd's accumulation
+            deliver = self.capture and graphed_train.delivers(params)
         key = (
             size,
             training,
@@ -361,9 +374,8 @@ class Graphed(nn.Module):
             tuple((slot, t.dtype, tuple(t.shape[1:])) for slot, t in seqs),
             grad_inputs,
             key_args,
+            deliver,
         )
-        if training:
-            params = self._train_params()
         # the bucket's buffers are shared by every thread's calls, and the calls on one GPU take
         # turns with its captures (module docstring)
         turn = graphed_train.capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -382,7 +394,9 @@ class Graphed(nn.Module):
                     else:
                         offsets[batch + 1 :].fill_(n_tok)
             if training:
-                return self._train_step(key, entry, rts, seqs, args, kwargs, size, params, grad_inputs, autocast)
+                return self._train_step(
+                    key, entry, rts, seqs, args, kwargs, size, params, grad_inputs, autocast, deliver
+                )
             with torch.no_grad():
                 if self.capture and entry.graph is None:
                     self._capture(entry, args, kwargs, rts, seqs, l_b, device, key)
@@ -527,7 +541,9 @@ class Graphed(nn.Module):
             params = self._params = listed
         return [p for p, flag in params if flag]
 
-    def _train_step(self, key, entry: _Graph, rts, seqs, args, kwargs, size, params, grad_inputs, autocast):
+    def _train_step(
+        self, key, entry: _Graph, rts, seqs, args, kwargs, size, params, grad_inputs, autocast, deliver: bool
+    ):
         first = rts[0][1]
         n_tok = first.num_tokens
         t_b, b_b, l_b = size
@@ -547,7 +563,7 @@ class Graphed(nn.Module):
                 return self._call(args, kwargs, rts, inputs, entry.offsets, l_b, seqs, entry.seqs)
 
             try:
-                entry.graph = self._train.capture(call, inputs, list(grad_inputs), params, device, autocast)
+                entry.graph = self._train.capture(call, inputs, list(grad_inputs), params, device, autocast, deliver)
             except Exception as e:
                 self._graphs.pop(key, None)
                 raise RuntimeError(

@@ -36,9 +36,23 @@ gradients in, replays the backward graph, and hands the parameters their gradien
 * one whose ``.grad`` is another tensor gets the new gradient added to it.
 
 The parameters' gradients are therefore written by the graphs, not by autograd's
-accumulation: gradient hooks on parameters do not run (and DistributedDataParallel, which
-reduces gradients in such hooks, is not supported), and ``torch.autograd.grad(loss,
-params)`` raises instead of returning them; ``loss.backward()`` is the way.
+accumulation, and ``torch.autograd.grad(loss, params)`` raises instead of returning them;
+``loss.backward()`` is the way.
+
+**Gradients through autograd** (*delivered*): where something waits for the parameters'
+gradients in autograd's accumulation, the bucket's graphs are captured the other way (the
+choice is part of the bucket's key). That is inside the forward of a
+``DistributedDataParallel`` (its reducer all-reduces each gradient bucket from hooks there) and
+for parameters with gradient hooks of their own (``register_hook``,
+``register_post_accumulate_grad_hook``). The backward graph then writes the gradients into one
+flat buffer per dtype, and the ``Function``'s backward returns a copy of it, cut into one view
+per parameter, as every parameter's gradient: autograd accumulates them into ``.grad`` (or
+hands them to ``torch.autograd.grad``) and runs the hooks, so DDP reduces them as for the
+eager module, ``no_sync()``, gradient accumulation and unused parameters
+(``find_unused_parameters``) included. DDP's all-reduces start when the backward graph has
+finished (one replay for the whole backward): they do not overlap it. Under FSDP2 (parameters
+that are ``DTensor`` s, gathered and freed around each use) no graph can hold their
+addresses: :func:`ragged.nn.graphed` runs such a module eagerly, with a warning.
 
 A bucket's saved activations live in the graphs' memory pool until its backward replays:
 call ``backward`` on one forward's outputs before the next training forward of the same
@@ -71,8 +85,10 @@ __all__ = [
     "IGNORE",
     "SPAN_POSITIONS",
     "TrainGraphs",
+    "delivers",
     "fill_value",
     "is_float",
+    "sharded",
     "smallest",
     "spare_offsets",
     "train_bucket",
@@ -269,6 +285,7 @@ def capture_stream(device) -> torch.cuda.Stream:
 class _Entry:
     __slots__ = (
         "bwd",
+        "deliver",
         "diff",
         "fwd",
         "generation",
@@ -281,6 +298,7 @@ class _Entry:
         "used",
     )
     bwd: torch.cuda.CUDAGraph
+    deliver: list | None  # delivered gradients (module docstring): the parameters, in the order returned
     diff: list[int]  # the leaves (of ``outputs``) that take a gradient
     fwd: torch.cuda.CUDAGraph
     generation: int
@@ -294,6 +312,34 @@ class _Entry:
 
     def __init__(self) -> None:
         self.generation = 0
+        self.deliver = None
+
+
+def _ddp_forward() -> bool:
+    """Whether this call runs inside the forward of a DistributedDataParallel."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None) is not None
+
+
+def delivers(params: list) -> bool:
+    """Whether the gradients of ``params`` must come through autograd (module docstring)."""
+    if _ddp_forward():
+        return True
+    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+
+
+def sharded(params: list) -> bool:
+    """Whether any of ``params`` is a DTensor (FSDP2's sharded parameters)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
 
 
 class _Replay(torch.autograd.Function):
@@ -325,6 +371,7 @@ class _Replay(torch.autograd.Function):
                 "forward's outputs before the next forward"
             )
         entry.generation = -1  # one backward per forward
+        deliver = entry.deliver is not None
         for i, buf in zip(entry.diff, entry.grad_outs):
             g, n = grads[i], ctx.rows[i]
             if g is None:
@@ -334,12 +381,16 @@ class _Replay(torch.autograd.Function):
             else:
                 buf[:n].copy_(g)
                 buf[n:].zero_()
-        owner._attach_grads(entry)
+        if not deliver:
+            owner._attach_grads(entry)
         entry.bwd.replay()
-        owner._finish_grads(entry)
         out = [None, None, None]
         for buf in entry.grad_inputs:
             out.append(None if buf is None else buf[: ctx.n_tok].clone())
+        if deliver:
+            out += owner._delivered(entry)
+        else:
+            owner._finish_grads(entry)
         out += [None] * (3 + ctx.n_inputs - len(out))  # the anchor
         return tuple(out)
 
@@ -355,11 +406,16 @@ class TrainGraphs:
         self._zeroed: list = []
         self._anchor: torch.Tensor | None = None
         self._ramps: dict = {}
+        # delivered gradients: (dtype, device) -> (flat buffer, its parameters in order); id -> (group, offset)
+        self._flats: dict[tuple, tuple[torch.Tensor, list]] = {}
+        self._slots: dict[int, tuple[tuple, int]] = {}
 
     def reset(self) -> None:
         self._grads.clear()
         self._ramps.clear()
         self._anchor = None
+        self._flats.clear()
+        self._slots.clear()
 
     def ramp(self, device, dtype, n: int) -> torch.Tensor:
         key = (device, dtype)
@@ -393,6 +449,37 @@ class TrainGraphs:
             mine = [g for _, g in foreign]
             torch._foreach_add_([c for c, _ in foreign], mine)
 
+    def _layout(self, params: list) -> None:
+        """The flat buffers of delivered gradients: one per (dtype, device), every parameter of
+        ``params`` at its own offset (laid out again when the parameters change)."""
+        known = self._slots
+        if len(known) == len(params) and all(id(p) in known for p in params):
+            return
+        groups: dict[tuple, list] = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self._flats, self._slots = {}, {}
+        for key, ps in groups.items():
+            offset = 0
+            for p in ps:
+                self._slots[id(p)] = (key, offset)
+                offset += p.numel()
+            self._flats[key] = (torch.zeros(offset, dtype=key[0], device=key[1]), ps)
+
+    def delivery_view(self, p: torch.Tensor) -> torch.Tensor:
+        key, offset = self._slots[id(p)]
+        return self._flats[key][0].narrow(0, offset, p.numel()).view(p.shape)
+
+    def _delivered(self, entry: _Entry) -> list[torch.Tensor]:
+        """The delivered gradients of ``entry`` 's parameters: a copy of each flat buffer (one
+        launch per dtype), cut into views (module docstring)."""
+        views: dict[int, torch.Tensor] = {}
+        for flat, ps in self._flats.values():
+            for p, v in zip(ps, torch._C._nn.unflatten_dense_tensors(flat.clone(), ps)):
+                views[id(p)] = v
+        assert entry.deliver is not None
+        return [views[id(p)] for p in entry.deliver]
+
     def persistent_grad(self, p: torch.Tensor) -> torch.Tensor:
         g = self._grads.get(id(p))
         if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
@@ -402,11 +489,19 @@ class TrainGraphs:
     # capture -----------------------------------------------------------------------------
 
     def capture(
-        self, call, inputs: list[torch.Tensor], grad_inputs: list[int], params: list, device, autocast
+        self,
+        call,
+        inputs: list[torch.Tensor],
+        grad_inputs: list[int],
+        params: list,
+        device,
+        autocast,
+        deliver: bool = False,
     ) -> _Entry:
         """Warm up, then capture the forward graph of ``call()`` and the backward graph of its
         differentiable outputs; ``inputs``: the static input buffers, ``grad_inputs``: the
-        positions among them whose gradient the caller needs."""
+        positions among them whose gradient the caller needs; ``deliver``: the gradients go
+        through autograd (module docstring)."""
         g = self.graphed
         if g._pool is None:
             g._pool = torch.cuda.graph_pool_handle()
@@ -456,7 +551,11 @@ class TrainGraphs:
                 entry.memory = torch.cuda.memory_reserved(device) - before
             entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
             entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
-            persistent = [self.persistent_grad(p) for p in params]
+            if deliver:
+                self._layout(params)
+                persistent = [self.delivery_view(p) for p in params]
+            else:
+                persistent = [self.persistent_grad(p) for p in params]
             with torch.cuda.graph(entry.bwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
                 grads = torch.autograd.grad(
@@ -464,11 +563,15 @@ class TrainGraphs:
                 )
                 n_in = len(grad_inputs)
                 pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
-                if pairs:
+                if pairs and deliver:
+                    torch._foreach_copy_([a for a, _ in pairs], [d for _, d in pairs])
+                elif pairs:
                     torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
                 entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
                 entry.memory += torch.cuda.memory_reserved(device) - before
         entry.used = [(p, acc) for p, acc, d in zip(params, persistent, grads[n_in:]) if d is not None]
+        if deliver:
+            entry.deliver = [p for p, _ in entry.used]
         for i in grad_inputs:
             inputs[i].requires_grad_(False)
         del grads, leaves
@@ -482,6 +585,9 @@ class TrainGraphs:
 
     def replay(self, entry: _Entry, first: RaggedTensor, size, user_inputs: list[torch.Tensor]):
         rows = _rows(entry, size[1], first.num_tokens, first.batch_size)
-        anchor = [] if user_inputs else [self.anchor(first.values.device)]
-        outs = _Replay.apply(self, entry, (rows, first.num_tokens), *user_inputs, *anchor)
+        if entry.deliver is not None:  # the parameters are the Function's inputs: autograd gets their gradients
+            extra = list(entry.deliver) if entry.deliver else [self.anchor(first.values.device)]
+        else:
+            extra = [] if user_inputs else [self.anchor(first.values.device)]
+        outs = _Replay.apply(self, entry, (rows, first.num_tokens), *user_inputs, *extra)
         return rebuild(entry.spec, list(outs), first)

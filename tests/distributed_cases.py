@@ -25,8 +25,13 @@ import ragged
 
 KINDS = ("encoder", "bert", "llama")
 # fsdp-bf16: FSDP2 with MixedPrecisionPolicy(param_dtype=bf16); ddp-layer-graphs: DDP with the
-# converted model's layers replayed from their graphs (emulated off the GPU), after two warm-up steps
-MODES = ("ddp", "fsdp", "fsdp-bf16", "ddp-layer-graphs")
+# converted model's layers replayed from their graphs (emulated off the GPU), after two warm-up steps;
+# ddp-graphed: DDP over ragged.nn.graphed of the model (off the GPU its bucketed batches run eagerly),
+# the step three times (the first captures, the others replay); ddp-graphed-accumulate: the same
+# with each step's batch run twice, first under no_sync() (the gradients are twice the step's)
+MODES = ("ddp", "fsdp", "fsdp-bf16", "ddp-layer-graphs", "ddp-graphed", "ddp-graphed-accumulate")
+GRAPHED_MODES = ("ddp-graphed", "ddp-graphed-accumulate")
+GRAPHED_KINDS = ("encoder", "bert")  # what ragged.nn.graphed takes (the Llama runs HuggingFace's own forward)
 SCALE = 50.0
 # Each rank's sequences: odd sizes, a 1, one long sequence, and a rank with fewer tokens.
 LENGTHS = ([5, 1, 13, 2], [9, 30, 3])
@@ -145,9 +150,14 @@ def loss_of(kind: str, model, batch, device: str) -> torch.Tensor:
 
 
 def wrap(kind: str, model, mode: str, device: str):
+    ids = [torch.cuda.current_device()] if device == "cuda" else None
     if mode in ("ddp", "ddp-layer-graphs"):
-        ids = [torch.cuda.current_device()] if device == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if mode in GRAPHED_MODES:
+        import ragged.nn as rnn
+
+        graphed = rnn.Graphed(model, 128, 8, capture=device == "cuda")
+        return torch.nn.parallel.DistributedDataParallel(graphed, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -182,6 +192,17 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
                     loss.backward()
                 replayed = sum(len(s.entries) for s in layer_graphs._STATES.values())
                 assert replayed > 0, "no layer ran from its graphs"
+        elif mode in GRAPHED_MODES:
+            for _ in range(3):  # on the GPU: the first step captures the bucket's graphs, the others replay
+                model.zero_grad(set_to_none=True)
+                batch = rank_data(kind, rank)
+                if mode == "ddp-graphed-accumulate":
+                    with wrapped.no_sync():
+                        loss_of(kind, wrapped, batch, device).backward()
+                loss = loss_of(kind, wrapped, batch, device)
+                loss.backward()
+            if device == "cuda":
+                assert wrapped.module.num_graphs > 0, "no graph captured"
         else:
             loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
             loss.backward()
@@ -248,8 +269,10 @@ def run_world(
     return payload
 
 
-def union_grads(kind: str, device: str = "cpu") -> dict[str, np.ndarray | None]:
-    """One process, the union of the ranks' batches, the loss over the world size."""
+def union_grads(kind: str, device: str = "cpu", mode: str = "ddp") -> dict[str, np.ndarray | None]:
+    """One process, the union of the ranks' batches, the loss over the world size (twice the
+    gradients for ``ddp-graphed-accumulate``, which runs each batch twice)."""
     model = build(kind, device)
-    (loss_of(kind, model, union_data(kind), device) / len(LENGTHS)).backward()
+    times = 2 if mode == "ddp-graphed-accumulate" else 1
+    (loss_of(kind, model, union_data(kind), device) * (times / len(LENGTHS))).backward()
     return {n: None if p.grad is None else p.grad.detach().float().cpu().numpy() for n, p in model.named_parameters()}

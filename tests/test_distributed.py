@@ -81,6 +81,25 @@ def test_ddp_with_layer_graphs_equals_one_process_on_the_union():
     _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), "ddp with layer graphs")
 
 
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        pytest.param(mode, kind, marks=() if kind == "encoder" else SLOW)
+        for mode in cases.GRAPHED_MODES
+        for kind in cases.GRAPHED_KINDS
+    ],
+)
+def test_ddp_over_graphed_equals_one_process_on_the_union(kind, mode):
+    """DDP over ragged.nn.graphed (its bucketed batches run eagerly off the GPU, the path the
+    graphs capture): the fillers' rows add nothing to the reduced gradients; with ``no_sync``
+    the accumulated gradients are reduced once, as DDP does for the eager module."""
+    if kind != "encoder":
+        pytest.importorskip("transformers")
+    want = cases.union_grads(kind, mode=mode)
+    got, _ = _world(kind, mode)
+    _compare(got, want, 1e-5, 1e-5 * max(np.abs(w).max() for w in want.values()), f"{mode} {kind}")
+
+
 def test_sampler_replicas_default_to_the_process_group():
     _, plans = _world("encoder", "ddp")
     assert [p[:2] for p in plans] == [(2, 0), (2, 1)]

@@ -144,6 +144,31 @@ def test_accumulation_and_the_order_of_backwards():
         b.backward()  # once
 
 
+def test_parameter_hooks_get_the_gradients_through_autograd():
+    """Parameters with gradient hooks: the graphs hand the gradients to autograd, whose
+    accumulation runs the hooks; ``torch.autograd.grad`` gets them too, and accumulation over
+    micro-batches equals eager."""
+    model = _bert(torch.float32)
+    mine = copy.deepcopy(model)
+    seen: dict[str, int] = {}
+    for n, q in mine.named_parameters():
+        q.register_post_accumulate_grad_hook(lambda t, n=n: seen.__setitem__(n, seen.get(n, 0) + 1))
+    g = ragged.nn.graphed(mine, max_tokens=2048, max_batch_size=8)
+    micro = [_ids([7, 1, 19], 1), _ids([64, 2, 5, 5], 2), _ids([9, 30], 3), _ids([5, 1, 20], 4)]
+    for ids, labels in micro:
+        model(input_ids=ids, labels=labels).loss.backward()
+        g(input_ids=ids, labels=labels).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), mine.parameters()):
+        _close(q.grad, p.grad, 1e-3, n)
+        assert seen[n] == len(micro), n
+    assert g.num_graphs >= 1
+    ids, labels = micro[1]
+    want = torch.autograd.grad(model(input_ids=ids, labels=labels).loss, list(model.parameters()))
+    got = torch.autograd.grad(g(input_ids=ids, labels=labels).loss, list(mine.parameters()))
+    for (n, _), a, b in zip(model.named_parameters(), got, want):
+        _close(a, b, 1e-3, n)
+
+
 def test_dropout_draws_new_masks_reproducibly():
     g = ragged.nn.graphed(_bert(torch.float32, dropout=0.1), max_tokens=2048, max_batch_size=8)
     ids, labels = _ids([50, 7, 19, 3, 11], 5)

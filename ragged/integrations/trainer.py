@@ -43,10 +43,12 @@ A ``Trainer`` whose batches are never padded:
   training forward and backward (and the evaluation forward) replay graphs per bucket of
   :func:`ragged.nn.graphed`, with ``max_tokens`` and ``max_batch_size`` as the largest bucket
   (batches over it run eagerly, with one warning); ``graphs=`` also takes a
-  :class:`ragged.nn.Graphed` of the model built with other buckets. Off under data parallelism
-  (``torchrun``: the graphs write the gradients themselves, DDP's hooks would not run), with a
-  warning; there the eager step of a converted encoder still replays each layer from its own
-  graphs (:mod:`ragged.nn.layer_graphs`), whose gradients reach DDP's hooks.
+  :class:`ragged.nn.Graphed` of the model built with other buckets. Under ``torchrun`` with
+  ``DistributedDataParallel`` (the model as ``Trainer`` wraps it) the step runs inside DDP's
+  forward, so the graphs hand their gradients to autograd and DDP all-reduces them as for the
+  eager model (:mod:`ragged.nn.graphed_train`); ``no_sync`` (gradient accumulation) is DDP's. A
+  model wrapped otherwise (FSDP2, say) trains eagerly, with a warning; there the eager step of a
+  converted encoder still replays each layer from its own graphs (:mod:`ragged.nn.layer_graphs`).
 
 Resuming mid-epoch from a checkpoint skips batches by the first epoch's count, an
 approximation when the epoch's count differs. This module imports transformers; ``import
@@ -251,20 +253,27 @@ class RaggedTrainer(Trainer):
         graphs = self._graphs
         if graphs is not None:
             if model is self.model:
-                if graphs is True:
-                    graphs = self._graphs = ragged.nn.graphed(
-                        model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens
-                    )
+                graphs = self._graphs = self._graphs_of(graphs)
                 model = _GraphedCall(graphs, model)
+            elif _ddp_of(model, self.model):
+                graphs = self._graphs = self._graphs_of(graphs)
+                model = _DDPCall(model, _GraphedCall(graphs, self.model))
             elif not getattr(self, "_warned_graphs", False):
                 self._warned_graphs = True
                 warnings.warn(
-                    f"{_NAME}: graphs=True runs eagerly here: the model is wrapped ("
-                    f"{type(model).__name__}, data parallel), whose gradient hooks whole-model graphs cannot "
-                    "replay; a converted encoder's layers still replay their own graphs (ragged.nn.layer_graphs)",
+                    f"{_NAME}: graphs=True runs eagerly here: the model is wrapped in "
+                    f"{type(model).__name__}, not DistributedDataParallel; a converted encoder's layers "
+                    "still replay their own graphs (ragged.nn.layer_graphs)",
                     stacklevel=2,
                 )
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _graphs_of(self, graphs):
+        if graphs is True:
+            return ragged.nn.graphed(
+                self.model, max_tokens=self.max_tokens, max_batch_size=self.max_batch_size or self.max_tokens
+            )
+        return graphs
 
     def floating_point_ops(self, inputs) -> int:
         return super().floating_point_ops(_flat(inputs))
@@ -280,6 +289,33 @@ class RaggedTrainer(Trainer):
         return loss, _padded(logits), _padded(labels)
 
 
+def _ddp_of(wrapper, model) -> bool:
+    """Whether ``wrapper`` is a DistributedDataParallel of ``model``."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return False
+    return isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) and wrapper.module is model
+
+
+class _DDPCall:
+    """``call`` (the model's graphs) run as DistributedDataParallel runs its module: DDP's
+    work before and after the forward (its reducer's preparation for the backward, buffer
+    broadcast), the forward inside DDP's, where the graphs hand their gradients to autograd."""
+
+    def __init__(self, ddp, call) -> None:
+        self._ddp, self._call = ddp, call
+
+    def __call__(self, **inputs):
+        ddp = self._ddp
+        args, kwargs = ddp._pre_forward(**inputs)
+        with ddp._inside_ddp_forward():
+            out = self._call(*args, **kwargs)
+        return ddp._post_forward(out)
+
+    def __getattr__(self, name):
+        return getattr(self._ddp, name)
+
+
 class _GraphedCall:
     """The model as ``Trainer.compute_loss`` calls it, through its graphs, which do not take
     ``num_items_in_batch`` (a graph cannot key on its value): most heads' losses ignore it, as
@@ -292,7 +328,9 @@ class _GraphedCall:
         self._graphs, self._model = graphs, model
         self._takes_items = hf_forward.loss_function_head(model) is not None
 
-    def __call__(self, **inputs):
+    def __call__(self, *args, **inputs):
+        if args:  # DDP's input move hands keyword arguments back as keywords; positional ones pass through
+            return self._graphs(*args, **inputs)
         items = inputs.pop("num_items_in_batch", None)
         if items is None or not self._takes_items:
             return self._graphs(**inputs)
