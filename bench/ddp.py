@@ -29,8 +29,9 @@ A world size W runs W spawned processes (one GPU each, NCCL; gloo on the CPU), e
 its own share of the host's cores. Each rank builds
 its batches on the host first (as a DataLoader's workers would), then runs: warm-up steps (the
 first in eval mode under ``no_sync()``, no update: the loss at initialisation, kernels compiled
-rank by rank), then every timed batch's forward + backward once under ``no_sync()`` with no update
-(the steady state of a later epoch: cuBLAS's choices, each bucket's graphs captured); the timed
+rank by rank), then every timed batch's forward + backward twice under ``no_sync()`` with no update
+(the steady state of a later epoch: cuBLAS's choices, each bucket's graphs captured: whole-model
+graphs capture a bucket when they first meet it, layer graphs the second time); the timed
 steps (copy to the device, forward, backward with DDP's all-reduce,
 AdamW step; wall time from a barrier to a synchronize); an untimed pass over the same batches,
 each rank timing its own forward + backward under ``no_sync()`` between synchronizes.
@@ -314,7 +315,7 @@ def run_row(job: Job, rank: int, device: torch.device) -> dict:
     opt.zero_grad(set_to_none=True)
     ddp.train()
     losses = [step(b) for b in host[1 : spec.warmup]]
-    for b in host[spec.warmup :]:  # every timed batch once, no update: the steady state (caches, graphs)
+    for b in host[spec.warmup :] * 2:  # every timed batch twice, no update: the steady state (caches, graphs)
         with ddp.no_sync():
             ddp(**_apply(b, "to", device, non_blocking=True)).loss.backward()
         opt.zero_grad(set_to_none=True)

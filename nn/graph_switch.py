@@ -1,13 +1,14 @@
 """Whether a layer may run from its own CUDA graphs in this thread (:mod:`ragged.nn.layer_graphs`):
 the switch both that module and the whole-module graph wrapper (:mod:`ragged.nn.graphed_train`,
-whose captures run the layers as they are) read, below both of them."""
+whose captures run the layers as they are) read, below both of them; and :func:`aliased`, which
+both use around a capture."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 
-__all__ = ["emulated", "emulating", "off", "switched_off"]
+__all__ = ["aliased", "emulated", "emulating", "off", "switched_off"]
 
 _local = threading.local()
 
@@ -43,3 +44,31 @@ def emulated():
 def emulating() -> bool:
     flag: bool = getattr(_local, "emulate", False)
     return flag
+
+
+@contextlib.contextmanager
+def aliased(modules, params):
+    """Inside the block, each of ``params`` is replaced in the parameter tables of ``modules`` by
+    a fresh leaf on the same memory (``detach()``, the same ``requires_grad``); yields those leaves
+    in the order of ``params``. A capture differentiates with respect to them: autograd then
+    routes no gradient into the Parameters' own accumulation nodes, which something else may keep
+    alive (DistributedDataParallel's reducer holds them from its construction) with the stream
+    they were made on, the legacy default stream, which a capture must never wait on. The tables
+    are put back however the block ends."""
+    alias = {}
+    for q in params:
+        if id(q) not in alias:
+            alias[id(q)] = q.detach().requires_grad_(q.requires_grad)
+    swapped = []
+    for m in modules:
+        table = m._parameters
+        for name, q in table.items():
+            if q is not None and id(q) in alias:
+                swapped.append((table, name, q))
+    for table, name, q in swapped:
+        table[name] = alias[id(q)]
+    try:
+        yield [alias[id(q)] for q in params]
+    finally:
+        for table, name, q in swapped:
+            table[name] = q

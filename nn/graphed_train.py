@@ -79,7 +79,7 @@ import torch
 
 from ragged import RaggedTensor
 
-from .graph_switch import off
+from .graph_switch import aliased, off
 
 __all__ = [
     "IGNORE",
@@ -507,7 +507,8 @@ class TrainGraphs:
             g._pool = torch.cuda.graph_pool_handle()
         for i in grad_inputs:
             inputs[i].requires_grad_(True)
-        wrt = [inputs[i] for i in grad_inputs] + list(params)
+        leaves_in = [inputs[i] for i in grad_inputs]
+        modules = list(g.module.modules())
 
         def run():
             # the whole module is captured here: its layers run as they are, not from their own graphs
@@ -529,7 +530,11 @@ class TrainGraphs:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
-                    spec, leaves, _, diff = differentiable(run())
+                    # the parameters as fresh leaves (graph_switch.aliased): no capture meets their own
+                    # accumulation nodes, which DDP keeps from the default stream
+                    with aliased(modules, params) as ps:
+                        spec, leaves, _, diff = differentiable(run())
+                    wrt = leaves_in + ps
                     if not diff:
                         raise ValueError(
                             "ragged.nn.Graphed: the module's outputs need no gradient in training mode "
@@ -537,7 +542,7 @@ class TrainGraphs:
                         )
                     outs = [leaves[i] for i in diff]
                     torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
-                    del spec, leaves, outs
+                    del spec, leaves, outs, wrt, ps
             torch.cuda.current_stream(device).wait_stream(stream)
 
             entry = _Entry()
@@ -547,7 +552,9 @@ class TrainGraphs:
             # capture stream (torch.cuda.graph's default stream is one for the process, shared by threads)
             with torch.cuda.graph(entry.fwd, pool=g._pool, stream=capture_stream(device)):
                 before = torch.cuda.memory_reserved(device)
-                spec, leaves, ragged, diff = differentiable(run())
+                with aliased(modules, params) as ps:
+                    spec, leaves, ragged, diff = differentiable(run())
+                wrt = leaves_in + ps
                 entry.memory = torch.cuda.memory_reserved(device) - before
             entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
             entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
@@ -574,7 +581,7 @@ class TrainGraphs:
             entry.deliver = [p for p, _ in entry.used]
         for i in grad_inputs:
             inputs[i].requires_grad_(False)
-        del grads, leaves
+        del grads, leaves, wrt, ps
         return entry
 
     def anchor(self, device) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .graph_switch import emulated, emulating, off, switched_off
+from .graph_switch import aliased, emulated, emulating, off, switched_off
 from .graphed_train import capture_stream, capturing, spare_offsets
 
 __all__ = ["MAX_TOKENS", "Plan", "active", "bucket_of", "emulated", "off", "own", "plan", "reset", "run"]
@@ -317,17 +317,23 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
     x_leaf = b.x.detach().requires_grad_(need_x)
     wrt = ([x_leaf] if need_x else []) + entry.params
     n_x = 1 if need_x else 0
+    mods = state.walk[0] if state.walk is not None else []
 
     def forward() -> torch.Tensor:
         return body(x_leaf.clone(), b.cu, l_b)
 
-    def gradients(y: torch.Tensor) -> list:
+    def gradients(y: torch.Tensor, wrt: list = wrt) -> list:
         if not y.requires_grad:  # the layer reads none of them (adapters merged, say)
             return [None] * len(wrt)
         return list(torch.autograd.grad(y, wrt, b.dy, allow_unused=True))
 
-    def backward(y: torch.Tensor) -> None:
-        got = gradients(y)
+    def on_aliases():
+        """The layer's Parameters swapped for fresh leaves (graph_switch.aliased), and what to
+        differentiate with respect to: a capture never meets their own accumulation nodes."""
+        return aliased(mods, entry.params)
+
+    def backward(y: torch.Tensor, wrt: list = wrt) -> None:
+        got = gradients(y, wrt)
         if need_x:  # after every read of b.dy
             d = got[0]
             b.dy.copy_(d) if d is not None else b.dy.zero_()
@@ -342,7 +348,8 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.enable_grad():
-            probe = gradients(forward())
+            with on_aliases() as ps:
+                probe = gradients(forward(), wrt[:n_x] + ps)
             entry.used = [g is not None for g in probe[n_x:]]
             entry.used_params = [q for q, u in zip(entry.params, entry.used) if u]
             del probe
@@ -350,9 +357,10 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
             if numel:
                 entry.flat = _flat(b.x.device, b.x.dtype, numel)
             if stream is not None:  # compiles the kernels, lets cuBLAS pick its algorithms
-                y = forward()
-                backward(y)
-                del y
+                with on_aliases() as ps:
+                    y = forward()
+                backward(y, wrt[:n_x] + ps)
+                del y, ps
         if stream is None:
             kept: list[torch.Tensor] = []
 
@@ -377,12 +385,13 @@ def _capture(state: _LayerState, body: Callable, p: Plan, params, grads, need_x:
         capture = capture_stream(device)
         with torch.enable_grad():
             with torch.cuda.graph(graph_f, pool=state.pool, stream=capture, capture_error_mode="thread_local"):
-                y = forward()
+                with on_aliases() as ps:
+                    y = forward()
                 b.x.copy_(y.detach())  # after every read of b.x
             with torch.cuda.graph(graph_b, pool=state.pool, stream=capture, capture_error_mode="thread_local"):
-                backward(y)
+                backward(y, wrt[:n_x] + ps)
         # the activations between the two graphs go back to the layer's pool, for its other buckets
-        del y
+        del y, ps
     entry.fwd, entry.bwd = graph_f.replay, graph_b.replay
     return entry
 

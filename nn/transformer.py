@@ -15,6 +15,7 @@ returns a RaggedTensor.
 from __future__ import annotations
 
 import copy as _copy
+import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -25,6 +26,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.utils import describe, eager
 
+from . import layer_graphs
 from .accept import adopt, module_attention_features
 from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 from .multihead_attention import (
@@ -285,6 +287,11 @@ class TransformerEncoderLayer(nn.Module):
         )
 
 
+def _bucket_body(layer, fused, x: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Layer ``layer`` (not causal) on a bucket's values, offsets and longest length: what its graphs capture."""
+    return layer._block(RaggedTensor(x, cu, max_len), False, fused).values
+
+
 class TransformerEncoder(nn.Module):
     """``torch.nn.TransformerEncoder`` computed padding-free.
 
@@ -368,12 +375,25 @@ class TransformerEncoder(nn.Module):
         if values is not None:
             rt = rt.with_values(values)
         else:
-            # (per-layer CUDA graphs for eager training, ragged.nn.layer_graphs, are taken by the
-            # HuggingFace encoders only for now: captures of these layers failed on some
-            # configurations, a backward capture touching the legacy stream, not yet understood)
-            for layer in layers:
-                # the input was checked once above; a layer without hooks runs its body directly
-                rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
+            # eager training on a GPU: each layer from its CUDA graphs for the batch's bucket
+            # (ragged.nn.layer_graphs); not causal, which the graphs' key does not hold
+            plan = None
+            if not causal and layer_graphs.active(rt.values):
+                plan = layer_graphs.plan(rt.values, rt.offsets, rt.max_len)
+            last = len(layers) - 1
+            for i, layer in enumerate(layers):
+                y = None
+                if plan is not None:
+                    if plain_call(layer):
+                        body = functools.partial(_bucket_body, layer, fused)
+                        y = layer_graphs.run(layer, body, rt.values, plan, hand_on=i < last, first=i == 0)
+                    if y is None:
+                        rt = rt.with_values(layer_graphs.own(rt.values, plan))
+                if y is not None:
+                    rt = rt.with_values(y)
+                else:
+                    # the input was checked once above; a layer without hooks runs its body directly
+                    rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

@@ -40,6 +40,8 @@ def test_gradients_equal_one_process_on_the_union(backend, kind, mode):
         pytest.importorskip("transformers")
     if mode in cases.GRAPHED_MODES and kind not in cases.GRAPHED_KINDS:
         pytest.skip(f"ragged.nn.graphed does not take the {kind} model")
+    if mode == "ddp-layer-graphs" and kind not in cases.LAYER_GRAPH_KINDS:
+        pytest.skip(f"the {kind} model's layers do not replay graphs of their own")
     if backend == "gloo" and mode not in ("ddp", *cases.GRAPHED_MODES):
         pytest.skip(
             "FSDP2 over gloo with CUDA tensors hung on the GPU host (every model, > 400 s): FSDP2 on "
@@ -48,7 +50,9 @@ def test_gradients_equal_one_process_on_the_union(backend, kind, mode):
     want = cases.union_grads(kind, "cuda", mode)
     got, _ = cases.run_world(kind, mode, "cuda", backend)
     scale = _scale(want)
-    bound = 0.05 * scale if mode == "fsdp-bf16" else 2e-5 * scale
+    # bf16 parameters: about 3 significant digits per operand, over a whole step (the embedding's
+    # gradient sums every token's): within a tenth of the largest gradient
+    bound = 0.1 * scale if mode == "fsdp-bf16" else 2e-5 * scale
     worst = {}
     for name, ref in want.items():
         assert got[name] is not None and np.isfinite(got[name]).all(), name

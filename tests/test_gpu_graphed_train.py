@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ragged
+from ragged.nn import layer_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -78,14 +79,15 @@ def test_graphed_encoder_training_matches_eager(dtype):
     for epoch in range(2):
         for seed, lengths in enumerate(BATCHES):
             x, y = _batch(lengths, dtype, seed, grad=True), _batch(lengths, dtype, seed, grad=True)
-            want = enc(x)
-            (want.values.float() ** 2).mean().backward()
+            with layer_graphs.off():  # eager: each layer run as it is, not from its own graphs
+                want = enc(x)
+                (want.values.float() ** 2).mean().backward()
             got = g(y)
             (got.values.float() ** 2).mean().backward()
             _close(got.values, want.values, TOL[dtype], "output")
             _close(y.values.grad, x.values.grad, TOL[dtype], "input gradient")
             for (n, p), q in zip(enc.named_parameters(), mine.parameters()):
-                _close(q.grad, p.grad, TOL[dtype], n)
+                _close(q.grad, p.grad, TOL[dtype], n, floor=1e-5)  # LayerNorm weights' gradients are near 0
             enc.zero_grad(set_to_none=True)
             mine.zero_grad(set_to_none=epoch == 0)  # None, then zeroed in place: both reach the graphs
         if epoch == 0:

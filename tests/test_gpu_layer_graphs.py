@@ -88,10 +88,12 @@ def test_bert_matches_layers_off(dtype):
     assert _replays() >= 3, "the layers were not captured"
 
 
-@pytest.mark.skip(reason="torch.nn's encoder does not run from layer graphs yet")
-def test_torch_encoder_matches_layers_off():
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_torch_encoder_matches_layers_off(activation):
     torch.manual_seed(0)
-    layer = ragged.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, device="cuda")
+    layer = ragged.nn.TransformerEncoderLayer(
+        256, 4, 1024, dropout=0.0, activation=activation, batch_first=True, device="cuda"
+    )
     enc = ragged.nn.TransformerEncoder(layer, 2).train()
     ref = copy.deepcopy(enc)
     for i, lengths in enumerate(BATCHES):
