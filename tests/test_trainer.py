@@ -387,3 +387,36 @@ def test_several_gpus_in_one_process_train_on_one(tmp_path):
         )
     assert trainer.args.n_gpu == 1
     assert trainer._wrap_model(trainer.model) is trainer.model  # no DataParallel
+
+
+def test_graphs_under_ddp_run_inside_ddps_forward(tmp_path):
+    """Under DistributedDataParallel (a one-process gloo group here) compute_loss runs the graphs
+    inside DDP's forward (where graphed training hands its gradients to DDP's reducer): the loss
+    and the reduced gradients equal the eager model's."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    from torch.nn.parallel import DistributedDataParallel
+
+    data = _dataset(6, seed=109)
+    hf = _model(BertForSequenceClassification, seed=7)
+    plain = ragged.nn.convert(copy.deepcopy(hf))
+    model = ragged.nn.convert(hf)
+    graphs = ragged.nn.Graphed(model, 256, 16, capture=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        inside = []
+        model.register_forward_pre_hook(lambda *_: inside.append(DistributedDataParallel._active_ddp_module is ddp))
+        trainer = RaggedTrainer(model, _args(tmp_path), train_dataset=data, max_tokens=64, graphs=graphs)
+        batch = collate([data[i] for i in range(len(data))])
+        loss = trainer.compute_loss(ddp, dict(batch))
+        loss.backward()
+        want = plain(**dict(batch)).loss
+        want.backward()
+        assert inside == [True]
+        assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-9)
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-10, msg=name)
+    finally:
+        dist.destroy_process_group()
