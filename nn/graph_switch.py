@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["aliased", "emulated", "emulating", "off", "switched_off"]
+__all__ = ["aliased", "emulated", "emulating", "off", "switched_off", "tap", "tapping"]
 
 _local = threading.local()
 
@@ -72,3 +72,29 @@ def aliased(modules, params):
     finally:
         for table, name, q in swapped:
             table[name] = q
+
+
+@contextlib.contextmanager
+def tapping(on: bool = True):
+    """Inside the block (when ``on``), :func:`tap` records the hidden states an encoder hands from
+    one layer to the next in this thread: the whole-module graph wrapper cuts its backward at
+    some of them (:mod:`ragged.nn.graphed_train`). Yields the list they are appended to, bottom
+    layer first."""
+    before = getattr(_local, "taps", None)
+    taps: list = []
+    _local.taps = taps if on else None
+    try:
+        yield taps
+    finally:
+        _local.taps = before
+
+
+def tap(x):
+    """``x``, the output of an encoder layer that the next layer reads; inside :func:`tapping`, a
+    view of it (its own autograd node, which nothing else feeds), recorded."""
+    taps = getattr(_local, "taps", None)
+    if taps is None or not x.requires_grad:
+        return x
+    x = x.view_as(x)
+    taps.append(x)
+    return x

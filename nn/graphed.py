@@ -77,6 +77,7 @@ from ragged import RaggedTensor
 from ragged.utils import describe
 
 from . import graphed_train
+from .graph_switch import emulating
 from .graphed_train import smallest as _smallest
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class Graphed(nn.Module):
             for slot, t in [*rts, *seqs]
         ]
         device = first.values.device
-        if self.capture and device.type != "cuda":
+        if self.capture and device.type != "cuda" and not (training and emulating()):
             return self._eager("device", f"inputs on {device}: CUDA graphs need CUDA tensors", args, kwargs)
         if training:
             found = graphed_train.train_bucket(self, n_tok, batch, max_len)

@@ -44,15 +44,27 @@ gradients in autograd's accumulation, the bucket's graphs are captured the other
 choice is part of the bucket's key). That is inside the forward of a
 ``DistributedDataParallel`` (its reducer all-reduces each gradient bucket from hooks there) and
 for parameters with gradient hooks of their own (``register_hook``,
-``register_post_accumulate_grad_hook``). The backward graph then writes the gradients into one
-flat buffer per dtype, and the ``Function``'s backward returns a copy of it, cut into one view
-per parameter, as every parameter's gradient: autograd accumulates them into ``.grad`` (or
-hands them to ``torch.autograd.grad``) and runs the hooks, so DDP reduces them as for the
-eager module, ``no_sync()``, gradient accumulation and unused parameters
-(``find_unused_parameters``) included. DDP's all-reduces start when the backward graph has
-finished (one replay for the whole backward): they do not overlap it. Under FSDP2 (parameters
-that are ``DTensor`` s, gathered and freed around each use) no graph can hold their
-addresses: :func:`ragged.nn.graphed` runs such a module eagerly, with a warning.
+``register_post_accumulate_grad_hook``). The backward graphs then write the gradients into one
+flat buffer per dtype, and the autograd nodes return copies of them, one view per parameter:
+autograd accumulates them into ``.grad`` (or hands them to ``torch.autograd.grad``) and runs
+the hooks, so DDP reduces them as for the eager module, ``no_sync()``, gradient accumulation
+and unused parameters (``find_unused_parameters``) included.
+
+The backward of a delivered bucket is cut into up to :data:`SEGMENTS` graphs at the hidden
+states between encoder layers (:func:`ragged.nn.graph_switch.tap`), each its own autograd
+node in a chain below the forward's: the top segment's node replays its graph and returns its
+parameters' gradients; autograd accumulates them (DDP launches their all-reduce) before the
+node of the segment below replays its graph, so the communication of the upper layers runs
+while the lower layers' backward computes. A cut is taken only where it separates the
+autograd graph (checked at capture, :func:`segments`): a parameter read both above and below
+(tied embeddings) keeps the backward in one graph. Under FSDP2 (parameters that are
+``DTensor`` s, gathered and freed around each use) no graph can hold their addresses:
+:func:`ragged.nn.graphed` runs such a module eagerly, with a warning.
+
+Every capture runs the module on the parameters swapped for fresh leaves on the same memory
+(:func:`ragged.nn.graph_switch.aliased`) and differentiates with respect to those: autograd
+never routes a captured gradient into the parameters' own accumulation nodes, which DDP keeps
+alive from the default stream (a capture must not wait on it).
 
 A bucket's saved activations live in the graphs' memory pool until its backward replays:
 call ``backward`` on one forward's outputs before the next training forward of the same
@@ -74,12 +86,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+from collections.abc import Callable
 
 import torch
 
 from ragged import RaggedTensor
 
-from .graph_switch import aliased, off
+from .graph_switch import aliased, off, tapping
 
 __all__ = [
     "IGNORE",
@@ -291,28 +304,38 @@ class _Entry:
         "generation",
         "grad_inputs",
         "grad_outs",
+        "graphs",
+        "groups",
         "memory",
         "outputs",
         "ragged",
         "spec",
+        "top_done",
         "used",
     )
-    bwd: torch.cuda.CUDAGraph
-    deliver: list | None  # delivered gradients (module docstring): the parameters, in the order returned
+    bwd: list  # one replay per segment of the backward, the top one first
+    deliver: list | None  # delivered gradients (module docstring): per segment, the parameters returned
     diff: list[int]  # the leaves (of ``outputs``) that take a gradient
-    fwd: torch.cuda.CUDAGraph
+    fwd: Callable[[], None]
     generation: int
     grad_inputs: list[torch.Tensor | None]
     grad_outs: list[torch.Tensor]
+    graphs: list  # the CUDA graphs (kept alive with their entry)
+    groups: list  # per segment: (positions, flat views, parameters) per dtype of its delivered gradients
     memory: int
     outputs: list[torch.Tensor]
     ragged: list[bool]
     spec: tuple  # :func:`flatten`'s description of the outputs
+    top_done: int  # the forward whose top segment's backward ran (the lower segments' check)
     used: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its persistent gradient)
 
     def __init__(self) -> None:
         self.generation = 0
+        self.top_done = -1
         self.deliver = None
+        self.graphs = []
+        self.groups = []
+        self.memory = 0
 
 
 def _ddp_forward() -> bool:
@@ -342,13 +365,20 @@ def sharded(params: list) -> bool:
     return any(isinstance(p, DTensor) for p in params)
 
 
+_STALE = (
+    "ragged.nn.Graphed: backward of a training forward whose saved activations a later forward of the "
+    "same graphed module replaced (or a second backward of one forward): call backward on each "
+    "forward's outputs before the next forward"
+)
+
+
 class _Replay(torch.autograd.Function):
-    """Replays a bucket's forward graph; its backward replays the backward graph."""
+    """Replays a bucket's forward graph; its backward replays the (top segment's) backward graph."""
 
     @staticmethod
     def forward(ctx, owner, entry, cut, *inputs):
         rows, n_tok = cut
-        entry.fwd.replay()
+        entry.fwd()
         owner._generation += 1
         entry.generation = owner._generation
         ctx.owner, ctx.entry, ctx.rows, ctx.n_tok, ctx.generation = owner, entry, rows, n_tok, entry.generation
@@ -365,12 +395,9 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         entry, owner = ctx.entry, ctx.owner
         if ctx.generation != entry.generation or entry.generation != owner._generation:
-            raise RuntimeError(
-                "ragged.nn.Graphed: backward of a training forward whose saved activations a later forward of the "
-                "same graphed module replaced (or a second backward of one forward): call backward on each "
-                "forward's outputs before the next forward"
-            )
+            raise RuntimeError(_STALE)
         entry.generation = -1  # one backward per forward
+        entry.top_done = ctx.generation
         deliver = entry.deliver is not None
         for i, buf in zip(entry.diff, entry.grad_outs):
             g, n = grads[i], ctx.rows[i]
@@ -383,16 +410,119 @@ class _Replay(torch.autograd.Function):
                 buf[n:].zero_()
         if not deliver:
             owner._attach_grads(entry)
-        entry.bwd.replay()
-        out = [None, None, None]
-        for buf in entry.grad_inputs:
-            out.append(None if buf is None else buf[: ctx.n_tok].clone())
+        entry.bwd[0]()
+        out: list = [None, None, None]
+        if len(entry.bwd) == 1:
+            out += _input_grads(entry, ctx.n_tok)
+        else:  # the token from the segment below: its backward runs next
+            out.append(owner.zero(entry.grad_outs[0].device))
         if deliver:
-            out += owner._delivered(entry)
+            out += owner._delivered(entry, 0)
         else:
             owner._finish_grads(entry)
         out += [None] * (3 + ctx.n_inputs - len(out))  # the anchor
         return tuple(out)
+
+
+class _Segment(torch.autograd.Function):
+    """A lower segment of a bucket's backward (module docstring): its forward passes a token on
+    (the forward graph replays at the top); its backward replays the segment's backward graph and
+    returns its parameters' gradients, which autograd accumulates (DDP's hooks fire) before the
+    segment below replays."""
+
+    @staticmethod
+    def forward(ctx, owner, entry, j, n_tok, token, *inputs):
+        ctx.owner, ctx.entry, ctx.j, ctx.n_tok = owner, entry, j, n_tok
+        ctx.forward_id = owner._generation + 1  # the id the top's forward takes next
+        ctx.n_inputs = len(inputs)
+        return token.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _token):
+        entry, owner, j = ctx.entry, ctx.owner, ctx.j
+        if entry.top_done != ctx.forward_id:
+            raise RuntimeError(_STALE)
+        entry.bwd[j]()
+        out: list = [None, None, None, None]
+        if j == len(entry.bwd) - 1:  # the bottom: the anchor, the inputs
+            entry.top_done = -1
+            out.append(None)
+            out += _input_grads(entry, ctx.n_tok)
+        else:
+            out.append(owner.zero(entry.grad_outs[0].device))
+        out += owner._delivered(entry, j)
+        out += [None] * (5 + ctx.n_inputs - len(out))
+        return tuple(out)
+
+
+def _input_grads(entry: _Entry, n_tok: int) -> list:
+    return [None if buf is None else buf[:n_tok].clone() for buf in entry.grad_inputs]
+
+
+SEGMENTS = 4  # backward segments of a graph whose gradients are delivered (DDP reduces one while the next runs)
+
+
+def _reach(starts: list, stop) -> tuple[set[int], bool]:
+    """The ids of the leaves whose accumulation nodes the autograd graph reaches from ``starts``
+    without passing ``stop``, and whether it met ``stop``."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    met = False
+    stack = [fn for fn in starts if fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is stop:
+            met = True
+            continue
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
+        if var is not None:
+            found.add(id(var))
+            continue
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found, met
+
+
+def segments(outs: list, taps: list, params: list, leaves_in: list, count: int = SEGMENTS):
+    """``(bounds, segs)``: the hidden states at which the backward is cut (top first) and the
+    positions in ``params`` of each segment's parameters (top first); None where it cannot be cut
+    soundly: fewer than two layers tapped, or a path from the outputs to a parameter (or from a
+    segment to an input) that bypasses a cut (a tied weight read above and below, say)."""
+    n = len(taps)
+    cut = sorted({round(n * j / count) - 1 for j in range(1, count)})
+    cut = [i for i in cut if 0 <= i < n - 1]
+    if not cut:
+        return None
+    bounds = [taps[i] for i in reversed(cut)]
+    where = {id(q): k for k, q in enumerate(params)}
+    inputs = {id(t) for t in leaves_in}
+    owner: dict[int, int] = {}
+    segs: list[list[int]] = []
+    for j in range(len(bounds) + 1):
+        if j == 0:
+            starts = [o.grad_fn for o in outs]
+        else:
+            starts = [nxt for nxt, _ in bounds[j - 1].grad_fn.next_functions]
+        stop = bounds[j].grad_fn if j < len(bounds) else None
+        found, met = _reach(starts, stop)
+        if stop is not None and not met:
+            return None
+        if j < len(bounds) and found & inputs:
+            return None
+        mine = []
+        for v in found:
+            k = where.get(v)
+            if k is None:
+                continue
+            if k in owner:
+                return None
+            owner[k] = j
+            mine.append(k)
+        segs.append(sorted(mine))
+    return bounds, segs
 
 
 class TrainGraphs:
@@ -409,6 +539,7 @@ class TrainGraphs:
         # delivered gradients: (dtype, device) -> (flat buffer, its parameters in order); id -> (group, offset)
         self._flats: dict[tuple, tuple[torch.Tensor, list]] = {}
         self._slots: dict[int, tuple[tuple, int]] = {}
+        self._zeros: dict = {}
 
     def reset(self) -> None:
         self._grads.clear()
@@ -470,15 +601,23 @@ class TrainGraphs:
         key, offset = self._slots[id(p)]
         return self._flats[key][0].narrow(0, offset, p.numel()).view(p.shape)
 
-    def _delivered(self, entry: _Entry) -> list[torch.Tensor]:
-        """The delivered gradients of ``entry`` 's parameters: a copy of each flat buffer (one
-        launch per dtype), cut into views (module docstring)."""
-        views: dict[int, torch.Tensor] = {}
-        for flat, ps in self._flats.values():
-            for p, v in zip(ps, torch._C._nn.unflatten_dense_tensors(flat.clone(), ps)):
-                views[id(p)] = v
+    def _delivered(self, entry: _Entry, j: int) -> list[torch.Tensor]:
+        """The delivered gradients of segment ``j`` of ``entry``: one copy per dtype (a
+        concatenation of the flat buffer's views), cut into views (module docstring)."""
         assert entry.deliver is not None
-        return [views[id(p)] for p in entry.deliver]
+        out: list = [None] * len(entry.deliver[j])
+        for positions, views, ps in entry.groups[j]:
+            got = torch._C._nn.unflatten_dense_tensors(torch.cat(views), ps)
+            for k, g in zip(positions, got):
+                out[k] = g
+        return out
+
+    def zero(self, device) -> torch.Tensor:
+        """A zero scalar: the gradient of the token a segment hands to the one below."""
+        z = self._zeros.get(device)
+        if z is None:
+            z = self._zeros[device] = torch.zeros((), device=device)
+        return z
 
     def persistent_grad(self, p: torch.Tensor) -> torch.Tensor:
         g = self._grads.get(id(p))
@@ -499,89 +638,156 @@ class TrainGraphs:
         deliver: bool = False,
     ) -> _Entry:
         """Warm up, then capture the forward graph of ``call()`` and the backward graph of its
-        differentiable outputs; ``inputs``: the static input buffers, ``grad_inputs``: the
-        positions among them whose gradient the caller needs; ``deliver``: the gradients go
-        through autograd (module docstring)."""
+        differentiable outputs (delivered: one per segment); ``inputs``: the static input
+        buffers, ``grad_inputs``: the positions among them whose gradient the caller needs;
+        ``deliver``: the gradients go through autograd (module docstring). Off the GPU each
+        "graph" is the Python it would capture, run at every replay (what the CPU tests check)."""
         g = self.graphed
-        if g._pool is None:
+        emulate = device.type != "cuda"
+        if not emulate and g._pool is None:
             g._pool = torch.cuda.graph_pool_handle()
-        for i in grad_inputs:
-            inputs[i].requires_grad_(True)
         leaves_in = [inputs[i] for i in grad_inputs]
+        for t in leaves_in:
+            t.requires_grad_(True)
         modules = list(g.module.modules())
+        try:
+            return self._capture(call, leaves_in, params, modules, device, autocast, deliver, emulate)
+        finally:
+            for t in leaves_in:
+                t.requires_grad_(False)
 
-        def run():
-            # the whole module is captured here: its layers run as they are, not from their own graphs
-            with off():
+    def _capture(self, call, leaves_in, params, modules, device, autocast, deliver: bool, emulate: bool) -> _Entry:
+        g = self.graphed
+
+        def forward_pass(taps_on: bool):
+            """The module's forward on the parameters as fresh leaves (graph_switch.aliased: no
+            capture meets their own accumulation nodes, which DDP keeps from the default stream)."""
+            with aliased(modules, params) as ps, tapping(taps_on) as taps, off(), torch.enable_grad():
+                # the whole module is captured here: its layers run as they are, not from their own graphs
                 if autocast is None:
-                    return call()
-                with torch.autocast("cuda", dtype=autocast, cache_enabled=False):
-                    return call()
-
-        def differentiable(out):
+                    out = call()
+                else:
+                    with torch.autocast("cuda", dtype=autocast, cache_enabled=False):
+                        out = call()
             leaves: list = []
             ragged: list = []
             spec = flatten(out, leaves, ragged)
             diff = [i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point()]
-            return spec, leaves, ragged, diff
+            if not diff:
+                raise ValueError(
+                    "ragged.nn.Graphed: the module's outputs need no gradient in training mode "
+                    "(no parameter requires grad?)"
+                )
+            return spec, leaves, ragged, diff, ps, list(taps)
 
-        with capturing(device):
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the kernels, lets cuBLAS pick its algorithms
-                    # the parameters as fresh leaves (graph_switch.aliased): no capture meets their own
-                    # accumulation nodes, which DDP keeps from the default stream
-                    with aliased(modules, params) as ps:
-                        spec, leaves, _, diff = differentiable(run())
-                    wrt = leaves_in + ps
-                    if not diff:
-                        raise ValueError(
-                            "ragged.nn.Graphed: the module's outputs need no gradient in training mode "
-                            "(no parameter requires grad?)"
-                        )
-                    outs = [leaves[i] for i in diff]
-                    torch.autograd.grad(outs, wrt, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
-                    del spec, leaves, outs, wrt, ps
-            torch.cuda.current_stream(device).wait_stream(stream)
+        def graph(fill: Callable[[], object]):
+            """``fill()`` captured into a new graph of the pool (emulated: run once); its replay."""
+            if emulate:
+                return fill(), None
+            cuda_graph = torch.cuda.CUDAGraph()
+            # the pool's growth is read inside the capture: entering one empties the allocator's cache.
+            # The captures run on this GPU's capture stream (torch.cuda.graph's default stream is
+            # one for the process, shared by threads)
+            with torch.cuda.graph(cuda_graph, pool=g._pool, stream=capture_stream(device)):
+                before = torch.cuda.memory_reserved(device)
+                got = fill()
+                entry.memory += torch.cuda.memory_reserved(device) - before
+            entry.graphs.append(cuda_graph)
+            return got, cuda_graph.replay
+
+        with capturing(device) if not emulate else contextlib.nullcontext():
+            if not emulate:  # compiles the kernels, lets cuBLAS pick its algorithms
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        _, leaves, _, diff, ps, _ = forward_pass(False)
+                        outs = [leaves[i] for i in diff]
+                        zeros = [torch.zeros_like(o) for o in outs]
+                        torch.autograd.grad(outs, leaves_in + ps, grad_outputs=zeros, allow_unused=True)
+                        del leaves, outs, ps, zeros
+                torch.cuda.current_stream(device).wait_stream(stream)
 
             entry = _Entry()
-            entry.fwd, entry.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            # the pool's growth, read inside each capture: entering one empties the allocator's cache,
-            # so a reading taken before it could even come out negative. The captures run on this GPU's
-            # capture stream (torch.cuda.graph's default stream is one for the process, shared by threads)
-            with torch.cuda.graph(entry.fwd, pool=g._pool, stream=capture_stream(device)):
-                before = torch.cuda.memory_reserved(device)
-                with aliased(modules, params) as ps:
-                    spec, leaves, ragged, diff = differentiable(run())
-                wrt = leaves_in + ps
-                entry.memory = torch.cuda.memory_reserved(device) - before
-            entry.spec, entry.outputs, entry.ragged, entry.diff = spec, [t.detach() for t in leaves], ragged, diff
-            entry.grad_outs = [torch.zeros_like(leaves[i]) for i in diff]
+            (spec, leaves, ragged, diff, ps, taps), fwd = graph(lambda: forward_pass(deliver))
+            entry.spec, entry.ragged, entry.diff = spec, ragged, diff
+            outs = [leaves[i] for i in diff]
+            plan = segments(outs, taps, ps, leaves_in) if deliver else None
+            bounds, segs = plan if plan is not None else ([], [list(range(len(params)))])
+            entry.outputs = [t.detach().clone() if emulate else t.detach() for t in leaves]
+            entry.grad_outs = [torch.zeros_like(o) for o in outs]
+            cut_grads = [torch.zeros_like(b) for b in bounds]  # each cut's gradient, from the segment above
+            entry.grad_inputs = [torch.zeros_like(t) for t in leaves_in]
             if deliver:
                 self._layout(params)
-                persistent = [self.delivery_view(p) for p in params]
+                targets = [self.delivery_view(p) for p in params]
             else:
-                persistent = [self.persistent_grad(p) for p in params]
-            with torch.cuda.graph(entry.bwd, pool=g._pool, stream=capture_stream(device)):
-                before = torch.cuda.memory_reserved(device)
-                grads = torch.autograd.grad(
-                    [leaves[i] for i in diff], wrt, grad_outputs=entry.grad_outs, allow_unused=True
-                )
-                n_in = len(grad_inputs)
-                pairs = [(acc, d) for acc, d in zip(persistent, grads[n_in:]) if d is not None]
+                targets = [self.persistent_grad(p) for p in params]
+            state = [outs, bounds, ps]  # what the backward graphs read (emulated: the latest forward's)
+
+            def backward(j: int) -> list:
+                """Segment ``j``'s gradients into their buffers; the parameters' gradients (None: unused)."""
+                outs, bounds, ps = state
+                if j == 0:
+                    starts, grad_outs = outs, entry.grad_outs
+                else:
+                    starts, grad_outs = [bounds[j - 1]], [cut_grads[j - 1]]
+                mine = [ps[k] for k in segs[j]]
+                below = [bounds[j]] if j < len(bounds) else leaves_in
+                got = torch.autograd.grad(starts, mine + below, grad_outputs=grad_outs, allow_unused=True)
+                if emulate and j == len(bounds):
+                    for t in leaves_in:
+                        t.requires_grad_(False)
+                for buf, d in zip(cut_grads[j : j + 1] if j < len(bounds) else entry.grad_inputs, got[len(mine) :]):
+                    if buf is not None:
+                        buf.copy_(d) if d is not None else buf.zero_()
+                pairs = [(targets[k], d) for k, d in zip(segs[j], got[: len(mine)]) if d is not None]
                 if pairs and deliver:
                     torch._foreach_copy_([a for a, _ in pairs], [d for _, d in pairs])
                 elif pairs:
                     torch._foreach_add_([a for a, _ in pairs], [d for _, d in pairs])
-                entry.grad_inputs = [None if d is None else d.detach() for d in grads[:n_in]]
-                entry.memory += torch.cuda.memory_reserved(device) - before
-        entry.used = [(p, acc) for p, acc, d in zip(params, persistent, grads[n_in:]) if d is not None]
+                return [got[i] for i in range(len(mine))] + [got[len(mine) + i] for i in range(len(below))]
+
+            entry.bwd = []
+            used: dict[int, bool] = {}
+            for j in range(len(segs)):
+                got, replay = graph(lambda j=j: backward(j))
+                for k, d in zip(segs[j], got):
+                    used[k] = d is not None
+                if j == len(segs) - 1:  # an input whose gradient is None gets None
+                    rest = got[len(segs[j]) :]
+                    entry.grad_inputs = [None if d is None else buf for buf, d in zip(entry.grad_inputs, rest)]
+                entry.bwd.append(replay if replay is not None else (lambda j=j: backward(j)))
+                del got
+            if emulate:
+
+                def fwd_emulated() -> None:
+                    for t in leaves_in:  # until the bottom segment's backward
+                        t.requires_grad_(True)
+                    _, leaves, _, diff, ps, taps = forward_pass(deliver)
+                    for buf, t in zip(entry.outputs, leaves):
+                        buf.copy_(t.detach())
+                    again = segments([leaves[i] for i in diff], taps, ps, leaves_in) if deliver else None
+                    state[:] = [[leaves[i] for i in diff], [] if again is None else again[0], ps]
+
+                entry.fwd = fwd_emulated
+            else:
+                assert fwd is not None
+                entry.fwd = fwd
+                del state[:]  # the backward graphs hold what they read
+        order = [k for seg in segs for k in seg]
+        entry.used = [(params[k], targets[k]) for k in order if used.get(k)]
         if deliver:
-            entry.deliver = [p for p, _ in entry.used]
-        for i in grad_inputs:
-            inputs[i].requires_grad_(False)
-        del grads, leaves, wrt, ps
+            entry.deliver = [[params[k] for k in seg if used.get(k)] for seg in segs]
+            entry.groups = []
+            for ps_j in entry.deliver:
+                by: dict[tuple, tuple[list, list, list]] = {}
+                for pos, p in enumerate(ps_j):
+                    positions, views, group = by.setdefault((p.dtype, p.device), ([], [], []))
+                    positions.append(pos)
+                    views.append(self.delivery_view(p).view(-1))
+                    group.append(p)
+                entry.groups.append(list(by.values()))
         return entry
 
     def anchor(self, device) -> torch.Tensor:
@@ -592,9 +798,20 @@ class TrainGraphs:
 
     def replay(self, entry: _Entry, first: RaggedTensor, size, user_inputs: list[torch.Tensor]):
         rows = _rows(entry, size[1], first.num_tokens, first.batch_size)
-        if entry.deliver is not None:  # the parameters are the Function's inputs: autograd gets their gradients
-            extra = list(entry.deliver) if entry.deliver else [self.anchor(first.values.device)]
-        else:
-            extra = [] if user_inputs else [self.anchor(first.values.device)]
-        outs = _Replay.apply(self, entry, (rows, first.num_tokens), *user_inputs, *extra)
+        device = first.values.device
+        cut = (rows, first.num_tokens)
+        if entry.deliver is None:
+            extra = [] if user_inputs else [self.anchor(device)]
+            outs = _Replay.apply(self, entry, cut, *user_inputs, *extra)
+        elif len(entry.bwd) == 1:  # the parameters are the Function's inputs: autograd gets their gradients
+            extra = entry.deliver[0] if entry.deliver[0] or user_inputs else [self.anchor(device)]
+            outs = _Replay.apply(self, entry, cut, *user_inputs, *extra)
+        else:  # a chain of segments, the bottom first: their backwards run top down
+            last = len(entry.bwd) - 1
+            token = _Segment.apply(
+                self, entry, last, first.num_tokens, self.anchor(device), *user_inputs, *entry.deliver[last]
+            )
+            for j in range(last - 1, 0, -1):
+                token = _Segment.apply(self, entry, j, first.num_tokens, token, *entry.deliver[j])
+            outs = _Replay.apply(self, entry, cut, token, *entry.deliver[0])
         return rebuild(entry.spec, list(outs), first)

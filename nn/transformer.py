@@ -28,6 +28,7 @@ from ragged.utils import describe, eager
 
 from . import layer_graphs
 from .accept import adopt, module_attention_features
+from .graph_switch import tap
 from .layer import LayerSpec, LayerWeights, fused_backend, plain_call, run_layer, run_stack
 from .multihead_attention import (
     MultiheadAttention,
@@ -394,6 +395,7 @@ class TransformerEncoder(nn.Module):
                 else:
                     # the input was checked once above; a layer without hooks runs its body directly
                     rt = layer._block(rt, causal, fused) if plain_call(layer) else layer(rt, is_causal=causal)
+                rt = rt.with_values(tap(rt.values))  # (a cut of a whole-model graph's backward)
         if self.norm is not None:
             rt = rt.with_values(self.norm(rt.values))
         return rt

@@ -26,7 +26,7 @@ import ragged
 KINDS = ("encoder", "bert", "llama")
 # fsdp-bf16: FSDP2 with MixedPrecisionPolicy(param_dtype=bf16); ddp-layer-graphs: DDP with the
 # converted model's layers replayed from their graphs (emulated off the GPU), after two warm-up steps;
-# ddp-graphed: DDP over ragged.nn.graphed of the model (off the GPU its bucketed batches run eagerly),
+# ddp-graphed: DDP over ragged.nn.graphed of the model (off the GPU its graphs emulated),
 # the step three times (the first captures, the others replay); ddp-graphed-accumulate: the same
 # with each step's batch run twice, first under no_sync() (the gradients are twice the step's)
 MODES = ("ddp", "fsdp", "fsdp-bf16", "ddp-layer-graphs", "ddp-graphed", "ddp-graphed-accumulate")
@@ -158,7 +158,7 @@ def wrap(kind: str, model, mode: str, device: str):
     if mode in GRAPHED_MODES:
         import ragged.nn as rnn
 
-        graphed = rnn.Graphed(model, 128, 8, capture=device == "cuda")
+        graphed = rnn.Graphed(model, 128, 8)  # off the GPU: run inside graph_switch.emulated()
         return torch.nn.parallel.DistributedDataParallel(graphed, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -195,16 +195,20 @@ def _worker(rank: int, world: int, path: str, kind: str, mode: str, device: str,
                 replayed = sum(len(s.entries) for s in layer_graphs._STATES.values())
                 assert replayed > 0, "no layer ran from its graphs"
         elif mode in GRAPHED_MODES:
-            for _ in range(3):  # on the GPU: the first step captures the bucket's graphs, the others replay
-                model.zero_grad(set_to_none=True)
-                batch = rank_data(kind, rank)
-                if mode == "ddp-graphed-accumulate":
-                    with wrapped.no_sync():
-                        loss_of(kind, wrapped, batch, device).backward()
-                loss = loss_of(kind, wrapped, batch, device)
-                loss.backward()
-            if device == "cuda":
-                assert wrapped.module.num_graphs > 0, "no graph captured"
+            from ragged.nn import graph_switch
+
+            with graph_switch.emulated() if device == "cpu" else contextlib.nullcontext():
+                for _ in range(3):  # the first step captures the bucket's graphs, the others replay
+                    model.zero_grad(set_to_none=True)
+                    batch = rank_data(kind, rank)
+                    if mode == "ddp-graphed-accumulate":
+                        with wrapped.no_sync():
+                            loss_of(kind, wrapped, batch, device).backward()
+                    loss = loss_of(kind, wrapped, batch, device)
+                    loss.backward()
+            entries = [e.graph for k, e in wrapped.module._graphs.items() if k[1] and e.graph is not None]
+            # two layers: the backward in two segments, DDP reducing the top one's while the bottom one runs
+            assert entries and all(len(e.bwd) == 2 and e.deliver is not None for e in entries), "not delivered"
         else:
             loss = loss_of(kind, wrapped, rank_data(kind, rank), device)
             loss.backward()

@@ -90,9 +90,10 @@ def test_ddp_with_layer_graphs_equals_one_process_on_the_union():
     ],
 )
 def test_ddp_over_graphed_equals_one_process_on_the_union(kind, mode):
-    """DDP over ragged.nn.graphed (its bucketed batches run eagerly off the GPU, the path the
-    graphs capture): the fillers' rows add nothing to the reduced gradients; with ``no_sync``
-    the accumulated gradients are reduced once, as DDP does for the eager module."""
+    """DDP over ragged.nn.graphed (its graphs emulated off the GPU): the backward replays in
+    segments whose gradients reach DDP's hooks; the fillers' rows add nothing to the reduced
+    gradients; with ``no_sync`` the accumulated gradients are reduced once, as DDP does for the
+    eager module."""
     if kind != "encoder":
         pytest.importorskip("transformers")
     want = cases.union_grads(kind, mode=mode)

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from ragged import RaggedTensor
 
 from .. import layer_graphs
+from ..graph_switch import tap
 from ..layer import call_with_hooks, plain_call
 from .batch import Batch, read_batch
 from .family import Family, SpecFamily, hook_kinds
@@ -82,7 +83,7 @@ def run_encoder(
         if y is None:
             # a layer with hooks (an FSDP2 unit, say) is called as a module, with body as its forward
             y = body(layer, x) if _plain(layer) else call_with_hooks(layer, functools.partial(body, layer), x)
-        x = y
+        x = tap(y)  # (a cut of the backward of a whole-model graph, when one is captured)
         if collect:
             hidden.append(x)
     return x, hidden
