@@ -159,3 +159,25 @@ def test_torch_encoder_with_input_gradients():
                 outs.append({"y": y.detach(), "x": xv.grad, **_grads(ours if model is g else ref)})
             _same(outs[0], outs[1], f"step {step}: ")
     assert all(len(e.bwd) == 4 for e in _entries(g))
+
+
+def test_collected_hidden_states_stay_exact():
+    """Hidden states returned as outputs (the embeddings' among them, below every cut) reach the
+    loss around the cuts: the backward stays one graph and the gradients equal eager's."""
+    ours = _bert(seed=4)
+    ref = copy.deepcopy(ours)
+    for q in ours.parameters():
+        q.register_post_accumulate_grad_hook(lambda t: None)
+    g = ragged.nn.graphed(ours, max_tokens=256, max_batch_size=8)
+    with graph_switch.emulated():
+        for step, lengths in enumerate(BATCHES[:4]):
+            ids, labels = _batch(lengths, step)
+            grads = []
+            for model, owner in ((g, ours), (ref, ref)):
+                owner.zero_grad(set_to_none=True)
+                out = model(input_ids=ids, labels=labels, output_hidden_states=True)
+                extra = sum((h.values * (k + 1)).square().mean() for k, h in enumerate(out.hidden_states))
+                (out.loss + extra).backward()
+                grads.append(_grads(owner))
+            _same(grads[0], grads[1], f"step {step}: ")
+    assert all(len(e.bwd) == 1 for e in _entries(g))
