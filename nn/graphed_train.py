@@ -84,6 +84,7 @@ in eval mode record no backward: evaluation replays the inference graphs under `
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 from collections.abc import Callable
@@ -751,13 +752,13 @@ class TrainGraphs:
             entry.bwd = []
             used: dict[int, bool] = {}
             for j in range(len(segs)):
-                got, replay = graph(lambda j=j: backward(j))
+                got, replay = graph(functools.partial(backward, j))
                 for k, d in zip(segs[j], got):
                     used[k] = d is not None
                 if j == len(segs) - 1:  # an input whose gradient is None gets None
                     rest = got[len(segs[j]) :]
                     entry.grad_inputs = [None if d is None else buf for buf, d in zip(entry.grad_inputs, rest)]
-                entry.bwd.append(replay if replay is not None else (lambda j=j: backward(j)))
+                entry.bwd.append(replay if replay is not None else functools.partial(backward, j))
                 del got
             if emulate:
 
