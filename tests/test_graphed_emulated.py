@@ -181,3 +181,32 @@ def test_collected_hidden_states_stay_exact():
                 grads.append(_grads(owner))
             _same(grads[0], grads[1], f"step {step}: ")
     assert all(len(e.bwd) == 1 for e in _entries(g))
+
+
+def test_fsdp2_parameters_run_eagerly_with_a_warning():
+    """Parameters sharded by FSDP2 (DTensors) cannot be held by a graph: the call runs eagerly,
+    with a warning that says why, and trains as the module itself."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ours = _bert(layers=2, seed=5)
+    ref = copy.deepcopy(ours)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(ours, mesh=init_device_mesh("cpu", (1,)))
+        g = ragged.nn.graphed(ours, max_tokens=256, max_batch_size=8)
+        ids, labels = _batch(BATCHES[0], 0)
+        with graph_switch.emulated(), pytest.warns(UserWarning, match="sharded by FSDP2"):
+            got = g(input_ids=ids, labels=labels).loss
+        got.backward()
+        want = ref(input_ids=ids, labels=labels).loss
+        want.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), **TOL)
+        for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOL, msg=n)
+        assert g.num_graphs == 0
+    finally:
+        dist.destroy_process_group()
