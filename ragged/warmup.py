@@ -180,9 +180,11 @@ def warmup(module: torch.nn.Module, *args, training: bool = False, **kwargs) -> 
 
 def compile_only(workers: int | None = None) -> contextlib.AbstractContextManager[None] | None:
     """A context inside which, on this thread, a launch of a Triton kernel compiles the variant its
-    arguments ask for and runs nothing (the outputs it would write stay as they were): the
-    compiles run on ``workers`` threads and are all done, or raise, when the context ends (see
-    :func:`ragged.kernels.triton.launch.compile_only`; the code inside must not read the skipped
+    arguments ask for and runs nothing (the outputs it would write stay as they were), and a
+    launch of a CUDA C++ kernel compiles its program through NVRTC (where not loaded) and runs
+    nothing: the compiles run on ``workers`` threads each (Triton's and NVRTC's at once) and are
+    all done, or raise, when the context ends (see :func:`ragged.kernels.triton.launch.compile_only`
+    and :func:`ragged.kernels.cuda.launch.compile_only`; the code inside must not read the skipped
     kernels' outputs). None where Triton cannot be imported: there is nothing to compile ahead.
     The layer core of ``ragged.nn`` compiles a layer's kernels with it before the layer's first
     training call, without reaching into the kernels."""
@@ -190,4 +192,12 @@ def compile_only(workers: int | None = None) -> contextlib.AbstractContextManage
         from .kernels.triton.launch import compile_only as triton_compile_only
     except ImportError:
         return None
-    return triton_compile_only(workers)
+    from .kernels.cuda.launch import compile_only as cuda_compile_only
+
+    @contextlib.contextmanager
+    def both():
+        # the NVRTC block inside Triton's: its compiles end first, while Triton's may still run
+        with triton_compile_only(workers), cuda_compile_only(workers):
+            yield
+
+    return both()

@@ -285,6 +285,39 @@ def test_precompile_errors_propagate(monkeypatch, fresh_caches):
     assert len(cupy.compiled) == 3  # unknown names raise before anything compiles
 
 
+def test_compile_only_compiles_launches_concurrently_and_runs_nothing(monkeypatch, fresh_caches):
+    """Inside compile_only, a launch compiles its program on the pool (each program once, all at
+    once) and launches nothing; the programs are loaded when the block ends."""
+    cupy = _FakeCupy(barrier=threading.Barrier(3, timeout=30))  # three programs compile at once
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(kc, "_function", lambda *a: pytest.fail(f"launched {a} inside compile_only"))
+    dev = torch.device("cuda", 0)
+    with kc.compile_only(workers=3):
+        for src, kernel in [SAMPLE[0], SAMPLE[1], SAMPLE[0], SAMPLE[2], SAMPLE[1]]:
+            kc.launch(src, kernel, dev, 1, (32, 1), None, ())
+    assert len(cupy.compiled) == 3 and len({ident for *_, ident in cupy.compiled}) == 3
+    assert {code for code, _, _ in cupy.compiled} == {kc.program(s, k).text for s, k in SAMPLE[:3]}
+    with kc.compile_only(workers=2):  # loaded: nothing compiles again
+        kc.launch(*SAMPLE[0], dev, 1, (32, 1), None, ())
+    assert len(cupy.compiled) == 3
+
+
+def test_compile_only_raises_a_failed_compile_at_its_end_and_is_not_reentrant(monkeypatch, fresh_caches):
+    cupy = _FakeCupy(fail="RAGGED_ADD_LAYER_NORM(Bf16, bf16, 3)")
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    dev = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match=re.escape("compile failed: RAGGED_ADD_LAYER_NORM(Bf16, bf16, 3)")):
+        with kc.compile_only(workers=2):
+            for src, kernel in SAMPLE:
+                kc.launch(src, kernel, dev, 1, (32, 1), None, ())
+    assert len(cupy.compiled) == len({kc.program(s, k).source + kc.program(s, k).kernels[0] for s, k in SAMPLE})
+    with pytest.raises(RuntimeError, match="already inside a compile_only"):
+        with kc.compile_only(workers=1):
+            with kc.compile_only(workers=1):
+                pass
+    assert kc._AHEAD.pool is None  # the outer block ended too
+
+
 # --------------------------------------------------------------------------------------
 # nvcc: the programs against the real preprocessor, a sample compiled
 

@@ -24,6 +24,7 @@ forces one (:func:`launch_path`); :func:`build_info` says which is in use.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import difflib
 import functools
@@ -34,7 +35,7 @@ import pathlib
 import struct
 import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -338,6 +339,53 @@ def build_info() -> dict:
     }
 
 
+class _Ahead(threading.local):
+    """This thread's :func:`compile_only` block: its pool, the compiles submitted, the programs asked."""
+
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    futures: list | None = None
+    asked: set | None = None
+
+
+_AHEAD = _Ahead()
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None) -> Iterator[None]:
+    """Within, on this thread: a launch of a CUDA kernel runs nothing (the outputs it would write
+    stay as they were) and its program, where not loaded yet, compiles through NVRTC on a pool
+    of ``workers`` threads (default: the CPU count, at most 16; NVRTC's compile runs without the
+    GIL), each program once; the compiles are all finished, or the first failure raises, when the
+    block ends. On the ahead-of-time path nothing compiles. Not reentrant; the code inside must
+    not depend on the skipped kernels' outputs (:func:`ragged.warmup.compile_only`)."""
+    if _AHEAD.pool is not None:
+        raise RuntimeError("compile_only(): already inside a compile_only() block")
+    n = workers or min(16, os.cpu_count() or 1)
+    futures: list = []
+    with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragged-nvrtc") as pool:
+        _AHEAD.pool, _AHEAD.futures, _AHEAD.asked = pool, futures, set()
+        try:
+            yield
+        finally:
+            _AHEAD.pool = _AHEAD.futures = _AHEAD.asked = None
+    for f in futures:  # every compile has ended: the first failure, if any
+        f.result()
+
+
+def _compile_ahead(src_name: str, kernel: str, device: torch.device) -> None:
+    index = device.index if device.index is not None else _current_device()
+    if launch_path(index) == "aot" or (kernel, index) in _functions:
+        return
+    prog = program(src_name, kernel)
+    key = (prog.source, prog.kernels[0], index)
+    asked = _AHEAD.asked
+    assert asked is not None and _AHEAD.pool is not None and _AHEAD.futures is not None
+    if key in asked or key in _modules:
+        return
+    asked.add(key)
+    _AHEAD.futures.append(_AHEAD.pool.submit(_module, prog, index))
+
+
 def launch(
     src_name: str, kernel: str, device: torch.device, grid: int, block: tuple[int, int], params: Params, values: tuple
 ) -> None:
@@ -347,7 +395,10 @@ def launch(
     On the current device the parameters go to the driver's ``cuLaunchKernel`` as one packed
     buffer; anywhere else (another device, no driver library found, or a launch the driver
     refuses, e.g. a thread without a current context) CuPy launches it, with the device
-    made current."""
+    made current. Inside :func:`compile_only` it compiles instead, and runs nothing."""
+    if _AHEAD.pool is not None:
+        _compile_ahead(src_name, kernel, device)
+        return
     index = device.index if device.index is not None else _current_device()
     fn = _function(src_name, kernel, index)
     handle = _raw_stream(index)
