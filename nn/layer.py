@@ -28,6 +28,7 @@ this module asks them for their declared extras, never for a backend's name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -428,20 +429,10 @@ _AHEAD: set[tuple] = set()  # the layer variants whose kernels _compile_ahead co
 _AHEAD_ON = os.environ.get("RAGGED_COMPILE_AHEAD", "1") != "0"  # 0: compile each kernel as it first launches
 
 
-def _compile_ahead(
-    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, kernels: LayerKernels
-) -> None:
-    """Before the first training call of a layer variant (kernels, dtype, shapes, dropout on or
-    off, the longest sequence's power of two): one pass of its forward and backward in which
-    every Triton launch compiles instead of running, all compiles at once on a thread pool, so
-    that a fresh process's first step waits for the slowest compile instead of their sum. The
-    pass's outputs are dropped; nothing the caller sees changes (no gradient is stored, and the
-    random state that dropout's seed draws from is put back). Not under CUDA-graph capture; off
-    with the environment variable ``RAGGED_COMPILE_AHEAD=0``."""
-    if not _AHEAD_ON or x.device.type != "cuda":
-        return
+def _variant(spec: LayerSpec, x: torch.Tensor, max_len: int, causal: bool, kernels: LayerKernels) -> tuple:
+    """What a layer's kernel variants depend on (the key of :data:`_AHEAD`, with the pass's kind)."""
     w = spec.weights
-    key = (
+    return (
         id(kernels.attention),
         id(kernels.add_layer_norm),
         id(kernels.bias_act),
@@ -458,7 +449,16 @@ def _compile_ahead(
         max_len.bit_length(),
         spec.position_bias is None,
     )
-    if key in _AHEAD:
+
+
+def _ahead(key: tuple, x: torch.Tensor, body: Callable[[], object], what: str) -> None:
+    """``body()`` once per ``key`` in a pass where every kernel launch compiles instead of
+    running (Triton's and NVRTC's compiles at once on thread pools: :func:`ragged.warmup.compile_only`),
+    so that a fresh process's first call waits for the slowest compile instead of their sum. The
+    pass's outputs are dropped; nothing the caller sees changes (no gradient is stored, and the
+    random state that dropout's seed draws from is put back). Not under CUDA-graph capture; off
+    with the environment variable ``RAGGED_COMPILE_AHEAD=0``."""
+    if not _AHEAD_ON or x.device.type != "cuda" or key in _AHEAD:
         return
     if torch.cuda.is_current_stream_capturing():
         return
@@ -471,29 +471,43 @@ def _compile_ahead(
     devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), compiling:
-            saved: list = []
-            steps = Saved(kernels)
-            y = _forward(spec, x, cu, max_len, causal, steps, saved)
-            need = LayerNeeds._make(t is not None and t.requires_grad for t in w)
-            layer_backward(
-                spec,
-                w,
-                kernels,
-                dict(zip(SAVED, saved)),
-                max_len,
-                causal,
-                steps.seed,
-                torch.empty_like(y),
-                x.requires_grad,
-                need,
-            )
+            body()
     except Exception as exc:  # the real call compiles as it launches (and raises what is wrong)
         warnings.warn(
-            f"ragged.nn: compiling a layer's kernels ahead of its first training step failed "
+            f"ragged.nn: compiling a layer's kernels ahead of its first {what} failed "
             f"({type(exc).__name__}: {exc}); they compile as they launch",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def _compile_ahead(
+    spec: LayerSpec, x: torch.Tensor, cu: torch.Tensor, max_len: int, causal: bool, kernels: LayerKernels
+) -> None:
+    """Before the first training call of a layer variant (kernels, dtype, shapes, dropout on or
+    off, the longest sequence's power of two): one pass of its forward and backward compiling
+    its kernels (:func:`_ahead`)."""
+
+    def body() -> None:
+        w = spec.weights
+        saved: list = []
+        steps = Saved(kernels)
+        y = _forward(spec, x, cu, max_len, causal, steps, saved)
+        need = LayerNeeds._make(t is not None and t.requires_grad for t in w)
+        layer_backward(
+            spec,
+            w,
+            kernels,
+            dict(zip(SAVED, saved)),
+            max_len,
+            causal,
+            steps.seed,
+            torch.empty_like(y),
+            x.requires_grad,
+            need,
+        )
+
+    _ahead(("training", *_variant(spec, x, max_len, causal, kernels)), x, body, "training step")
 
 
 def run_layer(
@@ -554,6 +568,12 @@ def run_stack(
         if direct is None:
             direct = sets[key] = Direct(choose_kernels(spec, x, cu, max_len, causal, fused, False))
         plan.append((spec, direct))
+    seen: set[int] = set()
+    for spec, direct in plan:  # each distinct layer's kernels compiled at once, ahead of the first call
+        if id(direct) not in seen:
+            seen.add(id(direct))
+            key = ("inference", *_variant(spec, x, max_len, causal, direct.kernels))
+            _ahead(key, x, functools.partial(_forward, spec, x, cu, max_len, causal, direct), "inference")
     for spec, direct in plan:
         x = _forward(spec, x, cu, max_len, causal, direct)
     return x
