@@ -468,7 +468,9 @@ def _reach(starts: list, stop) -> tuple[set[int], bool]:
     """The ids of the leaves whose accumulation nodes the autograd graph reaches from ``starts``
     without passing ``stop``, and whether it met ``stop``."""
     found: set[int] = set()
-    seen: set[int] = set()
+    # the nodes visited, kept alive: a node's Python object lives only while referenced, and a
+    # dropped one's id can come back as another node's
+    seen: dict[int, object] = {}
     met = False
     stack = [fn for fn in starts if fn is not None]
     while stack:
@@ -478,7 +480,7 @@ def _reach(starts: list, stop) -> tuple[set[int], bool]:
             continue
         if id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
         if var is not None:
             found.add(id(var))
