@@ -9,6 +9,8 @@ Public API (see README.md for the table):
 * fused per-token ops: :func:`bias_act` (bias + activation), :func:`add_layer_norm` (residual add + LayerNorm)
 * :func:`rotary_embedding` (rotary position embedding of packed heads)
 * gated activation (GeGLU and the GLU family): :func:`gated_act`
+* an LM head and its loss without the logits: :func:`linear_cross_entropy`, with
+  :func:`shift_labels` (next-token targets of a packed batch)
 * per-sequence vocabularies: :func:`vocab_projection` -> :class:`RaggedLogits`, :func:`vocab_cross_entropy`,
   :func:`union_vocab`; the layer ``ragged.nn.VocabProjection``
 * backend choice: :func:`set_backend`, :func:`get_backend`, :func:`use_backend`, :func:`explain`
@@ -24,6 +26,7 @@ from .logits import RaggedLogits
 from .ops.attention import attention, reference_attention, reference_attention_backward, varlen_attention
 from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, reference_bias_act
 from .ops.gated import gated_act, reference_gated_act
+from .ops.linear_ce import linear_cross_entropy, reference_linear_cross_entropy, shift_labels
 from .ops.pool import pool
 from .ops.rotary import rotary_embedding
 from .ops.vocab import (
@@ -54,6 +57,7 @@ __all__ = [
     "from_packed_sequence",
     "gated_act",
     "get_backend",
+    "linear_cross_entropy",
     "pack",
     "pack_values",
     "pool",
@@ -62,12 +66,14 @@ __all__ = [
     "reference_attention_backward",
     "reference_bias_act",
     "reference_gated_act",
+    "reference_linear_cross_entropy",
     "reference_pack",
     "reference_unpack",
     "reference_vocab_projection",
     "reference_vocab_projection_backward",
     "rotary_embedding",
     "set_backend",
+    "shift_labels",
     "union_vocab",
     "unpack",
     "unpack_values",

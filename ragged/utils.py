@@ -295,3 +295,34 @@ def no_autocast(fn):
             return fn(x, *args, **kwargs)
 
     return wrapper
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on gradients; differentiating them raises (``anchor``: an input that requires
+    grad, so that the outputs belong to the graph being recorded)."""
+
+    @staticmethod
+    def forward(ctx, fn, anchor, *grads):
+        ctx.fn = fn
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            f"{ctx.fn}: double backward is not supported (expected one backward through the op, got a backward "
+            f"through its gradient: create_graph=True followed by a backward, or gradgradcheck); its gradient is "
+            f"computed by kernels that are not differentiable"
+        )
+
+
+def first_order_only(fn: str, grads: tuple, *inputs) -> tuple:
+    """``grads`` as they are, or, while the backward is recorded (``create_graph=True``) and an
+    input requires grad, through :class:`_FirstOrderOnly`."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchor = next((t for t in inputs if t is not None and t.requires_grad), None)
+    present = [g for g in grads if g is not None]
+    if anchor is None or not present:
+        return grads
+    wrapped = iter(_FirstOrderOnly.apply(fn, anchor, *present))
+    return tuple(None if g is None else next(wrapped) for g in grads)

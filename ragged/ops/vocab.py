@@ -69,7 +69,7 @@ from ..records.vocab import (
     VocabProjectionOutput,
 )
 from ..tensor import RaggedTensor
-from ..utils import describe
+from ..utils import describe, first_order_only
 from . import vocab_reference as _reference
 from .vocab_checks import (
     CE_ID_CHECKS,
@@ -124,37 +124,6 @@ _PROJECTION_FN = "ragged.vocab_projection()"
 _CROSS_ENTROPY_FN = "ragged.vocab_cross_entropy()"
 
 
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on gradients; differentiating them raises (``anchor``: an input that requires
-    grad, so that the outputs belong to the graph being recorded)."""
-
-    @staticmethod
-    def forward(ctx, fn, anchor, *grads):
-        ctx.fn = fn
-        return grads
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError(
-            f"{ctx.fn}: double backward is not supported (expected one backward through the op, got a backward "
-            f"through its gradient: create_graph=True followed by a backward, or gradgradcheck); its gradient is "
-            f"computed by kernels that are not differentiable"
-        )
-
-
-def _first_order(fn: str, grads: tuple, *inputs) -> tuple:
-    """``grads`` as they are, or, while the backward is recorded (``create_graph=True``) and an
-    input requires grad, through :class:`_FirstOrderOnly`."""
-    if not torch.is_grad_enabled():
-        return grads
-    anchor = next((t for t in inputs if t is not None and t.requires_grad), None)
-    present = [g for g in grads if g is not None]
-    if anchor is None or not present:
-        return grads
-    wrapped = iter(_FirstOrderOnly.apply(fn, anchor, *present))
-    return tuple(None if g is None else next(wrapped) for g in grads)
-
-
 def _gradient_fakes(args, inputs) -> VocabGrads:
     hidden, weight = args.hidden, args.weight
     return VocabGrads(
@@ -189,7 +158,7 @@ def _projection_backward(ctx, grad: Tensor) -> VocabGrads:
     )
     with torch.no_grad():
         grads = VOCAB_PROJECTION.call_backward(args, inputs, ctx.impl)
-    return VocabGrads._make(_first_order(_PROJECTION_FN, grads, grad, hidden, weight))
+    return VocabGrads._make(first_order_only(_PROJECTION_FN, grads, grad, hidden, weight))
 
 
 VOCAB_PROJECTION = opdef.define(
@@ -267,7 +236,7 @@ def _ce_backward(ctx, grad: Tensor, *_) -> VocabGrads:
     )
     with torch.no_grad():
         grads = VOCAB_CROSS_ENTROPY.call_backward(args, inputs, ctx.impl)
-    return VocabGrads._make(_first_order(_CROSS_ENTROPY_FN, grads, grad, hidden, weight, bias))
+    return VocabGrads._make(first_order_only(_CROSS_ENTROPY_FN, grads, grad, hidden, weight, bias))
 
 
 VOCAB_CROSS_ENTROPY = opdef.define(

@@ -244,6 +244,21 @@ register(
 )
 
 
+# ---- linear_cross_entropy ----------------------------------------------------
+# The chunked LM head + loss: torch's GEMMs, each slice's log-sum-exp and gradient one Triton
+# kernel; float64 takes the torch steps.
+register(
+    Implementation(
+        "linear_cross_entropy",
+        "triton",
+        f"{_HERE}.linear_ce:linear_cross_entropy_forward",
+        f"{_HERE}.linear_ce:linear_cross_entropy_backward",
+        dtypes=FUSED_DTYPES,
+        rank=0,
+    )
+)
+
+
 # ---- rotary_embedding --------------------------------------------------------
 # Forward and backward in one kernel (the backward rotates by the opposite angle); float16 /
 # bfloat16 / float32 x, any strides, computed in float32. float64 takes the torch reference.
