@@ -9,6 +9,7 @@ from . import pack  # noqa: F401  (first: registration order is the run order)
 from . import attention  # noqa: F401
 from . import attention_bias  # noqa: F401
 from . import vocab  # noqa: F401
+from . import lm_head  # noqa: F401
 from . import encoder  # noqa: F401
 from . import pool  # noqa: F401
 from . import hf  # noqa: F401
