@@ -10,7 +10,7 @@
 //   mean over the *rounded* s, var = mean((s - mean)^2) (a second pass over registers, no
 //   sum-of-squares cancellation), rstd = rsqrt(var + eps), y = (s - mean) * rstd * w + b.
 //
-//   bias_act: y = act(x + bias[col]), act one of relu, gelu (erf), gelu_tanh, none. For bf16
+//   bias_act: y = act(x + bias[col]), act one of relu, gelu (erf), gelu_tanh, silu, none. For bf16
 //   outputs gelu takes erf from a five-term rational approximation (Abramowitz & Stegun 7.1.26,
 //   |error| < 1.5e-7, the size of fp32's own rounding of 1 + erf) at half the instructions of
 //   erff: with erff the kernel is bound by instruction issue, not memory (41 us against 32 for
@@ -297,6 +297,9 @@ struct ActGeluTanh {
         return 0.5f * z * (1.f + tanhf(0.7978845608f * (z + 0.044715f * z * z * z)));
     }
 };
+struct ActSilu {  // z * sigmoid(z); expf of a large -z is inf, and z / inf is -0 as torch's
+    static __device__ __forceinline__ float apply(float z) { return z / (1.f + expf(-z)); }
+};
 
 //   x, y: contiguous [n_vecs / row_vecs, row_vecs] 16-byte vectors; bias: [row_vecs] or null.
 // Thread g takes vectors g, g + G, g + 2 G, ... (G threads in the grid), so its column moves by
@@ -344,7 +347,7 @@ __device__ __forceinline__ void bias_act_vectors(const uint4* __restrict__ x, co
 // --------------------------------------------------------------------------------------
 // extern "C" entry points (the launcher, ragged/kernels/cuda/fused.py, keeps the same tables):
 //   ragged_add_layer_norm_{bf16,f16,f32}_i{ITERS}
-//   ragged_bias_act_{bf16,f16,f32}_{relu,gelu,gelu_tanh,none}
+//   ragged_bias_act_{bf16,f16,f32}_{relu,gelu,gelu_tanh,silu,none}
 // NVRTC compiles each kernel on its own (ragged/kernels/cuda/launch.py): this file with the
 // instantiation lines blanked, plus the one RAGGED_ADD_LAYER_NORM(...) / RAGGED_BIAS_ACT(...)
 // invocation that defines it, read from those lines. So they stay top-level and unconditional,
@@ -387,4 +390,5 @@ RAGGED_ADD_LAYER_NORM_ITERS(16)
 RAGGED_BIAS_ACT_TYPES(ActRelu, ActRelu, relu)
 RAGGED_BIAS_ACT_TYPES(ActGeluRational, ActGelu, gelu)
 RAGGED_BIAS_ACT_TYPES(ActGeluTanh, ActGeluTanh, gelu_tanh)
+RAGGED_BIAS_ACT_TYPES(ActSilu, ActSilu, silu)
 RAGGED_BIAS_ACT_TYPES(ActNone, ActNone, none)

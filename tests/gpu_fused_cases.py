@@ -15,7 +15,7 @@ from ragged import backends
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "none"]
 N_ROWS = 20000
 
 
@@ -50,6 +50,8 @@ def _act(z, activation):
         return F.gelu(z)
     if activation == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return z * torch.sigmoid(z)
     return z
 
 

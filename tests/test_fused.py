@@ -28,7 +28,7 @@ from ragged.records.fused import (
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "none"]
 SHAPES = [(0, 768), (1, 1), (7, 100), (33, 777)]  # (N rows, F features)
 # Backstop tolerances (atol relative to the largest reference value, rtol) by output dtype.
 TOL = {
@@ -82,6 +82,8 @@ def _act64(z: torch.Tensor, activation: str) -> torch.Tensor:
         return F.gelu(z)
     if activation == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return z * torch.sigmoid(z)
     return z
 
 

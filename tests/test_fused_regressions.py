@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ragged
 from ragged.records.fused import AddLayerNormArgs, AddLayerNormBackwardInputs, BiasActArgs, BiasActBackwardInputs
 
-ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "none"]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "none"]
 # (N rows, F features): empty, a single feature, one column block / one layer norm pass,
 # several column blocks / the chunked layer norm (the interpreted configurations cap blocks
 # at 256 elements)
@@ -68,6 +68,8 @@ def _act64(z, activation):
         return F.gelu(z)
     if activation == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return z * torch.sigmoid(z)
     return z
 
 

@@ -18,7 +18,7 @@ from ragged.ops.gated import GATED_ACT, reference_gated_act_backward
 from ragged.records.gated import GatedActArgs, GatedActBackwardInputs, GatedActGrads, GatedActOutput
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "none"]
+ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "silu", "none"]
 SHAPES = [(0, 8), (1, 1), (1, 7), (70, 5), (33, 300)]  # (T tokens, F output features); x is [T, 2F]
 
 
@@ -29,6 +29,8 @@ def _act64(z: torch.Tensor, activation: str) -> torch.Tensor:
         return F.gelu(z, approximate="tanh")
     if activation == "relu":
         return F.relu(z)
+    if activation == "silu":
+        return z * torch.sigmoid(z)
     return z
 
 

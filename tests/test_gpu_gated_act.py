@@ -18,7 +18,7 @@ from ragged import backends
 
 pytestmark = pytest.mark.gpu
 
-ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "none"]
+ACTIVATIONS = ["gelu", "gelu_tanh", "relu", "silu", "none"]
 N_ROWS = 20000
 
 

@@ -67,7 +67,7 @@ from ..records.fused import (
 )
 from ..utils import check_tensor, check_vector, describe, eager, no_autocast
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "none")
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -84,6 +84,7 @@ ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": _gelu_tanh,
+    "silu": F.silu,
     "none": lambda z: z,
 }
 
@@ -126,6 +127,9 @@ def reference_bias_act_backward(
         dz = torch.where(z > 0, g, torch.zeros((), dtype=dtype, device=g.device))
     elif activation in ("gelu", "gelu_tanh"):
         dz = torch.ops.aten.gelu_backward(g, z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    elif activation == "silu":  # z * s(z): s(z) * (1 + z * (1 - s(z)))
+        s = torch.sigmoid(z)
+        dz = g * s * (1 + z * (1 - s))
     else:
         dz = g
     dbias = None if bias is None else dz.reshape(-1, dz.shape[-1]).sum(0).to(bias.dtype)

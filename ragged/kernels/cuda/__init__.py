@@ -90,7 +90,7 @@ register(
 FUSED_VECTOR = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
 FUSED_LN_ITERS = (1, 2, 3, 4, 6, 8, 12, 16)
 FUSED_LN_ROWS_PER_BLOCK = 4
-FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "none")
+FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "none")
 
 # the spec's layout faults (ragged.ops.fused.LayoutFault) as what the kernels need
 _FUSED_NEEDS = {

@@ -52,6 +52,8 @@ def _act(z, ACT: tl.constexpr):
         y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == 3:  # tanh approximation
         y = 0.5 * z * (1.0 + _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)))
+    elif ACT == 4:  # SiLU: z * sigmoid(z)
+        y = z * tl.sigmoid(z)
     else:
         y = z
     return y
@@ -69,6 +71,9 @@ def _act_grad(z, ACT: tl.constexpr):
         z2 = z * z
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z2 * z))
         d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z2)
+    elif ACT == 4:
+        s = tl.sigmoid(z)
+        d = s * (1.0 + z * (1.0 - s))
     else:
         d = z * 0.0 + 1.0
     return d
