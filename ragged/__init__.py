@@ -8,6 +8,7 @@ Public API (see README.md for the table):
 * attention: :func:`attention` (RaggedTensors), :func:`varlen_attention` (cu_seqlens form)
 * fused per-token ops: :func:`bias_act` (bias + activation), :func:`add_layer_norm` (residual add + LayerNorm)
 * :func:`rotary_embedding` (rotary position embedding of packed heads)
+* :func:`add_rms_norm` (residual add + RMSNorm, Llama's and Gemma's)
 * gated activation (GeGLU and the GLU family): :func:`gated_act`
 * an LM head and its loss without the logits: :func:`linear_cross_entropy`, with
   :func:`shift_labels` (next-token targets of a packed batch)
@@ -28,6 +29,7 @@ from .ops.fused import add_layer_norm, bias_act, reference_add_layer_norm, refer
 from .ops.gated import gated_act, reference_gated_act
 from .ops.linear_ce import linear_cross_entropy, reference_linear_cross_entropy, shift_labels
 from .ops.pool import pool
+from .ops.rms_norm import add_rms_norm, reference_add_rms_norm
 from .ops.rotary import rotary_embedding
 from .ops.vocab import (
     reference_vocab_projection,
@@ -47,6 +49,7 @@ __all__ = [
     "RaggedLogits",
     "RaggedTensor",
     "add_layer_norm",
+    "add_rms_norm",
     "attention",
     "bias_act",
     "build_info",
@@ -62,6 +65,7 @@ __all__ = [
     "pack_values",
     "pool",
     "reference_add_layer_norm",
+    "reference_add_rms_norm",
     "reference_attention",
     "reference_attention_backward",
     "reference_bias_act",

@@ -244,6 +244,22 @@ register(
 )
 
 
+# ---- add_rms_norm --------------------------------------------------------------
+# Residual add + RMSNorm, forward and backward one Triton kernel each, the row in registers;
+# float64 takes the torch reference.
+register(
+    Implementation(
+        "add_rms_norm",
+        "triton",
+        f"{_HERE}.rms_norm:add_rms_norm_forward",
+        f"{_HERE}.rms_norm:add_rms_norm_backward",
+        dtypes=FUSED_DTYPES,
+        maxima={"features": 16384},
+        rank=0,
+    )
+)
+
+
 # ---- linear_cross_entropy ----------------------------------------------------
 # The chunked LM head + loss: torch's GEMMs, each slice's log-sum-exp and gradient one Triton
 # kernel; float64 takes the torch steps.
