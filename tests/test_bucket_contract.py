@@ -299,6 +299,30 @@ def add_layer_norm_case(run: Run, residual: bool) -> None:
     check(run, call, inputs, params)
 
 
+def add_rms_norm_case(run: Run, residual: bool, unit_offset: bool) -> None:
+    features = 32
+
+    def call(c, batch, x, residual=None, weight=None):
+        return c(ragged.add_rms_norm, x, residual, weight, return_sum=residual is not None, unit_offset=unit_offset)
+
+    inputs = {"x": run.rand(T, features)}
+    if residual:
+        inputs["residual"] = run.rand(T, features)
+    check(run, call, inputs, {"weight": run.rand(features)})
+
+
+def linear_cross_entropy_case(run: Run, softcap: float | None) -> None:
+    """Per-token losses (reduction="none"): the targets of a row depend on its index only, so the
+    real rows have the same in both batches; ignored rows among them."""
+
+    def call(c, batch, x, weight=None):
+        target = (torch.arange(batch.rows) * 7) % VOCAB
+        target[::4] = -100
+        return c(ragged.linear_cross_entropy, x, weight, target, reduction="none", softcap=softcap, chunk_size=16)
+
+    check(run, call, {"x": run.rand(T, DIM)}, {"weight": run.rand(VOCAB, DIM)})
+
+
 def bias_act_case(run: Run, activation: str, bias: bool) -> None:
     def call(c, batch, x, bias=None):
         return c(ragged.bias_act, x, bias, activation)
@@ -463,6 +487,14 @@ CASES: dict[str, dict[str, Callable[[Run], None]]] = {
         "relu_no_bias": partial(bias_act_case, activation="relu", bias=False),
     },
     "gated_act": {"gelu": gated_act_case},
+    "add_rms_norm": {
+        "residual": partial(add_rms_norm_case, residual=True, unit_offset=False),
+        "alone_gemma": partial(add_rms_norm_case, residual=False, unit_offset=True),
+    },
+    "linear_cross_entropy": {
+        "plain": partial(linear_cross_entropy_case, softcap=None),
+        "softcap": partial(linear_cross_entropy_case, softcap=3.0),
+    },
     "pool": {mode: partial(pool_case, mode=mode) for mode in ("mean", "sum", "max", "first", "last")},
     "rotary_embedding": {"rope": rotary_case},
     "vocab_projection": {

@@ -1,0 +1,165 @@
+"""The decoder layer written once, over a :class:`DecoderSpec`: Llama, Mistral, Qwen2/3 and Gemma
+1-3 on packed tokens ``x [T, d]``, composed of ragged's fused ops.
+
+One layer (``s`` the residual stream, ``n(.)`` an RMSNorm)::
+
+    h = n_in(s)                                      # add_rms_norm, fused with the add before it
+    q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)     # one GEMM on the concatenated weights
+    q, k = n_q(q), n_k(k)                            # Qwen3, Gemma3: per-head norms
+    q, k = rope(q), rope(k)                          # rotary_embedding, positions per sequence
+    a = attention(q, k, v) Wo                        # varlen_attention: causal, GQA, window
+    a = n_post_attn(a)                               # Gemma2/3 ("sandwich" norms)
+    s = s + a;  h = n_mlp(s)                         # add_rms_norm(a, s)
+    m = down(act(h Wg) * h Wu)                       # gated_act(silu | gelu_tanh) on [Wg; Wu]
+    m = n_post_ff(m)                                 # Gemma2/3
+    s = s + m                                        # fused into the next layer's first norm
+
+The residual add that ends a layer is carried to the next layer's input norm (``add_rms_norm``
+with ``return_sum``), and the last one into the model's final norm (:func:`run_stack`). Norms
+follow HuggingFace's numerics (``unit_offset``: Gemma's ``1 + weight``). Every step is a ragged op
+with its own backward (the one-node layer with a hand-written backward is the next step of this
+core); the weights are read on every call (Q/K/V and gate/up concatenated per call), so no
+write to them goes unseen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import ragged
+
+__all__ = ["DecoderSpec", "DecoderWeights", "run_layer", "run_stack"]
+
+
+class DecoderWeights(NamedTuple):
+    """A layer's tensors (HuggingFace's Parameters, read as they are): norms' weights ``[d]`` (or
+    ``[head_dim]`` for q/k), projections ``[out, in]``, biases ``[out]`` or None."""
+
+    in_norm: Tensor
+    q_w: Tensor
+    k_w: Tensor
+    v_w: Tensor
+    q_b: Tensor | None
+    k_b: Tensor | None
+    v_b: Tensor | None
+    o_w: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    post_attn_norm: Tensor | None  # Gemma2/3: on the attention output, before the add
+    mlp_norm: Tensor  # post_attention_layernorm (Llama) / pre_feedforward_layernorm (Gemma2/3)
+    post_ff_norm: Tensor | None  # Gemma2/3
+    gate_w: Tensor
+    up_w: Tensor
+    down_w: Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """What a layer computes besides its weights."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    unit_offset: bool  # Gemma's norms: 1 + weight
+    activation: str  # gated_act's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scale: float  # attention's softmax scale
+    window: int | None  # sliding window in tokens, its own included (None: full)
+    inv_freq: Tensor  # rotary frequencies [head_dim / 2]
+    rope_scaling: float  # HuggingFace's attention_scaling
+    weights: DecoderWeights
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    return F.linear(x, w, b)
+
+
+def _qkv(spec: DecoderSpec, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    w = spec.weights
+    t = h.shape[0]
+    nq, nk, dh = spec.heads, spec.kv_heads, spec.head_dim
+    biases = (w.q_b, w.k_b, w.v_b)
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b if b is not None else h.new_zeros(r.shape[0]) for b, r in zip(biases, (w.q_w, w.k_w, w.v_w))
+    ])  # fmt: skip
+    qkv = _linear(h, torch.cat((w.q_w, w.k_w, w.v_w)), bias)
+    q = qkv[:, : nq * dh].view(t, nq, dh)
+    k = qkv[:, nq * dh : (nq + nk) * dh].view(t, nk, dh)
+    v = qkv[:, (nq + nk) * dh :].view(t, nk, dh)
+    return q, k, v
+
+
+def _head_norm(x: Tensor, weight: Tensor | None, spec: DecoderSpec) -> Tensor:
+    if weight is None:
+        return x
+    t, n, dh = x.shape
+    return _rms(x.reshape(t * n, dh), weight, spec).view(t, n, dh)
+
+
+def _rms(x: Tensor, weight: Tensor, spec: DecoderSpec) -> Tensor:
+    out = ragged.add_rms_norm(x, None, weight, spec.eps, unit_offset=spec.unit_offset)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _norm(x: Tensor, residual: Tensor | None, weight: Tensor, spec: DecoderSpec):
+    return ragged.add_rms_norm(x, residual, weight, spec.eps, return_sum=True, unit_offset=spec.unit_offset)
+
+
+def run_layer(
+    spec: DecoderSpec,
+    x: Tensor,
+    residual: Tensor | None,
+    cu: Tensor,
+    max_len: int,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One layer on the residual stream ``residual + x`` (``residual`` None: ``x`` is the stream);
+    returns ``(m, s)``: the layer's last branch output and the stream before its add, which the
+    next layer (or the final norm) adds and normalises."""
+    w = spec.weights
+    h, s = _norm(x, residual, w.in_norm, spec)
+    q, k, v = _qkv(spec, h)
+    q, k = _head_norm(q, w.q_norm, spec), _head_norm(k, w.k_norm, spec)
+    nq = spec.heads
+    rot = ragged.rotary_embedding(torch.cat((q, k), dim=1), positions, spec.inv_freq, spec.rope_scaling)
+    q, k = rot[:, :nq], rot[:, nq:]
+    window = (-1, -1) if spec.window is None else (spec.window - 1, 0)
+    a = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, scale=spec.scale, window_size=window)
+    a = _linear(a.reshape(a.shape[0], nq * spec.head_dim), w.o_w)
+    if w.post_attn_norm is not None:
+        a = _rms(a, w.post_attn_norm, spec)
+    h, s = _norm(a, s, w.mlp_norm, spec)
+    gu = _linear(h, torch.cat((w.gate_w, w.up_w)))
+    m = _linear(ragged.gated_act(gu, spec.activation), w.down_w)
+    if w.post_ff_norm is not None:
+        m = _rms(m, w.post_ff_norm, spec)
+    return m, s
+
+
+def run_stack(
+    specs: list[DecoderSpec],
+    x: Tensor,
+    cu: Tensor,
+    max_len: int,
+    positions: Tensor,
+    final_norm: Tensor,
+    eps: float,
+    unit_offset: bool,
+    hidden_states: list | None = None,
+) -> Tensor:
+    """Every layer, then the final norm: the last hidden states ``[T, d]``. ``hidden_states``: a
+    list that receives the stream before each layer (HuggingFace's ``output_hidden_states``
+    order; the final norm's output is appended by the caller)."""
+    branch, stream = x, None
+    for spec in specs:
+        if hidden_states is not None:
+            hidden_states.append(branch if stream is None else stream + branch)
+        branch, stream = run_layer(spec, branch, stream, cu, max_len, positions)
+    out, _ = ragged.add_rms_norm(branch, stream, final_norm, eps, return_sum=True, unit_offset=unit_offset)
+    return out
