@@ -121,9 +121,14 @@ def specs_of(model: Any) -> list[DecoderSpec]:
     return specs
 
 
-def run_packed_core(model: Any, ids: RaggedTensor) -> RaggedTensor:
-    """The last hidden states of a base model on a packed batch of ids (each sequence from
-    position 0), through the decoder core: a RaggedTensor ``[T, d]`` with the ids' offsets."""
+def run_packed_core(
+    model: Any, ids: RaggedTensor, positions: torch.Tensor | None = None, hidden_states: list | None = None
+) -> RaggedTensor:
+    """The last hidden states of a base model on a packed batch of ids, through the decoder
+    core: a RaggedTensor ``[T, d]`` with the ids' offsets. ``positions [T]``: each token's
+    rotary position (default: each sequence from 0). ``hidden_states``: a list that receives
+    HuggingFace's ``hidden_states`` (the stream before each layer, then the final norm's output),
+    each ``[T, d]``."""
     why = why_not_core(model)
     if why is not None:
         raise NotImplementedError(f"ragged.nn decoder core: {why}")
@@ -133,7 +138,8 @@ def run_packed_core(model: Any, ids: RaggedTensor) -> RaggedTensor:
         # transformers before the scaled embedding module: the model scales by sqrt(d), rounded
         # to the embeddings' dtype
         x = x * torch.tensor(math.sqrt(model.config.hidden_size), dtype=x.dtype, device=x.device)
-    positions = ids.position_ids()
+    if positions is None:
+        positions = ids.position_ids()
     norm = model.norm
     out = run_stack(
         specs_of(model),
@@ -144,5 +150,8 @@ def run_packed_core(model: Any, ids: RaggedTensor) -> RaggedTensor:
         norm.weight,
         _eps(norm),
         family in ("gemma", "gemma2"),
+        hidden_states,
     )
+    if hidden_states is not None:
+        hidden_states.append(out)
     return ids.with_values(out)

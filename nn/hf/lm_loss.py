@@ -33,7 +33,7 @@ from torch import nn
 
 import ragged
 
-__all__ = ["CAUSAL_LMS", "fuse_lm_loss", "fused", "unfuse_lm_loss"]
+__all__ = ["CAUSAL_LMS", "fuse_lm_loss", "fused", "head_loss", "unfuse_lm_loss"]
 
 # (transformers module under transformers.models, class)
 CAUSAL_LMS = (
@@ -86,29 +86,36 @@ class _FusedLossForward:
         hidden = outputs.last_hidden_state
         if shift is None:
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        head = model.get_output_embeddings()
-        h = hidden.reshape(-1, hidden.shape[-1])
-        w, b = head.weight, head.bias
-        device = h.device.type
-        if torch.is_autocast_enabled(device):  # the head's GEMM in autocast's dtype, as HF's lm_head
-            dtype = torch.get_autocast_dtype(device)
-            h, w = h.to(dtype), w.to(dtype)
-            b = None if b is None else b.to(dtype)
-        with torch.autocast(device, enabled=False):
-            loss = ragged.linear_cross_entropy(
-                h,
-                w,
-                shift.reshape(-1).to(h.device),
-                b,
-                ignore_index=ignore_index,
-                num_items_in_batch=num_items,
-                softcap=getattr(model.config, "final_logit_softcapping", None),
-            )
+        loss = head_loss(model, hidden.reshape(-1, hidden.shape[-1]), shift.reshape(-1), num_items, ignore_index)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
         rest = {k: v for k, v in outputs.items() if k in names and k not in ("loss", "logits")}
         return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def head_loss(model: Any, hidden: torch.Tensor, targets: torch.Tensor, num_items, ignore_index: int = -100):
+    """HF's causal-LM loss of ``model``'s head on ``hidden [T, d]`` against next-token
+    ``targets [T]`` (already shifted), through :func:`ragged.linear_cross_entropy`: the head's GEMM
+    in autocast's dtype where autocast is on (as HF's ``lm_head``), the soft cap of the config,
+    the sum over ``num_items`` where given, else the mean."""
+    head = model.get_output_embeddings()
+    h, w, b = hidden, head.weight, head.bias
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        h, w = h.to(dtype), w.to(dtype)
+        b = None if b is None else b.to(dtype)
+    with torch.autocast(device, enabled=False):
+        return ragged.linear_cross_entropy(
+            h,
+            w,
+            targets.to(h.device),
+            b,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items,
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+        )
 
 
 def fused(model: nn.Module) -> bool:
