@@ -14,7 +14,9 @@ real tokens each, in sequences of 32..2048 tokens (lognormal, seed 0). Rows:
   ``DataCollatorWithFlattening`` makes it (positions restart per sequence, ``cu_seq_lens``, each
   sequence's first label -100);
 * the same + ``ragged.nn.fuse_lm_loss`` (the loss from the hidden states, no logits);
-* the same + Liger (where installed).
+* the same + Liger (where installed);
+* ``ragged.nn.convert`` of the model on RaggedTensor batches (the decoder core; the loss without
+  logits).
 
 Each row reports real tokens/s over the timed steps, the step time, the peak memory and the
 mean loss of the timed steps (the same data: rows that compute the same loss agree).
@@ -81,6 +83,14 @@ def flattened(seqs: list[torch.Tensor], device) -> dict:
         "input_ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
         "cu_seq_lens_q": cu.to(device), "cu_seq_lens_k": cu.to(device), "max_length_q": m, "max_length_k": m,
     }  # fmt: skip
+
+
+def packed(seqs: list[torch.Tensor], device) -> dict:
+    """A converted model's batch: RaggedTensors of ids and labels (shifted per sequence inside)."""
+    import ragged
+
+    rt = ragged.RaggedTensor.from_lengths(torch.cat(seqs).to(device), [len(s) for s in seqs])
+    return {"input_ids": rt, "labels": rt}
 
 
 def sync(device) -> None:
@@ -160,6 +170,7 @@ def main(argv=None) -> int:
         ('attn_implementation="ragged", flattened', lambda: model_for("ragged"), flattened),
         ('"ragged" + ragged.nn.fuse_lm_loss', lambda: model_for("ragged", fuse=True), flattened),
         ('"ragged" + Liger', (lambda: model_for("ragged", with_liger=True)) if liger else None, flattened),
+        ("ragged.nn.convert, RaggedTensor ids", lambda: ragged.nn.convert(copy.deepcopy(base)), packed),
     ]
     state = git_state()
     lines = [

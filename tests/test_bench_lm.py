@@ -15,7 +15,7 @@ def test_rows_run_and_agree(tmp_path, capsys):
     assert lm.main(["--steps", "1", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "path" not in line]
     losses = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in rows if "skipped" not in line}
-    assert len(losses) == 3, rows
+    assert len(losses) == 4, rows
     assert len(set(losses.values())) == 1, losses
 
 
