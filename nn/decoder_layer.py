@@ -79,19 +79,15 @@ def _linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
-def _qkv(spec: DecoderSpec, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _qkv(spec: DecoderSpec, h: Tensor) -> Tensor:
+    """The fused projection ``[T, Hq + 2 Hkv, head_dim]``: q heads, then k, then v."""
     w = spec.weights
-    t = h.shape[0]
-    nq, nk, dh = spec.heads, spec.kv_heads, spec.head_dim
     biases = (w.q_b, w.k_b, w.v_b)
     bias = None if all(b is None for b in biases) else torch.cat([
         b if b is not None else h.new_zeros(r.shape[0]) for b, r in zip(biases, (w.q_w, w.k_w, w.v_w))
     ])  # fmt: skip
     qkv = _linear(h, torch.cat((w.q_w, w.k_w, w.v_w)), bias)
-    q = qkv[:, : nq * dh].view(t, nq, dh)
-    k = qkv[:, nq * dh : (nq + nk) * dh].view(t, nk, dh)
-    v = qkv[:, (nq + nk) * dh :].view(t, nk, dh)
-    return q, k, v
+    return qkv.view(h.shape[0], spec.heads + 2 * spec.kv_heads, spec.head_dim)
 
 
 def _head_norm(x: Tensor, weight: Tensor | None, spec: DecoderSpec) -> Tensor:
@@ -124,10 +120,14 @@ def run_layer(
     next layer (or the final norm) adds and normalises."""
     w = spec.weights
     h, s = _norm(x, residual, w.in_norm, spec)
-    q, k, v = _qkv(spec, h)
-    q, k = _head_norm(q, w.q_norm, spec), _head_norm(k, w.k_norm, spec)
-    nq = spec.heads
-    rot = ragged.rotary_embedding(torch.cat((q, k), dim=1), positions, spec.inv_freq, spec.rope_scaling)
+    qkv = _qkv(spec, h)
+    nq, nqk = spec.heads, spec.heads + spec.kv_heads
+    v = qkv[:, nqk:]
+    if w.q_norm is None and w.k_norm is None:  # rotary reads the q and k heads in place
+        qk = qkv[:, :nqk]
+    else:
+        qk = torch.cat((_head_norm(qkv[:, :nq], w.q_norm, spec), _head_norm(qkv[:, nq:nqk], w.k_norm, spec)), 1)
+    rot = ragged.rotary_embedding(qk, positions, spec.inv_freq, spec.rope_scaling)
     q, k = rot[:, :nq], rot[:, nq:]
     window = (-1, -1) if spec.window is None else (spec.window - 1, 0)
     a = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, scale=spec.scale, window_size=window)
