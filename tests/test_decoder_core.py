@@ -88,6 +88,18 @@ def test_hidden_states_and_gradients_equal_the_models_own(name):
         torch.testing.assert_close(mine[n], ref[n], atol=2e-6 * max(scale, 1.0), rtol=1e-5, msg=n)
 
 
+def test_refusals_of_modules_the_core_would_not_call():
+    model = _model("llama")
+    model.layers[1].self_attn.v_proj = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(32, 16, bias=False))
+    assert "layers.1.self_attn.v_proj is a ParametrizedLinear" in decoder_core.why_not_core(model)
+    model = _model("qwen2")
+    model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "layers.0.mlp has a hook" in decoder_core.why_not_core(model)
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert "q_proj is a Linear, not a torch.nn.Linear" in decoder_core.why_not_core(lora.base_model.model)
+
+
 def test_refusals():
     soft = transformers.Gemma2Model(_config("gemma2", attn_logit_softcapping=50.0))
     assert "soft-capping" in decoder_core.why_not_core(soft)

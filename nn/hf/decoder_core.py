@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from ragged import RaggedTensor
 
@@ -61,6 +62,27 @@ def why_not_core(model: Any) -> str | None:
         return f"activation {act!r} (the core takes {sorted(_ACTIVATIONS)})"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout"
+    return _why_not_modules(model)
+
+
+_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _why_not_modules(model: Any) -> str | None:
+    """The core reads the layers' Parameters instead of calling their modules: each projection
+    must be a torch.nn.Linear itself (not peft's LoRA layer, a quantized Linear or a subclass),
+    and no module a hook or a parametrization would have run for."""
+    for i, layer in enumerate(model.layers):
+        for block, names in _LINEARS.items():
+            for name in names:
+                m = getattr(getattr(layer, block), name)
+                if type(m) is not nn.Linear:
+                    return f"layers.{i}.{block}.{name} is a {type(m).__name__}, not a torch.nn.Linear"
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return f"{name or 'the model'} has a hook, which the core would not run"
+        if getattr(m, "parametrizations", None):
+            return f"{name} has a parametrization, which the core would not apply"
     return None
 
 
