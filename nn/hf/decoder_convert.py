@@ -8,9 +8,10 @@ Parameters and ``state_dict`` stay HuggingFace's.
 
 **Inputs.** ``input_ids`` as a :class:`ragged.RaggedTensor` (values ``[T]``; each sequence's
 positions from 0 unless ``position_ids`` is given, packed ``[T]`` or a RaggedTensor), or padded
-``[B, M]`` with an optional 2-D ``attention_mask`` (right or left padding; one device read of the
-mask, and one more for the positions): positions are then the padded columns, as HuggingFace
-numbers them. ``labels``: padded ``[B, M]`` (shifted per row as HuggingFace shifts them) or a
+``[B, M]`` with an optional 2-D ``attention_mask`` (right or left padding; the mask is read on
+the host three times: the ids' layout, the positions' and the padding side, to pad the outputs
+back): positions are then the padded columns, as HuggingFace numbers them. A RaggedTensor input
+reads nothing. ``labels``: padded ``[B, M]`` (shifted per row as HuggingFace shifts them) or a
 RaggedTensor (shifted per sequence: :func:`ragged.shift_labels`); ``num_items_in_batch`` and
 ``ignore_index`` as HuggingFace's loss takes them.
 
