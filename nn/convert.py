@@ -230,8 +230,8 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     puts a converted deep copy in its place), or left with the reason as above. A converted
     model is left as it is.
 
-    HuggingFace decoders (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2: base models and
-    ``ForCausalLM``; see :mod:`ragged.nn.hf.decoder_convert`), as a model itself: their forward
+    HuggingFace decoders (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2: base models,
+    ``ForCausalLM`` and ``ForSequenceClassification``; see :mod:`ragged.nn.hf.decoder_convert`), as a model itself: their forward
     runs the decoder core on packed tokens (RaggedTensor or padded input), the training loss
     without logits; generation (a cache, ``use_cache=True``) stays on HuggingFace's forward.
 

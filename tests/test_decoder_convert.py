@@ -166,3 +166,36 @@ def test_graphed_training_equals_eager_off_the_gpu(name):
             for (n, p), q in zip(eager.named_parameters(), mine.parameters()):
                 torch.testing.assert_close(q.grad, p.grad, atol=1e-12, rtol=1e-10, msg=n)
     assert any(key[1] for key in step._graphs), "no training bucket was captured"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("problem", ["single_label_classification", "regression"])
+def test_sequence_classification(name, problem):
+    cls = getattr(transformers, CAUSAL[name].replace("ForCausalLM", "ForSequenceClassification"))
+    torch.manual_seed(3)
+    config = _config(name, num_labels=1 if problem == "regression" else 3, pad_token_id=0, problem_type=problem)
+    ref = cls(config).double()
+    mine = ragged.nn.convert(copy.deepcopy(ref))
+    ids, mask, _ = _padded("right")
+    ids = ids.clamp_min(1).masked_fill(mask == 0, 0)  # the pad id at padding only, as HF finds the last token
+    labels = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) if problem == "regression" else torch.tensor([2, 0, 1])
+    rows = []
+    for i in range(3):  # each row alone (HF's padded eager rows can turn to NaN under windows)
+        cols = mask[i].nonzero()[:, 0]
+        rows.append(ref(input_ids=ids[i, cols][None]).logits)
+    want_logits = torch.cat(rows)
+    want_loss = ref.loss_function(logits=want_logits, labels=labels, pooled_logits=want_logits, config=ref.config)
+    got = mine(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.logits, want_logits, **TOL)
+    torch.testing.assert_close(got.loss, want_loss, **TOL)
+    want_loss.backward()
+    got.loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        scale = max(p.grad.abs().max().item(), 1e-3)
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5 * scale, rtol=1e-4, msg=n)
+    # a RaggedTensor batch with an empty sequence: zeros for it, the others as before
+    seqs = [ids[i, mask[i].bool()] for i in range(3)]
+    rt = ragged.RaggedTensor.from_lengths(torch.cat(seqs[:1] + seqs[1:]), [len(seqs[0]), 0, len(seqs[1]), len(seqs[2])])
+    out = mine(input_ids=rt).logits
+    assert out.shape == (4, config.num_labels) and (out[1] == 0).all()
+    torch.testing.assert_close(out[[0, 2, 3]], want_logits, **TOL)

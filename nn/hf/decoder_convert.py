@@ -1,5 +1,6 @@
-"""``ragged.nn.convert`` of HuggingFace decoders: the base models and ``ForCausalLM`` heads of
-Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma2, computed by the decoder core
+"""``ragged.nn.convert`` of HuggingFace decoders: the base models, ``ForCausalLM`` and
+``ForSequenceClassification`` heads of Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma2, computed by
+the decoder core
 (:mod:`ragged.nn.hf.decoder_core`) on packed tokens.
 
 As for the encoder families (:mod:`ragged.nn.hf.forward`), conversion sets an instance
@@ -20,7 +21,10 @@ RaggedTensor (shifted per sequence: :func:`ragged.shift_labels`); ``num_items_in
 input, zeros at padding. In training with ``labels`` the loss comes from the hidden states
 through :func:`ragged.linear_cross_entropy` and ``logits`` is None (:mod:`ragged.nn.hf.lm_loss`);
 otherwise the logits are computed (Gemma2's final soft cap included) and the loss from them in
-float32, as HuggingFace does.
+float32, as HuggingFace does. A sequence classifier scores each sequence's last real token
+(HuggingFace: the rightmost token that is not ``pad_token_id``, the same token wherever the padding
+holds the pad id and no real sequence ends with it; an empty sequence scores zeros) and takes the
+model's own ``loss_function`` (regression, single- or multi-label, as the config says).
 
 **Left to HuggingFace's forward** (the converted forward calls the model's own): a call with a
 cache (``cache`` / ``past_key_values``), ``use_cache=True`` passed explicitly (generation), or
@@ -47,37 +51,46 @@ from .lm_loss import head_loss
 
 __all__ = ["DecoderForward", "convert_decoder", "identify_decoder_model", "why_not_decoder"]
 
-_CAUSAL = {
-    "LlamaForCausalLM": "LlamaModel",
-    "MistralForCausalLM": "MistralModel",
-    "Qwen2ForCausalLM": "Qwen2Model",
-    "Qwen3ForCausalLM": "Qwen3Model",
-    "GemmaForCausalLM": "GemmaModel",
-    "Gemma2ForCausalLM": "Gemma2Model",
+_PREFIXES = {
+    "Llama": "Llama",
+    "Mistral": "Mistral",
+    "Qwen2": "Qwen2",
+    "Qwen3": "Qwen3",
+    "Gemma": "Gemma",
+    "Gemma2": "Gemma2",
+}
+# head class -> (kind, its base model's class)
+_HEADS = {
+    f"{p}{suffix}": (kind, f"{p}Model")
+    for p in _PREFIXES
+    for suffix, kind in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "sequence"))
 }
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
 def identify_decoder_model(model: object) -> str | None:
-    """``"base"`` or ``"causal_lm"`` for a class the decoder conversion takes (exactly), else None."""
+    """``"base"``, ``"causal_lm"`` or ``"sequence"`` for a class the decoder conversion takes
+    (exactly), else None."""
     cls = type(model)
     mod = sys.modules.get(cls.__module__)
     if not cls.__module__.startswith("transformers.models.") or getattr(mod, cls.__name__, None) is not cls:
         return None
     if cls.__name__ in CORE_FAMILIES:
         return "base"
-    if cls.__name__ in _CAUSAL:
-        return "causal_lm"
-    return None
+    head = _HEADS.get(cls.__name__)
+    return None if head is None else head[0]
 
 
 def why_not_decoder(model: Any) -> str | None:
     kind = identify_decoder_model(model)
     if kind is None:
         return f"{type(model).__name__} is not a decoder class the conversion takes"
-    base = model if kind == "base" else model.get_decoder()
-    if type(base).__name__ != _CAUSAL.get(type(model).__name__, type(base).__name__):
+    base = model if kind == "base" else getattr(model, model.base_model_prefix)
+    want = _HEADS[type(model).__name__][1] if kind != "base" else type(base).__name__
+    if type(base).__name__ != want:
         return f"its base model is a {type(base).__name__}"
+    if kind == "sequence" and type(model.score) is not nn.Linear:
+        return f"its score head is a {type(model.score).__name__}, not a torch.nn.Linear"
     return why_not_core(base)
 
 
@@ -168,9 +181,13 @@ def _targets(given: dict, extra: dict, rt: RaggedTensor, layout, ignore_index: i
 
 
 def _forward(model: Any, kind: str, given: dict, extra: dict):
-    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_outputs import (
+        BaseModelOutputWithPast,
+        CausalLMOutputWithPast,
+        SequenceClassifierOutputWithPast,
+    )
 
-    base = model if kind == "base" else model.get_decoder()
+    base = model if kind == "base" else getattr(model, model.base_model_prefix)
     rt, positions, layout = _pack_batch(given)
     want_hidden = bool(given.get("output_hidden_states", extra.get("output_hidden_states")))
     states: list | None = [] if want_hidden else None
@@ -178,6 +195,22 @@ def _forward(model: Any, kind: str, given: dict, extra: dict):
     all_hidden = None if states is None else tuple(_out(rt, s, layout) for s in states)
     if kind == "base":
         return BaseModelOutputWithPast(last_hidden_state=_out(rt, hidden.values, layout), hidden_states=all_hidden)
+    if kind == "sequence":  # each sequence's last real token (HF: the last that is not the pad id)
+        lengths = rt.offsets[1:] - rt.offsets[:-1]
+        last = (rt.offsets[1:] - 1).clamp_min(0).long()
+        if rt.num_tokens:
+            pooled = hidden.values.index_select(0, last)
+        else:
+            pooled = hidden.values.new_zeros((lengths.shape[0], hidden.values.shape[1]))
+        pooled = torch.where((lengths > 0)[:, None], pooled, torch.zeros((), dtype=pooled.dtype, device=pooled.device))
+        logits = model.score(pooled)
+        labels = given.get("labels")
+        if isinstance(labels, RaggedTensor):
+            labels = labels.values
+        loss = None
+        if labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=model.config)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden)
     ignore_index = extra.pop("ignore_index", -100)
     num_items = extra.pop("num_items_in_batch", None)
     targets = _targets(given, extra, rt, layout, ignore_index)
@@ -224,6 +257,8 @@ def convert_decoder(model: nn.Module, copy: bool) -> nn.Module:
     assert kind is not None
     if not is_converted_decoder(target):
         _set(target, kind)
-    if kind == "causal_lm" and not is_converted_decoder(target.get_decoder()):
-        _set(target.get_decoder(), "base")
+    if kind != "base":
+        base = getattr(target, target.base_model_prefix)
+        if not is_converted_decoder(base):
+            _set(base, "base")
     return target
