@@ -231,9 +231,10 @@ def convert(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn
     model is left as it is.
 
     HuggingFace decoders (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2: base models,
-    ``ForCausalLM`` and ``ForSequenceClassification``; see :mod:`ragged.nn.hf.decoder_convert`), as a model itself: their forward
-    runs the decoder core on packed tokens (RaggedTensor or padded input), the training loss
-    without logits; generation (a cache, ``use_cache=True``) stays on HuggingFace's forward.
+    ``ForCausalLM`` and ``ForSequenceClassification``; see :mod:`ragged.nn.hf.decoder_convert`),
+    as a model itself: their forward runs the decoder core on packed tokens (RaggedTensor,
+    padded or flattened input), the training loss without logits; generation (a cache,
+    ``use_cache=True``) stays on HuggingFace's forward.
 
     A sentence-transformers ``SentenceTransformer`` whose first module is a ``Transformer`` over
     one of these models, or over a decoder of :mod:`ragged.nn.hf.decoder` (Qwen3-Embedding,

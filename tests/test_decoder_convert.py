@@ -199,3 +199,34 @@ def test_sequence_classification(name, problem):
     out = mine(input_ids=rt).logits
     assert out.shape == (4, config.num_labels) and (out[1] == 0).all()
     torch.testing.assert_close(out[[0, 2, 3]], want_logits, **TOL)
+
+
+def test_flattened_rows_as_the_collators_make_them():
+    """DataCollatorWithFlattening / TRL padding_free batches (one row, cu_seq_lens, positions that
+    restart, -100 at each sequence's first label): the same logits and loss as the unconverted
+    model under attn_implementation="ragged" on the same batch."""
+    import ragged.integrations.transformers  # noqa: F401  (registers "ragged")
+
+    ref, mine = _pair("qwen3")
+    ref.set_attn_implementation("ragged")
+    g = torch.Generator().manual_seed(8)
+    lengths = [5, 1, 9]
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in lengths]
+    ids = torch.cat(seqs)[None]
+    labels = torch.cat([torch.cat([torch.tensor([-100]), s[1:]]) for s in seqs])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    kw = dict(position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    ref.eval(), mine.eval()
+    want = ref(input_ids=ids, labels=labels, **kw)
+    got = mine(input_ids=ids, labels=labels, **kw)
+    assert got.logits.shape == want.logits.shape == (1, 15, V)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    mine.train()
+    items = torch.tensor(12)
+    got = mine(input_ids=ids, labels=labels, num_items_in_batch=items, **kw)
+    ref.train()
+    want = ref(input_ids=ids, labels=labels, num_items_in_batch=items, **kw)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss.float(), want.loss, **TOL)

@@ -12,9 +12,13 @@ positions from 0 unless ``position_ids`` is given, packed ``[T]`` or a RaggedTen
 ``[B, M]`` with an optional 2-D ``attention_mask`` (right or left padding; the mask is read on
 the host three times: the ids' layout, the positions' and the padding side, to pad the outputs
 back): positions are then the padded columns, as HuggingFace numbers them. A RaggedTensor input
-reads nothing. ``labels``: padded ``[B, M]`` (shifted per row as HuggingFace shifts them) or a
-RaggedTensor (shifted per sequence: :func:`ragged.shift_labels`); ``num_items_in_batch`` and
-``ignore_index`` as HuggingFace's loss takes them.
+reads nothing. A flattened row as ``DataCollatorWithFlattening`` and TRL's ``padding_free`` make
+it (``input_ids [1, T]`` with ``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``max_length_q`` and
+``position_ids``) runs as its sequences, outputs ``[1, T, ...]``, labels shifted along the row as
+HuggingFace shifts them (the collators put -100 at each sequence's first label).
+``labels``: padded ``[B, M]`` (shifted per row as HuggingFace shifts them) or a RaggedTensor
+(shifted per sequence: :func:`ragged.shift_labels`); ``num_items_in_batch`` and ``ignore_index``
+as HuggingFace's loss takes them.
 
 **Outputs.** HuggingFace's output classes. For a RaggedTensor input, ``last_hidden_state``,
 ``logits`` and ``hidden_states`` are RaggedTensors; for a padded one they are padded like the
@@ -123,11 +127,26 @@ class DecoderForward:
         return _forward(model, self.kind, given, extra)
 
 
-def _pack_batch(given: dict) -> tuple[RaggedTensor, torch.Tensor, Any]:
-    """``(ids, positions, layout)``: layout None for a RaggedTensor input, else ``(mask, M,
-    padding side)`` to pad the outputs back."""
+def _pack_batch(given: dict, extra: dict) -> tuple[RaggedTensor, torch.Tensor, Any]:
+    """``(ids, positions, layout)``: layout None for a RaggedTensor input, ``"flat"`` for a
+    flattened row with its offsets (``cu_seq_lens_q``), else ``(mask, M, padding side)`` to pad
+    the outputs back."""
     ids = given["input_ids"]
     positions = given.get("position_ids")
+    cu = extra.pop("cu_seq_lens_q", None)
+    cu_k = extra.pop("cu_seq_lens_k", None)
+    longest = extra.pop("max_length_q", None)
+    extra.pop("max_length_k", None)
+    if cu is not None:  # DataCollatorWithFlattening / TRL padding_free: one row, the offsets beside it
+        if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
+            raise ValueError("ragged.nn: a converted decoder takes cu_seq_lens_k equal to cu_seq_lens_q")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"ragged.nn: cu_seq_lens_q goes with input_ids of one row [1, T], got {describe(ids)}")
+        if longest is None:
+            longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0  # one read
+        rt = RaggedTensor(ids[0], cu.to(ids.device), int(longest))
+        flat_positions = rt.position_ids() if positions is None else positions.reshape(-1)
+        return rt, flat_positions, "flat"
     if isinstance(ids, RaggedTensor):
         if isinstance(positions, RaggedTensor):
             positions = positions.values
@@ -150,6 +169,8 @@ def _pack_batch(given: dict) -> tuple[RaggedTensor, torch.Tensor, Any]:
 def _out(rt: RaggedTensor, values: torch.Tensor, layout):
     if layout is None:
         return rt.with_values(values)
+    if layout == "flat":
+        return values[None]
     _, m, side = layout
     return ragged.unpack(rt.with_values(values), total_length=m, padding_side=side)
 
@@ -163,11 +184,9 @@ def _targets(given: dict, extra: dict, rt: RaggedTensor, layout, ignore_index: i
         labels_rt = shift
         if isinstance(labels_rt, RaggedTensor):
             return labels_rt.values
-        if layout is None:
+        if layout is None or layout == "flat" or layout[0] is None:
             return labels_rt.reshape(-1)
-        return (
-            ragged.pack(labels_rt, attention_mask=layout[0]).values if layout[0] is not None else labels_rt.reshape(-1)
-        )
+        return ragged.pack(labels_rt, attention_mask=layout[0]).values
     if isinstance(labels, RaggedTensor):
         return ragged.shift_labels(labels, ignore_index)
     if not isinstance(labels, torch.Tensor):
@@ -175,7 +194,7 @@ def _targets(given: dict, extra: dict, rt: RaggedTensor, layout, ignore_index: i
     if layout is None:  # packed labels [T] with a RaggedTensor input: per sequence
         return ragged.shift_labels(rt.with_values(labels.reshape(-1)), ignore_index)
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # each padded row, as HF shifts it
-    if layout[0] is None:
+    if layout == "flat" or layout[0] is None:
         return shifted.reshape(-1)
     return ragged.pack(shifted, attention_mask=layout[0]).values
 
@@ -188,7 +207,7 @@ def _forward(model: Any, kind: str, given: dict, extra: dict):
     )
 
     base = model if kind == "base" else getattr(model, model.base_model_prefix)
-    rt, positions, layout = _pack_batch(given)
+    rt, positions, layout = _pack_batch(given, extra)
     want_hidden = bool(given.get("output_hidden_states", extra.get("output_hidden_states")))
     states: list | None = [] if want_hidden else None
     hidden = run_packed_core(base, rt, positions, states)
