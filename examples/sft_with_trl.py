@@ -9,6 +9,9 @@ synthetic language (each sequence counts up from a random start, so the loss can
 script checks, before training, that the padding-free loss of a batch equals the mean of the
 same model's per-sequence losses (to float32 rounding), then trains and prints the loss curve.
 
+``--convert`` trains ``ragged.nn.convert`` of the model instead (the decoder core on the same
+padding-free batches, the loss from the hidden states without logits).
+
 Needs this project's ``trl`` extra (``pip install -e ".[trl]"`` from a checkout: TRL, which brings
 ``datasets``); where a module of it is missing, exits with status 1 naming the module and that line.
 """
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is found")
+    parser.add_argument("--convert", action="store_true", help="train ragged.nn.convert(model), the decoder core")
     args = parser.parse_args(argv)
     try:
         from datasets import Dataset
@@ -94,7 +98,12 @@ def main(argv=None) -> int:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    model.set_attn_implementation("ragged")
+    if args.convert:
+        import ragged.nn
+
+        ragged.nn.convert(model)
+    else:
+        model.set_attn_implementation("ragged")
     data = counting_dataset(args.examples, vocab, np.random.default_rng(0))
 
     losses = []

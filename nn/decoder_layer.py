@@ -90,6 +90,25 @@ def _qkv(spec: DecoderSpec, h: Tensor) -> Tensor:
     return qkv.view(h.shape[0], spec.heads + 2 * spec.kv_heads, spec.head_dim)
 
 
+def _common(*tensors: Tensor | None) -> torch.dtype:
+    """The dtype HuggingFace's arithmetic would give these tensors (type promotion): under autocast
+    the Linears return its dtype while the residual stream and the norms' weights keep theirs."""
+    dtype = None
+    for t in tensors:
+        if t is not None:
+            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    assert dtype is not None
+    return dtype
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _maybe(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else _as(t, dtype)
+
+
 def _head_norm(x: Tensor, weight: Tensor | None, spec: DecoderSpec) -> Tensor:
     if weight is None:
         return x
@@ -98,13 +117,30 @@ def _head_norm(x: Tensor, weight: Tensor | None, spec: DecoderSpec) -> Tensor:
 
 
 def _rms(x: Tensor, weight: Tensor, spec: DecoderSpec) -> Tensor:
-    out = ragged.add_rms_norm(x, None, weight, spec.eps, unit_offset=spec.unit_offset)
+    dtype = _common(x, weight)
+    out = ragged.add_rms_norm(_as(x, dtype), None, _as(weight, dtype), spec.eps, unit_offset=spec.unit_offset)
     assert isinstance(out, Tensor)
     return out
 
 
 def _norm(x: Tensor, residual: Tensor | None, weight: Tensor, spec: DecoderSpec):
-    return ragged.add_rms_norm(x, residual, weight, spec.eps, return_sum=True, unit_offset=spec.unit_offset)
+    dtype = _common(x, residual, weight)
+    return ragged.add_rms_norm(
+        _as(x, dtype),
+        _maybe(residual, dtype),
+        _as(weight, dtype),
+        spec.eps,
+        return_sum=True,
+        unit_offset=spec.unit_offset,
+    )
+
+
+def _attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v in one dtype: autocast's where it is on (as SDPA under autocast), else their
+    promotion."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else _common(q, k, v)
+    return _as(q, dtype), _as(k, dtype), _as(v, dtype)
 
 
 def run_layer(
@@ -130,6 +166,7 @@ def run_layer(
     rot = ragged.rotary_embedding(qk, positions, spec.inv_freq, spec.rope_scaling)
     q, k = rot[:, :nq], rot[:, nq:]
     window = (-1, -1) if spec.window is None else (spec.window - 1, 0)
+    q, k, v = _attention_inputs(q, k, v)
     a = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, scale=spec.scale, window_size=window)
     a = _linear(a.reshape(a.shape[0], nq * spec.head_dim), w.o_w)
     if w.post_attn_norm is not None:
@@ -161,5 +198,8 @@ def run_stack(
         if hidden_states is not None:
             hidden_states.append(branch if stream is None else stream + branch)
         branch, stream = run_layer(spec, branch, stream, cu, max_len, positions)
-    out, _ = ragged.add_rms_norm(branch, stream, final_norm, eps, return_sum=True, unit_offset=unit_offset)
+    dtype = _common(branch, stream, final_norm)
+    out, _ = ragged.add_rms_norm(
+        _as(branch, dtype), _maybe(stream, dtype), _as(final_norm, dtype), eps, return_sum=True, unit_offset=unit_offset
+    )
     return out

@@ -230,3 +230,21 @@ def test_flattened_rows_as_the_collators_make_them():
     want = ref(input_ids=ids, labels=labels, num_items_in_batch=items, **kw)
     assert got.logits is None
     torch.testing.assert_close(got.loss.float(), want.loss, **TOL)
+
+
+def test_autocast_keeps_the_residual_stream_in_its_dtype():
+    """Under autocast (as Trainer's bf16 runs) the Linears return bfloat16 while the float32
+    residual stream, norms and loss stay float32, as in HF's layers: the converted model's loss
+    follows the model's own under the same autocast."""
+    ref, mine = _pair("qwen3")
+    ref.float(), mine.float()
+    ref.eval(), mine.eval()
+    ids, mask, labels = _padded("right")
+    keep = mask.bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mine(input_ids=ids, attention_mask=mask, labels=labels)
+        rows = [ref(input_ids=ids[i, keep[i]][None]).logits[0] for i in range(3)]
+    want = torch.cat(rows)
+    assert got.logits.dtype == want.dtype
+    err = (got.logits[keep].float() - want.float()).abs().max().item()
+    assert err < 0.05 * want.float().abs().max().item(), err

@@ -95,6 +95,15 @@ def test_refusals_of_modules_the_core_would_not_call():
     model = _model("qwen2")
     model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert "layers.0.mlp has a hook" in decoder_core.why_not_core(model)
+    # the embeddings are called as a module: their hooks run (Trainer's enable_input_require_grads)
+    model = _model("qwen2")
+    model.embed_tokens.register_forward_hook(lambda m, i, out: out * 2)
+    assert decoder_core.why_not_core(model) is None
+    ids = ragged.RaggedTensor.from_lengths(torch.tensor([3, 1, 4]), [3])
+    torch.testing.assert_close(
+        decoder_core.run_packed_core(model, ids).values, model(input_ids=ids.values[None]).last_hidden_state[0],
+        atol=2e-6, rtol=2e-6,
+    )  # fmt: skip
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert "q_proj is a Linear, not a torch.nn.Linear" in decoder_core.why_not_core(lora.base_model.model)

@@ -71,7 +71,8 @@ _LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate
 def _why_not_modules(model: Any) -> str | None:
     """The core reads the layers' Parameters instead of calling their modules: each projection
     must be a torch.nn.Linear itself (not peft's LoRA layer, a quantized Linear or a subclass),
-    and no module a hook or a parametrization would have run for."""
+    and no module it does not call may have a hook or a parametrization (the model and its
+    embeddings are called as modules, so theirs run: ``enable_input_require_grads``'s, NEFTune's)."""
     for i, layer in enumerate(model.layers):
         for block, names in _LINEARS.items():
             for name in names:
@@ -79,6 +80,8 @@ def _why_not_modules(model: Any) -> str | None:
                 if type(m) is not nn.Linear:
                     return f"layers.{i}.{block}.{name} is a {type(m).__name__}, not a torch.nn.Linear"
     for name, m in model.named_modules():
+        if name == "" or name == "embed_tokens" or name.startswith("embed_tokens."):
+            continue  # called as modules: the model by its caller, the embeddings by the core
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return f"{name or 'the model'} has a hook, which the core would not run"
         if getattr(m, "parametrizations", None):
