@@ -43,12 +43,9 @@ def test_sft_trainer_example_trains_a_converted_model(capsys):
     the model (TRL's defaults, autocast included): the padding-free loss of a batch equals the
     per-sequence one before training, and a few steps run."""
     import pathlib
-    import sys
+    import runpy
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        import sft_with_trl
-    finally:
-        sys.path.pop(0)
-    assert sft_with_trl.main(["--cpu", "--steps", "4", "--examples", "64", "--batch", "8", "--convert"]) == 0
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sft_with_trl.py"
+    main = runpy.run_path(str(script), run_name="sft_with_trl")["main"]
+    assert main(["--cpu", "--steps", "4", "--examples", "64", "--batch", "8", "--convert"]) == 0
     assert "padding-free loss vs per-sequence losses" in capsys.readouterr().out
