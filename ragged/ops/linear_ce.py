@@ -298,7 +298,9 @@ def shift_labels(labels: RaggedTensor, ignore_index: int = -100) -> Tensor:
         raise TypeError(f"{fn}(): expected ignore_index to be an int, got {describe(ignore_index)}")
     tokens = v.shape[0]
     ends = torch.zeros(tokens + 1, dtype=torch.bool, device=v.device)
-    ends[labels.offsets.long()] = True  # position j starts a sequence (or is the end, j = T)
+    # position j starts a sequence (or is the end, j = T); index_fill_, not ends[idx] = True, which
+    # copies the value from host memory (a sync)
+    ends.index_fill_(0, labels.offsets.long(), True)
     last = ends[1:]  # token i is its sequence's last when i + 1 starts the next one (or ends)
     nxt = torch.roll(v, -1) if tokens else v
-    return torch.where(last, torch.full_like(v, ignore_index), nxt)
+    return nxt.masked_fill(last, ignore_index)
