@@ -1,5 +1,6 @@
 """The decoder layer written once, over a :class:`DecoderSpec`: Llama, Mistral, Qwen2/3 and Gemma
-1-3 on packed tokens ``x [T, d]``, composed of ragged's fused ops.
+1-3 on packed tokens ``x [T, d]``, composed of ragged's fused ops (causal, or both ways for
+EmbeddingGemma-style bidirectional models).
 
 One layer (``s`` the residual stream, ``n(.)`` an RMSNorm)::
 
@@ -48,6 +49,7 @@ class DecoderWeights(NamedTuple):
     k_b: Tensor | None
     v_b: Tensor | None
     o_w: Tensor
+    o_b: Tensor | None
     q_norm: Tensor | None
     k_norm: Tensor | None
     post_attn_norm: Tensor | None  # Gemma2/3: on the attention output, before the add
@@ -56,6 +58,9 @@ class DecoderWeights(NamedTuple):
     gate_w: Tensor
     up_w: Tensor
     down_w: Tensor
+    gate_b: Tensor | None = None  # Llama's mlp_bias
+    up_b: Tensor | None = None
+    down_b: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,20 +78,25 @@ class DecoderSpec:
     inv_freq: Tensor  # rotary frequencies [head_dim / 2]
     rope_scaling: float  # HuggingFace's attention_scaling
     weights: DecoderWeights
+    causal: bool = True  # False: each token attends both ways (EmbeddingGemma), within the window
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
+def _fused_bias(weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...]) -> Tensor | None:
+    """The bias of the Linears concatenated along their outputs (zeros for those without)."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+
+
 def _qkv(spec: DecoderSpec, h: Tensor) -> Tensor:
     """The fused projection ``[T, Hq + 2 Hkv, head_dim]``: q heads, then k, then v."""
     w = spec.weights
-    biases = (w.q_b, w.k_b, w.v_b)
-    bias = None if all(b is None for b in biases) else torch.cat([
-        b if b is not None else h.new_zeros(r.shape[0]) for b, r in zip(biases, (w.q_w, w.k_w, w.v_w))
-    ])  # fmt: skip
-    qkv = _linear(h, torch.cat((w.q_w, w.k_w, w.v_w)), bias)
+    ws = (w.q_w, w.k_w, w.v_w)
+    qkv = _linear(h, torch.cat(ws), _fused_bias(ws, (w.q_b, w.k_b, w.v_b)))
     return qkv.view(h.shape[0], spec.heads + 2 * spec.kv_heads, spec.head_dim)
 
 
@@ -165,15 +175,20 @@ def run_layer(
         qk = torch.cat((_head_norm(qkv[:, :nq], w.q_norm, spec), _head_norm(qkv[:, nq:nqk], w.k_norm, spec)), 1)
     rot = ragged.rotary_embedding(qk, positions, spec.inv_freq, spec.rope_scaling)
     q, k = rot[:, :nq], rot[:, nq:]
-    window = (-1, -1) if spec.window is None else (spec.window - 1, 0)
+    if spec.window is None:
+        window = (-1, -1)
+    else:  # the window counts the token itself: |i - j| < window (only j <= i when causal)
+        window = (spec.window - 1, 0 if spec.causal else spec.window - 1)
     q, k, v = _attention_inputs(q, k, v)
-    a = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, scale=spec.scale, window_size=window)
-    a = _linear(a.reshape(a.shape[0], nq * spec.head_dim), w.o_w)
+    a = ragged.varlen_attention(
+        q, k, v, cu, cu, max_len, max_len, causal=spec.causal, scale=spec.scale, window_size=window
+    )
+    a = _linear(a.reshape(a.shape[0], nq * spec.head_dim), w.o_w, w.o_b)
     if w.post_attn_norm is not None:
         a = _rms(a, w.post_attn_norm, spec)
     h, s = _norm(a, s, w.mlp_norm, spec)
-    gu = _linear(h, torch.cat((w.gate_w, w.up_w)))
-    m = _linear(ragged.gated_act(gu, spec.activation), w.down_w)
+    gu = _linear(h, torch.cat((w.gate_w, w.up_w)), _fused_bias((w.gate_w, w.up_w), (w.gate_b, w.up_b)))
+    m = _linear(ragged.gated_act(gu, spec.activation), w.down_w, w.down_b)
     if w.post_ff_norm is not None:
         m = _rms(m, w.post_ff_norm, spec)
     return m, s

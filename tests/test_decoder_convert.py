@@ -1,4 +1,4 @@
-"""ragged.nn.convert of HuggingFace decoders (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2): outputs,
+"""ragged.nn.convert of HuggingFace decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3): outputs,
 losses and gradients against the unconverted model, float64, padded (right and left) and packed."""
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from test_decoder_core import MODELS, V, _config  # noqa: E402
 import ragged  # noqa: E402
 import ragged.nn  # noqa: E402
 
-CAUSAL = {name: cls.replace("Model", "ForCausalLM") for name, cls in MODELS.items()}
+CAUSAL = {
+    name: "Gemma3ForCausalLM" if cls == "Gemma3TextModel" else cls.replace("Model", "ForCausalLM")
+    for name, cls in MODELS.items()
+}
 
 
 def _pair(name, kind="causal"):
@@ -77,7 +80,7 @@ def test_padded_logits_loss_and_gradients(name, side):
     torch.testing.assert_close(got.loss, want_loss, **TOL)
     # the model's own padded forward (no pad predicts a token): the same loss; with a sliding
     # window a padded query seeing only padding turns HF's eager rows to NaN
-    if side == "right" and name not in ("mistral", "gemma2"):
+    if side == "right" and name not in ("mistral", "gemma2", "gemma3", "embeddinggemma"):
         torch.testing.assert_close(got.loss, ref(input_ids=ids, attention_mask=mask, labels=labels).loss, **TOL)
     # training: the loss from the hidden states, no logits; every gradient as the model's own
     ref.train(), mine.train()
@@ -93,7 +96,7 @@ def test_padded_logits_loss_and_gradients(name, side):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5 * scale, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_ragged_input_and_labels_equal_each_sequence(name):
     ref, mine = _pair(name)
     ref.eval(), mine.eval()
@@ -142,7 +145,7 @@ def test_refused_models_stay_as_they_were():
     assert "forward" not in soft.__dict__
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "embeddinggemma"])
 def test_graphed_training_equals_eager_off_the_gpu(name):
     """ragged.nn.graphed of a converted causal LM in train mode, its graphs emulated off the GPU
     (graph_switch.emulated: each graph is the Python it would capture): loss and every gradient

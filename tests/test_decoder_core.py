@@ -1,6 +1,6 @@
-"""The decoder core (ragged.nn.decoder_layer, read from HuggingFace base models by
-ragged.nn.hf.decoder_core) against the models' own forward, per sequence, in float64:
-the last hidden states and every Parameter's gradient."""
+"""The decoder core (ragged.nn.decoder_layer: Llama, Mistral, Qwen2/3, Gemma 1-3, EmbeddingGemma),
+read from HuggingFace base models by ragged.nn.hf.decoder_core, against the models' own forward,
+per sequence, in float64: the last hidden states and every Parameter's gradient."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def _config(name, **extra):
         "qwen3": transformers.Qwen3Config,
         "gemma": transformers.GemmaConfig,
         "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "embeddinggemma": transformers.Gemma3TextConfig,
     }[name]
-    if name == "gemma2":
+    if name.startswith("gemma") or name == "embeddinggemma":
         common.update(attn_logit_softcapping=None, query_pre_attn_scalar=12, sliding_window=4)
+    if name in ("gemma3", "embeddinggemma"):  # a rotary table per layer type (10k local, 1M global)
+        common.update(layer_types=["sliding_attention", "full_attention"])
+    if name == "embeddinggemma":  # EmbeddingGemma: both ways, |i - j| < window on sliding layers
+        common.update(use_bidirectional_attention=True)
     if name == "mistral":
         common.update(sliding_window=6)
     common.update(extra)
@@ -44,6 +50,8 @@ MODELS = {
     "qwen3": "Qwen3Model",
     "gemma": "GemmaModel",
     "gemma2": "Gemma2Model",
+    "gemma3": "Gemma3TextModel",
+    "embeddinggemma": "Gemma3TextModel",
 }
 
 
@@ -106,7 +114,9 @@ def test_refusals_of_modules_the_core_would_not_call():
     )  # fmt: skip
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert "q_proj is a Linear, not a torch.nn.Linear" in decoder_core.why_not_core(lora.base_model.model)
+    assert decoder_core.why_not_core(lora.base_model.model) is None  # read as the Linear it computes
+    lora = peft.get_peft_model(_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    assert "DoRA" in decoder_core.why_not_core(lora.base_model.model)
 
 
 def test_refusals():

@@ -1,4 +1,4 @@
-"""Converted decoders on the GPU (``pytest -m gpu``): bf16 Qwen2- and Gemma2-shaped models on a
+"""Converted decoders on the GPU (``pytest -m gpu``): bf16 Qwen2-, Gemma2- and Gemma3-shaped models on a
 packed batch against the models' own forward per sequence, the training step without a host
 sync, and the fused loss's gradients against HF's."""
 
@@ -27,13 +27,16 @@ def _model(name):
     torch.manual_seed(0)
     if name == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
+    elif name == "gemma2":
         common.update(attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=128)
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common))
+    else:  # Gemma3: q/k norms, a rotary table per layer type
+        common.update(sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common))
     return model.to("cuda", torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3"])
 def test_logits_loss_and_gradients_against_the_models_own(name):
     ref = _model(name)
     mine = ragged.nn.convert(copy.deepcopy(ref))

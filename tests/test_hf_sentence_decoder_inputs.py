@@ -23,8 +23,7 @@ tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as M
-from test_hf_sentence import _close
-from test_hf_sentence_decoder import TEXTS, VOCAB, D, _config
+from test_hf_sentence_decoder import TEXTS, VOCAB, D, _close, _config
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 import ragged

@@ -35,7 +35,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Output rounding of each dtype (the oracle is float64; the Triton interpreter rounds float32 ->
 # bfloat16 toward zero, one unit in the last place off round-to-nearest).
 TOL = {
-    torch.float64: (1e-12, 1e-12),
+    torch.float64: (1e-6, 1e-6),  # float32 cos/sin tables (as HuggingFace's), float64 products
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1e-2),

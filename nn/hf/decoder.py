@@ -14,6 +14,12 @@ one row safe: a model whose layers mix tokens some other way (convolutions, line
 state-space layers) would mix the sequences, so only the classes listed in :data:`DECODERS`,
 checked against transformers' padded forward, are taken.
 
+**The decoder core.** Where :func:`ragged.nn.hf.decoder_core.why_not_core` takes the model (the
+families of :data:`ragged.nn.hf.decoder_core.CORE_FAMILIES`, plain Linears, no hooks on the modules
+it does not call), :func:`run_packed` computes the layers from ragged's fused ops
+(:mod:`ragged.nn.decoder_layer`) instead of calling the model's forward; otherwise the model's
+forward runs as below, with a one-time warning saying why.
+
 **Positions** are the caller's (:func:`run_packed`'s ``position_ids``, the padded batch's columns
 for a left-padded one, as transformers numbers them) or each sequence's from 0. **Masks**: models
 that take prepared masks by layer type (``mask_mapping``) get ``None`` for every type, so no mask
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -156,6 +163,15 @@ def run_packed(model: nn.Module, input_ids: RaggedTensor, position_ids: torch.Te
         position_ids = input_ids.position_ids()
     if input_ids.num_tokens == 0:
         return _empty(model, input_ids)
+    why = _why_not_core(model)
+    if why is None:  # the decoder core: the layers from ragged's fused ops, no HF module per op
+        from .decoder_core import run_packed_core
+
+        hidden_list: list | None = [] if getattr(model.config, "output_hidden_states", False) else None
+        last = run_packed_core(model, input_ids, position_ids, hidden_list)
+        states = None if hidden_list is None else tuple(input_ids.with_values(h) for h in hidden_list)
+        return {"last_hidden_state": last, "hidden_states": states}
+    _warn_once(model, why)
     d = identify_decoder(model)
     offsets, longest = input_ids.offsets, input_ids.max_len
     kwargs = {}
@@ -177,6 +193,27 @@ def run_packed(model: nn.Module, input_ids: RaggedTensor, position_ids: torch.Te
     if hidden is not None:
         hidden = tuple(None if h is None else input_ids.with_values(h[0]) for h in hidden)
     return {"last_hidden_state": input_ids.with_values(out["last_hidden_state"][0]), "hidden_states": hidden}
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _why_not_core(model: nn.Module) -> str | None:
+    from .decoder_core import why_not_core
+
+    return why_not_core(model)
+
+
+def _warn_once(model: nn.Module, why: str) -> None:
+    """The slower path (HF's layers under ``"ragged"`` attention) said once per class and reason."""
+    key = (type(model).__name__, why)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"ragged.nn: {type(model).__name__} runs HuggingFace's own layers on the packed batch (with "
+            f"ragged's attention), not the decoder core: {why}",
+            stacklevel=3,
+        )
 
 
 def _empty(model: nn.Module, input_ids: RaggedTensor) -> dict:

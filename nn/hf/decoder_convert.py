@@ -1,6 +1,7 @@
 """``ragged.nn.convert`` of HuggingFace decoders: the base models, ``ForCausalLM`` and
-``ForSequenceClassification`` heads of Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma2, computed by
-the decoder core
+``ForSequenceClassification`` heads of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3's
+text model (``Gemma3ForCausalLM``, ``Gemma3TextForSequenceClassification``), computed by the decoder
+core
 (:mod:`ragged.nn.hf.decoder_core`) on packed tokens.
 
 As for the encoder families (:mod:`ragged.nn.hf.forward`), conversion sets an instance
@@ -24,7 +25,7 @@ as HuggingFace's loss takes them.
 ``logits`` and ``hidden_states`` are RaggedTensors; for a padded one they are padded like the
 input, zeros at padding. In training with ``labels`` the loss comes from the hidden states
 through :func:`ragged.linear_cross_entropy` and ``logits`` is None (:mod:`ragged.nn.hf.lm_loss`);
-otherwise the logits are computed (Gemma2's final soft cap included) and the loss from them in
+otherwise the logits are computed (Gemma2's and Gemma3's final soft cap included) and the loss from them in
 float32, as HuggingFace does. A sequence classifier scores each sequence's last real token
 (HuggingFace: the rightmost token that is not ``pad_token_id``, the same token wherever the padding
 holds the pad id and no real sequence ends with it; an empty sequence scores zeros) and takes the
@@ -55,20 +56,18 @@ from .lm_loss import head_loss
 
 __all__ = ["DecoderForward", "convert_decoder", "identify_decoder_model", "why_not_decoder"]
 
-_PREFIXES = {
-    "Llama": "Llama",
-    "Mistral": "Mistral",
-    "Qwen2": "Qwen2",
-    "Qwen3": "Qwen3",
-    "Gemma": "Gemma",
-    "Gemma2": "Gemma2",
-}
-# head class -> (kind, its base model's class)
+# head class -> (kind, its base model's class): <Family>ForCausalLM and
+# <Family>ForSequenceClassification over <Family>Model; Gemma3's text heads over Gemma3TextModel
 _HEADS = {
-    f"{p}{suffix}": (kind, f"{p}Model")
-    for p in _PREFIXES
+    f"{base.removesuffix('Model')}{suffix}": (kind, base)
+    for base in CORE_FAMILIES
+    if base != "Gemma3TextModel"
     for suffix, kind in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "sequence"))
 }
+_HEADS.update({
+    "Gemma3ForCausalLM": ("causal_lm", "Gemma3TextModel"),
+    "Gemma3TextForSequenceClassification": ("sequence", "Gemma3TextModel"),
+})  # fmt: skip
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
@@ -93,8 +92,6 @@ def why_not_decoder(model: Any) -> str | None:
     want = _HEADS[type(model).__name__][1] if kind != "base" else type(base).__name__
     if type(base).__name__ != want:
         return f"its base model is a {type(base).__name__}"
-    if kind == "sequence" and type(model.score) is not nn.Linear:
-        return f"its score head is a {type(model.score).__name__}, not a torch.nn.Linear"
     return why_not_core(base)
 
 

@@ -2,11 +2,16 @@
 their forward on a packed batch through the decoder core (:func:`run_packed_core`).
 
 Families (the base model classes, exactly): Llama, Mistral, Qwen2, Qwen3 (per-head q/k norms),
-Gemma (norms of ``1 + weight``, GeGLU with tanh GELU, embeddings times ``sqrt(d)``) and Gemma2
+Gemma (norms of ``1 + weight``, GeGLU with tanh GELU, embeddings times ``sqrt(d)``), Gemma2
 (the same, plus the norms around the attention and the MLP outputs, ``query_pre_attn_scalar``
-and per-layer sliding windows). Refused with the reason (:func:`why_not_core`): other classes,
-attention logit soft-capping, rotary scalings whose frequencies depend on the position
-(``dynamic``/``longrope``), Gemma3 (its per-layer-type rotary tables are not read yet).
+and per-layer sliding windows) and Gemma3's text model (Gemma2's layer with q/k norms, a rotary
+table per layer type, and EmbeddingGemma's ``use_bidirectional_attention``: each token attends
+both ways, within ``|i - j| < sliding_window`` on sliding layers). Refused with the reason
+(:func:`why_not_core`): other classes, attention logit soft-capping, rotary scalings whose
+frequencies depend on the position (``dynamic``/``longrope``), attention dropout, projections
+that are neither a ``torch.nn.Linear`` nor peft's LoRA Linear over one (LoRA adapters are read
+as the Linear they compute, :mod:`ragged.nn.hf.lora`; their refusals apply: dropout, DoRA),
+hooks on modules the core does not call.
 
 The specs read the model's own Parameters on every call (nothing cached), so a write to them is
 seen and an optimizer keeps training the model.
@@ -18,11 +23,11 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from ragged import RaggedTensor
 
 from ..decoder_layer import DecoderSpec, DecoderWeights, run_stack
+from .lora import effective_linear, linear_reason
 
 __all__ = ["CORE_FAMILIES", "run_packed_core", "specs_of", "why_not_core"]
 
@@ -34,7 +39,10 @@ CORE_FAMILIES = {
     "Qwen3Model": "llama",
     "GemmaModel": "gemma",
     "Gemma2Model": "gemma2",
+    "Gemma3TextModel": "gemma3",
 }
+_GEMMAS = ("gemma", "gemma2", "gemma3")  # norms of 1 + weight
+_SANDWICH = ("gemma2", "gemma3")  # norms on the attention and MLP outputs too
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -55,8 +63,9 @@ def why_not_core(model: Any) -> str | None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"attention logit soft-capping ({config.attn_logit_softcapping}) is not computed by ragged's attention"
     rope = getattr(model.rotary_emb, "rope_type", "default")
-    if rope in ("dynamic", "longrope"):
-        return f"rotary scaling {rope!r} changes the frequencies with the position"
+    for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma3: one per layer type
+        if kind in ("dynamic", "longrope"):
+            return f"rotary scaling {kind!r} changes the frequencies with the position"
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if act not in _ACTIVATIONS:
         return f"activation {act!r} (the core takes {sorted(_ACTIVATIONS)})"
@@ -70,15 +79,16 @@ _LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate
 
 def _why_not_modules(model: Any) -> str | None:
     """The core reads the layers' Parameters instead of calling their modules: each projection
-    must be a torch.nn.Linear itself (not peft's LoRA layer, a quantized Linear or a subclass),
-    and no module it does not call may have a hook or a parametrization (the model and its
-    embeddings are called as modules, so theirs run: ``enable_input_require_grads``'s, NEFTune's)."""
+    must be a torch.nn.Linear or peft's LoRA Linear over one (read as the Linear it computes:
+    :func:`ragged.nn.hf.lora.effective_linear`), and no module it does not call may have a hook or
+    a parametrization (the model and its embeddings are called as modules, so theirs run:
+    ``enable_input_require_grads``'s, NEFTune's)."""
     for i, layer in enumerate(model.layers):
         for block, names in _LINEARS.items():
             for name in names:
-                m = getattr(getattr(layer, block), name)
-                if type(m) is not nn.Linear:
-                    return f"layers.{i}.{block}.{name} is a {type(m).__name__}, not a torch.nn.Linear"
+                why = linear_reason(getattr(getattr(layer, block), name), f"layers.{i}.{block}.{name}")
+                if why is not None:
+                    return why
     for name, m in model.named_modules():
         if name == "" or name == "embed_tokens" or name.startswith("embed_tokens."):
             continue  # called as modules: the model by its caller, the embeddings by the core
@@ -93,34 +103,50 @@ def _eps(norm: Any) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
+def _read(block: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's ``(weight, bias)``: a Linear's own, a LoRA Linear's effective pair."""
+    return effective_linear(getattr(block, name), name)
+
+
 def specs_of(model: Any) -> list[DecoderSpec]:
     """One spec per layer of a base model :func:`why_not_core` takes."""
     family = _family(model)
     config = model.config
     act = _ACTIVATIONS[getattr(config, "hidden_activation", None) or config.hidden_act]
     rotary = model.rotary_emb
-    inv_freq, scaling = rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
     specs = []
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
-        sandwich = family == "gemma2"
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (_read(att, n) for n in _LINEARS["self_attn"])
+        (gw, gb), (uw, ub), (dw, db) = (_read(mlp, n) for n in _LINEARS["mlp"])
+        sandwich = family in _SANDWICH
+        kind = getattr(att, "layer_type", None)
+        if family == "gemma3":  # a table per layer type
+            inv_freq = getattr(rotary, f"{kind}_inv_freq")
+            scaling = float(getattr(rotary, f"{kind}_attention_scaling", 1.0))
+        else:
+            inv_freq, scaling = rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
         weights = DecoderWeights(
             in_norm=layer.input_layernorm.weight,
-            q_w=att.q_proj.weight,
-            k_w=att.k_proj.weight,
-            v_w=att.v_proj.weight,
-            q_b=att.q_proj.bias,
-            k_b=att.k_proj.bias,
-            v_b=att.v_proj.bias,
-            o_w=att.o_proj.weight,
+            q_w=qw,
+            k_w=kw,
+            v_w=vw,
+            q_b=qb,
+            k_b=kb,
+            v_b=vb,
+            o_w=ow,
+            o_b=ob,
             q_norm=getattr(att, "q_norm", None) and att.q_norm.weight,
             k_norm=getattr(att, "k_norm", None) and att.k_norm.weight,
             post_attn_norm=layer.post_attention_layernorm.weight if sandwich else None,
             mlp_norm=layer.pre_feedforward_layernorm.weight if sandwich else layer.post_attention_layernorm.weight,
             post_ff_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
-            gate_w=mlp.gate_proj.weight,
-            up_w=mlp.up_proj.weight,
-            down_w=mlp.down_proj.weight,
+            gate_w=gw,
+            up_w=uw,
+            down_w=dw,
+            gate_b=gb,
+            up_b=ub,
+            down_b=db,
         )
         # the layer's window: its attention module's (Qwen2/3, Gemma2: per layer type), or the
         # config's for Mistral, whose module passes config.sliding_window to every call
@@ -134,13 +160,14 @@ def specs_of(model: Any) -> list[DecoderSpec]:
                 kv_heads=config.num_key_value_heads,
                 head_dim=att.head_dim,
                 eps=_eps(layer.input_layernorm),
-                unit_offset=family in ("gemma", "gemma2"),
+                unit_offset=family in _GEMMAS,
                 activation=act,
                 scale=float(att.scaling),
                 window=int(window) if window else None,
                 inv_freq=inv_freq,
                 rope_scaling=scaling,
                 weights=weights,
+                causal=bool(getattr(att, "is_causal", True)),
             )
         )
     return specs
@@ -159,7 +186,7 @@ def run_packed_core(
         raise NotImplementedError(f"ragged.nn decoder core: {why}")
     family = _family(model)
     x = model.embed_tokens(ids.values)
-    if family in ("gemma", "gemma2") and not hasattr(model.embed_tokens, "embed_scale"):
+    if family in _GEMMAS and not hasattr(model.embed_tokens, "embed_scale"):
         # transformers before the scaled embedding module: the model scales by sqrt(d), rounded
         # to the embeddings' dtype
         x = x * torch.tensor(math.sqrt(model.config.hidden_size), dtype=x.dtype, device=x.device)
@@ -174,7 +201,7 @@ def run_packed_core(
         positions,
         norm.weight,
         _eps(norm),
-        family in ("gemma", "gemma2"),
+        family in _GEMMAS,
         hidden_states,
     )
     if hidden_states is not None:

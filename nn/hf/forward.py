@@ -262,7 +262,7 @@ def convert_model(model: nn.Module, copy: bool) -> nn.Module:
 
     from .decoder_convert import convert_decoder, identify_decoder_model
 
-    if identify_decoder_model(model) is not None:  # Llama to Gemma2: the decoder core
+    if identify_decoder_model(model) is not None:  # Llama to Gemma3: the decoder core
         return convert_decoder(model, copy)
     if is_done(model):
         return copying.deepcopy(model) if copy else model

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ragged
+
+from .lora import effective_linear, linear_reason
 
 __all__ = ["CAUSAL_LMS", "fuse_lm_loss", "fused", "head_loss", "unfuse_lm_loss"]
 
@@ -100,7 +103,10 @@ def head_loss(model: Any, hidden: torch.Tensor, targets: torch.Tensor, num_items
     in autocast's dtype where autocast is on (as HF's ``lm_head``), the soft cap of the config,
     the sum over ``num_items`` where given, else the mean."""
     head = model.get_output_embeddings()
-    h, w, b = hidden, head.weight, head.bias
+    if linear_reason(head, "its output embeddings") is not None:
+        return _head_loss_from_logits(model, head, hidden, targets, num_items, ignore_index)
+    w, b = effective_linear(head, "its output embeddings")  # a LoRA'd head: the Linear it computes
+    h = hidden
     device = h.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -116,6 +122,27 @@ def head_loss(model: Any, hidden: torch.Tensor, targets: torch.Tensor, num_items
             num_items_in_batch=num_items,
             softcap=getattr(model.config, "final_logit_softcapping", None),
         )
+
+
+_WARNED: set[str] = set()
+
+
+def _head_loss_from_logits(model: Any, head: nn.Module, hidden, targets, num_items, ignore_index: int):
+    """The loss through the logits, for a head the fused loss cannot read as a Linear (peft's
+    ``modules_to_save`` wrapper, a quantized head): HF's computation, with a one-time warning."""
+    why = linear_reason(head, "its output embeddings")
+    if type(model).__name__ not in _WARNED:
+        _WARNED.add(type(model).__name__)
+        warnings.warn(f"ragged.nn: {type(model).__name__}'s loss goes through the [T, V] logits: {why}", stacklevel=3)
+    logits = head(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    targets = targets.to(logits.device)
+    if num_items is None:
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
 
 def fused(model: nn.Module) -> bool:

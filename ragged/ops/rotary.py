@@ -17,10 +17,11 @@ The "rotate half" convention of GPT-NeoX and HuggingFace's ``apply_rotary_pos_em
     out[..., D/2:] = x2 * c + x1 * s
 
 Precision: the angle is the float32 product of the position and the frequency, whatever the
-dtypes (``positions.float() * inv_freq.float()``, as HuggingFace computes it); cos, sin and
-the rotation are computed in float32 (float64 for float64 ``x``) and the result is rounded
-once to ``x``'s dtype. HuggingFace rounds cos and sin to ``x``'s dtype first, so at 16 bits
-the two differ by a rounding of the inputs.
+dtypes (``positions.float() * inv_freq.float()``, as HuggingFace computes it); cos and sin
+are float32 too (HuggingFace's tables: widened for a float64 ``x``, so a float64 model's
+numbers are its own), the rotation is computed in float32 (float64 for float64 ``x``) and the
+result is rounded once to ``x``'s dtype. HuggingFace rounds cos and sin to ``x``'s dtype
+first, so at 16 bits the two differ by a rounding of the inputs.
 
 Layout: ``x`` may have any strides (the kernel reads all three; a unit stride along ``D``
 gives vector loads), so the q and k heads of a fused QKV output are read in place. The
@@ -66,9 +67,11 @@ from ..utils import OFFSET_DTYPES, check_tensor, check_vector, describe, no_auto
 def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float, sign: float) -> Tensor:
     """``x`` rotated by ``sign`` times each token's angle (see the module docstring)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angle = (positions.to(torch.float32).unsqueeze(1) * inv_freq.to(torch.float32).unsqueeze(0)).to(dtype)
-    c = (angle.cos() * scaling).unsqueeze(1)  # [T, 1, D/2]
-    s = (angle.sin() * (scaling * sign)).unsqueeze(1)
+    # the tables in float32 whatever x's dtype, as HuggingFace computes them (the angle is float32
+    # already: a float64 cosine of it would only differ from the models' own tables)
+    angle = positions.to(torch.float32).unsqueeze(1) * inv_freq.to(torch.float32).unsqueeze(0)
+    c = (angle.cos() * scaling).to(dtype).unsqueeze(1)  # [T, 1, D/2]
+    s = (angle.sin() * scaling).to(dtype).unsqueeze(1) * sign
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
@@ -209,9 +212,9 @@ def rotary_embedding(
 
     Returns a new contiguous ``[T, N, D]`` tensor of x's dtype: ``x1 * c - x2 * s`` and
     ``x2 * c + x1 * s`` for the halves ``x1``, ``x2`` of the head dim, ``c`` / ``s`` the cos /
-    sin of ``positions[t] * inv_freq`` (float32) times ``scaling``, computed in float32
-    (float64 for float64). Differentiable in ``x`` (``positions`` and ``inv_freq`` get no
-    gradient). No host sync (see :mod:`ragged.ops.rotary`).
+    sin of ``positions[t] * inv_freq`` times ``scaling``, computed in float32 (as HuggingFace's
+    tables; widened for float64 x, whose products are float64). Differentiable in ``x``
+    (``positions`` and ``inv_freq`` get no gradient). No host sync (see :mod:`ragged.ops.rotary`).
 
     >>> import torch, ragged
     >>> x = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])          # T=2 tokens, N=1 head, D=2
