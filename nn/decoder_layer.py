@@ -17,15 +17,17 @@ One layer (``s`` the residual stream, ``n(.)`` an RMSNorm)::
 
 The residual add that ends a layer is carried to the next layer's input norm (``add_rms_norm``
 with ``return_sum``), and the last one into the model's final norm (:func:`run_stack`). Norms
-follow HuggingFace's numerics (``unit_offset``: Gemma's ``1 + weight``). Every step is a ragged op
-with its own backward (the one-node layer with a hand-written backward is the next step of this
-core); the weights are read on every call (Q/K/V and gate/up concatenated per call), so no
-write to them goes unseen.
+follow HuggingFace's numerics (``unit_offset``: Gemma's ``1 + weight``). In training, each layer
+is one autograd node with a hand-written backward where its operands allow
+(:mod:`ragged.nn.decoder_node`: one dtype, no autocast, nothing tracing); otherwise every step
+is a ragged op with its own backward (:func:`run_layer`). The weights are read on every call
+(Q/K/V and gate/up concatenated per call), so no write to them goes unseen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import torch
@@ -33,6 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import ragged
+
+from .decoder_node import DecoderKernels, DecoderLayerFunction, node_applies
+
+# RAGGED_DECODER_NODE=0: every layer recorded op by op (the one-node layer off, for comparisons)
+_NODE = os.environ.get("RAGGED_DECODER_NODE", "1") != "0"
 
 __all__ = ["DecoderSpec", "DecoderWeights", "run_layer", "run_stack"]
 
@@ -209,10 +216,17 @@ def run_stack(
     list that receives the stream before each layer (HuggingFace's ``output_hidden_states``
     order; the final norm's output is appended by the caller)."""
     branch, stream = x, None
+    kernels = DecoderKernels()  # the one-node layers' implementations, chosen once per call
+    node = _NODE and x.shape[0] > 0
     for spec in specs:
         if hidden_states is not None:
             hidden_states.append(branch if stream is None else stream + branch)
-        branch, stream = run_layer(spec, branch, stream, cu, max_len, positions)
+        if node and node_applies(branch, stream, spec.weights):
+            branch, stream = DecoderLayerFunction.apply(
+                branch, stream, cu, positions, spec, kernels, max_len, *spec.weights
+            )
+        else:
+            branch, stream = run_layer(spec, branch, stream, cu, max_len, positions)
     dtype = _common(branch, stream, final_norm)
     out, _ = ragged.add_rms_norm(
         _as(branch, dtype), _maybe(stream, dtype), _as(final_norm, dtype), eps, return_sum=True, unit_offset=unit_offset
