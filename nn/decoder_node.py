@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged import backends
-from ragged.ops.attention import ATTENTION, spec_of
-from ragged.ops.attention_reference import effective_window
+from ragged.ops.attention import ATTENTION, effective_window, spec_of
 from ragged.ops.gated import GATED_ACT, gated_act_spec
 from ragged.ops.rms_norm import ADD_RMS_NORM, add_rms_norm_spec
 from ragged.ops.rotary import ROTARY_EMBEDDING, rotary_embedding_spec
