@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 import ragged
 
@@ -211,22 +212,31 @@ def run_stack(
     eps: float,
     unit_offset: bool,
     hidden_states: list | None = None,
+    checkpoint_layers: bool = False,
 ) -> Tensor:
     """Every layer, then the final norm: the last hidden states ``[T, d]``. ``hidden_states``: a
     list that receives the stream before each layer (HuggingFace's ``output_hidden_states``
-    order; the final norm's output is appended by the caller)."""
+    order; the final norm's output is appended by the caller). ``checkpoint_layers``: each layer
+    under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant) where a gradient is recorded:
+    its activations are not kept but computed again in the backward (HuggingFace's gradient
+    checkpointing)."""
     branch, stream = x, None
     kernels = DecoderKernels()  # the one-node layers' implementations, chosen once per call
     node = _NODE and x.shape[0] > 0
+
+    def layer(spec: DecoderSpec, branch: Tensor, stream: Tensor | None) -> tuple[Tensor, Tensor]:
+        if node and node_applies(branch, stream, spec.weights):
+            return DecoderLayerFunction.apply(branch, stream, cu, positions, spec, kernels, max_len, *spec.weights)
+        return run_layer(spec, branch, stream, cu, max_len, positions)
+
+    saving = checkpoint_layers and torch.is_grad_enabled()
     for spec in specs:
         if hidden_states is not None:
             hidden_states.append(branch if stream is None else stream + branch)
-        if node and node_applies(branch, stream, spec.weights):
-            branch, stream = DecoderLayerFunction.apply(
-                branch, stream, cu, positions, spec, kernels, max_len, *spec.weights
-            )
+        if saving:
+            branch, stream = checkpoint(layer, spec, branch, stream, use_reentrant=False)
         else:
-            branch, stream = run_layer(spec, branch, stream, cu, max_len, positions)
+            branch, stream = layer(spec, branch, stream)
     dtype = _common(branch, stream, final_norm)
     out, _ = ragged.add_rms_norm(
         _as(branch, dtype), _maybe(stream, dtype), _as(final_norm, dtype), eps, return_sum=True, unit_offset=unit_offset

@@ -97,3 +97,34 @@ def test_node_is_not_used_where_it_does_not_apply(monkeypatch):
     model.layers[0].input_layernorm.weight.data = model.layers[0].input_layernorm.weight.data.float()
     decoder_core.run_packed_core(model, ids).values.sum().backward()  # mixed dtypes: layer 0 recorded
     assert len(calls) == len(model.layers) - 1
+
+
+@pytest.mark.parametrize("node", [True, False])
+def test_gradient_checkpointing_recomputes_each_layer(node, monkeypatch):
+    """HuggingFace's gradient_checkpointing_enable() on a converted causal LM: each layer's forward
+    runs again in the backward, and the loss and every gradient are the same as without it."""
+    import ragged.nn
+
+    monkeypatch.setattr(decoder_layer, "_NODE", node)
+    torch.manual_seed(6)
+    ref = transformers.Qwen2ForCausalLM(_config("qwen2")).double().train()
+    plain = ragged.nn.convert(copy.deepcopy(ref))
+    saving = ragged.nn.convert(copy.deepcopy(ref))
+    saving.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = ragged.RaggedTensor.from_lengths(torch.randint(0, V, (12,)), [7, 5])
+    calls = []
+    run = decoder_layer.run_layer
+    apply = decoder_node.DecoderLayerFunction.apply
+    monkeypatch.setattr(decoder_layer, "run_layer", lambda *a: calls.append(1) or run(*a))
+    monkeypatch.setattr(decoder_node.DecoderLayerFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    out = {}
+    for name, model in (("plain", plain), ("saving", saving)):
+        calls.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(calls))
+    layers = len(ref.model.layers)
+    assert out["plain"][2] == layers and out["saving"][2] == 2 * layers  # recomputed in the backward
+    torch.testing.assert_close(out["saving"][0], out["plain"][0], atol=1e-12, rtol=1e-12)
+    for n, g in out["plain"][1].items():
+        torch.testing.assert_close(out["saving"][1][n], g, atol=1e-12, rtol=1e-10, msg=n)

@@ -180,7 +180,8 @@ def run_packed_core(
     core: a RaggedTensor ``[T, d]`` with the ids' offsets. ``positions [T]``: each token's
     rotary position (default: each sequence from 0). ``hidden_states``: a list that receives
     HuggingFace's ``hidden_states`` (the stream before each layer, then the final norm's output),
-    each ``[T, d]``."""
+    each ``[T, d]``. HuggingFace's gradient checkpointing, where switched on
+    (``gradient_checkpointing_enable``), checkpoints each layer."""
     why = why_not_core(model)
     if why is not None:
         raise NotImplementedError(f"ragged.nn decoder core: {why}")
@@ -193,6 +194,8 @@ def run_packed_core(
     if positions is None:
         positions = ids.position_ids()
     norm = model.norm
+    # HuggingFace's gradient checkpointing (gradient_checkpointing_enable sets it on the layers)
+    saving = any(getattr(layer, "gradient_checkpointing", False) and layer.training for layer in model.layers)
     out = run_stack(
         specs_of(model),
         x,
@@ -203,6 +206,7 @@ def run_packed_core(
         _eps(norm),
         family in _GEMMAS,
         hidden_states,
+        checkpoint_layers=saving,
     )
     if hidden_states is not None:
         hidden_states.append(out)
