@@ -8,7 +8,7 @@ batches for every row: ``--steps`` timed steps (after two untimed ones) of about
 real tokens each, in sequences of 32..2048 tokens (lognormal, seed 0). Rows:
 
 * ``HF SDPA, padded + mask``: the batch padded to its longest sequence, labels -100 at padding;
-* the same under ``torch.compile`` (default options; its recompiles fall in the first pass);
+* the same under ``torch.compile`` (default options; its recompiles fall in the first pass; CUDA only);
 * ``HF SDPA padded + Liger``: the same after ``liger_kernel.transformers.apply_liger_kernel_to_qwen2``
   (fused RMSNorm, RoPE, SwiGLU, linear cross-entropy), where liger-kernel is installed;
 * ``attn_implementation="ragged"``: the batch flattened to one row as
@@ -209,9 +209,12 @@ def main(argv=None) -> int:
     def converted():
         return ragged.nn.convert(copy.deepcopy(base))
 
+    def compiled():
+        return torch.compile(model_for("sdpa"))
+
     rows = [
         ("HF SDPA, padded + mask", lambda: model_for("sdpa"), padded),
-        ("HF SDPA, padded + mask, torch.compile", lambda: torch.compile(model_for("sdpa")), padded),
+        ("HF SDPA, padded + mask, torch.compile", compiled if graphs else None, padded),
         ("HF SDPA padded + Liger", (lambda: model_for("sdpa", with_liger=True)) if liger else None, padded),
         ('attn_implementation="ragged", flattened', lambda: model_for("ragged"), flattened),
         ('"ragged" + ragged.nn.fuse_lm_loss', lambda: model_for("ragged", fuse=True), flattened),
