@@ -4,7 +4,9 @@ Blocks that load a model by its Hub name (``from_pretrained("bert-base-uncased")
 ``SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")``) run here with the name replaced
 by a folder holding a tiny model of the same kind with random weights and a small tokenizer, built
 in the test (no download: the Hub is switched off while the blocks run). A Hub name in a block with
-no tiny stand-in below fails the test rather than downloading.
+no tiny stand-in below fails the test rather than downloading. A block that calls
+``http://localhost:8080`` (a client of ``python -m ragged.serve``) runs against a real server of a
+tiny model started for it (where the serve extra is installed).
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ STAND_INS = {
 }
 
 
+SERVER_URL = "http://localhost:8080"  # where the README's client blocks find python -m ragged.serve
+
+
 def _ids(blocks):
     return [f"{i}-{re.sub(r'[^a-z0-9]+', '-', head.lower()).strip('-')[:40]}" for i, (head, _) in enumerate(blocks)]
 
@@ -154,7 +159,22 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    server = None
+    if SERVER_URL in code:  # a client of python -m ragged.serve: a real server of a tiny model
+        pytest.importorskip("starlette")
+        pytest.importorskip("uvicorn")
+        from test_serve import Server
+
+        folder = tmp_path / "models" / "served"
+        folder.mkdir(parents=True)
+        _tiny_sentence_transformer(folder)
+        server = Server(str(folder))
+        code = code.replace(SERVER_URL, server.url)
+    try:
+        exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def test_stand_ins_replace_every_hub_name():

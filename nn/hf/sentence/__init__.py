@@ -111,7 +111,7 @@ from ragged.utils import describe
 from .. import forward as hf_forward
 from ..decoder import PackedDecoder, restore_attention, run_packed, use_ragged_attention, uses_ragged_attention
 from .batch import INPUT_KEY, UNPADDED, PackedInput, from_lists, host_padded, pack_input, unpadded_side
-from .pipeline import Pipeline, finish, reason, run
+from .pipeline import MAX_BATCH, PackedRunner, Pipeline, finish, reason, run
 from .plan import Plan, plan_conversion
 from .pooling import (
     TOKENS_KEY,
@@ -134,6 +134,7 @@ __all__ = [
     "ReplicaForward",
     "TokenEmbeddings",
     "convert_sentence_transformer",
+    "packed_runner",
     "encoding",
     "graph_target",
     "is_converted",
@@ -530,6 +531,27 @@ def graph_target(model: nn.Module) -> nn.Module:
     its ``auto_model`` (a converted encoder) or a :class:`ragged.nn.hf.decoder.PackedDecoder` of it."""
     auto = model[0]._modules["model"]
     return PackedDecoder(auto) if model[0].forward.decoder else auto
+
+
+def packed_runner(st: nn.Module, max_tokens: int, max_batch: int | None = None, graphs: bool = True) -> PackedRunner:
+    """A :class:`.pipeline.PackedRunner` of ``st`` (a SentenceTransformer converted by
+    :func:`ragged.nn.convert`): its tokenization and its packed batches, for a caller that forms
+    the batches itself (``python -m ragged.serve``)."""
+    forward = _own(st[0], "forward", RaggedTransformerForward) if len(st) else None
+    if forward is None or not is_converted(st):
+        raise ValueError(
+            f"ragged.nn.hf.sentence.packed_runner(): expected a SentenceTransformer converted by ragged.nn.convert, "
+            f"got {type(st).__name__} not converted"
+        )
+    return PackedRunner(
+        st,
+        forward,
+        lambda: graph_target(st),
+        encoding,
+        max_tokens,
+        MAX_BATCH if max_batch is None else max_batch,
+        graphs,
+    )
 
 
 def convert_sentence_transformer(model: nn.Module, *, copy: bool = False, strict: bool = False) -> nn.Module:

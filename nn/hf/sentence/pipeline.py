@@ -67,7 +67,7 @@ from ...graphed import Graphed
 from .batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
 from .tokens import Flat, flat_ids
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_BATCH", "Pipeline", "embed", "reason"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_BATCH", "PackedRunner", "Pipeline", "embed", "reason"]
 
 DEFAULT_MAX_TOKENS = 16384  # real tokens per batch
 MAX_BATCH = 1024  # texts per batch
@@ -468,3 +468,41 @@ def embed(
         raise ValueError(f"ragged.nn.hf.sentence.pipeline.embed(): the pipeline cannot take this call: {why}")
     out = encode.pipelined(arguments, settings, on_batch)
     return np.asarray(finish(st, out, arguments, False), dtype=np.float32)
+
+
+class PackedRunner:
+    """The pipeline's two steps for a caller that forms its own batches (``ragged.serve``; made by
+    :func:`ragged.nn.hf.sentence.packed_runner`): :meth:`tokenize` (the Transformer's own
+    preprocess, unpadded, as the pipeline tokenizes) and :meth:`run` (one packed batch through
+    the model: each text at positions from 0, replayed from CUDA graphs of ``max_tokens`` /
+    ``max_batch`` on a GPU). ``target()``: what the graphs capture; ``encoding``:
+    :func:`ragged.nn.hf.sentence.encoding`."""
+
+    def __init__(
+        self, st: nn.Module, forward, target: Callable[[], nn.Module], encoding: Callable, max_tokens: int,
+        max_batch: int = MAX_BATCH, graphs: bool = True,
+    ) -> None:  # fmt: skip
+        self.st, self.forward, self.module = st, forward, st[0]
+        self.target, self.encoding = target, encoding
+        self.side = unpadded_side(self.module, {})
+        self.lock = getattr(self.module.__dict__.get("preprocess"), "lock", None) or threading.Lock()
+        self.settings = Pipeline(True, int(max_tokens), int(max_batch), bool(graphs))
+
+    def tokenize(self, texts: list[str], prompt: str | None = None):
+        """``(lengths [n], ids [sum], token types or None, the other features)`` of ``texts``,
+        tokenized (and truncated) as the model's own ``encode`` would."""
+        return _tokenize(self.module, self.lock, texts, prompt)
+
+    def run(self, lengths: np.ndarray, flat: np.ndarray, types, extra: dict) -> torch.Tensor:
+        """``[n, d]`` sentence embeddings (before normalisation) of the texts whose ids ``flat``
+        holds one after the other, ``lengths`` each, on the model's device (the caller reads
+        them: nothing here waits for the GPU)."""
+        st = self.st
+        device = next(st.parameters()).device
+        graphed = None
+        if device.type == "cuda" and self.settings.graphs and self.forward.graphed is None:
+            graphed = _graphs(self.settings, self.target, device)
+        starts = np.cumsum(lengths) - lengths
+        packed = _packed(lengths, flat, types, starts, np.arange(lengths.size), self.side or "right", False)
+        with torch.no_grad(), self.encoding(self.forward, "sentence", graphed):
+            return st({**extra, INPUT_KEY: packed})["sentence_embedding"]

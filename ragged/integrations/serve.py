@@ -1,0 +1,356 @@
+"""``python -m ragged.serve MODEL [options]``: an HTTP embedding server over a sentence-transformers
+model converted by :func:`ragged.nn.convert`, batching the texts of concurrent requests by tokens.
+
+The stack is Starlette on uvicorn (the ``serve`` extra). Endpoints:
+
+* ``POST /v1/embeddings``, OpenAI's: ``{"input": str | [str], "model": str, "encoding_format":
+  "float" | "base64", "dimensions": int}``, answered ``{"object": "list", "data": [{"object":
+  "embedding", "index": i, "embedding": [...] | base64 of float32}], "model", "usage":
+  {"prompt_tokens", "total_tokens"}}``; embeddings L2-normalised (after ``dimensions`` keeps the
+  first dimensions); errors as ``{"error": {"message", "type", "param", "code"}}``, so that the
+  ``openai`` client reads them;
+* ``POST /embed``, text-embeddings-inference's: ``{"inputs": str | [str], "normalize": true,
+  "truncate": false, "prompt_name": null}``, answered ``[[...], ...]``; errors as ``{"error",
+  "error_type"}``;
+* ``GET /health`` (200 once the model is loaded), ``GET /metrics`` (Prometheus:
+  :mod:`ragged.integrations.serve_metrics`).
+
+Requests are tokenized off the event loop and batched across requests by real tokens
+(:mod:`ragged.integrations.serve_engine`), one worker per device (``--devices``), CUDA graphs
+per bucket on GPUs. Past ``--max-concurrent-requests`` requests in flight the server answers 429
+with ``Retry-After``; a request of more than ``--max-client-batch-size`` texts gets 413;
+malformed JSON, an empty input, wrong types, an unknown field value and a text longer than the
+model takes (without truncation) get 400 with a message. A client that disconnects frees its
+place (its queued texts are dropped). SIGTERM (or Ctrl-C) stops accepting connections, answers
+the requests in flight, then exits. A batch whose model call raises answers 500 to its own
+requests; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["build_app", "main", "parse_args"]
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ragged.serve", description=__doc__.split("\n")[0])
+    p.add_argument("model", metavar="MODEL", help="a sentence-transformers model: a folder or a hub name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda where available")
+    p.add_argument("--devices", default="all", help="GPUs to serve from: all, or a list like 0,1 (one worker each)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bf16 on GPUs, fp32 on the CPU")
+    p.add_argument("--max-batch-tokens", type=int, default=16384, help="real tokens per batch (a longer text alone)")
+    p.add_argument("--max-concurrent-requests", type=int, default=512, help="requests in flight; past it: 429")
+    p.add_argument("--max-client-batch-size", type=int, default=256, help="texts per request; past it: 413")
+    p.add_argument("--served-model-name", default=None, help="the name answers carry (default: MODEL)")
+    args = p.parse_args(argv)
+    for name in ("max_batch_tokens", "max_concurrent_requests", "max_client_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def _devices(args) -> list:
+    import torch
+
+    kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cpu":
+        return [torch.device("cpu")]
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m ragged.serve: --device cuda given but no GPU is visible")
+    if args.devices == "all":
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    try:
+        ids = [int(x) for x in args.devices.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"python -m ragged.serve: --devices expects all or a list like 0,1, got {args.devices!r}"
+        ) from None
+    bad = [i for i in ids if not 0 <= i < torch.cuda.device_count()]
+    if not ids or bad:
+        raise SystemExit(f"python -m ragged.serve: --devices {args.devices}: {torch.cuda.device_count()} GPUs visible")
+    return [torch.device("cuda", i) for i in ids]
+
+
+def load_runners(args) -> list:
+    """One converted model per device, each in a :class:`ragged.nn.hf.sentence.pipeline.PackedRunner`."""
+    import copy
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    import ragged.nn
+    from ragged.nn.hf.sentence import packed_runner
+
+    devices = _devices(args)
+    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if devices[0].type == "cuda" else "fp32")])
+    st = SentenceTransformer(args.model, device="cpu")
+    st = ragged.nn.convert(st).to(dtype).eval()
+    runners = []
+    for i, device in enumerate(devices):
+        model = st if i == len(devices) - 1 else copy.deepcopy(st)
+        runners.append(packed_runner(model.to(device), args.max_batch_tokens))
+    return runners
+
+
+class _Problem(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _texts(value: Any, field: str, limit: int) -> list[str]:
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+        texts = list(value)
+    else:
+        raise _Problem(400, f"'{field}' must be a string or a list of strings, got {type(value).__name__}", field)
+    if not texts:
+        raise _Problem(400, f"'{field}' is empty: give at least one text", field)
+    if any(not t for t in texts):
+        raise _Problem(400, f"'{field}' holds an empty string (text {texts.index('')})", field)
+    if len(texts) > limit:
+        raise _Problem(413, f"'{field}' holds {len(texts)} texts, more than the server's {limit} per request", field)
+    return texts
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _Problem(400, f"'{name}' must be true or false, got {json.dumps(value)}", name)
+    return value
+
+
+def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: int, on_shutdown=None):
+    """The Starlette application over a running :class:`Engine`."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+
+    metrics = engine.metrics
+    state = {"inflight": 0}
+
+    def dumps(obj: Any) -> bytes:
+        try:
+            import orjson
+
+            return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+        except ImportError:
+            return json.dumps(obj, default=lambda a: a.tolist()).encode()
+
+    def openai_error(p: _Problem) -> Response:
+        kind = p.kind if p.status != 429 else "rate_limit_error"
+        body = {"error": {"message": p.message, "type": kind, "param": p.param, "code": None}}
+        return Response(dumps(body), p.status, media_type="application/json", headers=_retry(p))
+
+    def tei_error(p: _Problem) -> Response:
+        kind = {400: "Validation", 413: "Validation", 429: "Overloaded", 503: "Unhealthy"}.get(p.status, "Backend")
+        return Response(
+            dumps({"error": p.message, "error_type": kind}), p.status, media_type="application/json", headers=_retry(p)
+        )
+
+    def _retry(p: _Problem) -> dict:
+        return {"Retry-After": "1"} if p.status in (429, 503) else {}
+
+    async def body_of(request: HttpRequest) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _Problem(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _Problem(400, f"the body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    async def embed(request: HttpRequest, texts: list[str], prompt: str | None, truncate: bool):
+        """``([n, d] float32 rows, prompt tokens)``, or None when the client went away."""
+        from .serve_engine import Refused
+
+        loop = asyncio.get_running_loop()
+        try:
+            tokenized = await loop.run_in_executor(engine.tokenizers, engine.tokenize, texts, prompt, truncate)
+            job = engine.submit(loop, texts, tokenized, prompt)
+        except Refused as e:
+            raise _Problem(e.status, e.message, e.param) from None
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if job.future not in done:
+            engine.cancel(job)
+            return None
+        try:
+            rows = job.future.result()
+        except Exception as e:  # the model call of one of its batches raised
+            raise _Problem(
+                500, f"the model failed on this request's batch: {type(e).__name__}: {e}", None, "server_error"
+            ) from None
+        return rows, int(tokenized[0].sum())
+
+    async def guarded(request: HttpRequest, endpoint: str, handle, error) -> Response:
+        started = time.perf_counter()
+        if state["inflight"] >= max_concurrent:
+            metrics.request_done(endpoint, 429, None)
+            return error(_Problem(429, f"the server holds {max_concurrent} requests already; retry later"))
+        state["inflight"] += 1
+        metrics.set_inflight(state["inflight"])
+        status = 200
+        try:
+            out = await handle(request)
+            if out is None:  # the client disconnected
+                status = 499
+                return Response(status_code=499)
+            return Response(dumps(out), 200, media_type="application/json")
+        except _Problem as p:
+            status = p.status
+            return error(p)
+        finally:
+            state["inflight"] -= 1
+            metrics.set_inflight(state["inflight"])
+            metrics.request_done(endpoint, status, time.perf_counter() - started if status == 200 else None)
+
+    async def openai_embeddings(request: HttpRequest) -> Response:
+        async def handle(request):
+            body = await body_of(request)
+            if "input" not in body:
+                raise _Problem(400, "'input' is required", "input")
+            texts = _texts(body["input"], "input", max_client_batch)
+            fmt = body.get("encoding_format", "float")
+            if fmt not in ("float", "base64"):
+                raise _Problem(
+                    400, f"'encoding_format' must be 'float' or 'base64', got {json.dumps(fmt)}", "encoding_format"
+                )
+            dims = body.get("dimensions")
+            if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+                raise _Problem(400, f"'dimensions' must be a positive integer, got {json.dumps(dims)}", "dimensions")
+            model = body.get("model", model_name)
+            if not isinstance(model, str):
+                raise _Problem(400, f"'model' must be a string, got {json.dumps(model)}", "model")
+            got = await embed(request, texts, None, False)
+            if got is None:
+                return None
+            rows, tokens = got
+            if dims is not None:
+                if dims > rows.shape[1]:
+                    raise _Problem(400, f"'dimensions' is {dims}, more than the model's {rows.shape[1]}", "dimensions")
+                rows = rows[:, :dims]
+            rows = _normalized(rows)
+            if fmt == "base64":
+                data = [
+                    {
+                        "object": "embedding",
+                        "index": i,
+                        "embedding": base64.b64encode(r.astype("<f4").tobytes()).decode(),
+                    }
+                    for i, r in enumerate(rows)
+                ]
+            else:
+                data = [{"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(rows)]
+            return {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+
+        return await guarded(request, "/v1/embeddings", handle, openai_error)
+
+    async def tei_embed(request: HttpRequest) -> Response:
+        async def handle(request):
+            body = await body_of(request)
+            if "inputs" not in body:
+                raise _Problem(400, "'inputs' is required", "inputs")
+            texts = _texts(body["inputs"], "inputs", max_client_batch)
+            normalize, truncate = _flag(body, "normalize", True), _flag(body, "truncate", False)
+            prompt = None
+            name = body.get("prompt_name")
+            if name is not None:
+                prompts = getattr(engine.runners[0].st, "prompts", None) or {}
+                if not isinstance(name, str) or name not in prompts:
+                    raise _Problem(
+                        400,
+                        f"'prompt_name' {json.dumps(name)} is not one of the model's prompts {sorted(prompts)}",
+                        "prompt_name",
+                    )
+                prompt = prompts[name]
+            got = await embed(request, texts, prompt, truncate)
+            if got is None:
+                return None
+            rows, _ = got
+            return _normalized(rows) if normalize else rows
+
+        return await guarded(request, "/embed", handle, tei_error)
+
+    async def health(request: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    async def metrics_endpoint(request: HttpRequest) -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if on_shutdown is not None:
+            await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
+
+    routes = [
+        Route("/v1/embeddings", openai_embeddings, methods=["POST"]),
+        Route("/embed", tei_embed, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (its connection closed)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _normalized(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows / np.maximum(norms, 1e-12)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("python -m ragged.serve needs the serve extra: pip install 'ragged[serve]'", file=sys.stderr)
+        return 2
+    from .serve_engine import Engine
+    from .serve_metrics import Metrics
+
+    runners = load_runners(args)
+    engine = Engine(runners, args.max_batch_tokens, Metrics())
+    name = args.served_model_name or args.model
+    app = build_app(engine, name, args.max_concurrent_requests, args.max_client_batch_size, on_shutdown=engine.stop)
+    where = ", ".join(str(next(r.st.parameters()).device) for r in runners)
+    print(f"ragged.serve: {name} on {where}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60)
+    # uvicorn drains on SIGTERM, then raises the signal again for the handler found at its start:
+    # this one ends the process with status 0 (a drained, orderly stop)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,301 @@
+"""The batching engine of ``python -m ragged.serve`` (:mod:`ragged.integrations.serve`): texts of
+many requests tokenized off the event loop, queued in arrival order, cut into batches of at most
+``max_batch_tokens`` real tokens and run by one worker thread per device, each request answered
+when its last text is done.
+
+* **Tokenization** runs in a thread pool (:meth:`Engine.tokenize`): the model's own preprocess,
+  unpadded (:func:`ragged.nn.hf.sentence.packed_runner`), truncated to the model's
+  length; a text longer than that is refused unless the request allows truncation.
+* **The queue** holds one item per text. A worker takes the oldest items up to the token budget
+  (a longer text alone), skipping those of cancelled requests, and only items of one prompt per
+  batch (a prompt changes the features the pooling reads).
+* **Overlap.** A worker launches a batch and hands its output to its finisher thread, which waits
+  for the GPU and copies the rows to the host, while the worker already packs and launches the
+  next batch (at most two batches in flight per device). On the CPU a batch runs to its end.
+* **Failure.** When a batch raises, each of its requests runs again alone: those that raise
+  again get the error (500), the others their rows; no other batch is touched.
+* **Requests** are futures of the event loop, resolved from the finisher thread through
+  ``loop.call_soon_threadsafe``; a request cancelled by its client marks its items, which no
+  batch takes any more.
+
+``RAGGED_SERVE_BATCH_DELAY`` (seconds) makes each batch wait before it runs, and
+``RAGGED_SERVE_FAULT`` (a text) makes a batch holding that exact text raise: both for testing the
+server's behaviour under load and failure, never set in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Engine", "Refused", "Request"]
+
+
+class Refused(Exception):
+    """A request the engine will not run: ``status`` (HTTP) and a message for the client."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class Request:
+    """One HTTP request's texts: the embeddings as their rows arrive (from any device's finisher
+    thread), and the event loop's future answered when the last row is in."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None) -> None:
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.texts = texts
+        self.remaining = len(texts)
+        self.rows: np.ndarray | None = None
+        self.prompt = prompt
+        self.cancelled = False
+        self.failed = False
+        self._lock = threading.Lock()
+
+    def _resolve(self, value: Any, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(value)
+
+    def put(self, index: int, row: np.ndarray) -> None:
+        """Row ``index`` of the request's embeddings."""
+        with self._lock:
+            if self.failed:
+                return
+            if self.rows is None:
+                self.rows = np.empty((len(self.texts), row.shape[0]), np.float32)
+            self.rows[index] = row
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.loop.call_soon_threadsafe(self._resolve, self.rows, None)
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.failed:
+                return
+            self.failed = True
+        self.loop.call_soon_threadsafe(self._resolve, None, error)
+
+
+class _Item:
+    __slots__ = ("request", "index", "ids", "types", "extra")
+
+    def __init__(self, request: Request, index: int, ids: np.ndarray, types, extra: dict) -> None:
+        self.request, self.index, self.ids, self.types, self.extra = request, index, ids, types, extra
+
+
+class Engine:
+    """Models on their devices (``runners``: one ``PackedRunner`` each), the shared queue,
+    one worker and one finisher thread per device. ``metrics``: a
+    :class:`ragged.integrations.serve_metrics.Metrics`."""
+
+    def __init__(self, runners: list, max_batch_tokens: int, metrics, tokenize_threads: int = 4) -> None:
+        self.runners = runners
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.metrics = metrics
+        self.max_length = _max_length(runners[0].st)
+        self._items: collections.deque[_Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._delay = float(os.environ.get("RAGGED_SERVE_BATCH_DELAY", "0") or 0)
+        self._fault = os.environ.get("RAGGED_SERVE_FAULT") or None
+        self.tokenizers = concurrent.futures.ThreadPoolExecutor(tokenize_threads, thread_name_prefix="ragged-tokenize")
+        self._threads: list[threading.Thread] = []
+        for i, runner in enumerate(runners):
+            done: queue.Queue = queue.Queue(maxsize=2)  # batches in flight past the worker, per device
+            finisher = threading.Thread(target=self._finish_loop, args=(done,), name=f"ragged-finish-{i}", daemon=True)
+            worker = threading.Thread(
+                target=self._work_loop, args=(runner, done), name=f"ragged-batch-{i}", daemon=True
+            )
+            finisher.start()
+            worker.start()
+            self._threads += [worker, finisher]
+
+    # ---- requests (event loop side)
+
+    def tokenize(self, texts: list[str], prompt: str | None, truncate: bool):
+        """``(lengths, flat ids, types, extra)`` of ``texts`` (a worker of the tokenizer pool);
+        raises :class:`Refused` for a text over the model's length without ``truncate``."""
+        lengths, flat, types, extra = self.runners[0].tokenize(texts, prompt)
+        if not truncate and self.max_length is not None:
+            full = np.flatnonzero(lengths >= self.max_length)
+            if full.size:
+                longest = _untruncated_lengths(self.runners[0].st, [texts[i] for i in full], prompt)
+                over = [int(full[j]) for j, n in enumerate(longest) if n > self.max_length]
+                if over:
+                    raise Refused(
+                        400,
+                        f"input {over[0]} has {longest[full.tolist().index(over[0])]} tokens, more than the model's "
+                        f'{self.max_length}; shorten it, or ask for truncation ("truncate": true on /embed)',
+                        "input",
+                    )
+        return lengths, flat, types, extra
+
+    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], tokenized, prompt: str | None) -> Request:
+        """Queue the texts of one request; its future is answered with ``[n, d]`` float32 rows."""
+        lengths, flat, types, extra = tokenized
+        request = Request(loop, texts, prompt)
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        items = [
+            _Item(
+                request,
+                i,
+                flat[starts[i] : starts[i + 1]],
+                None if types is None else types[starts[i] : starts[i + 1]],
+                extra,
+            )
+            for i in range(lengths.size)
+        ]
+        with self._cond:
+            if self._stopping:
+                raise Refused(503, "the server is shutting down")
+            self._items.extend(items)
+            self.metrics.queue_depth(len(self._items))
+            self._cond.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: its items are skipped, its place freed."""
+        request.cancelled = True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Run what is queued, then end the threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.tokenizers.shutdown(wait=False, cancel_futures=True)
+
+    # ---- workers
+
+    def _take(self) -> list[_Item] | None:
+        """The next batch (None: stopping and nothing left)."""
+        with self._cond:
+            while True:
+                while self._items and self._items[0].request.cancelled:
+                    self._items.popleft()
+                if self._items:
+                    break
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            head = self._items.popleft()
+            batch, tokens = [head], head.ids.size
+            prompt = head.request.prompt
+            kept: list[_Item] = []
+            while self._items and tokens < self.max_batch_tokens:
+                item = self._items[0]
+                if item.request.cancelled:
+                    self._items.popleft()
+                    continue
+                if item.request.prompt != prompt:  # another prompt: its own batch, order kept
+                    kept.append(self._items.popleft())
+                    continue
+                if tokens + item.ids.size > self.max_batch_tokens:
+                    break
+                batch.append(self._items.popleft())
+                tokens += item.ids.size
+            self._items.extendleft(reversed(kept))
+            self.metrics.queue_depth(len(self._items))
+            return batch
+
+    def _work_loop(self, runner, done: queue.Queue) -> None:
+        device = next(runner.st.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        while True:
+            batch = self._take()
+            if batch is None:
+                done.put(None)
+                return
+            if self._delay:
+                time.sleep(self._delay)
+            try:
+                self._launch(runner, batch, done)
+            except Exception as error:
+                self.metrics.batch_failed()
+                requests = list({id(it.request): it.request for it in batch}.values())
+                if len(requests) == 1:
+                    requests[0].fail(error)
+                    continue
+                # which request's texts fail: each again alone, so that the others are answered
+                for request in requests:
+                    try:
+                        self._launch(runner, [it for it in batch if it.request is request], done)
+                    except Exception as alone:
+                        request.fail(alone)
+
+    def _launch(self, runner, batch: list[_Item], done: queue.Queue) -> None:
+        """Run ``batch`` and hand its output to the finisher (raises what the model raises)."""
+        if self._fault is not None and any(_text_of(it) == self._fault for it in batch):
+            raise RuntimeError("fault injected by RAGGED_SERVE_FAULT")
+        lengths = np.fromiter((it.ids.size for it in batch), dtype=np.int64, count=len(batch))
+        flat = np.concatenate([it.ids for it in batch])
+        types = None if batch[0].types is None else np.concatenate([it.types for it in batch])
+        started = time.perf_counter()
+        emb = runner.run(lengths, flat, types, batch[0].extra)
+        host, event = _to_host(emb)
+        done.put((batch, host, event, started, int(lengths.sum())))
+
+    def _finish_loop(self, done: queue.Queue) -> None:
+        while True:
+            entry = done.get()
+            if entry is None:
+                return
+            batch, host, event, started, tokens = entry
+            try:
+                if event is not None:
+                    event.synchronize()
+                rows = host.numpy()
+                for it, row in zip(batch, rows):
+                    it.request.put(it.index, row)
+                self.metrics.batch_done(len(batch), tokens, time.perf_counter() - started)
+            except Exception as error:
+                for request in {id(it.request): it.request for it in batch}.values():
+                    request.fail(error)
+
+
+def _to_host(emb: torch.Tensor):
+    """``emb`` as float32 on the host: on CUDA a copy into pinned memory without blocking, and the
+    event to wait for."""
+    emb = emb.float()
+    if emb.device.type != "cuda":
+        return emb.detach().cpu(), None
+    host = torch.empty(emb.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(emb, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _text_of(item: _Item) -> str:
+    return item.request.texts[item.index]
+
+
+def _max_length(st) -> int | None:
+    n = getattr(st, "max_seq_length", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _untruncated_lengths(st, texts: list[str], prompt: str | None) -> list[int]:
+    """The token counts of ``texts`` (with the prompt and special tokens) without truncation."""
+    tok = st.tokenizer
+    full = [(prompt or "") + t for t in texts]
+    return [len(ids) for ids in tok(full, truncation=False, padding=False)["input_ids"]]

@@ -1,0 +1,283 @@
+"""``python -m ragged.serve``: a real server process on 127.0.0.1 with a tiny sentence-transformers
+model (BERT, 2 layers, random weights, mean pooling), real HTTP clients (httpx, and the ``openai``
+client where installed): embeddings against the original model's, 200 concurrent requests of
+mixed sizes each answered with its own rows, the error cases, 429 past the concurrency limit, a
+cancelled request freeing its place, a failing batch answering 500 to its own requests only,
+``/health`` and ``/metrics``, and SIGTERM answering the request in flight before the process
+ends."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+tf = pytest.importorskip("transformers")
+pytest.importorskip("sentence_transformers")
+
+import torch  # noqa: E402
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer import modules as M  # noqa: E402
+from test_hf_sentence import MAXLEN, VOCAB, WORDS, _config  # noqa: E402
+
+FAULT = "zz fault zz"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_model")
+    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tok_dir = path / "tok"
+    tf.BertTokenizerFast(str(path / "vocab.txt"), model_max_length=MAXLEN).save_pretrained(str(tok_dir))
+    torch.manual_seed(0)
+    bert = tf.AutoModel.from_config(_config("bert"))
+    with torch.no_grad():
+        for p in bert.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    bert.save_pretrained(str(tok_dir))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        st = SentenceTransformer(modules=[M.Transformer(str(tok_dir), max_seq_length=MAXLEN), M.Pooling(32, "mean")])
+        st.save(str(path / "st"))
+    return str(path / "st")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *args: str, env: dict | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ragged.serve", model, "--port", str(self.port), "--device", "cpu", *args]
+        full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the server did not answer /health in 120 s")
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.stdout.read() if self.proc.stdout else ""
+
+
+@pytest.fixture(scope="module")
+def original(model_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SentenceTransformer(model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(
+        model_dir, "--max-client-batch-size", "64", "--max-batch-tokens", "512", env={"RAGGED_SERVE_FAULT": FAULT}
+    )
+    yield s
+    s.stop()
+
+
+def _want(original, texts, normalize=True):
+    return original.encode(texts, batch_size=4, normalize_embeddings=normalize, convert_to_numpy=True)
+
+
+def test_embed_and_openai_routes_equal_the_original(server, original):
+    texts = _texts(9, 1) + ["alone"]
+    r = httpx.post(server.url + "/embed", json={"inputs": texts})
+    assert r.status_code == 200
+    np.testing.assert_allclose(np.array(r.json()), _want(original, texts), atol=2e-5, rtol=1e-4)
+    r = httpx.post(server.url + "/embed", json={"inputs": texts[0], "normalize": False})
+    np.testing.assert_allclose(np.array(r.json()), _want(original, texts[:1], False), atol=2e-5, rtol=1e-4)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": texts, "model": "m"})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "list" and body["model"] == "m"
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    got = np.array([d["embedding"] for d in body["data"]])
+    np.testing.assert_allclose(got, _want(original, texts), atol=2e-5, rtol=1e-4)
+    tokens = sum(len(ids) for ids in original.tokenizer(texts)["input_ids"])
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # base64 float32 and dimensions (the first dimensions, normalised again)
+    r = httpx.post(
+        server.url + "/v1/embeddings", json={"input": texts[:2], "encoding_format": "base64", "dimensions": 8}
+    )
+    rows = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]])
+    want = _want(original, texts[:2], False)[:, :8]
+    np.testing.assert_allclose(rows, want / np.linalg.norm(want, axis=1, keepdims=True), atol=2e-5, rtol=1e-4)
+
+
+def test_openai_client(server, original):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    texts = _texts(5, 2)
+    out = client.embeddings.create(input=texts, model="tiny")  # the client asks for base64
+    got = np.array([d.embedding for d in out.data])
+    np.testing.assert_allclose(got, _want(original, texts), atol=2e-5, rtol=1e-4)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.embeddings.create(input=[], model="tiny")
+
+
+def test_two_hundred_concurrent_requests_get_their_own_rows(server, original):
+    rng = random.Random(3)
+    requests = [_texts(rng.randint(1, 12), 100 + i) for i in range(200)]
+    unique = sorted({t for r in requests for t in r})
+    want = dict(zip(unique, _want(original, unique)))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*(client.post(server.url + "/embed", json={"inputs": r}) for r in requests))
+
+    answers = asyncio.run(run())
+    for texts, r in zip(requests, answers):
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(np.array(r.json()), np.stack([want[t] for t in texts]), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "path,body,status,words",
+    [
+        ("/embed", b"{not json", 400, "not valid JSON"),
+        ("/embed", b"[1, 2]", 400, "JSON object"),
+        ("/embed", {"inputs": []}, 400, "empty"),
+        ("/embed", {"inputs": ""}, 400, "empty string"),
+        ("/embed", {"inputs": [1, 2]}, 400, "string or a list of strings"),
+        ("/embed", {"inputs": "a", "normalize": "yes"}, 400, "'normalize' must be true or false"),
+        ("/embed", {"inputs": ["a"] * 65}, 413, "65 texts"),
+        ("/embed", {"texts": "a"}, 400, "'inputs' is required"),
+        ("/embed", {"inputs": "a", "prompt_name": "nope"}, 400, "prompt_name"),
+        ("/v1/embeddings", {"input": 3}, 400, "string or a list of strings"),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 400, "encoding_format"),
+        ("/v1/embeddings", {"input": "a", "dimensions": 0}, 400, "dimensions"),
+        ("/v1/embeddings", {"input": "a", "dimensions": 999}, 400, "more than the model's 32"),
+    ],
+)
+def test_bad_requests(server, path, body, status, words):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"] if path.startswith("/v1") else r.json()["error"]
+    assert words in message
+    if path.startswith("/v1"):
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_text_over_the_models_length(server, original):
+    long = " ".join(WORDS[i % len(WORDS)] for i in range(MAXLEN + 10))
+    r = httpx.post(server.url + "/embed", json={"inputs": ["short", long]})
+    assert r.status_code == 400 and "more than the model's 64" in r.json()["error"]
+    r = httpx.post(server.url + "/embed", json={"inputs": ["short", long], "truncate": True})
+    assert r.status_code == 200
+    np.testing.assert_allclose(np.array(r.json()), _want(original, ["short", long]), atol=2e-5, rtol=1e-4)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": long})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_a_failing_batch_answers_500_to_its_requests_only(server, original):
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            bad = client.post(server.url + "/embed", json={"inputs": [FAULT]})
+            good = [client.post(server.url + "/embed", json={"inputs": t}) for t in _texts(6, 7)]
+            return await asyncio.gather(bad, *good)
+
+    bad, *good = asyncio.run(run())
+    assert bad.status_code == 500 and "fault injected" in bad.json()["error"]
+    # requests batched with the failing one run again without it; the server keeps serving
+    assert all(r.status_code == 200 for r in good)
+    r = httpx.post(server.url + "/embed", json={"inputs": ["after the fault"]})
+    assert r.status_code == 200
+    assert "ragged_batch_failures_total" in httpx.get(server.url + "/metrics").text
+
+
+def test_health_and_metrics(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    httpx.post(server.url + "/embed", json={"inputs": ["counted"]})
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "ragged_queue_depth",
+        "ragged_batch_tokens_bucket",
+        "ragged_request_seconds_bucket",
+        "ragged_texts_per_second",
+        'ragged_requests_total{endpoint="/embed",status="200"}',
+    ):
+        assert name in text
+
+
+def test_429_past_the_limit_and_a_cancelled_request_frees_its_place(model_dir):
+    s = Server(model_dir, "--max-concurrent-requests", "1", env={"RAGGED_SERVE_BATCH_DELAY": "1.0"})
+    try:
+
+        async def run():
+            async with httpx.AsyncClient(timeout=30) as client:
+                first = asyncio.ensure_future(client.post(s.url + "/embed", json={"inputs": ["one"]}))
+                await asyncio.sleep(0.3)
+                second = await client.post(s.url + "/embed", json={"inputs": ["two"]})
+                return await first, second
+
+        first, second = asyncio.run(run())
+        assert first.status_code == 200
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+        assert second.json()["error_type"] == "Overloaded"
+
+        async def cancel_then_ask():
+            async with httpx.AsyncClient(timeout=0.3) as impatient:
+                with pytest.raises(httpx.TimeoutException):
+                    await impatient.post(s.url + "/embed", json={"inputs": ["given up"]})
+            await asyncio.sleep(0.3)  # the server sees the disconnect
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await client.post(s.url + "/embed", json={"inputs": ["next"]})
+
+        assert asyncio.run(cancel_then_ask()).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_sigterm_answers_the_request_in_flight(model_dir, original):
+    s = Server(model_dir, env={"RAGGED_SERVE_BATCH_DELAY": "1.0"})
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as client:
+            pending = asyncio.ensure_future(client.post(s.url + "/embed", json={"inputs": ["drained"]}))
+            await asyncio.sleep(0.4)
+            s.proc.send_signal(signal.SIGTERM)
+            return await pending
+
+    r = asyncio.run(run())
+    assert r.status_code == 200
+    np.testing.assert_allclose(np.array(r.json()), _want(original, ["drained"]), atol=2e-5, rtol=1e-4)
+    assert s.proc.wait(30) == 0
