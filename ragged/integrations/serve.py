@@ -15,7 +15,8 @@ The stack is Starlette on uvicorn (the ``serve`` extra). Endpoints:
 * ``GET /health`` (200 once the model is loaded), ``GET /metrics`` (Prometheus:
   :mod:`ragged.integrations.serve_metrics`).
 
-Requests are tokenized off the event loop and batched across requests by real tokens
+Requests are tokenized off the event loop (but for a few short texts, which cost less to
+tokenize than to hand to a thread) and batched across requests by real tokens
 (:mod:`ragged.integrations.serve_engine`), one worker per device (``--devices``), CUDA graphs
 per bucket on GPUs. Past ``--max-concurrent-requests`` requests in flight the server answers 429
 with ``Retry-After``; a request of more than ``--max-client-batch-size`` texts gets 413;
@@ -42,6 +43,7 @@ import numpy as np
 
 __all__ = ["build_app", "main", "parse_args"]
 
+_INLINE_CHARS = 1024  # a request of at most this many characters is tokenized on the event loop
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -184,7 +186,10 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
 
         loop = asyncio.get_running_loop()
         try:
-            tokenized = await loop.run_in_executor(engine.tokenizers, engine.tokenize, texts, prompt, truncate)
+            if sum(map(len, texts)) <= _INLINE_CHARS:  # a few short texts: faster here than a thread's hand-over
+                tokenized = engine.tokenize(texts, prompt, truncate)
+            else:
+                tokenized = await loop.run_in_executor(engine.tokenizers, engine.tokenize, texts, prompt, truncate)
             job = engine.submit(loop, texts, tokenized, prompt)
         except Refused as e:
             raise _Problem(e.status, e.message, e.param) from None

@@ -11,7 +11,8 @@ when its last text is done.
   batch (a prompt changes the features the pooling reads).
 * **Overlap.** A worker launches a batch and hands its output to its finisher thread, which waits
   for the GPU and copies the rows to the host, while the worker already packs and launches the
-  next batch (at most two batches in flight per device). On the CPU a batch runs to its end.
+  next batch (at most two batches in flight per device). On the CPU a batch runs to its end and
+  the worker answers it itself.
 * **Failure.** When a batch raises, each of its requests runs again alone: those that raise
   again get the error (500), the others their rows; no other batch is touched.
 * **Requests** are futures of the event loop, resolved from the finisher thread through
@@ -252,7 +253,10 @@ class Engine:
         started = time.perf_counter()
         emb = runner.run(lengths, flat, types, batch[0].extra)
         host, event = _to_host(emb)
-        done.put((batch, host, event, started, int(lengths.sum())))
+        if event is None:  # computed already (the CPU): answered here, without a hand-over
+            self._answer(batch, host, started, int(lengths.sum()))
+        else:
+            done.put((batch, host, event, started, int(lengths.sum())))
 
     def _finish_loop(self, done: queue.Queue) -> None:
         while True:
@@ -261,15 +265,17 @@ class Engine:
                 return
             batch, host, event, started, tokens = entry
             try:
-                if event is not None:
-                    event.synchronize()
-                rows = host.numpy()
-                for it, row in zip(batch, rows):
-                    it.request.put(it.index, row)
-                self.metrics.batch_done(len(batch), tokens, time.perf_counter() - started)
+                event.synchronize()
+                self._answer(batch, host, started, tokens)
             except Exception as error:
                 for request in {id(it.request): it.request for it in batch}.values():
                     request.fail(error)
+
+    def _answer(self, batch: list[_Item], host: torch.Tensor, started: float, tokens: int) -> None:
+        rows = host.numpy()
+        for it, row in zip(batch, rows):
+            it.request.put(it.index, row)
+        self.metrics.batch_done(len(batch), tokens, time.perf_counter() - started)
 
 
 def _to_host(emb: torch.Tensor):

@@ -1,0 +1,237 @@
+"""A bounded load test of ``python -m ragged.serve`` beside sentence-transformers behind an ASGI
+app (``bench.st_server``: one ``encode`` per request, as FastAPI servers are written), on
+loopback only.
+
+``python -m bench.serve_load [--device cuda|cpu] [--clients 1 16 256] [--sizes 1 32]
+[--requests 2000] [--seconds 20] [--tiny] [--out FILE.md]``
+
+Both servers load the same model: all-MiniLM-L6-v2's shape (BERT 6 x 384, random weights,
+``bench.embed_wall``'s) with the project corpus's tokenizer, bf16 on a GPU, fp32 on the CPU
+(``--tiny``: a 2 x 32 model). For every request size (``--sizes``: texts per request, drawn from
+the corpus in order) and every count of concurrent clients (``--clients``), each server answers
+``--requests`` requests or runs ``--seconds``, whichever ends first, after a warm-up of the same
+shape (its compiles and graph captures); clients are spread over ``--procs`` processes (each an
+asyncio loop of httpx connections), each client sending its next request when the last one is
+answered. Reported per row: requests/s and texts/s over the timed window, latency p50 and p99
+(ms), and errors. The converted model's in-process ``encode`` of the same texts (texts/s) is the
+reference for the 32-text rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+JSON = {"content-type": "application/json"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, timeout: float = 600) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[2]} exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{cmd[2]} did not answer /health")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _client_proc(url: str, bodies: list[bytes], clients: int, count: int, seconds: float, start_at: float, out) -> None:
+    """One process of clients: ``clients`` connections, ``count`` requests in all (or ``seconds``)."""
+    import httpx
+
+    async def run():
+        latencies, errors = [], 0
+        sent = 0
+        end = start_at + seconds
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+
+            async def one_client():
+                nonlocal sent, errors
+                while sent < count and time.time() < end:
+                    body = bodies[sent % len(bodies)]
+                    sent += 1
+                    t0 = time.perf_counter()
+                    try:
+                        r = await client.post(
+                            url + "/embed", content=body, headers={"content-type": "application/json"}
+                        )
+                        ok = r.status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok:
+                        latencies.append(time.perf_counter() - t0)
+                    else:
+                        errors += 1
+
+            t0 = time.time()
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+            return latencies, errors, time.time() - t0
+
+    out.put(asyncio.run(run()))
+
+
+def load(url: str, texts: list[str], size: int, clients: int, count: int, seconds: float, procs: int) -> dict:
+    """Requests of ``size`` texts from ``clients`` concurrent clients over ``procs`` processes."""
+    import json
+
+    # truncate: as sentence-transformers' encode truncates (ragged.serve refuses a long text unless asked)
+    starts = range(0, len(texts) - size, size)
+    bodies = [json.dumps({"inputs": texts[i : i + size], "truncate": True}).encode() for i in starts][:4096]
+    procs = max(1, min(procs, clients))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 2.0  # every process starts together
+    workers = []
+    for k in range(procs):
+        share = clients // procs + (k < clients % procs)
+        n = count // procs + (k < count % procs)
+        rotated = bodies[k::procs] or bodies
+        p = ctx.Process(target=_client_proc, args=(url, rotated, share, n, seconds, start_at, out))
+        p.start()
+        workers.append(p)
+    results = [out.get() for _ in workers]
+    for p in workers:
+        p.join()
+    latencies = np.array([x for r in results for x in r[0]])
+    errors = sum(r[1] for r in results)
+    wall = max(r[2] for r in results)
+    done = latencies.size
+    return {
+        "rps": done / wall if wall else 0.0,
+        "texts_s": done * size / wall if wall else 0.0,
+        "p50": float(np.percentile(latencies, 50) * 1e3) if done else float("nan"),
+        "p99": float(np.percentile(latencies, 99) * 1e3) if done else float("nan"),
+        "errors": errors,
+        "done": done,
+    }
+
+
+def encode_rate(model_dir: str, texts: list[str], device: str) -> float:
+    """texts/s of the converted model's in-process ``encode`` (after one warm-up call)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    import ragged.nn
+
+    st = ragged.nn.convert(SentenceTransformer(model_dir, device=device))
+    if device == "cuda":
+        st = st.to(torch.bfloat16)
+    st.encode(texts, batch_size=32)
+    t0 = time.perf_counter()
+    st.encode(texts, batch_size=32)
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 256])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--servers", nargs="+", default=["ragged", "st"], choices=("ragged", "st"))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bench.embed_wall import build_model
+    from bench.embed_wall import texts as corpus_texts
+    from bench.env import cpu_name, git_state
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    texts = corpus_texts(max(4096, 64 * max(args.sizes)))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(tmp, args.tiny)
+        inproc = encode_rate(model, texts, device)
+        for server in args.servers:
+            port = _port()
+            url = f"http://127.0.0.1:{port}"
+            if server == "ragged":
+                cmd = [sys.executable, "-m", "ragged.serve", model, "--port", str(port), "--device", device]
+            else:
+                cmd = [sys.executable, "-m", "bench.st_server", model, "--port", str(port), "--device", device]
+            proc = start(cmd, url)
+            try:
+                for size in args.sizes:
+                    for clients in args.clients:
+                        warm = max(clients * 2, 64 // size)
+                        load(url, texts, size, clients, warm, args.seconds, args.procs)
+                        r = load(url, texts, size, clients, args.requests, args.seconds, args.procs)
+                        rows.append((server, size, clients, r))
+                        print(
+                            f"{server:6s} size {size:3d} clients {clients:4d}: {r['rps']:9.1f} req/s "
+                            f"{r['texts_s']:10.1f} texts/s p50 {r['p50']:8.2f} ms p99 {r['p99']:8.2f} ms "
+                            f"errors {r['errors']}",
+                            flush=True,
+                        )
+            finally:
+                stop(proc)
+    state = git_state()
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [
+        f"# bench.serve_load on {name}: {'tiny' if args.tiny else 'MiniLM-shaped'} model, loopback",
+        "",
+        f"host CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, tree "
+        f"{(state.get('git_commit') or '?')[:12]}; {args.requests} requests or {args.seconds} s per row, "
+        f"clients over {args.procs} processes; in-process `encode` of the converted model: {inproc:,.0f} texts/s",
+        "",
+        "| server | texts/request | clients | requests/s | texts/s | p50 ms | p99 ms | errors | vs ST server |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {(s, c): r for srv, s, c, r in rows if srv == "st"}
+    for srv, size, clients, r in rows:
+        ref = base.get((size, clients))
+        ratio = f"{r['rps'] / ref['rps']:.1f}x" if ref and ref["rps"] and srv == "ragged" else ""
+        lines.append(
+            f"| {'ragged.serve' if srv == 'ragged' else 'ST server'} | {size} | {clients} | {r['rps']:,.1f} | "
+            f"{r['texts_s']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['errors']} | {ratio} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
