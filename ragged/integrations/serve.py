@@ -186,7 +186,8 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
 
         loop = asyncio.get_running_loop()
         try:
-            if sum(map(len, texts)) <= _INLINE_CHARS:  # a few short texts: faster here than a thread's hand-over
+            # a few short texts, the tokenizer free: faster here than a thread's hand-over
+            if sum(map(len, texts)) <= _INLINE_CHARS and not engine.runners[0].lock.locked():
                 tokenized = engine.tokenize(texts, prompt, truncate)
             else:
                 tokenized = await loop.run_in_executor(engine.tokenizers, engine.tokenize, texts, prompt, truncate)
