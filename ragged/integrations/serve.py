@@ -1,7 +1,8 @@
 """``python -m ragged.serve MODEL [options]``: an HTTP embedding server over a sentence-transformers
 model converted by :func:`ragged.nn.convert`, batching the texts of concurrent requests by tokens.
 
-The stack is Starlette on uvicorn (the ``serve`` extra). Endpoints:
+The stack is Starlette on uvicorn, with uvicorn's C HTTP parser and event loop where installed
+(httptools and uvloop, both in the ``serve`` extra). Endpoints:
 
 * ``POST /v1/embeddings``, OpenAI's: ``{"input": str | [str], "model": str, "encoding_format":
   "float" | "base64", "dimensions": int}``, answered ``{"object": "list", "data": [{"object":
@@ -43,6 +44,7 @@ import numpy as np
 
 __all__ = ["build_app", "main", "parse_args"]
 
+_POLL_S = 0.05  # how often a waiting request checks that its client is still connected
 _INLINE_CHARS = 1024  # a request of at most this many characters is tokenized on the event loop
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -187,21 +189,20 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
         loop = asyncio.get_running_loop()
         try:
             # a few short texts, the tokenizer free: faster here than a thread's hand-over
-            if sum(map(len, texts)) <= _INLINE_CHARS and not engine.runners[0].lock.locked():
+            if sum(map(len, texts)) <= _INLINE_CHARS and not engine.pool_tokenizing:
                 tokenized = engine.tokenize(texts, prompt, truncate)
             else:
-                tokenized = await loop.run_in_executor(engine.tokenizers, engine.tokenize, texts, prompt, truncate)
+                pooled = engine.tokenize_pooled
+                tokenized = await loop.run_in_executor(engine.tokenizers, pooled, texts, prompt, truncate)
             job = engine.submit(loop, texts, tokenized, prompt)
         except Refused as e:
             raise _Problem(e.status, e.message, e.param) from None
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if job.future not in done:
-            engine.cancel(job)
-            return None
+        # the answer, and every _POLL_S whether the client is still there (no task per request)
+        while not job.future.done():
+            await asyncio.wait({job.future}, timeout=_POLL_S)
+            if not job.future.done() and await request.is_disconnected():
+                engine.cancel(job)
+                return None
         try:
             rows = job.future.result()
         except Exception as e:  # the model call of one of its batches raised
@@ -323,14 +324,6 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
-
-
-async def _disconnected(request) -> None:
-    """Returns when the client has gone (its connection closed)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _normalized(rows: np.ndarray) -> np.ndarray:

@@ -115,6 +115,8 @@ class Engine:
         self._stopping = False
         self._delay = float(os.environ.get("RAGGED_SERVE_BATCH_DELAY", "0") or 0)
         self._fault = os.environ.get("RAGGED_SERVE_FAULT") or None
+        self.pool_tokenizing = 0
+        self._count = threading.Lock()
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(tokenize_threads, thread_name_prefix="ragged-tokenize")
         self._threads: list[threading.Thread] = []
         for i, runner in enumerate(runners):
@@ -146,6 +148,18 @@ class Engine:
                         "input",
                     )
         return lengths, flat, types, extra
+
+    def tokenize_pooled(self, texts: list[str], prompt: str | None, truncate: bool):
+        """:meth:`tokenize` in the tokenizer pool, counted in :attr:`pool_tokenizing` (while it is
+        not zero a short request is not tokenized on the event loop, where it would wait for the
+        tokenizer)."""
+        with self._count:
+            self.pool_tokenizing += 1
+        try:
+            return self.tokenize(texts, prompt, truncate)
+        finally:
+            with self._count:
+                self.pool_tokenizing -= 1
 
     def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], tokenized, prompt: str | None) -> Request:
         """Queue the texts of one request; its future is answered with ``[n, d]`` float32 rows."""
