@@ -120,6 +120,23 @@ def profile_step(step, batch, path: str) -> None:
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70) + "\n")
 
 
+def backward(call, batch) -> torch.Tensor:
+    """Forward and backward of one batch (a dict of a model's arguments) or of its micro-batches
+    (a list of them, their losses normalised by the whole batch's label count, so that they add
+    up to the batch's loss); returns the loss, detached."""
+    if not isinstance(batch, list):
+        loss = call(**batch).loss
+        loss.backward()
+        return loss.detach()
+    n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batch)
+    total = torch.zeros(())
+    for mb in batch:
+        part = call(**mb, num_items_in_batch=n).loss
+        part.backward()
+        total = total.to(part.device) + part.detach()
+    return total
+
+
 def run_row(model, batches, device, profile_to: str | None = None, call=None) -> dict:
     """Train on ``batches`` twice: a first pass (compiles, cuDNN plans, CUDA-graph captures: the
     costs of a shape seen the first time), then the timed pass over the same batches (steady
@@ -129,19 +146,10 @@ def run_row(model, batches, device, profile_to: str | None = None, call=None) ->
     losses = []
 
     def step(batch):
-        if isinstance(batch, list):  # micro-batches: the loss over their labels, as one batch's
-            n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batch)
-            loss = 0
-            for mb in batch:
-                part = call(**mb, num_items_in_batch=n).loss
-                part.backward()
-                loss = loss + part.detach()
-        else:
-            loss = call(**batch).loss
-            loss.backward()
+        loss = backward(call, batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     timed = batches[:-1] if profile_to else batches
     t0 = time.perf_counter()

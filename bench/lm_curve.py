@@ -23,7 +23,7 @@ import copy
 import torch
 
 from .env import cpu_name, git_state
-from .lm import SEED, config, flattened, lengths, packed, padded
+from .lm import SEED, backward, config, flattened, lengths, packed, padded
 
 
 def corpus_batches(lens: list[list[int]]) -> list[list[torch.Tensor]]:
@@ -50,17 +50,7 @@ def train(model, call, batches, device, lr: float) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
     losses = []
     for batch in batches:
-        if isinstance(batch, list):  # micro-batches: the whole batch's loss
-            n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batch)
-            loss = 0
-            for mb in batch:
-                part = call(**mb, num_items_in_batch=n).loss
-                part.backward()
-                loss = loss + part.detach()
-        else:
-            loss = call(**batch).loss
-            loss.backward()
-            loss = loss.detach()
+        loss = backward(call, batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
