@@ -117,7 +117,11 @@ class _Problem(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-def _texts(value: Any, field: str, limit: int) -> list[str]:
+def _texts(body: dict, field: str, limit: int) -> list[str]:
+    """The texts of the request's required ``field`` (a string or a list of strings)."""
+    if field not in body:
+        raise _Problem(400, f"'{field}' is required", field)
+    value = body[field]
     if isinstance(value, str):
         texts = [value]
     elif isinstance(value, list) and all(isinstance(t, str) for t in value):
@@ -150,12 +154,15 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
     metrics = engine.metrics
     state = {"inflight": 0}
 
-    def dumps(obj: Any) -> bytes:
-        try:
-            import orjson
+    try:
+        import orjson
 
+        def dumps(obj: Any) -> bytes:
             return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-        except ImportError:
+
+    except ImportError:
+
+        def dumps(obj: Any) -> bytes:
             return json.dumps(obj, default=lambda a: a.tolist()).encode()
 
     def openai_error(p: _Problem) -> Response:
@@ -236,9 +243,7 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
     async def openai_embeddings(request: HttpRequest) -> Response:
         async def handle(request):
             body = await body_of(request)
-            if "input" not in body:
-                raise _Problem(400, "'input' is required", "input")
-            texts = _texts(body["input"], "input", max_client_batch)
+            texts = _texts(body, "input", max_client_batch)
             fmt = body.get("encoding_format", "float")
             if fmt not in ("float", "base64"):
                 raise _Problem(
@@ -282,9 +287,7 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
     async def tei_embed(request: HttpRequest) -> Response:
         async def handle(request):
             body = await body_of(request)
-            if "inputs" not in body:
-                raise _Problem(400, "'inputs' is required", "inputs")
-            texts = _texts(body["inputs"], "inputs", max_client_batch)
+            texts = _texts(body, "inputs", max_client_batch)
             normalize, truncate = _flag(body, "normalize", True), _flag(body, "truncate", False)
             prompt = None
             name = body.get("prompt_name")
