@@ -83,7 +83,7 @@ from .graphed_train import smallest as _smallest
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-__all__ = ["GraphHooks", "Graphed", "graphed", "powers_of_two", "register_hooks"]
+__all__ = ["CaptureError", "GraphHooks", "Graphed", "graphed", "powers_of_two", "register_hooks"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
 
@@ -169,6 +169,12 @@ def _check_int(fn: str, name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{fn}(): expected {name} >= 1, got {value}")
     return value
+
+
+class CaptureError(RuntimeError):
+    """A module's call could not be captured in a CUDA graph (its cause: ``__cause__``), e.g. a
+    forward that reads the GPU on the host. Nothing is kept of the failed capture: the same call
+    runs eagerly."""
 
 
 class _Graph:
@@ -524,11 +530,18 @@ class Graphed(nn.Module):
             # The capture runs on this GPU's capture stream: torch.cuda.graph's default is one stream
             # for the whole process, which threads capturing on two GPUs at once would share
             capture = graphed_train.capture_stream(device)
-            with torch.cuda.graph(graph, pool=self._pool, stream=capture, capture_error_mode="thread_local"):
-                before = torch.cuda.memory_reserved(device)
-                entry.output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
-                self._memory[key] = torch.cuda.memory_reserved(device) - before
-            entry.graph = graph
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, stream=capture, capture_error_mode="thread_local"):
+                    before = torch.cuda.memory_reserved(device)
+                    output = self._call(args, kwargs, rts, entry.values, entry.offsets, l_b, seqs, entry.seqs)
+                    self._memory[key] = torch.cuda.memory_reserved(device) - before
+            except Exception as e:
+                self._memory.pop(key, None)
+                raise CaptureError(
+                    f"ragged.nn.graphed: the forward of {type(self.module).__name__} cannot be captured in a "
+                    f"CUDA graph ({type(e).__name__}: {e}); call the module itself to run it eagerly"
+                ) from e
+            entry.output, entry.graph = output, graph
 
     def _train_params(self) -> list:
         """The parameters that require grad (listed once; a change of which ones do, or of the
@@ -567,7 +580,7 @@ class Graphed(nn.Module):
                 entry.graph = self._train.capture(call, inputs, list(grad_inputs), params, device, autocast, deliver)
             except Exception as e:
                 self._graphs.pop(key, None)
-                raise RuntimeError(
+                raise CaptureError(
                     f"ragged.nn.graphed: capturing the training step of the bucket {size} of "
                     f"{type(self.module).__name__} failed ({type(e).__name__}: {e}); call the module "
                     "itself to train it eagerly"

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+tf = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
 from test_gpu_hf_sentence import GPU_TEXTS, _close, _models, gpu_folders  # noqa: E402,F401
-from test_hf_sentence import WORDS  # noqa: E402
+from test_hf_sentence import VOCAB, WORDS  # noqa: E402
 
 from ragged.nn.hf import sentence as hf_sentence  # noqa: E402
 from ragged.nn.hf.sentence import pipeline as sp  # noqa: E402
@@ -168,3 +168,29 @@ def test_gpu_embed(gpu_folders):
         torch.bfloat16,
         "embed",
     )
+
+
+def test_gpu_pipeline_model_graphs_cannot_capture(tmp_path):
+    """Head dim 8, which no GPU attention kernel takes: the reference attention reads the lengths
+    on the host, so the forward cannot be captured in a CUDA graph. The pipeline warns once,
+    turns its graphs off and embeds eagerly, as close to the float64 oracle as the original."""
+    path = tmp_path / "d8"
+    path.mkdir()
+    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tf.BertTokenizerFast(str(path / "vocab.txt"), model_max_length=64).save_pretrained(str(path))
+    torch.manual_seed(7)
+    config = tf.BertConfig(
+        vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    tf.AutoModel.from_config(config).save_pretrained(str(path))
+    oracle, theirs, ours = _models(str(path), "mean", torch.float32)
+    texts = [" ".join(random.Random(i).choices(WORDS, k=1 + i % 40)) for i in range(60)]
+    with pytest.warns(RuntimeWarning, match="CUDA graphs are turned off") as caught:
+        got = ours.encode(texts, convert_to_tensor=True)
+    assert sum("CUDA graphs are turned off" in str(w.message) for w in caught) == 1
+    assert ours.encode.pipeline.graphs is False and not ours.encode.pipeline.cache
+    want = oracle.encode(texts, convert_to_tensor=True)
+    _close(got, theirs.encode(texts, convert_to_tensor=True), want, torch.float32, "eager after a failed capture")
+    _close(ours.encode(texts[::-1], convert_to_tensor=True).flip(0), theirs.encode(texts, convert_to_tensor=True),
+           want, torch.float32, "the next call")  # fmt: skip

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+_log = logging.getLogger("ragged.serve")
 
 __all__ = ["Engine", "Refused", "Request"]
 
@@ -246,6 +249,7 @@ class Engine:
                 self._launch(runner, batch, done)
             except Exception as error:
                 self.metrics.batch_failed()
+                _log.error("a batch of %d texts failed", len(batch), exc_info=error)
                 requests = list({id(it.request): it.request for it in batch}.values())
                 if len(requests) == 1:
                     requests[0].fail(error)

@@ -53,6 +53,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ from torch import nn
 from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
-from ...graphed import Graphed
+from ...graphed import CaptureError, Graphed
 from .batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
 from .tokens import Flat, flat_ids
 
@@ -271,6 +272,30 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
     return held[1]
 
 
+def _embed(model, features: dict, forward, encoding: Callable, graphed, settings: Pipeline):
+    """``(sentence embeddings of one batch, the graphs for the next)``. A model whose forward
+    cannot be captured in a CUDA graph (a :class:`~ragged.nn.CaptureError`: say, an attention no
+    GPU kernel takes, whose reference reads the lengths on the host) runs eagerly from then on:
+    ``settings.graphs`` is turned off, with a warning naming the cause."""
+    try:
+        with torch.no_grad(), encoding(forward, "sentence", graphed):
+            return model(features)["sentence_embedding"], graphed
+    except CaptureError as e:
+        if graphed is None:
+            raise
+        with settings.lock:
+            settings.graphs = False
+            settings.cache.clear()
+        warnings.warn(
+            f"encode: CUDA graphs are turned off for this model (st.encode.pipeline.graphs = False); its "
+            f"batches run eagerly: {e.__cause__ or e}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    with torch.no_grad(), encoding(forward, "sentence", None):
+        return model(features)["sentence_embedding"], None
+
+
 def run(
     model: nn.Module,
     forward,
@@ -340,8 +365,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
                     rows = local_order[s:e]
                     packed = _packed(lengths, flat, types, starts, rows, side, columns)
                     features = {**extra, INPUT_KEY: packed}
-                    with torch.no_grad(), encoding(forward, "sentence", graphed):
-                        emb = model(features)["sentence_embedding"]
+                    emb, graphed = _embed(model, features, forward, encoding, graphed, settings)
                     if out is None:
                         out = torch.empty((len(texts), *emb.shape[1:]), dtype=emb.dtype, device=emb.device)
                     where = torch.from_numpy(rows_in_input[s:e].astype(np.int64))
@@ -504,5 +528,4 @@ class PackedRunner:
             graphed = _graphs(self.settings, self.target, device)
         starts = np.cumsum(lengths) - lengths
         packed = _packed(lengths, flat, types, starts, np.arange(lengths.size), self.side or "right", False)
-        with torch.no_grad(), self.encoding(self.forward, "sentence", graphed):
-            return st({**extra, INPUT_KEY: packed})["sentence_embedding"]
+        return _embed(st, {**extra, INPUT_KEY: packed}, self.forward, self.encoding, graphed, self.settings)[0]
