@@ -195,6 +195,9 @@ class DecoderLayerFunction(torch.autograd.Function):
         ctx.spec, ctx.max_len = spec, max_len
         ctx.impls = (norm, head_norm, rotary, attention, gated)
         ctx.has_residual = residual is not None
+        # the sublayers' outputs before a sandwich norm (Gemma 2/3) are read only by that norm's backward
+        a_in = a_in if ra is not None else None
+        m_in = m_in if rf is not None else None
         saved = (s, r1, h, qkv, rq, rk, rot, o, lse, a_in, ra, s2, r2, h2, gu, g, m_in, rf, cu, positions)
         ctx.n_saved = len(saved)
         ctx.save_for_backward(*saved, *weights)
@@ -216,7 +219,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         nqk = nq + nkv
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(_FIELDS)
         if dm is None:
-            dm = torch.zeros_like(m_in)
+            dm = torch.zeros_like(s2)
         # --- MLP
         if w["post_ff_norm"] is not None:
             dm, grads["post_ff_norm"] = _norm_backward(
