@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 import ragged
 
 from .decoder_node import DecoderKernels, DecoderLayerFunction, node_applies
+from .layer_spec import concatenated
 
 # RAGGED_DECODER_NODE=0: every layer recorded op by op (the one-node layer off, for comparisons)
 _NODE = os.environ.get("RAGGED_DECODER_NODE", "1") != "0"
@@ -97,6 +98,8 @@ def _fused_bias(weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...]) 
     """The bias of the Linears concatenated along their outputs (zeros for those without)."""
     if all(b is None for b in biases):
         return None
+    if all(b is not None for b in biases):
+        return concatenated(biases)
     return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 
@@ -104,7 +107,7 @@ def _qkv(spec: DecoderSpec, h: Tensor) -> Tensor:
     """The fused projection ``[T, Hq + 2 Hkv, head_dim]``: q heads, then k, then v."""
     w = spec.weights
     ws = (w.q_w, w.k_w, w.v_w)
-    qkv = _linear(h, torch.cat(ws), _fused_bias(ws, (w.q_b, w.k_b, w.v_b)))
+    qkv = _linear(h, concatenated(ws), _fused_bias(ws, (w.q_b, w.k_b, w.v_b)))
     return qkv.view(h.shape[0], spec.heads + 2 * spec.kv_heads, spec.head_dim)
 
 
@@ -195,7 +198,7 @@ def run_layer(
     if w.post_attn_norm is not None:
         a = _rms(a, w.post_attn_norm, spec)
     h, s = _norm(a, s, w.mlp_norm, spec)
-    gu = _linear(h, torch.cat((w.gate_w, w.up_w)), _fused_bias((w.gate_w, w.up_w), (w.gate_b, w.up_b)))
+    gu = _linear(h, concatenated((w.gate_w, w.up_w)), _fused_bias((w.gate_w, w.up_w), (w.gate_b, w.up_b)))
     m = _linear(ragged.gated_act(gu, spec.activation), w.down_w, w.down_b)
     if w.post_ff_norm is not None:
         m = _rms(m, w.post_ff_norm, spec)

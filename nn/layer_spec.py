@@ -1,9 +1,12 @@
 """What a model adapter hands the layer core (:mod:`ragged.nn.layer`): one encoder layer's
 configuration and weights (:class:`LayerSpec`), and the implementations its fused steps run
-(:class:`LayerKernels`)."""
+(:class:`LayerKernels`); and the fused projections' concatenated weights (:func:`concatenated`,
+made once per weight set under :func:`frozen_weights`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -13,6 +16,45 @@ import torch
 
 from ragged import backends
 from ragged.backends import Implementation
+
+# the cache of concatenated weights of the innermost frozen_weights(), or None outside one
+_FROZEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ragged_frozen_weights", default=None)
+
+
+@contextlib.contextmanager
+def frozen_weights(cache: dict | None = None):
+    """Within it the caller promises that no weight changes (one ``encode`` call, a server that
+    owns its model): the concatenations of the fused projections (Q/K/V, gate/up) are made once
+    per set of Parameters and kept in ``cache`` (a dict the caller may keep for later calls,
+    or a fresh one), where no gradient is recorded, nothing is compiled and no CUDA graph is
+    captured (a capture's copy lives with its graph). A Parameter moved or cast since (a new
+    address, dtype or device) misses the cache; a write into its ``.data`` is not seen: that is
+    the promise."""
+    token = _FROZEN.set({} if cache is None else cache)
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
+def concatenated(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``torch.cat(parts)`` along the first dim; within :func:`frozen_weights`, where it applies,
+    made once per tuple of Parameters."""
+    cache = _FROZEN.get()
+    if (
+        cache is None
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or not all(type(p) is torch.nn.Parameter for p in parts)
+        or (parts[0].is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return torch.cat(parts)
+    key = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in parts)
+    held = cache.get(key)
+    # the Parameters are held with their concatenation: their ids and addresses stay theirs
+    if held is None or any(a is not b for a, b in zip(held[0], parts)):
+        held = cache[key] = (parts, torch.cat(parts))
+    return held[1]
 
 
 class LayerWeights(NamedTuple):

@@ -562,3 +562,42 @@ def _copy_float(layer):
     import copy
 
     return copy.deepcopy(layer).float()
+
+
+def test_concatenated_weights_kept_only_under_frozen_weights():
+    """frozen_weights keeps the fused projections' concatenation per set of Parameters, where no
+    gradient is recorded; a cast or moved Parameter, a tensor that is not a Parameter, a recorded
+    gradient and the outside of the context each get a fresh concatenation, always equal to
+    torch.cat's."""
+    from ragged.nn.layer_spec import concatenated, frozen_weights
+
+    g = torch.Generator().manual_seed(3)
+    parts = tuple(nn.Parameter(torch.randn(5 + i, 7, generator=g)) for i in range(3))
+    want = torch.cat([p.detach() for p in parts])
+
+    def same(a, b):
+        return a.data_ptr() == b.data_ptr()
+
+    with torch.no_grad():
+        a, b = concatenated(parts), concatenated(parts)
+        assert torch.equal(a, want) and not same(a, b)  # outside the context: a copy per call
+        cache: dict = {}
+        with frozen_weights(cache):
+            first = concatenated(parts)
+            assert torch.equal(first, want) and same(first, concatenated(parts)) and len(cache) == 1
+            plain = tuple(p.detach().clone() for p in parts)
+            assert not same(concatenated(plain), concatenated(plain))  # not Parameters: never kept
+        with frozen_weights(cache):  # the caller's cache, kept across calls
+            assert same(first, concatenated(parts))
+        with frozen_weights():
+            assert not same(first, concatenated(parts))  # a fresh cache
+        for p in parts:  # as module.to(dtype) casts: the same Parameters, a new storage
+            p.data = p.data.double()
+        with frozen_weights(cache):
+            again = concatenated(parts)
+            assert again.dtype == torch.float64 and torch.equal(again, want.double())
+    with frozen_weights(cache):  # a recorded gradient reaches the Parameters through a fresh cat
+        out = concatenated(parts)
+        assert out.requires_grad and not same(out, again)
+        out.sum().backward()
+        assert all(torch.equal(p.grad, torch.ones_like(p)) for p in parts)

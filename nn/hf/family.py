@@ -38,6 +38,7 @@ import ragged
 from ragged.utils import eager
 
 from ..layer import LayerSpec, LayerWeights, fused_backend, run_layer, run_stack
+from ..layer_spec import concatenated
 from .batch import Batch
 from .lora import effective_linear, linear_reason
 
@@ -89,17 +90,19 @@ def packed_in_projection(q: nn.Module, k: nn.Module, v: nn.Module):
     """``(in_w [3d, d], in_b [3d] or None)``: the three projections concatenated, on every call
     (each a torch.nn.Linear or peft's LoRA Linear: :func:`ragged.nn.hf.lora.effective_linear`).
 
-    Nothing is cached: a cache would need a key that every write to the weights changes, and
-    writes through ``.data`` (an EMA or target-network update, a re-initialisation) change
-    neither a tensor's version counter nor its address. The concatenation copies the three
-    weights once per layer and forward (reads and writes ``3 d^2`` elements, a small share of
-    the layer's GEMMs at any batch of more than a few tokens); when a gradient is recorded,
-    autograd reaches the original Parameters through it."""
+    Outside :func:`ragged.nn.layer_spec.frozen_weights` nothing is cached: a cache would need a
+    key that every write to the weights changes, and writes through ``.data`` (an EMA or
+    target-network update, a re-initialisation) change neither a tensor's version counter nor
+    its address. The concatenation copies the three weights once per layer and forward (reads
+    and writes ``3 d^2`` elements: a small share of the layer's GEMMs at a batch of more than a
+    few tokens, but not at one short text on a CPU); when a gradient is recorded, autograd
+    reaches the original Parameters through it. Under ``frozen_weights`` (the encode pipeline,
+    ``ragged.serve``) it is made once per set of Parameters."""
     qw, qb = effective_linear(q, "the layer's q projection")
     kw, kb = effective_linear(k, "the layer's k projection")
     vw, vb = effective_linear(v, "the layer's v projection")
-    w = torch.cat((qw, kw, vw))
-    b = None if qb is None else torch.cat((qb, kb, vb))
+    w = concatenated((qw, kw, vw))
+    b = None if qb is None else concatenated((qb, kb, vb))
     return w, b
 
 

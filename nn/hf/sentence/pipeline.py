@@ -65,6 +65,7 @@ from ragged import RaggedTensor
 from ragged.padding import PaddedLayout
 
 from ...graphed import CaptureError, Graphed
+from ...layer_spec import frozen_weights
 from .batch import INPUT_KEY, UNPADDED, PackedInput, unpadded_side
 from .tokens import Flat, flat_ids
 
@@ -272,13 +273,14 @@ def _graphs(settings: Pipeline, target: Callable[[], nn.Module], device: torch.d
     return held[1]
 
 
-def _embed(model, features: dict, forward, encoding: Callable, graphed, settings: Pipeline):
-    """``(sentence embeddings of one batch, the graphs for the next)``. A model whose forward
-    cannot be captured in a CUDA graph (a :class:`~ragged.nn.CaptureError`: say, an attention no
-    GPU kernel takes, whose reference reads the lengths on the host) runs eagerly from then on:
-    ``settings.graphs`` is turned off, with a warning naming the cause."""
+def _embed(model, features: dict, forward, encoding: Callable, graphed, settings: Pipeline, frozen: dict):
+    """``(sentence embeddings of one batch, the graphs for the next)``; the weights do not change
+    meanwhile (``frozen``: the cache of :func:`ragged.nn.layer_spec.frozen_weights`). A model
+    whose forward cannot be captured in a CUDA graph (a :class:`~ragged.nn.CaptureError`: say,
+    an attention no GPU kernel takes, whose reference reads the lengths on the host) runs eagerly
+    from then on: ``settings.graphs`` is turned off, with a warning naming the cause."""
     try:
-        with torch.no_grad(), encoding(forward, "sentence", graphed):
+        with torch.no_grad(), frozen_weights(frozen), encoding(forward, "sentence", graphed):
             return model(features)["sentence_embedding"], graphed
     except CaptureError as e:
         if graphed is None:
@@ -292,7 +294,7 @@ def _embed(model, features: dict, forward, encoding: Callable, graphed, settings
             RuntimeWarning,
             stacklevel=3,
         )
-    with torch.no_grad(), encoding(forward, "sentence", None):
+    with torch.no_grad(), frozen_weights(frozen), encoding(forward, "sentence", None):
         return model(features)["sentence_embedding"], None
 
 
@@ -343,6 +345,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
     elif device.type == "cuda" and settings.graphs and not own_batches:
         graphed = _graphs(settings, target, device)
     bar = _progress(arguments.get("show_progress_bar"), len(texts))
+    frozen: dict = {}  # the fused projections' weights, concatenated once for this call
     out = None
     lock = getattr(module.__dict__.get("preprocess"), "lock", None) or threading.Lock()
     workers = max(1, min(settings.workers, os.cpu_count() or 1))
@@ -365,7 +368,7 @@ def _run(model, forward, settings, arguments, target, encoding, on_batch):
                     rows = local_order[s:e]
                     packed = _packed(lengths, flat, types, starts, rows, side, columns)
                     features = {**extra, INPUT_KEY: packed}
-                    emb, graphed = _embed(model, features, forward, encoding, graphed, settings)
+                    emb, graphed = _embed(model, features, forward, encoding, graphed, settings, frozen)
                     if out is None:
                         out = torch.empty((len(texts), *emb.shape[1:]), dtype=emb.dtype, device=emb.device)
                     where = torch.from_numpy(rows_in_input[s:e].astype(np.int64))
@@ -500,7 +503,9 @@ class PackedRunner:
     preprocess, unpadded, as the pipeline tokenizes) and :meth:`run` (one packed batch through
     the model: each text at positions from 0, replayed from CUDA graphs of ``max_tokens`` /
     ``max_batch`` on a GPU). ``target()``: what the graphs capture; ``encoding``:
-    :func:`ragged.nn.hf.sentence.encoding`."""
+    :func:`ragged.nn.hf.sentence.encoding`. The caller owns the model: its weights do not change
+    while the runner serves (the fused projections' concatenated weights are kept:
+    :func:`ragged.nn.layer_spec.frozen_weights`)."""
 
     def __init__(
         self, st: nn.Module, forward, target: Callable[[], nn.Module], encoding: Callable, max_tokens: int,
@@ -511,6 +516,7 @@ class PackedRunner:
         self.side = unpadded_side(self.module, {})
         self.lock = getattr(self.module.__dict__.get("preprocess"), "lock", None) or threading.Lock()
         self.settings = Pipeline(True, int(max_tokens), int(max_batch), bool(graphs))
+        self.frozen: dict = {}  # the caller owns the model: its weights do not change (frozen_weights)
 
     def tokenize(self, texts: list[str], prompt: str | None = None):
         """``(lengths [n], ids [sum], token types or None, the other features)`` of ``texts``,
@@ -528,4 +534,5 @@ class PackedRunner:
             graphed = _graphs(self.settings, self.target, device)
         starts = np.cumsum(lengths) - lengths
         packed = _packed(lengths, flat, types, starts, np.arange(lengths.size), self.side or "right", False)
-        return _embed(st, {**extra, INPUT_KEY: packed}, self.forward, self.encoding, graphed, self.settings)[0]
+        features = {**extra, INPUT_KEY: packed}
+        return _embed(st, features, self.forward, self.encoding, graphed, self.settings, self.frozen)[0]
