@@ -10,8 +10,8 @@ Both servers load the same model: all-MiniLM-L6-v2's shape (BERT 6 x 384, random
 (``--tiny``: a 2 x 32 model). For every request size (``--sizes``: texts per request, drawn from
 the corpus in order) and every count of concurrent clients (``--clients``), each server answers
 ``--requests`` requests or runs ``--seconds``, whichever ends first, after a warm-up of the same
-shape (its compiles and graph captures); clients are spread over ``--procs`` processes (each an
-asyncio loop of httpx connections), each client sending its next request when the last one is
+shape (its compiles and graph captures; at most 5 s); clients are spread over ``--procs`` processes (each an
+asyncio loop of kept-alive HTTP/1.1 connections), each client sending its next request when the last one is
 answered. Reported per row: requests/s and texts/s over the timed window, latency p50 and p99
 (ms), and errors. The converted model's in-process ``encode`` of the same texts (texts/s) is the
 reference for the 32-text rows.
@@ -69,40 +69,69 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+async def _post(reader, writer, head: bytes, body: bytes) -> bool:
+    """One request on a kept-alive HTTP/1.1 connection; True on a 200 answer (its body read whole)."""
+    writer.write(head + body)
+    status_line = await reader.readuntil(b"\r\n")
+    length = 0
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        if line == b"\r\n":
+            break
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if length:
+        await reader.readexactly(length)
+    return status_line.split(b" ", 2)[1] == b"200"
+
+
 def _client_proc(url: str, bodies: list[bytes], clients: int, count: int, seconds: float, start_at: float, out) -> None:
-    """One process of clients: ``clients`` connections, ``count`` requests in all (or ``seconds``)."""
-    import httpx
+    """One process of clients: ``clients`` kept-alive connections, ``count`` requests in all (or
+    ``seconds``). The client is HTTP/1.1 written over asyncio streams (on uvloop where installed):
+    a general client (httpx) spends about a millisecond of host per request, which at a few
+    hundred clients per process bounded the rows by the load generator, not the server."""
+    host, port = url.split("//", 1)[1].split(":")
+    head = f"POST /embed HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: "
+    heads = [f"{head}{len(b)}\r\n\r\n".encode() for b in bodies]
 
     async def run():
         latencies, errors = [], 0
         sent = 0
         end = start_at + seconds
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as client:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
 
-            async def one_client():
-                nonlocal sent, errors
+        async def one_client():
+            nonlocal sent, errors
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
                 while sent < count and time.time() < end:
-                    body = bodies[sent % len(bodies)]
+                    k = sent % len(bodies)
                     sent += 1
                     t0 = time.perf_counter()
                     try:
-                        r = await client.post(
-                            url + "/embed", content=body, headers={"content-type": "application/json"}
-                        )
-                        ok = r.status_code == 200
-                    except httpx.HTTPError:
+                        ok = await _post(reader, writer, heads[k], bodies[k])
+                    except (OSError, asyncio.IncompleteReadError, ValueError):
                         ok = False
+                        writer.close()
+                        reader, writer = await asyncio.open_connection(host, int(port))
                     if ok:
                         latencies.append(time.perf_counter() - t0)
                     else:
                         errors += 1
+            finally:
+                writer.close()
 
-            t0 = time.time()
-            await asyncio.gather(*(one_client() for _ in range(clients)))
-            return latencies, errors, time.time() - t0
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        return latencies, errors, time.time() - t0
 
-    out.put(asyncio.run(run()))
+    try:
+        import uvloop
+
+        out.put(uvloop.run(run()))
+    except ImportError:
+        out.put(asyncio.run(run()))
 
 
 def load(url: str, texts: list[str], size: int, clients: int, count: int, seconds: float, procs: int) -> dict:
@@ -157,54 +186,12 @@ def encode_rate(model_dir: str, texts: list[str], device: str) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 256])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
-    p.add_argument("--servers", nargs="+", default=["ragged", "st"], choices=("ragged", "st"))
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+def _write(args, device: str, inproc: float, rows: list) -> str:
+    """The table of the rows so far (written to ``--out`` after every row: a run cut short keeps them)."""
     import torch
 
-    sys.path.insert(0, ROOT)
-    from bench.embed_wall import build_model
-    from bench.embed_wall import texts as corpus_texts
     from bench.env import cpu_name, git_state
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    texts = corpus_texts(max(4096, 64 * max(args.sizes)))
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(tmp, args.tiny)
-        inproc = encode_rate(model, texts, device)
-        for server in args.servers:
-            port = _port()
-            url = f"http://127.0.0.1:{port}"
-            if server == "ragged":
-                cmd = [sys.executable, "-m", "ragged.serve", model, "--port", str(port), "--device", device]
-            else:
-                cmd = [sys.executable, "-m", "bench.st_server", model, "--port", str(port), "--device", device]
-            proc = start(cmd, url)
-            try:
-                for size in args.sizes:
-                    for clients in args.clients:
-                        warm = max(clients * 2, 64 // size)
-                        load(url, texts, size, clients, warm, args.seconds, args.procs)
-                        r = load(url, texts, size, clients, args.requests, args.seconds, args.procs)
-                        rows.append((server, size, clients, r))
-                        print(
-                            f"{server:6s} size {size:3d} clients {clients:4d}: {r['rps']:9.1f} req/s "
-                            f"{r['texts_s']:10.1f} texts/s p50 {r['p50']:8.2f} ms p99 {r['p99']:8.2f} ms "
-                            f"errors {r['errors']}",
-                            flush=True,
-                        )
-            finally:
-                stop(proc)
     state = git_state()
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     lines = [
@@ -226,10 +213,62 @@ def main(argv=None) -> int:
             f"{r['texts_s']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['errors']} | {ratio} |"
         )
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 256])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--servers", nargs="+", default=["ragged", "st"], choices=("ragged", "st"))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bench.embed_wall import build_model
+    from bench.embed_wall import texts as corpus_texts
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    texts = corpus_texts(max(4096, 64 * max(args.sizes)))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(tmp, args.tiny)
+        inproc = encode_rate(model, texts, device)
+        print(f"in-process encode of the converted model: {inproc:,.0f} texts/s", flush=True)
+        for server in args.servers:
+            port = _port()
+            url = f"http://127.0.0.1:{port}"
+            if server == "ragged":
+                cmd = [sys.executable, "-m", "ragged.serve", model, "--port", str(port), "--device", device]
+            else:
+                cmd = [sys.executable, "-m", "bench.st_server", model, "--port", str(port), "--device", device]
+            proc = start(cmd, url)
+            try:
+                for size in args.sizes:
+                    for clients in args.clients:
+                        warm = max(clients * 2, 64 // size)
+                        load(url, texts, size, clients, warm, min(args.seconds, 5.0), args.procs)
+                        r = load(url, texts, size, clients, args.requests, args.seconds, args.procs)
+                        rows.append((server, size, clients, r))
+                        _write(args, device, inproc, rows)
+                        print(
+                            f"{server:6s} size {size:3d} clients {clients:4d}: {r['rps']:9.1f} req/s "
+                            f"{r['texts_s']:10.1f} texts/s p50 {r['p50']:8.2f} ms p99 {r['p99']:8.2f} ms "
+                            f"errors {r['errors']}",
+                            flush=True,
+                        )
+            finally:
+                stop(proc)
+    print(_write(args, device, inproc, rows))
     return 0
 
 
