@@ -98,8 +98,9 @@ def _fused_bias(weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...]) 
     """The bias of the Linears concatenated along their outputs (zeros for those without)."""
     if all(b is None for b in biases):
         return None
-    if all(b is not None for b in biases):
-        return concatenated(biases)
+    present = tuple(b for b in biases if b is not None)
+    if len(present) == len(biases):
+        return concatenated(present)
     return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 

@@ -196,9 +196,9 @@ class DecoderLayerFunction(torch.autograd.Function):
         ctx.impls = (norm, head_norm, rotary, attention, gated)
         ctx.has_residual = residual is not None
         # the sublayers' outputs before a sandwich norm (Gemma 2/3) are read only by that norm's backward
-        a_in = a_in if ra is not None else None
-        m_in = m_in if rf is not None else None
-        saved = (s, r1, h, qkv, rq, rk, rot, o, lse, a_in, ra, s2, r2, h2, gu, g, m_in, rf, cu, positions)
+        a_kept = a_in if ra is not None else None
+        m_kept = m_in if rf is not None else None
+        saved = (s, r1, h, qkv, rq, rk, rot, o, lse, a_kept, ra, s2, r2, h2, gu, g, m_kept, rf, cu, positions)
         ctx.n_saved = len(saved)
         ctx.save_for_backward(*saved, *weights)
         return m, s2
