@@ -336,8 +336,9 @@ def test_runs_declines_what_only_the_call_knows():
 
 def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     """``auto`` on CUDA inputs takes the sm_90 forward from a longest query of ``AUTO_MIN_LEN``
-    tokens on, the portable kernels below it, and the sm_90 backward only where preferred (the
-    GPU half is tests/test_gpu_attention_hopper.py); CPU inputs take the reference."""
+    tokens on, the portable kernels below it, and the sm_90 backward and the warp-specialised
+    forward only where preferred (the GPU half is tests/test_gpu_attention_hopper.py); CPU
+    inputs take the reference."""
     import dataclasses
 
     from ragged import backends
@@ -354,7 +355,8 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     for longest, first in ((triton_backend.AUTO_MIN_LEN, "triton_sm90"), (triton_backend.AUTO_MIN_LEN - 1, "triton")):
         spec = dataclasses.replace(cpu, max_q=longest, max_k=longest)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
-        assert order[0] == first and order[-1] == "triton_sm90_full"
+        # taken only where preferred: the sm_90 backward and the warp-specialised forward
+        assert order[0] == first and set(order[-2:]) == {"triton_sm90_full", "triton_sm90_ws"}
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
     with backends.prefer("attention", "triton_sm90_full"):
         assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"
@@ -430,3 +432,33 @@ def test_a_preference_that_names_nothing_is_refused(monkeypatch):
     monkeypatch.setenv("RAGGED_PREFER", "attention")
     with pytest.raises(ValueError, match=r"RAGGED_PREFER \(environment variable\): expected op=implementation"):
         backends.preferences()
+
+
+def test_the_warp_specialised_forward_says_what_it_does_not_take():
+    """Its declared reasons: a window, dropout, position bias, a CPU tensor; none for a plain
+    causal bf16 call on an sm_90 GPU (the GPU half: tests/test_gpu_attention_ws.py)."""
+    import dataclasses
+
+    from ragged import backends
+    from ragged.kernels import triton as triton_backend
+    from ragged.ops.attention import attention_spec
+
+    q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    impl = backends.implementation("attention", "triton_sm90_ws")
+    cpu = attention_spec(q, q, q, cu, cu, 8, 8, True, 0.0, False)
+    assert impl.backward_backend == "triton" and impl.rank_for(cpu) > 20
+    assert any("CUDA tensors" in r for r in impl.reasons(cpu))
+    triton_backend._MAJOR[0] = 9  # as an sm_90 GPU reads: no device here
+    try:
+        gpu = dataclasses.replace(cpu, device=torch.device("cuda", 0))
+        base = impl.reasons(gpu)
+        window = impl.reasons(dataclasses.replace(gpu, window_size=(16, 0)))
+        dropout = impl.reasons(dataclasses.replace(gpu, dropout_p=0.1))
+        wide = impl.reasons(dataclasses.replace(gpu, head_dim=96))
+    finally:
+        triton_backend._MAJOR.pop(0, None)
+    extra = [r for r in base if "Triton" not in r and "triton" not in r]  # Triton's own device reason aside
+    assert not extra, extra
+    assert any("sliding window" in r for r in window) and any("dropout" in r for r in dropout)
+    assert any("96" in r for r in wide)

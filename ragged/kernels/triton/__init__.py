@@ -125,6 +125,38 @@ register(
 )
 
 
+# The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
+# consumer warpgroups, barriers between them), with the portable backward: no window, dropout or
+# position bias, not under the interpreter. Taken only where preferred (ragged.backends.prefer)
+# until measured against the others.
+def _sm90_ws_check(spec) -> list[str]:
+    out = _sm90_check(spec)
+    if spec.window_size != (-1, -1):
+        out.append(f"the warp-specialised sm_90 forward has no sliding window, got window_size={spec.window_size}")
+    if spec.dropout_p > 0:
+        out.append(f"the warp-specialised sm_90 forward has no dropout, got dropout_p={spec.dropout_p}")
+    if spec.device.type != "cuda":
+        out.append(f"the warp-specialised sm_90 forward (Gluon) runs on CUDA tensors only, got {spec.device.type}")
+    elif not out:  # Gluon's Hopper language (Triton 3.5 on), imported once the rest lets the call through
+        reason = import_error("triton.experimental.gluon.language.nvidia.hopper")
+        if reason:
+            out.append(f"the warp-specialised sm_90 forward needs Gluon: {reason}")
+    return out
+
+
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90_ws",
+        backward_backend="triton",
+        variant="sm90_ws",
+        rank=30.0,
+        **{**_SM90, "check": _sm90_ws_check},  # type: ignore[arg-type]
+    )
+)
+
+
 # ---- fused -------------------------------------------------------------------
 # bias_act and add_layer_norm: every tensor float16, bfloat16 or float32, in any mix (the
 # kernels compute in float32); x's dtype is the spec's dtype, the others' are checked here.

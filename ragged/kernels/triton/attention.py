@@ -191,6 +191,29 @@ def forward_sm90(args: AttentionArgs) -> AttentionOutput:
     return _forward(args, sm90=True)
 
 
+def forward_sm90_ws(args: AttentionArgs) -> AttentionOutput:
+    """The warp-specialised sm_90 forward (:mod:`.attention_ws`, Gluon), for the calls its
+    implementation's declared reasons let through; a call whose tensors turn out not to be
+    TMA-aligned, or whose scale is not positive, runs the portable kernels."""
+    q, k, v = _rows(args.q), _rows(args.k), _rows(args.v)
+    if args.scale <= 0 or not attention_hopper.runs(q, k, v, args.scale):
+        return _forward(args, sm90=False)
+    from . import attention_ws
+
+    cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()
+    total_q, heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((total_q, heads), dtype=torch.float32, device=q.device)
+    batch = cu_q.shape[0] - 1
+    if total_q == 0 or batch == 0:
+        return AttentionOutput(out, lse)
+    cum = _block_cum(cu_q, attention_ws.BLOCK_M)
+    attention_ws.forward(
+        q, k, v, out, lse, cu_q, cu_k, cum, max(batch - 1, 0).bit_length(), args.causal, args.scale
+    )  # fmt: skip
+    return AttentionOutput(out, lse)
+
+
 def _forward(args: AttentionArgs, sm90: bool) -> AttentionOutput:
     q, k, v = _rows(args.q), _rows(args.k), _rows(args.v)
     cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()  # the kernels read cu[b] at cu + b

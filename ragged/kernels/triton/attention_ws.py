@@ -1,0 +1,318 @@
+"""The varlen attention forward for Hopper (sm_90) with warp specialisation, written in Gluon.
+
+The structure of FlashAttention-3's forward, which Triton's own pipeliner does not reach
+(:mod:`.attention_hopper` says why: every wgmma waited for right after its issue, one
+program's softmax never beside its products):
+
+* **Three partitions per program** (``gl.warp_specialize``): a loading warpgroup (the default
+  partition; one thread issues) that TMA-loads the query tile and each key block's K and V into
+  a ring of ``STAGES`` shared-memory stages, and two consumer warpgroups, each owning 64 of the
+  program's 128 query rows. The consumers are scheduled by the hardware independently: one's softmax runs while
+  the other's matrix products occupy the tensor cores.
+* **Barriers, not waits for everything**: ``kv_ready[s]`` (the TMA transaction count of stage
+  ``s``) and ``kv_empty[s]`` (arrived by both consumers when their ``P @ V`` of the stage has
+  completed) hand each stage back and forth; the loader runs up to ``STAGES`` blocks ahead.
+* **Registers moved to the consumers** (``setmaxnreg`` through the partitions' register
+  budgets): 240 per consumer thread, the 24 left of the kernel's 168 for the loading warpgroup.
+* **P from registers**: the probabilities are the A operand of the second product, never
+  written to shared memory.
+
+Descriptors are made per sequence on the device (as in :mod:`.attention_hopper`): tiles that
+reach past a sequence's end are zero-filled by the TMA unit, and nothing of a neighbouring
+sequence is read. The program's query block comes from the work list ``block_cum`` (blocks of
+128 query rows per sequence, cumulated), searched by each program.
+
+What it takes: fp16/bf16, head dims 64 and 128, causal or not, GQA, positive scales; no
+window, dropout or position bias (the reasons of its implementation, ``"triton_sm90_ws"``, in
+:mod:`ragged.kernels.triton`). Gluon is imported here only: the launcher imports the module
+on first use. Compiled for sm_90 with Triton 3.6 and 3.9 (no spills, 168 registers by
+``setmaxnreg`` for the kernel, 240 for each consumer); not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["BLOCK_M", "config", "forward"]
+
+# the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+_CONSUMER_REGS = gl.constexpr(240)
+
+
+def config(head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_N, STAGES)``: key rows per block and the depth of the K/V ring (shared memory:
+    the two query halves plus ``STAGES`` blocks of K and of V, within the 227 KB of an SM)."""
+    return (128, 2) if head_dim > 64 else (128, 3)
+
+
+@gluon.jit
+def _find(block_cum, batch, n_steps, item):
+    """The sequence ``b`` whose query blocks hold work item ``item``: the last ``b`` with
+    ``block_cum[b] <= item`` (``block_cum[0] = 0``; sequences without rows have no block)."""
+    lo = item * 0
+    hi = lo + batch
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        go = (gl.load(block_cum + mid) <= item).to(gl.int32)
+        lo = lo + (mid - lo) * go
+        hi = mid + (hi - mid) * go
+    return lo
+
+
+@gluon.jit
+def _rows_desc(base, start, stride_t, head, stride_h, rows, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
+    """A TMA descriptor of ``rows`` tokens of one head from token ``start`` (rows >= 1)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], base.dtype.element_ty)
+    return tma.make_tensor_descriptor(
+        base + start * stride_t + head * stride_h,
+        shape=[rows, HEAD_DIM],
+        strides=[stride_t, 1],
+        block_shape=[BLOCK, HEAD_DIM],
+        layout=layout,
+    )
+
+
+@gluon.jit
+def _loader(
+    args,
+    smem,
+    bars,
+    out_args,
+    HALF: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """The loading warp: both query halves once, then each key block's K and V into the ring
+    (the consumers' signature: worker partitions share one)."""
+    (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
+     stride_vt, stride_vh) = args  # fmt: skip
+    q_smem, k_smem, v_smem = smem
+    q_bar, kv_ready, kv_empty = bars
+    q_desc = _rows_desc(Q, q_start, stride_qt, h, stride_qh, gl.maximum(q_len, 1), HEAD_DIM, 64)
+    k_desc = _rows_desc(K, k_start, stride_kt, hk, stride_kh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
+    v_desc = _rows_desc(V, k_start, stride_vt, hk, stride_vh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [row0, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [row0 + 64, 0], q_bar, q_smem.index(1))
+    for j in range(n_blocks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier counts as a completed phase 1
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [j * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+        _tma_load(v_desc, [j * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _consume(
+    args,
+    smem,
+    bars,
+    out_args,
+    HALF: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """One consumer warpgroup: query rows ``row0 + 64 * HALF ..`` against every key block of the
+    program, the online softmax in registers, O and the log-sum-exp stored at the end."""
+    (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
+     stride_vt, stride_vh) = args  # fmt: skip
+    O, LSE, stride_ot, stride_oh, heads, qk_scale = out_args
+    q_smem, k_smem, v_smem = smem
+    q_bar, kv_ready, kv_empty = bars
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # the wgmma accumulators of one warpgroup: S [64, BLOCK_N] and O [64, HEAD_DIM]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    first = row0 + 64 * HALF  # this warpgroup's first query row within the sequence
+    rows = first + gl.arange(0, 64, layout=s_rows)
+    shift = k_len - q_len  # causal masks align the last query with the last key
+    # key blocks every row of this half sees whole (no mask): before the sequence's end and,
+    # causally, left of the half's first row's diagonal
+    full = k_len // BLOCK_N
+    if CAUSAL:
+        full = gl.minimum(full, gl.maximum(first + shift + 1, 0) // BLOCK_N)
+
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([64], gl.float32, layout=s_rows)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+    q = q_smem.index(HALF)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_ready.index(s), phase)
+        k = k_smem.index(s)
+        v = v_smem.index(s)
+        scores = warpgroup_mma(
+            q, k.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True
+        )
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        if j >= full:  # past the sequence's end (TMA zeros) or right of a diagonal: -inf
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols)
+            ok = gl.expand_dims(cols, 0) < k_len
+            if CAUSAL:
+                ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + shift)
+            scores = gl.where(ok, scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(s), count=1)
+
+    seen = l_i > 0
+    denominator = gl.convert_layout(gl.where(seen, l_i, 1.0), o_rows)
+    out = acc / gl.expand_dims(denominator, 1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = first + gl.arange(0, 64, layout=o_rows)
+    d = gl.arange(0, HEAD_DIM, layout=o_cols)
+    tokens = (q_start + o_row).to(gl.int64)
+    ptrs = O + gl.expand_dims(tokens * stride_ot + h * stride_oh, 1) + gl.expand_dims(d, 0)
+    gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(o_row < q_len, 1))
+    lse_rows = gl.convert_layout(o_row, s_rows)
+    gl.store(LSE + (q_start + lse_rows).to(gl.int64) * heads + h, lse, mask=lse_rows < q_len)
+
+
+@gluon.jit
+def _ws_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    cu_q,
+    cu_k,
+    block_cum,
+    batch,
+    n_steps,
+    qk_scale,
+    heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    item = gl.program_id(0)
+    h = gl.program_id(1)
+    if item < gl.load(block_cum + batch):
+        b = _find(block_cum, batch, n_steps, item)
+        q_start = gl.load(cu_q + b).to(gl.int64)
+        k_start = gl.load(cu_k + b).to(gl.int64)
+        q_len = gl.load(cu_q + b + 1) - gl.load(cu_q + b)
+        k_len = gl.load(cu_k + b + 1) - gl.load(cu_k + b)
+        m_blk = item - gl.load(block_cum + b)
+        if CAUSAL:  # the heaviest (last) blocks of a sequence first
+            m_blk = (q_len + 127) // 128 - 1 - m_blk
+        row0 = m_blk * 128
+        hk = h // GROUP
+        n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+        if CAUSAL:  # keys up to the diagonal of the program's last row
+            last = gl.minimum(k_len, gl.maximum(row0 + 128 + k_len - q_len, 0))
+            n_blocks = (last + BLOCK_N - 1) // BLOCK_N
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        fence_async_shared()
+
+        args = (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt,
+                stride_kh, stride_vt, stride_vh)  # fmt: skip
+        smem = (q_smem, k_smem, v_smem)
+        bars = (q_bar, kv_ready, kv_empty)
+        out_args = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
+        gl.warp_specialize(
+            [
+                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            ],
+            [4, 4],
+            [_CONSUMER_REGS, _CONSUMER_REGS],
+        )
+
+
+def forward(q, k, v, out, lse, cu_q, cu_k, block_cum, n_steps: int, causal: bool, scale: float) -> None:
+    """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
+    ``block_cum`` of :data:`BLOCK_M`-row query blocks and its search depth ``n_steps``)."""
+    from .attention_hopper import _ensure_allocator
+
+    _ensure_allocator()
+    block_n, stages = config(q.shape[-1])
+    batch, heads = cu_q.shape[0] - 1, q.shape[1]
+    items = triton.cdiv(q.shape[0], BLOCK_M) + batch  # an upper bound of the work list (no sync)
+    _ws_fwd_kernel[(items, heads)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        block_cum,
+        batch,
+        n_steps,
+        scale * 1.4426950408889634,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // k.shape[1],
+        HEAD_DIM=q.shape[-1],
+        BLOCK_N=block_n,
+        STAGES=stages,
+        CAUSAL=causal,
+        num_warps=4,
+        maxnreg=168,
+    )

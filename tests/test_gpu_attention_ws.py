@@ -1,0 +1,89 @@
+"""The warp-specialised sm_90 forward (``ragged.kernels.triton.attention_ws``, Gluon; the
+implementation ``triton_sm90_ws``, taken where preferred) on an sm_90 GPU: flash-attn's error
+rule against the float64 reference for the output, the log-sum-exp and the gradients of the
+portable backward that follows it, zero-length, one-token, off-tile and long sequences, GQA,
+causal and not, without a host sync. Skipped on other GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragged
+from ragged import backends
+
+pytestmark = pytest.mark.gpu
+
+from gpu_attention_cases import LENGTHS as CASES  # noqa: E402
+from gpu_attention_cases import _check_backward, _check_forward, _cu, _gen, _needs, _qkv  # noqa: E402
+
+LENGTHS = {
+    "self": CASES["self"],
+    "cross": CASES["cross"],
+    # 128-row programs: lengths at, one past and one short of a block, a long one, and none
+    "blocks": ([128, 129, 127, 0, 1, 3000, 255], [128, 129, 127, 0, 1, 3000, 255]),
+    "fewer_keys": ([300, 64, 5], [100, 1, 700]),
+}
+
+
+@pytest.fixture
+def ws(monkeypatch):
+    _needs("triton")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised forward runs on sm_90 only")
+    from ragged.kernels.triton import attention_ws
+
+    calls: list = []
+    real = attention_ws.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ws, "forward", spy)
+    with backends.prefer("attention", "triton_sm90_ws"):
+        yield calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 1), (4, 4)], ids=["gqa", "mha"])
+def test_ws_forward_accuracy(dim, dtype, causal, heads, ws):
+    for name, (lq, lk) in LENGTHS.items():
+        q, k, v = _qkv(lq, lk, *heads, dim, dtype, _gen("ws", dim, dtype, causal, name, heads))
+        before = len(ws)
+        _check_forward("auto", lq, lk, q, k, v, causal, f"ws/{name}/D={dim}/{dtype}/causal={causal}")
+        assert len(ws) == before + 1, f"{name}: the warp-specialised forward did not run"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_ws_forward_then_portable_backward(dim, causal, ws):
+    """The portable backward reads the forward's log-sum-exp: its gradients under the rule."""
+    lq, lk = LENGTHS["blocks"]
+    q, k, v = _qkv(lq, lk, 4, 2, dim, torch.bfloat16, _gen("ws-bwd", dim, causal))
+    _check_backward(lq, lk, q, k, v, causal, f"ws-bwd/D={dim}/causal={causal}", backend="auto")
+    assert ws, "the warp-specialised forward did not run"
+
+
+def test_ws_forward_no_host_sync(ws):
+    lq, lk = LENGTHS["blocks"]
+    q, k, v = _qkv(lq, lk, 4, 4, 128, torch.bfloat16, _gen("ws-sync"))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True)  # compiles first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ragged.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.shape == q.shape and len(ws) == 2
+
+
+def test_ws_declines_a_window(ws):
+    """A sliding window: the call runs elsewhere (the reasons: tests/test_attention_hopper.py)."""
+    lq, lk = LENGTHS["self"]
+    q, k, v = _qkv(lq, lk, 4, 4, 128, torch.bfloat16, _gen("ws-decline"))
+    ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), window_size=(16, 0))
+    assert not ws
