@@ -87,3 +87,23 @@ def test_ws_declines_a_window(ws):
     q, k, v = _qkv(lq, lk, 4, 4, 128, torch.bfloat16, _gen("ws-decline"))
     ragged.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), window_size=(16, 0))
     assert not ws
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_ws_overlap_off_gives_the_same_rows(dim, causal, ws):
+    """One product at a time (overlap=False) against the overlapped loop: the same sums in the
+    same order, so the same bits."""
+    from ragged.kernels.triton import attention, attention_ws
+
+    lq, lk = LENGTHS["blocks"]
+    q, k, v = _qkv(lq, lk, 4, 2, dim, torch.bfloat16, _gen("ws-overlap", dim, causal))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    cum = attention._block_cum(cu_q, attention_ws.BLOCK_M)
+    steps = max(len(lq) - 1, 0).bit_length()
+    outs = []
+    for overlap in (True, False):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        attention_ws.forward(q, k, v, out, lse, cu_q, cu_k, cum, steps, causal, dim**-0.5, overlap=overlap)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -96,6 +96,7 @@ def _loader(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """The loading warp: both query halves once, then each key block's K and V into the ring
     (the consumers' signature: worker partitions share one)."""
@@ -119,6 +120,31 @@ def _loader(
 
 
 @gluon.jit
+def _masked(scores, j, full, k_len, rows, shift, s_cols: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key block ``j``'s scores, -inf where a key is past the sequence's end (the TMA's zeros)
+    or right of a row's causal diagonal; blocks before ``full`` are seen whole."""
+    if j >= full:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols)
+        ok = gl.expand_dims(cols, 0) < k_len
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + shift)
+        scores = gl.where(ok, scores, float("-inf"))
+    return scores
+
+
+@gluon.jit
+def _online_softmax(scores, m_i, l_i, qk_scale):
+    """One key block into the running row maximum and sum: ``(p, alpha, l_i, m_i)``, the block's
+    probabilities (fp32) and the factor the accumulator is rescaled by (rows that see no key
+    yet: p = 0, alpha = 0)."""
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(scores * qk_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
+
+
+@gluon.jit
 def _consume(
     args,
     smem,
@@ -129,6 +155,7 @@ def _consume(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """One consumer warpgroup: query rows ``row0 + 64 * HALF ..`` against every key block of the
     program, the online softmax in registers, O and the log-sum-exp stored at the end."""
@@ -161,32 +188,49 @@ def _consume(
     acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     q = q_smem.index(HALF)
     mbarrier.wait(q_bar, 0)
-    for j in range(n_blocks):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(kv_ready.index(s), phase)
-        k = k_smem.index(s)
-        v = v_smem.index(s)
-        scores = warpgroup_mma(
-            q, k.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True
-        )
-        scores = warpgroup_mma_wait(0, deps=[scores])
-        if j >= full:  # past the sequence's end (TMA zeros) or right of a diagonal: -inf
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols)
-            ok = gl.expand_dims(cols, 0) < k_len
-            if CAUSAL:
-                ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + shift)
-            scores = gl.where(ok, scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_safe, 1))
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(kv_empty.index(s), count=1)
+    if OVERLAP:
+        # S_j = Q K_j^T and P_{j-1} V_{j-1} issued back to back; the softmax of block j runs while
+        # the second product is in flight (wgmma groups complete in order: waiting for all but
+        # one leaves S_j done). acc is rescaled to block j's maximum once P_{j-1} V_{j-1} is in.
+        if n_blocks > 0:
+            mbarrier.wait(kv_ready.index(0), 0)
+            zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+            scores = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(0, deps=[scores])
+            scores = _masked(scores, 0, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
+            p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n_blocks):
+                s = j % STAGES
+                before = (j - 1) % STAGES
+                mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+                zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+                scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
+                scores = warpgroup_mma_wait(1, deps=[scores])
+                scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
+                p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
+                acc, p_prev = warpgroup_mma_wait(0, deps=[acc, p_prev])
+                mbarrier.arrive(kv_empty.index(before), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            last = (n_blocks - 1) % STAGES
+            acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(last), count=1)
+    else:
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+            zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+            scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(0, deps=[scores])
+            scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
+            p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(s), count=1)
 
     seen = l_i > 0
     denominator = gl.convert_layout(gl.where(seen, l_i, 1.0), o_rows)
@@ -228,6 +272,7 @@ def _ws_fwd_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     item = gl.program_id(0)
     h = gl.program_id(1)
@@ -269,18 +314,21 @@ def _ws_fwd_kernel(
         out_args = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
         gl.warp_specialize(
             [
-                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
             ],
             [4, 4],
             [_CONSUMER_REGS, _CONSUMER_REGS],
         )
 
 
-def forward(q, k, v, out, lse, cu_q, cu_k, block_cum, n_steps: int, causal: bool, scale: float) -> None:
+def forward(
+    q, k, v, out, lse, cu_q, cu_k, block_cum, n_steps: int, causal: bool, scale: float, overlap: bool = True
+) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
-    ``block_cum`` of :data:`BLOCK_M`-row query blocks and its search depth ``n_steps``)."""
+    ``block_cum`` of :data:`BLOCK_M`-row query blocks and its search depth ``n_steps``).
+    ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time)."""
     from .attention_hopper import _ensure_allocator
 
     _ensure_allocator()
@@ -313,6 +361,7 @@ def forward(q, k, v, out, lse, cu_q, cu_k, block_cum, n_steps: int, causal: bool
         BLOCK_N=block_n,
         STAGES=stages,
         CAUSAL=causal,
+        OVERLAP=overlap,
         num_warps=4,
         maxnreg=168,
     )
