@@ -92,8 +92,9 @@ def test_ws_declines_a_window(ws):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_ws_overlap_off_gives_the_same_rows(dim, causal, ws):
-    """One product at a time (overlap=False) against the overlapped loop: the same sums in the
-    same order, so the same bits."""
+    """One product at a time (overlap=False) against the overlapped loop: the same sums, rescaled
+    at another point (acc * alpha + P V against (acc + P V) * alpha), so equal to float32's
+    rounding before the cast: within a bf16 ulp, the log-sum-exp (no rescale) to float32's."""
     from ragged.kernels.triton import attention, attention_ws
 
     lq, lk = LENGTHS["blocks"]
@@ -106,4 +107,5 @@ def test_ws_overlap_off_gives_the_same_rows(dim, causal, ws):
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         attention_ws.forward(q, k, v, out, lse, cu_q, cu_k, cum, steps, causal, dim**-0.5, overlap=overlap)
         outs.append((out, lse))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
