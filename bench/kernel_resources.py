@@ -66,8 +66,8 @@ _POINTER_TYPES = {
     "BUCKETS": "*i32",
     "seed_ptr": "*i64",
 }
-_FLOATS = {"sm_scale", "dropout_p"}
-_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "SYNCS", "LDL", "STL")
+_FLOATS = {"sm_scale", "dropout_p", "qk_scale"}
+_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "SYNCS", "LDL", "STL", "USETMAXREG")
 
 
 def _tool(name: str) -> str:
@@ -75,9 +75,12 @@ def _tool(name: str) -> str:
     return bundled if os.path.exists(bundled) else name
 
 
-def compile_for(kernel, constants: dict, arch: int, warps: int, stages: int, dtype: str = "bf16"):
+def compile_for(
+    kernel, constants: dict, arch: int, warps: int, stages: int, dtype: str = "bf16", maxnreg: int | None = None
+):
     """The compiled kernel (``triton.compile``) for ``sm_<arch>``: pointers of ``dtype`` (16-byte
-    aligned), integers as int32, the float arguments as fp32, ``constants`` as constexprs."""
+    aligned), integers as int32, the float arguments as fp32, ``constants`` as constexprs;
+    ``maxnreg``: the register limit a warp-specialised kernel divides among its partitions."""
     fn = getattr(kernel, "jit", kernel)
     signature = {}
     for name in fn.arg_names:
@@ -89,7 +92,8 @@ def compile_for(kernel, constants: dict, arch: int, warps: int, stages: int, dty
             signature[name] = "fp32" if name in _FLOATS else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _POINTERS}
     source = ASTSource(fn=fn, signature=signature, constexprs=dict(constants), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def resources(compiled) -> dict:
@@ -269,6 +273,34 @@ def chosen(arch: int) -> list[dict]:
                     variant=variant,
                     shape=[bm, bn, w, s],
                     **resources(compile_for(kernel, constants, arch, w, s)),
+                )
+            )
+    out += _warp_specialised(arch)
+    return out
+
+
+def _warp_specialised(arch: int) -> list[dict]:
+    """The warp-specialised forward (``attention_ws``, Gluon) at head dims 64 and 128, full and
+    causal, the consumers' softmax overlapped with their products; none where this Triton has
+    no Gluon for Hopper."""
+    try:
+        from ragged.kernels.triton import attention_ws as ws
+    except ImportError:
+        return []
+    out = []
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            bn, stages = ws.config(head_dim)
+            constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, OVERLAP=True)
+            compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.MAX_REGISTERS)
+            out.append(
+                dict(
+                    kernel="forward_ws",
+                    head_dim=head_dim,
+                    causal=causal,
+                    variant="plain",
+                    shape=[ws.BLOCK_M, bn, 4, stages],
+                    **resources(compiled),
                 )
             )
     return out

@@ -47,9 +47,34 @@ def records():
 def test_every_chosen_shape_compiled(records):
     kinds = {(r["kernel"], r["head_dim"], r["causal"], r["variant"]) for r in records}
     plain = {(k, d, c, "plain") for k in ("forward", "dkdv", "dq") for d in (64, 128) for c in (False, True)}
-    assert kinds == plain | {
+    want = plain | {
         (k, 128, c, v) for k in ("forward", "dkdv", "dq") for c, v in ((False, "window"), (True, "dropout"))
     }
+    if _has_gluon_hopper():  # the warp-specialised forward (Gluon)
+        want |= {("forward_ws", d, c, "plain") for d in (64, 128) for c in (False, True)}
+    assert kinds == want
+
+
+def _has_gluon_hopper() -> bool:
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_warp_specialised_forward_moves_registers_and_overlaps(records):
+    """Gluon's forward: TMA loads, wgmma, registers handed to the consumers (setmaxnreg), no
+    spills, within shared memory."""
+    got = [r for r in records if r["kernel"] == "forward_ws"]
+    if not _has_gluon_hopper():
+        pytest.skip("this Triton has no Gluon for Hopper")
+    for r in got:
+        tag = f"forward_ws D={r['head_dim']} causal={r['causal']}"
+        assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["HMMA"] == 0, tag
+        assert r["USETMAXREG"] > 0, f"{tag}: no register reallocation between the partitions"
+        assert r["stack"] == 0 and r["LDL"] == 0, f"{tag}: spills"
+        assert r["shared"] <= _SHARED_LIMIT, f"{tag}: {r['shared']} bytes of shared memory"
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])

@@ -52,6 +52,7 @@ from ..harness import (
 RAGGED_BACKENDS = ("triton", "cuda", "torch")
 GRAPHED = "ragged graphed"
 HOPPER = "ragged triton hopper"
+WARP_SPECIALISED = "ragged triton sm90 ws"
 PORTABLE = "ragged triton portable"
 SEED = 0
 
@@ -358,19 +359,29 @@ def ragged_impls(
     if device.type == "cuda":
         impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip))
         impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip, on=False))
+        ws_skip = reasons.get("triton") or triton_skip
+        impls.append(_hopper_impl(p, causal, backward, inputs, ws_skip, variant="triton_sm90_ws"))
         impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
 
 
 def _hopper_impl(
-    p: Problem, causal: bool, backward: bool, inputs: tuple[torch.Tensor, ...], why, on: bool = True
+    p: Problem,
+    causal: bool,
+    backward: bool,
+    inputs: tuple[torch.Tensor, ...],
+    why,
+    on: bool = True,
+    variant: str | None = None,
 ) -> Impl:
     """``ragged triton hopper``: the triton row with the sm_90 kernels (TMA descriptors, forward and
     backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
-    portable``, the same with them off (the portable kernels, what other GPUs run)."""
+    portable``, the same with them off (the portable kernels, what other GPUs run);
+    ``variant="triton_sm90_ws"``: ``ragged triton sm90 ws``, the warp-specialised forward
+    (Gluon) with the portable backward."""
     M = p.width
-    name = HOPPER if on else PORTABLE
-    variant = "triton_sm90_full" if on else "triton"
+    name = WARP_SPECIALISED if variant == "triton_sm90_ws" else HOPPER if on else PORTABLE
+    variant = variant or ("triton_sm90_full" if on else "triton")
     if on and not why:
         q, k, v = inputs[:3]
         why = ragged.explain("attention", q, k, v, p.offsets, p.offsets, M, M, causal, 0.0, backward)[variant]
@@ -619,7 +630,9 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
 - `ragged triton hopper` (sm_90): the triton row with the TMA kernels of
   `attention_hopper` (forward) and `attention_hopper_bwd` switched on for every call they take
   (`RAGGED_ATTENTION_HOPPER=1`); `ragged triton portable`: switched off (`=0`), the kernels
-  other GPUs run.
+  other GPUs run; `ragged triton sm90 ws`: the warp-specialised forward of
+  `attention_ws` (Gluon: a loading warpgroup, two consumer warpgroups) preferred, the portable
+  backward.
 - `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
   max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
   SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA

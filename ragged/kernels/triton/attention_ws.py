@@ -42,13 +42,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["BLOCK_M", "config", "forward"]
+__all__ = ["BLOCK_M", "MAX_REGISTERS", "config", "forward"]
 
 # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+MAX_REGISTERS = 168  # per thread, the kernel's: 2 x 128 consumer threads at 240, 128 loading at 24
 _CONSUMER_REGS = gl.constexpr(240)
 
 
@@ -363,5 +364,5 @@ def forward(
         CAUSAL=causal,
         OVERLAP=overlap,
         num_warps=4,
-        maxnreg=168,
+        maxnreg=MAX_REGISTERS,
     )
