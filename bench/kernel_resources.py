@@ -82,6 +82,9 @@ def compile_for(
     aligned), integers as int32, the float arguments as fp32, ``constants`` as constexprs;
     ``maxnreg``: the register limit a warp-specialised kernel divides among its partitions."""
     fn = getattr(kernel, "jit", kernel)
+    # a constexpr left out takes its default, as a launch that does not pass it
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constants = {**{k: v for k, v in defaults.items() if k not in constants}, **constants}
     signature = {}
     for name in fn.arg_names:
         if name in constants:
@@ -190,6 +193,14 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
                     kv,
                     kernels._bwd_dkdv_kernel,
                     dict(common, BLOCK_M=kv[0], BLOCK_N=kv[1]),
+                    kv[2],
+                    kv[3],
+                )
+                add(
+                    f"backward fused dK/dV/dQ {tag}",
+                    kv,
+                    kernels._bwd_dkdv_kernel,
+                    dict(common, BLOCK_M=kv[0], BLOCK_N=kv[1], FUSED_DQ=True),
                     kv[2],
                     kv[3],
                 )

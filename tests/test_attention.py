@@ -108,19 +108,30 @@ def test_triton_forward(case, causal):
 
 
 @needs_triton
+@pytest.mark.parametrize("variant", ["triton", "triton_fused_bwd"], ids=["split", "fused"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_triton_backward(case, causal):
+def test_triton_backward(case, causal, variant, monkeypatch):
+    """Both backwards: the split kernels (dK/dV, then dQ recomputing S and dP) and the fused one
+    (dQ added atomically from the key-block kernel)."""
+    from ragged import backends
+    from ragged.kernels.triton import attention as launcher
+
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "bwd"))
     up = _randn(q.shape, _seed(case, "bwd-up"))
+    fused = []
+    real = launcher._backward_fused
+    monkeypatch.setattr(launcher, "_backward_fused", lambda *a: fused.append(1) or real(*a))
 
     def kernel(a, b, c):
         return ragged.varlen_attention(
             a, b, c, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0), causal=causal, backend="triton"
         )
 
-    got = _grads(kernel, q, k, v, up)
+    with backends.prefer("attention", variant):
+        got = _grads(kernel, q, k, v, up)
+    assert bool(fused) == (variant == "triton_fused_bwd" and sum(lq) > 0), "the chosen backward did not run"
     ref = _grads(lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0], q, k, v, up)
     for name, g, r, t in zip("qkv", got, ref, (q, k, v)):
         assert g.shape == t.shape and g.dtype == t.dtype, name
@@ -434,3 +445,26 @@ def test_q_without_tokens_gives_zero_grads_for_kv(backend):
     dq, dk, dv = torch.autograd.grad(out, leaves, torch.ones_like(out))
     assert dq.shape == (0, 2, 16)
     assert torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
+
+
+def test_fused_backward_declines_bias_and_deterministic_mode():
+    """The fused backward's reasons: a position bias, and torch's deterministic mode (its dQ is
+    summed atomically); the split kernels take both."""
+    from ragged import backends
+    from ragged.ops.attention import attention_spec
+
+    q = torch.zeros(8, 2, 32)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    impl = backends.implementation("attention", "triton_fused_bwd")
+    spec = attention_spec(q, q, q, cu, cu, 8, 8, False, 0.0, True)
+    plain = [r for r in impl.reasons(spec) if "determin" in r or "bias" in r]
+    assert not plain
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert any("deterministic" in r for r in impl.reasons(spec))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    import dataclasses
+
+    assert any("position bias" in r for r in impl.reasons(dataclasses.replace(spec, bias_buckets=16)))

@@ -88,9 +88,15 @@ def test_dropout_forward(case, causal):
 
 
 @needs_triton
+@pytest.mark.parametrize("variant", ["triton", "triton_fused_bwd"], ids=["split", "fused"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(DROP_CASES))
-def test_dropout_backward(case, causal):
+def test_dropout_backward(case, causal, variant):
+    """The split and the fused backward draw the forward's mask; the split one's gradients are
+    the same bits run to run (the fused one adds dQ atomically: the same here, where the
+    interpreter runs one program at a time, not on a GPU)."""
+    from ragged import backends
+
     lq, lk, heads, kv_heads, dim = DROP_CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed("drop-bwd", case))
     p = 0.3
@@ -109,7 +115,9 @@ def test_dropout_backward(case, causal):
     def reference(a, b, c):
         return ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, None, mask, p)[0]
 
-    got = _grads(kernel, q, k, v, up)
+    with backends.prefer("attention", variant):
+        got = _grads(kernel, q, k, v, up)
+        again = _grads(kernel, q, k, v, up)
     ref = _grads(reference, q.double(), k.double(), v.double(), up.double())
     loop = _grads(
         lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal, keep=mask, dropout_p=p)[0],
@@ -118,9 +126,8 @@ def test_dropout_backward(case, causal):
         v.double(),
         up.double(),
     )
-    again = _grads(kernel, q, k, v, up)
     for name, g, r, lo, a in zip("qkv", got, ref, loop, again):
-        assert torch.equal(g, a), f"d{name} is not reproducible"
+        assert torch.equal(g, a) or (variant != "triton" and name == "q"), f"d{name} is not reproducible"
         torch.testing.assert_close(r, lo, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(g.double(), r.double(), **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
 

@@ -355,8 +355,8 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     for longest, first in ((triton_backend.AUTO_MIN_LEN, "triton_sm90"), (triton_backend.AUTO_MIN_LEN - 1, "triton")):
         spec = dataclasses.replace(cpu, max_q=longest, max_k=longest)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
-        # taken only where preferred: the sm_90 backward and the warp-specialised forward
-        assert order[0] == first and set(order[-2:]) == {"triton_sm90_full", "triton_sm90_ws"}
+        # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised forward
+        assert order[0] == first and set(order[-3:]) == {"triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws"}
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
     with backends.prefer("attention", "triton_sm90_full"):
         assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"

@@ -251,6 +251,23 @@ def test_backend_forward_and_backward(backend, case, window, causal):
     assert torch.all(got[0][blind] == 0), "queries that see no key get no gradient"
 
 
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("case", "window"), PARAMS)
+def test_fused_backward_with_windows(case, window, causal):
+    """The fused backward (dQ from the key-block kernel) under every window of the cases."""
+    from ragged import backends
+
+    lq, lk, heads, kv_heads, dim, _ = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, window, "fused"))
+    up = _randn(q.shape, _seed(case, window, "fused-up"))
+    with backends.prefer("attention", "triton_fused_bwd"):
+        _, _, got = _forward_and_grads(lambda a, b, c: _run(a, b, c, lq, lk, "triton", causal, window), q, k, v, up)
+    ref = _grads(lambda a, b, c: _oracle(a, b, c, lq, lk, causal, window)[0], q, k, v, up)
+    _check_grads(got, ref)
+    assert torch.all(got[0][_blind(lq, lk, causal, window)] == 0), "queries that see no key get no gradient"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_windows_at_the_edges_of_the_sequences(backend):
     """Windows one short of, and exactly at, the widths that bound nothing (Lk - 1 on the left,

@@ -53,6 +53,7 @@ RAGGED_BACKENDS = ("triton", "cuda", "torch")
 GRAPHED = "ragged graphed"
 HOPPER = "ragged triton hopper"
 WARP_SPECIALISED = "ragged triton sm90 ws"
+FUSED_BACKWARD = "ragged triton fused bwd"
 PORTABLE = "ragged triton portable"
 SEED = 0
 
@@ -361,6 +362,8 @@ def ragged_impls(
         impls.append(_hopper_impl(p, causal, backward, inputs, reasons.get("triton") or triton_skip, on=False))
         ws_skip = reasons.get("triton") or triton_skip
         impls.append(_hopper_impl(p, causal, backward, inputs, ws_skip, variant="triton_sm90_ws"))
+        if backward:
+            impls.append(_hopper_impl(p, causal, backward, inputs, ws_skip, variant="triton_fused_bwd"))
         impls.append(_graphed_impl(p, causal, backward, inputs))
     return impls
 
@@ -378,9 +381,12 @@ def _hopper_impl(
     backward) switched on, skipped where they do not take the call; ``on=False``: ``ragged triton
     portable``, the same with them off (the portable kernels, what other GPUs run);
     ``variant="triton_sm90_ws"``: ``ragged triton sm90 ws``, the warp-specialised forward
-    (Gluon) with the portable backward."""
+    (Gluon) with the portable backward; ``variant="triton_fused_bwd"``: ``ragged triton fused
+    bwd``, the portable forward and the fused backward (dQ added atomically)."""
     M = p.width
-    name = WARP_SPECIALISED if variant == "triton_sm90_ws" else HOPPER if on else PORTABLE
+    name = {"triton_sm90_ws": WARP_SPECIALISED, "triton_fused_bwd": FUSED_BACKWARD}.get(
+        variant or "", HOPPER if on else PORTABLE
+    )
     variant = variant or ("triton_sm90_full" if on else "triton")
     if on and not why:
         q, k, v = inputs[:3]
@@ -632,7 +638,9 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   (`RAGGED_ATTENTION_HOPPER=1`); `ragged triton portable`: switched off (`=0`), the kernels
   other GPUs run; `ragged triton sm90 ws`: the warp-specialised forward of
   `attention_ws` (Gluon: a loading warpgroup, two consumer warpgroups) preferred, the portable
-  backward.
+  backward; `ragged triton fused bwd` (fwd+bwd only): the portable forward and the fused
+  backward, dK, dV and dQ from one key-block kernel (dQ added atomically, 5 matrix products per
+  block pair where the split kernels make 7).
 - `SDPA nested (NJT)`: `torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(L),
   max_seqlen=M)` (jagged layout, `[B, j, H, D]`; given on the host, the bounds spare
   SDPA a device sync) for q, k, v, `.transpose(1, 2)`, SDPA

@@ -125,6 +125,38 @@ register(
 )
 
 
+# The fused backward (attention.py:backward_fused): one key-block kernel for dK, dV and dQ, dQ
+# added atomically (non-deterministic), with the portable forward; no position bias, and not
+# under torch.use_deterministic_algorithms. Taken only where preferred until measured.
+def _fused_bwd_check(spec) -> list[str]:
+    out = _attention_check(spec)
+    if spec.bias_buckets:
+        out.append("the fused attention backward takes no position bias (its table gradient is the split dQ kernel's)")
+    if torch.are_deterministic_algorithms_enabled():
+        out.append(
+            "the fused attention backward adds dQ atomically (not deterministic) and "
+            "torch.use_deterministic_algorithms is on"
+        )
+    return out
+
+
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward",
+        f"{_HERE}.attention:backward_fused",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        limits={"head_dim": ATTENTION_HEAD_DIMS},
+        maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
+        check=_fused_bwd_check,
+        variant="fused_bwd",
+        rank=25.0,
+        operands=ATTENTION_OPERANDS,
+    )
+)
+
+
 # The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
 # consumer warpgroups, barriers between them), with the portable backward: no window, dropout or
 # position bias, not under the interpreter. Taken only where preferred (ragged.backends.prefer)

@@ -22,13 +22,23 @@ from . import attention_hopper, attention_hopper_bwd
 from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
     _block_cum_kernel,
+    _bwd_delta_kernel,
     _bwd_dkdv_kernel,
     _bwd_dq_kernel,
     _fwd_kernel,
     _keep_mask_kernel,
 )
 
-__all__ = ["HEAD_DIMS", "backward", "backward_sm90", "dropout_keep_mask", "flops", "forward", "forward_sm90"]
+__all__ = [
+    "HEAD_DIMS",
+    "backward",
+    "backward_fused",
+    "backward_sm90",
+    "dropout_keep_mask",
+    "flops",
+    "forward",
+    "forward_sm90",
+]
 
 
 @functools.cache
@@ -355,8 +365,19 @@ def backward_sm90(
     return _backward(args, inputs, grads, sm90=True)
 
 
+def backward_fused(
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None = None
+) -> AttentionGrads:
+    """The fused backward: one kernel per key block computes dK, dV and its share of dQ (added
+    atomically into a float32 buffer: 5 matrix products per block pair where the split kernels
+    need 7, in an order that varies run to run, as FlashAttention's default). No position bias
+    (its table gradient is summed in the split dQ kernel); under
+    ``torch.use_deterministic_algorithms`` the registry takes the split kernels instead."""
+    return _backward(args, inputs, grads, sm90=False, fused=True)
+
+
 def _backward(
-    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None, sm90: bool
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None, sm90: bool, fused: bool = False
 ) -> AttentionGrads:
     q, k, v, do = _rows(args.q), _rows(args.k), _rows(args.v), _rows(inputs.grad_out)
     cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()  # the kernels read cu[b] at cu + b
@@ -423,6 +444,9 @@ def _backward(
         BIAS=bias,
         PRECISION=_precision(q.dtype),
     )
+    if fused and not bias:
+        shape = (kv_m, kv_n, kv_w, kv_s) if interpreted or head_dim > 128 else _FUSED_BWD_SHAPE
+        return _backward_fused(args, q, k, v, do, out, lse, delta, (dq, dk, dv), result, window, common, shape)
     programs = triton.cdiv(total_q, q_m) + batch
     dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
     if bias_table is not None and bias_buckets is not None:
@@ -518,6 +542,9 @@ def _backward(
             dk.stride(1),
             dv.stride(0),
             dv.stride(1),
+            dq,  # read only by the fused backward
+            dq.stride(0),
+            dq.stride(1),
             BLOCK_M=kv_m,
             BLOCK_N=kv_n,
             num_warps=kv_w,
@@ -532,6 +559,49 @@ def _backward(
     return AttentionGrads(
         result[0], result[1], result[2], None if bias_table is None else table_gradient(partial, bias_table)
     )
+
+
+# The fused key-block kernel's (BLOCK_M, BLOCK_N, warps, stages) at head dims up to 128: the
+# least local memory among the shapes bench.kernel_resources compiled for sm_90 (Triton 3.6:
+# none at D=64, 408 / 864 bytes a thread at D=128 full / causal, against 1928 / 2368 with the
+# split dK/dV kernel's 4 warps). Not yet measured on a GPU.
+_FUSED_BWD_SHAPE = (64, 64, 8, 2)
+
+
+def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window, common, shape):
+    """:func:`backward_fused`'s launches: the rows' ``dO . O``, then the fused key-block kernel."""
+    dq, dk, dv = buffers
+    kv_m, kv_n, kv_w, kv_s = shape
+    cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()
+    total_q, heads, head_dim = q.shape
+    total_k, kv_heads, _ = k.shape
+    batch = cu_q.shape[0] - 1
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(64, 4096 // block_d))
+    _bwd_delta_kernel[(triton.cdiv(total_q, block_t), heads)](
+        out, do, delta, total_q, heads, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t,
+    )  # fmt: skip
+    dq_sum = torch.zeros((total_q, heads, head_dim), dtype=torch.float32, device=q.device)
+    win_left, win_right = window or (0, 0)
+    seed, seed_ptr = _seed(args.seed, cu_q)
+    if total_k:
+        cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
+        _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, args.scale, seed, seed_ptr,
+            args.dropout_p, total_q, max(args.max_k, 1), win_left, win_right, heads, lse, args.max_q, 0,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+            do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            dq_sum, dq_sum.stride(0), dq_sum.stride(1),
+            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk,
+            FUSED_DQ=True, **common,
+        )  # fmt: skip
+    torch.mul(dq_sum, args.scale, out=dq_sum)
+    dq.copy_(dq_sum)
+    for mine, theirs in zip((dq, dk, dv), result):
+        if mine is not theirs:
+            theirs.copy_(mine)
+    return AttentionGrads(result[0], result[1], result[2], None)
 
 
 def dropout_keep_mask(

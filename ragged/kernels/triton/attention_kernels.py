@@ -452,12 +452,17 @@ def _dkdv_inner(
     total_q,
     bias_row,
     bias_cols,
+    DQ,
+    stride_dqt,
+    stride_dqh,
+    n_ok,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOW: tl.constexpr,
     DROPOUT: tl.constexpr,
     BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     """dK/dV of one key block over query blocks [lo, hi) of head h (``BIAS``: the position bias of
     keys ``bias_cols`` from head ``h``'s distance table row at ``bias_row``).
@@ -466,7 +471,11 @@ def _dkdv_inner(
     Key rows past the sequence go unmasked: each key row of dK / dV sums its own row of P and
     dS only, and those rows are never stored, so what they hold (inf or NaN from p = exp(-lse)
     at a zero key included) reaches no result. Only the causal diagonal or the window's edges
-    (MASKED) need an element mask."""
+    (MASKED) need an element mask.
+
+    ``FUSED_DQ``: each query block's share of dQ, ``dS^T K`` (unscaled), atomically added into
+    the float32 ``DQ`` (the fused backward: no dQ kernel recomputing S and dP); there the key
+    rows past the sequence (``n_ok`` false) are zeroed first, their dS being anything."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -502,6 +511,15 @@ def _dkdv_inner(
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        if FUSED_DQ:
+            ds_k = tl.where(n_ok[:, None], ds_t, 0.0).to(k.dtype)
+            dq = tl.dot(tl.trans(ds_k), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+            tl.atomic_add(
+                DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+                dq,
+                mask=r_ok[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )
     return dk, dv
 
 
@@ -547,6 +565,9 @@ def _bwd_dkdv_kernel(
     stride_dkh,
     stride_dvt,
     stride_dvh,
+    DQ,
+    stride_dqt,
+    stride_dqh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -560,6 +581,7 @@ def _bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
     INLINE: tl.constexpr,
     CHUNK: tl.constexpr,
+    FUSED_DQ: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -573,7 +595,8 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    kv_mask = (offs_n < k_len)[:, None] & d_ok[None, :]
+    n_ok = offs_n < k_len
+    kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -628,12 +651,17 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
+                DQ,
+                stride_dqt,
+                stride_dqh,
+                n_ok,
                 BLOCK_M,
                 True,
                 True,
                 DROPOUT,
                 BIAS,
                 PRECISION,
+                FUSED_DQ,
             )
             dk, dv = _dkdv_inner(
                 dk,
@@ -667,12 +695,17 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
+                DQ,
+                stride_dqt,
+                stride_dqh,
+                n_ok,
                 BLOCK_M,
                 False,
                 True,
                 DROPOUT,
                 BIAS,
                 PRECISION,
+                FUSED_DQ,
             )
             dk, dv = _dkdv_inner(
                 dk,
@@ -706,12 +739,17 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
+                DQ,
+                stride_dqt,
+                stride_dqh,
+                n_ok,
                 BLOCK_M,
                 True,
                 True,
                 DROPOUT,
                 BIAS,
                 PRECISION,
+                FUSED_DQ,
             )
     else:
         if CAUSAL:
@@ -758,12 +796,17 @@ def _bwd_dkdv_kernel(
                     total_q,
                     bias_row,
                     bias_cols,
+                    DQ,
+                    stride_dqt,
+                    stride_dqh,
+                    n_ok,
                     BLOCK_M,
                     True,
                     False,
                     DROPOUT,
                     BIAS,
                     PRECISION,
+                    FUSED_DQ,
                 )
             dk, dv = _dkdv_inner(
                 dk,
@@ -797,12 +840,17 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
+                DQ,
+                stride_dqt,
+                stride_dqh,
+                n_ok,
                 BLOCK_M,
                 False,
                 False,
                 DROPOUT,
                 BIAS,
                 PRECISION,
+                FUSED_DQ,
             )
     dk = dk * sm_scale
     tl.store(
@@ -1261,6 +1309,34 @@ def _keep_mask_kernel(OUT, seed, dropout_p, total_q, max_k, BLOCK: tl.constexpr)
         j = start + tl.arange(0, BLOCK)
         keep = _keep(seed, dropout_p, h, t + tl.zeros([1], dtype=tl.int64), j, total_q)
         tl.store(OUT + (h * total_q + t).to(tl.int64) * max_k + j[None, :], keep.to(tl.int8), mask=(j < max_k)[None, :])
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["total_q"])
+def _bwd_delta_kernel(
+    O,
+    DO,
+    DELTA,
+    total_q,
+    heads,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """``DELTA[t, h] = sum_d dO[t, h, d] * O[t, h, d]`` in float32 (the fused backward's rows; the
+    split backward's dQ kernel computes them itself)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows < total_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    t = rows.to(tl.int64)[:, None]
+    o = tl.load(O + t * stride_ot + h * stride_oh + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + t * stride_dot + h * stride_doh + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows.to(tl.int64) * heads + h, tl.sum(o * do, 1), mask=rows < total_q)
 
 
 @cached_launch(dry=False)  # writes the block counts other kernels index by

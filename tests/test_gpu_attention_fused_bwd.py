@@ -1,0 +1,56 @@
+"""The fused attention backward (``triton_fused_bwd``: dK, dV and dQ from one key-block kernel,
+dQ added atomically in float32) on the GPU: flash-attn's error rule against the float64
+reference for every gradient, zero-length, one-token, cross and long sequences, GQA, both head
+dims, fp16 and bf16, causal and not; deterministic mode takes the split kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragged import backends
+
+pytestmark = pytest.mark.gpu
+
+from gpu_attention_cases import LENGTHS as CASES  # noqa: E402
+from gpu_attention_cases import _check_backward, _gen, _needs, _qkv  # noqa: E402
+
+LENGTHS = {
+    "self": CASES["self"],
+    "cross": CASES["cross"],
+    "long_tail": ([4000, 3, 1, 129, 0, 700], [4000, 3, 1, 129, 0, 700]),
+}
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    _needs("triton")
+    from ragged.kernels.triton import attention as launcher
+
+    calls: list = []
+    real = launcher._backward_fused
+    monkeypatch.setattr(launcher, "_backward_fused", lambda *a: calls.append(a[1].shape) or real(*a))
+    with backends.prefer("attention", "triton_fused_bwd"):
+        yield calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fused_backward_accuracy(dim, dtype, causal, fused):
+    for name, (lq, lk) in LENGTHS.items():
+        q, k, v = _qkv(lq, lk, 4, 2, dim, dtype, _gen("fused-bwd", dim, dtype, causal, name))
+        before = len(fused)
+        _check_backward(lq, lk, q, k, v, causal, f"fused-bwd/{name}/D={dim}/{dtype}/causal={causal}", backend="auto")
+        assert len(fused) == before + 1, f"{name}: the fused backward did not run"
+
+
+def test_deterministic_mode_takes_the_split_kernels(fused):
+    lq, lk = LENGTHS["self"]
+    q, k, v = _qkv(lq, lk, 4, 2, 64, torch.bfloat16, _gen("fused-det"))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _check_backward(lq, lk, q, k, v, True, "fused-det", backend="auto")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not fused
