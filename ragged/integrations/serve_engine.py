@@ -75,18 +75,17 @@ class Request:
         else:
             self.future.set_result(value)
 
-    def put(self, index: int, row: np.ndarray) -> None:
-        """Row ``index`` of the request's embeddings."""
+    def put(self, index: int, row: np.ndarray) -> bool:
+        """Row ``index`` of the request's embeddings; True when it was the last one: the caller
+        then hands the request to the event loop (:func:`_resolve_on_loops`, once per batch)."""
         with self._lock:
             if self.failed:
-                return
+                return False
             if self.rows is None:
                 self.rows = np.empty((len(self.texts), row.shape[0]), np.float32)
             self.rows[index] = row
             self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.loop.call_soon_threadsafe(self._resolve, self.rows, None)
+            return self.remaining == 0
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -291,9 +290,25 @@ class Engine:
 
     def _answer(self, batch: list[_Item], host: torch.Tensor, started: float, tokens: int) -> None:
         rows = host.numpy()
-        for it, row in zip(batch, rows):
-            it.request.put(it.index, row)
+        done = [it.request for it, row in zip(batch, rows) if it.request.put(it.index, row)]
+        _resolve_on_loops(done)
         self.metrics.batch_done(len(batch), tokens, time.perf_counter() - started)
+
+
+def _resolve_on_loops(requests: list[Request]) -> None:
+    """Answer the completed ``requests``: one wake-up of each event loop per batch (a
+    ``call_soon_threadsafe`` writes to the loop's wake-up pipe: one per request cost a system
+    call each, hundreds per batch under load)."""
+    by_loop: dict[int, list[Request]] = {}
+    for request in requests:
+        by_loop.setdefault(id(request.loop), []).append(request)
+    for group in by_loop.values():
+        group[0].loop.call_soon_threadsafe(_resolve_all, group)
+
+
+def _resolve_all(requests: list[Request]) -> None:
+    for request in requests:
+        request._resolve(request.rows, None)
 
 
 def _to_host(emb: torch.Tensor):
