@@ -160,10 +160,16 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
         def dumps(obj: Any) -> bytes:
             return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
+        def loads(raw: bytes) -> Any:
+            return orjson.loads(raw)  # its JSONDecodeError is json's
+
     except ImportError:
 
         def dumps(obj: Any) -> bytes:
             return json.dumps(obj, default=lambda a: a.tolist()).encode()
+
+        def loads(raw: bytes) -> Any:
+            return json.loads(raw)
 
     def openai_error(p: _Problem) -> Response:
         kind = p.kind if p.status != 429 else "rate_limit_error"
@@ -182,7 +188,7 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
     async def body_of(request: HttpRequest) -> dict:
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _Problem(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
