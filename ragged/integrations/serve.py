@@ -16,8 +16,8 @@ The stack is Starlette on uvicorn, with uvicorn's C HTTP parser and event loop w
 * ``GET /health`` (200 once the model is loaded), ``GET /metrics`` (Prometheus:
   :mod:`ragged.integrations.serve_metrics`).
 
-Requests are tokenized off the event loop (but for a few short texts, which cost less to
-tokenize than to hand to a thread) and batched across requests by real tokens
+Requests are tokenized off the event loop, those posted meanwhile in one call, and batched
+across requests by real tokens
 (:mod:`ragged.integrations.serve_engine`), one worker per device (``--devices``), CUDA graphs
 per bucket on GPUs. Past ``--max-concurrent-requests`` requests in flight the server answers 429
 with ``Retry-After``; a request of more than ``--max-client-batch-size`` texts gets 413;
@@ -45,7 +45,6 @@ import numpy as np
 __all__ = ["build_app", "main", "parse_args"]
 
 _POLL_S = 0.05  # how often a waiting request checks that its client is still connected
-_INLINE_CHARS = 1024  # a request of at most this many characters is tokenized on the event loop
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -199,15 +198,8 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
         """``([n, d] float32 rows, prompt tokens)``, or None when the client went away."""
         from .serve_engine import Refused
 
-        loop = asyncio.get_running_loop()
         try:
-            # a few short texts, the tokenizer free: faster here than a thread's hand-over
-            if sum(map(len, texts)) <= _INLINE_CHARS and not engine.pool_tokenizing:
-                tokenized = engine.tokenize(texts, prompt, truncate)
-            else:
-                pooled = engine.tokenize_pooled
-                tokenized = await loop.run_in_executor(engine.tokenizers, pooled, texts, prompt, truncate)
-            job = engine.submit(loop, texts, tokenized, prompt)
+            job = engine.post(asyncio.get_running_loop(), texts, prompt, truncate)
         except Refused as e:
             raise _Problem(e.status, e.message, e.param) from None
         # the answer, and every _POLL_S whether the client is still there (no task per request)
@@ -218,11 +210,13 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
                 return None
         try:
             rows = job.future.result()
+        except Refused as e:  # a text over the model's length
+            raise _Problem(e.status, e.message, e.param) from None
         except Exception as e:  # the model call of one of its batches raised
             raise _Problem(
                 500, f"the model failed on this request's batch: {type(e).__name__}: {e}", None, "server_error"
             ) from None
-        return rows, int(tokenized[0].sum())
+        return rows, job.tokens
 
     async def guarded(request: HttpRequest, endpoint: str, handle, error) -> Response:
         started = time.perf_counter()

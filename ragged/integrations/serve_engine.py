@@ -3,9 +3,12 @@ many requests tokenized off the event loop, queued in arrival order, cut into ba
 ``max_batch_tokens`` real tokens and run by one worker thread per device, each request answered
 when its last text is done.
 
-* **Tokenization** runs in a thread pool (:meth:`Engine.tokenize`): the model's own preprocess,
-  unpadded (:func:`ragged.nn.hf.sentence.packed_runner`), truncated to the model's
-  length; a text longer than that is refused unless the request allows truncation.
+* **Tokenization** runs in one thread, off the event loop, over every request posted since its
+  last round at once (:meth:`Engine.post`): one call of the model's own preprocess, unpadded
+  (:func:`ragged.nn.hf.sentence.packed_runner`), for the texts of many requests, so that its
+  per-call cost is paid per round, not per request (the fast tokenizers spread a call's texts
+  over cores). Texts are truncated to the model's length; a request holding a longer text is
+  refused (400) unless it allows truncation, the others of the round go on.
 * **The queue** holds one item per text. A worker takes the oldest items up to the token budget
   (a longer text alone), skipping those of cancelled requests, and only items of one prompt per
   batch (a prompt changes the features the pooling reads).
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import os
 import queue
@@ -63,6 +65,8 @@ class Request:
         self.remaining = len(texts)
         self.rows: np.ndarray | None = None
         self.prompt = prompt
+        self.truncate = False
+        self.tokens = 0  # real tokens of its texts, set when tokenized
         self.cancelled = False
         self.failed = False
         self._lock = threading.Lock()
@@ -107,19 +111,22 @@ class Engine:
     one worker and one finisher thread per device. ``metrics``: a
     :class:`ragged.integrations.serve_metrics.Metrics`."""
 
-    def __init__(self, runners: list, max_batch_tokens: int, metrics, tokenize_threads: int = 4) -> None:
+    def __init__(self, runners: list, max_batch_tokens: int, metrics) -> None:
         self.runners = runners
         self.max_batch_tokens = int(max_batch_tokens)
         self.metrics = metrics
         self.max_length = _max_length(runners[0].st)
         self._items: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
-        self._stopping = False
+        self._posted: collections.deque[Request] = collections.deque()  # waiting for the tokenizer
+        self._posted_cond = threading.Condition()
+        self._stopping = False  # no request is posted any more
+        self._drained = False  # and the tokenizer has queued the last ones: workers end when empty
         self._delay = float(os.environ.get("RAGGED_SERVE_BATCH_DELAY", "0") or 0)
         self._fault = os.environ.get("RAGGED_SERVE_FAULT") or None
-        self.pool_tokenizing = 0
-        self._count = threading.Lock()
-        self.tokenizers = concurrent.futures.ThreadPoolExecutor(tokenize_threads, thread_name_prefix="ragged-tokenize")
+        tokenizer = threading.Thread(target=self._tokenize_loop, name="ragged-tokenize", daemon=True)
+        tokenizer.start()
+        self._tokenizer = tokenizer
         self._threads: list[threading.Thread] = []
         for i, runner in enumerate(runners):
             done: queue.Queue = queue.Queue(maxsize=2)  # batches in flight past the worker, per device
@@ -133,72 +140,105 @@ class Engine:
 
     # ---- requests (event loop side)
 
-    def tokenize(self, texts: list[str], prompt: str | None, truncate: bool):
-        """``(lengths, flat ids, types, extra)`` of ``texts`` (a worker of the tokenizer pool);
-        raises :class:`Refused` for a text over the model's length without ``truncate``."""
-        lengths, flat, types, extra = self.runners[0].tokenize(texts, prompt)
-        if not truncate and self.max_length is not None:
-            full = np.flatnonzero(lengths >= self.max_length)
-            if full.size:
-                longest = _untruncated_lengths(self.runners[0].st, [texts[i] for i in full], prompt)
-                over = [int(full[j]) for j, n in enumerate(longest) if n > self.max_length]
-                if over:
-                    raise Refused(
-                        400,
-                        f"input {over[0]} has {longest[full.tolist().index(over[0])]} tokens, more than the model's "
-                        f'{self.max_length}; shorten it, or ask for truncation ("truncate": true on /embed)',
-                        "input",
-                    )
-        return lengths, flat, types, extra
-
-    def tokenize_pooled(self, texts: list[str], prompt: str | None, truncate: bool):
-        """:meth:`tokenize` in the tokenizer pool, counted in :attr:`pool_tokenizing` (while it is
-        not zero a short request is not tokenized on the event loop, where it would wait for the
-        tokenizer)."""
-        with self._count:
-            self.pool_tokenizing += 1
-        try:
-            return self.tokenize(texts, prompt, truncate)
-        finally:
-            with self._count:
-                self.pool_tokenizing -= 1
-
-    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], tokenized, prompt: str | None) -> Request:
-        """Queue the texts of one request; its future is answered with ``[n, d]`` float32 rows."""
-        lengths, flat, types, extra = tokenized
+    def post(self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None, truncate: bool) -> Request:
+        """Queue one request's texts for the tokenizer; its future is answered with ``[n, d]``
+        float32 rows, or fails with :class:`Refused` (a text over the model's length without
+        ``truncate``) or the model's error."""
         request = Request(loop, texts, prompt)
-        starts = np.concatenate(([0], np.cumsum(lengths)))
-        items = [
-            _Item(
-                request,
-                i,
-                flat[starts[i] : starts[i + 1]],
-                None if types is None else types[starts[i] : starts[i + 1]],
-                extra,
-            )
-            for i in range(lengths.size)
-        ]
-        with self._cond:
+        request.truncate = truncate
+        with self._posted_cond:
             if self._stopping:
                 raise Refused(503, "the server is shutting down")
-            self._items.extend(items)
-            self.metrics.queue_depth(len(self._items))
-            self._cond.notify_all()
+            self._posted.append(request)
+            self._posted_cond.notify()
         return request
+
+    # ---- the tokenizer thread
+
+    def _tokenize_loop(self) -> None:
+        while True:
+            with self._posted_cond:
+                while not self._posted and not self._stopping:
+                    self._posted_cond.wait()
+                if not self._posted:
+                    return
+                posted = list(self._posted)
+                self._posted.clear()
+            # one call per prompt (a prompt prefixes every text of the call), arrival order kept
+            rounds: dict[str | None, list[Request]] = {}
+            for request in posted:
+                if not request.cancelled:
+                    rounds.setdefault(request.prompt, []).append(request)
+            for prompt, requests in rounds.items():
+                try:
+                    items = self._tokenized_items(requests, prompt)
+                except Exception as error:  # the tokenizer itself failed: these requests only
+                    for request in requests:
+                        request.fail(error)
+                    continue
+                with self._cond:
+                    self._items.extend(items)
+                    self.metrics.queue_depth(len(self._items))
+                    self._cond.notify_all()
+
+    def _tokenized_items(self, requests: list[Request], prompt: str | None) -> list[_Item]:
+        """The queue items of ``requests``, tokenized in one call; a request over the model's
+        length (without truncation) fails with :class:`Refused` and adds none."""
+        texts = [t for r in requests for t in r.texts]
+        lengths, flat, types, extra = self.runners[0].tokenize(texts, prompt)
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        items: list[_Item] = []
+        first = 0
+        for request in requests:
+            n = len(request.texts)
+            mine = lengths[first : first + n]
+            refused = None if request.truncate else self._over_length(request.texts, mine, prompt)
+            if refused is not None:
+                request.fail(refused)
+            else:
+                request.tokens = int(mine.sum())
+                for i in range(n):
+                    a, b = starts[first + i], starts[first + i + 1]
+                    items.append(_Item(request, i, flat[a:b], None if types is None else types[a:b], extra))
+            first += n
+        return items
+
+    def _over_length(self, texts: list[str], lengths: np.ndarray, prompt: str | None) -> Refused | None:
+        """The refusal of a request holding a text over the model's length (tokenized again,
+        untruncated, only where the truncated count reached the length), or None."""
+        if self.max_length is None:
+            return None
+        full = np.flatnonzero(lengths >= self.max_length)
+        if not full.size:
+            return None
+        longest = _untruncated_lengths(self.runners[0].st, [texts[i] for i in full], prompt)
+        over = [(int(full[j]), n) for j, n in enumerate(longest) if n > self.max_length]
+        if not over:
+            return None
+        index, n = over[0]
+        return Refused(
+            400,
+            f"input {index} has {n} tokens, more than the model's {self.max_length}; shorten it, or ask for "
+            'truncation ("truncate": true on /embed)',
+            "input",
+        )
 
     def cancel(self, request: Request) -> None:
         """The client went away: its items are skipped, its place freed."""
         request.cancelled = True
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Run what is queued, then end the threads."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        """Tokenize and run what is posted and queued, then end the threads."""
         deadline = time.monotonic() + timeout
+        with self._posted_cond:
+            self._stopping = True
+            self._posted_cond.notify_all()
+        self._tokenizer.join(max(0.0, deadline - time.monotonic()))  # its last items are queued
+        with self._cond:
+            self._drained = True
+            self._cond.notify_all()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        self.tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- workers
 
@@ -210,7 +250,7 @@ class Engine:
                     self._items.popleft()
                 if self._items:
                     break
-                if self._stopping:
+                if self._drained:
                     return None
                 self._cond.wait()
             head = self._items.popleft()
