@@ -77,6 +77,16 @@ def _gather(x: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, group: int)
     return out.transpose(1, 2)
 
 
+def _rows_of(x: torch.Tensor, start: int, length: int, dtype: torch.dtype, group: int) -> torch.Tensor:
+    """:func:`_gather`'s layout, ``[1, h * group, length, D]``, for one sequence's rows: a view
+    where no cast or repeat copies."""
+    out = x[start : start + length].to(dtype).unsqueeze(0)
+    if group > 1:
+        n, width, heads, dim = out.shape
+        out = out.unsqueeze(3).expand(n, width, heads, group, dim).reshape(n, width, heads * group, dim)
+    return out.transpose(1, 2)
+
+
 def band(i: torch.Tensor, j: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     """Bool, True where a query at aligned position ``i`` sees the key at ``j`` under causal masking
     and the ``(left, right)`` window (broadcast shapes; every key where neither applies)."""
@@ -137,10 +147,16 @@ def grouped_attention(
         lq = [cq[b + 1] - cq[b] for b in members]
         lk = [ck[b + 1] - ck[b] for b in members]
         mq, mk = max(lq), max(lk)
-        rows_q, valid_q = _padded_rows([cq[b] for b in members], lq, mq)
-        rows_k, _ = _padded_rows([ck[b] for b in members], lk, mk)
-        qg = _gather(q, rows_q, dtype, 1)
-        kg, vg = _gather(k, rows_k, dtype, group), _gather(v, rows_k, dtype, group)
+        one = len(members) == 1  # one sequence: views of its rows, nothing to gather or drop
+        if one:
+            b = members[0]
+            qg = _rows_of(q, cq[b], lq[0], dtype, 1)
+            kg, vg = _rows_of(k, ck[b], lk[0], dtype, group), _rows_of(v, ck[b], lk[0], dtype, group)
+        else:
+            rows_q, valid_q = _padded_rows([cq[b] for b in members], lq, mq)
+            rows_k, _ = _padded_rows([ck[b] for b in members], lk, mk)
+            qg = _gather(q, rows_q, dtype, 1)
+            kg, vg = _gather(k, rows_k, dtype, group), _gather(v, rows_k, dtype, group)
         # Where every sequence has as many queries as keys, causal masking needs no mask: a
         # query of a sequence of length L never reaches the padding keys past L.
         self_causal = causal and window == (-1, -1) and lq == lk and position_bias is None
@@ -154,15 +170,19 @@ def grouped_attention(
                 bias = bias.masked_fill(~seen, float("-inf"))
         assert _FLASH is not None  # available() said so
         o, s = _FLASH(qg, kg, vg, 0.0, self_causal, attn_mask=bias, scale=scale)  # [n,H,mq,D], [n,H,mq]
-        o, s = o.transpose(1, 2)[valid_q], s.transpose(1, 2)[valid_q].to(torch.float32)
+        if one:
+            o, s = o[0].transpose(0, 1), s[0].transpose(0, 1).to(torch.float32)
+        else:
+            o, s = o.transpose(1, 2)[valid_q], s.transpose(1, 2)[valid_q].to(torch.float32)
         if seen is not None and seen.shape[2] > 1:
-            blind = ~seen[:, 0].any(-1)[valid_q]  # queries that see no key
+            blind = ~seen[:, 0].any(-1)  # queries that see no key
+            blind = blind[0] if one else blind[valid_q]
             if bool(blind.any()):
                 o[blind] = 0.0
                 s[blind] = float("-inf")
         if whole:
             return o.to(q.dtype), s
-        rows = rows_q[valid_q]
+        rows = torch.arange(cq[members[0]], cq[members[0]] + lq[0]) if one else rows_q[valid_q]
         out.index_copy_(0, rows, o)
         lse.index_copy_(0, rows, s)
     return out.to(q.dtype), lse
