@@ -97,7 +97,7 @@ def packed_in_projection(q: nn.Module, k: nn.Module, v: nn.Module):
     and writes ``3 d^2`` elements: a small share of the layer's GEMMs at a batch of more than a
     few tokens, but not at one short text on a CPU); when a gradient is recorded, autograd
     reaches the original Parameters through it. Under ``frozen_weights`` (the encode pipeline,
-    ``ragged.serve``) it is made once per set of Parameters."""
+    ``ragged.serve``) it is made once per set of CPU Parameters."""
     qw, qb = effective_linear(q, "the layer's q projection")
     kw, kb = effective_linear(k, "the layer's k projection")
     vw, vb = effective_linear(v, "the layer's v projection")
