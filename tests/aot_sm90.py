@@ -26,6 +26,9 @@ def compile_kernel(fn, types, consts, num_warps=4, num_stages=2):
     fn = getattr(fn, "jit", fn)  # a cached-launch wrapper: its @triton.jit function
     names = fn.arg_names
     signature, constexprs, it = {}, {}, iter(types)
+    # a constexpr with a default that ``consts`` leaves out takes it, as a launch that omits it
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    consts = {**{k: v for k, v in defaults.items() if k not in consts}, **consts}
     for i, name in enumerate(names):
         if name in consts:
             signature[name] = "constexpr"
@@ -78,17 +81,18 @@ def cases():
                 [dt] * 4 + ["*fp32", "*i32", "*i32", "*i32"] + scalars + bias_args + ["i32"] * 8,
                 c,
             )
-            yield (
-                "attention bwd dk/dv",
-                ka._bwd_dkdv_kernel,
+            dkdv_types = (
                 [dt] * 4
                 + ["*fp32", "*fp32", dt, dt, "*i32", "*i32", "*i32"]
                 + scalars
                 + ["i32"]
                 + bias_args
-                + ["i32"] * 12,
-                c,
+                + ["i32"] * 12
+                + ["*fp32", "i32", "i32"]  # the fused backward's float32 dQ and its strides
             )
+            yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel, dkdv_types, c)
+            if not bias:  # the fused backward: dQ added atomically from the same kernel
+                yield ("attention bwd fused dk/dv/dq", ka._bwd_dkdv_kernel, dkdv_types, {**c, "FUSED_DQ": True})
             # the distance table, the buckets, the partial bucket sums, max_q, the table's row length
             dq_bias_args = ["*fp32", "*i64", "*fp32", "i32", "i32"]
             yield (
@@ -103,6 +107,13 @@ def cases():
                 {**c, "BLOCK_M": 32, "BLOCK_N": 64} if bias else c,
             )
     yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
+    for dt in ("*bf16", "*fp32"):
+        yield (
+            "attention bwd delta",
+            ka._bwd_delta_kernel,
+            [dt, dt, "*fp32"] + ["i32"] * 6,
+            dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_T=32),
+        )
     yield ("attention keep mask", ka._keep_mask_kernel, ["*i8", "i32", "fp32", "i32", "i32"], dict(BLOCK=64))
     offs = ["*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32", "i32"]
     for dt, shared, inline in (("*bf16", False, True), ("*fp32", True, False)):
