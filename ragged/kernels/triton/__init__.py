@@ -48,18 +48,22 @@ def _attention_check(spec) -> list[str]:
     return []
 
 
+# what the portable kernels take (the split backward's implementation and the fused one's)
+_PORTABLE = {
+    "dtypes": (torch.float16, torch.bfloat16, torch.float32),
+    "limits": {"head_dim": ATTENTION_HEAD_DIMS},
+    "maxima": {"bias_buckets": ATTENTION_MAX_BUCKETS},
+    "operands": ATTENTION_OPERANDS,
+}
 register(
     Implementation(
         "attention",
         "triton",
         f"{_HERE}.attention:forward",
         f"{_HERE}.attention:backward",
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        limits={"head_dim": ATTENTION_HEAD_DIMS},
-        maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
         check=_attention_check,
         rank=1,
-        operands=ATTENTION_OPERANDS,
+        **_PORTABLE,  # type: ignore[arg-type]
     )
 )
 
@@ -146,13 +150,10 @@ register(
         "triton",
         f"{_HERE}.attention:forward",
         f"{_HERE}.attention:backward_fused",
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        limits={"head_dim": ATTENTION_HEAD_DIMS},
-        maxima={"bias_buckets": ATTENTION_MAX_BUCKETS},
         check=_fused_bwd_check,
         variant="fused_bwd",
         rank=25.0,
-        operands=ATTENTION_OPERANDS,
+        **_PORTABLE,  # type: ignore[arg-type]
     )
 )
 
