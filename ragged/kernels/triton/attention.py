@@ -596,8 +596,7 @@ def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window,
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk,
             FUSED_DQ=True, **common,
         )  # fmt: skip
-    torch.mul(dq_sum, args.scale, out=dq_sum)
-    dq.copy_(dq_sum)
+    torch.mul(dq_sum, args.scale, out=dq)  # scaled and cast in one pass
     for mine, theirs in zip((dq, dk, dv), result):
         if mine is not theirs:
             theirs.copy_(mine)
