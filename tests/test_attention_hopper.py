@@ -97,6 +97,43 @@ def test_hopper_backward_matches_the_oracle(case, causal, hopper):
         assert err <= bound, f"d{name}: {err:.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["mixed", "gqa", "cross_q_longer", "empty_keys"])
+def test_hopper_forward_then_fused_backward(case, causal, monkeypatch):
+    """``triton_sm90_fused_bwd``: the sm_90 forward's log-sum-exp read by the fused backward
+    (dQ added atomically); gradients against float64 under the same rule."""
+    from ragged import backends
+    from ragged.kernels.triton import attention as launcher
+
+    hopper = spy_hopper(monkeypatch)
+    monkeypatch.delenv("RAGGED_ATTENTION_HOPPER")
+    fused: list = []
+    real = launcher._backward_fused
+    monkeypatch.setattr(launcher, "_backward_fused", lambda *a: fused.append(1) or real(*a))
+    lq, lk, heads, kv_heads, dim = CASES[case]
+    q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-fused"), torch.float16)
+    up = _randn(q.shape, _seed(case, "hopper-fused-up"), torch.float16)
+    with backends.prefer("attention", "triton_sm90_fused_bwd"):
+        got = _grads(
+            lambda a, b, c: ragged.varlen_attention(
+                a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, backend="triton"
+            ),
+            q,
+            k,
+            v,
+            up,
+        )
+    assert q.shape in hopper and fused, "the sm_90 forward or the fused backward did not run"
+    assert ("backward", q.shape) not in hopper, "the sm_90 backward ran instead of the fused one"
+
+    def reference(dtype):
+        if dtype == torch.float64:
+            return lambda a, b, c: _loop_attention(a, b, c, lq, lk, causal)[0]
+        return lambda a, b, c: ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, compute_dtype=dtype)[0]
+
+    _check_grads(got, reference, q, k, v, up)
+
+
 def _drawn_seed(manual_seed: int) -> int:
     """The dropout seed a call draws after ``torch.manual_seed(manual_seed)`` (one CPU int)."""
     torch.manual_seed(manual_seed)
@@ -355,8 +392,12 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     for longest, first in ((triton_backend.AUTO_MIN_LEN, "triton_sm90"), (triton_backend.AUTO_MIN_LEN - 1, "triton")):
         spec = dataclasses.replace(cpu, max_q=longest, max_k=longest)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
-        # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised forward
-        assert order[0] == first and set(order[-3:]) == {"triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws"}
+        # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised
+        # forward, the sm_90 forwards with the fused backward
+        preferred_only = {
+            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd"
+        }  # fmt: skip
+        assert order[0] == first and set(order[-5:]) == preferred_only
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
     with backends.prefer("attention", "triton_sm90_full"):
         assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"

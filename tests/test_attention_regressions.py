@@ -477,7 +477,8 @@ def test_spec_and_the_auto_order_on_cuda():
         s = AttentionSpec(cuda, torch.bfloat16, head_dim, 4, 4, 8, longest, 1, False, 0.0, False)
         assert order(s)[0] == first and order(s)[-1] == "torch"
         assert set(order(s)) == {
-            "cuda", "triton", "triton_sm90", "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws", "torch"
+            "cuda", "triton", "triton_sm90", "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws",
+            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd", "torch",
         }  # fmt: skip
 
 

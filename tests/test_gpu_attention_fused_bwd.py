@@ -1,7 +1,8 @@
 """The fused attention backward (``triton_fused_bwd``: dK, dV and dQ from one key-block kernel,
 dQ added atomically in float32) on the GPU: flash-attn's error rule against the float64
 reference for every gradient, zero-length, one-token, cross and long sequences, GQA, both head
-dims, fp16 and bf16, causal and not; deterministic mode takes the split kernels."""
+dims, fp16 and bf16, causal and not, after each forward it is paired with (the portable one,
+the sm_90 TMA one, the warp-specialised one); deterministic mode takes the split kernels."""
 
 from __future__ import annotations
 
@@ -22,15 +23,20 @@ LENGTHS = {
 }
 
 
-@pytest.fixture
-def fused(monkeypatch):
+PAIRS = ["triton_fused_bwd", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd"]
+
+
+@pytest.fixture(params=PAIRS)
+def fused(monkeypatch, request):
     _needs("triton")
+    if "sm90" in request.param and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm_90 forwards run on sm_90 only")
     from ragged.kernels.triton import attention as launcher
 
     calls: list = []
     real = launcher._backward_fused
     monkeypatch.setattr(launcher, "_backward_fused", lambda *a: calls.append(a[1].shape) or real(*a))
-    with backends.prefer("attention", "triton_fused_bwd"):
+    with backends.prefer("attention", request.param):
         yield calls
 
 

@@ -132,16 +132,20 @@ register(
 # The fused backward (attention.py:backward_fused): one key-block kernel for dK, dV and dQ, dQ
 # added atomically (non-deterministic), with the portable forward; no position bias, and not
 # under torch.use_deterministic_algorithms. Taken only where preferred until measured.
+def _deterministic_reason() -> list[str]:
+    if torch.are_deterministic_algorithms_enabled():
+        return [
+            "the fused attention backward adds dQ atomically (not deterministic) and "
+            "torch.use_deterministic_algorithms is on"
+        ]
+    return []
+
+
 def _fused_bwd_check(spec) -> list[str]:
     out = _attention_check(spec)
     if spec.bias_buckets:
         out.append("the fused attention backward takes no position bias (its table gradient is the split dQ kernel's)")
-    if torch.are_deterministic_algorithms_enabled():
-        out.append(
-            "the fused attention backward adds dQ atomically (not deterministic) and "
-            "torch.use_deterministic_algorithms is on"
-        )
-    return out
+    return out + _deterministic_reason()
 
 
 register(
@@ -187,6 +191,30 @@ register(
         rank=30.0,
         **{**_SM90, "check": _sm90_ws_check},  # type: ignore[arg-type]
     )
+)
+
+
+# The sm_90 forwards followed by the fused backward: the pairs a training step would take if
+# each half is the fastest of its kind. Taken only where preferred until measured.
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90",
+        f"{_HERE}.attention:backward_fused",
+        variant="sm90_fused_bwd",
+        rank=26.0,
+        **{**_SM90, "check": lambda spec: _sm90_check(spec) + _deterministic_reason()},  # type: ignore[arg-type]
+    ),
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90_ws",
+        f"{_HERE}.attention:backward_fused",
+        variant="sm90_ws_fused_bwd",
+        rank=31.0,
+        **{**_SM90, "check": lambda spec: _sm90_ws_check(spec) + _deterministic_reason()},  # type: ignore[arg-type]
+    ),
 )
 
 

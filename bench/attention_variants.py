@@ -1,0 +1,189 @@
+"""Every registered attention implementation of the Triton backend, timed on the same inputs, to
+set their ranks from measurements (``ragged/kernels/triton/__init__.py``).
+
+Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--out FILE]``.
+
+* ``--case c``: workload (c) of ``bench.tune_attention`` (16 sequences of 256..4096 tokens,
+  seed 0) at head dim 128 (16 heads) and 64 (32 heads), full and causal: each implementation's
+  forward and forward+backward in TFLOP/s (useful FLOPs; forward+backward counts 3.5x the
+  forward's), beside cuDNN's dense kernel on the padded batch without a mask (dense FLOPs: a
+  kernel-rate ceiling) and ``auto``'s choice.
+* ``--sweep``: the length rule. Batches of about 32k tokens whose lengths are uniform in
+  [L/2, L] for L from 128 to 4096, both head dims, full and causal: each implementation's
+  forward and forward+backward, and which is fastest.
+
+Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
+(the kernels' time: at the short lengths the host's per-call work would hide them). The table
+names the GPU and the host CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+from triton.testing import do_bench
+
+import ragged
+from ragged import backends
+from ragged.kernels.triton import attention as ka
+
+from .env import cpu_name
+from .measure import graphed_replay
+
+FORWARDS = ("triton", "triton_sm90", "triton_sm90_ws")
+TRAINING = (
+    "triton",
+    "triton_sm90",
+    "triton_sm90_full",
+    "triton_fused_bwd",
+    "triton_sm90_fused_bwd",
+    "triton_sm90_ws",
+    "triton_sm90_ws_fused_bwd",
+)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _time(fn) -> float:
+    try:
+        return do_bench(graphed_replay(fn), warmup=10, rep=60, return_mode="median")
+    except Exception as exc:  # a kernel that does not compile or launch: a row that says so
+        print(f"    failed: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr, flush=True)
+        return float("nan")
+
+
+def measure(lengths, heads, dim, causal, names, backward, dense=False):
+    """{name: ms} for each implementation (``prefer``-ed, ``"auto"`` as itself) and, with
+    ``dense``, cuDNN on the padded batch."""
+    total, max_len = sum(lengths), max(lengths)
+    cu = _cu(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(backward)
+        for _ in range(3)
+    )
+    do = torch.randn_like(q)
+
+    def call():
+        out = ragged.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), do) if backward else out
+
+    times = {}
+    for name in (*names, "auto"):
+        with backends.prefer("attention", None if name == "auto" else name):
+            why = ragged.explain("attention", q, k, v, cu, cu, max_len, max_len, causal, 0.0, backward)
+            if name != "auto" and why.chosen != name:
+                times[name] = float("nan")  # refused here (e.g. not an sm_90 GPU): no row
+                continue
+            with torch.set_grad_enabled(backward):
+                times[name] = _time(call)
+            if name == "auto":
+                times["auto"] = (times["auto"], why.chosen)
+    if dense:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        batch = len(lengths)
+        qd, kd, vd = (
+            torch.randn(batch, heads, max_len, dim, device="cuda", dtype=torch.bfloat16).requires_grad_(backward)
+            for _ in range(3)
+        )
+        dod = torch.randn_like(qd)
+
+        def dense_call():
+            out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=causal)
+            return torch.autograd.grad(out, (qd, kd, vd), dod) if backward else out
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.set_grad_enabled(backward):
+            times["cuDNN dense"] = _time(dense_call)
+    return times
+
+
+def _tf(flops, ms):
+    return flops / ms / 1e9 if ms == ms else float("nan")
+
+
+def case_c(out):
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(256, 4097, (16,), generator=gen).tolist()
+    out(f"\n## case (c): 16 sequences of 256..4096 (seed 0), total {sum(lengths)}, max {max(lengths)}\n")
+    out("TF/s (useful FLOPs; cuDNN dense: dense FLOPs on the padded batch, no mask)\n")
+    for dim, heads in ((128, 16), (64, 32)):
+        for causal in (False, True):
+            fl = ka.flops(lengths, lengths, heads, dim, causal)
+            dense_fl = ka.flops([max(lengths)] * 16, [max(lengths)] * 16, heads, dim, causal)
+            fwd = measure(lengths, heads, dim, causal, FORWARDS, False, dense=True)
+            both = measure(lengths, heads, dim, causal, TRAINING, True, dense=True)
+            out(f"\n### D={dim} H={heads} {'causal' if causal else 'full'}\n")
+            out("| implementation | forward TF/s | fwd+bwd TF/s |")
+            out("|---|---:|---:|")
+            for name in TRAINING:
+                f = f"{_tf(fl, fwd[name]):.0f}" if name in fwd else ""
+                out(f"| {name} | {f} | {_tf(3.5 * fl, both[name]):.0f} |")
+            (fa, fchoice), (ba, bchoice) = fwd["auto"], both["auto"]
+            out(f"| auto ({fchoice} / {bchoice}) | {_tf(fl, fa):.0f} | {_tf(3.5 * fl, ba):.0f} |")
+            out(
+                f"| cuDNN dense | {_tf(dense_fl, fwd['cuDNN dense']):.0f} | "
+                f"{_tf(3.5 * dense_fl, both['cuDNN dense']):.0f} |"
+            )
+
+
+def sweep(out, tokens=32768):
+    out(f"\n## length rule: about {tokens} tokens in sequences of uniform lengths in [L/2, L]\n")
+    out("Forward and fwd+bwd TF/s of each implementation; the fastest in bold.\n")
+    gen = torch.Generator().manual_seed(1)
+    header = "| L | D | mask | " + " | ".join(f"fwd {n}" for n in FORWARDS) + " | "
+    header += " | ".join(f"f+b {n}" for n in TRAINING) + " |"
+    out(header)
+    out("|" + "---|" * (3 + len(FORWARDS) + len(TRAINING)))
+    for longest in (128, 256, 512, 1024, 2048, 4096):
+        lengths = []
+        while sum(lengths) < tokens:
+            lengths.append(int(torch.randint(longest // 2, longest + 1, (1,), generator=gen)))
+        for dim, heads in ((128, 16), (64, 32)):
+            for causal in (False, True):
+                fl = ka.flops(lengths, lengths, heads, dim, causal)
+                fwd = measure(lengths, heads, dim, causal, FORWARDS, False)
+                both = measure(lengths, heads, dim, causal, TRAINING, True)
+                f = [_tf(fl, fwd[n]) for n in FORWARDS]
+                b = [_tf(3.5 * fl, both[n]) for n in TRAINING]
+
+                def cells(values):
+                    best = max((x for x in values if x == x), default=None)
+                    return [f"**{x:.0f}**" if x == best else f"{x:.0f}" for x in values]
+
+                row = [str(longest), str(dim), "causal" if causal else "full", *cells(f), *cells(b)]
+                out("| " + " | ".join(row) + " |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=["c"], default=None)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    lines: list[str] = []
+
+    def out(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    out(
+        f"# attention implementations on {torch.cuda.get_device_name()}, host CPU {cpu_name()}, "
+        f"torch {torch.__version__}, python {platform.python_version()}, bf16"
+    )
+    if args.case == "c" or not args.sweep:
+        case_c(out)
+    if args.sweep:
+        sweep(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
