@@ -395,7 +395,8 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
         # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised
         # forward, the sm_90 forwards with the fused backward
         preferred_only = {
-            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd"
+            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws",
+            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd",
         }  # fmt: skip
         assert order[0] == first and set(order[-5:]) == preferred_only
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"

@@ -52,6 +52,7 @@ def test_fp32_server_values(model_dir, original):
     try:
         texts = _texts(20, 9)
         r = httpx.post(s.url + "/v1/embeddings", json={"input": texts})
+        assert r.status_code == 200, r.text
         got = np.array([d["embedding"] for d in r.json()["data"]])
         np.testing.assert_allclose(got, _want(original, texts), atol=1e-4, rtol=1e-3)
     finally:

@@ -235,3 +235,39 @@ def test_several_devices_run_sentence_transformers_processes(transformers_, pipe
     _close(
         torch.from_numpy(np.asarray(got)), torch.from_numpy(np.asarray(original.encode(texts))), rtol=1e-5, atol=1e-6
     )
+
+
+def test_a_failed_capture_leaves_the_batch_for_the_eager_run():
+    """The forward takes its inputs out of the features dict; when the CUDA-graph capture of a
+    batch fails (``CaptureError``), the eager run after it gets the batch whole, graphs are
+    turned off with one warning, and the graphs kept are dropped."""
+    import contextlib
+
+    from ragged.nn.graphed import CaptureError
+    from ragged.nn.hf.sentence import pipeline as pl
+
+    seen, capturing = [], []
+
+    def model(features):
+        seen.append(dict(features))
+        ids = features.pop("input_ids")  # as the ragged Transformer forward takes its packed input
+        if capturing:
+            raise CaptureError("the reference attention reads the lengths on the host")
+        return {"sentence_embedding": ids.float() * 2}
+
+    @contextlib.contextmanager
+    def encoding(forward, kind, graphed):
+        capturing[:] = [True] if graphed is not None else []
+        try:
+            yield
+        finally:
+            capturing.clear()
+
+    settings = pl.Pipeline()
+    settings.cache["old"] = object()
+    ids = torch.arange(6).view(2, 3)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs are turned off"):
+        out, graphs = pl._embed(model, {"input_ids": ids}, None, encoding, object(), settings, {})
+    assert graphs is None and settings.graphs is False and not settings.cache
+    torch.testing.assert_close(out, ids.float() * 2)
+    assert len(seen) == 2 and all(f["input_ids"] is ids for f in seen)

@@ -280,8 +280,10 @@ def _embed(model, features: dict, forward, encoding: Callable, graphed, settings
     an attention no GPU kernel takes, whose reference reads the lengths on the host) runs eagerly
     from then on: ``settings.graphs`` is turned off, with a warning naming the cause."""
     try:
+        # a copy: the forward takes its inputs out of the dict it is given, and a failed capture
+        # must leave them for the eager run below
         with torch.no_grad(), frozen_weights(frozen), encoding(forward, "sentence", graphed):
-            return model(features)["sentence_embedding"], graphed
+            return model(dict(features))["sentence_embedding"], graphed
     except CaptureError as e:
         if graphed is None:
             raise
