@@ -42,11 +42,26 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: the kernel sends it SIGTERM when the bench process dies, however it
+    dies (a server left behind would load the machine's later runs)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the SIGTERM handler of main() still stops it
+        pass
+
+
 def start(cmd: list[str], url: str, timeout: float = 600) -> subprocess.Popen:
     import httpx
 
     proc = subprocess.Popen(
-        cmd, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        cmd,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -153,7 +168,12 @@ def load(url: str, texts: list[str], size: int, clients: int, count: int, second
         p = ctx.Process(target=_client_proc, args=(url, rotated, share, n, seconds, start_at, out))
         p.start()
         workers.append(p)
-    results = [out.get() for _ in workers]
+    try:
+        results = [out.get() for _ in workers]
+    except BaseException:  # stopped (SIGTERM, Ctrl-C): no client left running
+        for p in workers:
+            p.terminate()
+        raise
     for p in workers:
         p.join()
     latencies = np.array([x for r in results for x in r[0]])
@@ -231,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # a bench stopped by `timeout` (SIGTERM) unwinds, so the finally below stops its server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
 
     sys.path.insert(0, ROOT)
