@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -281,3 +282,99 @@ def test_sigterm_answers_the_request_in_flight(model_dir, original):
     assert r.status_code == 200
     np.testing.assert_allclose(np.array(r.json()), _want(original, ["drained"]), atol=2e-5, rtol=1e-4)
     assert s.proc.wait(30) == 0
+
+
+class _FakeRunner:
+    """A model of the engine's runner interface: token ids are the characters' codes, each text's
+    embedding the sum of its ids in every column."""
+
+    class st:  # noqa: N801  (what the engine reads of the SentenceTransformer)
+        max_seq_length = 64
+
+        @staticmethod
+        def parameters():
+            return iter([torch.zeros(1)])
+
+        @staticmethod
+        def get_sentence_embedding_dimension():
+            return 3
+
+    def tokenize(self, texts, prompt=None):
+        ids = [np.array([ord(c) for c in t], np.int64) for t in texts]
+        return np.array([len(i) for i in ids]), np.concatenate(ids), None, {}
+
+    def run(self, lengths, flat, types, extra):
+        sums = np.add.reduceat(flat, np.cumsum(lengths) - lengths)
+        return torch.tensor(sums, dtype=torch.float32)[:, None].expand(-1, 3)
+
+
+def test_engine_finish_runs_off_the_loop_and_fails_its_request_only():
+    """``Engine.post(..., finish)``: the future gets ``finish(request)``, computed in the thread
+    that completes the request, not the event loop's; a ``finish`` that raises fails its own
+    request, and the other requests of the same batch are answered."""
+    from ragged.integrations.serve_engine import Engine
+    from ragged.integrations.serve_metrics import Metrics
+
+    engine = Engine([_FakeRunner()], 1024, Metrics())
+    assert engine.dimension == 3
+    threads = []
+
+    def good(request):
+        threads.append(threading.get_ident())
+        return (request.rows.copy(), request.tokens)
+
+    def bad(request):
+        raise ValueError("finish failed")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [engine.post(loop, ["ab", "c"], None, False, good), engine.post(loop, ["xyz"], None, False, bad),
+                engine.post(loop, ["d"], None, False)]  # fmt: skip
+        return await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+
+    try:
+        first, second, third = asyncio.run(main())
+    finally:
+        engine.stop()
+    rows, tokens = first
+    np.testing.assert_array_equal(rows, [[ord("a") + ord("b")] * 3, [ord("c")] * 3])
+    assert tokens == 3
+    assert isinstance(second, ValueError) and "finish failed" in str(second)
+    np.testing.assert_array_equal(third, [[ord("d")] * 3])
+    assert threads and threading.get_ident() not in threads
+
+
+def test_engine_batches_split_requests_at_text_boundaries_within_the_budget():
+    """Spans of many requests cut into batches of at most ``max_batch_tokens`` real tokens (a
+    text longer than the budget alone), split at text boundaries, in arrival order; every
+    request gets its own rows, in its order, whatever the cuts."""
+    from ragged.integrations.serve_engine import Engine
+    from ragged.integrations.serve_metrics import Metrics
+
+    runner, batches, budget = _FakeRunner(), [], 10
+    run = runner.run
+    runner.run = lambda lengths, flat, types, extra: (
+        batches.append(lengths.tolist()),
+        run(lengths, flat, types, extra),
+    )[1]
+    rng = random.Random(3)
+    requests = [["x" * rng.randint(1, 7) for _ in range(rng.randint(1, 6))] for _ in range(40)]
+    requests[5] = ["y" * 23, "z"]  # one text over the budget
+    engine = Engine([runner], budget, Metrics())
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [engine.post(loop, texts, None, False) for texts in requests]
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.stop()
+    for texts, rows in zip(requests, got):
+        np.testing.assert_array_equal(rows[:, 0], [sum(map(ord, t)) for t in texts])
+    assert [n for b in batches for n in b] == [len(t) for texts in requests for t in texts]  # arrival order
+    for b in batches:
+        assert sum(b) <= budget or len(b) == 1, b
+    assert any(sum(b) > budget for b in batches) and len(batches) < sum(map(len, requests))
+    assert engine.metrics.texts == sum(map(len, requests))

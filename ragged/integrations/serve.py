@@ -194,12 +194,14 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
             raise _Problem(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body
 
-    async def embed(request: HttpRequest, texts: list[str], prompt: str | None, truncate: bool):
-        """``([n, d] float32 rows, prompt tokens)``, or None when the client went away."""
+    async def embed(request: HttpRequest, texts: list[str], prompt: str | None, truncate: bool, finish):
+        """The response body, ``finish(job)`` (run by the engine's thread that completes the
+        request: the rows' normalisation and serialisation stay off the event loop), or None
+        when the client went away."""
         from .serve_engine import Refused
 
         try:
-            job = engine.post(asyncio.get_running_loop(), texts, prompt, truncate)
+            job = engine.post(asyncio.get_running_loop(), texts, prompt, truncate, finish)
         except Refused as e:
             raise _Problem(e.status, e.message, e.param) from None
         # the answer, and every _POLL_S whether the client is still there (no task per request)
@@ -209,14 +211,15 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
                 engine.cancel(job)
                 return None
         try:
-            rows = job.future.result()
+            return job.future.result()
         except Refused as e:  # a text over the model's length
             raise _Problem(e.status, e.message, e.param) from None
+        except _Problem:  # finish's own refusal
+            raise
         except Exception as e:  # the model call of one of its batches raised
             raise _Problem(
                 500, f"the model failed on this request's batch: {type(e).__name__}: {e}", None, "server_error"
             ) from None
-        return rows, job.tokens
 
     async def guarded(request: HttpRequest, endpoint: str, handle, error) -> Response:
         started = time.perf_counter()
@@ -231,7 +234,7 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
             if out is None:  # the client disconnected
                 status = 499
                 return Response(status_code=499)
-            return Response(dumps(out), 200, media_type="application/json")
+            return Response(out, 200, media_type="application/json")
         except _Problem as p:
             status = p.status
             return error(p)
@@ -255,32 +258,35 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
             model = body.get("model", model_name)
             if not isinstance(model, str):
                 raise _Problem(400, f"'model' must be a string, got {json.dumps(model)}", "model")
-            got = await embed(request, texts, None, False)
-            if got is None:
-                return None
-            rows, tokens = got
-            if dims is not None:
-                if dims > rows.shape[1]:
-                    raise _Problem(400, f"'dimensions' is {dims}, more than the model's {rows.shape[1]}", "dimensions")
-                rows = rows[:, :dims]
-            rows = _normalized(rows)
-            if fmt == "base64":
-                data = [
-                    {
-                        "object": "embedding",
-                        "index": i,
-                        "embedding": base64.b64encode(r.astype("<f4").tobytes()).decode(),
-                    }
-                    for i, r in enumerate(rows)
-                ]
-            else:
-                data = [{"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(rows)]
-            return {
-                "object": "list",
-                "data": data,
-                "model": model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
+
+            def too_wide(width: int) -> _Problem:
+                return _Problem(400, f"'dimensions' is {dims}, more than the model's {width}", "dimensions")
+
+            if dims is not None and engine.dimension is not None and dims > engine.dimension:
+                raise too_wide(engine.dimension)
+
+            def finish(job) -> bytes:
+                rows = job.rows
+                if dims is not None:
+                    if dims > rows.shape[1]:
+                        raise too_wide(rows.shape[1])
+                    rows = rows[:, :dims]
+                rows = _normalized(rows)
+                if fmt == "base64":
+                    data = [
+                        {
+                            "object": "embedding",
+                            "index": i,
+                            "embedding": base64.b64encode(r.astype("<f4").tobytes()).decode(),
+                        }
+                        for i, r in enumerate(rows)
+                    ]
+                else:
+                    data = [{"object": "embedding", "index": i, "embedding": r} for i, r in enumerate(rows)]
+                usage = {"prompt_tokens": job.tokens, "total_tokens": job.tokens}
+                return dumps({"object": "list", "data": data, "model": model, "usage": usage})
+
+            return await embed(request, texts, None, False, finish)
 
         return await guarded(request, "/v1/embeddings", handle, openai_error)
 
@@ -300,11 +306,11 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
                         "prompt_name",
                     )
                 prompt = prompts[name]
-            got = await embed(request, texts, prompt, truncate)
-            if got is None:
-                return None
-            rows, _ = got
-            return _normalized(rows) if normalize else rows
+
+            def finish(job) -> bytes:
+                return dumps(_normalized(job.rows) if normalize else job.rows)
+
+            return await embed(request, texts, prompt, truncate, finish)
 
         return await guarded(request, "/embed", handle, tei_error)
 

@@ -9,9 +9,11 @@ when its last text is done.
   per-call cost is paid per round, not per request (the fast tokenizers spread a call's texts
   over cores). Texts are truncated to the model's length; a request holding a longer text is
   refused (400) unless it allows truncation, the others of the round go on.
-* **The queue** holds one item per text. A worker takes the oldest items up to the token budget
-  (a longer text alone), skipping those of cancelled requests, and only items of one prompt per
-  batch (a prompt changes the features the pooling reads).
+* **The queue** holds one span per request: its texts' token ids one after the other, and their
+  lengths. A worker takes the oldest spans up to the token budget, splitting a span at a text
+  boundary where the budget ends (a text longer than the budget runs alone), skipping those of
+  cancelled requests, and only spans of one prompt per batch (a prompt changes the features the
+  pooling reads). Spans, not texts, keep the Python work per request, not per text.
 * **Overlap.** A worker launches a batch and hands its output to its finisher thread, which waits
   for the GPU and copies the rows to the host, while the worker already packs and launches the
   next batch (at most two batches in flight per device). On the CPU a batch runs to its end and
@@ -58,8 +60,12 @@ class Request:
     """One HTTP request's texts: the embeddings as their rows arrive (from any device's finisher
     thread), and the event loop's future answered when the last row is in."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None, finish=None) -> None:
         self.loop = loop
+        # what the future gets: finish(request) run by the thread that completes the request (the
+        # response body: serialising a request's floats costs the event loop more than its HTTP),
+        # or the rows themselves
+        self.finish = finish
         self.future: asyncio.Future = loop.create_future()
         self.texts = texts
         self.remaining = len(texts)
@@ -67,6 +73,7 @@ class Request:
         self.prompt = prompt
         self.truncate = False
         self.tokens = 0  # real tokens of its texts, set when tokenized
+        self.answer: Any = None
         self.cancelled = False
         self.failed = False
         self._lock = threading.Lock()
@@ -79,16 +86,17 @@ class Request:
         else:
             self.future.set_result(value)
 
-    def put(self, index: int, row: np.ndarray) -> bool:
-        """Row ``index`` of the request's embeddings; True when it was the last one: the caller
-        then hands the request to the event loop (:func:`_resolve_on_loops`, once per batch)."""
+    def put(self, start: int, rows: np.ndarray) -> bool:
+        """Rows ``start, start + 1, ...`` of the request's embeddings; True when they were the last
+        ones: the caller then hands the request to the event loop (:func:`_resolve_on_loops`,
+        once per batch)."""
         with self._lock:
             if self.failed:
                 return False
             if self.rows is None:
-                self.rows = np.empty((len(self.texts), row.shape[0]), np.float32)
-            self.rows[index] = row
-            self.remaining -= 1
+                self.rows = np.empty((len(self.texts), rows.shape[1]), np.float32)
+            self.rows[start : start + rows.shape[0]] = rows
+            self.remaining -= rows.shape[0]
             return self.remaining == 0
 
     def fail(self, error: BaseException) -> None:
@@ -99,11 +107,33 @@ class Request:
         self.loop.call_soon_threadsafe(self._resolve, None, error)
 
 
-class _Item:
-    __slots__ = ("request", "index", "ids", "types", "extra")
+class _Span:
+    """Texts ``start, start + 1, ...`` of one request, tokenized: their lengths and their ids (and
+    token types) one after the other."""
 
-    def __init__(self, request: Request, index: int, ids: np.ndarray, types, extra: dict) -> None:
-        self.request, self.index, self.ids, self.types, self.extra = request, index, ids, types, extra
+    __slots__ = ("request", "start", "lengths", "ids", "types", "extra")
+
+    def __init__(self, request: Request, start: int, lengths: np.ndarray, ids: np.ndarray, types, extra: dict) -> None:
+        self.request, self.start, self.lengths, self.ids, self.types, self.extra = (
+            request, start, lengths, ids, types, extra
+        )  # fmt: skip
+
+    @property
+    def texts(self) -> int:
+        return int(self.lengths.size)
+
+    def fitting(self, room: int) -> int:
+        """How many of its first texts fit in ``room`` tokens."""
+        return int(np.searchsorted(np.cumsum(self.lengths), room, side="right"))
+
+    def split(self, k: int) -> tuple[_Span, _Span]:
+        """Its first ``k`` texts and the others (0 < k < texts)."""
+        cut = int(self.lengths[:k].sum())
+        types = (None, None) if self.types is None else (self.types[:cut], self.types[cut:])
+        return (
+            _Span(self.request, self.start, self.lengths[:k], self.ids[:cut], types[0], self.extra),
+            _Span(self.request, self.start + k, self.lengths[k:], self.ids[cut:], types[1], self.extra),
+        )
 
 
 class Engine:
@@ -116,7 +146,9 @@ class Engine:
         self.max_batch_tokens = int(max_batch_tokens)
         self.metrics = metrics
         self.max_length = _max_length(runners[0].st)
-        self._items: collections.deque[_Item] = collections.deque()
+        self.dimension = _dimension(runners[0].st)  # of the embeddings (None: not known before a batch)
+        self._items: collections.deque[_Span] = collections.deque()
+        self._queued = 0  # texts in the queue's spans
         self._cond = threading.Condition()
         self._posted: collections.deque[Request] = collections.deque()  # waiting for the tokenizer
         self._posted_cond = threading.Condition()
@@ -140,11 +172,15 @@ class Engine:
 
     # ---- requests (event loop side)
 
-    def post(self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None, truncate: bool) -> Request:
+    def post(
+        self, loop: asyncio.AbstractEventLoop, texts: list[str], prompt: str | None, truncate: bool, finish=None
+    ) -> Request:
         """Queue one request's texts for the tokenizer; its future is answered with ``[n, d]``
-        float32 rows, or fails with :class:`Refused` (a text over the model's length without
-        ``truncate``) or the model's error."""
-        request = Request(loop, texts, prompt)
+        float32 rows (or, given ``finish``, with ``finish(request)`` computed off the event loop
+        once its rows are in: ``request.rows``, ``request.tokens``), or fails with
+        :class:`Refused` (a text over the model's length without ``truncate``), the model's
+        error or ``finish``'s."""
+        request = Request(loop, texts, prompt, finish)
         request.truncate = truncate
         with self._posted_cond:
             if self._stopping:
@@ -178,16 +214,18 @@ class Engine:
                     continue
                 with self._cond:
                     self._items.extend(items)
-                    self.metrics.queue_depth(len(self._items))
+                    self._queued += sum(span.texts for span in items)
+                    self.metrics.queue_depth(self._queued)
                     self._cond.notify_all()
 
-    def _tokenized_items(self, requests: list[Request], prompt: str | None) -> list[_Item]:
-        """The queue items of ``requests``, tokenized in one call; a request over the model's
-        length (without truncation) fails with :class:`Refused` and adds none."""
+    def _tokenized_items(self, requests: list[Request], prompt: str | None) -> list[_Span]:
+        """The queue spans of ``requests`` (one each), tokenized in one call; a request over the
+        model's length (without truncation) fails with :class:`Refused` and adds none."""
         texts = [t for r in requests for t in r.texts]
         lengths, flat, types, extra = self.runners[0].tokenize(texts, prompt)
-        starts = np.concatenate(([0], np.cumsum(lengths)))
-        items: list[_Item] = []
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        spans: list[_Span] = []
         first = 0
         for request in requests:
             n = len(request.texts)
@@ -196,12 +234,11 @@ class Engine:
             if refused is not None:
                 request.fail(refused)
             else:
-                request.tokens = int(mine.sum())
-                for i in range(n):
-                    a, b = starts[first + i], starts[first + i + 1]
-                    items.append(_Item(request, i, flat[a:b], None if types is None else types[a:b], extra))
+                a, b = int(ends[first] - mine[0]), int(ends[first + n - 1])
+                request.tokens = b - a
+                spans.append(_Span(request, 0, mine, flat[a:b], None if types is None else types[a:b], extra))
             first += n
-        return items
+        return spans
 
     def _over_length(self, texts: list[str], lengths: np.ndarray, prompt: str | None) -> Refused | None:
         """The refusal of a request holding a text over the model's length (tokenized again,
@@ -242,35 +279,46 @@ class Engine:
 
     # ---- workers
 
-    def _take(self) -> list[_Item] | None:
+    def _take(self) -> list[_Span] | None:
         """The next batch (None: stopping and nothing left)."""
+        budget = self.max_batch_tokens
         with self._cond:
             while True:
                 while self._items and self._items[0].request.cancelled:
-                    self._items.popleft()
+                    self._queued -= self._items.popleft().texts
                 if self._items:
                     break
                 if self._drained:
                     return None
                 self._cond.wait()
             head = self._items.popleft()
+            k = max(head.fitting(budget), 1)  # a text longer than the budget runs alone
+            if k < head.texts:
+                head, rest = head.split(k)
+                self._items.appendleft(rest)
             batch, tokens = [head], head.ids.size
             prompt = head.request.prompt
-            kept: list[_Item] = []
-            while self._items and tokens < self.max_batch_tokens:
-                item = self._items[0]
-                if item.request.cancelled:
-                    self._items.popleft()
+            kept: list[_Span] = []
+            while self._items and tokens < budget:
+                span = self._items[0]
+                if span.request.cancelled:
+                    self._queued -= self._items.popleft().texts
                     continue
-                if item.request.prompt != prompt:  # another prompt: its own batch, order kept
+                if span.request.prompt != prompt:  # another prompt: its own batch, order kept
                     kept.append(self._items.popleft())
                     continue
-                if tokens + item.ids.size > self.max_batch_tokens:
+                if tokens + span.ids.size > budget:
+                    k = span.fitting(budget - tokens)
+                    if k:
+                        first, self._items[0] = span.split(k)
+                        batch.append(first)
+                        tokens += first.ids.size
                     break
                 batch.append(self._items.popleft())
-                tokens += item.ids.size
+                tokens += span.ids.size
             self._items.extendleft(reversed(kept))
-            self.metrics.queue_depth(len(self._items))
+            self._queued -= sum(span.texts for span in batch)
+            self.metrics.queue_depth(self._queued)
             return batch
 
     def _work_loop(self, runner, done: queue.Queue) -> None:
@@ -289,31 +337,34 @@ class Engine:
             except Exception as error:
                 self.metrics.batch_failed()
                 _log.error("a batch of %d texts failed", len(batch), exc_info=error)
-                requests = list({id(it.request): it.request for it in batch}.values())
+                requests = list({id(span.request): span.request for span in batch}.values())
                 if len(requests) == 1:
                     requests[0].fail(error)
                     continue
                 # which request's texts fail: each again alone, so that the others are answered
                 for request in requests:
                     try:
-                        self._launch(runner, [it for it in batch if it.request is request], done)
+                        self._launch(runner, [span for span in batch if span.request is request], done)
                     except Exception as alone:
                         request.fail(alone)
 
-    def _launch(self, runner, batch: list[_Item], done: queue.Queue) -> None:
+    def _launch(self, runner, batch: list[_Span], done: queue.Queue) -> None:
         """Run ``batch`` and hand its output to the finisher (raises what the model raises)."""
-        if self._fault is not None and any(_text_of(it) == self._fault for it in batch):
+        if self._fault is not None and any(self._fault in _texts_of(span) for span in batch):
             raise RuntimeError("fault injected by RAGGED_SERVE_FAULT")
-        lengths = np.fromiter((it.ids.size for it in batch), dtype=np.int64, count=len(batch))
-        flat = np.concatenate([it.ids for it in batch])
-        types = None if batch[0].types is None else np.concatenate([it.types for it in batch])
+        one = len(batch) == 1
+        lengths = batch[0].lengths if one else np.concatenate([span.lengths for span in batch])
+        flat = batch[0].ids if one else np.concatenate([span.ids for span in batch])
+        types = None
+        if batch[0].types is not None:
+            types = batch[0].types if one else np.concatenate([span.types for span in batch])
         started = time.perf_counter()
         emb = runner.run(lengths, flat, types, batch[0].extra)
         host, event = _to_host(emb)
         if event is None:  # computed already (the CPU): answered here, without a hand-over
-            self._answer(batch, host, started, int(lengths.sum()))
+            self._answer(batch, host, started, int(flat.size))
         else:
-            done.put((batch, host, event, started, int(lengths.sum())))
+            done.put((batch, host, event, started, int(flat.size)))
 
     def _finish_loop(self, done: queue.Queue) -> None:
         while True:
@@ -325,14 +376,33 @@ class Engine:
                 event.synchronize()
                 self._answer(batch, host, started, tokens)
             except Exception as error:
-                for request in {id(it.request): it.request for it in batch}.values():
+                for request in {id(span.request): span.request for span in batch}.values():
                     request.fail(error)
 
-    def _answer(self, batch: list[_Item], host: torch.Tensor, started: float, tokens: int) -> None:
+    def _answer(self, batch: list[_Span], host: torch.Tensor, started: float, tokens: int) -> None:
         rows = host.numpy()
-        done = [it.request for it, row in zip(batch, rows) if it.request.put(it.index, row)]
-        _resolve_on_loops(done)
-        self.metrics.batch_done(len(batch), tokens, time.perf_counter() - started)
+        done = []
+        at = 0
+        for span in batch:
+            n = span.texts
+            if span.request.put(span.start, rows[at : at + n]):
+                done.append(span.request)
+            at += n
+        answered = []
+        for request in done:
+            if request.finish is None:
+                request.answer = request.rows
+            else:
+                try:
+                    request.answer = request.finish(request)
+                except Exception as error:  # this request's answer only
+                    if getattr(error, "status", 500) >= 500:  # not a refusal of the request's own
+                        _log.error("finishing a request failed", exc_info=error)
+                    request.fail(error)
+                    continue
+            answered.append(request)
+        _resolve_on_loops(answered)
+        self.metrics.batch_done(at, tokens, time.perf_counter() - started)
 
 
 def _resolve_on_loops(requests: list[Request]) -> None:
@@ -348,7 +418,7 @@ def _resolve_on_loops(requests: list[Request]) -> None:
 
 def _resolve_all(requests: list[Request]) -> None:
     for request in requests:
-        request._resolve(request.rows, None)
+        request._resolve(request.answer, None)
 
 
 def _to_host(emb: torch.Tensor):
@@ -364,12 +434,20 @@ def _to_host(emb: torch.Tensor):
     return host, event
 
 
-def _text_of(item: _Item) -> str:
-    return item.request.texts[item.index]
+def _texts_of(span: _Span) -> list[str]:
+    return span.request.texts[span.start : span.start + span.texts]
 
 
 def _max_length(st) -> int | None:
     n = getattr(st, "max_seq_length", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _dimension(st) -> int | None:
+    try:
+        n = st.get_sentence_embedding_dimension()
+    except Exception:  # a module without a declared width: known from the first batch
+        return None
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
