@@ -131,7 +131,9 @@ register(
 
 # The fused backward (attention.py:backward_fused): one key-block kernel for dK, dV and dQ, dQ
 # added atomically (non-deterministic), with the portable forward; no position bias, and not
-# under torch.use_deterministic_algorithms. Taken only where preferred until measured.
+# under torch.use_deterministic_algorithms. Measured slower than the split kernels on an H200
+# (python -m bench.attention_variants; bench/results/attention_variants_h200_*.md), so taken only
+# where preferred.
 def _deterministic_reason() -> list[str]:
     if torch.are_deterministic_algorithms_enabled():
         return [
@@ -164,8 +166,8 @@ register(
 
 # The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
 # consumer warpgroups, barriers between them), with the portable backward: no window, dropout or
-# position bias, not under the interpreter. Taken only where preferred (ragged.backends.prefer)
-# until measured against the others.
+# position bias, not under the interpreter. Measured slower than the TMA forward on an H200 (the
+# same results), so taken only where preferred (ragged.backends.prefer).
 def _sm90_ws_check(spec) -> list[str]:
     out = _sm90_check(spec)
     if spec.window_size != (-1, -1):
@@ -195,7 +197,8 @@ register(
 
 
 # The sm_90 forwards followed by the fused backward: the pairs a training step would take if
-# each half is the fastest of its kind. Taken only where preferred until measured.
+# each half were the fastest of its kind. Measured no faster than the fused backward after the
+# portable forward (the backward dominates), so taken only where preferred.
 register(
     Implementation(
         "attention",
