@@ -3,7 +3,7 @@ app (``bench.st_server``: one ``encode`` per request, as FastAPI servers are wri
 loopback only.
 
 ``python -m bench.serve_load [--device cuda|cpu] [--clients 1 16 256] [--sizes 1 32]
-[--requests 2000] [--seconds 20] [--tiny] [--out FILE.md]``
+[--requests 2000] [--seconds 20] [--tiny] [--out FILE.md] [--profile DIR]``
 
 Both servers load the same model: all-MiniLM-L6-v2's shape (BERT 6 x 384, random weights,
 ``bench.embed_wall``'s) with the project corpus's tokenizer, bf16 on a GPU, fp32 on the CPU
@@ -14,7 +14,9 @@ shape (its compiles and graph captures; at most 5 s); clients are spread over ``
 asyncio loop of kept-alive HTTP/1.1 connections), each client sending its next request when the last one is
 answered. Reported per row: requests/s and texts/s over the timed window, latency p50 and p99
 (ms), and errors. The converted model's in-process ``encode`` of the same texts (texts/s) is the
-reference for the 32-text rows.
+reference for the 32-text rows. For ragged.serve a second table gives its batches in each timed row
+(from its ``/metrics``): how many, how full, how long. ``--profile DIR`` runs its threads under
+``cProfile`` and prints where the server's host time goes.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def start(cmd: list[str], url: str, timeout: float = 600) -> subprocess.Popen:
+def start(cmd: list[str], url: str, timeout: float = 600, env: dict | None = None) -> subprocess.Popen:
     import httpx
 
     proc = subprocess.Popen(
         cmd,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
@@ -181,6 +183,7 @@ def load(url: str, texts: list[str], size: int, clients: int, count: int, second
     wall = max(r[2] for r in results)
     done = latencies.size
     return {
+        "wall": wall,
         "rps": done / wall if wall else 0.0,
         "texts_s": done * size / wall if wall else 0.0,
         "p50": float(np.percentile(latencies, 50) * 1e3) if done else float("nan"),
@@ -188,6 +191,77 @@ def load(url: str, texts: list[str], size: int, clients: int, count: int, second
         "errors": errors,
         "done": done,
     }
+
+
+_COUNTERS = ("ragged_batches_total", "ragged_texts_total", "ragged_tokens_total", "ragged_batch_seconds_sum")
+
+
+def server_counters(url: str) -> dict | None:
+    """The server's batch counters from its ``/metrics`` (None: a server without them)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=5)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTERS:
+            out[name] = float(value)
+    return out if len(out) == len(_COUNTERS) else None
+
+
+def batch_stats(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """Per timed row: batches/s, texts and real tokens per batch, and the mean time from a batch's
+    launch to its rows on the host (two batches overlap: busy can pass 1)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in _COUNTERS}
+    n = d["ragged_batches_total"]
+    if n <= 0 or wall <= 0:
+        return None
+    return {
+        "batches_s": n / wall,
+        "texts": d["ragged_texts_total"] / n,
+        "tokens": d["ragged_tokens_total"] / n,
+        "batch_ms": 1e3 * d["ragged_batch_seconds_sum"] / n,
+        "busy": d["ragged_batch_seconds_sum"] / wall,
+    }
+
+
+_IDLE = ("wait (threading.py", "Runner.run (runners.py", "select (selectors.py", "get (queue.py", "_worker (thread.py")
+
+
+def profile_summary(folder: str, top: int = 12) -> str:
+    """Per server thread, from the stack samples of ``RAGGED_SERVE_PROFILE`` (``stacks.txt``):
+    samples, the share spent waiting (a leaf frame that blocks), and the busiest leaf frames."""
+    import collections
+
+    path = os.path.join(folder, "stacks.txt")
+    if not os.path.exists(path):
+        return f"(no {path})"
+    total: collections.Counter = collections.Counter()
+    idle: collections.Counter = collections.Counter()
+    leaves: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            thread, *frames = stack.split(";")
+            count = int(n)
+            total[thread] += count
+            leaf = frames[-1] if frames else "?"
+            if any(leaf.startswith(p) for p in _IDLE):
+                idle[thread] += count
+            else:
+                leaves[thread][leaf] += count
+    out = []
+    for thread, n in total.most_common():
+        out.append(f"## {thread}: {n} samples, {100 * idle[thread] / n:.0f}% waiting")
+        out += [f"  {100 * c / n:5.1f}%  {leaf}" for leaf, c in leaves[thread].most_common(top)]
+    return "\n".join(out) + "\n"
 
 
 def encode_rate(model_dir: str, texts: list[str], device: str) -> float:
@@ -232,6 +306,22 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
             f"| {'ragged.serve' if srv == 'ragged' else 'ST server'} | {size} | {clients} | {r['rps']:,.1f} | "
             f"{r['texts_s']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['errors']} | {ratio} |"
         )
+    stats = [(size, clients, r["batches"]) for srv, size, clients, r in rows if r.get("batches")]
+    if stats:
+        lines += [
+            "",
+            "ragged.serve's batches in each timed row (its /metrics): texts and real tokens per batch, and the",
+            "mean time from a batch's launch to its rows on the host; busy: that time summed over the row's",
+            "wall time (two batches are in flight at once, so it can pass 1).",
+            "",
+            "| texts/request | clients | batches/s | texts/batch | tokens/batch | batch ms | busy |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for size, clients, b in stats:
+            lines.append(
+                f"| {size} | {clients} | {b['batches_s']:,.1f} | {b['texts']:,.1f} | {b['tokens']:,.0f} | "
+                f"{b['batch_ms']:.2f} | {b['busy']:.2f} |"
+            )
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
@@ -250,6 +340,12 @@ def main(argv=None) -> int:
     p.add_argument("--servers", nargs="+", default=["ragged", "st"], choices=("ragged", "st"))
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="run ragged.serve's threads under cProfile (RAGGED_SERVE_PROFILE=DIR) and print where its host time goes",
+    )
     args = p.parse_args(argv)
     # a bench stopped by `timeout` (SIGTERM) unwinds, so the finally below stops its server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -273,13 +369,17 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, "-m", "ragged.serve", model, "--port", str(port), "--device", device]
             else:
                 cmd = [sys.executable, "-m", "bench.st_server", model, "--port", str(port), "--device", device]
-            proc = start(cmd, url)
+            profile = {"RAGGED_SERVE_PROFILE": os.path.abspath(args.profile)} if args.profile else {}
+            proc = start(cmd, url, env=profile if server == "ragged" else None)
             try:
                 for size in args.sizes:
                     for clients in args.clients:
                         warm = max(clients * 2, 64 // size)
                         load(url, texts, size, clients, warm, min(args.seconds, 5.0), args.procs)
+                        before = server_counters(url) if server == "ragged" else None
                         r = load(url, texts, size, clients, args.requests, args.seconds, args.procs)
+                        after = server_counters(url) if server == "ragged" else None
+                        r["batches"] = batch_stats(before, after, r["wall"])
                         rows.append((server, size, clients, r))
                         _write(args, device, inproc, rows)
                         print(
@@ -291,6 +391,11 @@ def main(argv=None) -> int:
             finally:
                 stop(proc)
     print(_write(args, device, inproc, rows))
+    if args.profile and os.path.isdir(args.profile):
+        summary = profile_summary(args.profile)
+        with open(os.path.join(args.profile, "summary.txt"), "w") as f:
+            f.write(summary)
+        print(summary)
     return 0
 
 

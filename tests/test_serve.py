@@ -378,3 +378,31 @@ def test_engine_batches_split_requests_at_text_boundaries_within_the_budget():
         assert sum(b) <= budget or len(b) == 1, b
     assert any(sum(b) > budget for b in batches) and len(batches) < sum(map(len, requests))
     assert engine.metrics.texts == sum(map(len, requests))
+
+
+def test_stack_sampler_sees_a_busy_thread(tmp_path):
+    """``RAGGED_SERVE_PROFILE``'s sampler: a thread spinning in a named function shows up in
+    ``stacks.txt`` under its thread's name, and bench.serve_load's summary reads the file."""
+    from ragged.integrations.serve_engine import sample_stacks
+
+    sys.path.insert(0, ROOT)
+    from bench.serve_load import profile_summary
+
+    done = threading.Event()
+
+    def spin_here():
+        while not done.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=spin_here, name="spinner")
+    finish = sample_stacks(str(tmp_path), interval=0.001)
+    worker.start()
+    time.sleep(0.3)
+    done.set()
+    worker.join()
+    finish()
+    lines = (tmp_path / "stacks.txt").read_text().splitlines()
+    spun = [ln for ln in lines if ln.startswith("spinner;") and "spin_here" in ln]
+    assert spun and all(int(ln.rpartition(" ")[2]) > 0 for ln in spun)
+    summary = profile_summary(str(tmp_path))
+    assert "## spinner:" in summary and "spin_here" in summary

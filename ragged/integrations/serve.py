@@ -35,6 +35,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("python -m ragged.serve needs the serve extra: pip install 'ragged[serve]'", file=sys.stderr)
         return 2
-    from .serve_engine import Engine
+    from .serve_engine import Engine, sample_stacks
     from .serve_metrics import Metrics
 
     runners = load_runners(args)
@@ -360,5 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again for the handler found at its start:
     # this one ends the process with status 0 (a drained, orderly stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.Server(config).run()
+    profile = os.environ.get("RAGGED_SERVE_PROFILE")
+    stop_sampling = sample_stacks(profile) if profile else None
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if stop_sampling is not None:
+            stop_sampling()
     return 0

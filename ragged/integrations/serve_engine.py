@@ -26,7 +26,10 @@ when its last text is done.
 
 ``RAGGED_SERVE_BATCH_DELAY`` (seconds) makes each batch wait before it runs, and
 ``RAGGED_SERVE_FAULT`` (a text) makes a batch holding that exact text raise: both for testing the
-server's behaviour under load and failure, never set in production.
+server's behaviour under load and failure, never set in production. ``RAGGED_SERVE_PROFILE`` (a
+folder) samples every thread's Python stack every few milliseconds (:func:`sample_stacks`) and
+writes the counts there when the server stops: where the host's time goes under load (``python -m
+bench.serve_load --profile DIR``).
 """
 
 from __future__ import annotations
@@ -403,6 +406,47 @@ class Engine:
             answered.append(request)
         _resolve_on_loops(answered)
         self.metrics.batch_done(at, tokens, time.perf_counter() - started)
+
+
+def sample_stacks(folder: str, interval: float = 0.005):
+    """Start a thread that samples the Python stack of every other thread each ``interval``
+    seconds; the returned callable stops it and writes ``folder/stacks.txt``: one line per
+    distinct stack, ``thread;outer frame;...;inner frame count`` (the collapsed format flame-graph
+    tools read). A sample is taken when the sampler holds the GIL, so a thread running Python is
+    seen where it runs and a thread waiting in C where it waits."""
+    import sys
+
+    counts: collections.Counter = collections.Counter()
+    stop = threading.Event()
+
+    def frames(frame) -> str:
+        out = []
+        while frame is not None:
+            code = frame.f_code
+            name = getattr(code, "co_qualname", code.co_name)
+            out.append(f"{name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})")
+            frame = frame.f_back
+        return ";".join(reversed(out))
+
+    def run() -> None:
+        me = threading.get_ident()
+        while not stop.wait(interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    counts[f"{names.get(ident, ident)};{frames(frame)}"] += 1
+
+    sampler = threading.Thread(target=run, name="ragged-stack-sampler", daemon=True)
+    sampler.start()
+
+    def finish() -> None:
+        stop.set()
+        sampler.join()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "stacks.txt"), "w") as f:
+            f.writelines(f"{stack} {n}\n" for stack, n in counts.most_common())
+
+    return finish
 
 
 def _resolve_on_loops(requests: list[Request]) -> None:
