@@ -94,7 +94,11 @@ def compile_for(
         else:
             signature[name] = "fp32" if name in _FLOATS else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _POINTERS}
-    source = ASTSource(fn=fn, signature=signature, constexprs=dict(constants), attrs=attrs)
+    # a Gluon kernel compiles through Gluon's own pipeline (its source class), not Triton's passes
+    make = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":
+        from triton.experimental.gluon._runtime import GluonASTSource as make
+    source = make(fn=fn, signature=signature, constexprs=dict(constants), attrs=attrs)
     options = dict(num_warps=warps, num_stages=stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -118,7 +122,24 @@ def resources(compiled) -> dict:
         "shared": compiled.metadata.shared,
     }
     out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in _COUNTED})
+    out["WGMMA_OVERLAP"] = wgmma_overlap(sass)
     return out
+
+
+def wgmma_overlap(sass: str) -> int:
+    """How many times a warpgroup issues a group of wgmma while its previous group is still in
+    flight (a ``WARPGROUP.ARRIVE`` opening a group after ``HGMMA`` with no ``WARPGROUP.DEPBAR``
+    between them): 0 in code that waits for each product before the next, as a kernel whose
+    softmax should run beside its products must not."""
+    count, pending = 0, False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            pending = False
+        elif "WARPGROUP.ARRIVE" in line:
+            count += pending
+        elif "HGMMA" in line:
+            pending = True
+    return count
 
 
 def _portable_forward(head_dim: int, causal: bool) -> dict:

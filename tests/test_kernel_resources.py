@@ -75,6 +75,16 @@ def test_warp_specialised_forward_moves_registers_and_overlaps(records):
         assert r["USETMAXREG"] > 0, f"{tag}: no register reallocation between the partitions"
         assert r["stack"] == 0 and r["LDL"] == 0, f"{tag}: spills"
         assert r["shared"] <= _SHARED_LIMIT, f"{tag}: {r['shared']} bytes of shared memory"
+        # S_j issued while P_{j-1} V_{j-1} is in flight: the compiled loop keeps two groups going
+        assert r["WGMMA_OVERLAP"] > 0, f"{tag}: every wgmma group is waited for before the next"
+
+
+def test_overlap_count_reads_the_waits():
+    from bench.kernel_resources import wgmma_overlap
+
+    serial = "WARPGROUP.ARRIVE\nHGMMA a\nWARPGROUP.DEPBAR.LE gsb0, 0x0\nWARPGROUP.ARRIVE\nHGMMA b\n"
+    overlapped = "WARPGROUP.ARRIVE\nHGMMA a\nWARPGROUP.ARRIVE\nHGMMA b\nWARPGROUP.DEPBAR.LE gsb0, 0x1\n"
+    assert wgmma_overlap(serial) == 0 and wgmma_overlap(overlapped) == 1
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
