@@ -406,3 +406,24 @@ def test_stack_sampler_sees_a_busy_thread(tmp_path):
     assert spun and all(int(ln.rpartition(" ")[2]) > 0 for ln in spun)
     summary = profile_summary(str(tmp_path))
     assert "## spinner:" in summary and "spin_here" in summary
+
+
+def test_engine_applies_the_models_truncate_dim():
+    """A model saved with ``truncate_dim`` answers rows of that width, as its ``encode`` does."""
+    from ragged.integrations.serve_engine import Engine
+    from ragged.integrations.serve_metrics import Metrics
+
+    runner = _FakeRunner()
+    runner.st = type("st", (_FakeRunner.st,), {"truncate_dim": 2})
+    engine = Engine([runner], 1024, Metrics())
+
+    async def main():
+        job = engine.post(asyncio.get_running_loop(), ["ab", "c"], None, False)
+        return await job.future
+
+    try:
+        rows = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert engine.truncate_dim == 2 and rows.shape == (2, 2)
+    np.testing.assert_array_equal(rows, [[ord("a") + ord("b")] * 2, [ord("c")] * 2])

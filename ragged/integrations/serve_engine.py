@@ -150,6 +150,9 @@ class Engine:
         self.metrics = metrics
         self.max_length = _max_length(runners[0].st)
         self.dimension = _dimension(runners[0].st)  # of the embeddings (None: not known before a batch)
+        # the model's own truncation of its embeddings (sentence-transformers' truncate_dim), as encode applies it
+        truncate = getattr(runners[0].st, "truncate_dim", None)
+        self.truncate_dim = int(truncate) if isinstance(truncate, int) and truncate > 0 else None
         self._items: collections.deque[_Span] = collections.deque()
         self._queued = 0  # texts in the queue's spans
         self._cond = threading.Condition()
@@ -384,6 +387,8 @@ class Engine:
 
     def _answer(self, batch: list[_Span], host: torch.Tensor, started: float, tokens: int) -> None:
         rows = host.numpy()
+        if self.truncate_dim is not None:
+            rows = rows[:, : self.truncate_dim]
         done = []
         at = 0
         for span in batch:
