@@ -5,7 +5,7 @@ inside ``torch.cuda.profiler.start()`` / ``stop()``.
 Run on a GPU, e.g. the warp-specialised forward beside the TMA one::
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
-        --section WarpStateStats --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \\
+        --section WarpStateStats --metrics sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active \\
         python -m bench.ncu_attention --impl triton_sm90_ws triton_sm90 [--dim 128] [--causal] [--backward]
 
 Each implementation named runs once in the profiled range, in the order given (``ragged.backends.prefer``);
