@@ -89,6 +89,8 @@ def compile_for(
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
+        elif name == "DQ" and constants.get("FUSED_DQ"):
+            signature[name] = "*fp32"  # the fused backward adds dQ atomically into a float32 buffer
         elif name in _POINTERS:
             signature[name] = _POINTER_TYPES.get(name, f"*{dtype}")
         else:
