@@ -1,7 +1,7 @@
 """Every registered attention implementation of the Triton backend, timed on the same inputs, to
 set their ranks from measurements (``ragged/kernels/triton/__init__.py``).
 
-Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--out FILE]``.
+Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused-shapes] [--out FILE]``.
 
 * ``--case c``: workload (c) of ``bench.tune_attention`` (16 sequences of 256..4096 tokens,
   seed 0) at head dim 128 (16 heads) and 64 (32 heads), full and causal: each implementation's
@@ -11,6 +11,7 @@ Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--out F
 * ``--sweep``: the length rule. Batches of about 32k tokens whose lengths are uniform in
   [L/2, L] for L from 128 to 4096, both head dims, full and causal: each implementation's
   forward and forward+backward, and which is fastest.
+* ``--fused-shapes``: the fused backward at each candidate block shape, beside the split one.
 
 Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
 (the kernels' time: at the short lengths the host's per-call work would hide them). The table
@@ -160,10 +161,38 @@ def sweep(out, tokens=32768):
                 out("| " + " | ".join(row) + " |")
 
 
+FUSED_SHAPES = ((64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2))
+
+
+def fused_shapes(out):
+    """The fused backward's key-block kernel at each candidate shape (``attention._FUSED_BWD_SHAPE``:
+    BLOCK_M, BLOCK_N, warps, stages) on case (c): forward+backward TF/s, beside the split backward.
+    128-key blocks halve the dQ reductions per FLOP."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(256, 4097, (16,), generator=gen).tolist()
+    out("\n## the fused backward's shapes, case (c), forward+backward TF/s\n")
+    out("| D | mask | split (`triton`) | " + " | ".join(f"fused {shape}" for shape in FUSED_SHAPES) + " |")
+    out("|" + "---|" * (3 + len(FUSED_SHAPES)))
+    chosen = ka._FUSED_BWD_SHAPE
+    try:
+        for dim, heads in ((128, 16), (64, 32)):
+            for causal in (False, True):
+                fl = 3.5 * ka.flops(lengths, lengths, heads, dim, causal)
+                cells = [_tf(fl, measure(lengths, heads, dim, causal, ("triton",), True)["triton"])]
+                for shape in FUSED_SHAPES:
+                    ka._FUSED_BWD_SHAPE = shape
+                    ms = measure(lengths, heads, dim, causal, ("triton_fused_bwd",), True)["triton_fused_bwd"]
+                    cells.append(_tf(fl, ms))
+                out(f"| {dim} | {'causal' if causal else 'full'} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+    finally:
+        ka._FUSED_BWD_SHAPE = chosen
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=["c"], default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fused-shapes", action="store_true", help="the fused backward at each candidate shape")
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args(argv)
     lines: list[str] = []
@@ -176,10 +205,12 @@ def main(argv=None):
         f"# attention implementations on {torch.cuda.get_device_name()}, host CPU {cpu_name()}, "
         f"torch {torch.__version__}, python {platform.python_version()}, bf16"
     )
-    if args.case == "c" or not args.sweep:
+    if args.case == "c" or not (args.sweep or args.fused_shapes):
         case_c(out)
     if args.sweep:
         sweep(out)
+    if args.fused_shapes:
+        fused_shapes(out)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
