@@ -427,3 +427,23 @@ def test_engine_applies_the_models_truncate_dim():
         engine.stop()
     assert engine.truncate_dim == 2 and rows.shape == (2, 2)
     np.testing.assert_array_equal(rows, [[ord("a") + ord("b")] * 2, [ord("c")] * 2])
+
+
+def test_bench_reads_the_servers_batches_from_metrics(server):
+    """bench.serve_load's row statistics from two reads of ``/metrics`` around real requests:
+    batches, texts and tokens per batch as the counters moved."""
+    sys.path.insert(0, ROOT)
+    from bench.serve_load import batch_stats, server_counters
+
+    before = server_counters(server.url)
+    assert before is not None
+    texts = _texts(30, 21)
+    r = httpx.post(server.url + "/embed", json={"inputs": texts})
+    assert r.status_code == 200, r.text
+    after = server_counters(server.url)
+    stats = batch_stats(before, after, 1.0)
+    moved = after["ragged_texts_total"] - before["ragged_texts_total"]
+    assert moved == len(texts) and stats is not None
+    assert stats["texts"] * stats["batches_s"] == pytest.approx(len(texts))
+    assert stats["tokens"] >= stats["texts"] and stats["batch_ms"] > 0
+    assert batch_stats(before, before, 1.0) is None  # no batch ran: no row
