@@ -15,8 +15,9 @@ asyncio loop of kept-alive HTTP/1.1 connections), each client sending its next r
 answered. Reported per row: requests/s and texts/s over the timed window, latency p50 and p99
 (ms), and errors. The converted model's in-process ``encode`` of the same texts (texts/s) is the
 reference for the 32-text rows. For ragged.serve a second table gives its batches in each timed row
-(from its ``/metrics``): how many, how full, how long. ``--profile DIR`` runs its threads under
-``cProfile`` and prints where the server's host time goes.
+(from its ``/metrics``): how many, how full, how long. ``--profile DIR`` samples the stacks of
+ragged.serve's threads (``RAGGED_SERVE_PROFILE=DIR``) over each row's timed window and prints,
+per row and thread, where the host time goes (``DIR/row_<size>x<clients>.txt``).
 """
 
 from __future__ import annotations
@@ -235,17 +236,20 @@ def batch_stats(before: dict | None, after: dict | None, wall: float) -> dict | 
 _IDLE = ("wait (threading.py", "Runner.run (runners.py", "select (selectors.py", "get (queue.py", "_worker (thread.py")
 
 
-def profile_summary(folder: str, top: int = 12) -> str:
-    """Per server thread, from the stack samples of ``RAGGED_SERVE_PROFILE`` (``stacks.txt``):
-    samples, the share spent waiting (a leaf frame that blocks), and the busiest leaf frames."""
+def profile_summary(folder: str, top: int = 12, path: str | None = None) -> str:
+    """Per server thread, from the stack samples of ``RAGGED_SERVE_PROFILE`` (``stacks.txt``, or
+    ``path``): samples, the share spent waiting (a leaf frame that blocks), the busiest leaf
+    frames, and the functions that hold the busy samples inclusively (a frame anywhere on the
+    stack; each function counted once per sample)."""
     import collections
 
-    path = os.path.join(folder, "stacks.txt")
+    path = path or os.path.join(folder, "stacks.txt")
     if not os.path.exists(path):
         return f"(no {path})"
     total: collections.Counter = collections.Counter()
     idle: collections.Counter = collections.Counter()
     leaves: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     with open(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
@@ -255,13 +259,29 @@ def profile_summary(folder: str, top: int = 12) -> str:
             leaf = frames[-1] if frames else "?"
             if any(leaf.startswith(p) for p in _IDLE):
                 idle[thread] += count
-            else:
-                leaves[thread][leaf] += count
+                continue
+            leaves[thread][leaf] += count
+            for fn in {frame.partition(" (")[0] for frame in frames}:
+                inclusive[thread][fn] += count
     out = []
     for thread, n in total.most_common():
         out.append(f"## {thread}: {n} samples, {100 * idle[thread] / n:.0f}% waiting")
         out += [f"  {100 * c / n:5.1f}%  {leaf}" for leaf, c in leaves[thread].most_common(top)]
+        if inclusive[thread]:
+            out.append("  inclusive:")
+            out += [f"  {100 * c / n:5.1f}%  {fn}" for fn, c in inclusive[thread].most_common(2 * top)]
     return "\n".join(out) + "\n"
+
+
+def _profile_mark(folder: str, what: str) -> None:
+    """Ask ragged.serve's stack sampler to ``reset`` its samples or ``dump`` them to
+    ``stacks.txt`` (it deletes the file once done; waits for that, at most 2 s)."""
+    os.makedirs(folder, exist_ok=True)
+    mark = os.path.join(folder, what)
+    open(mark, "w").close()
+    deadline = time.perf_counter() + 2.0
+    while os.path.exists(mark) and time.perf_counter() < deadline:
+        time.sleep(0.01)
 
 
 def encode_rate(model_dir: str, texts: list[str], device: str) -> float:
@@ -293,7 +313,8 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
         "",
         f"host CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, tree "
         f"{(state.get('git_commit') or '?')[:12]}; {args.requests} requests or {args.seconds} s per row, "
-        f"clients over {args.procs} processes; in-process `encode` of the converted model: {inproc:,.0f} texts/s",
+        f"clients over {args.procs} processes; in-process `encode` of the converted model: {inproc:,.0f} texts/s"
+        + (f"; ragged.serve's environment: {' '.join(args.server_env)}" if args.server_env else ""),
         "",
         "| server | texts/request | clients | requests/s | texts/s | p50 ms | p99 ms | errors | vs ST server |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -344,7 +365,14 @@ def main(argv=None) -> int:
         "--profile",
         default=None,
         metavar="DIR",
-        help="run ragged.serve's threads under cProfile (RAGGED_SERVE_PROFILE=DIR) and print where its host time goes",
+        help="sample ragged.serve's thread stacks (RAGGED_SERVE_PROFILE=DIR) over each timed row",
+    )
+    p.add_argument(
+        "--server-env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variables for the ragged.serve process (e.g. RAGGED_SERVE_SWITCH_INTERVAL=0.0005)",
     )
     args = p.parse_args(argv)
     # a bench stopped by `timeout` (SIGTERM) unwinds, so the finally below stops its server
@@ -370,15 +398,26 @@ def main(argv=None) -> int:
             else:
                 cmd = [sys.executable, "-m", "bench.st_server", model, "--port", str(port), "--device", device]
             profile = {"RAGGED_SERVE_PROFILE": os.path.abspath(args.profile)} if args.profile else {}
-            proc = start(cmd, url, env=profile if server == "ragged" else None)
+            extra = dict(kv.split("=", 1) for kv in args.server_env)
+            proc = start(cmd, url, env={**profile, **extra} if server == "ragged" else None)
             try:
                 for size in args.sizes:
                     for clients in args.clients:
                         warm = max(clients * 2, 64 // size)
                         load(url, texts, size, clients, warm, min(args.seconds, 5.0), args.procs)
                         before = server_counters(url) if server == "ragged" else None
+                        sampled = bool(profile) and server == "ragged"
+                        if sampled:
+                            _profile_mark(args.profile, "reset")
                         r = load(url, texts, size, clients, args.requests, args.seconds, args.procs)
+                        if sampled:
+                            _profile_mark(args.profile, "dump")
                         after = server_counters(url) if server == "ragged" else None
+                        if sampled:
+                            summary = profile_summary(args.profile)
+                            with open(os.path.join(args.profile, f"row_{size}x{clients}.txt"), "w") as f:
+                                f.write(summary)
+                            print(f"## ragged.serve's threads, {size} texts x {clients} clients\n{summary}", flush=True)
                         r["batches"] = batch_stats(before, after, r["wall"])
                         rows.append((server, size, clients, r))
                         _write(args, device, inproc, rows)
@@ -391,11 +430,6 @@ def main(argv=None) -> int:
             finally:
                 stop(proc)
     print(_write(args, device, inproc, rows))
-    if args.profile and os.path.isdir(args.profile):
-        summary = profile_summary(args.profile)
-        with open(os.path.join(args.profile, "summary.txt"), "w") as f:
-            f.write(summary)
-        print(summary)
     return 0
 
 

@@ -406,6 +406,40 @@ def test_stack_sampler_sees_a_busy_thread(tmp_path):
     assert spun and all(int(ln.rpartition(" ")[2]) > 0 for ln in spun)
     summary = profile_summary(str(tmp_path))
     assert "## spinner:" in summary and "spin_here" in summary
+    assert "inclusive:" in summary and "spin_here" in summary.split("inclusive:")[1]
+
+
+def test_stack_sampler_reset_and_dump_window_the_samples(tmp_path):
+    """``reset`` drops the samples before it and ``dump`` writes those after it (the window
+    bench.serve_load profiles each row over): a thread that stopped spinning before the reset
+    is not in the dump, one that spun after it is."""
+    from ragged.integrations.serve_engine import sample_stacks
+
+    sys.path.insert(0, ROOT)
+    from bench.serve_load import _profile_mark
+
+    def spin(name, seconds):
+        def body():
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                sum(range(1000))
+
+        t = threading.Thread(target=body, name=name)
+        t.start()
+        t.join()
+
+    finish = sample_stacks(str(tmp_path), interval=0.001)
+    try:
+        spin("before", 0.2)
+        _profile_mark(str(tmp_path), "reset")
+        assert not (tmp_path / "reset").exists()
+        spin("after", 0.2)
+        _profile_mark(str(tmp_path), "dump")
+        assert not (tmp_path / "dump").exists()
+        dumped = (tmp_path / "stacks.txt").read_text()
+    finally:
+        finish()
+    assert "after;" in dumped and "before;" not in dumped
 
 
 def test_engine_applies_the_models_truncate_dim():

@@ -418,11 +418,21 @@ def sample_stacks(folder: str, interval: float = 0.005):
     seconds; the returned callable stops it and writes ``folder/stacks.txt``: one line per
     distinct stack, ``thread;outer frame;...;inner frame count`` (the collapsed format flame-graph
     tools read). A sample is taken when the sampler holds the GIL, so a thread running Python is
-    seen where it runs and a thread waiting in C where it waits."""
+    seen where it runs and a thread waiting in C where it waits.
+
+    Two files steer it while it runs (so a load generator can profile one phase of a run): a
+    file ``folder/reset`` clears the samples taken so far, ``folder/dump`` writes
+    ``stacks.txt`` now; the sampler deletes each once it has acted on it."""
     import sys
 
     counts: collections.Counter = collections.Counter()
     stop = threading.Event()
+    reset, dump = os.path.join(folder, "reset"), os.path.join(folder, "dump")
+
+    def write() -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "stacks.txt"), "w") as f:
+            f.writelines(f"{stack} {n}\n" for stack, n in counts.most_common())
 
     def frames(frame) -> str:
         out = []
@@ -436,6 +446,12 @@ def sample_stacks(folder: str, interval: float = 0.005):
     def run() -> None:
         me = threading.get_ident()
         while not stop.wait(interval):
+            if os.path.exists(reset):
+                counts.clear()
+                os.unlink(reset)
+            if os.path.exists(dump):
+                write()
+                os.unlink(dump)
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
                 if ident != me:
@@ -447,9 +463,7 @@ def sample_stacks(folder: str, interval: float = 0.005):
     def finish() -> None:
         stop.set()
         sampler.join()
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "stacks.txt"), "w") as f:
-            f.writelines(f"{stack} {n}\n" for stack, n in counts.most_common())
+        write()
 
     return finish
 
