@@ -195,6 +195,11 @@ def load(url: str, texts: list[str], size: int, clients: int, count: int, second
 
 
 _COUNTERS = ("ragged_batches_total", "ragged_texts_total", "ragged_tokens_total", "ragged_batch_seconds_sum")
+_STAGES = ("read", "tokenize", "queue", "batch", "finish", "hand_over", "resume")
+_STAGE_COUNTERS = (
+    "ragged_request_stage_requests_total",
+    *(f'ragged_request_stage_seconds_total{{stage="{k}"}}' for k in _STAGES),
+)
 
 
 def server_counters(url: str) -> dict | None:
@@ -210,9 +215,9 @@ def server_counters(url: str) -> dict | None:
     out = {}
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
-        if name in _COUNTERS:
+        if name in _COUNTERS or name in _STAGE_COUNTERS:
             out[name] = float(value)
-    return out if len(out) == len(_COUNTERS) else None
+    return out if all(k in out for k in _COUNTERS) else None
 
 
 def batch_stats(before: dict | None, after: dict | None, wall: float) -> dict | None:
@@ -224,13 +229,18 @@ def batch_stats(before: dict | None, after: dict | None, wall: float) -> dict | 
     n = d["ragged_batches_total"]
     if n <= 0 or wall <= 0:
         return None
-    return {
+    out = {
         "batches_s": n / wall,
         "texts": d["ragged_texts_total"] / n,
         "tokens": d["ragged_tokens_total"] / n,
         "batch_ms": 1e3 * d["ragged_batch_seconds_sum"] / n,
         "busy": d["ragged_batch_seconds_sum"] / wall,
     }
+    if all(k in before and k in after for k in _STAGE_COUNTERS):
+        staged = after[_STAGE_COUNTERS[0]] - before[_STAGE_COUNTERS[0]]
+        if staged > 0:  # the mean time of a request in each stage, ms
+            out["stages"] = {k: 1e3 * (after[c] - before[c]) / staged for k, c in zip(_STAGES, _STAGE_COUNTERS[1:])}
+    return out
 
 
 _IDLE = ("wait (threading.py", "Runner.run (runners.py", "select (selectors.py", "get (queue.py", "_worker (thread.py")
@@ -343,6 +353,19 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
                 f"| {size} | {clients} | {b['batches_s']:,.1f} | {b['texts']:,.1f} | {b['tokens']:,.0f} | "
                 f"{b['batch_ms']:.2f} | {b['busy']:.2f} |"
             )
+    staged = [(size, clients, b["stages"]) for size, clients, b in stats if b.get("stages")]
+    if staged:
+        lines += [
+            "",
+            "Where a request's time goes in each timed row (its /metrics, mean ms per answered request): its body",
+            "read and parsed, the tokenizer (waiting and tokenizing), the queue, its batch (launch to rows on the",
+            "host), its response body built, the hand-over to the event loop, the handler resumed.",
+            "",
+            "| texts/request | clients | " + " | ".join(_STAGES) + " |",
+            "|---:|---:|" + "---:|" * len(_STAGES),
+        ]
+        for size, clients, st in staged:
+            lines.append(f"| {size} | {clients} | " + " | ".join(f"{st[k]:.2f}" for k in _STAGES) + " |")
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
@@ -372,7 +395,7 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         metavar="NAME=VALUE",
-        help="environment variables for the ragged.serve process (e.g. RAGGED_SERVE_SWITCH_INTERVAL=0.0005)",
+        help="environment variables for the ragged.serve process (e.g. RAGGED_SERVE_BATCH_DELAY=0.01)",
     )
     args = p.parse_args(argv)
     # a bench stopped by `timeout` (SIGTERM) unwinds, so the finally below stops its server

@@ -406,7 +406,8 @@ def test_stack_sampler_sees_a_busy_thread(tmp_path):
     assert spun and all(int(ln.rpartition(" ")[2]) > 0 for ln in spun)
     summary = profile_summary(str(tmp_path))
     assert "## spinner:" in summary and "spin_here" in summary
-    assert "inclusive:" in summary and "spin_here" in summary.split("inclusive:")[1]
+    mine = summary.split("## spinner:")[1].split("\n## ")[0]  # the spinner's section
+    assert "inclusive:" in mine and "spin_here" in mine.split("inclusive:")[1]
 
 
 def test_stack_sampler_reset_and_dump_window_the_samples(tmp_path):
@@ -481,3 +482,10 @@ def test_bench_reads_the_servers_batches_from_metrics(server):
     assert stats["texts"] * stats["batches_s"] == pytest.approx(len(texts))
     assert stats["tokens"] >= stats["texts"] and stats["batch_ms"] > 0
     assert batch_stats(before, before, 1.0) is None  # no batch ran: no row
+    # one request counted in the stage times; each stage non-negative, and together no longer
+    # than the client waited
+    stages = stats["stages"]
+    assert after["ragged_request_stage_requests_total"] - before["ragged_request_stage_requests_total"] == 1
+    assert set(stages) == {"read", "tokenize", "queue", "batch", "finish", "hand_over", "resume"}
+    assert all(v >= 0 for v in stages.values()) and stages["batch"] > 0
+    assert sum(stages.values()) <= 1e3 * r.elapsed.total_seconds()

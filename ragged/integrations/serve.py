@@ -212,7 +212,7 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
                 engine.cancel(job)
                 return None
         try:
-            return job.future.result()
+            out = job.future.result()
         except Refused as e:  # a text over the model's length
             raise _Problem(e.status, e.message, e.param) from None
         except _Problem:  # finish's own refusal
@@ -221,9 +221,13 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
             raise _Problem(
                 500, f"the model failed on this request's batch: {type(e).__name__}: {e}", None, "server_error"
             ) from None
+        job.stamps["answered"] = time.perf_counter()
+        metrics.request_stages(request.state.arrived, job.stamps)
+        return out
 
     async def guarded(request: HttpRequest, endpoint: str, handle, error) -> Response:
         started = time.perf_counter()
+        request.state.arrived = started
         if state["inflight"] >= max_concurrent:
             metrics.request_done(endpoint, 429, None)
             return error(_Problem(429, f"the server holds {max_concurrent} requests already; retry later"))
@@ -361,9 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again for the handler found at its start:
     # this one ends the process with status 0 (a drained, orderly stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    switch = os.environ.get("RAGGED_SERVE_SWITCH_INTERVAL")
-    if switch:  # how long a thread holding the GIL runs before one waiting for it may take it
-        sys.setswitchinterval(float(switch))
     profile = os.environ.get("RAGGED_SERVE_PROFILE")
     stop_sampling = sample_stacks(profile) if profile else None
     try:

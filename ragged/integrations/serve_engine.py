@@ -80,10 +80,13 @@ class Request:
         self.cancelled = False
         self.failed = False
         self._lock = threading.Lock()
+        # perf_counter times of the request's way through the engine (Metrics.request_stages)
+        self.stamps: dict[str, float] = {"posted": time.perf_counter()}
 
     def _resolve(self, value: Any, error: BaseException | None) -> None:
         if self.future.done():
             return
+        self.stamps["resolved"] = time.perf_counter()
         if error is not None:
             self.future.set_exception(error)
         else:
@@ -218,6 +221,9 @@ class Engine:
                     for request in requests:
                         request.fail(error)
                     continue
+                now = time.perf_counter()
+                for span in items:
+                    span.request.stamps["tokenized"] = now
                 with self._cond:
                     self._items.extend(items)
                     self._queued += sum(span.texts for span in items)
@@ -365,6 +371,8 @@ class Engine:
         if batch[0].types is not None:
             types = batch[0].types if one else np.concatenate([span.types for span in batch])
         started = time.perf_counter()
+        for span in batch:
+            span.request.stamps.setdefault("launched", started)
         emb = runner.run(lengths, flat, types, batch[0].extra)
         host, event = _to_host(emb)
         if event is None:  # computed already (the CPU): answered here, without a hand-over
@@ -397,7 +405,9 @@ class Engine:
                 done.append(span.request)
             at += n
         answered = []
+        now = time.perf_counter()
         for request in done:
+            request.stamps["rows"] = now
             if request.finish is None:
                 request.answer = request.rows
             else:
@@ -408,6 +418,7 @@ class Engine:
                         _log.error("finishing a request failed", exc_info=error)
                     request.fail(error)
                     continue
+            request.stamps["finished"] = time.perf_counter()
             answered.append(request)
         _resolve_on_loops(answered)
         self.metrics.batch_done(at, tokens, time.perf_counter() - started)

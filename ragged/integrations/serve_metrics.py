@@ -15,6 +15,19 @@ __all__ = ["Metrics"]
 _LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BOUNDS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _WINDOW_S = 10.0
+# a request's way through the server, each stage from the stamp before it (Request.stamps):
+# its body read and parsed, waiting for and in the tokenizer, queued for a batch, its batch on the
+# device until its last rows are on the host, its response body built, handed to the event loop,
+# and the handler resumed
+_STAGES = (
+    ("read", "posted"),
+    ("tokenize", "tokenized"),
+    ("queue", "launched"),
+    ("batch", "rows"),
+    ("finish", "finished"),
+    ("hand_over", "resolved"),
+    ("resume", "answered"),
+)
 
 
 class _Histogram:
@@ -62,6 +75,22 @@ class Metrics:
         self.batch_tokens = _Histogram(_TOKEN_BOUNDS)
         self.batch_seconds = _Histogram(_LATENCY_BOUNDS)
         self._recent: collections.deque = collections.deque()  # (time, texts) of the last batches
+        self.stage_seconds = dict.fromkeys((name for name, _ in _STAGES), 0.0)
+        self.staged = 0  # requests whose stages are summed
+
+    def request_stages(self, arrived: float, stamps: dict[str, float]) -> None:
+        """Add one answered request's time in each stage (``stamps``: perf_counter times named as
+        in ``_STAGES``; ``arrived``: when its HTTP request came in). A request missing a stamp (say,
+        one answered without a batch) is not counted."""
+        times = [arrived]
+        for _, key in _STAGES:
+            if key not in stamps:
+                return
+            times.append(stamps[key])
+        with self._lock:
+            for (name, _), a, b in zip(_STAGES, times, times[1:]):
+                self.stage_seconds[name] += b - a
+            self.staged += 1
 
     def request_done(self, endpoint: str, status: int, seconds: float | None) -> None:
         with self._lock:
@@ -136,6 +165,14 @@ class Metrics:
                 "# HELP ragged_batch_seconds From a batch's launch to its rows on the host.",
                 "# TYPE ragged_batch_seconds histogram",
                 *self.batch_seconds.lines("ragged_batch_seconds"),
+                "# HELP ragged_request_stage_seconds_total Time answered requests spent in each stage: body read, "
+                "tokenize (waiting and tokenizing), queue, batch (launch to rows on the host), finish (response "
+                "body), hand_over (to the event loop), resume (the handler).",
+                "# TYPE ragged_request_stage_seconds_total counter",
+                *(f'ragged_request_stage_seconds_total{{stage="{k}"}} {v!r}' for k, v in self.stage_seconds.items()),
+                "# HELP ragged_request_stage_requests_total Requests counted in ragged_request_stage_seconds_total.",
+                "# TYPE ragged_request_stage_requests_total counter",
+                f"ragged_request_stage_requests_total {self.staged}",
                 "# HELP ragged_request_seconds Request latency, from its arrival to its answer, by endpoint.",
                 "# TYPE ragged_request_seconds histogram",
             ]
