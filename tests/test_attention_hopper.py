@@ -372,8 +372,8 @@ def test_runs_declines_what_only_the_call_knows():
 
 
 def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
-    """``auto`` on CUDA inputs takes the sm_90 forward from a longest query of ``AUTO_MIN_LEN``
-    tokens on, the portable kernels below it, and the sm_90 backward and the warp-specialised
+    """``auto`` on CUDA inputs takes the sm_90 forward from a longest query of ``sm90_min_len``
+    tokens on (by head dim and mask), the portable kernels below it, and the sm_90 backward and the warp-specialised
     forward only where preferred (the GPU half is tests/test_gpu_attention_hopper.py); CPU
     inputs take the reference."""
     import dataclasses
@@ -389,8 +389,17 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     entry = backends.op_entry("attention")
     cpu = attention_spec(q, q, q, cu, cu, 8, 8, False, 0.0, False)
     assert backends.auto_choice(entry, cpu).name == "torch"
-    for longest, first in ((triton_backend.AUTO_MIN_LEN, "triton_sm90"), (triton_backend.AUTO_MIN_LEN - 1, "triton")):
-        spec = dataclasses.replace(cpu, max_q=longest, max_k=longest)
+    rules = [(d, causal, triton_backend.sm90_min_len(d, causal)) for d in (64, 128) for causal in (False, True)]
+    # the measured rule: from 1024 tokens, except head dim 128 without a mask (a longer threshold)
+    assert [n for *_, n in rules] == [1024, 1024, triton_backend.AUTO_MIN_LEN_D128_FULL, 1024]
+    assert triton_backend.AUTO_MIN_LEN_D128_FULL > 2048
+    cases = [
+        (d, causal, longest, first)
+        for d, causal, n in rules
+        for longest, first in ((n, "triton_sm90"), (n - 1, "triton"))
+    ]
+    for d, causal, longest, first in cases:
+        spec = dataclasses.replace(cpu, max_q=longest, max_k=longest, head_dim=d, causal=causal)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
         # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised
         # forward, the sm_90 forwards with the fused backward

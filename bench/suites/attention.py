@@ -632,7 +632,8 @@ forward `4 * sum(L_i^2) * D * H`, halved for causal; forward+backward 3.5x that.
   cuDNN's dense kernel, the ceiling a padded batch reaches (not checked either).
 - `ragged triton` takes the default (`RAGGED_ATTENTION_HOPPER=auto`): on sm_90 the TMA
   forward of `ragged.kernels.triton.attention_hopper` for batches whose longest sequence has
-  1024 tokens or more, the portable kernels otherwise and for every backward.
+  1024 tokens or more (3072 at head dim 128 without a mask: `sm90_min_len`), the portable
+  kernels otherwise and for every backward.
 - `ragged triton hopper` (sm_90): the triton row with the TMA kernels of
   `attention_hopper` (forward) and `attention_hopper_bwd` switched on for every call they take
   (`RAGGED_ATTENTION_HOPPER=1`); `ragged triton portable`: switched off (`=0`), the kernels

@@ -71,13 +71,22 @@ register(
 # The sm_90 kernels (tiles moved by TMA; attention_hopper.py): fp16 / bf16 at head dims 64 and
 # 128, no position bias, q, k and v TMA-aligned, on an sm_90 GPU (or the interpreter). Two
 # implementations: the forward with the portable backward, which "auto" takes from a longest
-# query of AUTO_MIN_LEN tokens on (the H200 sweep of bench/tune_attention.py --hopper: faster
-# there at every head dim and mask, no gain or a loss below), and the forward with the sm_90
-# backward, measured no faster than the portable one, so taken only where preferred
-# (RAGGED_ATTENTION_HOPPER=1 or ragged.backends.prefer).
+# query of sm90_min_len() tokens on, and the forward with the sm_90 backward, measured no faster
+# than the portable one, so taken only where preferred (RAGGED_ATTENTION_HOPPER=1 or
+# ragged.backends.prefer). The length rule is the H200 sweep of bench.attention_variants --sweep
+# (bench/results/attention_variants_h200_22a2478.md: about 32k tokens in lengths of [L/2, L]):
+# the sm_90 forward is faster from L = 1024 at head dim 64 and under a causal mask, but at head
+# dim 128 without a mask the portable forward stays faster through L = 2048 (399 against 376
+# TF/s) and loses at 4096 (425 against 462); AUTO_MIN_LEN_D128_FULL sits between the two.
 ATTENTION_SM90_HEAD_DIMS = (64, 128)
 AUTO_MIN_LEN = 1024
+AUTO_MIN_LEN_D128_FULL = 3072
 _MAJOR: dict[int, int] = {}
+
+
+def sm90_min_len(head_dim: int, causal: bool) -> int:
+    """The longest query (tokens) from which ``"auto"`` takes the sm_90 forward."""
+    return AUTO_MIN_LEN_D128_FULL if head_dim == 128 and not causal else AUTO_MIN_LEN
 
 
 def _sm90_check(spec) -> list[str]:
@@ -98,7 +107,7 @@ def _sm90_check(spec) -> list[str]:
 
 
 def _sm90_rank(spec) -> float:
-    return 0.5 if spec.max_q >= AUTO_MIN_LEN else 10.0
+    return 0.5 if spec.max_q >= sm90_min_len(spec.head_dim, spec.causal) else 10.0
 
 
 _SM90 = {
