@@ -56,8 +56,10 @@ def _values(total, feat, dtype, gen):
     return buf[7 : 7 + total]
 
 
-def _assert_close(out, expected, dtype):
+def _assert_close(out, expected, dtype, longest=512):
     rtol, atol = TOL[dtype]
+    if dtype == torch.float32:  # a float32 sum's rounding error grows as the root of its terms
+        atol *= max(1.0, (longest / 512) ** 0.5)
     torch.testing.assert_close(out.to(torch.float64), expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
@@ -101,10 +103,11 @@ def test_feature_shapes_strides_and_int64_offsets(backend, feat):
         out = ragged.pool(RaggedTensor(x, rt.offsets, rt.max_len), mode, backend=backend)
         expected = _oracle(ref, lengths, mode)
         assert out.shape == (len(lengths), *feat)
-        _assert_close(out, expected.detach(), torch.float32)
+        # 1025 terms in the longest sum (the torch backend's index_add adds in no fixed order)
+        _assert_close(out, expected.detach(), torch.float32, max(lengths))
         (got,) = torch.autograd.grad(out.sum(), x)  # an expanded gradient
         (want,) = torch.autograd.grad(expected.sum(), ref)
-        _assert_close(got, want, torch.float32)
+        _assert_close(got, want, torch.float32, max(lengths))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
