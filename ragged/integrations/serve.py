@@ -365,9 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again for the handler found at its start:
     # this one ends the process with status 0 (a drained, orderly stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    switch = os.environ.get("RAGGED_SERVE_SWITCH_INTERVAL")
-    if switch:  # seconds a thread holding the GIL runs before a waiting one may take it
-        sys.setswitchinterval(float(switch))
     profile = os.environ.get("RAGGED_SERVE_PROFILE")
     stop_sampling = sample_stacks(profile) if profile else None
     try:
