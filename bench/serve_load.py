@@ -195,11 +195,8 @@ def load(url: str, texts: list[str], size: int, clients: int, count: int, second
 
 
 _COUNTERS = ("ragged_batches_total", "ragged_texts_total", "ragged_tokens_total", "ragged_batch_seconds_sum")
-_STAGES = ("read", "tokenize", "queue", "batch", "finish", "hand_over", "resume")
-_STAGE_COUNTERS = (
-    "ragged_request_stage_requests_total",
-    *(f'ragged_request_stage_seconds_total{{stage="{k}"}}' for k in _STAGES),
-)
+_STAGED = "ragged_request_stage_requests_total"
+_STAGE_PREFIX = 'ragged_request_stage_seconds_total{stage="'  # the stages, named and ordered by the server
 
 
 def server_counters(url: str) -> dict | None:
@@ -215,8 +212,10 @@ def server_counters(url: str) -> dict | None:
     out = {}
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
-        if name in _COUNTERS or name in _STAGE_COUNTERS:
+        if name in _COUNTERS or name == _STAGED:
             out[name] = float(value)
+        elif name.startswith(_STAGE_PREFIX):
+            out.setdefault("stages", {})[name[len(_STAGE_PREFIX) : -2]] = float(value)
     return out if all(k in out for k in _COUNTERS) else None
 
 
@@ -236,10 +235,10 @@ def batch_stats(before: dict | None, after: dict | None, wall: float) -> dict | 
         "batch_ms": 1e3 * d["ragged_batch_seconds_sum"] / n,
         "busy": d["ragged_batch_seconds_sum"] / wall,
     }
-    if all(k in before and k in after for k in _STAGE_COUNTERS):
-        staged = after[_STAGE_COUNTERS[0]] - before[_STAGE_COUNTERS[0]]
+    if all(_STAGED in c and "stages" in c for c in (before, after)):
+        staged = after[_STAGED] - before[_STAGED]
         if staged > 0:  # the mean time of a request in each stage, ms
-            out["stages"] = {k: 1e3 * (after[c] - before[c]) / staged for k, c in zip(_STAGES, _STAGE_COUNTERS[1:])}
+            out["stages"] = {k: 1e3 * (v - before["stages"].get(k, 0.0)) / staged for k, v in after["stages"].items()}
     return out
 
 
@@ -355,17 +354,19 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
             )
     staged = [(size, clients, b["stages"]) for size, clients, b in stats if b.get("stages")]
     if staged:
+        names = list(staged[0][2])  # the server's stages, in its order
         lines += [
             "",
             "Where a request's time goes in each timed row (its /metrics, mean ms per answered request): its body",
             "read and parsed, the tokenizer (waiting and tokenizing), the queue, its batch (launch to rows on the",
             "host), its response body built, the hand-over to the event loop, the handler resumed.",
             "",
-            "| texts/request | clients | " + " | ".join(_STAGES) + " |",
-            "|---:|---:|" + "---:|" * len(_STAGES),
+            "| texts/request | clients | " + " | ".join(names) + " |",
+            "|---:|---:|" + "---:|" * len(names),
         ]
         for size, clients, st in staged:
-            lines.append(f"| {size} | {clients} | " + " | ".join(f"{st[k]:.2f}" for k in _STAGES) + " |")
+            cells = " | ".join(f"{st.get(k, float('nan')):.2f}" for k in names)
+            lines.append(f"| {size} | {clients} | {cells} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
