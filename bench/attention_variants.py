@@ -1,7 +1,8 @@
 """Every registered attention implementation of the Triton backend, timed on the same inputs, to
 set their ranks from measurements (``ragged/kernels/triton/__init__.py``).
 
-Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused-shapes] [--out FILE]``.
+Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused-shapes]
+[--ws-pingpong] [--ws-stages] [--out FILE]``.
 
 * ``--case c``: workload (c) of ``bench.tune_attention`` (16 sequences of 256..4096 tokens,
   seed 0) at head dim 128 (16 heads) and 64 (32 heads), full and causal: each implementation's
@@ -12,6 +13,9 @@ Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused
   [L/2, L] for L from 128 to 4096, both head dims, full and causal: each implementation's
   forward and forward+backward, and which is fastest.
 * ``--fused-shapes``: the fused backward at each candidate block shape, beside the split one.
+* ``--ws-pingpong`` / ``--ws-stages``: case (c) also times the warp-specialised implementations
+  with their consumers in ping-pong / with three K/V stages at head dim 128 (rows
+  ``name+pingpong`` / ``name+stages3``).
 
 Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
 (the kernels' time: at the short lengths the host's per-call work would hide them). The table
@@ -21,6 +25,7 @@ names the GPU and the host CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 
@@ -58,9 +63,34 @@ def _time(fn) -> float:
         return float("nan")
 
 
+# Settings of the warp-specialised forward timed as rows of their own: ``name+setting`` runs the
+# implementation ``name`` with ``attention_ws`` set so (``--ws-pingpong``, ``--ws-stages``).
+WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages3": {"STAGES_D128": 3}}
+
+
+@contextlib.contextmanager
+def _ws_setting(name: str):
+    """``attention_ws``'s module settings for the row ``name`` (none without a ``+``)."""
+    setting = name.partition("+")[2]
+    if not setting:
+        yield
+        return
+    from ragged.kernels.triton import attention_ws
+
+    saved = {key: getattr(attention_ws, key) for key in WS_SETTINGS[setting]}
+    for key, value in WS_SETTINGS[setting].items():
+        setattr(attention_ws, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(attention_ws, key, value)
+
+
 def measure(lengths, heads, dim, causal, names, backward, dense=False):
-    """{name: ms} for each implementation (``prefer``-ed, ``"auto"`` as itself) and, with
-    ``dense``, cuDNN on the padded batch."""
+    """{name: ms} for each implementation (``prefer``-ed, ``"auto"`` as itself; ``name+setting``:
+    the implementation under one of :data:`WS_SETTINGS`) and, with ``dense``, cuDNN on the
+    padded batch."""
     total, max_len = sum(lengths), max(lengths)
     cu = _cu(lengths)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,9 +106,10 @@ def measure(lengths, heads, dim, causal, names, backward, dense=False):
 
     times = {}
     for name in (*names, "auto"):
-        with backends.prefer("attention", None if name == "auto" else name):
+        impl = name.partition("+")[0]
+        with backends.prefer("attention", None if name == "auto" else impl), _ws_setting(name):
             why = ragged.explain("attention", q, k, v, cu, cu, max_len, max_len, causal, 0.0, backward)
-            if name != "auto" and why.chosen != name:
+            if name != "auto" and why.chosen != impl:
                 times[name] = float("nan")  # refused here (e.g. not an sm_90 GPU): no row
                 continue
             with torch.set_grad_enabled(backward):
@@ -108,7 +139,12 @@ def _tf(flops, ms):
     return flops / ms / 1e9 if ms == ms else float("nan")
 
 
-def case_c(out):
+def case_c(out, settings=()):
+    """Case (c): every implementation, and the warp-specialised ones again under each of
+    ``settings`` (keys of :data:`WS_SETTINGS`)."""
+    extra = tuple(f"{n}+{s}" for s in settings for n in TRAINING if n.startswith("triton_sm90_ws"))
+    forwards = FORWARDS + tuple(n for n in extra if n.partition("+")[0] in FORWARDS)
+    training = TRAINING + extra
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(256, 4097, (16,), generator=gen).tolist()
     out(f"\n## case (c): 16 sequences of 256..4096 (seed 0), total {sum(lengths)}, max {max(lengths)}\n")
@@ -117,12 +153,12 @@ def case_c(out):
         for causal in (False, True):
             fl = ka.flops(lengths, lengths, heads, dim, causal)
             dense_fl = ka.flops([max(lengths)] * 16, [max(lengths)] * 16, heads, dim, causal)
-            fwd = measure(lengths, heads, dim, causal, FORWARDS, False, dense=True)
-            both = measure(lengths, heads, dim, causal, TRAINING, True, dense=True)
+            fwd = measure(lengths, heads, dim, causal, forwards, False, dense=True)
+            both = measure(lengths, heads, dim, causal, training, True, dense=True)
             out(f"\n### D={dim} H={heads} {'causal' if causal else 'full'}\n")
             out("| implementation | forward TF/s | fwd+bwd TF/s |")
             out("|---|---:|---:|")
-            for name in TRAINING:
+            for name in training:
                 f = f"{_tf(fl, fwd[name]):.0f}" if name in fwd else ""
                 out(f"| {name} | {f} | {_tf(3.5 * fl, both[name]):.0f} |")
             (fa, fchoice), (ba, bchoice) = fwd["auto"], both["auto"]
@@ -193,27 +229,34 @@ def main(argv=None):
     parser.add_argument("--case", choices=["c"], default=None)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused-shapes", action="store_true", help="the fused backward at each candidate shape")
-    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    parser.add_argument(
+        "--ws-pingpong", action="store_true", help="case (c): the warp-specialised forward's consumers in ping-pong"
+    )
+    parser.add_argument(
+        "--ws-stages", action="store_true", help="case (c): the warp-specialised forward with 3 K/V stages at D=128"
+    )
+    parser.add_argument("--out", default=None, help="also write the tables to this file (rewritten at each line)")
     args = parser.parse_args(argv)
     lines: list[str] = []
 
     def out(line):
         print(line, flush=True)
         lines.append(line)
+        if args.out:  # rewritten at each line: a run stopped at a time limit keeps what it measured
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
 
     out(
         f"# attention implementations on {torch.cuda.get_device_name()}, host CPU {cpu_name()}, "
         f"torch {torch.__version__}, python {platform.python_version()}, bf16"
     )
+    settings = [s for s, on in (("pingpong", args.ws_pingpong), ("stages3", args.ws_stages)) if on]
     if args.case == "c" or not (args.sweep or args.fused_shapes):
-        case_c(out)
+        case_c(out, settings)
     if args.sweep:
         sweep(out)
     if args.fused_shapes:
         fused_shapes(out)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

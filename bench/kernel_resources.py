@@ -325,18 +325,31 @@ def _warp_specialised(arch: int) -> list[dict]:
     for head_dim in (64, 128):
         for causal in (False, True):
             bn, stages = ws.config(head_dim)
-            constants = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, OVERLAP=True)
-            compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.MAX_REGISTERS)
-            out.append(
-                dict(
-                    kernel="forward_ws",
-                    head_dim=head_dim,
-                    causal=causal,
-                    variant="plain",
-                    shape=[ws.BLOCK_M, bn, 4, stages],
-                    **resources(compiled),
+            # the launch default, then the consumers in ping-pong, then (D=128) a third K/V stage
+            variants = [("plain", stages, False), ("pingpong", stages, True)]
+            if head_dim == 128:
+                variants.append(("stages3", 3, False))
+            for variant, depth, pingpong in variants:
+                constants = dict(
+                    GROUP=1,
+                    HEAD_DIM=head_dim,
+                    BLOCK_N=bn,
+                    STAGES=depth,
+                    CAUSAL=causal,
+                    OVERLAP=True,
+                    PINGPONG=pingpong,
                 )
-            )
+                compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.MAX_REGISTERS)
+                out.append(
+                    dict(
+                        kernel="forward_ws",
+                        head_dim=head_dim,
+                        causal=causal,
+                        variant=variant,
+                        shape=[ws.BLOCK_M, bn, 4, depth],
+                        **resources(compiled),
+                    )
+                )
     return out
 
 

@@ -51,7 +51,8 @@ def test_every_chosen_shape_compiled(records):
         (k, 128, c, v) for k in ("forward", "dkdv", "dq") for c, v in ((False, "window"), (True, "dropout"))
     }
     if _has_gluon_hopper():  # the warp-specialised forward (Gluon)
-        want |= {("forward_ws", d, c, "plain") for d in (64, 128) for c in (False, True)}
+        want |= {("forward_ws", d, c, v) for d in (64, 128) for c in (False, True) for v in ("plain", "pingpong")}
+        want |= {("forward_ws", 128, c, "stages3") for c in (False, True)}
     assert kinds == want
 
 
@@ -70,7 +71,7 @@ def test_warp_specialised_forward_moves_registers_and_overlaps(records):
     if not _has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")
     for r in got:
-        tag = f"forward_ws D={r['head_dim']} causal={r['causal']}"
+        tag = f"forward_ws D={r['head_dim']} causal={r['causal']} {r['variant']}"
         assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["HMMA"] == 0, tag
         assert r["USETMAXREG"] > 0, f"{tag}: no register reallocation between the partitions"
         assert r["stack"] == 0 and r["LDL"] == 0, f"{tag}: spills"

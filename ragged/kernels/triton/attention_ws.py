@@ -9,9 +9,13 @@ program's softmax never beside its products):
   a ring of ``STAGES`` shared-memory stages, and two consumer warpgroups, each owning 64 of the
   program's 128 query rows. The consumers are scheduled by the hardware independently: one's softmax runs while
   the other's matrix products occupy the tensor cores.
-* **Barriers, not waits for everything**: ``kv_ready[s]`` (the TMA transaction count of stage
-  ``s``) and ``kv_empty[s]`` (arrived by both consumers when their ``P @ V`` of the stage has
-  completed) hand each stage back and forth; the loader runs up to ``STAGES`` blocks ahead.
+* **Barriers, not waits for everything**: ``k_ready[s]`` and ``v_ready[s]`` (the TMA
+  transaction counts of stage ``s``'s K and V: a consumer starts ``Q K^T`` before V is in) and
+  ``kv_empty[s]`` (arrived by both consumers when their ``P @ V`` of the stage has completed)
+  hand each stage back and forth; the loader runs up to ``STAGES`` blocks ahead.
+* **Ping-pong** (:data:`PINGPONG`, off by default): two more barriers, ``turns``, make the
+  consumers issue their products strictly in turn, consumer 0 first, so that one's softmax
+  always runs under the other's products rather than when the scheduler happens to place it.
 * **Registers moved to the consumers** (``setmaxnreg`` through the partitions' register
   budgets): 240 per consumer thread, the 24 left of the kernel's 168 for the loading warpgroup.
 * **P from registers**: the probabilities are the A operand of the second product, never
@@ -25,8 +29,9 @@ sequence is read. The program's query block comes from the work list ``block_cum
 What it takes: fp16/bf16, head dims 64 and 128, causal or not, GQA, positive scales; no
 window, dropout or position bias (the reasons of its implementation, ``"triton_sm90_ws"``, in
 :mod:`ragged.kernels.triton`). Gluon is imported here only: the launcher imports the module
-on first use. Compiled for sm_90 with Triton 3.6 and 3.9 (no spills, 168 registers by
-``setmaxnreg`` for the kernel, 240 for each consumer); not yet run on a GPU.
+on first use. Compiled for sm_90 with Triton 3.6 and 3.9 (``bench.kernel_resources``: 168
+registers by ``setmaxnreg`` for the kernel, 240 for each consumer); tested on an H200 by
+``tests/test_gpu_attention_ws.py``.
 """
 
 from __future__ import annotations
@@ -53,10 +58,19 @@ MAX_REGISTERS = 168  # per thread, the kernel's: 2 x 128 consumer threads at 240
 _CONSUMER_REGS = gl.constexpr(240)
 
 
+# The consumers in ping-pong (FlashAttention-3's turn-taking: one issues its products while the
+# other runs its softmax). Off until measured faster; read at each launch, so a process may turn
+# it on (bench.attention_variants --ws-pingpong, the GPU tests in a child process).
+PINGPONG = False
+# The K/V ring's depth at head dim 128: 2, or 3 (229,680 bytes of shared memory with the query
+# halves and the barriers, under the 232,448 of an H100/H200 SM). Read at each launch, as PINGPONG.
+STAGES_D128 = 2
+
+
 def config(head_dim: int) -> tuple[int, int]:
     """``(BLOCK_N, STAGES)``: key rows per block and the depth of the K/V ring (shared memory:
     the two query halves plus ``STAGES`` blocks of K and of V, within the 227 KB of an SM)."""
-    return (128, 2) if head_dim > 64 else (128, 3)
+    return (128, STAGES_D128) if head_dim > 64 else (128, 3)
 
 
 @gluon.jit
@@ -98,13 +112,14 @@ def _loader(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     """The loading warp: both query halves once, then each key block's K and V into the ring
     (the consumers' signature: worker partitions share one)."""
     (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
      stride_vt, stride_vh) = args  # fmt: skip
     q_smem, k_smem, v_smem = smem
-    q_bar, kv_ready, kv_empty = bars
+    q_bar, k_ready, v_ready, kv_empty, turns = bars
     q_desc = _rows_desc(Q, q_start, stride_qt, h, stride_qh, gl.maximum(q_len, 1), HEAD_DIM, 64)
     k_desc = _rows_desc(K, k_start, stride_kt, hk, stride_kh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
     v_desc = _rows_desc(V, k_start, stride_vt, hk, stride_vh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
@@ -115,9 +130,11 @@ def _loader(
         s = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier counts as a completed phase 1
-        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [j * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-        _tma_load(v_desc, [j * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
+        # K and V on barriers of their own: S_j = Q K_j^T starts once K_j is in, V_j still coming
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -146,6 +163,24 @@ def _online_softmax(scores, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _my_turn(turns, k, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until consumer ``HALF`` may issue its ``k``-th group of products. The two
+    consumers take turns strictly, consumer 0 first: consumer 0's ``k``-th turn is consumer 1's
+    ``(k-1)``-th hand-over (phase ``k-1`` of ``turns[0]``; a fresh barrier counts as a completed
+    phase 1, so its first turn is free), consumer 1's is consumer 0's ``k``-th hand-over."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(HALF), (k & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this consumer's products are issued; the other may issue its own (the tensor
+    cores run them after these, while this consumer's softmax runs)."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - HALF), count=1)
+
+
+@gluon.jit
 def _consume(
     args,
     smem,
@@ -157,6 +192,7 @@ def _consume(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     """One consumer warpgroup: query rows ``row0 + 64 * HALF ..`` against every key block of the
     program, the online softmax in registers, O and the log-sum-exp stored at the end."""
@@ -164,7 +200,7 @@ def _consume(
      stride_vt, stride_vh) = args  # fmt: skip
     O, LSE, stride_ot, stride_oh, heads, qk_scale = out_args
     q_smem, k_smem, v_smem = smem
-    q_bar, kv_ready, kv_empty = bars
+    q_bar, k_ready, v_ready, kv_empty, turns = bars
     dtype: gl.constexpr = Q.dtype.element_ty
     # the wgmma accumulators of one warpgroup: S [64, BLOCK_N] and O [64, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
@@ -193,10 +229,15 @@ def _consume(
         # S_j = Q K_j^T and P_{j-1} V_{j-1} issued back to back; the softmax of block j runs while
         # the second product is in flight (wgmma groups complete in order: waiting for all but
         # one leaves S_j done). acc is rescaled to block j's maximum once P_{j-1} V_{j-1} is in.
+        # Under PINGPONG every issue (S_0; each S_j with P_{j-1} V_{j-1}; the last P V) is one
+        # turn: n_blocks + 1 of them in each consumer, the same count in both (n_blocks is the
+        # program's), so the alternation never waits for a turn that does not come.
         if n_blocks > 0:
-            mbarrier.wait(kv_ready.index(0), 0)
+            mbarrier.wait(k_ready.index(0), 0)
             zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+            _my_turn(turns, 0, HALF, PINGPONG)
             scores = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            _pass_turn(turns, HALF, PINGPONG)
             scores = warpgroup_mma_wait(0, deps=[scores])
             scores = _masked(scores, 0, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
             p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
@@ -204,10 +245,13 @@ def _consume(
             for j in range(1, n_blocks):
                 s = j % STAGES
                 before = (j - 1) % STAGES
-                mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+                mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
                 zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+                _my_turn(turns, j, HALF, PINGPONG)
                 scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
+                _pass_turn(turns, HALF, PINGPONG)
                 scores = warpgroup_mma_wait(1, deps=[scores])
                 scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
                 p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
@@ -216,19 +260,23 @@ def _consume(
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 p_prev = gl.convert_layout(p.to(dtype), p_layout)
             last = (n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+            _my_turn(turns, n_blocks, HALF, PINGPONG)
             acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+            _pass_turn(turns, HALF, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last), count=1)
     else:
         for j in range(n_blocks):
             s = j % STAGES
-            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
             zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
             scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             scores = warpgroup_mma_wait(0, deps=[scores])
             scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
             p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(s), count=1)
@@ -274,6 +322,7 @@ def _ws_fwd_kernel(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     item = gl.program_id(0)
     h = gl.program_id(1)
@@ -300,24 +349,29 @@ def _ws_fwd_kernel(
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
         fence_async_shared()
 
         args = (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt,
                 stride_kh, stride_vt, stride_vh)  # fmt: skip
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bar, kv_ready, kv_empty)
+        bars = (q_bar, k_ready, v_ready, kv_empty, turns)
         out_args = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
         gl.warp_specialize(
             [
-                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
-                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
-                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
             ],
             [4, 4],
             [_CONSUMER_REGS, _CONSUMER_REGS],
@@ -325,13 +379,30 @@ def _ws_fwd_kernel(
 
 
 def forward(
-    q, k, v, out, lse, cu_q, cu_k, block_cum, n_steps: int, causal: bool, scale: float, overlap: bool = True
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    block_cum,
+    n_steps: int,
+    causal: bool,
+    scale: float,
+    overlap: bool = True,
+    pingpong: bool | None = None,
 ) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
     ``block_cum`` of :data:`BLOCK_M`-row query blocks and its search depth ``n_steps``).
-    ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time)."""
+    ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
+    ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
+    only with ``overlap``)."""
     from .attention_hopper import _ensure_allocator
 
+    pingpong = PINGPONG if pingpong is None else pingpong
+    if pingpong and not overlap:
+        raise ValueError("attention_ws.forward: pingpong=True needs overlap=True, got overlap=False")
     _ensure_allocator()
     block_n, stages = config(q.shape[-1])
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
@@ -363,6 +434,7 @@ def forward(
         STAGES=stages,
         CAUSAL=causal,
         OVERLAP=overlap,
+        PINGPONG=pingpong,
         num_warps=4,
         maxnreg=MAX_REGISTERS,
     )
