@@ -2,7 +2,7 @@
 set their ranks from measurements (``ragged/kernels/triton/__init__.py``).
 
 Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused-shapes]
-[--ws-pingpong] [--ws-stages] [--out FILE]``.
+[--ws-pingpong] [--ws-stages] [--impl NAME ...] [--out FILE]``.
 
 * ``--case c``: workload (c) of ``bench.tune_attention`` (16 sequences of 256..4096 tokens,
   seed 0) at head dim 128 (16 heads) and 64 (32 heads), full and causal: each implementation's
@@ -139,12 +139,13 @@ def _tf(flops, ms):
     return flops / ms / 1e9 if ms == ms else float("nan")
 
 
-def case_c(out, settings=()):
-    """Case (c): every implementation, and the warp-specialised ones again under each of
-    ``settings`` (keys of :data:`WS_SETTINGS`)."""
-    extra = tuple(f"{n}+{s}" for s in settings for n in TRAINING if n.startswith("triton_sm90_ws"))
-    forwards = FORWARDS + tuple(n for n in extra if n.partition("+")[0] in FORWARDS)
-    training = TRAINING + extra
+def case_c(out, settings=(), only=None):
+    """Case (c): every implementation (``only``: those named), and the warp-specialised ones
+    again under each of ``settings`` (keys of :data:`WS_SETTINGS`)."""
+    names = tuple(n for n in TRAINING if not only or n in only)
+    extra = tuple(f"{n}+{s}" for s in settings for n in names if n.startswith("triton_sm90_ws"))
+    training = names + extra
+    forwards = tuple(n for n in training if n.partition("+")[0] in FORWARDS)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(256, 4097, (16,), generator=gen).tolist()
     out(f"\n## case (c): 16 sequences of 256..4096 (seed 0), total {sum(lengths)}, max {max(lengths)}\n")
@@ -235,6 +236,7 @@ def main(argv=None):
     parser.add_argument(
         "--ws-stages", action="store_true", help="case (c): the warp-specialised forward with 3 K/V stages at D=128"
     )
+    parser.add_argument("--impl", nargs="+", default=None, help="case (c): only these implementations")
     parser.add_argument("--out", default=None, help="also write the tables to this file (rewritten at each line)")
     args = parser.parse_args(argv)
     lines: list[str] = []
@@ -252,7 +254,7 @@ def main(argv=None):
     )
     settings = [s for s, on in (("pingpong", args.ws_pingpong), ("stages3", args.ws_stages)) if on]
     if args.case == "c" or not (args.sweep or args.fused_shapes):
-        case_c(out, settings)
+        case_c(out, settings, args.impl)
     if args.sweep:
         sweep(out)
     if args.fused_shapes:
