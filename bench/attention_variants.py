@@ -2,7 +2,7 @@
 set their ranks from measurements (``ragged/kernels/triton/__init__.py``).
 
 Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused-shapes]
-[--ws-pingpong] [--ws-stages] [--impl NAME ...] [--out FILE]``.
+[--ws-pingpong] [--ws-stages] [--impl NAME ...] [--forward-only] [--out FILE]``.
 
 * ``--case c``: workload (c) of ``bench.tune_attention`` (16 sequences of 256..4096 tokens,
   seed 0) at head dim 128 (16 heads) and 64 (32 heads), full and causal: each implementation's
@@ -13,9 +13,10 @@ Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused
   [L/2, L] for L from 128 to 4096, both head dims, full and causal: each implementation's
   forward and forward+backward, and which is fastest.
 * ``--fused-shapes``: the fused backward at each candidate block shape, beside the split one.
-* ``--ws-pingpong`` / ``--ws-stages``: case (c) also times the warp-specialised implementations
-  with their consumers in ping-pong / with three K/V stages at head dim 128 (rows
-  ``name+pingpong`` / ``name+stages3``).
+* ``--ws-pingpong`` / ``--ws-stages``: also the warp-specialised implementations with their
+  consumers in ping-pong / with two K/V stages at head dim 128 instead of three (rows
+  ``name+pingpong`` / ``name+stages2``); ``--impl``: only the implementations named;
+  ``--forward-only``: the sweep without its fwd+bwd columns.
 
 Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
 (the kernels' time: at the short lengths the host's per-call work would hide them). The table
@@ -65,7 +66,7 @@ def _time(fn) -> float:
 
 # Settings of the warp-specialised forward timed as rows of their own: ``name+setting`` runs the
 # implementation ``name`` with ``attention_ws`` set so (``--ws-pingpong``, ``--ws-stages``).
-WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages3": {"STAGES_D128": 3}}
+WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages2": {"STAGES_D128": 2}}
 
 
 @contextlib.contextmanager
@@ -139,13 +140,18 @@ def _tf(flops, ms):
     return flops / ms / 1e9 if ms == ms else float("nan")
 
 
-def case_c(out, settings=(), only=None):
-    """Case (c): every implementation (``only``: those named), and the warp-specialised ones
-    again under each of ``settings`` (keys of :data:`WS_SETTINGS`)."""
+def _names(settings=(), only=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(forwards, training)``: the rows timed, every implementation (``only``: those named) and
+    the warp-specialised ones again under each of ``settings`` (keys of :data:`WS_SETTINGS`)."""
     names = tuple(n for n in TRAINING if not only or n in only)
     extra = tuple(f"{n}+{s}" for s in settings for n in names if n.startswith("triton_sm90_ws"))
     training = names + extra
-    forwards = tuple(n for n in training if n.partition("+")[0] in FORWARDS)
+    return tuple(n for n in training if n.partition("+")[0] in FORWARDS), training
+
+
+def case_c(out, settings=(), only=None):
+    """Case (c): the rows of :func:`_names`."""
+    forwards, training = _names(settings, only)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(256, 4097, (16,), generator=gen).tolist()
     out(f"\n## case (c): 16 sequences of 256..4096 (seed 0), total {sum(lengths)}, max {max(lengths)}\n")
@@ -170,14 +176,18 @@ def case_c(out, settings=(), only=None):
             )
 
 
-def sweep(out, tokens=32768):
+def sweep(out, tokens=32768, settings=(), only=None, forward_only=False):
+    """The length rule over the rows of :func:`_names` (``forward_only``: no fwd+bwd columns)."""
+    forwards, training = _names(settings, only)
+    if forward_only:
+        training = ()
     out(f"\n## length rule: about {tokens} tokens in sequences of uniform lengths in [L/2, L]\n")
     out("Forward and fwd+bwd TF/s of each implementation; the fastest in bold.\n")
     gen = torch.Generator().manual_seed(1)
-    header = "| L | D | mask | " + " | ".join(f"fwd {n}" for n in FORWARDS) + " | "
-    header += " | ".join(f"f+b {n}" for n in TRAINING) + " |"
+    header = "| L | D | mask | " + " | ".join(f"fwd {n}" for n in forwards) + " | "
+    header += " | ".join(f"f+b {n}" for n in training) + (" |" if training else "")
     out(header)
-    out("|" + "---|" * (3 + len(FORWARDS) + len(TRAINING)))
+    out("|" + "---|" * (3 + len(forwards) + len(training)))
     for longest in (128, 256, 512, 1024, 2048, 4096):
         lengths = []
         while sum(lengths) < tokens:
@@ -185,16 +195,17 @@ def sweep(out, tokens=32768):
         for dim, heads in ((128, 16), (64, 32)):
             for causal in (False, True):
                 fl = ka.flops(lengths, lengths, heads, dim, causal)
-                fwd = measure(lengths, heads, dim, causal, FORWARDS, False)
-                both = measure(lengths, heads, dim, causal, TRAINING, True)
-                f = [_tf(fl, fwd[n]) for n in FORWARDS]
-                b = [_tf(3.5 * fl, both[n]) for n in TRAINING]
+                fwd = measure(lengths, heads, dim, causal, forwards, False)
+                both = measure(lengths, heads, dim, causal, training, True) if training else {}
+                f = [_tf(fl, fwd[n]) for n in forwards]
+                b = [_tf(3.5 * fl, both[n]) for n in training]
 
                 def cells(values):
                     best = max((x for x in values if x == x), default=None)
                     return [f"**{x:.0f}**" if x == best else f"{x:.0f}" for x in values]
 
-                row = [str(longest), str(dim), "causal" if causal else "full", *cells(f), *cells(b)]
+                row = [str(longest), str(dim), "causal" if causal else "full", *cells(f)]
+                row += cells(b) if b else []
                 out("| " + " | ".join(row) + " |")
 
 
@@ -234,9 +245,10 @@ def main(argv=None):
         "--ws-pingpong", action="store_true", help="case (c): the warp-specialised forward's consumers in ping-pong"
     )
     parser.add_argument(
-        "--ws-stages", action="store_true", help="case (c): the warp-specialised forward with 3 K/V stages at D=128"
+        "--ws-stages", action="store_true", help="also the warp-specialised forward with 2 K/V stages at D=128"
     )
-    parser.add_argument("--impl", nargs="+", default=None, help="case (c): only these implementations")
+    parser.add_argument("--impl", nargs="+", default=None, help="only these implementations")
+    parser.add_argument("--forward-only", action="store_true", help="--sweep: the forwards only")
     parser.add_argument("--out", default=None, help="also write the tables to this file (rewritten at each line)")
     args = parser.parse_args(argv)
     lines: list[str] = []
@@ -252,11 +264,11 @@ def main(argv=None):
         f"# attention implementations on {torch.cuda.get_device_name()}, host CPU {cpu_name()}, "
         f"torch {torch.__version__}, python {platform.python_version()}, bf16"
     )
-    settings = [s for s, on in (("pingpong", args.ws_pingpong), ("stages3", args.ws_stages)) if on]
+    settings = [s for s, on in (("pingpong", args.ws_pingpong), ("stages2", args.ws_stages)) if on]
     if args.case == "c" or not (args.sweep or args.fused_shapes):
         case_c(out, settings, args.impl)
     if args.sweep:
-        sweep(out)
+        sweep(out, settings=settings, only=args.impl, forward_only=args.forward_only)
     if args.fused_shapes:
         fused_shapes(out)
 

@@ -325,10 +325,10 @@ def _warp_specialised(arch: int) -> list[dict]:
     for head_dim in (64, 128):
         for causal in (False, True):
             bn, stages = ws.config(head_dim)
-            # the launch default, then the consumers in ping-pong, then (D=128) a third K/V stage
+            # the launch default, then the consumers in ping-pong, then (D=128) two K/V stages
             variants = [("plain", stages, False), ("pingpong", stages, True)]
             if head_dim == 128:
-                variants.append(("stages3", 3, False))
+                variants.append(("stages2", 2, False))
             for variant, depth, pingpong in variants:
                 constants = dict(
                     GROUP=1,

@@ -52,7 +52,7 @@ def test_every_chosen_shape_compiled(records):
     }
     if _has_gluon_hopper():  # the warp-specialised forward (Gluon)
         want |= {("forward_ws", d, c, v) for d in (64, 128) for c in (False, True) for v in ("plain", "pingpong")}
-        want |= {("forward_ws", 128, c, "stages3") for c in (False, True)}
+        want |= {("forward_ws", 128, c, "stages2") for c in (False, True)}
     assert kinds == want
 
 

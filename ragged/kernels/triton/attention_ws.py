@@ -62,9 +62,10 @@ _CONSUMER_REGS = gl.constexpr(240)
 # other runs its softmax). Off until measured faster; read at each launch, so a process may turn
 # it on (bench.attention_variants --ws-pingpong, the GPU tests in a child process).
 PINGPONG = False
-# The K/V ring's depth at head dim 128: 2, or 3 (229,680 bytes of shared memory with the query
-# halves and the barriers, under the 232,448 of an H100/H200 SM). Read at each launch, as PINGPONG.
-STAGES_D128 = 2
+# The K/V ring's depth at head dim 128: 3 (229,680 bytes of shared memory with the query halves
+# and the barriers, under the 232,448 of an H100/H200 SM), measured faster than 2 on an H200
+# (bench/results/attention_variants_ws_h200_f48f284.md). Read at each launch, as PINGPONG.
+STAGES_D128 = 3
 
 
 def config(head_dim: int) -> tuple[int, int]:
