@@ -372,9 +372,10 @@ def test_runs_declines_what_only_the_call_knows():
 
 
 def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
-    """``auto`` on CUDA inputs takes the sm_90 forward from a longest query of ``sm90_min_len``
-    tokens on (by head dim and mask), the portable kernels below it, and the sm_90 backward and the warp-specialised
-    forward only where preferred (the GPU half is tests/test_gpu_attention_hopper.py); CPU
+    """``auto`` on CUDA inputs takes the warp-specialised forward at head dim 128 from a longest
+    query of ``ws_min_len`` tokens, else the sm_90 forward from ``sm90_min_len`` tokens (by head
+    dim and mask), the portable kernels below both, and the sm_90 backward only where preferred
+    (the GPU half is tests/test_gpu_attention_hopper.py and tests/test_gpu_attention_ws.py); CPU
     inputs take the reference."""
     import dataclasses
 
@@ -393,21 +394,32 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     # the measured rule: from 1024 tokens, except head dim 128 without a mask (a longer threshold)
     assert [n for *_, n in rules] == [1024, 1024, triton_backend.AUTO_MIN_LEN_D128_FULL, 1024]
     assert triton_backend.AUTO_MIN_LEN_D128_FULL > 2048
-    cases = [
-        (d, causal, longest, first)
-        for d, causal, n in rules
-        for longest, first in ((n, "triton_sm90"), (n - 1, "triton"))
-    ]
-    for d, causal, longest, first in cases:
+    # the warp-specialised forward at head dim 128 only, from its own (shorter) thresholds
+    ws_rules = {(d, causal): triton_backend.ws_min_len(d, causal) for d in (64, 128) for causal in (False, True)}
+    assert ws_rules[(64, False)] is None and ws_rules[(64, True)] is None
+    assert ws_rules[(128, False)] < triton_backend.AUTO_MIN_LEN_D128_FULL
+    assert triton_backend.AUTO_MIN_LEN < ws_rules[(128, True)] <= 2048
+    cases = [(d, causal, longest) for d, causal, n in rules for longest in (n, n - 1)]
+    cases += [(128, causal, ws_rules[(128, causal)] + step) for causal in (False, True) for step in (0, -1)]
+    for d, causal, longest in cases:
         spec = dataclasses.replace(cpu, max_q=longest, max_k=longest, head_dim=d, causal=causal)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
-        # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised
-        # forward, the sm_90 forwards with the fused backward
+        ws_from = ws_rules[(d, causal)]
+        if ws_from is not None and longest >= ws_from:
+            first = "triton_sm90_ws"
+        elif longest >= triton_backend.sm90_min_len(d, causal):
+            first = "triton_sm90"
+        else:
+            first = "triton"
+        # taken only where preferred: the sm_90 backward, the fused backward, the sm_90 forwards
+        # with the fused backward, and the warp-specialised forward where "auto" does not take it
         preferred_only = {
-            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws",
-            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd",
+            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd",
         }  # fmt: skip
-        assert order[0] == first and set(order[-5:]) == preferred_only
+        if first != "triton_sm90_ws":
+            preferred_only.add("triton_sm90_ws")
+        assert order[0] == first, (d, causal, longest, order)
+        assert set(order[-len(preferred_only) :]) == preferred_only, (d, causal, longest, order)
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
     with backends.prefer("attention", "triton_sm90_full"):
         assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"

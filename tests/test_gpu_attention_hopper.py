@@ -194,19 +194,20 @@ def test_hopper_kernels_not_taken_where_they_do_not_go(hopper):
 def test_auto_takes_the_forward_of_long_batches_and_leaves_the_backward(causal, hopper, monkeypatch):
     """``auto`` (the default): the sm_90 forward for a batch whose longest query reaches
     ``sm90_min_len``, the portable backward after it (gradients under the rule), and neither
-    for a short batch."""
+    for a short batch. At head dim 64, where the warp-specialised forward is not ranked first
+    (its rule: tests/test_gpu_attention_ws.py)."""
     from ragged.kernels import triton as triton_backend
 
     monkeypatch.delenv("RAGGED_ATTENTION_HOPPER")
     lq, lk = LENGTHS["long_tail"]
-    assert max(lq) >= triton_backend.sm90_min_len(128, causal)
-    q, k, v = _qkv(lq, lk, 4, 2, 128, torch.bfloat16, _gen("hopper-auto", causal))
+    assert max(lq) >= triton_backend.sm90_min_len(64, causal) and triton_backend.ws_min_len(64, causal) is None
+    q, k, v = _qkv(lq, lk, 4, 2, 64, torch.bfloat16, _gen("hopper-auto", causal))
     _check_forward("triton", lq, lk, q, k, v, causal, f"auto/long/causal={causal}")
     assert hopper == [q.shape]
     _check_backward(lq, lk, q, k, v, causal, f"auto/long-bwd/causal={causal}")
     assert q.shape in hopper and not any(isinstance(c, tuple) and c[0] == "backward" for c in hopper)
     hopper.clear()
-    short = [triton_backend.sm90_min_len(128, causal) - 1, 5, 300]
-    q, k, v = _qkv(short, short, 4, 2, 128, torch.bfloat16, _gen("hopper-auto-short", causal))
+    short = [triton_backend.sm90_min_len(64, causal) - 1, 5, 300]
+    q, k, v = _qkv(short, short, 4, 2, 64, torch.bfloat16, _gen("hopper-auto-short", causal))
     _check_forward("triton", short, short, q, k, v, causal, f"auto/short/causal={causal}")
     assert hopper == []

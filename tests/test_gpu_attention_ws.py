@@ -156,3 +156,38 @@ def test_ws_pingpong_and_two_stages_give_the_same_rows(ws):
     except subprocess.TimeoutExpired:
         pytest.fail("the ping-pong forward did not finish in 600 s: the consumers' turns deadlock")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_auto_takes_the_ws_forward_at_head_dim_128_for_long_batches(causal, monkeypatch):
+    """``auto`` (no preference): the warp-specialised forward for a head-dim-128 batch whose
+    longest query reaches ``ws_min_len``, the portable backward after it (gradients under the
+    rule); not for a batch one token short of it, nor at head dim 64."""
+    _needs("triton")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised forward runs on sm_90 only")
+    from ragged.kernels import triton as triton_backend
+    from ragged.kernels.triton import attention_ws
+
+    monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
+    monkeypatch.delenv("RAGGED_PREFER", raising=False)
+    calls: list = []
+    real = attention_ws.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ws, "forward", spy)
+    least = triton_backend.ws_min_len(128, causal)
+    assert least is not None and triton_backend.ws_min_len(64, causal) is None
+    lq = [least, 3, 1, 129, 0, 700]
+    q, k, v = _qkv(lq, lq, 4, 2, 128, torch.bfloat16, _gen("ws-auto", causal))
+    _check_forward("auto", lq, lq, q, k, v, causal, f"ws-auto/long/causal={causal}")
+    assert calls == [q.shape], "auto did not take the warp-specialised forward"
+    _check_backward(lq, lq, q, k, v, causal, f"ws-auto/long-bwd/causal={causal}", backend="auto")
+    calls.clear()
+    for dim, lengths in ((128, [least - 1, 5, 300]), (64, lq)):
+        q, k, v = _qkv(lengths, lengths, 4, 2, dim, torch.bfloat16, _gen("ws-auto-not", dim, causal))
+        _check_forward("auto", lengths, lengths, q, k, v, causal, f"ws-auto/not/D={dim}/causal={causal}")
+        assert calls == [], f"D={dim}, longest {max(lengths)}: auto took the warp-specialised forward"

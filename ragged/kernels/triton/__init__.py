@@ -174,9 +174,32 @@ register(
 
 
 # The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
-# consumer warpgroups, barriers between them), with the portable backward: no window, dropout or
-# position bias, not under the interpreter. Measured slower than the TMA forward on an H200 (the
-# same results), so taken only where preferred (ragged.backends.prefer).
+# consumer warpgroups over a ring of three K/V stages at head dim 128), with the portable
+# backward: no window, dropout or position bias, not under the interpreter. "auto" takes it at
+# head dim 128 from a longest query of ws_min_len() tokens: the H200 sweep
+# (bench/results/attention_sweep_ws_h200_5432028.md, about 32k tokens in lengths of [L/2, L])
+# measured it the fastest forward there from L = 1024 without a mask (331 against 322 TF/s for
+# the portable one, 505 against 456 for the TMA one at 4096) and from L = 2048 under a causal
+# mask (326 against 324, 439 against 386 at 4096); the thresholds sit between the measured
+# points. At head dim 64 it was slower than the TMA forward at every length: taken there only
+# where preferred.
+WS_MIN_LEN_D128_FULL = 768
+WS_MIN_LEN_D128_CAUSAL = 1536
+
+
+def ws_min_len(head_dim: int, causal: bool) -> int | None:
+    """The longest query (tokens) from which ``"auto"`` takes the warp-specialised forward (None:
+    only where preferred)."""
+    if head_dim != 128:
+        return None
+    return WS_MIN_LEN_D128_CAUSAL if causal else WS_MIN_LEN_D128_FULL
+
+
+def _sm90_ws_rank(spec) -> float:
+    least = ws_min_len(spec.head_dim, spec.causal)
+    return 0.4 if least is not None and spec.max_q >= least else 30.0
+
+
 def _sm90_ws_check(spec) -> list[str]:
     out = _sm90_check(spec)
     if spec.window_size != (-1, -1):
@@ -199,7 +222,7 @@ register(
         f"{_HERE}.attention:forward_sm90_ws",
         backward_backend="triton",
         variant="sm90_ws",
-        rank=30.0,
+        rank=_sm90_ws_rank,
         **{**_SM90, "check": _sm90_ws_check},  # type: ignore[arg-type]
     )
 )
