@@ -76,11 +76,21 @@ def _tool(name: str) -> str:
 
 
 def compile_for(
-    kernel, constants: dict, arch: int, warps: int, stages: int, dtype: str = "bf16", maxnreg: int | None = None
+    kernel,
+    constants: dict,
+    arch: int,
+    warps: int,
+    stages: int,
+    dtype: str = "bf16",
+    maxnreg: int | None = None,
+    pointers: dict[str, str] | None = None,
 ):
     """The compiled kernel (``triton.compile``) for ``sm_<arch>``: pointers of ``dtype`` (16-byte
     aligned), integers as int32, the float arguments as fp32, ``constants`` as constexprs;
-    ``maxnreg``: the register limit a warp-specialised kernel divides among its partitions."""
+    ``maxnreg``: the register limit a warp-specialised kernel divides among its partitions;
+    ``pointers``: the pointer arguments of a kernel outside ragged's names, with their types
+    (``{"OUT": "*i32"}``)."""
+    pointer_types = {**_POINTER_TYPES, **(pointers or {})}
     fn = getattr(kernel, "jit", kernel)
     # a constexpr left out takes its default, as a launch that does not pass it
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
@@ -91,11 +101,15 @@ def compile_for(
             signature[name] = "constexpr"
         elif name == "DQ" and constants.get("FUSED_DQ"):
             signature[name] = "*fp32"  # the fused backward adds dQ atomically into a float32 buffer
-        elif name in _POINTERS:
-            signature[name] = _POINTER_TYPES.get(name, f"*{dtype}")
+        elif name in _POINTERS or name in pointer_types:
+            signature[name] = pointer_types.get(name, f"*{dtype}")
         else:
             signature[name] = "fp32" if name in _FLOATS else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _POINTERS}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name in _POINTERS or name in pointer_types
+    }
     # a Gluon kernel compiles through Gluon's own pipeline (its source class), not Triton's passes
     make = ASTSource
     if type(fn).__name__ == "GluonJITFunction":
@@ -105,26 +119,31 @@ def compile_for(
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def resources(compiled) -> dict:
-    """``regs``, ``stack``, ``shared`` and the instruction counts of :data:`_COUNTED`."""
+def _cuobjdump(compiled, flag: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True, check=True
-        ).stdout
+        return subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def sass(compiled) -> str:
+    """The compiled kernel's machine code as ``cuobjdump --dump-sass`` prints it."""
+    return _cuobjdump(compiled, "--dump-sass")
+
+
+def resources(compiled) -> dict:
+    """``regs``, ``stack``, ``shared`` and the instruction counts of :data:`_COUNTED`."""
+    usage = _cuobjdump(compiled, "--dump-resource-usage")
+    code = sass(compiled)
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.replace("\n", " "))
     out = {
         "regs": int(found.group(1)) if found else -1,
         "stack": int(found.group(2)) if found else -1,
         "shared": compiled.metadata.shared,
     }
-    out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in _COUNTED})
-    out["WGMMA_OVERLAP"] = wgmma_overlap(sass)
+    out.update({op: len(re.findall(rf"\b{op}\b", code)) for op in _COUNTED})
+    out["WGMMA_OVERLAP"] = wgmma_overlap(code)
     return out
 
 
