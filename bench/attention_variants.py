@@ -16,7 +16,8 @@ Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused
 * ``--ws-pingpong`` / ``--ws-stages``: also the warp-specialised implementations with their
   consumers in ping-pong / with two K/V stages at head dim 128 instead of three (rows
   ``name+pingpong`` / ``name+stages2``); ``--impl``: only the implementations named;
-  ``--forward-only``: the sweep without its fwd+bwd columns.
+  ``--forward-only``: the sweep without its fwd+bwd columns; ``--ws SETTING ...``: rows under any
+  of :data:`WS_SETTINGS` (``wg3``: three consumer warpgroups at head dim 64).
 
 Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
 (the kernels' time: at the short lengths the host's per-call work would hide them). The table
@@ -66,7 +67,7 @@ def _time(fn) -> float:
 
 # Settings of the warp-specialised forward timed as rows of their own: ``name+setting`` runs the
 # implementation ``name`` with ``attention_ws`` set so (``--ws-pingpong``, ``--ws-stages``).
-WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages2": {"STAGES_D128": 2}}
+WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages2": {"STAGES_D128": 2}, "wg3": {"CONSUMERS_D64": 3}}
 
 
 @contextlib.contextmanager
@@ -247,6 +248,9 @@ def main(argv=None):
     parser.add_argument(
         "--ws-stages", action="store_true", help="also the warp-specialised forward with 2 K/V stages at D=128"
     )
+    parser.add_argument(
+        "--ws", nargs="+", default=[], choices=sorted(WS_SETTINGS), help="also the warp-specialised rows so set"
+    )
     parser.add_argument("--impl", nargs="+", default=None, help="only these implementations")
     parser.add_argument("--forward-only", action="store_true", help="--sweep: the forwards only")
     parser.add_argument("--out", default=None, help="also write the tables to this file (rewritten at each line)")
@@ -265,6 +269,7 @@ def main(argv=None):
         f"torch {torch.__version__}, python {platform.python_version()}, bf16"
     )
     settings = [s for s, on in (("pingpong", args.ws_pingpong), ("stages2", args.ws_stages)) if on]
+    settings += [s for s in args.ws if s not in settings]
     if args.case == "c" or not (args.sweep or args.fused_shapes):
         case_c(out, settings, args.impl)
     if args.sweep:

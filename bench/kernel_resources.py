@@ -343,29 +343,38 @@ def _warp_specialised(arch: int) -> list[dict]:
     out = []
     for head_dim in (64, 128):
         for causal in (False, True):
-            bn, stages = ws.config(head_dim)
-            # the launch default, then the consumers in ping-pong, then (D=128) two K/V stages
-            variants = [("plain", stages, False), ("pingpong", stages, True)]
+            bn, stages, consumers = ws.config(head_dim)
+            # the launch default, then the consumers in ping-pong, then (D=128) two K/V stages or
+            # (D=64) three consumers
+            variants = [("plain", bn, stages, False, consumers), ("pingpong", bn, stages, True, 2)]
             if head_dim == 128:
-                variants.append(("stages2", 2, False))
-            for variant, depth, pingpong in variants:
+                variants.append(("stages2", bn, 2, False, consumers))
+            else:
+                saved, ws.CONSUMERS_D64 = ws.CONSUMERS_D64, 3
+                try:
+                    variants.append(("wg3", *ws.config(head_dim)[:2], False, 3))
+                finally:
+                    ws.CONSUMERS_D64 = saved
+            for variant, block_n, depth, pingpong, wgs in variants:
                 constants = dict(
                     GROUP=1,
                     HEAD_DIM=head_dim,
-                    BLOCK_N=bn,
+                    BLOCK_N=block_n,
                     STAGES=depth,
                     CAUSAL=causal,
                     OVERLAP=True,
                     PINGPONG=pingpong,
+                    CONSUMERS=wgs,
+                    CONSUMER_REGS=ws._REGISTERS[wgs][1],
                 )
-                compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.MAX_REGISTERS)
+                compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.max_registers(wgs))
                 out.append(
                     dict(
                         kernel="forward_ws",
                         head_dim=head_dim,
                         causal=causal,
                         variant=variant,
-                        shape=[ws.BLOCK_M, bn, 4, depth],
+                        shape=[64 * wgs, block_n, 4, depth],
                         **resources(compiled),
                     )
                 )

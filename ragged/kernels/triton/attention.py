@@ -217,7 +217,7 @@ def forward_sm90_ws(args: AttentionArgs) -> AttentionOutput:
     batch = cu_q.shape[0] - 1
     if total_q == 0 or batch == 0:
         return AttentionOutput(out, lse)
-    cum = _block_cum(cu_q, attention_ws.BLOCK_M)
+    cum = _block_cum(cu_q, attention_ws.block_m(q.shape[-1]))
     attention_ws.forward(
         q, k, v, out, lse, cu_q, cu_k, cum, max(batch - 1, 0).bit_length(), args.causal, args.scale
     )  # fmt: skip

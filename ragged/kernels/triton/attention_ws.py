@@ -6,8 +6,9 @@ program's softmax never beside its products):
 
 * **Three partitions per program** (``gl.warp_specialize``): a loading warpgroup (the default
   partition; one thread issues) that TMA-loads the query tile and each key block's K and V into
-  a ring of ``STAGES`` shared-memory stages, and two consumer warpgroups, each owning 64 of the
-  program's 128 query rows. The consumers are scheduled by the hardware independently: one's softmax runs while
+  a ring of ``STAGES`` shared-memory stages, and two (or, at head dim 64, three:
+  :data:`CONSUMERS_D64`) consumer warpgroups, each owning 64 of the program's query rows. The
+  consumers are scheduled by the hardware independently: one's softmax runs while
   the other's matrix products occupy the tensor cores.
 * **Barriers, not waits for everything**: ``k_ready[s]`` and ``v_ready[s]`` (the TMA
   transaction counts of stage ``s``'s K and V: a consumer starts ``Q K^T`` before V is in) and
@@ -24,7 +25,7 @@ program's softmax never beside its products):
 Descriptors are made per sequence on the device (as in :mod:`.attention_hopper`): tiles that
 reach past a sequence's end are zero-filled by the TMA unit, and nothing of a neighbouring
 sequence is read. The program's query block comes from the work list ``block_cum`` (blocks of
-128 query rows per sequence, cumulated), searched by each program.
+:func:`block_m` query rows per sequence, cumulated), searched by each program.
 
 What it takes: fp16/bf16, head dims 64 and 128, causal or not, GQA, positive scales; no
 window, dropout or position bias (the reasons of its implementation, ``"triton_sm90_ws"``, in
@@ -47,31 +48,51 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["BLOCK_M", "MAX_REGISTERS", "config", "forward"]
+__all__ = ["block_m", "config", "forward", "max_registers"]
 
 # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 HEAD_DIMS = (64, 128)
-BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
-MAX_REGISTERS = 168  # per thread, the kernel's: 2 x 128 consumer threads at 240, 128 loading at 24
-_CONSUMER_REGS = gl.constexpr(240)
+# Registers per thread (setmaxnreg), by the number of consumer warpgroups: the kernel's (its
+# launch limit), each consumer's, the loading warpgroup's; 65,536 a block in all.
+#   2 consumers: 3 x 128 threads at 168 = 2 x 128 at 240 + 128 at 24
+#   3 consumers: 4 x 128 threads at 128 = 3 x 128 at 160 + 128 at 32
+_REGISTERS = {2: (168, 240, 24), 3: (128, 160, 32)}
 
 
 # The consumers in ping-pong (FlashAttention-3's turn-taking: one issues its products while the
 # other runs its softmax). Off until measured faster; read at each launch, so a process may turn
-# it on (bench.attention_variants --ws-pingpong, the GPU tests in a child process).
+# it on (bench.attention_variants --ws-pingpong, the GPU tests in a child process). Programs of
+# three consumers (CONSUMERS_D64) run without it: its turns are two consumers'.
 PINGPONG = False
+# Consumer warpgroups (64 query rows each) at head dim 64: 2, or 3 (192-row programs: more
+# softmax beside the products, which at D=64 take half the time per score). Read at each launch.
+CONSUMERS_D64 = 2
 # The K/V ring's depth at head dim 128: 3 (229,680 bytes of shared memory with the query halves
 # and the barriers, under the 232,448 of an H100/H200 SM), measured faster than 2 on an H200
 # (bench/results/attention_variants_ws_h200_f48f284.md). Read at each launch, as PINGPONG.
 STAGES_D128 = 3
 
 
-def config(head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_N, STAGES)``: key rows per block and the depth of the K/V ring (shared memory:
-    the two query halves plus ``STAGES`` blocks of K and of V, within the 227 KB of an SM)."""
-    return (128, STAGES_D128) if head_dim > 64 else (128, 3)
+def config(head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, STAGES, CONSUMERS)``: key rows per block, the depth of the K/V ring (shared
+    memory: the query tiles plus ``STAGES`` blocks of K and of V, within the 227 KB of an SM) and
+    the consumer warpgroups."""
+    if head_dim > 64:
+        return (128, STAGES_D128, 2)
+    # three consumers at 160 registers spill with 128-key blocks (56 bytes a thread): 64-key ones
+    return (128, 3, 2) if CONSUMERS_D64 == 2 else (64, 4, 3)
+
+
+def block_m(head_dim: int) -> int:
+    """Query rows per program: 64 per consumer warpgroup."""
+    return 64 * config(head_dim)[2]
+
+
+def max_registers(consumers: int) -> int:
+    """The kernel's register limit per thread (its launch option) for ``consumers``."""
+    return _REGISTERS[consumers][0]
 
 
 @gluon.jit
@@ -114,8 +135,9 @@ def _loader(
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
-    """The loading warp: both query halves once, then each key block's K and V into the ring
+    """The loading warp: each consumer's query tile once, then each key block's K and V into the ring
     (the consumers' signature: worker partitions share one)."""
     (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
      stride_vt, stride_vh) = args  # fmt: skip
@@ -124,9 +146,9 @@ def _loader(
     q_desc = _rows_desc(Q, q_start, stride_qt, h, stride_qh, gl.maximum(q_len, 1), HEAD_DIM, 64)
     k_desc = _rows_desc(K, k_start, stride_kt, hk, stride_kh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
     v_desc = _rows_desc(V, k_start, stride_vt, hk, stride_vh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [row0, 0], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [row0 + 64, 0], q_bar, q_smem.index(1))
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for i in gl.static_range(CONSUMERS):
+        _tma_load(q_desc, [row0 + 64 * i, 0], q_bar, q_smem.index(i))
     for j in range(n_blocks):
         s = j % STAGES
         phase = (j // STAGES) & 1
@@ -194,6 +216,7 @@ def _consume(
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """One consumer warpgroup: query rows ``row0 + 64 * HALF ..`` against every key block of the
     program, the online softmax in registers, O and the log-sum-exp stored at the end."""
@@ -324,7 +347,10 @@ def _ws_fwd_kernel(
     CAUSAL: gl.constexpr,
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     item = gl.program_id(0)
     h = gl.program_id(1)
     if item < gl.load(block_cum + batch):
@@ -335,18 +361,18 @@ def _ws_fwd_kernel(
         k_len = gl.load(cu_k + b + 1) - gl.load(cu_k + b)
         m_blk = item - gl.load(block_cum + b)
         if CAUSAL:  # the heaviest (last) blocks of a sequence first
-            m_blk = (q_len + 127) // 128 - 1 - m_blk
-        row0 = m_blk * 128
+            m_blk = (q_len + BLOCK_M - 1) // BLOCK_M - 1 - m_blk
+        row0 = m_blk * BLOCK_M
         hk = h // GROUP
         n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
         if CAUSAL:  # keys up to the diagonal of the program's last row
-            last = gl.minimum(k_len, gl.maximum(row0 + 128 + k_len - q_len, 0))
+            last = gl.minimum(k_len, gl.maximum(row0 + BLOCK_M + k_len - q_len, 0))
             n_blocks = (last + BLOCK_N - 1) // BLOCK_N
 
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -358,7 +384,7 @@ def _ws_fwd_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+            mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
         for i in gl.static_range(2):
             mbarrier.init(turns.index(i), count=1)
         fence_async_shared()
@@ -367,16 +393,29 @@ def _ws_fwd_kernel(
                 stride_kh, stride_vt, stride_vh)  # fmt: skip
         smem = (q_smem, k_smem, v_smem)
         bars = (q_bar, k_ready, v_ready, kv_empty, turns)
-        out_args = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
-        gl.warp_specialize(
-            [
-                (_loader, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
-                (_consume, (args, smem, bars, out_args, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
-                (_consume, (args, smem, bars, out_args, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
-            ],
-            [4, 4],
-            [_CONSUMER_REGS, _CONSUMER_REGS],
-        )
+        outs = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
+        # the partitions' functions written in the call: Gluon takes no function held in a variable
+        if CONSUMERS == 3:  # no ping-pong: its turns are two consumers'
+            gl.warp_specialize(
+                [
+                    (_loader, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
+                    (_consume, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
+                    (_consume, (args, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
+                    (_consume, (args, smem, bars, outs, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
+                ],
+                [4, 4, 4],
+                [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_loader, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
+                    (_consume, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
+                    (_consume, (args, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, CONSUMER_REGS],
+            )
 
 
 def forward(
@@ -395,19 +434,21 @@ def forward(
     pingpong: bool | None = None,
 ) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
-    ``block_cum`` of :data:`BLOCK_M`-row query blocks and its search depth ``n_steps``).
+    ``block_cum`` of :func:`block_m`-row query blocks and its search depth ``n_steps``).
     ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
     ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
-    only with ``overlap``)."""
+    only with ``overlap`` and two consumers)."""
     from .attention_hopper import _ensure_allocator
 
-    pingpong = PINGPONG if pingpong is None else pingpong
+    block_n, stages, consumers = config(q.shape[-1])
+    pingpong = PINGPONG and consumers == 2 if pingpong is None else pingpong
     if pingpong and not overlap:
         raise ValueError("attention_ws.forward: pingpong=True needs overlap=True, got overlap=False")
+    if pingpong and consumers != 2:
+        raise ValueError(f"attention_ws.forward: pingpong=True takes two consumers, got {consumers}")
     _ensure_allocator()
-    block_n, stages = config(q.shape[-1])
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
-    items = triton.cdiv(q.shape[0], BLOCK_M) + batch  # an upper bound of the work list (no sync)
+    items = triton.cdiv(q.shape[0], 64 * consumers) + batch  # an upper bound of the work list (no sync)
     _ws_fwd_kernel[(items, heads)](
         q,
         k,
@@ -436,6 +477,8 @@ def forward(
         CAUSAL=causal,
         OVERLAP=overlap,
         PINGPONG=pingpong,
+        CONSUMERS=consumers,
+        CONSUMER_REGS=_REGISTERS[consumers][1],
         num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=_REGISTERS[consumers][0],
     )
