@@ -312,8 +312,10 @@ class Engine:
             self._cond.notify_all()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        # a thread still running may be blocked on its worker: that worker is killed at once
+        late = any(t.is_alive() for t in self._threads)
         for worker in self.workers:
-            worker.stop(max(1.0, deadline - time.monotonic()))
+            worker.stop(0.0 if late else max(1.0, deadline - time.monotonic()))
 
     # ---- workers
 

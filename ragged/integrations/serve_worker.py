@@ -382,15 +382,18 @@ class ProcessWorker:
 
     def stop(self, timeout: float) -> None:
         """Ask the worker to end once its batches are answered (call after the last
-        :meth:`send`), wait ``timeout`` seconds for it, then kill it."""
+        :meth:`send`), wait ``timeout`` seconds for it, then kill it (``timeout`` 0: kill it now,
+        without writing to a pipe that may be full)."""
         self._stopping = True
-        try:
-            self._conn.send(None)
-        except OSError:
-            pass
-        self.process.join(max(0.0, timeout))
+        if timeout > 0:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout)
         if self.process.is_alive():
-            _log.error("the worker process for %s did not stop in time: killed", self.device)
+            if timeout > 0:
+                _log.error("the worker process for %s did not stop in time: killed", self.device)
             self.process.kill()
             self.process.join(5)
         self._conn.close()
