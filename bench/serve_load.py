@@ -3,7 +3,7 @@ app (``bench.st_server``: one ``encode`` per request, as FastAPI servers are wri
 loopback only.
 
 ``python -m bench.serve_load [--device cuda|cpu] [--clients 1 16 256] [--sizes 1 32]
-[--requests 2000] [--seconds 20] [--tiny] [--out FILE.md] [--profile DIR]``
+[--requests 2000] [--seconds 20] [--tiny] [--out FILE.md] [--profile DIR] [--server-env NAME=VALUE ...]``
 
 Both servers load the same model: all-MiniLM-L6-v2's shape (BERT 6 x 384, random weights,
 ``bench.embed_wall``'s) with the project corpus's tokenizer, bf16 on a GPU, fp32 on the CPU
@@ -17,7 +17,10 @@ answered. Reported per row: requests/s and texts/s over the timed window, latenc
 reference for the 32-text rows. For ragged.serve a second table gives its batches in each timed row
 (from its ``/metrics``): how many, how full, how long. ``--profile DIR`` samples the stacks of
 ragged.serve's threads (``RAGGED_SERVE_PROFILE=DIR``) over each row's timed window and prints,
-per row and thread, where the host time goes (``DIR/row_<size>x<clients>.txt``).
+per row and thread, where the host time goes (``DIR/row_<size>x<clients>.txt``). ``--server-env``
+sets ragged.serve's environment (``RAGGED_SERVE_WORKERS=thread``: the model in the server's threads
+rather than a worker process per GPU, for an A/B); the table's header names where it ran its model
+(its ``/health``) and that environment.
 """
 
 from __future__ import annotations
@@ -309,7 +312,19 @@ def encode_rate(model_dir: str, texts: list[str], device: str) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
-def _write(args, device: str, inproc: float, rows: list) -> str:
+def server_workers(url: str) -> str | None:
+    """Where the server runs its model: ``process`` or ``thread`` (its ``/health``; None for a
+    server that does not say)."""
+    import httpx
+
+    try:
+        body = httpx.get(url + "/health", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body.get("workers") if isinstance(body, dict) else None
+
+
+def _write(args, device: str, inproc: float, rows: list, workers: str | None = None) -> str:
     """The table of the rows so far (written to ``--out`` after every row: a run cut short keeps them)."""
     import torch
 
@@ -323,6 +338,7 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
         f"host CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, tree "
         f"{(state.get('git_commit') or '?')[:12]}; {args.requests} requests or {args.seconds} s per row, "
         f"clients over {args.procs} processes; in-process `encode` of the converted model: {inproc:,.0f} texts/s"
+        + (f"; ragged.serve's workers: {workers}" if workers else "")
         + (f"; ragged.serve's environment: {' '.join(args.server_env)}" if args.server_env else ""),
         "",
         "| server | texts/request | clients | requests/s | texts/s | p50 ms | p99 ms | errors | vs ST server |",
@@ -359,7 +375,9 @@ def _write(args, device: str, inproc: float, rows: list) -> str:
             "",
             "Where a request's time goes in each timed row (its /metrics, mean ms per answered request): its body",
             "read and parsed, the tokenizer (waiting and tokenizing), the queue, its batch (launch to rows on the",
-            "host), its response body built, the hand-over to the event loop, the handler resumed.",
+            "host), the rest of the round trip to a worker process (pipe: the transfers, and the waits for a busy",
+            "worker to read the batch and for the finisher to read the answer; 0 with the model in the server's",
+            "threads), its response body built, the hand-over to the event loop, the handler resumed.",
             "",
             "| texts/request | clients | " + " | ".join(names) + " |",
             "|---:|---:|" + "---:|" * len(names),
@@ -396,9 +414,13 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         metavar="NAME=VALUE",
-        help="environment variables for the ragged.serve process (e.g. RAGGED_SERVE_BATCH_DELAY=0.01)",
+        help="environment variables for the ragged.serve process (e.g. RAGGED_SERVE_WORKERS=thread for the "
+        "model in the server's threads)",
     )
     args = p.parse_args(argv)
+    bad = [kv for kv in args.server_env if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        p.error(f"--server-env takes NAME=VALUE pairs, got {' '.join(bad)}")
     # a bench stopped by `timeout` (SIGTERM) unwinds, so the finally below stops its server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
@@ -410,6 +432,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     texts = corpus_texts(max(4096, 64 * max(args.sizes)))
     rows = []
+    workers = None  # ragged.serve's, read from it once it runs
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(tmp, args.tiny)
         inproc = encode_rate(model, texts, device)
@@ -424,6 +447,8 @@ def main(argv=None) -> int:
             profile = {"RAGGED_SERVE_PROFILE": os.path.abspath(args.profile)} if args.profile else {}
             extra = dict(kv.split("=", 1) for kv in args.server_env)
             proc = start(cmd, url, env={**profile, **extra} if server == "ragged" else None)
+            if server == "ragged":
+                workers = server_workers(url)
             try:
                 for size in args.sizes:
                     for clients in args.clients:
@@ -444,7 +469,7 @@ def main(argv=None) -> int:
                             print(f"## ragged.serve's threads, {size} texts x {clients} clients\n{summary}", flush=True)
                         r["batches"] = batch_stats(before, after, r["wall"])
                         rows.append((server, size, clients, r))
-                        _write(args, device, inproc, rows)
+                        _write(args, device, inproc, rows, workers)
                         print(
                             f"{server:6s} size {size:3d} clients {clients:4d}: {r['rps']:9.1f} req/s "
                             f"{r['texts_s']:10.1f} texts/s p50 {r['p50']:8.2f} ms p99 {r['p99']:8.2f} ms "
@@ -453,7 +478,7 @@ def main(argv=None) -> int:
                         )
             finally:
                 stop(proc)
-    print(_write(args, device, inproc, rows))
+    print(_write(args, device, inproc, rows, workers))
     return 0
 
 

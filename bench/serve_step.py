@@ -28,7 +28,7 @@ def main() -> int:
     import ragged.nn
     from bench.embed_wall import build_model
     from bench.embed_wall import texts as corpus_texts
-    from ragged.integrations.serve_engine import _to_host
+    from ragged.integrations.serve_worker import to_host
     from ragged.nn.hf.sentence import packed_runner
 
     texts = corpus_texts(16384)
@@ -51,7 +51,7 @@ def main() -> int:
             t0 = time.perf_counter()
             ev = None
             for b in batches:
-                h, ev = _to_host(r.run(*b))
+                h, ev = to_host(r.run(*b))
                 if sync_each:
                     ev.synchronize()
             ev.synchronize()

@@ -1,6 +1,7 @@
 """``python -m ragged.serve`` on a GPU (``pytest -m gpu``): the tiny model of tests/test_serve.py served
 in bf16 from CUDA graphs, against the float32 original on the CPU (cosine), under 200 concurrent
-requests of mixed sizes, and in fp32 (close to the original's values)."""
+requests of mixed sizes, and in fp32 (close to the original's values); each with the model in a
+worker process (the default on CUDA) and in the server's threads."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-def test_bf16_server_under_concurrent_load(model_dir, original):
-    s = Server(model_dir, "--device", "cuda", "--max-batch-tokens", "1024")
+@pytest.mark.parametrize("workers", ["process", "thread"])
+def test_bf16_server_under_concurrent_load(model_dir, original, workers):
+    s = Server(model_dir, "--device", "cuda", "--max-batch-tokens", "1024", "--workers", workers)
     try:
         rng = random.Random(5)
         requests = [_texts(rng.randint(1, 40), 300 + i) for i in range(200)]
@@ -43,12 +45,14 @@ def test_bf16_server_under_concurrent_load(model_dir, original):
             got = np.array(r.json())
             assert _cosines(got, np.stack([want[t] for t in texts])).min() > 0.999
         assert "ragged_batches_total" in httpx.get(s.url + "/metrics").text
+        assert httpx.get(s.url + "/health").json()["workers"] == workers
     finally:
         s.stop()
 
 
-def test_fp32_server_values(model_dir, original):
-    s = Server(model_dir, "--device", "cuda", "--dtype", "fp32")
+@pytest.mark.parametrize("workers", ["process", "thread"])
+def test_fp32_server_values(model_dir, original, workers):
+    s = Server(model_dir, "--device", "cuda", "--dtype", "fp32", "--workers", workers)
     try:
         texts = _texts(20, 9)
         r = httpx.post(s.url + "/v1/embeddings", json={"input": texts})

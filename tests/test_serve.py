@@ -4,7 +4,9 @@ client where installed): embeddings against the original model's, 200 concurrent
 mixed sizes each answered with its own rows, the error cases, 429 past the concurrency limit, a
 cancelled request freeing its place, a failing batch answering 500 to its own requests only,
 ``/health`` and ``/metrics``, and SIGTERM answering the request in flight before the process
-ends."""
+ends. The model's answers, the failing batch and SIGTERM run with the model in the server's
+threads and in a worker process (``either_server``, ``RAGGED_SERVE_WORKERS``), where SIGTERM also
+leaves no worker behind and a killed worker fails its requests (500) and turns ``/health`` to 503."""
 
 from __future__ import annotations
 
@@ -104,20 +106,65 @@ def original(model_dir):
         return SentenceTransformer(model_dir, device="cpu")
 
 
+SERVER_ARGS = ("--max-client-batch-size", "64", "--max-batch-tokens", "512")
+PROCESS = {"RAGGED_SERVE_WORKERS": "process"}
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(
-        model_dir, "--max-client-batch-size", "64", "--max-batch-tokens", "512", env={"RAGGED_SERVE_FAULT": FAULT}
-    )
+    s = Server(model_dir, *SERVER_ARGS, env={"RAGGED_SERVE_FAULT": FAULT})
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def process_server(model_dir):
+    s = Server(model_dir, *SERVER_ARGS, env={"RAGGED_SERVE_FAULT": FAULT, **PROCESS})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["thread", "process"])
+def either_server(request):
+    """The server with its model in its own threads, then in a worker process."""
+    s = request.getfixturevalue("server" if request.param == "thread" else "process_server")
+    assert httpx.get(s.url + "/health").json()["workers"] == request.param
+    return s
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The worker processes (multiprocessing's spawned children) of process ``pid``, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _want(original, texts, normalize=True):
     return original.encode(texts, batch_size=4, normalize_embeddings=normalize, convert_to_numpy=True)
 
 
-def test_embed_and_openai_routes_equal_the_original(server, original):
+def test_embed_and_openai_routes_equal_the_original(either_server, original):
+    server = either_server
     texts = _texts(9, 1) + ["alone"]
     r = httpx.post(server.url + "/embed", json={"inputs": texts})
     assert r.status_code == 200
@@ -152,11 +199,18 @@ def test_openai_client(server, original):
         client.embeddings.create(input=[], model="tiny")
 
 
-def test_two_hundred_concurrent_requests_get_their_own_rows(server, original):
+@pytest.fixture(scope="module")
+def two_hundred(original):
+    """200 requests of 1 to 12 texts, and the original's row of each text."""
     rng = random.Random(3)
     requests = [_texts(rng.randint(1, 12), 100 + i) for i in range(200)]
     unique = sorted({t for r in requests for t in r})
-    want = dict(zip(unique, _want(original, unique)))
+    return requests, dict(zip(unique, _want(original, unique)))
+
+
+def test_two_hundred_concurrent_requests_get_their_own_rows(either_server, two_hundred):
+    server = either_server
+    requests, want = two_hundred
 
     async def run():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
@@ -209,7 +263,9 @@ def test_a_text_over_the_models_length(server, original):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
-def test_a_failing_batch_answers_500_to_its_requests_only(server, original):
+def test_a_failing_batch_answers_500_to_its_requests_only(either_server):
+    server = either_server
+
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
             bad = client.post(server.url + "/embed", json={"inputs": [FAULT]})
@@ -268,8 +324,11 @@ def test_429_past_the_limit_and_a_cancelled_request_frees_its_place(model_dir):
         s.stop()
 
 
-def test_sigterm_answers_the_request_in_flight(model_dir, original):
-    s = Server(model_dir, env={"RAGGED_SERVE_BATCH_DELAY": "1.0"})
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_sigterm_answers_the_request_in_flight(model_dir, original, workers):
+    s = Server(model_dir, env={"RAGGED_SERVE_BATCH_DELAY": "1.0", "RAGGED_SERVE_WORKERS": workers})
+    children = _workers_of(s.proc.pid) if workers == "process" and os.path.isdir("/proc") else []
+    assert len(children) == (1 if os.path.isdir("/proc") and workers == "process" else 0)
 
     async def run():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -282,6 +341,46 @@ def test_sigterm_answers_the_request_in_flight(model_dir, original):
     assert r.status_code == 200
     np.testing.assert_allclose(np.array(r.json()), _want(original, ["drained"]), atol=2e-5, rtol=1e-4)
     assert s.proc.wait(30) == 0
+    assert not [pid for pid in children if _running(pid)]  # the worker ended before the server
+
+
+def test_a_worker_that_cannot_load_stops_the_server(model_dir, tmp_path):
+    """A model whose weights do not read: the worker's error, and the server never serves."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RuntimeError, match="the worker process for cpu could not load the model") as e:
+        Server(str(broken), env=PROCESS)
+    assert "safetensors" in str(e.value).lower()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker process through /proc")
+def test_a_killed_worker_fails_its_requests_and_health(model_dir):
+    """A worker process killed while a request waits in it: that request and the next get 500,
+    ``/health`` 503 naming the cause, and the server still stops on SIGTERM."""
+    s = Server(model_dir, env={"RAGGED_SERVE_BATCH_DELAY": "1.0", **PROCESS})
+    try:
+        (worker,) = _workers_of(s.proc.pid)
+
+        async def run():
+            async with httpx.AsyncClient(timeout=30) as client:
+                pending = asyncio.ensure_future(client.post(s.url + "/embed", json={"inputs": ["in flight"]}))
+                await asyncio.sleep(0.5)  # the batch waits in the worker
+                os.kill(worker, signal.SIGKILL)
+                first = await pending
+                nxt = await client.post(s.url + "/v1/embeddings", json={"input": "next"})
+                return first, nxt, await client.get(s.url + "/health")
+
+        first, nxt, health = asyncio.run(run())
+        assert first.status_code == 500 and "killed by SIGKILL" in first.json()["error"], first.text
+        assert nxt.status_code == 500 and nxt.json()["error"]["type"] == "server_error", nxt.text
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
 
 
 class _FakeRunner:
@@ -464,9 +563,11 @@ def test_engine_applies_the_models_truncate_dim():
     np.testing.assert_array_equal(rows, [[ord("a") + ord("b")] * 2, [ord("c")] * 2])
 
 
-def test_bench_reads_the_servers_batches_from_metrics(server):
+def test_bench_reads_the_servers_batches_from_metrics(either_server):
     """bench.serve_load's row statistics from two reads of ``/metrics`` around real requests:
-    batches, texts and tokens per batch as the counters moved."""
+    batches, texts and tokens per batch as the counters moved; the time in the pipe to a worker
+    process is its own stage (none in thread mode)."""
+    server = either_server
     sys.path.insert(0, ROOT)
     from bench.serve_load import batch_stats, server_counters
 
@@ -486,6 +587,8 @@ def test_bench_reads_the_servers_batches_from_metrics(server):
     # than the client waited
     stages = stats["stages"]
     assert after["ragged_request_stage_requests_total"] - before["ragged_request_stage_requests_total"] == 1
-    assert set(stages) == {"read", "tokenize", "queue", "batch", "finish", "hand_over", "resume"}
+    assert set(stages) == {"read", "tokenize", "queue", "batch", "pipe", "finish", "hand_over", "resume"}
     assert all(v >= 0 for v in stages.values()) and stages["batch"] > 0
+    workers = httpx.get(server.url + "/health").json()["workers"]
+    assert (stages["pipe"] > 0) == (workers == "process")
     assert sum(stages.values()) <= 1e3 * r.elapsed.total_seconds()

@@ -13,19 +13,26 @@ The stack is Starlette on uvicorn, with uvicorn's C HTTP parser and event loop w
 * ``POST /embed``, text-embeddings-inference's: ``{"inputs": str | [str], "normalize": true,
   "truncate": false, "prompt_name": null}``, answered ``[[...], ...]``; errors as ``{"error",
   "error_type"}``;
-* ``GET /health`` (200 once the model is loaded), ``GET /metrics`` (Prometheus:
+* ``GET /health`` (200 once the model is loaded, ``{"status": "ok", "model", "workers"}``; 503 with
+  ``"error"`` once a worker process died), ``GET /metrics`` (Prometheus:
   :mod:`ragged.integrations.serve_metrics`).
 
 Requests are tokenized off the event loop, those posted meanwhile in one call, and batched
 across requests by real tokens
 (:mod:`ragged.integrations.serve_engine`), one worker per device (``--devices``), CUDA graphs
-per bucket on GPUs. Past ``--max-concurrent-requests`` requests in flight the server answers 429
+per bucket on GPUs. ``--workers process`` (``RAGGED_SERVE_WORKERS=process``; the default on CUDA)
+runs each device's model in a worker process of its own, which loads the model itself (this process
+keeps a copy without weights for the tokenizer); ``--workers thread`` (the default on the CPU) runs
+it in this process's threads (:mod:`ragged.integrations.serve_worker` says why a process). The
+server starts serving once every worker has loaded its model, and exits with a worker's error if
+one could not. Past ``--max-concurrent-requests`` requests in flight the server answers 429
 with ``Retry-After``; a request of more than ``--max-client-batch-size`` texts gets 413;
 malformed JSON, an empty input, wrong types, an unknown field value and a text longer than the
 model takes (without truncation) get 400 with a message. A client that disconnects frees its
 place (its queued texts are dropped). SIGTERM (or Ctrl-C) stops accepting connections, answers
 the requests in flight, then exits. A batch whose model call raises answers 500 to its own
-requests; the server keeps serving.
+requests; the server keeps serving. A worker process that dies fails the requests of its batches
+(500) and turns ``/health`` to 503.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ __all__ = ["build_app", "main", "parse_args"]
 
 _POLL_S = 0.05  # how often a waiting request checks that its client is still connected
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_WORKERS = ("process", "thread")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,7 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrent-requests", type=int, default=512, help="requests in flight; past it: 429")
     p.add_argument("--max-client-batch-size", type=int, default=256, help="texts per request; past it: 413")
     p.add_argument("--served-model-name", default=None, help="the name answers carry (default: MODEL)")
+    p.add_argument(
+        "--workers",
+        choices=_WORKERS,
+        default=None,
+        help="each device's model in a process of its own, or in the server's threads (default: "
+        "RAGGED_SERVE_WORKERS, else process on GPUs, thread on the CPU)",
+    )
     args = p.parse_args(argv)
+    if args.workers is None:
+        env = os.environ.get("RAGGED_SERVE_WORKERS", "").strip()
+        if env and env not in _WORKERS:
+            p.error(f"RAGGED_SERVE_WORKERS must be one of {', '.join(_WORKERS)}, got {env!r}")
+        args.workers = env or None
     for name in ("max_batch_tokens", "max_concurrent_requests", "max_client_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -90,25 +110,60 @@ def _devices(args) -> list:
     return [torch.device("cuda", i) for i in ids]
 
 
+def _dtype_name(args, devices: list) -> str:
+    return _DTYPES[args.dtype or ("bf16" if devices[0].type == "cuda" else "fp32")]
+
+
 def load_runners(args) -> list:
     """One converted model per device, each in a :class:`ragged.nn.hf.sentence.pipeline.PackedRunner`."""
     import copy
 
     import torch
-    from sentence_transformers import SentenceTransformer
 
-    import ragged.nn
     from ragged.nn.hf.sentence import packed_runner
 
+    from .serve_worker import load_converted
+
     devices = _devices(args)
-    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if devices[0].type == "cuda" else "fp32")])
-    st = SentenceTransformer(args.model, device="cpu")
-    st = ragged.nn.convert(st).to(dtype).eval()
+    st = load_converted(args.model, getattr(torch, _dtype_name(args, devices)))
     runners = []
     for i, device in enumerate(devices):
         model = st if i == len(devices) - 1 else copy.deepcopy(st)
         runners.append(packed_runner(model.to(device), args.max_batch_tokens))
     return runners
+
+
+def start_workers(args) -> tuple[list, list]:
+    """Process mode: one worker process per device, started together and each loading the model
+    itself, and a runner over a copy of the model without weights for this process's tokenizer;
+    returns once every worker is ready, or raises RuntimeError with a worker's error (every
+    worker stopped)."""
+    from ragged.nn.hf.sentence import packed_runner
+
+    from .serve_worker import ProcessWorker, WorkerSpec, load_converted
+
+    devices = _devices(args)
+    dtype = _dtype_name(args, devices)
+    workers: list = []
+    try:
+        for device in devices:
+            workers.append(ProcessWorker(WorkerSpec(args.model, dtype, str(device), args.max_batch_tokens)))
+        for worker in workers:  # a model that cannot load fails here, with the worker's error
+            worker.wait_ready()
+        tokenizer = packed_runner(load_converted(args.model, None, weights=False), args.max_batch_tokens)
+    except BaseException:
+        for worker in workers:
+            worker.stop(5.0)
+        raise
+    return [tokenizer], workers
+
+
+def _worker_mode(args) -> str:
+    if args.workers is not None:
+        return args.workers
+    import torch
+
+    return "process" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "thread"
 
 
 class _Problem(Exception):
@@ -320,7 +375,11 @@ def build_app(engine, model_name: str, max_concurrent: int, max_client_batch: in
         return await guarded(request, "/embed", handle, tei_error)
 
     async def health(request: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", "model": model_name})
+        problem = engine.problem()
+        if problem is not None:
+            body = {"status": "unhealthy", "model": model_name, "workers": engine.mode, "error": problem}
+            return JSONResponse(body, 503)
+        return JSONResponse({"status": "ok", "model": model_name, "workers": engine.mode})
 
     async def metrics_endpoint(request: HttpRequest) -> Response:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -355,11 +414,21 @@ def main(argv: list[str] | None = None) -> int:
     from .serve_engine import Engine, sample_stacks
     from .serve_metrics import Metrics
 
-    runners = load_runners(args)
-    engine = Engine(runners, args.max_batch_tokens, Metrics())
+    mode = _worker_mode(args)
+    if mode == "process":
+        try:
+            runners, workers = start_workers(args)
+        except RuntimeError as e:
+            print(f"python -m ragged.serve: {e}", file=sys.stderr, flush=True)
+            return 1
+        engine = Engine(runners, args.max_batch_tokens, Metrics(), workers=workers)
+        where = ", ".join(f"{w.device} (process {w.process.pid})" for w in workers)
+    else:
+        runners = load_runners(args)
+        engine = Engine(runners, args.max_batch_tokens, Metrics())
+        where = ", ".join(str(next(r.st.parameters()).device) for r in runners)
     name = args.served_model_name or args.model
     app = build_app(engine, name, args.max_concurrent_requests, args.max_client_batch_size, on_shutdown=engine.stop)
-    where = ", ".join(str(next(r.st.parameters()).device) for r in runners)
     print(f"ragged.serve: {name} on {where}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60)
     # uvicorn drains on SIGTERM, then raises the signal again for the handler found at its start:
@@ -370,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvicorn.Server(config).run()
     finally:
+        engine.stop()  # already done by the app's shutdown, unless uvicorn ended without it
         if stop_sampling is not None:
             stop_sampling()
     return 0

@@ -14,17 +14,24 @@ when its last text is done.
   boundary where the budget ends (a text longer than the budget runs alone), skipping those of
   cancelled requests, and only spans of one prompt per batch (a prompt changes the features the
   pooling reads). Spans, not texts, keep the Python work per request, not per text.
-* **Overlap.** A worker launches a batch and hands its output to its finisher thread, which waits
-  for the GPU and copies the rows to the host, while the worker already packs and launches the
-  next batch (at most two batches in flight per device). On the CPU a batch runs to its end and
-  the worker answers it itself.
-* **Failure.** When a batch raises, each of its requests runs again alone: those that raise
-  again get the error (500), the others their rows; no other batch is touched.
+* **Workers** (:mod:`ragged.integrations.serve_worker`): per device, a thread takes batches and
+  hands them to the device's worker, and a finisher thread answers them in order. The worker is a
+  process of its own (``RAGGED_SERVE_WORKERS=process``, the default on CUDA: the model's torch ops
+  then never wait for the GIL that this process's threads hold), which gets token arrays and
+  answers rows over a pipe, or runs in those two threads (``thread``, the default on the CPU).
+* **Overlap.** The thread launches a batch (or sends it) and hands it to its finisher, which waits
+  for the rows, while the thread already packs and launches the next batch (at most two batches
+  in flight per device). On the CPU in thread mode a batch runs to its end and the thread answers
+  it itself.
+* **Failure.** When a batch raises, each of its requests runs again alone (in the worker): those
+  that raise again get the error (500), the others their rows; no other batch is touched. A
+  worker process that dies fails the requests of its batches (500), and :meth:`Engine.problem`
+  says so (``/health`` answers 503); its device takes no batch any more.
 * **Requests** are futures of the event loop, resolved from the finisher thread through
   ``loop.call_soon_threadsafe``; a request cancelled by its client marks its items, which no
   batch takes any more.
 
-``RAGGED_SERVE_BATCH_DELAY`` (seconds) makes each batch wait before it runs, and
+``RAGGED_SERVE_BATCH_DELAY`` (seconds) makes each batch wait in its worker before it runs, and
 ``RAGGED_SERVE_FAULT`` (a text) makes a batch holding that exact text raise: both for testing the
 server's behaviour under load and failure, never set in production. ``RAGGED_SERVE_PROFILE`` (a
 folder) samples every thread's Python stack every few milliseconds (:func:`sample_stacks`) and
@@ -44,7 +51,8 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
+
+from .serve_worker import Answer, ThreadWorker, TokenBatch, WorkerDied
 
 _log = logging.getLogger("ragged.serve")
 
@@ -143,12 +151,17 @@ class _Span:
 
 
 class Engine:
-    """Models on their devices (``runners``: one ``PackedRunner`` each), the shared queue,
-    one worker and one finisher thread per device. ``metrics``: a
+    """The tokenizer thread, the shared queue, and per device a thread that sends batches and a
+    finisher thread. ``runners``: one ``PackedRunner`` per device, each run by a
+    :class:`~ragged.integrations.serve_worker.ThreadWorker`; or, given ``workers`` (one
+    :class:`~ragged.integrations.serve_worker.ProcessWorker` per device, ready), one runner whose
+    model may hold no weights (the meta device), used to tokenize only. ``metrics``: a
     :class:`ragged.integrations.serve_metrics.Metrics`."""
 
-    def __init__(self, runners: list, max_batch_tokens: int, metrics) -> None:
+    def __init__(self, runners: list, max_batch_tokens: int, metrics, workers: list | None = None) -> None:
         self.runners = runners
+        self.workers = workers if workers is not None else [ThreadWorker(r) for r in runners]
+        self.mode = "thread" if workers is None else "process"
         self.max_batch_tokens = int(max_batch_tokens)
         self.metrics = metrics
         self.max_length = _max_length(runners[0].st)
@@ -168,16 +181,18 @@ class Engine:
         tokenizer = threading.Thread(target=self._tokenize_loop, name="ragged-tokenize", daemon=True)
         tokenizer.start()
         self._tokenizer = tokenizer
+        self._dead: set[int] = set()  # workers that died (their threads take no batch)
+        self._stopped = False
         self._threads: list[threading.Thread] = []
-        for i, runner in enumerate(runners):
-            done: queue.Queue = queue.Queue(maxsize=2)  # batches in flight past the worker, per device
-            finisher = threading.Thread(target=self._finish_loop, args=(done,), name=f"ragged-finish-{i}", daemon=True)
-            worker = threading.Thread(
-                target=self._work_loop, args=(runner, done), name=f"ragged-batch-{i}", daemon=True
+        for i in range(len(self.workers)):
+            done: queue.Queue = queue.Queue(maxsize=2)  # batches in flight past the sender, per device
+            finisher = threading.Thread(
+                target=self._finish_loop, args=(i, done), name=f"ragged-finish-{i}", daemon=True
             )
+            sender = threading.Thread(target=self._work_loop, args=(i, done), name=f"ragged-batch-{i}", daemon=True)
             finisher.start()
-            worker.start()
-            self._threads += [worker, finisher]
+            sender.start()
+            self._threads += [sender, finisher]
 
     # ---- requests (event loop side)
 
@@ -276,8 +291,17 @@ class Engine:
         """The client went away: its items are skipped, its place freed."""
         request.cancelled = True
 
+    def problem(self) -> str | None:
+        """Why the engine cannot serve every device (a worker process died), or None."""
+        reasons = [p for w in self.workers if (p := w.problem()) is not None]
+        return "; ".join(reasons) or None
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Tokenize and run what is posted and queued, then end the threads."""
+        """Tokenize and run what is posted and queued, then end the threads and the workers (a
+        second call returns at once)."""
+        if self._stopped:
+            return
+        self._stopped = True
         deadline = time.monotonic() + timeout
         with self._posted_cond:
             self._stopping = True
@@ -288,6 +312,10 @@ class Engine:
             self._cond.notify_all()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        # a thread still running may be blocked on its worker: that worker is killed at once
+        late = any(t.is_alive() for t in self._threads)
+        for worker in self.workers:
+            worker.stop(0.0 if late else max(1.0, deadline - time.monotonic()))
 
     # ---- workers
 
@@ -333,80 +361,114 @@ class Engine:
             self.metrics.queue_depth(self._queued)
             return batch
 
-    def _work_loop(self, runner, done: queue.Queue) -> None:
-        device = next(runner.st.parameters()).device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    def _work_loop(self, i: int, done: queue.Queue) -> None:
+        worker = self.workers[i]
+        worker.bind()
         while True:
             batch = self._take()
             if batch is None:
-                done.put(None)
-                return
-            if self._delay:
-                time.sleep(self._delay)
+                break
+            if i in self._dead:
+                if self._give_back(batch):
+                    break
+                continue
+            tokens = sum(int(span.ids.size) for span in batch)
+            started = time.perf_counter()
+            for span in batch:
+                span.request.stamps.setdefault("launched", started)
             try:
-                self._launch(runner, batch, done)
-            except Exception as error:
-                self.metrics.batch_failed()
-                _log.error("a batch of %d texts failed", len(batch), exc_info=error)
-                requests = list({id(span.request): span.request for span in batch}.values())
-                if len(requests) == 1:
-                    requests[0].fail(error)
-                    continue
-                # which request's texts fail: each again alone, so that the others are answered
-                for request in requests:
-                    try:
-                        self._launch(runner, [span for span in batch if span.request is request], done)
-                    except Exception as alone:
-                        request.fail(alone)
+                handle, answer = worker.send(self._token_batch(batch))
+            except WorkerDied as error:
+                self._died(i, batch, error)
+                continue
+            if answer is not None:  # computed already (the CPU): answered here, without a hand-over
+                self._answer(batch, answer, started, tokens)
+            else:
+                done.put((batch, handle, started, tokens))
+        done.put(None)
 
-    def _launch(self, runner, batch: list[_Span], done: queue.Queue) -> None:
-        """Run ``batch`` and hand its output to the finisher (raises what the model raises)."""
-        if self._fault is not None and any(self._fault in _texts_of(span) for span in batch):
-            raise RuntimeError("fault injected by RAGGED_SERVE_FAULT")
+    def _token_batch(self, batch: list[_Span]) -> TokenBatch:
+        """The arrays of ``batch``, each text marked with its request's place in the batch."""
         one = len(batch) == 1
         lengths = batch[0].lengths if one else np.concatenate([span.lengths for span in batch])
         flat = batch[0].ids if one else np.concatenate([span.ids for span in batch])
         types = None
         if batch[0].types is not None:
             types = batch[0].types if one else np.concatenate([span.types for span in batch])
-        started = time.perf_counter()
-        for span in batch:
-            span.request.stamps.setdefault("launched", started)
-        emb = runner.run(lengths, flat, types, batch[0].extra)
-        host, event = _to_host(emb)
-        if event is None:  # computed already (the CPU): answered here, without a hand-over
-            self._answer(batch, host, started, int(flat.size))
-        else:
-            done.put((batch, host, event, started, int(flat.size)))
+        places: dict[int, int] = {}
+        owner = [places.setdefault(id(span.request), len(places)) for span in batch]
+        owners = np.repeat(np.asarray(owner, np.int32), [span.texts for span in batch])
+        faulty: tuple[int, ...] = ()
+        if self._fault is not None:
+            faulty = tuple(sorted({o for o, span in zip(owner, batch) if self._fault in _texts_of(span)}))
+        return TokenBatch(lengths, flat, types, batch[0].extra, owners, faulty, self._delay)
 
-    def _finish_loop(self, done: queue.Queue) -> None:
+    def _finish_loop(self, i: int, done: queue.Queue) -> None:
+        worker = self.workers[i]
         while True:
             entry = done.get()
             if entry is None:
                 return
-            batch, host, event, started, tokens = entry
+            batch, handle, started, tokens = entry
             try:
-                event.synchronize()
-                self._answer(batch, host, started, tokens)
-            except Exception as error:
+                answer = worker.receive(handle)
+            except WorkerDied as error:
+                self._died(i, batch, error)
+                continue
+            except Exception as error:  # the device failed under the whole batch
                 for request in {id(span.request): span.request for span in batch}.values():
                     request.fail(error)
+                continue
+            self._answer(batch, answer, started, tokens)
 
-    def _answer(self, batch: list[_Span], host: torch.Tensor, started: float, tokens: int) -> None:
-        rows = host.numpy()
+    def _died(self, i: int, batch: list[_Span], error: WorkerDied) -> None:
+        """Worker ``i`` is gone: ``batch``'s requests fail, and the device takes no more batches."""
+        for request in {id(span.request): span.request for span in batch}.values():
+            request.fail(error)
+        with self._cond:
+            self._dead.add(i)
+
+    def _give_back(self, batch: list[_Span]) -> bool:
+        """A dead worker's thread took ``batch``: back to the queue's head for another worker
+        (True: this thread ends), or, when every worker is dead, failed (False: this thread goes
+        on failing what is queued, so that no request waits for ever)."""
+        with self._cond:
+            if len(self._dead) < len(self.workers):
+                self._items.extendleft(reversed(batch))
+                self._queued += sum(span.texts for span in batch)
+                self._cond.notify_all()
+                return True
+        error = WorkerDied(self.problem() or "every worker process died")
+        for request in {id(span.request): span.request for span in batch}.values():
+            request.fail(error)
+        return False
+
+    def _answer(self, batch: list[_Span], answer: Answer, started: float, tokens: int) -> None:
+        rows = answer.rows
+        if answer.failed is not None:
+            self.metrics.batch_failed()
         if self.truncate_dim is not None:
             rows = rows[:, : self.truncate_dim]
+        now = time.perf_counter()
+        # a worker process's time on the batch; the rest of the round trip is the pipe's
+        pipe = 0.0 if answer.seconds is None else max(0.0, now - started - answer.seconds)
         done = []
+        places: dict[int, int] = {}
         at = 0
+        answered_texts = 0
         for span in batch:
             n = span.texts
-            if span.request.put(span.start, rows[at : at + n]):
+            error = answer.errors.get(places.setdefault(id(span.request), len(places)))
+            if error is not None:
+                span.request.fail(error)
+            elif span.request.put(span.start, rows[at : at + n]):
                 done.append(span.request)
+            if error is None:
+                answered_texts += n
             at += n
         answered = []
-        now = time.perf_counter()
         for request in done:
+            request.stamps["computed"] = now - pipe
             request.stamps["rows"] = now
             if request.finish is None:
                 request.answer = request.rows
@@ -421,7 +483,7 @@ class Engine:
             request.stamps["finished"] = time.perf_counter()
             answered.append(request)
         _resolve_on_loops(answered)
-        self.metrics.batch_done(at, tokens, time.perf_counter() - started)
+        self.metrics.batch_done(answered_texts, tokens, time.perf_counter() - started)
 
 
 def sample_stacks(folder: str, interval: float = 0.005):
@@ -493,19 +555,6 @@ def _resolve_on_loops(requests: list[Request]) -> None:
 def _resolve_all(requests: list[Request]) -> None:
     for request in requests:
         request._resolve(request.answer, None)
-
-
-def _to_host(emb: torch.Tensor):
-    """``emb`` as float32 on the host: on CUDA a copy into pinned memory without blocking, and the
-    event to wait for."""
-    emb = emb.float()
-    if emb.device.type != "cuda":
-        return emb.detach().cpu(), None
-    host = torch.empty(emb.shape, dtype=torch.float32, pin_memory=True)
-    host.copy_(emb, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
 
 
 def _texts_of(span: _Span) -> list[str]:

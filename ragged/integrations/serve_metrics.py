@@ -16,14 +16,17 @@ _LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 _TOKEN_BOUNDS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _WINDOW_S = 10.0
 # a request's way through the server, each stage from the stamp before it (Request.stamps):
-# its body read and parsed, waiting for and in the tokenizer, queued for a batch, its batch on the
-# device until its last rows are on the host, its response body built, handed to the event loop,
-# and the handler resumed
+# its body read and parsed, waiting for and in the tokenizer, queued for a batch, its batch in the
+# worker until its last rows are on the host, the rest of the round trip to a worker process (from
+# the batch's send to its rows in the server, less the worker's own time on it: the transfers both
+# ways, the wait for a busy worker to read the batch and for the finisher to read the answer; 0 in
+# thread mode), its response body built, handed to the event loop, and the handler resumed
 _STAGES = (
     ("read", "posted"),
     ("tokenize", "tokenized"),
     ("queue", "launched"),
-    ("batch", "rows"),
+    ("batch", "computed"),
+    ("pipe", "rows"),
     ("finish", "finished"),
     ("hand_over", "resolved"),
     ("resume", "answered"),
@@ -166,8 +169,9 @@ class Metrics:
                 "# TYPE ragged_batch_seconds histogram",
                 *self.batch_seconds.lines("ragged_batch_seconds"),
                 "# HELP ragged_request_stage_seconds_total Time answered requests spent in each stage: body read, "
-                "tokenize (waiting and tokenizing), queue, batch (launch to rows on the host), finish (response "
-                "body), hand_over (to the event loop), resume (the handler).",
+                "tokenize (waiting and tokenizing), queue, batch (launch to rows on the host), pipe (the rest of "
+                "the round trip to a worker process: transfers, waits to be read), finish (response body), "
+                "hand_over (to the event loop), resume (the handler).",
                 "# TYPE ragged_request_stage_seconds_total counter",
                 *(f'ragged_request_stage_seconds_total{{stage="{k}"}} {v!r}' for k, v in self.stage_seconds.items()),
                 "# HELP ragged_request_stage_requests_total Requests counted in ragged_request_stage_seconds_total.",
