@@ -81,7 +81,26 @@ register(
 ATTENTION_SM90_HEAD_DIMS = (64, 128)
 AUTO_MIN_LEN = 1024
 AUTO_MIN_LEN_D128_FULL = 3072
-_MAJOR: dict[int, int] = {}
+_MAJOR: dict[int, int] = {}  # device index -> compute capability major (read once per device)
+
+
+def cuda_major(device: torch.device) -> int:
+    """The compute capability's major number of a CUDA device (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
+
+
+def _sm90_device_reasons(spec, what: str) -> list[str]:
+    """Why ``what`` (the subject of a sentence, plural) cannot run on ``spec``'s device: not an
+    sm_90 GPU; a CPU tensor outside the interpreter."""
+    if spec.device.type == "cuda":
+        major = cuda_major(spec.device)
+        return [] if major == 9 else [f"{what} run on sm_90 GPUs, got compute capability {major}.x"]
+    if triton_interpreted():
+        return []
+    return [f"{what} run on CUDA tensors, got a {spec.device.type} tensor"]
 
 
 def sm90_min_len(head_dim: int, causal: bool) -> int:
@@ -95,15 +114,7 @@ def _sm90_check(spec) -> list[str]:
         out.append("the sm_90 attention kernels take no position bias")
     if spec.tma_aligned is False:
         out.append("the sm_90 attention kernels need q, k and v with 16-byte aligned addresses and row strides")
-    if spec.device.type == "cuda":
-        index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
-        if index not in _MAJOR:
-            _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-        if _MAJOR[index] != 9:
-            out.append(f"the sm_90 attention kernels run on sm_90 GPUs, got compute capability {_MAJOR[index]}.x")
-    elif not triton_interpreted():
-        out.append(f"the sm_90 attention kernels run on CUDA tensors, got a {spec.device.type} tensor")
-    return out
+    return out + _sm90_device_reasons(spec, "the sm_90 attention kernels")
 
 
 def _sm90_rank(spec) -> float:
