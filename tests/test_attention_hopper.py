@@ -401,13 +401,13 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
     for d, causal, longest, first in cases:
         spec = dataclasses.replace(cpu, max_q=longest, max_k=longest, head_dim=d, causal=causal)
         order = [n for n in entry.gpu_preference_by_rank(spec) if n.startswith("triton")]
-        # taken only where preferred: the sm_90 backward, the fused backward, the warp-specialised
-        # forward, the sm_90 forwards with the fused backward
+        # taken only where preferred: the sm_90 backward, the fused backward (dQ by element
+        # atomics or by TMA), the warp-specialised forward, the sm_90 forwards with the fused backward
         preferred_only = {
-            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws",
-            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd",
+            "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws", "triton_sm90_fused_bwd",
+            "triton_sm90_ws_fused_bwd", "triton_fused_bwd_tma", "triton_sm90_fused_bwd_tma",
         }  # fmt: skip
-        assert order[0] == first and set(order[-5:]) == preferred_only
+        assert order[0] == first and set(order[-len(preferred_only) :]) == preferred_only
     assert backends.implementation("attention", "triton_sm90").backward_backend == "triton"
     with backends.prefer("attention", "triton_sm90_full"):
         assert entry.gpu_preference(cpu)[0] == "triton_sm90_full"

@@ -241,6 +241,60 @@ register(
 )
 
 
+# The fused backward with each dQ tile added by one TMA bulk reduce-add (attention.py:
+# backward_fused_tma, FlashAttention-3's way) instead of element atomics, after the portable
+# forward and after the sm_90 TMA forward: what the fused backward refuses, and what the bulk
+# reduce needs (an sm_90 GPU; a tile's rows whole rows of the buffer, so head dims 64 and 128;
+# not the interpreter, which has no bulk reduce). Not yet measured, so taken only where preferred.
+FUSED_TMA_HEAD_DIMS = (64, 128)
+
+
+def _tma_dq_reasons(spec, device: bool = True) -> list[str]:
+    what = "the fused attention backward's TMA reduce-adds of dQ"
+    out = []
+    if spec.head_dim not in FUSED_TMA_HEAD_DIMS:
+        out.append(
+            f"{what} move whole rows of a power-of-two head dim: they take head dims {FUSED_TMA_HEAD_DIMS}, "
+            f"got {spec.head_dim}"
+        )
+    if triton_interpreted():
+        out.append(f"{what} do not run under TRITON_INTERPRET=1 (the interpreter has no bulk reduce)")
+    elif device:
+        out.extend(_sm90_device_reasons(spec, what))
+    return out
+
+
+def _fused_bwd_tma_check(spec) -> list[str]:
+    return _fused_bwd_check(spec) + _tma_dq_reasons(spec)
+
+
+def _sm90_fused_bwd_tma_check(spec) -> list[str]:
+    return _sm90_check(spec) + _deterministic_reason() + _tma_dq_reasons(spec, device=False)
+
+
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward",
+        f"{_HERE}.attention:backward_fused_tma",
+        check=_fused_bwd_tma_check,
+        variant="fused_bwd_tma",
+        rank=27.0,
+        **_PORTABLE,  # type: ignore[arg-type]
+    ),
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90",
+        f"{_HERE}.attention:backward_fused_tma",
+        variant="sm90_fused_bwd_tma",
+        rank=28.0,
+        **{**_SM90, "check": _sm90_fused_bwd_tma_check},  # type: ignore[arg-type]
+    ),
+)
+
+
 # ---- fused -------------------------------------------------------------------
 # bias_act and add_layer_norm: every tensor float16, bfloat16 or float32, in any mix (the
 # kernels compute in float32); x's dtype is the spec's dtype, the others' are checked here.

@@ -53,6 +53,7 @@ from .attention_common import (
     _locate,
     _query_span,
 )
+from .attention_hopper import _rows
 from .launch import cached_launch
 
 
@@ -420,6 +421,29 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dq_target(
+    DQ,
+    q_start,
+    q_len,
+    h,
+    stride_dqt,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+):
+    """Where :func:`_dkdv_inner` adds head h's dQ tiles: the float32 buffer ``DQ`` itself
+    (``FUSED_DQ`` 0 or 1), or (2) the TMA descriptor of the sequence's ``[q_len, HEAD_DIM]``
+    rows of head h, ``BLOCK_M`` rows a tile (rows past ``q_len`` clipped by the TMA unit)."""
+    if FUSED_DQ == 2:
+        tl.static_assert(HEAD_DIM == BLOCK_D, "the TMA dQ moves whole rows: the head dim a power of two")
+        return _rows(DQ, q_start, stride_dqt, h, stride_dqh, tl.maximum(q_len, 1), HEAD_DIM, BLOCK_M)
+    else:
+        return DQ
+
+
+@triton.jit
 def _dkdv_inner(
     dk,
     dv,
@@ -473,9 +497,11 @@ def _dkdv_inner(
     at a zero key included) reaches no result. Only the causal diagonal or the window's edges
     (MASKED) need an element mask.
 
-    ``FUSED_DQ``: each query block's share of dQ, ``dS^T K`` (unscaled), atomically added into
-    the float32 ``DQ`` (the fused backward: no dQ kernel recomputing S and dP); there the key
-    rows past the sequence (``n_ok`` false) are zeroed first, their dS being anything."""
+    ``FUSED_DQ``: each query block's share of dQ, ``dS^T K`` (unscaled), added into the float32
+    dQ (the fused backward: no dQ kernel recomputing S and dP); there the key rows past the
+    sequence (``n_ok`` false) are zeroed first, their dS being anything. 0: no dQ; 1: element
+    atomics into the pointer ``DQ``; 2: one TMA bulk reduce-add of the tile (``DQ`` is then the
+    descriptor of the sequence's dQ rows of head h, which clips the rows past the sequence)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -511,15 +537,18 @@ def _dkdv_inner(
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-        if FUSED_DQ:
+        if FUSED_DQ != 0:
             ds_k = tl.where(n_ok[:, None], ds_t, 0.0).to(k.dtype)
             dq = tl.dot(tl.trans(ds_k), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
-            tl.atomic_add(
-                DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
-                dq,
-                mask=r_ok[:, None] & d_ok[None, :],
-                sem="relaxed",
-            )
+            if FUSED_DQ == 2:
+                DQ.atomic_add([start_m, 0], dq)
+            else:
+                tl.atomic_add(
+                    DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+                    dq,
+                    mask=r_ok[:, None] & d_ok[None, :],
+                    sem="relaxed",
+                )
     return dk, dv
 
 
@@ -581,7 +610,7 @@ def _bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
     INLINE: tl.constexpr,
     CHUNK: tl.constexpr,
-    FUSED_DQ: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr = 0,
 ):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -619,6 +648,7 @@ def _bwd_dkdv_kernel(
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
+            dq_out = _dq_target(DQ, q_start, q_len, h, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
             dk, dv = _dkdv_inner(
                 dk,
                 dv,
@@ -651,7 +681,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -695,7 +725,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -739,7 +769,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -763,6 +793,7 @@ def _bwd_dkdv_kernel(
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
+            dq_out = _dq_target(DQ, q_start, q_len, h, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
             if CAUSAL:
                 dk, dv = _dkdv_inner(
                     dk,
@@ -796,7 +827,7 @@ def _bwd_dkdv_kernel(
                     total_q,
                     bias_row,
                     bias_cols,
-                    DQ,
+                    dq_out,
                     stride_dqt,
                     stride_dqh,
                     n_ok,
@@ -840,7 +871,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
