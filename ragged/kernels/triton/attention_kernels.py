@@ -53,7 +53,6 @@ from .attention_common import (
     _locate,
     _query_span,
 )
-from .attention_hopper import _rows
 from .launch import cached_launch
 
 
@@ -425,7 +424,7 @@ def _dq_target(
     DQ,
     q_start,
     q_len,
-    h,
+    heads,
     stride_dqt,
     stride_dqh,
     HEAD_DIM: tl.constexpr,
@@ -433,12 +432,19 @@ def _dq_target(
     BLOCK_M: tl.constexpr,
     FUSED_DQ: tl.constexpr,
 ):
-    """Where :func:`_dkdv_inner` adds head h's dQ tiles: the float32 buffer ``DQ`` itself
-    (``FUSED_DQ`` 0 or 1), or (2) the TMA descriptor of the sequence's ``[q_len, HEAD_DIM]``
-    rows of head h, ``BLOCK_M`` rows a tile (rows past ``q_len`` clipped by the TMA unit)."""
+    """Where :func:`_dkdv_inner` adds its dQ tiles: the float32 buffer ``DQ`` itself
+    (``FUSED_DQ`` 0 or 1), or (2) the TMA descriptor of the sequence's dQ rows,
+    ``[q_len, heads, HEAD_DIM]``, moved a ``[BLOCK_M, 1, HEAD_DIM]`` tile (one head) at a time,
+    rows past ``q_len`` clipped by the TMA unit. One descriptor for every head of the program's
+    group: rewriting a descriptor per head could change it under a reduce still in flight."""
     if FUSED_DQ == 2:
         tl.static_assert(HEAD_DIM == BLOCK_D, "the TMA dQ moves whole rows: the head dim a power of two")
-        return _rows(DQ, q_start, stride_dqt, h, stride_dqh, tl.maximum(q_len, 1), HEAD_DIM, BLOCK_M)
+        return tl.make_tensor_descriptor(
+            DQ + q_start * stride_dqt,
+            shape=[tl.maximum(q_len, 1), heads, HEAD_DIM],
+            strides=[stride_dqt, stride_dqh, 1],
+            block_shape=[BLOCK_M, 1, HEAD_DIM],
+        )
     else:
         return DQ
 
@@ -501,7 +507,8 @@ def _dkdv_inner(
     dQ (the fused backward: no dQ kernel recomputing S and dP); there the key rows past the
     sequence (``n_ok`` false) are zeroed first, their dS being anything. 0: no dQ; 1: element
     atomics into the pointer ``DQ``; 2: one TMA bulk reduce-add of the tile (``DQ`` is then the
-    descriptor of the sequence's dQ rows of head h, which clips the rows past the sequence)."""
+    descriptor of the sequence's dQ rows, :func:`_dq_target`, which clips the rows past the
+    sequence)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -541,7 +548,7 @@ def _dkdv_inner(
             ds_k = tl.where(n_ok[:, None], ds_t, 0.0).to(k.dtype)
             dq = tl.dot(tl.trans(ds_k), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
             if FUSED_DQ == 2:
-                DQ.atomic_add([start_m, 0], dq)
+                DQ.atomic_add([start_m, h, 0], dq[:, None, :])
             else:
                 tl.atomic_add(
                     DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -626,6 +633,7 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < k_len
     kv_mask = n_ok[:, None] & d_ok[None, :]
+    dq_out = _dq_target(DQ, q_start, q_len, heads, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -648,7 +656,6 @@ def _bwd_dkdv_kernel(
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
-            dq_out = _dq_target(DQ, q_start, q_len, h, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
             dk, dv = _dkdv_inner(
                 dk,
                 dv,
@@ -793,7 +800,6 @@ def _bwd_dkdv_kernel(
         for g in range(GROUP):
             h = hk * GROUP + g
             bias_row = _bias_row(DIST, bias_span, h, max_q)
-            dq_out = _dq_target(DQ, q_start, q_len, h, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
             if CAUSAL:
                 dk, dv = _dkdv_inner(
                     dk,
