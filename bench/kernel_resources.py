@@ -10,9 +10,10 @@ binary). For each kernel at each shape it prints:
   spills), ``LDL``/``STL`` (the spill loads and stores in the code);
 * ``shared`` (bytes per block, Triton's figure: the limit on an H100/H200 is 232,448);
 * instruction counts: ``HGMMA`` (Hopper's asynchronous warpgroup matrix products), ``HMMA``
-  (the warp-level tensor-core products of earlier GPUs), ``UTMALDG``/``UTMASTG`` (TMA loads and
-  stores), ``LDGSTS`` (cp.async copies into shared memory), ``SYNCS`` (the barriers of an
-  asynchronous pipeline).
+  (the warp-level tensor-core products of earlier GPUs), ``UTMALDG``/``UTMASTG``/``UTMAREDG``
+  (TMA loads, stores and bulk reduce-adds), ``REDG`` (element atomics into global memory whose
+  result is unused), ``LDGSTS`` (cp.async copies into shared memory), ``SYNCS`` (the barriers of
+  an asynchronous pipeline).
 
 Static facts, not times: a kernel that spills or copies through registers is slower than one
 that does not, by an amount only a GPU measures (``bench/tune_attention.py``).
@@ -67,7 +68,7 @@ _POINTER_TYPES = {
     "seed_ptr": "*i64",
 }
 _FLOATS = {"sm_scale", "dropout_p", "qk_scale"}
-_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "SYNCS", "LDL", "STL", "USETMAXREG")
+_COUNTED = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "REDG", "LDGSTS", "SYNCS", "LDL", "STL", "USETMAXREG")
 
 
 def _tool(name: str) -> str:
@@ -238,14 +239,16 @@ def rows(arch: int, only) -> list[tuple[str, tuple, dict | str]]:
                     kv[2],
                     kv[3],
                 )
-                add(
-                    f"backward fused dK/dV/dQ {tag}",
-                    kv,
-                    kernels._bwd_dkdv_kernel,
-                    dict(common, BLOCK_M=kv[0], BLOCK_N=kv[1], FUSED_DQ=True),
-                    kv[2],
-                    kv[3],
-                )
+                fused = launcher._FUSED_BWD_SHAPE  # what backward_fused launches at D <= 128
+                for mode, how in ((1, "atomics"), (2, "TMA")):
+                    add(
+                        f"backward fused dK/dV/dQ ({how}) {tag}",
+                        fused,
+                        kernels._bwd_dkdv_kernel,
+                        dict(common, BLOCK_M=fused[0], BLOCK_N=fused[1], FUSED_DQ=mode),
+                        fused[2],
+                        fused[3],
+                    )
                 add(
                     f"backward dQ (portable) {tag}",
                     dq,
@@ -328,7 +331,31 @@ def chosen(arch: int) -> list[dict]:
                     **resources(compile_for(kernel, constants, arch, w, s)),
                 )
             )
+    out += _fused_tma(arch)
     out += _warp_specialised(arch)
+    return out
+
+
+def _fused_tma(arch: int) -> list[dict]:
+    """The fused backward's key-block kernel with dQ added by TMA bulk reduce-adds
+    (``FUSED_DQ=2``, ``attention.py:backward_fused_tma``) at head dims 64 and 128, full and
+    causal, at the shape its launcher picks."""
+    out = []
+    bm, bn, w, s = launcher._FUSED_BWD_SHAPE
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            constants = dict(_portable_forward(head_dim, causal), BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=2)
+            compiled = compile_for(kernels._bwd_dkdv_kernel, constants, arch, w, s)
+            out.append(
+                dict(
+                    kernel="dkdv_fused_tma",
+                    head_dim=head_dim,
+                    causal=causal,
+                    variant="plain",
+                    shape=[bm, bn, w, s],
+                    **resources(compiled),
+                )
+            )
     return out
 
 
@@ -383,10 +410,10 @@ def _warp_specialised(arch: int) -> list[dict]:
 
 def _line(name, shape, res) -> str:
     if isinstance(res, str):
-        return f"{name:36s} {str(shape):26s} failed: {res}"
+        return f"{name:44s} {str(shape):20s} failed: {res}"
     counts = " ".join(f"{op} {res[op]}" for op in _COUNTED)
     return (
-        f"{name:36s} {str(shape):26s} regs {res['regs']:3d} stack {res['stack']:4d} shared {res['shared']:6d}  {counts}"
+        f"{name:44s} {str(shape):20s} regs {res['regs']:3d} stack {res['stack']:4d} shared {res['shared']:6d}  {counts}"
     )
 
 

@@ -1,5 +1,6 @@
 """A small driver for compute-sanitizer over the attention implementations taken only where
-preferred: the warp-specialised sm_90 forward and the fused backward, alone and paired.
+preferred or off by default: the warp-specialised sm_90 forward (and its settings) and the fused
+backward (dQ by atomics or by TMA), alone and paired.
 
 Run on an sm_90 GPU, under the sanitizer:
 ``compute-sanitizer --tool memcheck python -m bench.sanitize_attention`` (and ``racecheck``;
@@ -18,7 +19,21 @@ import torch
 import ragged
 from ragged import backends
 
-IMPLEMENTATIONS = ("triton_sm90_ws", "triton_fused_bwd", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd")
+from .attention_variants import _ws_setting
+
+# ``name+setting``: the warp-specialised forward under a setting of bench.attention_variants'
+# WS_SETTINGS (ping-pong, two K/V stages at D=128, three consumers at D=64)
+IMPLEMENTATIONS = (
+    "triton_sm90_ws",
+    "triton_sm90_ws+pingpong",
+    "triton_sm90_ws+stages2",
+    "triton_sm90_ws+wg3",
+    "triton_fused_bwd",
+    "triton_sm90_fused_bwd",
+    "triton_sm90_ws_fused_bwd",
+    "triton_fused_bwd_tma",
+    "triton_sm90_fused_bwd_tma",
+)
 LENGTHS = (
     ([0, 1, 129, 300, 127, 5], [0, 1, 129, 300, 127, 5]),
     ([3, 1, 77, 300, 64], [5, 0, 200, 64, 1]),
@@ -41,11 +56,12 @@ def main():
                         k, v = (torch.randn(sum(lk), 2, dim, device="cuda", dtype=dtype, generator=gen) for _ in "kv")
                         q, k, v = (t.requires_grad_() for t in (q, k, v))
                         args = (q, k, v, _cu(lq), _cu(lk), max(lq), max(lk))
-                        with backends.prefer("attention", name):
+                        impl = name.partition("+")[0]
+                        with backends.prefer("attention", impl), _ws_setting(name):
                             why = ragged.explain("attention", *args, causal, 0.0, True)
                             out = ragged.varlen_attention(*args, causal=causal)
                             out.backward(torch.randn_like(out))
-                        taken[name] += why.chosen == name
+                        taken[name] += why.chosen == impl
     torch.cuda.synchronize()
     print("calls taken:", ", ".join(f"{name} {count}" for name, count in taken.items()), flush=True)
 

@@ -92,7 +92,9 @@ def cases():
             )
             yield ("attention bwd dk/dv", ka._bwd_dkdv_kernel, dkdv_types, c)
             if not bias:  # the fused backward: dQ added atomically from the same kernel
-                yield ("attention bwd fused dk/dv/dq", ka._bwd_dkdv_kernel, dkdv_types, {**c, "FUSED_DQ": True})
+                yield ("attention bwd fused dk/dv/dq", ka._bwd_dkdv_kernel, dkdv_types, {**c, "FUSED_DQ": 1})
+            if not bias and dim in (64, 128):  # the same with dQ by TMA bulk reduce-adds
+                yield ("attention bwd fused dk/dv/dq tma", ka._bwd_dkdv_kernel, dkdv_types, {**c, "FUSED_DQ": 2})
             # the distance table, the buckets, the partial bucket sums, max_q, the table's row length
             dq_bias_args = ["*fp32", "*i64", "*fp32", "i32", "i32"]
             yield (

@@ -468,3 +468,47 @@ def test_fused_backward_declines_bias_and_deterministic_mode():
     import dataclasses
 
     assert any("position bias" in r for r in impl.reasons(dataclasses.replace(spec, bias_buckets=16)))
+
+
+def test_tma_fused_backwards_say_what_they_need(monkeypatch):
+    """The fused backward with dQ by TMA bulk reduce-adds, after the portable forward
+    (``triton_fused_bwd_tma``) and after the sm_90 one (``triton_sm90_fused_bwd_tma``):
+    ``ragged.explain`` gives their reasons for a CPU tensor, under the interpreter and under
+    torch's deterministic mode; a GPU other than sm_90 and another head dim are refused too, and
+    a plain bf16 call on an sm_90 GPU is not."""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from ragged import backends
+    from ragged.kernels import triton as triton_backend
+    from ragged.ops.attention import attention_spec
+
+    names = ("triton_fused_bwd_tma", "triton_sm90_fused_bwd_tma")
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    operands = (q, q, q, cu, cu, 8, 8, False, 0.0, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    why = ragged.explain("attention", *operands)
+    assert all(any("CUDA tensors" in r for r in why[n]) for n in names), why
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    why = ragged.explain("attention", *operands)
+    for n in names:
+        assert any("TRITON_INTERPRET=1" in r and "bulk reduce" in r for r in why[n]), why[n]
+        assert not any("determin" in r for r in why[n]), why[n]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        why = ragged.explain("attention", *operands)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(any("use_deterministic_algorithms" in r for r in why[n]) for n in names), why
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gpu = dataclasses.replace(attention_spec(*operands), device=torch.device("cuda", 0))
+    impls = [backends.implementation("attention", n) for n in names]
+    monkeypatch.setitem(triton_backend._MAJOR, 0, 8)  # as an sm_80 GPU reads: no device here
+    assert all(any("sm_90 GPUs, got compute capability 8.x" in r for r in i.reasons(gpu)) for i in impls)
+    monkeypatch.setitem(triton_backend._MAJOR, 0, 9)
+    assert [i.reasons(gpu) for i in impls] == [[], []]
+    wide = [i.reasons(dataclasses.replace(gpu, head_dim=96)) for i in impls]
+    assert all(any("head dims (64, 128), got 96" in r for r in w) for w in wide), wide
+    assert all(i.rank_for(gpu) > backends.implementation("attention", "triton_fused_bwd").rank_for(gpu) for i in impls)

@@ -411,10 +411,12 @@ def test_auto_ranks_the_sm90_forward_first_for_long_queries_only(monkeypatch):
             first = "triton_sm90"
         else:
             first = "triton"
-        # taken only where preferred: the sm_90 backward, the fused backward, the sm_90 forwards
-        # with the fused backward, and the warp-specialised forward where "auto" does not take it
+        # taken only where preferred: the sm_90 backward, the fused backward (dQ by element atomics
+        # or by TMA), the sm_90 forwards with the fused backward, and the warp-specialised forward
+        # where "auto" does not take it
         preferred_only = {
             "triton_sm90_full", "triton_fused_bwd", "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd",
+            "triton_fused_bwd_tma", "triton_sm90_fused_bwd_tma",
         }  # fmt: skip
         if first != "triton_sm90_ws":
             preferred_only.add("triton_sm90_ws")

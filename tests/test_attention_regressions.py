@@ -478,7 +478,8 @@ def test_spec_and_the_auto_order_on_cuda():
         assert order(s)[0] == first and order(s)[-1] == "torch"
         assert set(order(s)) == {
             "cuda", "triton", "triton_sm90", "triton_sm90_full", "triton_fused_bwd", "triton_sm90_ws",
-            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd", "torch",
+            "triton_sm90_fused_bwd", "triton_sm90_ws_fused_bwd", "triton_fused_bwd_tma",
+            "triton_sm90_fused_bwd_tma", "torch",
         }  # fmt: skip
 
 

@@ -50,6 +50,7 @@ def test_every_chosen_shape_compiled(records):
     want = plain | {
         (k, 128, c, v) for k in ("forward", "dkdv", "dq") for c, v in ((False, "window"), (True, "dropout"))
     }
+    want |= {("dkdv_fused_tma", d, c, "plain") for d in (64, 128) for c in (False, True)}
     if _has_gluon_hopper():  # the warp-specialised forward (Gluon)
         want |= {("forward_ws", d, c, v) for d in (64, 128) for c in (False, True) for v in ("plain", "pingpong")}
         want |= {("forward_ws", 128, c, "stages2") for c in (False, True)}
@@ -81,6 +82,18 @@ def test_warp_specialised_forward_moves_registers_and_overlaps(records):
         assert r["shared"] <= _SHARED_LIMIT, f"{tag}: {r['shared']} bytes of shared memory"
         # S_j issued while P_{j-1} V_{j-1} is in flight: the compiled loop keeps two groups going
         assert r["WGMMA_OVERLAP"] > 0, f"{tag}: every wgmma group is waited for before the next"
+
+
+def test_fused_backward_adds_dq_by_tma_bulk_reduce(records):
+    """The fused backward's key-block kernel with ``FUSED_DQ=2``: each dQ tile leaves by a TMA
+    bulk reduce-add (UTMAREDG), no element atomics, products by wgmma, within shared memory."""
+    got = [r for r in records if r["kernel"] == "dkdv_fused_tma"]
+    assert got
+    for r in got:
+        tag = f"dkdv_fused_tma D={r['head_dim']} causal={r['causal']} {r['shape']}"
+        assert r["UTMAREDG"] > 0 and r["REDG"] == 0, f"{tag}: dQ not added by TMA"
+        assert r["HGMMA"] > 0 and r["HMMA"] == 0, f"{tag}: not wgmma"
+        assert r["shared"] <= _SHARED_LIMIT, f"{tag}: {r['shared']} bytes of shared memory"
 
 
 def test_overlap_count_reads_the_waits():

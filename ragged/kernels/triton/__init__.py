@@ -81,7 +81,26 @@ register(
 ATTENTION_SM90_HEAD_DIMS = (64, 128)
 AUTO_MIN_LEN = 1024
 AUTO_MIN_LEN_D128_FULL = 3072
-_MAJOR: dict[int, int] = {}
+_MAJOR: dict[int, int] = {}  # device index -> compute capability major (read once per device)
+
+
+def cuda_major(device: torch.device) -> int:
+    """The compute capability's major number of a CUDA device (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
+
+
+def _sm90_device_reasons(spec, what: str) -> list[str]:
+    """Why ``what`` (the subject of a sentence, plural) cannot run on ``spec``'s device: not an
+    sm_90 GPU; a CPU tensor outside the interpreter."""
+    if spec.device.type == "cuda":
+        major = cuda_major(spec.device)
+        return [] if major == 9 else [f"{what} run on sm_90 GPUs, got compute capability {major}.x"]
+    if triton_interpreted():
+        return []
+    return [f"{what} run on CUDA tensors, got a {spec.device.type} tensor"]
 
 
 def sm90_min_len(head_dim: int, causal: bool) -> int:
@@ -95,15 +114,7 @@ def _sm90_check(spec) -> list[str]:
         out.append("the sm_90 attention kernels take no position bias")
     if spec.tma_aligned is False:
         out.append("the sm_90 attention kernels need q, k and v with 16-byte aligned addresses and row strides")
-    if spec.device.type == "cuda":
-        index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
-        if index not in _MAJOR:
-            _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-        if _MAJOR[index] != 9:
-            out.append(f"the sm_90 attention kernels run on sm_90 GPUs, got compute capability {_MAJOR[index]}.x")
-    elif not triton_interpreted():
-        out.append(f"the sm_90 attention kernels run on CUDA tensors, got a {spec.device.type} tensor")
-    return out
+    return out + _sm90_device_reasons(spec, "the sm_90 attention kernels")
 
 
 def _sm90_rank(spec) -> float:
@@ -249,6 +260,60 @@ register(
         variant="sm90_ws_fused_bwd",
         rank=31.0,
         **{**_SM90, "check": lambda spec: _sm90_ws_check(spec) + _deterministic_reason()},  # type: ignore[arg-type]
+    ),
+)
+
+
+# The fused backward with each dQ tile added by one TMA bulk reduce-add (attention.py:
+# backward_fused_tma, FlashAttention-3's way) instead of element atomics, after the portable
+# forward and after the sm_90 TMA forward: what the fused backward refuses, and what the bulk
+# reduce needs (an sm_90 GPU; a tile's rows whole rows of the buffer, so head dims 64 and 128;
+# not the interpreter, which has no bulk reduce). Not yet measured, so taken only where preferred.
+FUSED_TMA_HEAD_DIMS = (64, 128)
+
+
+def _tma_dq_reasons(spec, device: bool = True) -> list[str]:
+    what = "the fused attention backward's TMA reduce-adds of dQ"
+    out = []
+    if spec.head_dim not in FUSED_TMA_HEAD_DIMS:
+        out.append(
+            f"{what} move whole rows of a power-of-two head dim: they take head dims {FUSED_TMA_HEAD_DIMS}, "
+            f"got {spec.head_dim}"
+        )
+    if triton_interpreted():
+        out.append(f"{what} do not run under TRITON_INTERPRET=1 (the interpreter has no bulk reduce)")
+    elif device:
+        out.extend(_sm90_device_reasons(spec, what))
+    return out
+
+
+def _fused_bwd_tma_check(spec) -> list[str]:
+    return _fused_bwd_check(spec) + _tma_dq_reasons(spec)
+
+
+def _sm90_fused_bwd_tma_check(spec) -> list[str]:
+    return _sm90_check(spec) + _deterministic_reason() + _tma_dq_reasons(spec, device=False)
+
+
+register(
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward",
+        f"{_HERE}.attention:backward_fused_tma",
+        check=_fused_bwd_tma_check,
+        variant="fused_bwd_tma",
+        rank=27.0,
+        **_PORTABLE,  # type: ignore[arg-type]
+    ),
+    Implementation(
+        "attention",
+        "triton",
+        f"{_HERE}.attention:forward_sm90",
+        f"{_HERE}.attention:backward_fused_tma",
+        variant="sm90_fused_bwd_tma",
+        rank=28.0,
+        **{**_SM90, "check": _sm90_fused_bwd_tma_check},  # type: ignore[arg-type]
     ),
 )
 

@@ -33,6 +33,7 @@ __all__ = [
     "HEAD_DIMS",
     "backward",
     "backward_fused",
+    "backward_fused_tma",
     "backward_sm90",
     "dropout_keep_mask",
     "flops",
@@ -373,11 +374,32 @@ def backward_fused(
     need 7, in an order that varies run to run, as FlashAttention's default). No position bias
     (its table gradient is summed in the split dQ kernel); under
     ``torch.use_deterministic_algorithms`` the registry takes the split kernels instead."""
-    return _backward(args, inputs, grads, sm90=False, fused=True)
+    return _backward(args, inputs, grads, sm90=False, fused=DQ_ATOMIC)
+
+
+def backward_fused_tma(
+    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None = None
+) -> AttentionGrads:
+    """:func:`backward_fused` with each dQ tile added by one TMA bulk reduce-add (sm_90,
+    FlashAttention-3's way) instead of element atomics: the tile goes through shared memory to
+    the TMA unit, which adds it into the float32 buffer (through a per-sequence descriptor made
+    on the device, clipped at the sequence's last row). Head dims 64 and 128 (a tile's rows are
+    whole rows of the buffer), on sm_90 and not under the interpreter: the reasons of its
+    implementations in :mod:`ragged.kernels.triton`."""
+    return _backward(args, inputs, grads, sm90=False, fused=DQ_TMA)
+
+
+# How the fused backward adds dQ (the dK/dV kernel's FUSED_DQ): not at all (the split kernels),
+# element atomics, or TMA bulk reduce-adds of whole tiles.
+DQ_SPLIT, DQ_ATOMIC, DQ_TMA = 0, 1, 2
 
 
 def _backward(
-    args: AttentionArgs, inputs: AttentionBackwardInputs, grads: AttentionGrads | None, sm90: bool, fused: bool = False
+    args: AttentionArgs,
+    inputs: AttentionBackwardInputs,
+    grads: AttentionGrads | None,
+    sm90: bool,
+    fused: int = DQ_SPLIT,
 ) -> AttentionGrads:
     q, k, v, do = _rows(args.q), _rows(args.k), _rows(args.v), _rows(inputs.grad_out)
     cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()  # the kernels read cu[b] at cu + b
@@ -446,7 +468,7 @@ def _backward(
     )
     if fused and not bias:
         shape = (kv_m, kv_n, kv_w, kv_s) if interpreted or head_dim > 128 else _FUSED_BWD_SHAPE
-        return _backward_fused(args, q, k, v, do, out, lse, delta, (dq, dk, dv), result, window, common, shape)
+        return _backward_fused(args, q, k, v, do, out, lse, delta, (dq, dk, dv), result, window, common, shape, fused)
     programs = triton.cdiv(total_q, q_m) + batch
     dist, buckets, partial = lse, cu_q, lse  # pointers never read without a bias
     if bias_table is not None and bias_buckets is not None:
@@ -568,8 +590,9 @@ def _backward(
 _FUSED_BWD_SHAPE = (64, 64, 8, 2)
 
 
-def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window, common, shape):
-    """:func:`backward_fused`'s launches: the rows' ``dO . O``, then the fused key-block kernel."""
+def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window, common, shape, dq_mode=DQ_ATOMIC):
+    """:func:`backward_fused`'s launches: the rows' ``dO . O``, then the fused key-block kernel
+    adding dQ as ``dq_mode`` says (``DQ_ATOMIC`` or ``DQ_TMA``)."""
     dq, dk, dv = buffers
     kv_m, kv_n, kv_w, kv_s = shape
     cu_q, cu_k = args.cu_q.contiguous(), args.cu_k.contiguous()
@@ -586,6 +609,8 @@ def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window,
     win_left, win_right = window or (0, 0)
     seed, seed_ptr = _seed(args.seed, cu_q)
     if total_k:
+        if dq_mode == DQ_TMA:
+            attention_hopper._ensure_allocator()  # the scratch of the device descriptors
         cum_k, inline, chunk, n_steps = _worklist(cu_k, kv_n)
         _bwd_dkdv_kernel[(triton.cdiv(total_k, kv_n) + batch, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, cum_k, batch, n_steps, args.scale, seed, seed_ptr,
@@ -594,7 +619,7 @@ def _backward_fused(args, q, k, v, do, out, lse, delta, buffers, result, window,
             do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             dq_sum, dq_sum.stride(0), dq_sum.stride(1),
             BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_w, num_stages=kv_s, INLINE=inline, CHUNK=chunk,
-            FUSED_DQ=True, **common,
+            FUSED_DQ=dq_mode, **common,
         )  # fmt: skip
     torch.mul(dq_sum, args.scale, out=dq)  # scaled and cast in one pass
     for mine, theirs in zip((dq, dk, dv), result):

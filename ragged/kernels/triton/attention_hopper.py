@@ -671,17 +671,6 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
-_MAJOR: dict = {}
-
-
-def _major(device: torch.device) -> int:
-    """The compute capability's major number of a CUDA device (read once per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MAJOR:
-        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _MAJOR[index]
-
-
 def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
     """Whether a call its implementation's reasons let through runs here: what only the call
     knows (the addresses, unknown while torch.compile traced the choice; the scale, outside the

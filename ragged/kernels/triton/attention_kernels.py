@@ -420,6 +420,36 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dq_target(
+    DQ,
+    q_start,
+    q_len,
+    heads,
+    stride_dqt,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+):
+    """Where :func:`_dkdv_inner` adds its dQ tiles: the float32 buffer ``DQ`` itself
+    (``FUSED_DQ`` 0 or 1), or (2) the TMA descriptor of the sequence's dQ rows,
+    ``[q_len, heads, HEAD_DIM]``, moved a ``[BLOCK_M, 1, HEAD_DIM]`` tile (one head) at a time,
+    rows past ``q_len`` clipped by the TMA unit. One descriptor for every head of the program's
+    group: rewriting a descriptor per head could change it under a reduce still in flight."""
+    if FUSED_DQ == 2:
+        tl.static_assert(HEAD_DIM == BLOCK_D, "the TMA dQ moves whole rows: the head dim a power of two")
+        return tl.make_tensor_descriptor(
+            DQ + q_start * stride_dqt,
+            shape=[tl.maximum(q_len, 1), heads, HEAD_DIM],
+            strides=[stride_dqt, stride_dqh, 1],
+            block_shape=[BLOCK_M, 1, HEAD_DIM],
+        )
+    else:
+        return DQ
+
+
+@triton.jit
 def _dkdv_inner(
     dk,
     dv,
@@ -473,9 +503,12 @@ def _dkdv_inner(
     at a zero key included) reaches no result. Only the causal diagonal or the window's edges
     (MASKED) need an element mask.
 
-    ``FUSED_DQ``: each query block's share of dQ, ``dS^T K`` (unscaled), atomically added into
-    the float32 ``DQ`` (the fused backward: no dQ kernel recomputing S and dP); there the key
-    rows past the sequence (``n_ok`` false) are zeroed first, their dS being anything."""
+    ``FUSED_DQ``: each query block's share of dQ, ``dS^T K`` (unscaled), added into the float32
+    dQ (the fused backward: no dQ kernel recomputing S and dP); there the key rows past the
+    sequence (``n_ok`` false) are zeroed first, their dS being anything. 0: no dQ; 1: element
+    atomics into the pointer ``DQ``; 2: one TMA bulk reduce-add of the tile (``DQ`` is then the
+    descriptor of the sequence's dQ rows, :func:`_dq_target`, which clips the rows past the
+    sequence)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         r_ok = rows < q_len
@@ -511,15 +544,18 @@ def _dkdv_inner(
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-        if FUSED_DQ:
+        if FUSED_DQ != 0:
             ds_k = tl.where(n_ok[:, None], ds_t, 0.0).to(k.dtype)
             dq = tl.dot(tl.trans(ds_k), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
-            tl.atomic_add(
-                DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
-                dq,
-                mask=r_ok[:, None] & d_ok[None, :],
-                sem="relaxed",
-            )
+            if FUSED_DQ == 2:
+                DQ.atomic_add([start_m, h, 0], dq[:, None, :])
+            else:
+                tl.atomic_add(
+                    DQ + tq[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+                    dq,
+                    mask=r_ok[:, None] & d_ok[None, :],
+                    sem="relaxed",
+                )
     return dk, dv
 
 
@@ -581,7 +617,7 @@ def _bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
     INLINE: tl.constexpr,
     CHUNK: tl.constexpr,
-    FUSED_DQ: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr = 0,
 ):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -597,6 +633,7 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < k_len
     kv_mask = n_ok[:, None] & d_ok[None, :]
+    dq_out = _dq_target(DQ, q_start, q_len, heads, stride_dqt, stride_dqh, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ)
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -651,7 +688,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -695,7 +732,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -739,7 +776,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
@@ -796,7 +833,7 @@ def _bwd_dkdv_kernel(
                     total_q,
                     bias_row,
                     bias_cols,
-                    DQ,
+                    dq_out,
                     stride_dqt,
                     stride_dqh,
                     n_ok,
@@ -840,7 +877,7 @@ def _bwd_dkdv_kernel(
                 total_q,
                 bias_row,
                 bias_cols,
-                DQ,
+                dq_out,
                 stride_dqt,
                 stride_dqh,
                 n_ok,
