@@ -18,8 +18,8 @@ reference for the 32-text rows. For ragged.serve a second table gives its batche
 (from its ``/metrics``): how many, how full, how long. ``--profile DIR`` samples the stacks of
 ragged.serve's threads (``RAGGED_SERVE_PROFILE=DIR``) over each row's timed window and prints,
 per row and thread, where the host time goes (``DIR/row_<size>x<clients>.txt``). ``--server-env``
-sets ragged.serve's environment (``RAGGED_SERVE_WORKERS=thread``: the model in the server's threads
-rather than a worker process per GPU, for an A/B); the table's header names where it ran its model
+sets ragged.serve's environment (``RAGGED_SERVE_WORKERS=process``: the model in a worker process
+per GPU rather than the server's threads, for an A/B); the table's header names where it ran its model
 (its ``/health``) and that environment.
 """
 

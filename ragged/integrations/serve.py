@@ -20,10 +20,10 @@ The stack is Starlette on uvicorn, with uvicorn's C HTTP parser and event loop w
 Requests are tokenized off the event loop, those posted meanwhile in one call, and batched
 across requests by real tokens
 (:mod:`ragged.integrations.serve_engine`), one worker per device (``--devices``), CUDA graphs
-per bucket on GPUs. ``--workers process`` (``RAGGED_SERVE_WORKERS=process``; the default on CUDA)
-runs each device's model in a worker process of its own, which loads the model itself (this process
-keeps a copy without weights for the tokenizer); ``--workers thread`` (the default on the CPU) runs
-it in this process's threads (:mod:`ragged.integrations.serve_worker` says why a process). The
+per bucket on GPUs. ``--workers process`` (``RAGGED_SERVE_WORKERS=process``; opt-in until measured
+on a GPU) runs each device's model in a worker process of its own, which loads the model itself
+(this process keeps a copy without weights for the tokenizer); ``--workers thread`` (the default)
+runs it in this process's threads (:mod:`ragged.integrations.serve_worker` says why a process). The
 server starts serving once every worker has loaded its model, and exits with a worker's error if
 one could not. Past ``--max-concurrent-requests`` requests in flight the server answers 429
 with ``Retry-After``; a request of more than ``--max-client-batch-size`` texts gets 413;
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=_WORKERS,
         default=None,
         help="each device's model in a process of its own, or in the server's threads (default: "
-        "RAGGED_SERVE_WORKERS, else process on GPUs, thread on the CPU)",
+        "RAGGED_SERVE_WORKERS, else thread)",
     )
     args = p.parse_args(argv)
     if args.workers is None:
@@ -159,11 +159,9 @@ def start_workers(args) -> tuple[list, list]:
 
 
 def _worker_mode(args) -> str:
-    if args.workers is not None:
-        return args.workers
-    import torch
-
-    return "process" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "thread"
+    """``--workers``, else ``RAGGED_SERVE_WORKERS``, else ``thread``: worker processes are opt-in
+    until a GPU run of ``bench.serve_load`` measures them against threads."""
+    return args.workers if args.workers is not None else "thread"
 
 
 class _Problem(Exception):

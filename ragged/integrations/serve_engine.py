@@ -16,9 +16,9 @@ when its last text is done.
   pooling reads). Spans, not texts, keep the Python work per request, not per text.
 * **Workers** (:mod:`ragged.integrations.serve_worker`): per device, a thread takes batches and
   hands them to the device's worker, and a finisher thread answers them in order. The worker is a
-  process of its own (``RAGGED_SERVE_WORKERS=process``, the default on CUDA: the model's torch ops
-  then never wait for the GIL that this process's threads hold), which gets token arrays and
-  answers rows over a pipe, or runs in those two threads (``thread``, the default on the CPU).
+  process of its own (``RAGGED_SERVE_WORKERS=process``, opt-in: the model's torch ops then never
+  wait for the GIL that this process's threads hold), which gets token arrays and answers rows over
+  a pipe, or runs in those two threads (``thread``, the default).
 * **Overlap.** The thread launches a batch (or sends it) and hands it to its finisher, which waits
   for the rows, while the thread already packs and launches the next batch (at most two batches
   in flight per device). On the CPU in thread mode a batch runs to its end and the thread answers
