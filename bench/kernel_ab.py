@@ -4,9 +4,11 @@ Where ``python -m bench.ab`` runs whole suites, this times the handful of calls 
 touches, each tree in a process of its own (``bench.ab.package``: its own ``ragged`` first on the
 path), rounds alternating base, head, base, head, ... on the same GPU:
 
-* ``attn fwd+bwd``: ``ragged.varlen_attention`` forward and backward (bf16, GQA off), captured in a
-  CUDA graph and replayed, so the row is GPU time: (a) 64 sequences of lognormal lengths 1..512,
-  12 heads of 64; (c) 16 sequences of 256..4096, 16 heads of 128; causal and not.
+* ``attn fwd`` / ``attn fwd+bwd``: ``ragged.varlen_attention`` forward, and forward and backward
+  (bf16, GQA off), captured in a CUDA graph and replayed, so the row is GPU time, on the attention
+  suite's workloads: (a) 256 sequences of 8..32 and (b) 64 of lognormal lengths 1..512, 12 heads of
+  64; (c) 16 sequences of 256..4096, 16 heads of 128; causal and not. ``attn fwd eager``: the
+  forward of (a) and (b) called eagerly (host time included).
 * ``bert fwd``: a ``BertModel`` (BERT-base shape, random weights) converted by ``ragged.nn.convert``,
   one inference forward on a RaggedTensor of 32 sequences (lognormal lengths 16..512), eager (host
   time included, as a user calls it) and under ``ragged.nn.graphed``.
@@ -71,7 +73,10 @@ def eager_ms(fn, reps=5, calls=20):
 
 
 gen = torch.Generator().manual_seed(1)
-cases = {"a": (lognormal(64, 1, 512, 64, 1.0, gen), 12, 64),
+# the attention suite's workloads: (a) 256 sequences of 8..32, (b) 64 of lognormal lengths to 512
+# (median 150 e^-1/2, sigma 1), both 12 heads of 64; (c) 16 of 256..4096, 16 heads of 128
+cases = {"a": ([int(v) for v in torch.randint(8, 33, (256,), generator=gen)], 12, 64),
+         "b": (lognormal(64, 1, 512, 150 * math.exp(-0.5), 1.0, gen), 12, 64),
          "c": ([int(v) for v in torch.linspace(256, 4096, 16)], 16, 128)}
 for name, (lengths, h, d) in cases.items():
     for causal in (False, True):
@@ -80,12 +85,20 @@ for name, (lengths, h, d) in cases.items():
         q, k, v = (torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
         m = max(lengths)
+        mask = "causal" if causal else "full"
+
+        def forward():
+            with torch.no_grad():
+                ragged.varlen_attention(q, k, v, cu, cu, m, m, causal=causal)
 
         def step():
             out = ragged.varlen_attention(q, k, v, cu, cu, m, m, causal=causal)
             out.backward(do)
 
-        results[f"attn fwd+bwd ({name}) {'causal' if causal else 'full'}"] = graph_ms(step)
+        results[f"attn fwd ({name}) {mask}"] = graph_ms(forward)
+        results[f"attn fwd+bwd ({name}) {mask}"] = graph_ms(step)
+        if name != "c":  # eager, as a user calls it: host time included
+            results[f"attn fwd eager ({name}) {mask}"] = eager_ms(forward)
 
 try:
     import transformers
