@@ -4,7 +4,7 @@ The structure of FlashAttention-3's forward, which Triton's own pipeliner does n
 (:mod:`.attention_hopper` says why: every wgmma waited for right after its issue, one
 program's softmax never beside its products):
 
-* **Three partitions per program** (``gl.warp_specialize``): a loading warpgroup (the default
+* **Three (or four) partitions per program** (``gl.warp_specialize``): a loading warpgroup (the default
   partition; one thread issues) that TMA-loads the query tile and each key block's K and V into
   a ring of ``STAGES`` shared-memory stages, and two (or, at head dim 64, three:
   :data:`CONSUMERS_D64`) consumer warpgroups, each owning 64 of the program's query rows. The
@@ -12,13 +12,14 @@ program's softmax never beside its products):
   the other's matrix products occupy the tensor cores.
 * **Barriers, not waits for everything**: ``k_ready[s]`` and ``v_ready[s]`` (the TMA
   transaction counts of stage ``s``'s K and V: a consumer starts ``Q K^T`` before V is in) and
-  ``kv_empty[s]`` (arrived by both consumers when their ``P @ V`` of the stage has completed)
+  ``kv_empty[s]`` (arrived by every consumer when its ``P @ V`` of the stage has completed)
   hand each stage back and forth; the loader runs up to ``STAGES`` blocks ahead.
 * **Ping-pong** (:data:`PINGPONG`, off by default): two more barriers, ``turns``, make the
   consumers issue their products strictly in turn, consumer 0 first, so that one's softmax
   always runs under the other's products rather than when the scheduler happens to place it.
 * **Registers moved to the consumers** (``setmaxnreg`` through the partitions' register
-  budgets): 240 per consumer thread, the 24 left of the kernel's 168 for the loading warpgroup.
+  budgets): 240 per consumer thread, the 24 left of the kernel's 168 for the loading warpgroup
+  (three consumers: 160 each, 32 left of 128).
 * **P from registers**: the probabilities are the A operand of the second product, never
   written to shared memory.
 
@@ -31,7 +32,7 @@ What it takes: fp16/bf16, head dims 64 and 128, causal or not, GQA, positive sca
 window, dropout or position bias (the reasons of its implementation, ``"triton_sm90_ws"``, in
 :mod:`ragged.kernels.triton`). Gluon is imported here only: the launcher imports the module
 on first use. Compiled for sm_90 with Triton 3.6 and 3.9 (``bench.kernel_resources``: 168
-registers by ``setmaxnreg`` for the kernel, 240 for each consumer); tested on an H200 by
+registers by ``setmaxnreg`` for the kernel, 240 for each of two consumers); tested on an H200 by
 ``tests/test_gpu_attention_ws.py``.
 """
 
