@@ -31,6 +31,13 @@ def ws(monkeypatch):
     _needs("triton")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward runs on sm_90 only")
+    calls = _spy_ws_forward(monkeypatch)
+    with backends.prefer("attention", "triton_sm90_ws"):
+        yield calls
+
+
+def _spy_ws_forward(monkeypatch) -> list:
+    """Count the warp-specialised forward's launches: q's shape per call."""
     from ragged.kernels.triton import attention_ws
 
     calls: list = []
@@ -41,8 +48,7 @@ def ws(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention_ws, "forward", spy)
-    with backends.prefer("attention", "triton_sm90_ws"):
-        yield calls
+    return calls
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -175,18 +181,10 @@ def test_auto_takes_the_ws_forward_at_head_dim_128_for_long_batches(causal, monk
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward runs on sm_90 only")
     from ragged.kernels import triton as triton_backend
-    from ragged.kernels.triton import attention_ws
 
     monkeypatch.delenv("RAGGED_ATTENTION_HOPPER", raising=False)
     monkeypatch.delenv("RAGGED_PREFER", raising=False)
-    calls: list = []
-    real = attention_ws.forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_ws, "forward", spy)
+    calls = _spy_ws_forward(monkeypatch)
     least = triton_backend.ws_min_len(128, causal)
     assert least is not None and triton_backend.ws_min_len(64, causal) is None
     lq = [least, 3, 1, 129, 0, 700]
