@@ -17,7 +17,8 @@ Run on a GPU: ``python -m bench.attention_variants [--case c] [--sweep] [--fused
   consumers in ping-pong / with two K/V stages at head dim 128 instead of three (rows
   ``name+pingpong`` / ``name+stages2``); ``--impl``: only the implementations named;
   ``--forward-only``: the sweep without its fwd+bwd columns; ``--ws SETTING ...``: rows under any
-  of :data:`WS_SETTINGS` (``wg3``: three consumer warpgroups at head dim 64).
+  of :data:`WS_SETTINGS` (``wg3``: three consumer warpgroups at head dim 64; ``persistent``: a
+  program per multiprocessor looping over the tiles).
 
 Every timing is the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the call
 (the kernels' time: at the short lengths the host's per-call work would hide them). The table
@@ -78,7 +79,13 @@ def _time(fn) -> float:
 
 # Settings of the warp-specialised forward timed as rows of their own: ``name+setting`` runs the
 # implementation ``name`` with ``attention_ws`` set so (``--ws-pingpong``, ``--ws-stages``).
-WS_SETTINGS = {"pingpong": {"PINGPONG": True}, "stages2": {"STAGES_D128": 2}, "wg3": {"CONSUMERS_D64": 3}}
+WS_SETTINGS = {
+    "pingpong": {"PINGPONG": True},
+    "stages2": {"STAGES_D128": 2},
+    "wg3": {"CONSUMERS_D64": 3},
+    "persistent": {"PERSISTENT": True},
+    "persistent-wg3": {"PERSISTENT": True, "CONSUMERS_D64": 3},
+}
 
 
 @contextlib.contextmanager

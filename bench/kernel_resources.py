@@ -51,6 +51,7 @@ _POINTERS = {
     "cu_q",
     "cu_k",
     "block_cum",
+    "order",
     "seed_ptr",
     "DIST",
     "BUCKETS",
@@ -64,6 +65,7 @@ _POINTER_TYPES = {
     "cu_q": "*i32",
     "cu_k": "*i32",
     "block_cum": "*i32",
+    "order": "*i32",
     "BUCKETS": "*i32",
     "seed_ptr": "*i64",
 }
@@ -374,6 +376,7 @@ def _warp_specialised(arch: int) -> list[dict]:
             # the launch default, then the consumers in ping-pong, then (D=128) two K/V stages or
             # (D=64) three consumers
             variants = [("plain", bn, stages, False, consumers), ("pingpong", bn, stages, True, 2)]
+            variants.append(("persistent", bn, stages, False, consumers))
             if head_dim == 128:
                 variants.append(("stages2", bn, 2, False, consumers))
             else:
@@ -393,6 +396,8 @@ def _warp_specialised(arch: int) -> list[dict]:
                     PINGPONG=pingpong,
                     CONSUMERS=wgs,
                     CONSUMER_REGS=ws._REGISTERS[wgs][1],
+                    SORTED=variant == "persistent",
+                    PERSISTENT=variant == "persistent",
                 )
                 compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.max_registers(wgs))
                 out.append(

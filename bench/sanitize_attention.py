@@ -4,7 +4,8 @@ backward (dQ by atomics or by TMA), alone and paired.
 
 Run on an sm_90 GPU, under the sanitizer:
 ``compute-sanitizer --tool memcheck python -m bench.sanitize_attention`` (and ``racecheck``;
-``--kernel-name regex:_ws_fwd|_bwd_dkdv|_bwd_delta`` keeps the sanitizer to these kernels).
+``--kernel-name regex:_ws_fwd|_bwd_dkdv|_bwd_delta`` keeps the sanitizer to these kernels);
+``python -m bench.sanitize_attention NAME ...``: only those of :data:`IMPLEMENTATIONS`.
 
 Varlen batches with lengths 0, 1, a block's worth plus and minus one and a few hundred, cross
 lengths with a sequence of no keys, GQA 4/2 heads, bf16 and fp16, head dims 64 and 128, full
@@ -14,6 +15,8 @@ implementation took, so that a sanitizer summary with no errors is known to have
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import ragged
@@ -22,12 +25,13 @@ from ragged import backends
 from .attention_variants import _ws_setting
 
 # ``name+setting``: the warp-specialised forward under a setting of bench.attention_variants'
-# WS_SETTINGS (ping-pong, two K/V stages at D=128, three consumers at D=64)
+# WS_SETTINGS (ping-pong, two K/V stages at D=128, three consumers at D=64, a persistent grid)
 IMPLEMENTATIONS = (
     "triton_sm90_ws",
     "triton_sm90_ws+pingpong",
     "triton_sm90_ws+stages2",
     "triton_sm90_ws+wg3",
+    "triton_sm90_ws+persistent",
     "triton_fused_bwd",
     "triton_sm90_fused_bwd",
     "triton_sm90_ws_fused_bwd",
@@ -44,10 +48,16 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"of {', '.join(IMPLEMENTATIONS)} (default: all)")
+    names = parser.parse_args(argv).names or list(IMPLEMENTATIONS)
+    unknown = [name for name in names if name not in IMPLEMENTATIONS]
+    if unknown:
+        parser.error(f"not an implementation it takes: {', '.join(unknown)}")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    taken = dict.fromkeys(IMPLEMENTATIONS, 0)
-    for name in IMPLEMENTATIONS:
+    taken = dict.fromkeys(names, 0)
+    for name in names:
         for dtype in (torch.bfloat16, torch.float16):
             for dim in (64, 128):
                 for causal in (False, True):

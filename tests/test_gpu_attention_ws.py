@@ -124,29 +124,52 @@ sys.path.insert(0, sys.argv[1])
 from gpu_attention_cases import _cu, _gen, _qkv
 from ragged.kernels.triton import attention, attention_ws
 
-lq = lk = [128, 129, 127, 0, 1, 3000, 255, 191, 193]
-cu_q, cu_k = _cu(lq), _cu(lk)
-steps = max(len(lq) - 1, 0).bit_length()
-# (name, ping-pong, K/V stages at D=128, consumers at D=64)
-settings = (("plain", False, 3, 2), ("pingpong", True, 3, 2), ("stages2", False, 2, 2), ("wg3", False, 3, 3))
+# Block edges, one long sequence; cross lengths; 300 short ones (0 to 300 tokens). A persistent grid
+# (a program per multiprocessor, 132 on an H200) takes 1-2, 2 and about 10 rounds of these tiles
+# (4 heads), some programs a round more than others.
+lengths = [128, 129, 127, 0, 1, 3000, 255, 191, 193]
+short = [(37 * i) % 301 for i in range(300)]
+batches = (
+    (lengths, lengths),
+    ([5, 700, 0, 64, 1, 129] * 6, [300, 1, 7, 0, 128, 2000] * 6),
+    (short, short[::-1]),
+)
+# (name, ping-pong, K/V stages at D=128, consumers at D=64, persistent)
+settings = (
+    ("plain", False, 3, 2, False),
+    ("pingpong", True, 3, 2, False),
+    ("stages2", False, 2, 2, False),
+    ("wg3", False, 3, 3, False),
+    ("persistent", False, 3, 2, True),
+    ("persistent-wg3", False, 3, 3, True),
+)
 for dim in (64, 128):
     for causal in (False, True):
-        q, k, v = _qkv(lq, lk, 4, 2, dim, torch.bfloat16, _gen("ws-turns", dim, causal))
-        rows = {}
-        for name, pingpong, stages, consumers in settings:
-            attention_ws.STAGES_D128, attention_ws.CONSUMERS_D64 = stages, consumers
-            cum = attention._block_cum(cu_q, attention_ws.block_m(dim))
-            out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            attention_ws.forward(q, k, v, out, lse, cu_q, cu_k, cum, steps, causal, dim**-0.5, pingpong=pingpong)
-            torch.cuda.synchronize()
-            rows[name] = (out, lse)
-        for name, *_ in settings[1:]:
-            if name == "wg3" and dim == 64:  # 64-key blocks: the same sums, rescaled elsewhere
-                torch.testing.assert_close(rows[name][0], rows["plain"][0], atol=1e-2, rtol=8e-3)
-                torch.testing.assert_close(rows[name][1], rows["plain"][1], atol=1e-5, rtol=1e-5)
-                continue
-            same = torch.equal(rows[name][0], rows["plain"][0]) and torch.equal(rows[name][1], rows["plain"][1])
-            assert same, f"D={dim} causal={causal}: {name} rows differ from the plain overlap"
+        for lq, lk in batches:
+            cu_q, cu_k = _cu(lq), _cu(lk)
+            steps = max(len(lq) - 1, 0).bit_length()
+            q, k, v = _qkv(lq, lk, 4, 2, dim, torch.bfloat16, _gen("ws-turns", dim, causal, len(lq)))
+            rows = {}
+            for name, pingpong, stages, consumers, persistent in settings:
+                attention_ws.STAGES_D128, attention_ws.CONSUMERS_D64 = stages, consumers
+                cum = attention._block_cum(cu_q, attention_ws.block_m(dim))
+                out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+                attention_ws.forward(
+                    q, k, v, out, lse, cu_q, cu_k, cum, steps, causal, dim**-0.5, pingpong=pingpong,
+                    persistent=persistent,
+                )
+                torch.cuda.synchronize()
+                rows[name] = (out, lse)
+            for name, *_ in settings[1:]:
+                # a persistent grid changes which program takes a tile, not the tile's sums
+                ref = "wg3" if name == "persistent-wg3" else "plain"
+                got, want = rows[name], rows[ref]
+                tag = f"D={dim} causal={causal} lengths={lq[:6]}: {name} rows differ from {ref}'s"
+                if name == "wg3" and dim == 64:  # 64-key blocks: the same sums, rescaled elsewhere
+                    torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=8e-3, msg=tag)
+                    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5, msg=tag)
+                else:
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tag
 print("ok")
 """
 
@@ -156,7 +179,9 @@ def test_ws_settings_give_the_same_rows(ws):
     at D=64 (192-row programs) change when products are issued, not what they add: the rows are
     bit-identical to the plain overlap's (which the tests above hold to the float64 reference);
     three consumers take 64-key blocks, so their rows are rescaled at other points: within a bf16
-    ulp, as the overlap test above. In a child process with a time limit: a turn protocol that
+    ulp, as the overlap test above. A persistent grid (a program per multiprocessor looping over
+    the tiles, with two or three consumers) gives each setting's rows bit for bit, on batches that
+    leave its programs different numbers of tiles. In a child process with a time limit: a turn protocol that
     deadlocks fails here instead of hanging the suite."""
     import os
     import subprocess

@@ -700,14 +700,19 @@ def _ensure_allocator() -> None:
 _SMS: dict = {}
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device`` (asked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def _programs(device: torch.device, interpreted: bool) -> int:
     """A persistent grid's size on ``device``."""
     if interpreted:
         return 3  # a few programs, each looping over several items (the loop is what is tested)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return PROGRAMS_PER_SM * _SMS[index]
+    return PROGRAMS_PER_SM * multiprocessors(device)
 
 
 def forward(

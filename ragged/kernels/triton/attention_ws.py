@@ -22,6 +22,11 @@ program's softmax never beside its products):
   (three consumers: 160 each, 32 left of 128).
 * **P from registers**: the probabilities are the A operand of the second product, never
   written to shared memory.
+* **A persistent grid** (:data:`PERSISTENT`, off by default): a program per multiprocessor
+  looping over the tiles, the sequences with the most keys first, in snake-ordered rounds. The
+  ring's blocks and the query tiles are counted across tiles (their barriers' phases run on);
+  the consumers hand the query tiles back (``q_empty``) once their last ``Q K^T`` is done, so the
+  next tile's queries and first key blocks load under this tile's last products and its stores.
 
 Descriptors are made per sequence on the device (as in :mod:`.attention_hopper`): tiles that
 reach past a sequence's end are zero-filled by the TMA unit, and nothing of a neighbouring
@@ -38,6 +43,7 @@ registers by ``setmaxnreg`` for the kernel, 240 for each of two consumers); test
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -49,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["block_m", "config", "forward", "max_registers"]
+__all__ = ["block_m", "config", "forward", "longest_first", "max_registers"]
 
 # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -74,6 +80,11 @@ CONSUMERS_D64 = 2
 # and the barriers, under the 232,448 of an H100/H200 SM), measured faster than 2 on an H200
 # (bench/results/attention_variants_ws_h200_f48f284.md). Read at each launch, as PINGPONG.
 STAGES_D128 = 3
+# A program per multiprocessor looping over the tiles, the sequences with the most keys first
+# (forward's ``persistent``), instead of a program per tile: each tile's prologue (the work-list
+# search, the descriptors, the query load) and epilogue (the stores) under another tile's
+# products. Off until measured faster; read at each launch, as PINGPONG (which it excludes).
+PERSISTENT = False
 
 
 def config(head_dim: int) -> tuple[int, int, int]:
@@ -124,8 +135,72 @@ def _rows_desc(base, start, stride_t, head, stride_h, rows, HEAD_DIM: gl.constex
 
 
 @gluon.jit
+def _tile(
+    t,
+    work,
+    GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SORTED: gl.constexpr,
+):
+    """Work tile ``t`` (``item * heads + head``): its sequence's token ranges, its head and key
+    head, its first query row and the key blocks it reads. ``SORTED``: the work list is in the
+    order of ``order`` (sequence ``order[b]`` is the work list's ``b``-th)."""
+    cu_q, cu_k, block_cum, order, batch, n_steps, heads = work
+    item = t // heads
+    h = t - item * heads
+    b = _find(block_cum, batch, n_steps, item)
+    m_blk = item - gl.load(block_cum + b)
+    if SORTED:
+        b = gl.load(order + b)
+    q_start = gl.load(cu_q + b).to(gl.int64)
+    k_start = gl.load(cu_k + b).to(gl.int64)
+    q_len = gl.load(cu_q + b + 1) - gl.load(cu_q + b)
+    k_len = gl.load(cu_k + b + 1) - gl.load(cu_k + b)
+    if CAUSAL:  # the heaviest (last) blocks of a sequence first
+        m_blk = (q_len + BLOCK_M - 1) // BLOCK_M - 1 - m_blk
+    row0 = m_blk * BLOCK_M
+    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+    if CAUSAL:  # keys up to the diagonal of the program's last row
+        last = gl.minimum(k_len, gl.maximum(row0 + BLOCK_M + k_len - q_len, 0))
+        n_blocks = (last + BLOCK_N - 1) // BLOCK_N
+    return q_start, q_len, k_start, k_len, h, h // GROUP, row0, n_blocks
+
+
+@gluon.jit
+def _schedule(work, PERSISTENT: gl.constexpr):
+    """``(first, rounds, step, n_work)``: this program's tiles, and the tiles in all. One program
+    per tile (grid ``(items, heads)``), or, ``PERSISTENT``, a program per multiprocessor taking one
+    tile of each round of ``step`` tiles in snake order (program ``p`` the ``p``-th in even rounds,
+    the ``p``-th from the end in odd ones): with the work list longest first, each program's sum
+    is close to the others'."""
+    heads = work[6]
+    n_work = gl.load(work[2] + work[4]) * heads  # block_cum[batch] query blocks, each head
+    if PERSISTENT:
+        step = gl.num_programs(0)
+        first = gl.program_id(0)
+        rounds = (n_work + step - 1) // step
+    else:
+        step = 1
+        first = gl.program_id(0) * heads + gl.program_id(1)
+        rounds = 1
+    return first, rounds, step, n_work
+
+
+@gluon.jit
+def _tile_of(first, r, step, PERSISTENT: gl.constexpr):
+    """Round ``r``'s tile of the program whose first tile is ``first``."""
+    t = first
+    if PERSISTENT:
+        t = r * step + first + (r & 1) * (step - 1 - 2 * first)
+    return t
+
+
+@gluon.jit
 def _loader(
-    args,
+    work,
+    tensors,
     smem,
     bars,
     out_args,
@@ -137,28 +212,56 @@ def _loader(
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
     CONSUMERS: gl.constexpr,
+    GROUP: gl.constexpr,
+    SORTED: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    """The loading warp: each consumer's query tile once, then each key block's K and V into the ring
-    (the consumers' signature: worker partitions share one)."""
-    (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
-     stride_vt, stride_vh) = args  # fmt: skip
+    """The loading warp: for each of the program's tiles, each consumer's query tile, then each key
+    block's K and V into the ring (the consumers' signature: worker partitions share one). The
+    ring's blocks and the query tiles are counted across tiles, so their barriers' phases run on."""
+    Q, K, V, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh = tensors
     q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, kv_empty, turns = bars
-    q_desc = _rows_desc(Q, q_start, stride_qt, h, stride_qh, gl.maximum(q_len, 1), HEAD_DIM, 64)
-    k_desc = _rows_desc(K, k_start, stride_kt, hk, stride_kh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
-    v_desc = _rows_desc(V, k_start, stride_vt, hk, stride_vh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for i in gl.static_range(CONSUMERS):
-        _tma_load(q_desc, [row0 + 64 * i, 0], q_bar, q_smem.index(i))
-    for j in range(n_blocks):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier counts as a completed phase 1
-        # K and V on barriers of their own: S_j = Q K_j^T starts once K_j is in, V_j still coming
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+    q_bar, q_empty, k_ready, v_ready, kv_empty, turns = bars
+    first, rounds, step, n_work = _schedule(work, PERSISTENT)
+    it = first * 0  # key blocks loaded by this program before the tile
+    done = first * 0  # tiles before this one
+    for r in range(rounds):
+        t = _tile_of(first, r, step, PERSISTENT)
+        if t < n_work:
+            q_start, q_len, k_start, k_len, h, hk, row0, n_blocks = _tile(
+                t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED
+            )
+            # the descriptors live in one global scratch slot per program: the previous tile's
+            # loads have all landed before they are rewritten (the end of this loop)
+            q_desc = _rows_desc(Q, q_start, stride_qt, h, stride_qh, gl.maximum(q_len, 1), HEAD_DIM, 64)
+            k_desc = _rows_desc(K, k_start, stride_kt, hk, stride_kh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
+            v_desc = _rows_desc(V, k_start, stride_vt, hk, stride_vh, gl.maximum(k_len, 1), HEAD_DIM, BLOCK_N)
+            # every consumer is done with the previous tile's queries (a fresh barrier counts as a
+            # completed phase 1)
+            mbarrier.wait(q_empty, (done & 1) ^ 1)
+            mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+            for i in gl.static_range(CONSUMERS):
+                _tma_load(q_desc, [row0 + 64 * i, 0], q_bar, q_smem.index(i))
+            for j in range(n_blocks):
+                s = (it + j) % STAGES
+                phase = ((it + j) // STAGES) & 1
+                mbarrier.wait(kv_empty.index(s), phase ^ 1)
+                # K and V on barriers of their own: S_j = Q K_j^T starts once K_j is in, V_j still coming
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+            if PERSISTENT:
+                # the loads still in flight: the query tile and the last STAGES blocks (each earlier
+                # block's stage came back through kv_empty, after its consumers waited for it)
+                mbarrier.wait(q_bar, done & 1)
+                for j in range(gl.maximum(n_blocks - STAGES, 0), n_blocks):
+                    s = (it + j) % STAGES
+                    phase = ((it + j) // STAGES) & 1
+                    mbarrier.wait(k_ready.index(s), phase)
+                    mbarrier.wait(v_ready.index(s), phase)
+            it += n_blocks
+            done += 1
 
 
 @gluon.jit
@@ -206,7 +309,8 @@ def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consume(
-    args,
+    work,
+    tensors,
     smem,
     bars,
     out_args,
@@ -218,14 +322,52 @@ def _consume(
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
     CONSUMERS: gl.constexpr,
+    GROUP: gl.constexpr,
+    SORTED: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    """One consumer warpgroup: query rows ``row0 + 64 * HALF ..`` against every key block of the
-    program, the online softmax in registers, O and the log-sum-exp stored at the end."""
-    (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
-     stride_vt, stride_vh) = args  # fmt: skip
+    """One consumer warpgroup: for each of the program's tiles, query rows ``row0 + 64 * HALF ..``
+    against every key block of the tile, the online softmax in registers, O and the log-sum-exp
+    stored at the end."""
+    first, rounds, step, n_work = _schedule(work, PERSISTENT)
+    it = first * 0  # the ring's blocks and the tiles before this one, as the loader counts them
+    done = first * 0
+    for r in range(rounds):
+        t = _tile_of(first, r, step, PERSISTENT)
+        if t < n_work:
+            tile = _tile(t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED)
+            _consume_tile(
+                tile, it, done, tensors, smem, bars, out_args, HALF, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP,
+                PINGPONG,
+            )  # fmt: skip
+            it += tile[7]
+            done += 1
+
+
+@gluon.jit
+def _consume_tile(
+    tile,
+    it,
+    done,
+    tensors,
+    smem,
+    bars,
+    out_args,
+    HALF: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    """One tile of one consumer: ``it`` key blocks and ``done`` tiles went through the ring and the
+    query tiles before it."""
+    q_start, q_len, k_start, k_len, h, hk, row0, n_blocks = tile
+    Q = tensors[0]
     O, LSE, stride_ot, stride_oh, heads, qk_scale = out_args
     q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, kv_empty, turns = bars
+    q_bar, q_empty, k_ready, v_ready, kv_empty, turns = bars
     dtype: gl.constexpr = Q.dtype.element_ty
     # the wgmma accumulators of one warpgroup: S [64, BLOCK_N] and O [64, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], [16, BLOCK_N, 16])
@@ -249,62 +391,70 @@ def _consume(
     l_i = gl.zeros([64], gl.float32, layout=s_rows)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     q = q_smem.index(HALF)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, done & 1)
     if OVERLAP:
         # S_j = Q K_j^T and P_{j-1} V_{j-1} issued back to back; the softmax of block j runs while
         # the second product is in flight (wgmma groups complete in order: waiting for all but
         # one leaves S_j done). acc is rescaled to block j's maximum once P_{j-1} V_{j-1} is in.
         # Under PINGPONG every issue (S_0; each S_j with P_{j-1} V_{j-1}; the last P V) is one
         # turn: n_blocks + 1 of them in each consumer, the same count in both (n_blocks is the
-        # program's), so the alternation never waits for a turn that does not come.
+        # tile's), so the alternation never waits for a turn that does not come (one tile per
+        # program: ping-pong is not persistent).
         if n_blocks > 0:
-            mbarrier.wait(k_ready.index(0), 0)
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
             zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
             _my_turn(turns, 0, HALF, PINGPONG)
-            scores = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
             _pass_turn(turns, HALF, PINGPONG)
             scores = warpgroup_mma_wait(0, deps=[scores])
+            if n_blocks == 1:  # the last product that reads the queries is done
+                mbarrier.arrive(q_empty, count=1)
             scores = _masked(scores, 0, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
             p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_blocks):
-                s = j % STAGES
-                before = (j - 1) % STAGES
-                mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
+                s = (it + j) % STAGES
+                before = (it + j - 1) % STAGES
+                mbarrier.wait(k_ready.index(s), ((it + j) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(before), ((it + j - 1) // STAGES) & 1)
                 zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
                 _my_turn(turns, j, HALF, PINGPONG)
                 scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
                 _pass_turn(turns, HALF, PINGPONG)
                 scores = warpgroup_mma_wait(1, deps=[scores])
+                if j == n_blocks - 1:
+                    mbarrier.arrive(q_empty, count=1)
                 scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
                 p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
                 acc, p_prev = warpgroup_mma_wait(0, deps=[acc, p_prev])
                 mbarrier.arrive(kv_empty.index(before), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 p_prev = gl.convert_layout(p.to(dtype), p_layout)
-            last = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+            last = (it + n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
             _my_turn(turns, n_blocks, HALF, PINGPONG)
             acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
             _pass_turn(turns, HALF, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(q_empty, count=1)
     else:
         for j in range(n_blocks):
-            s = j % STAGES
-            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            s = (it + j) % STAGES
+            mbarrier.wait(k_ready.index(s), ((it + j) // STAGES) & 1)
             zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
             scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             scores = warpgroup_mma_wait(0, deps=[scores])
             scores = _masked(scores, j, full, k_len, rows, shift, s_cols, BLOCK_N, CAUSAL)
             p, alpha, l_i, m_i = _online_softmax(scores, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(s), ((it + j) // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(s), count=1)
+        mbarrier.arrive(q_empty, count=1)
 
     seen = l_i > 0
     denominator = gl.convert_layout(gl.where(seen, l_i, 1.0), o_rows)
@@ -329,6 +479,7 @@ def _ws_fwd_kernel(
     cu_q,
     cu_k,
     block_cum,
+    order,
     batch,
     n_steps,
     qk_scale,
@@ -350,73 +501,68 @@ def _ws_fwd_kernel(
     PINGPONG: gl.constexpr,
     CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    SORTED: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False,
 ):
-    BLOCK_M: gl.constexpr = 64 * CONSUMERS
-    item = gl.program_id(0)
-    h = gl.program_id(1)
-    if item < gl.load(block_cum + batch):
-        b = _find(block_cum, batch, n_steps, item)
-        q_start = gl.load(cu_q + b).to(gl.int64)
-        k_start = gl.load(cu_k + b).to(gl.int64)
-        q_len = gl.load(cu_q + b + 1) - gl.load(cu_q + b)
-        k_len = gl.load(cu_k + b + 1) - gl.load(cu_k + b)
-        m_blk = item - gl.load(block_cum + b)
-        if CAUSAL:  # the heaviest (last) blocks of a sequence first
-            m_blk = (q_len + BLOCK_M - 1) // BLOCK_M - 1 - m_blk
-        row0 = m_blk * BLOCK_M
-        hk = h // GROUP
-        n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
-        if CAUSAL:  # keys up to the diagonal of the program's last row
-            last = gl.minimum(k_len, gl.maximum(row0 + BLOCK_M + k_len - q_len, 0))
-            n_blocks = (last + BLOCK_N - 1) // BLOCK_N
+    """Grid ``(items, heads)``, a tile (one query block of one head) per program, or, ``PERSISTENT``,
+    one program per multiprocessor looping over the tiles (:func:`_schedule`): the next tile's
+    query and first key blocks load under the current tile's last products and its stores."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)  # every consumer releases the query tiles
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    fence_async_shared()
 
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
-        for i in gl.static_range(2):
-            mbarrier.init(turns.index(i), count=1)
-        fence_async_shared()
-
-        args = (Q, K, V, q_start, q_len, k_start, k_len, h, hk, row0, n_blocks, stride_qt, stride_qh, stride_kt,
-                stride_kh, stride_vt, stride_vh)  # fmt: skip
-        smem = (q_smem, k_smem, v_smem)
-        bars = (q_bar, k_ready, v_ready, kv_empty, turns)
-        outs = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
-        # the partitions' functions written in the call: Gluon takes no function held in a variable
-        if CONSUMERS == 3:  # no ping-pong: its turns are two consumers'
-            gl.warp_specialize(
-                [
-                    (_loader, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
-                    (_consume, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
-                    (_consume, (args, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
-                    (_consume, (args, smem, bars, outs, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3)),
-                ],
-                [4, 4, 4],
-                [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_loader, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
-                    (_consume, (args, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
-                    (_consume, (args, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG, 2)),
-                ],
-                [4, 4],
-                [CONSUMER_REGS, CONSUMER_REGS],
-            )
+    work = (cu_q, cu_k, block_cum, order, batch, n_steps, heads)
+    tensors = (Q, K, V, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh)
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_bar, q_empty, k_ready, v_ready, kv_empty, turns)
+    outs = (O, LSE, stride_ot, stride_oh, heads, qk_scale)
+    # the partitions' functions written in the call: Gluon takes no function held in a variable
+    if CONSUMERS == 3:  # no ping-pong: its turns are two consumers'
+        gl.warp_specialize(
+            [
+                (_loader, (work, tensors, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3,
+                           GROUP, SORTED, PERSISTENT)),
+                (_consume, (work, tensors, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3,
+                            GROUP, SORTED, PERSISTENT)),
+                (_consume, (work, tensors, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3,
+                            GROUP, SORTED, PERSISTENT)),
+                (_consume, (work, tensors, smem, bars, outs, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, False, 3,
+                            GROUP, SORTED, PERSISTENT)),
+            ],
+            [4, 4, 4],
+            [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_loader, (work, tensors, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                           2, GROUP, SORTED, PERSISTENT)),
+                (_consume, (work, tensors, smem, bars, outs, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP,
+                            PINGPONG, 2, GROUP, SORTED, PERSISTENT)),
+                (_consume, (work, tensors, smem, bars, outs, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP,
+                            PINGPONG, 2, GROUP, SORTED, PERSISTENT)),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, CONSUMER_REGS],
+        )  # fmt: skip
 
 
 def forward(
@@ -433,24 +579,36 @@ def forward(
     scale: float,
     overlap: bool = True,
     pingpong: bool | None = None,
+    persistent: bool | None = None,
 ) -> None:
     """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
     ``block_cum`` of :func:`block_m`-row query blocks and its search depth ``n_steps``).
     ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
     ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
-    only with ``overlap`` and two consumers)."""
-    from .attention_hopper import _ensure_allocator
+    only with ``overlap`` and two consumers, one tile per program); ``persistent``: a program per
+    multiprocessor looping over the tiles (default :data:`PERSISTENT`), on a work list of the
+    sequences with the most keys first, made here from ``cu_q`` and ``cu_k`` (``block_cum`` unused)."""
+    from .attention_hopper import _ensure_allocator, multiprocessors
 
     block_n, stages, consumers = config(q.shape[-1])
-    pingpong = PINGPONG and consumers == 2 if pingpong is None else pingpong
+    persistent = PERSISTENT if persistent is None else persistent
+    pingpong = PINGPONG and consumers == 2 and not persistent if pingpong is None else pingpong
     if pingpong and not overlap:
         raise ValueError("attention_ws.forward: pingpong=True needs overlap=True, got overlap=False")
     if pingpong and consumers != 2:
         raise ValueError(f"attention_ws.forward: pingpong=True takes two consumers, got {consumers}")
+    if pingpong and persistent:
+        raise ValueError("attention_ws.forward: pingpong=True runs one tile per program, got persistent=True")
     _ensure_allocator()
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
     items = triton.cdiv(q.shape[0], 64 * consumers) + batch  # an upper bound of the work list (no sync)
-    _ws_fwd_kernel[(items, heads)](
+    order = cu_q
+    if persistent:
+        order, block_cum = longest_first(cu_q, cu_k, 64 * consumers)
+        grid: tuple[int, ...] = (min(items * heads, multiprocessors(q.device)),)
+    else:
+        grid = (items, heads)
+    _ws_fwd_kernel[grid](
         q,
         k,
         v,
@@ -459,6 +617,7 @@ def forward(
         cu_q,
         cu_k,
         block_cum,
+        order,
         batch,
         n_steps,
         scale * 1.4426950408889634,
@@ -480,6 +639,20 @@ def forward(
         PINGPONG=pingpong,
         CONSUMERS=consumers,
         CONSUMER_REGS=_REGISTERS[consumers][1],
+        SORTED=persistent,
+        PERSISTENT=persistent,
         num_warps=4,
         maxnreg=_REGISTERS[consumers][0],
     )
+
+
+def longest_first(cu_q, cu_k, block: int):
+    """``(order, block_cum)``: the sequences by their key counts, most first (int32 ``[B]``), and
+    the work list of ``block``-row query blocks in that order (``[B+1]``), on the device, without
+    a sync. A persistent grid hands its tiles out in rounds in this order, so that each round's
+    tiles cost about the same."""
+    order = torch.argsort(cu_k[1:] - cu_k[:-1], descending=True, stable=True)
+    blocks = ((cu_q[1:] - cu_q[:-1])[order] + (block - 1)) // block
+    cum = torch.zeros(cu_q.shape[0], dtype=torch.int32, device=cu_q.device)
+    torch.cumsum(blocks, 0, out=cum[1:])
+    return order.to(torch.int32), cum
