@@ -8,8 +8,10 @@ Run on a GPU, e.g. the warp-specialised forward beside the TMA one::
         --section WarpStateStats --metrics sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active \\
         python -m bench.ncu_attention --impl triton_sm90_ws triton_sm90 [--dim 128] [--causal] [--backward]
 
-Each implementation named runs once in the profiled range, in the order given (``ragged.backends.prefer``);
-one that the call would not take is refused with its reasons before anything runs.
+Each implementation named runs once in the profiled range, in the order given (``ragged.backends.prefer``;
+``name+setting``: under a setting of ``bench.attention_variants.WS_SETTINGS``, e.g.
+``triton_sm90_ws+persistent``); one that the call would not take is refused with its reasons
+before anything runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 import ragged
 from ragged import backends
+
+from .attention_variants import _ws_setting
 
 
 def main(argv=None) -> int:
@@ -46,15 +50,16 @@ def main(argv=None) -> int:
             torch.autograd.grad(out, (q, k, v), do)
 
     for name in args.impl:
-        with backends.prefer("attention", name):
+        impl = name.partition("+")[0]
+        with backends.prefer("attention", impl), _ws_setting(name):
             why = ragged.explain("attention", q, k, v, cu, cu, longest, longest, args.causal, 0.0, args.backward)
-            if why.chosen != name:
+            if why.chosen != impl:
                 raise SystemExit(f"bench.ncu_attention: {name} does not take this call: {why}")
             call()  # compiles, outside the profiled range
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for name in args.impl:
-        with backends.prefer("attention", name):
+        with backends.prefer("attention", name.partition("+")[0]), _ws_setting(name):
             call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()

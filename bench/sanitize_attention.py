@@ -4,7 +4,7 @@ backward (dQ by atomics or by TMA), alone and paired.
 
 Run on an sm_90 GPU, under the sanitizer:
 ``compute-sanitizer --tool memcheck python -m bench.sanitize_attention`` (and ``racecheck``;
-``--kernel-name regex:_ws_fwd|_bwd_dkdv|_bwd_delta`` keeps the sanitizer to these kernels);
+``--kernel-name regex=_ws_fwd|_bwd_dkdv|_bwd_delta`` keeps the sanitizer to these kernels);
 ``python -m bench.sanitize_attention NAME ...``: only those of :data:`IMPLEMENTATIONS`.
 
 Varlen batches with lengths 0, 1, a block's worth plus and minus one and a few hundred, cross

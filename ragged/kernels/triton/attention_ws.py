@@ -137,6 +137,7 @@ def _rows_desc(base, start, stride_t, head, stride_h, rows, HEAD_DIM: gl.constex
 @gluon.jit
 def _tile(
     t,
+    n_items,
     work,
     GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -144,12 +145,14 @@ def _tile(
     CAUSAL: gl.constexpr,
     SORTED: gl.constexpr,
 ):
-    """Work tile ``t`` (``item * heads + head``): its sequence's token ranges, its head and key
-    head, its first query row and the key blocks it reads. ``SORTED``: the work list is in the
-    order of ``order`` (sequence ``order[b]`` is the work list's ``b``-th)."""
+    """Work tile ``t`` (``head * n_items + item``, the order in which a grid ``(items, heads)``
+    starts its programs: one head's query blocks side by side, which read the same keys, held
+    in the L2): its sequence's token ranges, its head and key head, its first query row and the
+    key blocks it reads. ``SORTED``: the work list is in the order of ``order`` (sequence
+    ``order[b]`` is the work list's ``b``-th)."""
     cu_q, cu_k, block_cum, order, batch, n_steps, heads = work
-    item = t // heads
-    h = t - item * heads
+    h = t // n_items
+    item = t - h * n_items
     b = _find(block_cum, batch, n_steps, item)
     m_blk = item - gl.load(block_cum + b)
     if SORTED:
@@ -170,22 +173,26 @@ def _tile(
 
 @gluon.jit
 def _schedule(work, PERSISTENT: gl.constexpr):
-    """``(first, rounds, step, n_work)``: this program's tiles, and the tiles in all. One program
-    per tile (grid ``(items, heads)``), or, ``PERSISTENT``, a program per multiprocessor taking one
+    """``(first, rounds, step, n_items, n_work)``: this program's tiles, the query blocks and the
+    tiles in all (a first tile of ``n_work``: none). One program per tile (grid ``(items, heads)``,
+    ``items`` at least the query blocks), or, ``PERSISTENT``, a program per multiprocessor taking one
     tile of each round of ``step`` tiles in snake order (program ``p`` the ``p``-th in even rounds,
     the ``p``-th from the end in odd ones): with the work list longest first, each program's sum
     is close to the others'."""
-    heads = work[6]
-    n_work = gl.load(work[2] + work[4]) * heads  # block_cum[batch] query blocks, each head
+    n_items = gl.load(work[2] + work[4])  # block_cum[batch]
+    n_work = n_items * work[6]  # each head
     if PERSISTENT:
         step = gl.num_programs(0)
         first = gl.program_id(0)
         rounds = (n_work + step - 1) // step
     else:
         step = 1
-        first = gl.program_id(0) * heads + gl.program_id(1)
+        item = gl.program_id(0)
+        first = gl.program_id(1) * n_items + item
+        if item >= n_items:
+            first = n_work
         rounds = 1
-    return first, rounds, step, n_work
+    return first, rounds, step, n_items, n_work
 
 
 @gluon.jit
@@ -222,14 +229,14 @@ def _loader(
     Q, K, V, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh = tensors
     q_smem, k_smem, v_smem = smem
     q_bar, q_empty, k_ready, v_ready, kv_empty, turns = bars
-    first, rounds, step, n_work = _schedule(work, PERSISTENT)
+    first, rounds, step, n_items, n_work = _schedule(work, PERSISTENT)
     it = first * 0  # key blocks loaded by this program before the tile
     done = first * 0  # tiles before this one
     for r in range(rounds):
         t = _tile_of(first, r, step, PERSISTENT)
         if t < n_work:
             q_start, q_len, k_start, k_len, h, hk, row0, n_blocks = _tile(
-                t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED
+                t, n_items, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED
             )
             # the descriptors live in one global scratch slot per program: the previous tile's
             # loads have all landed before they are rewritten (the end of this loop)
@@ -329,13 +336,13 @@ def _consume(
     """One consumer warpgroup: for each of the program's tiles, query rows ``row0 + 64 * HALF ..``
     against every key block of the tile, the online softmax in registers, O and the log-sum-exp
     stored at the end."""
-    first, rounds, step, n_work = _schedule(work, PERSISTENT)
+    first, rounds, step, n_items, n_work = _schedule(work, PERSISTENT)
     it = first * 0  # the ring's blocks and the tiles before this one, as the loader counts them
     done = first * 0
     for r in range(rounds):
         t = _tile_of(first, r, step, PERSISTENT)
         if t < n_work:
-            tile = _tile(t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED)
+            tile = _tile(t, n_items, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED)
             _consume_tile(
                 tile, it, done, tensors, smem, bars, out_args, HALF, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP,
                 PINGPONG,
