@@ -185,17 +185,18 @@ register(
 
 
 # The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
-# consumer warpgroups over a ring of three K/V stages at head dim 128), with the portable
-# backward: no window, dropout or position bias, not under the interpreter. "auto" takes it at
-# head dim 128 from a longest query of ws_min_len() tokens: the H200 sweep
-# (bench/results/attention_sweep_ws_h200_5432028.md, about 32k tokens in lengths of [L/2, L])
-# measured it the fastest forward there from L = 1024 without a mask (331 against 322 TF/s for
-# the portable one, 505 against 456 for the TMA one at 4096) and from L = 2048 under a causal
-# mask (326 against 324, 439 against 386 at 4096); the thresholds sit between the measured
-# points. At head dim 64 it was slower than the TMA forward at every length: taken there only
-# where preferred.
-WS_MIN_LEN_D128_FULL = 768
-WS_MIN_LEN_D128_CAUSAL = 1536
+# consumer warpgroups over a ring of three K/V stages at head dim 128, a persistent grid up to a
+# mean length), with the portable backward: no window, dropout or position bias, not under the
+# interpreter. "auto" takes it at head dim 128 from a longest query of ws_min_len() tokens: the
+# H200 sweep with the persistent grid (bench/results/attention_sweep_ws_h200_a841e34.md, about
+# 32k tokens in lengths of [L/2, L], kernel times) measured it the fastest forward at every L
+# from 128, by a few percent at L = 128 and 256 (145 against 134 TF/s for the portable one at
+# 256) and by 14-20% from L = 512 (265 against 233, 157 against 131 causal); the threshold sits
+# between 256 and 512, where the launch's few more host operations (the sort of the work list)
+# cost less than the kernel gains. At head dim 64 it was at best level with the TMA forward
+# below L = 4096: taken there only where preferred.
+WS_MIN_LEN_D128_FULL = 384
+WS_MIN_LEN_D128_CAUSAL = 384
 
 
 def ws_min_len(head_dim: int, causal: bool) -> int | None:

@@ -22,7 +22,7 @@ program's softmax never beside its products):
   (three consumers: 160 each, 32 left of 128).
 * **P from registers**: the probabilities are the A operand of the second product, never
   written to shared memory.
-* **A persistent grid** (:data:`PERSISTENT`, off by default): a program per multiprocessor
+* **A persistent grid** (:data:`PERSISTENT`, on up to a mean length): a program per multiprocessor
   looping over the tiles, the sequences with the most keys first, in snake-ordered rounds. The
   ring's blocks and the query tiles are counted across tiles (their barriers' phases run on);
   the consumers hand the query tiles back (``q_empty``) once their last ``Q K^T`` is done, so the
@@ -83,8 +83,14 @@ STAGES_D128 = 3
 # A program per multiprocessor looping over the tiles, the sequences with the most keys first
 # (forward's ``persistent``), instead of a program per tile: each tile's prologue (the work-list
 # search, the descriptors, the query load) and epilogue (the stores) under another tile's
-# products. Off until measured faster; read at each launch, as PINGPONG (which it excludes).
-PERSISTENT = False
+# products. On an H200 (bench/results/attention_variants_ws_h200_a841e34.md) it was faster on
+# case (c) (16 sequences of 256..4096: 569 against 531 TF/s at D=128, 461 against 420 causal, 394
+# against 361 at D=64) and on the sweep's batches of [L/2, L] tokens up to L = 2048, slower on
+# those of L = 4096 (516 against 558): taken while the batch's mean query length is at most
+# PERSISTENT_MAX_MEAN (case (c)'s is 2392, the L = 4096 batches' about 3072). Read at each launch,
+# as PINGPONG (which it excludes).
+PERSISTENT = True
+PERSISTENT_MAX_MEAN = 2560
 
 
 def config(head_dim: int) -> tuple[int, int, int]:
@@ -137,7 +143,6 @@ def _rows_desc(base, start, stride_t, head, stride_h, rows, HEAD_DIM: gl.constex
 @gluon.jit
 def _tile(
     t,
-    n_items,
     work,
     GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -145,14 +150,12 @@ def _tile(
     CAUSAL: gl.constexpr,
     SORTED: gl.constexpr,
 ):
-    """Work tile ``t`` (``head * n_items + item``, the order in which a grid ``(items, heads)``
-    starts its programs: one head's query blocks side by side, which read the same keys, held
-    in the L2): its sequence's token ranges, its head and key head, its first query row and the
-    key blocks it reads. ``SORTED``: the work list is in the order of ``order`` (sequence
-    ``order[b]`` is the work list's ``b``-th)."""
+    """Work tile ``t`` (``item * heads + head``): its sequence's token ranges, its head and key
+    head, its first query row and the key blocks it reads. ``SORTED``: the work list is in the
+    order of ``order`` (sequence ``order[b]`` is the work list's ``b``-th)."""
     cu_q, cu_k, block_cum, order, batch, n_steps, heads = work
-    h = t // n_items
-    item = t - h * n_items
+    item = t // heads
+    h = t - item * heads
     b = _find(block_cum, batch, n_steps, item)
     m_blk = item - gl.load(block_cum + b)
     if SORTED:
@@ -173,26 +176,22 @@ def _tile(
 
 @gluon.jit
 def _schedule(work, PERSISTENT: gl.constexpr):
-    """``(first, rounds, step, n_items, n_work)``: this program's tiles, the query blocks and the
-    tiles in all (a first tile of ``n_work``: none). One program per tile (grid ``(items, heads)``,
-    ``items`` at least the query blocks), or, ``PERSISTENT``, a program per multiprocessor taking one
+    """``(first, rounds, step, n_work)``: this program's tiles, and the tiles in all. One program
+    per tile (grid ``(items, heads)``), or, ``PERSISTENT``, a program per multiprocessor taking one
     tile of each round of ``step`` tiles in snake order (program ``p`` the ``p``-th in even rounds,
     the ``p``-th from the end in odd ones): with the work list longest first, each program's sum
     is close to the others'."""
-    n_items = gl.load(work[2] + work[4])  # block_cum[batch]
-    n_work = n_items * work[6]  # each head
+    heads = work[6]
+    n_work = gl.load(work[2] + work[4]) * heads  # block_cum[batch] query blocks, each head
     if PERSISTENT:
         step = gl.num_programs(0)
         first = gl.program_id(0)
         rounds = (n_work + step - 1) // step
     else:
         step = 1
-        item = gl.program_id(0)
-        first = gl.program_id(1) * n_items + item
-        if item >= n_items:
-            first = n_work
+        first = gl.program_id(0) * heads + gl.program_id(1)
         rounds = 1
-    return first, rounds, step, n_items, n_work
+    return first, rounds, step, n_work
 
 
 @gluon.jit
@@ -229,14 +228,14 @@ def _loader(
     Q, K, V, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh = tensors
     q_smem, k_smem, v_smem = smem
     q_bar, q_empty, k_ready, v_ready, kv_empty, turns = bars
-    first, rounds, step, n_items, n_work = _schedule(work, PERSISTENT)
+    first, rounds, step, n_work = _schedule(work, PERSISTENT)
     it = first * 0  # key blocks loaded by this program before the tile
     done = first * 0  # tiles before this one
     for r in range(rounds):
         t = _tile_of(first, r, step, PERSISTENT)
         if t < n_work:
             q_start, q_len, k_start, k_len, h, hk, row0, n_blocks = _tile(
-                t, n_items, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED
+                t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED
             )
             # the descriptors live in one global scratch slot per program: the previous tile's
             # loads have all landed before they are rewritten (the end of this loop)
@@ -336,13 +335,13 @@ def _consume(
     """One consumer warpgroup: for each of the program's tiles, query rows ``row0 + 64 * HALF ..``
     against every key block of the tile, the online softmax in registers, O and the log-sum-exp
     stored at the end."""
-    first, rounds, step, n_items, n_work = _schedule(work, PERSISTENT)
+    first, rounds, step, n_work = _schedule(work, PERSISTENT)
     it = first * 0  # the ring's blocks and the tiles before this one, as the loader counts them
     done = first * 0
     for r in range(rounds):
         t = _tile_of(first, r, step, PERSISTENT)
         if t < n_work:
-            tile = _tile(t, n_items, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED)
+            tile = _tile(t, work, GROUP, 64 * CONSUMERS, BLOCK_N, CAUSAL, SORTED)
             _consume_tile(
                 tile, it, done, tensors, smem, bars, out_args, HALF, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP,
                 PINGPONG,
@@ -593,13 +592,18 @@ def forward(
     ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
     ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
     only with ``overlap`` and two consumers, one tile per program); ``persistent``: a program per
-    multiprocessor looping over the tiles (default :data:`PERSISTENT`), on a work list of the
-    sequences with the most keys first, made here from ``cu_q`` and ``cu_k`` (``block_cum`` unused)."""
+    multiprocessor looping over the tiles (default: :data:`PERSISTENT` for a batch of a mean
+    query length up to :data:`PERSISTENT_MAX_MEAN`, without ping-pong), on a work list of the
+    sequences with the most keys first, made here from ``cu_q`` and ``cu_k`` (``block_cum``
+    unused)."""
     from .attention_hopper import _ensure_allocator, multiprocessors
 
     block_n, stages, consumers = config(q.shape[-1])
-    persistent = PERSISTENT if persistent is None else persistent
-    pingpong = PINGPONG and consumers == 2 and not persistent if pingpong is None else pingpong
+    batch, heads = cu_q.shape[0] - 1, q.shape[1]
+    if pingpong is None:
+        pingpong = PINGPONG and consumers == 2 and not persistent
+    if persistent is None:
+        persistent = PERSISTENT and not pingpong and q.shape[0] <= PERSISTENT_MAX_MEAN * max(batch, 1)
     if pingpong and not overlap:
         raise ValueError("attention_ws.forward: pingpong=True needs overlap=True, got overlap=False")
     if pingpong and consumers != 2:
@@ -607,7 +611,6 @@ def forward(
     if pingpong and persistent:
         raise ValueError("attention_ws.forward: pingpong=True runs one tile per program, got persistent=True")
     _ensure_allocator()
-    batch, heads = cu_q.shape[0] - 1, q.shape[1]
     items = triton.cdiv(q.shape[0], 64 * consumers) + batch  # an upper bound of the work list (no sync)
     order = cu_q
     if persistent:
