@@ -2,6 +2,8 @@
 # The whole GPU test suite (pytest -m gpu) on one machine, in two parts run one after the other, with
 # the ahead-of-time build installed first; the log names the tree, the GPUs and the host CPU.
 #   bash bench/gpu_suite.sh TREE LOG [part]    part: a | b | all (default)
+# RAGGED_SUITE_BUILT=1: ragged._C is already built and installed (two parts run at once on two
+# GPUs, each with CUDA_VISIBLE_DEVICES set, must not build it at the same time).
 # Part a: the kernel tests (attention, pack, pool, vocab, aot); part b: every other -m gpu test.
 set -u
 tree=${1:?tree}
@@ -14,7 +16,9 @@ cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
 vers=$(python3 -c "import torch, triton, transformers, sentence_transformers as s; print(f'torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, sentence-transformers {s.__version__}')")
 echo "# GPU tests at $tree on $gpus x $name, host CPU $cpu ($(nproc) cores), $vers" | tee -a "$log"
 start=$(date +%s)
-RAGGED_BUILD_CUDA=1 RAGGED_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . >>"$log" 2>&1
+if [ -z "${RAGGED_SUITE_BUILT:-}" ]; then
+    RAGGED_BUILD_CUDA=1 RAGGED_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . >>"$log" 2>&1
+fi
 python3 -c "import ragged._C as C; print('ragged._C built, sm', C.archs())" 2>&1 | tee -a "$log"
 workers=$(( $(nproc) - 1 ))
 (( workers > 15 )) && workers=15  # one H200 takes about 15 workers (more GPUs: the tests use the first)
