@@ -22,7 +22,7 @@ program's softmax never beside its products):
   (three consumers: 160 each, 32 left of 128).
 * **P from registers**: the probabilities are the A operand of the second product, never
   written to shared memory.
-* **A persistent grid** (:data:`PERSISTENT`, on up to a mean length): a program per multiprocessor
+* **A persistent grid** (:data:`PERSISTENT`, on by default): a program per multiprocessor
   looping over the tiles, the sequences with the most keys first, in snake-ordered rounds. The
   ring's blocks and the query tiles are counted across tiles (their barriers' phases run on);
   the consumers hand the query tiles back (``q_empty``) once their last ``Q K^T`` is done, so the
@@ -83,14 +83,12 @@ STAGES_D128 = 3
 # A program per multiprocessor looping over the tiles, the sequences with the most keys first
 # (forward's ``persistent``), instead of a program per tile: each tile's prologue (the work-list
 # search, the descriptors, the query load) and epilogue (the stores) under another tile's
-# products. On an H200 (bench/results/attention_variants_ws_h200_a841e34.md) it was faster on
-# case (c) (16 sequences of 256..4096: 569 against 531 TF/s at D=128, 461 against 420 causal, 394
-# against 361 at D=64) and on the sweep's batches of [L/2, L] tokens up to L = 2048, slower on
-# those of L = 4096 (516 against 558): taken while the batch's mean query length is at most
-# PERSISTENT_MAX_MEAN (case (c)'s is 2392, the L = 4096 batches' about 3072). Read at each launch,
-# as PINGPONG (which it excludes).
+# products. On an H200, five interleaved rounds each (bench/results/ws_persistent_ab_h200_5d41d90.md)
+# it was as fast or faster on every batch measured: case (c) and about 32k tokens of lengths in
+# [L/2, L] for L = 512 to 4096, both head dims, full and causal (0.65-1.005 of the time; level at
+# D=128 on case (c) and on [2048, 4096], 26% faster on [256, 512] causal). Read at each launch,
+# as PINGPONG (which it excludes: ping-pong runs one tile per program).
 PERSISTENT = True
-PERSISTENT_MAX_MEAN = 2560
 
 
 def config(head_dim: int) -> tuple[int, int, int]:
@@ -592,10 +590,9 @@ def forward(
     ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
     ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
     only with ``overlap`` and two consumers, one tile per program); ``persistent``: a program per
-    multiprocessor looping over the tiles (default: :data:`PERSISTENT` for a batch of a mean
-    query length up to :data:`PERSISTENT_MAX_MEAN`, without ping-pong), on a work list of the
-    sequences with the most keys first, made here from ``cu_q`` and ``cu_k`` (``block_cum``
-    unused)."""
+    multiprocessor looping over the tiles (default: :data:`PERSISTENT`, without ping-pong), on a
+    work list of the sequences with the most keys first, made here from ``cu_q`` and ``cu_k``
+    (``block_cum`` unused)."""
     from .attention_hopper import _ensure_allocator, multiprocessors
 
     block_n, stages, consumers = config(q.shape[-1])
@@ -603,7 +600,7 @@ def forward(
     if pingpong is None:
         pingpong = PINGPONG and consumers == 2 and not persistent
     if persistent is None:
-        persistent = PERSISTENT and not pingpong and q.shape[0] <= PERSISTENT_MAX_MEAN * max(batch, 1)
+        persistent = PERSISTENT and not pingpong
     if pingpong and not overlap:
         raise ValueError("attention_ws.forward: pingpong=True needs overlap=True, got overlap=False")
     if pingpong and consumers != 2:
