@@ -373,10 +373,9 @@ def _warp_specialised(arch: int) -> list[dict]:
     for head_dim in (64, 128):
         for causal in (False, True):
             bn, stages, consumers = ws.config(head_dim)
-            # the launch default, then the consumers in ping-pong, then (D=128) two K/V stages or
-            # (D=64) three consumers
+            # the launch default (the persistent grid, ws.PERSISTENT), then the consumers in
+            # ping-pong (a program per tile), then (D=128) two K/V stages or (D=64) three consumers
             variants = [("plain", bn, stages, False, consumers), ("pingpong", bn, stages, True, 2)]
-            variants.append(("persistent", bn, stages, False, consumers))
             if head_dim == 128:
                 variants.append(("stages2", bn, 2, False, consumers))
             else:
@@ -396,8 +395,8 @@ def _warp_specialised(arch: int) -> list[dict]:
                     PINGPONG=pingpong,
                     CONSUMERS=wgs,
                     CONSUMER_REGS=ws._REGISTERS[wgs][1],
-                    SORTED=variant == "persistent",
-                    PERSISTENT=variant == "persistent",
+                    SORTED=ws.PERSISTENT and not pingpong,
+                    PERSISTENT=ws.PERSISTENT and not pingpong,
                 )
                 compiled = compile_for(ws._ws_fwd_kernel, constants, arch, 4, 1, maxnreg=ws.max_registers(wgs))
                 out.append(
