@@ -185,8 +185,8 @@ register(
 
 
 # The warp-specialised sm_90 forward (attention_ws.py, Gluon: a loading warpgroup and two
-# consumer warpgroups over a ring of three K/V stages at head dim 128, a persistent grid up to a
-# mean length), with the portable backward: no window, dropout or position bias, not under the
+# consumer warpgroups over a ring of three K/V stages at head dim 128, a persistent grid), with
+# the portable backward: no window, dropout or position bias, not under the
 # interpreter. "auto" takes it at head dim 128 from a longest query of ws_min_len() tokens: the
 # H200 sweep with the persistent grid (bench/results/attention_sweep_ws_h200_a841e34.md, about
 # 32k tokens in lengths of [L/2, L], kernel times) measured it the fastest forward at every L

@@ -218,9 +218,9 @@ def forward_sm90_ws(args: AttentionArgs) -> AttentionOutput:
     batch = cu_q.shape[0] - 1
     if total_q == 0 or batch == 0:
         return AttentionOutput(out, lse)
-    cum = _block_cum(cu_q, attention_ws.block_m(q.shape[-1]))
+    # the work list made by forward: a persistent grid's is sorted, which this one would not be
     attention_ws.forward(
-        q, k, v, out, lse, cu_q, cu_k, cum, max(batch - 1, 0).bit_length(), args.causal, args.scale
+        q, k, v, out, lse, cu_q, cu_k, None, max(batch - 1, 0).bit_length(), args.causal, args.scale
     )  # fmt: skip
     return AttentionOutput(out, lse)
 

@@ -585,14 +585,16 @@ def forward(
     pingpong: bool | None = None,
     persistent: bool | None = None,
 ) -> None:
-    """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the work list
-    ``block_cum`` of :func:`block_m`-row query blocks and its search depth ``n_steps``).
+    """Fill ``out [Tq, H, D]`` and ``lse [Tq, H]`` (made by the launcher, with the search depth
+    ``n_steps`` of the work list of :func:`block_m`-row query blocks; ``block_cum``: that list, or
+    None for one made here).
     ``overlap``: each consumer's softmax beside its own ``P @ V`` (else one product at a time);
     ``pingpong``: the two consumers take turns at the tensor cores (default :data:`PINGPONG`;
     only with ``overlap`` and two consumers, one tile per program); ``persistent``: a program per
     multiprocessor looping over the tiles (default: :data:`PERSISTENT`, without ping-pong), on a
     work list of the sequences with the most keys first, made here from ``cu_q`` and ``cu_k``
     (``block_cum`` unused)."""
+    from .attention import _block_cum
     from .attention_hopper import _ensure_allocator, multiprocessors
 
     block_n, stages, consumers = config(q.shape[-1])
@@ -614,6 +616,8 @@ def forward(
         order, block_cum = longest_first(cu_q, cu_k, 64 * consumers)
         grid: tuple[int, ...] = (min(items * heads, multiprocessors(q.device)),)
     else:
+        if block_cum is None:
+            block_cum = _block_cum(cu_q, 64 * consumers)
         grid = (items, heads)
     _ws_fwd_kernel[grid](
         q,
