@@ -21,7 +21,7 @@ from . import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from . import attention_hopper, attention_hopper_bwd
 from .attention_bias import distance_table, partial_buffer, table_gradient
 from .attention_kernels import (
-    _block_cum_kernel,
+    _block_cum,
     _bwd_delta_kernel,
     _bwd_dkdv_kernel,
     _bwd_dq_kernel,
@@ -132,14 +132,6 @@ def _worklist(cu: torch.Tensor, block: int):
     if batch <= _INLINE_MAX_BATCH:
         return cu, True, min(1024, max(16, triton.next_power_of_2(batch))), 0
     return _block_cum(cu, block), False, 16, max(batch - 1, 0).bit_length()
-
-
-def _block_cum(cu: torch.Tensor, block: int) -> torch.Tensor:
-    """``[B+1]`` int32 on cu's device: the work list of query (or key) blocks, one launch."""
-    batch = cu.shape[0] - 1
-    out = torch.empty(batch + 1, dtype=torch.int32, device=cu.device)
-    _block_cum_kernel[(1,)](cu, out, batch, BLOCK_M=block, CHUNK=min(1024, max(16, triton.next_power_of_2(batch))))
-    return out
 
 
 def _interpreted() -> bool:

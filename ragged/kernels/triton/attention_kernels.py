@@ -40,6 +40,7 @@ float32 inputs use IEEE fp32 dots (no TF32).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -1390,3 +1391,11 @@ def _block_cum_kernel(CU, OUT, batch, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
         cum = tl.cumsum(blocks, 0) + carry
         tl.store(OUT + b + 1, cum.to(tl.int32), mask=ok)
         carry = tl.max(tl.where(ok, cum, 0), 0)
+
+
+def _block_cum(cu: torch.Tensor, block: int) -> torch.Tensor:
+    """``[B+1]`` int32 on cu's device: the work list of query (or key) blocks, one launch."""
+    batch = cu.shape[0] - 1
+    out = torch.empty(batch + 1, dtype=torch.int32, device=cu.device)
+    _block_cum_kernel[(1,)](cu, out, batch, BLOCK_M=block, CHUNK=min(1024, max(16, triton.next_power_of_2(batch))))
+    return out

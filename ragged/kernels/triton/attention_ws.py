@@ -594,8 +594,8 @@ def forward(
     multiprocessor looping over the tiles (default: :data:`PERSISTENT`, without ping-pong), on a
     work list of the sequences with the most keys first, made here from ``cu_q`` and ``cu_k``
     (``block_cum`` unused)."""
-    from .attention import _block_cum
     from .attention_hopper import _ensure_allocator, multiprocessors
+    from .attention_kernels import _block_cum
 
     block_n, stages, consumers = config(q.shape[-1])
     batch, heads = cu_q.shape[0] - 1, q.shape[1]
