@@ -70,10 +70,10 @@ def test_dropout_forward(case, causal):
     assert not torch.isnan(out).any()
     assert torch.all(out[_blind_rows(lq, lk, causal)] == 0)
 
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
     max_k = max(lk)
-    mask = dropout_keep_mask(_drawn_seed(1234), p, _cu(lq), heads, q.shape[0], max_k, q.device)
+    mask = reference_dropout_mask(_drawn_seed(1234), p, _cu(lq), heads, q.shape[0], max_k, q.device)
     assert mask.shape == (heads, q.shape[0], max_k) and mask.dtype == torch.bool
     # the kept fraction is 1 - p within 4 standard deviations of a Bernoulli mean
     assert abs(mask.float().mean().item() - (1 - p)) < 4 * (p * (1 - p) / mask.numel()) ** 0.5
@@ -108,9 +108,9 @@ def test_dropout_backward(case, causal, variant):
             a, b, c, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, dropout_p=p, backend="triton"
         )
 
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
-    mask = dropout_keep_mask(_drawn_seed(77), p, _cu(lq), heads, q.shape[0], max(lk), q.device)
+    mask = reference_dropout_mask(_drawn_seed(77), p, _cu(lq), heads, q.shape[0], max(lk), q.device)
 
     def reference(a, b, c):
         return ragged.reference_attention(a, b, c, _cu(lq), _cu(lk), causal, None, mask, p)[0]
@@ -132,17 +132,17 @@ def test_dropout_backward(case, causal, variant):
         torch.testing.assert_close(g.double(), r.double(), **BWD_TOL, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@needs_triton
 def test_dropout_mask_statistics():
-    """The kernels' keep mask looks independent: at p = 0.5 the kept fraction, and the agreement
+    """The kernels' keep mask (drawn in torch here: bit for bit the same, see
+    test_torch_hash_draws_the_kernels_mask) looks independent: at p = 0.5 the kept fraction, and the agreement
     between neighbouring keys, neighbouring queries, two heads and two seeds, are all 1/2
     within 4 standard deviations of a fair coin (a hash with a weak mix fails these)."""
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
     lengths, heads, p = [96, 1, 37, 128], 2, 0.5
     cu, total, max_k = _cu(lengths), sum(lengths), max(lengths)
-    a = dropout_keep_mask(_drawn_seed(5), p, cu, heads, total, max_k, torch.device("cpu"))
-    b = dropout_keep_mask(_drawn_seed(6), p, cu, heads, total, max_k, torch.device("cpu"))
+    a = reference_dropout_mask(_drawn_seed(5), p, cu, heads, total, max_k, torch.device("cpu"))
+    b = reference_dropout_mask(_drawn_seed(6), p, cu, heads, total, max_k, torch.device("cpu"))
     valid = torch.cat([torch.arange(max_k) < n for n in lengths for _ in range(n)]).view(total, max_k)
 
     def fair(x: torch.Tensor, what: str) -> None:
@@ -159,8 +159,52 @@ def test_dropout_mask_statistics():
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "seed", [0, 1, 2**31 - 2, 2**32 + 5, -3], ids=["zero", "one", "int31", "past32bits", "negative"]
+)
+def test_torch_hash_draws_the_kernels_mask(seed):
+    """:func:`hashed_keep_mask` (torch, any device) is bit for bit the Triton kernels' mask, on
+    fresh rates (including ones with no exact float32 form) and shapes with empty sequences, a
+    single key, no keys and no queries."""
+    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import hashed_keep_mask
+
+    gen = torch.Generator().manual_seed(seed & 0xFFFF)
+    rates = [1 / 3, torch.rand((), generator=gen).item()]
+    for lengths, heads, max_k in (([5, 0, 19, 2], 2, 23), ([1], 1, 1), ([4, 2], 2, 0), ([], 2, 9)):
+        total = sum(lengths)
+        for p in rates:
+            want = dropout_keep_mask(seed, p, _cu(lengths), heads, total, max_k, torch.device("cpu"))
+            got = hashed_keep_mask(seed, p, heads, total, max_k, "cpu")
+            assert got.shape == want.shape and got.dtype == torch.bool
+            assert torch.equal(got, want), f"p={p} lengths={lengths}: {(got != want).sum().item()} entries differ"
+
+
+def test_hashed_mask_rows_past_32_bits():
+    """Row keys of ``h * Tq + t`` past 2**32 mix the high word in (heads x tokens that large
+    cannot be allocated here: checked on the mixer's parts against Python's exact integers)."""
+    from ragged.ops import attention_reference as R
+
+    def fmix(x: int) -> int:
+        m = 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & m
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & m
+        return x ^ (x >> 16)
+
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    xs[:4] = torch.tensor([0, 1, 2**32 - 1, 2**31])
+    got = R._fmix32(xs)
+    assert got.tolist() == [fmix(int(x)) for x in xs]
+    assert R._mul32(xs, 0x9E3779B1).tolist() == [(int(x) * 0x9E3779B1) & 0xFFFFFFFF for x in xs]
+
+
+@needs_triton
 def test_dropout_reference_backend_without_a_gpu_or_interpreter():
-    """The CPU path takes dropout on a machine with neither a GPU nor TRITON_INTERPRET."""
+    """The CPU path takes dropout on a machine with neither a GPU nor TRITON_INTERPRET, and drops
+    what the kernels' hash drops (the mask :func:`hashed_keep_mask` draws for the call's seed)."""
     code = textwrap.dedent("""
         import torch, ragged
         q = torch.randn(7, 2, 16)
@@ -170,6 +214,12 @@ def test_dropout_reference_backend_without_a_gpu_or_interpreter():
         torch.manual_seed(0)
         b = ragged.varlen_attention(q, q, q, cu, cu, 4, 4, dropout_p=0.25)
         assert torch.equal(a, b) and not torch.isnan(a).any()
+        from ragged.ops.attention_reference import hashed_keep_mask
+        torch.manual_seed(0)
+        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+        mask = hashed_keep_mask(seed, 0.25, 2, 7, 4, "cpu")
+        want = ragged.reference_attention(q.double(), q.double(), q.double(), cu, cu, False, None, mask, 0.25)[0]
+        torch.testing.assert_close(a.double(), want, atol=1e-5, rtol=1e-5)
         print("ok")
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -189,13 +189,13 @@ def test_hopper_window_matches_the_reference(case, window, hopper):
 def test_hopper_dropout_draws_the_portable_kernels_mask(case, causal, hopper):
     """Dropout through the TMA kernels keeps what the portable kernels' hash keeps: the output
     and every gradient against the float64 reference given that keep mask."""
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
     lq, lk, heads, kv_heads, dim = CASES[case]
     q, k, v = _qkv(lq, lk, heads, kv_heads, dim, _seed(case, "hopper-drop"), torch.float16)
     up = _randn(q.shape, _seed(case, "hopper-drop-up"), torch.float16)
     cq, ck, p = _cu(lq), _cu(lk), 0.3
-    mask = dropout_keep_mask(_drawn_seed(77), p, cq, heads, q.shape[0], max(lk), q.device)
+    mask = reference_dropout_mask(_drawn_seed(77), p, cq, heads, q.shape[0], max(lk), q.device)
 
     def ours(a, b, c):
         torch.manual_seed(77)

@@ -287,13 +287,13 @@ def test_spare_rows_past_the_last_offset_stay_unread(mask, dtype):
 @pytest.mark.parametrize("mask", ["full", "left"])
 def test_dropout_with_few_key_sequences(mask):
     """Dropout does not hide a column past the end: a dropped one still carries p into dS."""
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
     causal, window = MASKS[mask]
     dtype, p, seed = torch.float16, 0.25, _seed("dropout-seed", mask) % (2**31 - 1)
     q, k, v, do = _inputs(MIXED_Q, MIXED_K, 2, 2, 16, dtype, _seed("dropout", mask))
     what = f"{mask} dropout"
-    keep = dropout_keep_mask(seed, p, _cu(MIXED_Q), 2, q.shape[0], max(MIXED_K), q.device)
+    keep = reference_dropout_mask(seed, p, _cu(MIXED_Q), 2, q.shape[0], max(MIXED_K), q.device)
     out, lse, dq, dk, dv = _direct(q, k, v, do, MIXED_Q, MIXED_K, causal, window, dropout_p=p, seed=seed)
     exact = _exact(q, k, v, do, MIXED_Q, MIXED_K, causal, window, keep, p)
     for name, g, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), exact[:1] + exact[2:]):

@@ -352,12 +352,12 @@ def _drawn_seed(manual_seed: int) -> int:
 def test_dropout(backend, causal, window):
     """The Triton kernels and the torch backend drop the entries of the kernels' keep mask (the
     reference draws it with the kernels' hash under the interpreter)."""
-    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import reference_dropout_mask
 
     lq, lk = [5, 0, 19, 2], [9, 3, 19, 0]
     q, k, v = _qkv(lq, lk, 2, 1, 16, _seed("drop", window))
     p = 0.3
-    mask = dropout_keep_mask(_drawn_seed(55), p, _cu(lq), 2, q.shape[0], max(lk), q.device)
+    mask = reference_dropout_mask(_drawn_seed(55), p, _cu(lq), 2, q.shape[0], max(lk), q.device)
 
     def kernel(a, b, c):
         torch.manual_seed(55)

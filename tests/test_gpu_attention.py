@@ -115,6 +115,21 @@ def _drawn_seed(manual_seed: int) -> int:
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
+def test_torch_hash_is_the_kernels_mask_on_the_gpu():
+    """The torch form of the dropout hash (the reference's mask off CUDA) on CUDA tensors equals
+    the Triton mask kernel's at a size with many chunks of rows and a fresh rate."""
+    _needs("triton")
+    from ragged.kernels.triton.attention import dropout_keep_mask
+    from ragged.ops.attention_reference import hashed_keep_mask
+
+    lengths = [1500, 0, 1, 3001, 777]
+    heads, max_k, seed = 12, 3001, _drawn_seed(31)
+    p = torch.rand((), generator=torch.Generator().manual_seed(31)).item()
+    want = dropout_keep_mask(seed, p, _cu(lengths), heads, sum(lengths), max_k, torch.device("cuda"))
+    got = hashed_keep_mask(seed, p, heads, sum(lengths), max_k, "cuda")
+    assert torch.equal(got, want), f"{(got != want).sum().item()} entries differ"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_dropout_against_reference(dtype, causal):

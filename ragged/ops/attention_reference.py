@@ -292,19 +292,64 @@ def reference_attention_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+_M32 = 0xFFFFFFFF
+_KEY_STEP = 0x9E3779B1  # the per-key increment of the element draws (2**32 / golden ratio, odd)
+_HASH_ELEMENTS = 1 << 22  # elements per chunk of hashed_keep_mask (its int64 temporaries: 32 MiB)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``x`` in [0, 2**32) held in int64, without leaving int64's range
+    (the high half of ``c`` only contributes its product's low 16 bits, shifted up)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' 32-bit mixer (``attention_common._fmix32``) on int64 tensors in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def hashed_keep_mask(
+    seed: int, dropout_p: float, heads: int, total_q: int, max_k: int, device: torch.device | str
+) -> torch.Tensor:
+    """``[H, Tq, max(max_k, 1)]`` bool: the keep mask of the kernels' counter-based hash
+    (``attention_common._keep``) for ``seed``, in torch on any device. Row key
+    ``r = fmix(lo32(h * Tq + t) ^ fmix(hi32(h * Tq + t) + lo32(seed)))`` for query token ``t``
+    (packed index) of head ``h``; key ``j`` (index within the sequence) is kept when the top 24
+    bits of ``fmix(r + j * 0x9E3779B1)`` are at least ``float32(dropout_p) * 2**24``. Drawn in
+    chunks of rows, so its int64 temporaries stay small."""
+    max_k = max(max_k, 1)
+    out = torch.empty((heads, total_q, max_k), dtype=torch.bool, device=device)
+    threshold = float(torch.tensor(dropout_p, dtype=torch.float32)) * 16777216.0
+    seed_lo = int(seed) & _M32
+    keys = _mul32(torch.arange(max_k, dtype=torch.int64, device=device), _KEY_STEP)
+    flat = out.view(heads * total_q, max_k)
+    step = max(1, _HASH_ELEMENTS // max_k)
+    for start in range(0, heads * total_q, step):
+        rows = torch.arange(start, min(start + step, heads * total_q), dtype=torch.int64, device=device)
+        hi = _fmix32(((rows >> 32) + seed_lo) & _M32)
+        r = _fmix32((rows & _M32) ^ hi)
+        x = _fmix32((r[:, None] + keys[None, :]) & _M32)
+        flat[start : start + rows.shape[0]] = (x >> 8) >= threshold
+    return out
+
+
 def reference_dropout_mask(
     seed: int, dropout_p: float, cu_seqlens_q: torch.Tensor, heads: int, total_q: int, max_k: int, device: torch.device
 ) -> torch.Tensor:
-    """``[H, Tq, max_k]`` keep mask for ``seed``: the Triton kernels' own mask wherever Triton
-    can run on ``device`` (so the reference and the kernels drop the same entries), else
-    one drawn by torch's generator (reproducible for the seed, but not the kernels' pattern).
-    A seed drawn on the device (see :func:`dropout_seed`) is read back first: outside a graph
-    capture only (the reference cannot be captured)."""
+    """``[H, Tq, max_k]`` keep mask for ``seed``: the mask every backend's kernels draw, so the
+    reference drops the same entries. On a CUDA device with Triton the kernels' own mask kernel
+    draws it; elsewhere (the CPU, where Triton would only run interpreted) :func:`hashed_keep_mask`
+    computes the same hash in torch. A seed drawn on the device (see :func:`dropout_seed`) is
+    read back first: outside a graph capture only (the reference cannot be captured)."""
     if isinstance(seed, torch.Tensor):
         seed = int(seed.reshape(-1)[0].item())
-    if backends.triton_reason(device) is None:
+    device = torch.device(device)
+    if device.type == "cuda" and backends.triton_reason(device) is None:
         from ..kernels.triton.attention import dropout_keep_mask
 
         return dropout_keep_mask(seed, dropout_p, cu_seqlens_q, heads, total_q, max_k, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.rand((heads, total_q, max(max_k, 1)), generator=gen, device=device) >= dropout_p
+    return hashed_keep_mask(seed, dropout_p, heads, total_q, max_k, device)
