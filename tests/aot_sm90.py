@@ -17,6 +17,7 @@ import ragged.kernels.triton.fused as kf
 import ragged.kernels.triton.pack as kp
 import ragged.kernels.triton.vocab as kv
 import ragged.kernels.triton.vocab_cross_entropy as kce
+from ragged.kernels.triton import attention_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -108,7 +109,12 @@ def cases():
                 + ["i32"] * 12,
                 {**c, "BLOCK_M": 32, "BLOCK_N": 64} if bias else c,
             )
-    yield ("attention block_cum", ka._block_cum_kernel, ["*i32", "*i32", "i32"], dict(BLOCK_M=64, CHUNK=256))
+    yield (
+        "attention block_cum",
+        attention_kernels._block_cum_kernel,
+        ["*i32", "*i32", "i32"],
+        dict(BLOCK_M=64, CHUNK=256),
+    )
     for dt in ("*bf16", "*fp32"):
         yield (
             "attention bwd delta",
